@@ -1,0 +1,96 @@
+"""Generate the embedded demo dataset: 24 small images with sidecar captions, plus two bad files.
+
+The output is deterministic (fixed seed, no timestamps in the files), so the committed copy in
+``data/demo/images`` can be re-created byte for byte:
+
+    python data/make_demo.py data/demo/images
+
+Mixed sizes and aspect ratios (portrait, landscape, square), JPEG and PNG. Two files are broken on
+purpose so the demo shows quarantine at work: ``broken.jpg`` is not an image at all (ingest quarantines
+it), ``truncated.jpg`` has a valid header but its pixel data is cut short (the cache stage, which is where
+pixels are decoded, quarantines it).
+"""
+
+from __future__ import annotations
+
+import io
+import random
+import sys
+from pathlib import Path
+
+from PIL import Image, ImageDraw
+
+COLORS = {
+    "red": (220, 40, 40),
+    "green": (40, 180, 70),
+    "blue": (40, 80, 220),
+    "yellow": (235, 210, 40),
+    "purple": (140, 60, 190),
+    "orange": (240, 140, 30),
+    "white": (245, 245, 245),
+    "black": (20, 20, 20),
+}
+SHAPES = ("circle", "square", "triangle", "stripes")
+# (width, height): portrait, landscape and square, none a multiple of the bucket step on purpose.
+SIZES = [
+    (160, 160), (200, 120), (120, 200), (256, 144), (144, 256), (180, 180),
+    (220, 150), (150, 220), (96, 96), (240, 160), (160, 240), (128, 128),
+]
+
+
+def _draw(rng: random.Random, width: int, height: int) -> tuple[Image.Image, str]:
+    fg_name, bg_name = rng.sample(sorted(COLORS), 2)
+    shape = rng.choice(SHAPES)
+    img = Image.new("RGB", (width, height), COLORS[bg_name])
+    draw = ImageDraw.Draw(img)
+    cx, cy = width // 2 + rng.randint(-width // 8, width // 8), height // 2 + rng.randint(-height // 8, height // 8)
+    r = min(width, height) // 3
+    fg = COLORS[fg_name]
+    if shape == "circle":
+        draw.ellipse([cx - r, cy - r, cx + r, cy + r], fill=fg)
+    elif shape == "square":
+        draw.rectangle([cx - r, cy - r, cx + r, cy + r], fill=fg)
+    elif shape == "triangle":
+        draw.polygon([(cx, cy - r), (cx - r, cy + r), (cx + r, cy + r)], fill=fg)
+    else:
+        for x in range(0, width, 16):
+            draw.rectangle([x, 0, x + 7, height], fill=fg)
+    orient = "square" if width == height else ("landscape" if width > height else "portrait")
+    caption = f"a {fg_name} {shape} on a {bg_name} background, {orient} picture"
+    return img, caption
+
+
+def generate(out_dir: Path, count: int = 24, seed: int = 0) -> list[Path]:
+    """Write ``count`` images with sidecar captions plus the two broken files; return the image paths."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    rng = random.Random(seed)
+    written = []
+    for i in range(count):
+        width, height = SIZES[i % len(SIZES)]
+        img, caption = _draw(rng, width, height)
+        ext = "png" if i % 3 == 0 else "jpg"
+        path = out_dir / f"img_{i:03d}.{ext}"
+        if ext == "png":
+            img.save(path, format="PNG", optimize=False)
+        else:
+            img.save(path, format="JPEG", quality=90)
+        path.with_suffix(".txt").write_text(caption + "\n")
+        written.append(path)
+
+    # Not an image at all: ingest reads the header and quarantines it.
+    (out_dir / "broken.jpg").write_bytes(b"this is not a JPEG file\n" * 4)
+    (out_dir / "broken.txt").write_text("a file that is not an image\n")
+    # A real JPEG header with the pixel data cut short: only decoding the pixels finds out.
+    img, _ = _draw(rng, 128, 96)
+    buf = io.BytesIO()
+    img.save(buf, format="JPEG", quality=90)
+    data = buf.getvalue()
+    (out_dir / "truncated.jpg").write_bytes(data[: len(data) // 3])
+    (out_dir / "truncated.txt").write_text("an image whose pixel data is cut short\n")
+    return written
+
+
+if __name__ == "__main__":
+    target = Path(sys.argv[1]) if len(sys.argv) > 1 else Path(__file__).parent / "demo" / "images"
+    paths = generate(target)
+    print(f"wrote {len(paths)} images (+2 broken files) to {target}")

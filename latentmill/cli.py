@@ -1,0 +1,108 @@
+"""The ``latentmill`` command: demo, prep, train, run, inspect, verify.
+
+    latentmill prep CONFIG [key.path=value ...] [--summary-json PATH]
+    latentmill train CONFIG [key.path=value ...] [--nproc N] [--summary-json PATH]
+    latentmill run CONFIG [key.path=value ...] [--nproc N] [--summary-json PATH]
+    latentmill demo [key.path=value ...] [--summary-json PATH]
+    latentmill inspect PATH        (an output_dir or one stage folder)
+    latentmill verify PATH         (re-hash shards against their manifests; exit 1 on any mismatch)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+DEMO_CONFIG = REPO_ROOT / "configs" / "demo.yaml"
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="latentmill", description=__doc__.split("\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    for name, text in [("prep", "prepare the latent cache"), ("train", "train on a prepared latent cache"),
+                       ("run", "prep, then train"), ("demo", "run the embedded default end to end")]:
+        p = sub.add_parser(name, help=text)
+        if name != "demo":
+            p.add_argument("config", help="YAML recipe, e.g. configs/demo.yaml")
+        p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. trainer.max_steps=200")
+        p.add_argument("--summary-json", type=Path, help="write the run summary here as JSON")
+        if name in ("train", "run"):
+            p.add_argument("--nproc", type=int, default=1, help="processes (launches torchrun when > 1)")
+    for name, text in [("inspect", "show manifests, counts, buckets and quarantine reasons"),
+                       ("verify", "re-hash shards against their manifests")]:
+        p = sub.add_parser(name, help=text)
+        p.add_argument("path", type=Path, help="an output_dir or a stage folder holding manifest.json")
+    return parser
+
+
+def _print_summary(summary: dict[str, Any], recipe_output: str | None) -> None:
+    stages = summary.get("stages") or {}
+    if stages:
+        print("\nstage      in   out  quar  processed  reused   seconds")
+        for name, s in stages.items():
+            print(f"{name:<8} {s['in']:>4} {s['out']:>5} {s['quarantined']:>5} {s['processed']:>10} "
+                  f"{s['reused']:>7} {s['seconds']:>9.1f}")
+        buckets = (stages.get("bucket") or {}).get("buckets")
+        if buckets:
+            print("buckets (WxHxF: samples): " + ", ".join(f"{k}: {v}" for k, v in buckets.items()))
+    train = summary.get("train")
+    if train:
+        print(f"train: {train['steps']} steps, final loss {train['final_loss']:.4f}, "
+              f"{train['samples_per_s']:.1f} samples/s, data wait {100 * train['data_wait_fraction']:.1f}%, "
+              f"peak RSS {train['peak_rss_mb']:.0f} MB")
+        if train.get("export_dir"):
+            print(f"exported pipeline: {train['export_dir']}")
+    if recipe_output:
+        print(f"outputs under: {recipe_output}")
+
+
+def _run_flow(command: str, config: Path, overrides: list[str], nproc: int) -> tuple[dict, str]:
+    from latentmill.recipe import load_recipe
+
+    recipe = load_recipe(config, overrides)  # validate before Prefect starts anything
+    from pipelines.flows import prep, prep_then_train, train
+
+    if command == "prep":
+        summary = prep(str(config), overrides)
+    elif command == "train":
+        summary = train(str(config), overrides, nproc)
+    else:
+        summary = prep_then_train(str(config), overrides, nproc)
+    return summary, recipe.output_dir
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the ``latentmill`` console script."""
+    args = _parser().parse_args(argv)
+    if getattr(args, "summary_json", None):
+        args.summary_json = args.summary_json.resolve()
+    from latentmill.config import ConfigError
+    from latentmill.models import CacheMismatchError
+
+    try:
+        if args.command in ("inspect", "verify"):
+            from latentmill.inspect import inspect_path, verify_path
+
+            return inspect_path(args.path) if args.command == "inspect" else verify_path(args.path)
+        if args.command == "demo":
+            os.chdir(REPO_ROOT)  # the demo recipe's paths are relative to the repository
+            summary, out = _run_flow("run", DEMO_CONFIG, args.overrides, 1)
+        else:
+            summary, out = _run_flow(args.command, args.config, args.overrides, getattr(args, "nproc", 1))
+    except (ConfigError, CacheMismatchError, FileNotFoundError) as err:
+        print(f"latentmill: error: {err}", file=sys.stderr)
+        return 2
+    _print_summary(summary, out)
+    if args.summary_json:
+        args.summary_json.parent.mkdir(parents=True, exist_ok=True)
+        args.summary_json.write_text(json.dumps(summary, indent=2, sort_keys=True))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

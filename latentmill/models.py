@@ -1,0 +1,160 @@
+"""Where each model component comes from, and the fingerprint that travels with every latent.
+
+A recipe names a Diffusers pipeline (``model.pretrained``: a local folder or a hub id such as
+``black-forest-labs/FLUX.1-dev``) and may override single components (``model.vae=PATH``). Everything that
+loads a component goes through :func:`component_source`, and everything that records or checks which
+weights produced a latent goes through :func:`component_fingerprint`, so cache keys follow the component
+actually used (contract 5).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+# Components whose outputs are cached; the trainer never loads them.
+CACHED_COMPONENTS = ("vae", "text_encoder", "text_encoder_2")
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".json", ".model", ".txt")
+
+
+class CacheMismatchError(RuntimeError):
+    """Cached latents were produced by other models or settings than the recipe asks for."""
+
+
+@dataclass
+class ModelConfig:
+    """Which pretrained pipeline to use, with optional per-component overrides."""
+
+    pretrained: str
+    vae: Optional[str] = None
+    text_encoder: Optional[str] = None
+    text_encoder_2: Optional[str] = None
+    # A tiny-model recipe (e.g. data/tiny-flux.yaml): build `pretrained` from it when the folder is missing.
+    tiny_recipe: Optional[str] = None
+
+
+@dataclass(frozen=True)
+class ComponentSource:
+    """Arguments for ``Cls.from_pretrained(path, subfolder=...)``."""
+
+    path: str
+    subfolder: Optional[str]
+
+    @property
+    def is_local(self) -> bool:
+        return Path(self.path).is_dir()
+
+    def kwargs(self) -> dict[str, Any]:
+        return {"subfolder": self.subfolder} if self.subfolder else {}
+
+
+def component_source(model: ModelConfig, name: str) -> ComponentSource:
+    """Resolve component ``name`` (``vae``, ``text_encoder``, ``tokenizer``...) to a loadable source."""
+    override = getattr(model, name, None)
+    if override:
+        # An override is either a component folder itself or a pipeline folder that has the subfolder.
+        if (Path(override) / name / "config.json").is_file():
+            return ComponentSource(override, name)
+        return ComponentSource(override, None)
+    return ComponentSource(model.pretrained, name)
+
+
+def _local_dir(src: ComponentSource) -> Path:
+    if src.is_local:
+        root = Path(src.path)
+    else:  # a hub id: the files the user's from_pretrained call uses, from the local HF cache
+        from huggingface_hub import snapshot_download
+
+        pattern = f"{src.subfolder}/*" if src.subfolder else "*"
+        root = Path(snapshot_download(src.path, allow_patterns=[pattern]))
+    return root / src.subfolder if src.subfolder else root
+
+
+_memo: dict[tuple, str] = {}
+_memo_lock = threading.Lock()
+
+
+def _file_sha(path: Path) -> str:
+    st = path.stat()
+    key = (str(path.resolve()), st.st_size, st.st_mtime_ns)
+    with _memo_lock:
+        if key in _memo:
+            return _memo[key]
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        while block := fh.read(1 << 22):
+            h.update(block)
+    digest = h.hexdigest()
+    with _memo_lock:
+        _memo[key] = digest
+    return digest
+
+
+def component_fingerprint(src: ComponentSource) -> str:
+    """Hash of a component's config and weight files (names and bytes), independent of where it lives."""
+    root = _local_dir(src)
+    if not root.is_dir():
+        raise FileNotFoundError(f"model component folder {root} does not exist")
+    entries = []
+    for path in sorted(root.rglob("*")):
+        if path.is_file() and path.name.endswith(_WEIGHT_SUFFIXES):
+            entries.append((path.relative_to(root).as_posix(), _file_sha(path)))
+    if not entries:
+        raise FileNotFoundError(f"no config or weight files under {root}")
+    return hashlib.sha256(json.dumps(entries).encode()).hexdigest()
+
+
+def read_component_config(src: ComponentSource) -> dict[str, Any]:
+    """The component's ``config.json`` as a dict."""
+    return json.loads((_local_dir(src) / "config.json").read_text())
+
+
+# A text encoder's output depends on its tokenizer too, so the tokenizer joins its fingerprint.
+TOKENIZER_OF = {"text_encoder": "tokenizer", "text_encoder_2": "tokenizer_2"}
+
+
+def tokenizer_source(model: ModelConfig, encoder: str) -> ComponentSource:
+    """Where the tokenizer of text encoder ``encoder`` lives: beside an override, else in the pipeline."""
+    name = TOKENIZER_OF[encoder]
+    override = getattr(model, encoder, None)
+    if override and (Path(override) / name).is_dir():
+        return ComponentSource(override, name)
+    return ComponentSource(model.pretrained, name)
+
+
+def cached_model_fingerprints(model: ModelConfig) -> dict[str, str]:
+    """Fingerprints of the components whose outputs the cache stores (text encoders with tokenizers)."""
+    prints = {}
+    for name in CACHED_COMPONENTS:
+        fp = component_fingerprint(component_source(model, name))
+        if name in TOKENIZER_OF:
+            fp = hashlib.sha256((fp + component_fingerprint(tokenizer_source(model, name))).encode()).hexdigest()
+        prints[name] = fp
+    return prints
+
+
+def check_cache_compatible(manifest: dict[str, Any], model: ModelConfig) -> None:
+    """Refuse a latent cache whose producing models differ from the recipe's, saying what differs."""
+    recorded = manifest.get("models") or {}
+    expected = cached_model_fingerprints(model)
+    problems = []
+    for name, fp in expected.items():
+        have = (recorded.get(name) or {}).get("fingerprint")
+        if have != fp:
+            src = component_source(model, name)
+            where = os.path.join(src.path, src.subfolder or "")
+            problems.append(
+                f"{name}: cache was made with fingerprint {str(have)[:12]}, recipe's {where} is {fp[:12]}"
+            )
+    if problems:
+        raise CacheMismatchError(
+            "the latent cache does not match the recipe's models:\n  "
+            + "\n  ".join(problems)
+            + "\nRe-run `latentmill prep` with this recipe to re-encode (only the changed components are "
+            "redone), or point model.* at the models that made the cache."
+        )

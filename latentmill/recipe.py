@@ -1,0 +1,81 @@
+"""A recipe: the typed configs of every room, composed. YAML and Python users build the same object.
+
+    recipe = load_recipe("configs/demo.yaml", ["trainer.max_steps=200"])
+    recipe = Recipe(output_dir="outputs/x", model=ModelConfig(pretrained="black-forest-labs/FLUX.1-dev"))
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal, Optional
+
+from latentmill.config import ConfigError, apply_overrides, from_dict, load_yaml, to_dict
+from latentmill.models import ModelConfig
+from stages.bucket import BucketConfig
+from stages.cache import CacheConfig
+from stages.caption import CaptionConfig
+from stages.ingest import IngestConfig
+from trainer.config import ParallelConfig, TrainerConfig
+
+
+@dataclass
+class RunnerConfig:
+    """How the prep flow runs stage work units: threads, processes, or a Dask cluster."""
+
+    kind: Literal["threads", "processes", "dask"] = "threads"
+    workers: int = 2
+    address: Optional[str] = None  # Dask scheduler address (tcp://host:8786) when kind is dask
+
+    def validate(self) -> None:
+        if self.workers < 1:
+            raise ConfigError(f"runner.workers: must be >= 1, got {self.workers}")
+        if self.kind == "dask" and importlib.util.find_spec("prefect_dask") is None:
+            raise ConfigError("runner.kind: 'dask' needs the prefect-dask package (pip install prefect-dask); "
+                              "allowed without it: 'threads', 'processes'")
+
+
+@dataclass
+class Recipe:
+    """Everything one prep + train run needs."""
+
+    output_dir: str
+    model: ModelConfig
+    seed: int = 0
+    runner: RunnerConfig = field(default_factory=RunnerConfig)
+    ingest: IngestConfig = field(default_factory=IngestConfig)
+    caption: CaptionConfig = field(default_factory=CaptionConfig)
+    bucket: BucketConfig = field(default_factory=BucketConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+
+    # Where each room writes, under output_dir.
+    @property
+    def prep_dir(self) -> Path:
+        return Path(self.output_dir) / "prep"
+
+    def stage_dir(self, stage: str) -> Path:
+        return self.prep_dir / stage
+
+    @property
+    def train_dir(self) -> Path:
+        return Path(self.output_dir) / "train"
+
+    @property
+    def export_dir(self) -> Path:
+        return Path(self.output_dir) / "export"
+
+    def to_dict(self) -> dict:
+        return to_dict(self)
+
+
+def recipe_from_dict(data: dict) -> Recipe:
+    """Validate a plain dict (YAML-shaped) into a Recipe; errors name the key and allowed values."""
+    return from_dict(Recipe, data)
+
+
+def load_recipe(path: str | Path, overrides: list[str] | None = None) -> Recipe:
+    """Read a YAML recipe, apply ``key.path=value`` overrides, validate. Relative paths are CWD-relative."""
+    return recipe_from_dict(apply_overrides(load_yaml(path), overrides or []))

@@ -1,0 +1,135 @@
+"""The prep flow: map each stage's work units over a task runner, then commit the stage manifest.
+
+Stages are plain functions (``stages/``); this module only plans units, hands them to Prefect tasks, shows
+progress and gathers counts. Stage outputs are content-addressed, so Prefect's own result caching is off:
+a unit whose record exists on disk is reused by the stage itself.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Callable
+
+from prefect import flow, task
+from prefect.cache_policies import NONE
+from prefect.task_runners import ProcessPoolTaskRunner, ThreadPoolTaskRunner
+from prefect.utilities.annotations import unmapped
+from tqdm.auto import tqdm
+
+from latentmill.recipe import Recipe, RunnerConfig, load_recipe, recipe_from_dict
+from stages import bucket, cache, caption, ingest
+from stages.shardio import StageDir, UnitOutput, UnitRecord, WorkUnit, stable_hash, stage_report
+
+STAGES = ("ingest", "caption", "bucket", "cache")
+
+
+def _stage_dir(recipe: Recipe, stage: str) -> StageDir:
+    return StageDir(recipe.stage_dir(stage), stage)
+
+
+def plan_stage(stage: str, recipe: Recipe) -> list[WorkUnit]:
+    """The work units of ``stage`` given the upstream stage's committed manifest."""
+    if stage == "ingest":
+        return ingest.plan(recipe.ingest)
+    upstream = _stage_dir(recipe, STAGES[STAGES.index(stage) - 1])
+    if stage == "caption":
+        return caption.plan(recipe.caption, upstream)
+    if stage == "bucket":
+        return bucket.plan(recipe.bucket, upstream)
+    return cache.plan(recipe.cache, recipe.model, upstream)
+
+
+def stage_processor(stage: str, recipe: Recipe) -> Callable[[WorkUnit, UnitOutput], None]:
+    """The function that turns one unit of ``stage`` into output shards."""
+    return {
+        "ingest": lambda unit, out: ingest.process(recipe.ingest, unit, out),
+        "caption": lambda unit, out: caption.process(recipe.caption, unit, out),
+        "bucket": lambda unit, out: bucket.process(recipe.bucket, unit, out),
+        "cache": lambda unit, out: cache.process(recipe.cache, recipe.model, unit, out),
+    }[stage]
+
+
+def manifest_header(stage: str, recipe: Recipe) -> dict[str, Any]:
+    """Stage-specific manifest fields (the cache stage records its models)."""
+    if stage == "ingest":
+        return {"fingerprint": stable_hash(ingest.fingerprint(recipe.ingest)), "source": recipe.ingest.source}
+    if stage == "caption":
+        return {"fingerprint": stable_hash(caption.fingerprint(recipe.caption,
+                                                               caption.build_captioner(recipe.caption)))}
+    if stage == "bucket":
+        return {"fingerprint": stable_hash(bucket.fingerprint(recipe.bucket))}
+    return cache.manifest_header(recipe.cache, recipe.model)
+
+
+@task(name="run-unit", cache_policy=NONE, retries=1, retry_delay_seconds=1)
+def run_unit(stage: str, recipe_data: dict, unit: WorkUnit) -> UnitRecord:
+    """Run one work unit (or reuse its committed output)."""
+    recipe = recipe_from_dict(recipe_data)
+    return _stage_dir(recipe, stage).run_unit(unit, stage_processor(stage, recipe))
+
+
+def task_runner(runner: RunnerConfig):
+    """The Prefect task runner the recipe asks for."""
+    if runner.kind == "threads":
+        return ThreadPoolTaskRunner(max_workers=runner.workers)
+    if runner.kind == "processes":
+        return ProcessPoolTaskRunner(max_workers=runner.workers)
+    from prefect_dask import DaskTaskRunner
+
+    if runner.address:
+        return DaskTaskRunner(address=runner.address)
+    return DaskTaskRunner(cluster_kwargs={"n_workers": runner.workers, "threads_per_worker": 1})
+
+
+def ensure_models(recipe: Recipe) -> None:
+    """Build the tiny demo models when the recipe names a tiny recipe and the folder is missing."""
+    from pathlib import Path
+
+    if recipe.model.tiny_recipe and not (Path(recipe.model.pretrained) / "model_index.json").is_file():
+        from latentmill.tiny import ensure_tiny_flux
+
+        print(f"building tiny models from {recipe.model.tiny_recipe} into {recipe.model.pretrained}")
+        ensure_tiny_flux(recipe.model.pretrained, recipe=recipe.model.tiny_recipe)
+
+
+@flow(name="prep-stages")
+def prep_stages(recipe_data: dict) -> dict[str, Any]:
+    """Run ingest → caption → bucket → cache; return per-stage counts."""
+    recipe = recipe_from_dict(recipe_data)
+    ensure_models(recipe)
+    report: dict[str, Any] = {}
+    for stage in STAGES:
+        start = time.perf_counter()
+        stage_dir = _stage_dir(recipe, stage).ensure()
+        units = plan_stage(stage, recipe)
+        futures = run_unit.map(stage, unmapped(recipe_data), units)
+        records = []
+        with tqdm(total=sum(u.samples_in for u in units), desc=f"{stage:>8}", unit="sample") as bar:
+            for future in futures:
+                record = future.result()
+                records.append(record)
+                bar.update(record.samples_in)
+        manifest = stage_dir.write_manifest(records, manifest_header(stage, recipe))
+        report[stage] = stage_report(stage, records, time.perf_counter() - start)
+        if stage == "bucket":
+            report[stage]["buckets"] = bucket.histogram(manifest)
+        if stage == "cache":
+            processed = sum(r.samples_in - len(r.quarantined) for r in records if not r.reused)
+            reused = sum(r.samples_out for r in records if r.reused)
+            report[stage]["components"] = {name: {"processed": processed, "reused": reused}
+                                           for name in ("vae", "text")}
+            report[stage]["manifest"] = str(stage_dir.manifest_path)
+    return report
+
+
+def run_prep(recipe: Recipe) -> dict[str, Any]:
+    """Run the prep stages with the task runner the recipe asks for."""
+    runner_flow = prep_stages.with_options(task_runner=task_runner(recipe.runner))
+    return runner_flow(recipe.to_dict())
+
+
+@flow(name="prep")
+def prep(config: str = "configs/demo.yaml", overrides: list[str] | None = None) -> dict[str, Any]:
+    """Prepare a latent cache from a recipe: ``{"stages": {...}}``."""
+    recipe = load_recipe(config, overrides)
+    return {"stages": run_prep(recipe)}

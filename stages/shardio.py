@@ -1,0 +1,350 @@
+"""Shard I/O shared by every stage: deterministic webdataset tars, atomic commits, unit records, manifests.
+
+Layout of one stage under ``<output_dir>/prep/<stage>/``::
+
+    shards/<stage>-<unit id>-<part>.tar   webdataset tars, written as .tmp and renamed when complete
+    units/<unit id>.json                  what one work unit produced (shards, quarantine), written last
+    manifest.json                         the stage's current output: every shard, counts, fingerprint
+    quarantine.jsonl                      every sample the stage refused, with the reason
+
+A work unit's id is the hash of its inputs' content and the stage fingerprint (contract 1), so a unit
+whose record exists is done: re-running reuses it, and a killed run resumes at the first missing unit.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import tarfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterable, Iterator
+
+import webdataset as wds
+
+FORMAT_VERSION = 1
+_TAR_USER = "latentmill"
+
+
+def sha256_bytes(data: bytes) -> str:
+    """Hex sha256 of ``data``."""
+    return hashlib.sha256(data).hexdigest()
+
+
+def sha256_file(path: str | Path, chunk: int = 1 << 20) -> str:
+    """Hex sha256 of a file, read in chunks."""
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        while block := fh.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+def stable_hash(obj: Any) -> str:
+    """Hash of a JSON-able object, independent of dict order."""
+    return sha256_bytes(json.dumps(obj, sort_keys=True, separators=(",", ":"), default=str).encode())
+
+
+def json_bytes(obj: Any) -> bytes:
+    """Canonical JSON encoding used for every metadata member and record."""
+    return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode()
+
+
+def _write_json_atomic(path: Path, obj: Any) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as fh:
+        fh.write(json.dumps(obj, sort_keys=True, indent=1).encode())
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Reading and writing one shard
+# ---------------------------------------------------------------------------------------------------------
+
+
+class _ShardSink:
+    """Writes samples into ``path`` through a temporary file; ``commit`` renames it into place."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self.tmp = path.with_name(path.name + ".tmp")
+        self._fh = open(self.tmp, "wb")
+        # mtime 0 and fixed owner make the tar bytes a pure function of the samples.
+        self._writer = wds.TarWriter(self._fh, user=_TAR_USER, group=_TAR_USER, mtime=0, encoder=False)
+        self.count = 0
+
+    def write(self, sample: dict[str, Any]) -> None:
+        self._writer.write(sample)
+        self.count += 1
+
+    def commit(self) -> str:
+        self._writer.close()  # ends the tar stream; the file object stays ours
+        self._fh.flush()
+        os.fsync(self._fh.fileno())
+        self._fh.close()
+        digest = sha256_file(self.tmp)
+        os.replace(self.tmp, self.path)
+        return digest
+
+    def abort(self) -> None:
+        try:
+            self._writer.close()
+        finally:
+            self._fh.close()
+            self.tmp.unlink(missing_ok=True)
+
+
+def read_shard(path: str | Path) -> Iterator[dict[str, Any]]:
+    """Yield the samples of a webdataset tar as ``{"__key__": key, ext: bytes, ...}``, in file order."""
+    current: dict[str, Any] | None = None
+    with tarfile.open(path, "r") as tar:
+        for member in tar:
+            if not member.isfile():
+                continue
+            base = os.path.basename(member.name)
+            if "." not in base:
+                continue
+            prefix, ext = base.split(".", 1)
+            key = os.path.join(os.path.dirname(member.name), prefix)
+            data = tar.extractfile(member).read()
+            if current is None or current["__key__"] != key:
+                if current is not None:
+                    yield current
+                current = {"__key__": key}
+            current[ext] = data
+    if current is not None:
+        yield current
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Work units
+# ---------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class ShardInfo:
+    """One committed output shard."""
+
+    name: str
+    path: str  # relative to the stage directory
+    sha256: str
+    samples: int
+    bucket: list[int] | None = None
+
+
+@dataclass
+class UnitRecord:
+    """What one work unit produced; its presence on disk means the unit is done."""
+
+    unit_id: str
+    stage: str
+    inputs: list[str]
+    shards: list[ShardInfo]
+    quarantined: list[dict[str, Any]]
+    samples_in: int
+    seconds: float
+    extra: dict[str, Any] = field(default_factory=dict)
+    reused: bool = False
+
+    @property
+    def samples_out(self) -> int:
+        return sum(s.samples for s in self.shards)
+
+    def to_json(self) -> dict[str, Any]:
+        data = asdict(self)
+        data.pop("reused")
+        return data
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> "UnitRecord":
+        data = dict(data)
+        data["shards"] = [ShardInfo(**s) for s in data["shards"]]
+        return cls(**data)
+
+
+@dataclass
+class WorkUnit:
+    """A stage's unit of work: its id (content hash + fingerprint) and what it reads."""
+
+    unit_id: str
+    inputs: list[str]  # input identities (content hashes), for the record
+    payload: dict[str, Any]  # stage-specific description: input shard paths, file lists, bucket...
+    samples_in: int
+
+
+class UnitOutput:
+    """Collects one unit's samples into shards (one per ``part``) and its quarantine entries."""
+
+    def __init__(self, stage_dir: "StageDir", unit: WorkUnit):
+        self.stage_dir = stage_dir
+        self.unit = unit
+        self._sinks: dict[str, _ShardSink] = {}
+        self._buckets: dict[str, list[int] | None] = {}
+        self.quarantined: list[dict[str, Any]] = []
+        self.extra: dict[str, Any] = {}
+
+    def add(self, sample: dict[str, Any], part: str = "0", bucket: list[int] | None = None) -> None:
+        """Append ``sample`` to the shard ``part`` of this unit (e.g. one part per bucket)."""
+        sink = self._sinks.get(part)
+        if sink is None:
+            name = f"{self.stage_dir.stage}-{self.unit.unit_id[:16]}-{part}.tar"
+            sink = self._sinks[part] = _ShardSink(self.stage_dir.shard_dir / name)
+            self._buckets[part] = bucket
+        sink.write(sample)
+
+    def quarantine(self, key: str, source: str, reason: str) -> None:
+        """Refuse one sample, keeping where it came from and why."""
+        self.quarantined.append({"key": key, "source": source, "stage": self.stage_dir.stage, "reason": reason})
+
+    def commit(self, seconds: float) -> UnitRecord:
+        shards = []
+        for part in sorted(self._sinks):
+            sink = self._sinks[part]
+            digest = sink.commit()
+            shards.append(
+                ShardInfo(
+                    name=sink.path.name,
+                    path=f"shards/{sink.path.name}",
+                    sha256=digest,
+                    samples=sink.count,
+                    bucket=self._buckets[part],
+                )
+            )
+        record = UnitRecord(
+            unit_id=self.unit.unit_id,
+            stage=self.stage_dir.stage,
+            inputs=self.unit.inputs,
+            shards=shards,
+            quarantined=self.quarantined,
+            samples_in=self.unit.samples_in,
+            seconds=round(seconds, 4),
+            extra=self.extra,
+        )
+        _write_json_atomic(self.stage_dir.unit_path(self.unit.unit_id), record.to_json())
+        return record
+
+    def abort(self) -> None:
+        for sink in self._sinks.values():
+            sink.abort()
+
+
+class StageDir:
+    """The directory of one stage: shards, unit records, manifest and quarantine list."""
+
+    def __init__(self, root: str | Path, stage: str):
+        self.stage = stage
+        self.root = Path(root)
+        self.shard_dir = self.root / "shards"
+        self.unit_dir = self.root / "units"
+        self.manifest_path = self.root / "manifest.json"
+        self.quarantine_path = self.root / "quarantine.jsonl"
+
+    def ensure(self) -> "StageDir":
+        self.shard_dir.mkdir(parents=True, exist_ok=True)
+        self.unit_dir.mkdir(parents=True, exist_ok=True)
+        return self
+
+    def unit_path(self, unit_id: str) -> Path:
+        return self.unit_dir / f"{unit_id}.json"
+
+    def load_record(self, unit_id: str) -> UnitRecord | None:
+        """The unit's record if the unit is complete (record present and every shard on disk)."""
+        path = self.unit_path(unit_id)
+        if not path.is_file():
+            return None
+        try:
+            record = UnitRecord.from_json(json.loads(path.read_text()))
+        except (ValueError, TypeError, KeyError):
+            return None
+        if any(not (self.root / s.path).is_file() for s in record.shards):
+            return None
+        record.reused = True
+        return record
+
+    def run_unit(self, unit: WorkUnit, process: Callable[[WorkUnit, UnitOutput], None]) -> UnitRecord:
+        """Run ``process`` on ``unit`` unless an identical unit already committed; return its record."""
+        record = self.load_record(unit.unit_id)
+        if record is not None:
+            return record
+        self.ensure()
+        out = UnitOutput(self, unit)
+        start = time.perf_counter()
+        try:
+            process(unit, out)
+        except BaseException:
+            out.abort()
+            raise
+        return out.commit(time.perf_counter() - start)
+
+    def write_manifest(self, records: list[UnitRecord], header: dict[str, Any]) -> dict[str, Any]:
+        """Write the stage manifest (last, atomically) and the quarantine list; return the manifest."""
+        self.ensure()
+        records = sorted(records, key=lambda r: r.unit_id)
+        shards = [asdict(s) for r in records for s in r.shards]
+        quarantined = [q for r in records for q in r.quarantined]
+        manifest = {
+            "stage": self.stage,
+            "format_version": FORMAT_VERSION,
+            **header,
+            "shards": sorted(shards, key=lambda s: s["name"]),
+            "units": [r.unit_id for r in records],
+            "counts": {
+                "in": sum(r.samples_in for r in records),
+                "out": sum(r.samples_out for r in records),
+                "quarantined": len(quarantined),
+            },
+        }
+        tmp = self.quarantine_path.with_name(self.quarantine_path.name + ".tmp")
+        with open(tmp, "wb") as fh:
+            for q in sorted(quarantined, key=lambda q: (q["source"], q["key"])):
+                fh.write(json_bytes(q) + b"\n")
+        os.replace(tmp, self.quarantine_path)
+        _write_json_atomic(self.manifest_path, manifest)
+        return manifest
+
+    def read_manifest(self) -> dict[str, Any]:
+        if not self.manifest_path.is_file():
+            raise FileNotFoundError(f"{self.manifest_path} does not exist: run the {self.stage} stage first")
+        return json.loads(self.manifest_path.read_text())
+
+
+def stage_report(stage: str, records: list[UnitRecord], seconds: float) -> dict[str, Any]:
+    """Counts for the run summary: in = out + quarantined, and in = processed + reused."""
+    report = {
+        "in": sum(r.samples_in for r in records),
+        "out": sum(r.samples_out for r in records),
+        "quarantined": sum(len(r.quarantined) for r in records),
+        "processed": sum(r.samples_in for r in records if not r.reused),
+        "reused": sum(r.samples_in for r in records if r.reused),
+        "shards": sum(len(r.shards) for r in records),
+        "units": len(records),
+        "seconds": round(seconds, 3),
+    }
+    if report["in"] != report["out"] + report["quarantined"]:
+        raise RuntimeError(f"{stage}: counts do not conserve: {report}")
+    return report
+
+
+def sample_json(sample: dict[str, Any]) -> dict[str, Any]:
+    """Decode a sample's ``json`` member."""
+    return json.loads(sample["json"])
+
+
+def iter_samples(stage_root: Path, shards: Iterable[dict[str, Any]]) -> Iterator[dict[str, Any]]:
+    """Yield every sample of the listed shards (manifest entries), in order."""
+    for shard in shards:
+        yield from read_shard(stage_root / shard["path"])
+
+
+def units_per_shard(upstream: StageDir, fingerprint: dict[str, Any]) -> list[WorkUnit]:
+    """One work unit per upstream shard, keyed by that shard's hash and this stage's fingerprint."""
+    units = []
+    for shard in upstream.read_manifest()["shards"]:
+        unit_id = stable_hash({"fingerprint": fingerprint, "inputs": [shard["sha256"]]})
+        payload = {"shard": str(upstream.root / shard["path"]), "bucket": shard.get("bucket")}
+        units.append(WorkUnit(unit_id, [shard["sha256"]], payload, shard["samples"]))
+    return units

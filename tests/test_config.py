@@ -1,0 +1,54 @@
+"""Recipes: YAML + dotted overrides into typed configs; bad values fail early and say what is allowed."""
+
+from __future__ import annotations
+
+import pytest
+
+from latentmill.config import ConfigError, apply_overrides, parse_override
+from latentmill.recipe import Recipe, load_recipe, recipe_from_dict
+from tests.conftest import DEMO_CONFIG
+
+
+def test_demo_recipe_loads_with_overrides():
+    recipe = load_recipe(DEMO_CONFIG, ["trainer.max_steps=7", "ingest.source=/x", "cache.dtype=bfloat16"])
+    assert isinstance(recipe, Recipe)
+    assert recipe.trainer.max_steps == 7
+    assert recipe.ingest.source == "/x"
+    assert recipe.cache.dtype == "bfloat16"
+    assert recipe.bucket.resolution == 128
+    assert recipe.model.pretrained == "data/models/tiny-flux"
+    assert str(recipe.train_dir).endswith("outputs/demo/train")
+
+
+def test_override_values_parse_as_yaml():
+    assert parse_override("a.b=3") == (["a", "b"], 3)
+    assert parse_override("a=null") == (["a"], None)
+    assert parse_override("a=[1, 2]") == (["a"], [1, 2])
+    assert apply_overrides({"a": {"b": 1}}, ["a.c=x"]) == {"a": {"b": 1, "c": "x"}}
+    with pytest.raises(ConfigError, match="key.path=value"):
+        parse_override("trainer.max_steps")
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("trainer.mode=ful", r"trainer.mode: 'ful' is not one of 'full', 'lora'"),
+        ("parallel.strategy=zero3", r"parallel.strategy: 'zero3' is not one of 'none', 'ddp', 'fsdp2'"),
+        ("runner.kind=k8s", r"runner.kind: 'k8s' is not one of 'threads', 'processes', 'dask'"),
+        ("trainer.max_steps=lots", r"trainer.max_steps: expected an integer"),
+        ("trainer.max_step=5", r"unknown key trainer.max_step; allowed keys under trainer: .*max_steps"),
+        ("cache.dtype=fp8", r"cache.dtype: 'fp8' is not one of 'float32', 'bfloat16', 'float16'"),
+        ("bucket.step=10", r"bucket.step: must be a positive multiple of 16"),
+        ("trainer.max_steps=0", r"trainer.max_steps: must be >= 1"),
+    ],
+)
+def test_bad_values_name_the_key_and_allowed_values(override, message):
+    with pytest.raises(ConfigError, match=message):
+        load_recipe(DEMO_CONFIG, [override])
+
+
+def test_missing_required_key():
+    with pytest.raises(ConfigError, match="model: required"):
+        recipe_from_dict({"output_dir": "x"})
+    with pytest.raises(ConfigError, match="unknown key colour"):
+        recipe_from_dict({"output_dir": "x", "model": {"pretrained": "p"}, "colour": 1})

@@ -1,0 +1,245 @@
+"""``LatentLoader``: batches of cached latents and text embeddings from the cache stage's shards.
+
+Contract read (``<cache_dir>/manifest.json``, written by the cache stage): a list of uncompressed webdataset
+tar shards, each holding ONE bucket ``[width, height, frames]``; per sample ``k.vae.safetensors``
+(``latents``), ``k.text.safetensors`` (``prompt_embeds``, ``pooled_prompt_embeds``) and ``k.json``.
+
+Design choices:
+
+* One bucket per batch, never mixed shapes. The order is a pure function of (seed, epoch, manifest): shuffle
+  each bucket's samples, chunk them into batches of ``batch_size``, shuffle the list of batches.
+* Memory: at start-up only tar *headers* are read (an index of byte ranges per sample member). A batch reads
+  its members with ``os.pread`` from the shard files, so RAM holds one batch, whatever the dataset size,
+  and each member is read exactly once per epoch. This needs local, uncompressed tars (what the cache
+  stage writes); remote (fsspec) caches are not supported yet.
+* ``state_dict()`` is (epoch, index of the next batch): restoring it yields the very same next batches.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import tarfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator
+
+import torch
+from safetensors.torch import load as load_safetensors
+
+log = logging.getLogger(__name__)
+
+VAE_MEMBER = "vae.safetensors"
+TEXT_MEMBER = "text.safetensors"
+META_MEMBER = "json"
+
+
+@dataclass(frozen=True)
+class SampleRef:
+    """Where one cached sample lives: its shard file and the byte range of each member."""
+
+    shard: int  # index into LatentLoader.shard_paths
+    key: str
+    members: dict[str, tuple[int, int]]  # extension -> (offset, size) in the tar
+
+
+def read_manifest(cache_dir: str | Path) -> dict:
+    """Load ``<cache_dir>/manifest.json`` and check that it is a cache-stage manifest this trainer reads."""
+    path = Path(cache_dir) / "manifest.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"no cache manifest at {path}: run the cache stage first")
+    manifest = json.loads(path.read_text())
+    if manifest.get("stage") != "cache":
+        raise ValueError(f"{path} is a {manifest.get('stage')!r} manifest, the trainer needs the 'cache' stage's")
+    if manifest.get("format_version") != 1:
+        raise ValueError(f"{path}: format_version {manifest.get('format_version')!r}, this trainer reads 1")
+    if not manifest.get("shards"):
+        raise ValueError(f"{path} lists no shards: nothing to train on")
+    return manifest
+
+
+def index_shard(path: Path) -> list[tuple[str, dict[str, tuple[int, int]]]]:
+    """List (key, {extension: (offset, size)}) per sample of an uncompressed tar, reading headers only."""
+    samples: dict[str, dict[str, tuple[int, int]]] = {}
+    with tarfile.open(path, mode="r:") as tar:
+        for member in tar:
+            if not member.isfile():
+                continue
+            dirname, _, basename = member.name.rpartition("/")
+            key, dot, ext = basename.partition(".")
+            if not dot:
+                continue
+            key = f"{dirname}/{key}" if dirname else key
+            samples.setdefault(key, {})[ext] = (member.offset_data, member.size)
+    return list(samples.items())
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for block in iter(lambda: fh.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _epoch_generator(seed: int, epoch: int) -> torch.Generator:
+    """A generator seeded from (seed, epoch) alone, stable across processes and platforms."""
+    digest = hashlib.sha256(f"latentmill-loader:{seed}:{epoch}".encode()).digest()
+    return torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") & ((1 << 63) - 1))
+
+
+class LatentLoader:
+    """Infinite iterator of single-bucket batches; deterministic in (seed, epoch, manifest); resumable.
+
+    Each batch is a dict: ``latents`` [B, 16, H/8, W/8], ``prompt_embeds`` [B, L, D],
+    ``pooled_prompt_embeds`` [B, D_pooled] (all ``dtype``), ``keys`` (list of sample keys),
+    ``bucket`` ([width, height, frames]), ``epoch`` and ``index`` (position of the batch in its epoch).
+    """
+
+    def __init__(
+        self,
+        cache_dir: str | Path,
+        batch_size: int,
+        seed: int = 0,
+        *,
+        dtype: torch.dtype = torch.float32,
+        drop_last: bool = False,
+        verify: bool = False,
+        manifest: dict | None = None,
+    ) -> None:
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        self.cache_dir = Path(cache_dir)
+        self.manifest = manifest if manifest is not None else read_manifest(self.cache_dir)
+        self.batch_size, self.seed, self.dtype, self.drop_last = batch_size, seed, dtype, drop_last
+        self.fingerprint = self.manifest.get("fingerprint")
+
+        # --- index every shard's headers, grouped by bucket (manifest order, then tar order) ---
+        self.shard_paths: list[Path] = []
+        by_bucket: dict[tuple[int, ...], list[SampleRef]] = {}
+        for entry in self.manifest["shards"]:
+            path = self.cache_dir / entry["path"]
+            if path.suffix != ".tar":
+                raise ValueError(f"{path}: only uncompressed .tar shards are supported")
+            if verify and entry.get("sha256") and _sha256(path) != entry["sha256"]:
+                raise ValueError(f"{path}: sha256 differs from the manifest (corrupt or replaced shard)")
+            shard_id = len(self.shard_paths)
+            self.shard_paths.append(path)
+            samples = index_shard(path)
+            if "samples" in entry and entry["samples"] != len(samples):
+                raise ValueError(f"{path}: manifest says {entry['samples']} samples, the tar holds {len(samples)}")
+            for key, members in samples:
+                missing = {VAE_MEMBER, TEXT_MEMBER} - set(members)
+                if missing:
+                    raise ValueError(f"{path}: sample {key!r} lacks {', '.join(sorted(missing))}")
+                by_bucket.setdefault(tuple(entry["bucket"]), []).append(SampleRef(shard_id, key, members))
+        self.buckets = {b: by_bucket[b] for b in sorted(by_bucket)}
+        self.num_samples = sum(len(refs) for refs in self.buckets.values())
+
+        self.epoch, self.batch_index = 0, 0
+        self._order_epoch: int | None = None
+        self._order: list[tuple[tuple[int, ...], list[int]]] = []
+        self._fds: dict[int, int] = {}
+
+    # --- order: a pure function of (seed, epoch, manifest) ---
+    def epoch_batches(self, epoch: int) -> list[tuple[tuple[int, ...], list[int]]]:
+        """The batches of ``epoch`` as (bucket, sample indices within that bucket), in iteration order."""
+        gen = _epoch_generator(self.seed, epoch)
+        batches = []
+        for bucket, refs in self.buckets.items():
+            perm = torch.randperm(len(refs), generator=gen).tolist()
+            for start in range(0, len(perm), self.batch_size):
+                chunk = perm[start : start + self.batch_size]
+                if self.drop_last and len(chunk) < self.batch_size:
+                    continue
+                batches.append((bucket, chunk))
+        return [batches[i] for i in torch.randperm(len(batches), generator=gen).tolist()]
+
+    def __len__(self) -> int:
+        """Batches per epoch."""
+        return len(self.epoch_batches(0))
+
+    # --- resumable state ---
+    def state_dict(self) -> dict[str, Any]:
+        """Position of the next batch (plain JSON data)."""
+        return {"epoch": self.epoch, "batch_index": self.batch_index, "seed": self.seed,
+                "batch_size": self.batch_size, "fingerprint": self.fingerprint}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue exactly after the batch at which ``state`` was taken."""
+        same = (state.get("seed"), state.get("batch_size"), state.get("fingerprint")) == (
+            self.seed, self.batch_size, self.fingerprint)
+        if same:
+            self.epoch, self.batch_index = int(state["epoch"]), int(state["batch_index"])
+        else:
+            # A refreshed dataset or changed batch size: the old position means nothing, start a new epoch.
+            log.warning("loader state is for another dataset/seed/batch size; starting epoch %d from its "
+                        "first batch", int(state["epoch"]) + 1)
+            self.epoch, self.batch_index = int(state["epoch"]) + 1, 0
+        self._order_epoch = None
+
+    # --- iteration ---
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        while True:
+            if self._order_epoch != self.epoch:
+                self._order, self._order_epoch = self.epoch_batches(self.epoch), self.epoch
+            if not self._order:
+                raise ValueError("no full batch in any bucket: lower batch_size or set drop_last false")
+            if self.batch_index >= len(self._order):
+                self.epoch, self.batch_index = self.epoch + 1, 0
+                continue
+            bucket, indices = self._order[self.batch_index]
+            batch = self._read_batch(bucket, indices)
+            batch["epoch"], batch["index"] = self.epoch, self.batch_index
+            self.batch_index += 1  # state now points at the next batch
+            yield batch
+
+    def _read(self, ref: SampleRef, ext: str) -> bytes:
+        fd = self._fds.get(ref.shard)
+        if fd is None:
+            fd = self._fds[ref.shard] = os.open(self.shard_paths[ref.shard], os.O_RDONLY)
+        offset, size = ref.members[ext]
+        data = os.pread(fd, size, offset)
+        if len(data) != size:
+            raise IOError(f"{self.shard_paths[ref.shard]}: short read for {ref.key}.{ext}")
+        return data
+
+    def _read_batch(self, bucket: tuple[int, ...], indices: list[int]) -> dict[str, Any]:
+        refs = [self.buckets[bucket][i] for i in indices]
+        latents, prompt, pooled = [], [], []
+        for ref in refs:
+            vae = load_safetensors(self._read(ref, VAE_MEMBER))
+            text = load_safetensors(self._read(ref, TEXT_MEMBER))
+            latents.append(vae["latents"])
+            prompt.append(text["prompt_embeds"])
+            pooled.append(text["pooled_prompt_embeds"])
+        try:
+            out = {name: torch.stack(ts).to(self.dtype) for name, ts in
+                   (("latents", latents), ("prompt_embeds", prompt), ("pooled_prompt_embeds", pooled))}
+        except RuntimeError as err:  # stack refuses mixed shapes
+            raise ValueError(f"bucket {list(bucket)} holds samples of different shapes: {err}") from err
+        return {**out, "keys": [r.key for r in refs], "bucket": list(bucket)}
+
+    def read_metadata(self, bucket: tuple[int, ...], index: int) -> dict:
+        """The ``k.json`` metadata of one sample (for inspection and tests)."""
+        return json.loads(self._read(self.buckets[bucket][index], META_MEMBER))
+
+    def close(self) -> None:
+        """Close the shard files."""
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds.clear()
+
+    def __enter__(self) -> "LatentLoader":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:
+            pass

@@ -1,0 +1,210 @@
+"""The training entry point: ``train(cfg, cache_dir=..., pretrained=..., train_dir=..., seed=...)``.
+
+Reads ONLY the cache stage's latent shards, trains a Flux-class transformer with flow matching, writes
+``<train_dir>/metrics.jsonl`` (one JSON object per optimizer step), checkpoints under
+``<train_dir>/checkpoints/`` and, at the end, a Diffusers export. Single process; CUDA if available
+(bfloat16 autocast), else CPU in float32.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import math
+import resource
+import sys
+import time
+from contextlib import nullcontext
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+from tqdm.auto import tqdm
+
+from latentmill.config import to_dict
+from trainer.checkpoint import list_checkpoints, load_checkpoint, resolve_resume, save_checkpoint
+from trainer.config import ParallelConfig, TrainerConfig
+from trainer.flux import check_batch_fits, export_flux, flux_forward, load_flux_transformer
+from trainer.loader import LatentLoader, read_manifest
+from trainer.objective import flow_matching_loss, interpolate, sample_sigmas, velocity_target
+
+log = logging.getLogger(__name__)
+
+
+def derive_seed(seed: int, purpose: str) -> int:
+    """An independent 63-bit seed for one purpose (model init, noise sampling) from the run seed."""
+    digest = hashlib.sha256(f"latentmill:{purpose}:{seed}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
+
+
+def warmup_lambda(warmup_steps: int) -> Callable[[int], float]:
+    """LR multiplier: linear from 1/warmup_steps to 1 over the first ``warmup_steps`` steps, then 1."""
+    if warmup_steps <= 0:
+        return lambda step: 1.0
+    return lambda step: min(1.0, (step + 1) / warmup_steps)
+
+
+def peak_rss_mb() -> float:
+    """Peak resident memory of this process in MiB."""
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak / (1024 * 1024) if sys.platform == "darwin" else peak / 1024  # bytes on macOS, KiB on Linux
+
+
+def _rewind_metrics(path: Path, upto_step: int) -> None:
+    """Keep only metric lines with ``step <= upto_step`` (a resumed run re-does the later ones)."""
+    if not path.exists():
+        return
+    kept = [line for line in path.read_text().splitlines() if line and json.loads(line)["step"] <= upto_step]
+    path.write_text("".join(line + "\n" for line in kept))
+
+
+def train(
+    cfg: TrainerConfig,
+    *,
+    cache_dir: str | Path,
+    pretrained: str,
+    train_dir: str | Path,
+    seed: int = 0,
+    export_dir: str | Path | None = None,
+    parallel: ParallelConfig | None = None,
+    progress: bool = True,
+    check_cache: Callable[[dict], None] | None = None,
+) -> dict[str, Any]:
+    """Train on the latents in ``cache_dir``, starting from the Flux pipeline ``pretrained``.
+
+    ``check_cache(manifest)`` (optional) raises if the cached latents were made by other encoders than the
+    recipe's. ``export_dir`` defaults to ``<train_dir>/export`` (used when ``cfg.export``). Returns a summary:
+    ``steps``, ``steps_this_run``, ``final_loss``, ``samples_per_s``, ``data_wait_fraction``, ``peak_rss_mb``,
+    ``export_dir``, ``resumed_from``.
+    """
+    # ---------------------------------------------------------------- setup
+    cfg.validate()
+    parallel = parallel or ParallelConfig()
+    parallel.validate()
+    train_dir = Path(train_dir)
+    train_dir.mkdir(parents=True, exist_ok=True)
+    ckpt_dir, metrics_path = train_dir / "checkpoints", train_dir / "metrics.jsonl"
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else nullcontext()
+
+    # ---------------------------------------------------------------- data: manifest and loader
+    manifest = read_manifest(cache_dir)
+    if check_cache is not None:
+        check_cache(manifest)
+    loader = LatentLoader(cache_dir, cfg.batch_size, seed, dtype=torch.float32, drop_last=cfg.drop_last,
+                          verify=cfg.verify_shards, manifest=manifest)
+    log.info("cache %s: %d samples in %d buckets, %d batches per epoch",
+             cache_dir, loader.num_samples, len(loader.buckets), len(loader))
+
+    # ---------------------------------------------------------------- model
+    torch.manual_seed(derive_seed(seed, "init"))  # LoRA init draws from the global RNG
+    transformer = load_flux_transformer(pretrained, mode=cfg.mode, device=device, lora_rank=cfg.lora_rank,
+                                        lora_alpha=cfg.lora_alpha, lora_target_modules=cfg.lora_target_modules)
+    trainable = [p for p in transformer.parameters() if p.requires_grad]
+    log.info("%s mode: %d trainable parameters", cfg.mode, sum(p.numel() for p in trainable))
+
+    # ---------------------------------------------------------------- optimizer, LR schedule, noise RNG
+    optimizer = torch.optim.AdamW(trainable, lr=cfg.learning_rate, betas=tuple(cfg.adam_betas),
+                                  eps=cfg.adam_eps, weight_decay=cfg.weight_decay)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_lambda(cfg.warmup_steps))
+    sampling_gen = torch.Generator().manual_seed(derive_seed(seed, "sampling"))  # sigmas and noise, on CPU
+
+    # ---------------------------------------------------------------- resume
+    resume_path = resolve_resume(cfg.resume, ckpt_dir)
+    start_step, last_loss = 0, float("nan")
+    if resume_path is not None:
+        state = load_checkpoint(resume_path, model=transformer, optimizer=optimizer, scheduler=scheduler,
+                                sampling_generator=sampling_gen)
+        loader.load_state_dict(state["loader"])
+        start_step, last_loss = int(state["step"]), float(state.get("loss", float("nan")))
+        _rewind_metrics(metrics_path, start_step)
+        log.info("resumed from %s at step %d", resume_path, start_step)
+    else:
+        existing = list_checkpoints(ckpt_dir)
+        if existing:
+            raise FileExistsError(
+                f"{ckpt_dir} already holds checkpoints (newest step {existing[-1][0]}) but trainer.resume is "
+                f"{cfg.resume!r}; set trainer.resume=latest to continue, or use a fresh train_dir"
+            )
+        metrics_path.write_text("")
+
+    # ---------------------------------------------------------------- training loop
+    grad_clip = cfg.grad_clip if cfg.grad_clip > 0 else math.inf
+    step, samples_seen, train_time, data_time = start_step, 0, 0.0, 0.0
+    batches = iter(loader)
+    bar = tqdm(total=cfg.max_steps, initial=start_step, disable=not progress, desc="train", unit="step")
+    with open(metrics_path, "a") as metrics_file:
+        while step < cfg.max_steps:
+            t_start = time.perf_counter()
+            batch = next(batches)
+            latents = batch["latents"].to(device, non_blocking=True)
+            prompt_embeds = batch["prompt_embeds"].to(device, non_blocking=True)
+            pooled = batch["pooled_prompt_embeds"].to(device, non_blocking=True)
+            t_data = time.perf_counter() - t_start
+            if step == start_step:
+                check_batch_fits(transformer, latents, prompt_embeds, pooled)
+
+            # --- flow matching: noise level, noisy latents, velocity target (all randomness from one generator)
+            batch_size = latents.shape[0]
+            sigmas = sample_sigmas(batch_size, cfg, sampling_gen).to(device)
+            noise = torch.randn(latents.shape, generator=sampling_gen, dtype=torch.float32).to(device)
+            noisy = interpolate(latents, noise, sigmas)
+            target = velocity_target(latents, noise)
+
+            # --- forward, backward, clip, step
+            with autocast:
+                pred = flux_forward(transformer, noisy, sigmas, prompt_embeds, pooled, cfg.guidance_scale)
+            loss = flow_matching_loss(pred, target)
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            grad_norm = torch.nn.utils.clip_grad_norm_(trainable, grad_clip)
+            last_loss = loss.item()
+            if not math.isfinite(last_loss):
+                raise FloatingPointError(f"loss is {last_loss} at step {step + 1} (batch {batch['keys']})")
+            lr = scheduler.get_last_lr()[0]
+            optimizer.step()
+            scheduler.step()
+            step += 1
+            t_step = time.perf_counter() - t_start
+            samples_seen, train_time, data_time = samples_seen + batch_size, train_time + t_step, data_time + t_data
+
+            # --- metrics: one line per optimizer step
+            record = {"step": step, "loss": last_loss, "lr": lr, "grad_norm": float(grad_norm),
+                      "samples_per_s": batch_size / t_step, "data_wait_s": t_data, "step_time_s": t_step,
+                      "epoch": batch["epoch"], "bucket": batch["bucket"]}
+            metrics_file.write(json.dumps(record) + "\n")
+            metrics_file.flush()
+            bar.update(1)
+            if step % cfg.log_every == 0 or step == cfg.max_steps:
+                bar.set_postfix(loss=f"{last_loss:.4f}", lr=f"{lr:.2e}")
+                log.info("step %d loss %.5f lr %.3g grad_norm %.3g", step, last_loss, lr, float(grad_norm))
+
+            # --- checkpoint
+            if cfg.save_every and (step % cfg.save_every == 0 or step == cfg.max_steps):
+                trainer_state = {"loader": loader.state_dict(), "loss": last_loss, "seed": seed,
+                                 "mode": cfg.mode, "config": to_dict(cfg),
+                                 "manifest_fingerprint": manifest.get("fingerprint")}
+                save_checkpoint(ckpt_dir, step, model=transformer, optimizer=optimizer, scheduler=scheduler,
+                                sampling_generator=sampling_gen, trainer_state=trainer_state,
+                                keep_latest_k=cfg.keep_latest_k)
+    bar.close()
+    loader.close()
+
+    # ---------------------------------------------------------------- export
+    exported = None
+    if cfg.export:
+        exported = export_flux(transformer.to("cpu"), mode=cfg.mode, pretrained=pretrained,
+                               export_dir=export_dir if export_dir is not None else train_dir / "export")
+        log.info("exported %s weights to %s", cfg.mode, exported)
+
+    return {
+        "steps": step,
+        "steps_this_run": step - start_step,
+        "final_loss": last_loss,
+        "samples_per_s": samples_seen / train_time if train_time else 0.0,
+        "data_wait_fraction": data_time / train_time if train_time else 0.0,
+        "peak_rss_mb": peak_rss_mb(),
+        "export_dir": str(exported) if exported is not None else None,
+        "resumed_from": str(resume_path) if resume_path is not None else None,
+    }
