@@ -78,7 +78,14 @@ def _run_flow(command: str, config: Path, overrides: list[str], nproc: int) -> t
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``latentmill`` console script."""
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    # Overrides may come after options (`run cfg --nproc 1 trainer.max_steps=5`): collect them all.
+    args, extra = parser.parse_known_args(argv)
+    stray = [a for a in extra if a.startswith("-") or "=" not in a or not hasattr(args, "overrides")]
+    if stray:
+        parser.error(f"unrecognized arguments: {' '.join(stray)}")
+    if extra:
+        args.overrides = [*args.overrides, *extra]
     if getattr(args, "summary_json", None):
         args.summary_json = args.summary_json.resolve()
     from latentmill.config import ConfigError
@@ -100,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
     _print_summary(summary, out)
     if args.summary_json:
         args.summary_json.parent.mkdir(parents=True, exist_ok=True)
-        args.summary_json.write_text(json.dumps(summary, indent=2, sort_keys=True))
+        args.summary_json.write_text(json.dumps(summary, indent=2))
     return 0
 
 

@@ -90,8 +90,9 @@ def test_uniform_sigmas_and_shift_applied_after_sampling():
     assert sig.mean().item() == pytest.approx(0.5, abs=5e-3)
     assert 0.0 <= sig.min() and sig.max() < 1.0
     plain = sample_sigmas(64, TrainerConfig(timestep_sampling="uniform"), torch.Generator().manual_seed(1))
-    shifted = sample_sigmas(64, TrainerConfig(timestep_sampling="uniform", shift=3.0),
-                            torch.Generator().manual_seed(1))
+    shifted = sample_sigmas(
+        64, TrainerConfig(timestep_sampling="uniform", shift=3.0), torch.Generator().manual_seed(1)
+    )
     torch.testing.assert_close(shifted, 3 * plain / (1 + 2 * plain))
 
 

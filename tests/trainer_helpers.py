@@ -80,28 +80,45 @@ def write_fake_cache(
                 prompt = torch.randn(seq_len, text_dim, generator=gen).to(dtype)
                 pooled = torch.randn(pooled_dim, generator=gen).to(dtype)
                 meta = {"key": key, "bucket": list(bucket), "caption": f"caption {n}"}
-                writer.write({
-                    "__key__": key,
-                    "vae.safetensors": save_safetensors({"latents": latents.contiguous()}),
-                    "text.safetensors": save_safetensors(
-                        {"prompt_embeds": prompt.contiguous(), "pooled_prompt_embeds": pooled.contiguous()}),
-                    "json": json.dumps(meta).encode(),
-                })
+                writer.write(
+                    {
+                        "__key__": key,
+                        "vae.safetensors": save_safetensors({"latents": latents.contiguous()}),
+                        "text.safetensors": save_safetensors(
+                            {
+                                "prompt_embeds": prompt.contiguous(),
+                                "pooled_prompt_embeds": pooled.contiguous(),
+                            }
+                        ),
+                        "json": json.dumps(meta).encode(),
+                    }
+                )
                 n += 1
             writer.close()
             data = buf.getvalue()
             sha = hashlib.sha256(data).hexdigest()
             name = f"cache-{sha[:8]}.tar"
             (cache_dir / "shards" / name).write_bytes(data)
-            shards.append({"name": name, "path": f"shards/{name}", "sha256": sha, "samples": in_shard,
-                           "bucket": list(bucket)})
+            shards.append(
+                {
+                    "name": name,
+                    "path": f"shards/{name}",
+                    "sha256": sha,
+                    "samples": in_shard,
+                    "bucket": list(bucket),
+                }
+            )
     manifest = {
         "stage": "cache",
         "format_version": 1,
         "fingerprint": hashlib.sha256(json.dumps(shards, sort_keys=True).encode()).hexdigest(),
         "models": {
-            "vae": {"class": "AutoencoderKL", "fingerprint": "0" * 64, "scaling_factor": 0.3611,
-                    "shift_factor": 0.1159},
+            "vae": {
+                "class": "AutoencoderKL",
+                "fingerprint": "0" * 64,
+                "scaling_factor": 0.3611,
+                "shift_factor": 0.1159,
+            },
             "text_encoder": {"class": "CLIPTextModel", "fingerprint": "1" * 64},
             "text_encoder_2": {"class": "T5EncoderModel", "fingerprint": "2" * 64},
         },

@@ -29,7 +29,11 @@ log = logging.getLogger(__name__)
 
 STEP_DIR = re.compile(r"^step-(\d+)$")
 MODEL_FILE, OPTIM_FILE, RNG_FILE, STATE_FILE = (
-    "model.safetensors", "optimizer.pt", "rng.safetensors", "trainer_state.json")
+    "model.safetensors",
+    "optimizer.pt",
+    "rng.safetensors",
+    "trainer_state.json",
+)
 
 
 def step_dir_name(step: int) -> str:
@@ -127,7 +131,9 @@ def resolve_resume(resume: str | None, ckpt_dir: str | Path) -> Path | None:
         return latest_checkpoint(ckpt_dir)
     path = Path(resume)
     if not (path / STATE_FILE).is_file():
-        raise FileNotFoundError(f"trainer.resume: {path} is not a complete checkpoint folder (no {STATE_FILE})")
+        raise FileNotFoundError(
+            f"trainer.resume: {path} is not a complete checkpoint folder (no {STATE_FILE})"
+        )
     return path
 
 

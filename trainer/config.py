@@ -30,7 +30,9 @@ class TrainerConfig:
     # --- checkpointing ---
     save_every: int = 50  # also saves at the final step; 0 disables checkpoints
     keep_latest_k: int = 3  # 0 keeps all
-    resume: Optional[str] = None  # "latest" | path to a step-NNNNNN folder | null
+    # "latest" (none yet: fresh start) | path to a step-NNNNNN folder | null (fresh start; a previous run in
+    # the same train_dir is moved to checkpoints.previous/ and metrics.previous.jsonl)
+    resume: Optional[str] = None
     # --- flow-matching timesteps: sigma ~ sampling, then sigma' = shift*sigma / (1 + (shift-1)*sigma) ---
     timestep_sampling: Literal["logit_normal", "uniform"] = "logit_normal"
     logit_mean: float = 0.0

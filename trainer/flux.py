@@ -131,7 +131,9 @@ def load_flux_transformer(
 
     device = torch.device(device)
     base_dtype = torch.bfloat16 if (mode == "lora" and device.type == "cuda") else torch.float32
-    transformer = FluxTransformer2DModel.from_pretrained(pretrained, subfolder="transformer", torch_dtype=base_dtype)
+    transformer = FluxTransformer2DModel.from_pretrained(
+        pretrained, subfolder="transformer", torch_dtype=base_dtype
+    )
     if mode == "lora":
         from peft import LoraConfig
 

@@ -52,7 +52,9 @@ def read_manifest(cache_dir: str | Path) -> dict:
         raise FileNotFoundError(f"no cache manifest at {path}: run the cache stage first")
     manifest = json.loads(path.read_text())
     if manifest.get("stage") != "cache":
-        raise ValueError(f"{path} is a {manifest.get('stage')!r} manifest, the trainer needs the 'cache' stage's")
+        raise ValueError(
+            f"{path} is a {manifest.get('stage')!r} manifest, the trainer needs the 'cache' stage's"
+        )
     if manifest.get("format_version") != 1:
         raise ValueError(f"{path}: format_version {manifest.get('format_version')!r}, this trainer reads 1")
     if not manifest.get("shards"):
@@ -114,7 +116,11 @@ class LatentLoader:
         self.cache_dir = Path(cache_dir)
         self.manifest = manifest if manifest is not None else read_manifest(self.cache_dir)
         self.batch_size, self.seed, self.dtype, self.drop_last = batch_size, seed, dtype, drop_last
-        self.fingerprint = self.manifest.get("fingerprint")
+        # What the sample order depends on: the shard list (content-addressed), not the stage config.
+        shard_ids = [
+            (e["path"], e.get("sha256"), e.get("samples"), e.get("bucket")) for e in self.manifest["shards"]
+        ]
+        self.dataset_id = hashlib.sha256(json.dumps(shard_ids, sort_keys=True).encode()).hexdigest()
 
         # --- index every shard's headers, grouped by bucket (manifest order, then tar order) ---
         self.shard_paths: list[Path] = []
@@ -129,7 +135,9 @@ class LatentLoader:
             self.shard_paths.append(path)
             samples = index_shard(path)
             if "samples" in entry and entry["samples"] != len(samples):
-                raise ValueError(f"{path}: manifest says {entry['samples']} samples, the tar holds {len(samples)}")
+                raise ValueError(
+                    f"{path}: manifest says {entry['samples']} samples, the tar holds {len(samples)}"
+                )
             for key, members in samples:
                 missing = {VAE_MEMBER, TEXT_MEMBER} - set(members)
                 if missing:
@@ -164,19 +172,29 @@ class LatentLoader:
     # --- resumable state ---
     def state_dict(self) -> dict[str, Any]:
         """Position of the next batch (plain JSON data)."""
-        return {"epoch": self.epoch, "batch_index": self.batch_index, "seed": self.seed,
-                "batch_size": self.batch_size, "fingerprint": self.fingerprint}
+        return {
+            "epoch": self.epoch,
+            "batch_index": self.batch_index,
+            "seed": self.seed,
+            "batch_size": self.batch_size,
+            "dataset_id": self.dataset_id,
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue exactly after the batch at which ``state`` was taken."""
-        same = (state.get("seed"), state.get("batch_size"), state.get("fingerprint")) == (
-            self.seed, self.batch_size, self.fingerprint)
+        same = (state.get("seed"), state.get("batch_size"), state.get("dataset_id")) == (
+            self.seed,
+            self.batch_size,
+            self.dataset_id,
+        )
         if same:
             self.epoch, self.batch_index = int(state["epoch"]), int(state["batch_index"])
         else:
             # A refreshed dataset or changed batch size: the old position means nothing, start a new epoch.
-            log.warning("loader state is for another dataset/seed/batch size; starting epoch %d from its "
-                        "first batch", int(state["epoch"]) + 1)
+            log.warning(
+                "loader state is for another dataset/seed/batch size; starting epoch %d from its first batch",
+                int(state["epoch"]) + 1,
+            )
             self.epoch, self.batch_index = int(state["epoch"]) + 1, 0
         self._order_epoch = None
 
@@ -216,8 +234,14 @@ class LatentLoader:
             prompt.append(text["prompt_embeds"])
             pooled.append(text["pooled_prompt_embeds"])
         try:
-            out = {name: torch.stack(ts).to(self.dtype) for name, ts in
-                   (("latents", latents), ("prompt_embeds", prompt), ("pooled_prompt_embeds", pooled))}
+            out = {
+                name: torch.stack(ts).to(self.dtype)
+                for name, ts in (
+                    ("latents", latents),
+                    ("prompt_embeds", prompt),
+                    ("pooled_prompt_embeds", pooled),
+                )
+            }
         except RuntimeError as err:  # stack refuses mixed shapes
             raise ValueError(f"bucket {list(bucket)} holds samples of different shapes: {err}") from err
         return {**out, "keys": [r.key for r in refs], "bucket": list(bucket)}

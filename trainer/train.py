@@ -12,7 +12,9 @@ import hashlib
 import json
 import logging
 import math
+import os
 import resource
+import shutil
 import sys
 import time
 from contextlib import nullcontext
@@ -55,8 +57,35 @@ def _rewind_metrics(path: Path, upto_step: int) -> None:
     """Keep only metric lines with ``step <= upto_step`` (a resumed run re-does the later ones)."""
     if not path.exists():
         return
-    kept = [line for line in path.read_text().splitlines() if line and json.loads(line)["step"] <= upto_step]
+    kept = []
+    for line in path.read_text().splitlines():
+        try:
+            if json.loads(line)["step"] <= upto_step:
+                kept.append(line)
+        except (ValueError, KeyError, TypeError):
+            continue  # a line cut short when the previous run was killed
     path.write_text("".join(line + "\n" for line in kept))
+
+
+def _set_aside_previous_run(train_dir: Path, ckpt_dir: Path, metrics_path: Path) -> None:
+    """A fresh start in a used ``train_dir``: keep the previous run's checkpoints and metrics one level back.
+
+    Its checkpoints must leave ``checkpoints/`` (a later ``resume: latest`` would pick them up), but deleting
+    a run because ``resume`` was forgotten would be unkind: they move to ``checkpoints.previous/`` (replacing
+    an older one) and the metrics to ``metrics.previous.jsonl``.
+    """
+    if list_checkpoints(ckpt_dir) or any(ckpt_dir.glob("step-*")):
+        previous = train_dir / "checkpoints.previous"
+        if previous.exists():
+            shutil.rmtree(previous)
+        os.replace(ckpt_dir, previous)
+        log.warning(
+            "trainer.resume is null: starting from scratch; the previous run's checkpoints are in %s "
+            "(set trainer.resume=latest to continue a run instead)",
+            previous,
+        )
+    if metrics_path.exists() and metrics_path.stat().st_size:
+        os.replace(metrics_path, train_dir / "metrics.previous.jsonl")
 
 
 def train(
@@ -92,21 +121,44 @@ def train(
     manifest = read_manifest(cache_dir)
     if check_cache is not None:
         check_cache(manifest)
-    loader = LatentLoader(cache_dir, cfg.batch_size, seed, dtype=torch.float32, drop_last=cfg.drop_last,
-                          verify=cfg.verify_shards, manifest=manifest)
-    log.info("cache %s: %d samples in %d buckets, %d batches per epoch",
-             cache_dir, loader.num_samples, len(loader.buckets), len(loader))
+    loader = LatentLoader(
+        cache_dir,
+        cfg.batch_size,
+        seed,
+        dtype=torch.float32,
+        drop_last=cfg.drop_last,
+        verify=cfg.verify_shards,
+        manifest=manifest,
+    )
+    log.info(
+        "cache %s: %d samples in %d buckets, %d batches per epoch",
+        cache_dir,
+        loader.num_samples,
+        len(loader.buckets),
+        len(loader),
+    )
 
     # ---------------------------------------------------------------- model
     torch.manual_seed(derive_seed(seed, "init"))  # LoRA init draws from the global RNG
-    transformer = load_flux_transformer(pretrained, mode=cfg.mode, device=device, lora_rank=cfg.lora_rank,
-                                        lora_alpha=cfg.lora_alpha, lora_target_modules=cfg.lora_target_modules)
+    transformer = load_flux_transformer(
+        pretrained,
+        mode=cfg.mode,
+        device=device,
+        lora_rank=cfg.lora_rank,
+        lora_alpha=cfg.lora_alpha,
+        lora_target_modules=cfg.lora_target_modules,
+    )
     trainable = [p for p in transformer.parameters() if p.requires_grad]
     log.info("%s mode: %d trainable parameters", cfg.mode, sum(p.numel() for p in trainable))
 
     # ---------------------------------------------------------------- optimizer, LR schedule, noise RNG
-    optimizer = torch.optim.AdamW(trainable, lr=cfg.learning_rate, betas=tuple(cfg.adam_betas),
-                                  eps=cfg.adam_eps, weight_decay=cfg.weight_decay)
+    optimizer = torch.optim.AdamW(
+        trainable,
+        lr=cfg.learning_rate,
+        betas=tuple(cfg.adam_betas),
+        eps=cfg.adam_eps,
+        weight_decay=cfg.weight_decay,
+    )
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_lambda(cfg.warmup_steps))
     sampling_gen = torch.Generator().manual_seed(derive_seed(seed, "sampling"))  # sigmas and noise, on CPU
 
@@ -114,19 +166,19 @@ def train(
     resume_path = resolve_resume(cfg.resume, ckpt_dir)
     start_step, last_loss = 0, float("nan")
     if resume_path is not None:
-        state = load_checkpoint(resume_path, model=transformer, optimizer=optimizer, scheduler=scheduler,
-                                sampling_generator=sampling_gen)
+        state = load_checkpoint(
+            resume_path,
+            model=transformer,
+            optimizer=optimizer,
+            scheduler=scheduler,
+            sampling_generator=sampling_gen,
+        )
         loader.load_state_dict(state["loader"])
         start_step, last_loss = int(state["step"]), float(state.get("loss", float("nan")))
         _rewind_metrics(metrics_path, start_step)
         log.info("resumed from %s at step %d", resume_path, start_step)
     else:
-        existing = list_checkpoints(ckpt_dir)
-        if existing:
-            raise FileExistsError(
-                f"{ckpt_dir} already holds checkpoints (newest step {existing[-1][0]}) but trainer.resume is "
-                f"{cfg.resume!r}; set trainer.resume=latest to continue, or use a fresh train_dir"
-            )
+        _set_aside_previous_run(train_dir, ckpt_dir, metrics_path)
         metrics_path.write_text("")
 
     # ---------------------------------------------------------------- training loop
@@ -134,7 +186,7 @@ def train(
     step, samples_seen, train_time, data_time = start_step, 0, 0.0, 0.0
     batches = iter(loader)
     bar = tqdm(total=cfg.max_steps, initial=start_step, disable=not progress, desc="train", unit="step")
-    with open(metrics_path, "a") as metrics_file:
+    with bar, loader, open(metrics_path, "a") as metrics_file:
         while step < cfg.max_steps:
             t_start = time.perf_counter()
             batch = next(batches)
@@ -167,12 +219,24 @@ def train(
             scheduler.step()
             step += 1
             t_step = time.perf_counter() - t_start
-            samples_seen, train_time, data_time = samples_seen + batch_size, train_time + t_step, data_time + t_data
+            samples_seen, train_time, data_time = (
+                samples_seen + batch_size,
+                train_time + t_step,
+                data_time + t_data,
+            )
 
             # --- metrics: one line per optimizer step
-            record = {"step": step, "loss": last_loss, "lr": lr, "grad_norm": float(grad_norm),
-                      "samples_per_s": batch_size / t_step, "data_wait_s": t_data, "step_time_s": t_step,
-                      "epoch": batch["epoch"], "bucket": batch["bucket"]}
+            record = {
+                "step": step,
+                "loss": last_loss,
+                "lr": lr,
+                "grad_norm": float(grad_norm),
+                "samples_per_s": batch_size / t_step,
+                "data_wait_s": t_data,
+                "step_time_s": t_step,
+                "epoch": batch["epoch"],
+                "bucket": batch["bucket"],
+            }
             metrics_file.write(json.dumps(record) + "\n")
             metrics_file.flush()
             bar.update(1)
@@ -182,20 +246,34 @@ def train(
 
             # --- checkpoint
             if cfg.save_every and (step % cfg.save_every == 0 or step == cfg.max_steps):
-                trainer_state = {"loader": loader.state_dict(), "loss": last_loss, "seed": seed,
-                                 "mode": cfg.mode, "config": to_dict(cfg),
-                                 "manifest_fingerprint": manifest.get("fingerprint")}
-                save_checkpoint(ckpt_dir, step, model=transformer, optimizer=optimizer, scheduler=scheduler,
-                                sampling_generator=sampling_gen, trainer_state=trainer_state,
-                                keep_latest_k=cfg.keep_latest_k)
-    bar.close()
-    loader.close()
+                trainer_state = {
+                    "loader": loader.state_dict(),
+                    "loss": last_loss,
+                    "seed": seed,
+                    "mode": cfg.mode,
+                    "config": to_dict(cfg),
+                    "manifest_fingerprint": manifest.get("fingerprint"),
+                }
+                save_checkpoint(
+                    ckpt_dir,
+                    step,
+                    model=transformer,
+                    optimizer=optimizer,
+                    scheduler=scheduler,
+                    sampling_generator=sampling_gen,
+                    trainer_state=trainer_state,
+                    keep_latest_k=cfg.keep_latest_k,
+                )
 
     # ---------------------------------------------------------------- export
     exported = None
     if cfg.export:
-        exported = export_flux(transformer.to("cpu"), mode=cfg.mode, pretrained=pretrained,
-                               export_dir=export_dir if export_dir is not None else train_dir / "export")
+        exported = export_flux(
+            transformer.to("cpu"),
+            mode=cfg.mode,
+            pretrained=pretrained,
+            export_dir=export_dir if export_dir is not None else train_dir / "export",
+        )
         log.info("exported %s weights to %s", cfg.mode, exported)
 
     return {

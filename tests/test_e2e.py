@@ -1,0 +1,86 @@
+"""End to end on the embedded default: `latentmill run` (prep-then-train), then the export generates."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from latentmill.cli import main
+from tests.conftest import DEMO_CONFIG, DEMO_IMAGES
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def demo_run(tiny_flux, tmp_path_factory):
+    out = tmp_path_factory.mktemp("demo-run")
+    summary_path = out / "summary.json"
+    args = ["run", str(DEMO_CONFIG), f"output_dir={out}", f"model.pretrained={tiny_flux}",
+            f"ingest.source={DEMO_IMAGES}", "trainer.max_steps=8", "trainer.save_every=4",
+            "--summary-json", str(summary_path)]
+    assert main(args) == 0
+    return out, json.loads(summary_path.read_text()), args
+
+
+def test_summary_counts_conserve(demo_run):
+    _, summary, _ = demo_run
+    stages = summary["stages"]
+    assert list(stages) == ["ingest", "caption", "bucket", "cache"]
+    assert (stages["ingest"]["in"], stages["ingest"]["out"], stages["ingest"]["quarantined"]) == (26, 25, 1)
+    assert (stages["cache"]["in"], stages["cache"]["out"], stages["cache"]["quarantined"]) == (25, 24, 1)
+    for s in stages.values():
+        assert s["in"] == s["out"] + s["quarantined"] == s["processed"] + s["reused"]
+        assert s["seconds"] >= 0
+    assert stages["cache"]["components"] == {"vae": {"processed": 24, "reused": 0},
+                                             "text": {"processed": 24, "reused": 0}}
+    assert sum(stages["bucket"]["buckets"].values()) == 25
+    train = summary["train"]
+    assert train["steps"] == 8
+    assert train["final_loss"] > 0 and train["samples_per_s"] > 0 and train["peak_rss_mb"] > 0
+    assert 0 <= train["data_wait_fraction"] < 1
+
+
+def test_outputs_on_disk(demo_run):
+    out, summary, _ = demo_run
+    metrics = [json.loads(line) for line in (out / "train" / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in metrics] == list(range(1, 9))
+    assert metrics[-1]["loss"] == pytest.approx(summary["train"]["final_loss"])
+    assert sorted(p.name for p in (out / "train" / "checkpoints").iterdir()) == ["step-000004", "step-000008"]
+    for stage in ("ingest", "caption", "bucket", "cache"):
+        assert (out / "prep" / stage / "manifest.json").is_file()
+
+
+def test_export_loads_and_generates_requested_size(demo_run):
+    from diffusers import DiffusionPipeline, FluxPipeline
+
+    out, _, _ = demo_run
+    pipe = DiffusionPipeline.from_pretrained(out / "export")
+    assert isinstance(pipe, FluxPipeline)
+    image = pipe("a red circle on a blue background", height=96, width=64, num_inference_steps=2,
+                 generator=torch.Generator().manual_seed(0), max_sequence_length=32).images[0]
+    assert image.size == (64, 96)
+
+
+def test_rerun_reuses_everything_and_resume_continues(demo_run):
+    out, first, args = demo_run
+    rerun = [a if not a.startswith("trainer.max_steps") else "trainer.max_steps=10" for a in args]
+    rerun += ["trainer.resume=latest"]
+    summary_path = out / "summary2.json"
+    rerun[rerun.index("--summary-json") + 1] = str(summary_path)
+    assert main(rerun) == 0
+    summary = json.loads(summary_path.read_text())
+    for name, s in summary["stages"].items():
+        assert s["processed"] == 0 and s["reused"] == first["stages"][name]["in"], name
+    assert summary["stages"]["cache"]["components"]["vae"] == {"processed": 0, "reused": 24}
+    steps = [json.loads(line)["step"] for line in (out / "train" / "metrics.jsonl").read_text().splitlines()]
+    assert steps[-2:] == [9, 10]
+    assert summary["train"]["steps"] == 10
+
+
+def test_bad_config_fails_before_any_work(tmp_path, capsys):
+    out = tmp_path / "never"
+    assert main(["run", str(DEMO_CONFIG), f"output_dir={out}", "trainer.mode=ful"]) == 2
+    assert "trainer.mode: 'ful' is not one of 'full', 'lora'" in capsys.readouterr().err
+    assert not out.exists()

@@ -1,0 +1,138 @@
+"""Checkpoints: atomic step folders, latest/prune rules, and a full state round trip."""
+
+import json
+import os
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from trainer.checkpoint import (
+    latest_checkpoint,
+    list_checkpoints,
+    load_checkpoint,
+    resolve_resume,
+    save_checkpoint,
+)
+
+
+def _parts(seed=0):
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))
+    model[0].requires_grad_(False)  # frozen params are not saved
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=0.1)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 3))
+    gen = torch.Generator().manual_seed(seed)
+    return model, opt, sched, gen
+
+
+def _train_step(model, opt, sched):
+    loss = model(torch.randn(5, 4)).square().mean()
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+    sched.step()
+
+
+def _save(ckpt_dir, step, parts, k=0):
+    model, opt, sched, gen = parts
+    return save_checkpoint(
+        ckpt_dir,
+        step,
+        model=model,
+        optimizer=opt,
+        scheduler=sched,
+        sampling_generator=gen,
+        trainer_state={"loader": {"epoch": 1, "batch_index": step}},
+        keep_latest_k=k,
+    )
+
+
+def test_round_trip_restores_every_state(tmp_path):
+    reference = _parts(0)
+    for _ in range(3):
+        _train_step(*reference[:3])
+    path = _save(tmp_path, 3, reference)
+    assert path.name == "step-000003" and sorted(p.name for p in path.iterdir()) == [
+        "model.safetensors",
+        "optimizer.pt",
+        "rng.safetensors",
+        "trainer_state.json",
+    ]
+    assert set(load_file(path / "model.safetensors")) == {"1.weight", "1.bias"}  # trainable only
+    # what the reference does after the save: draw from the sampling generator, then a step whose input
+    # comes from the global RNG
+    expected_draw = torch.randn(4, generator=reference[3])
+    _train_step(*reference[:3])
+
+    model, opt, sched, gen = _parts(1)  # other init, other RNG states
+    model[0].load_state_dict(reference[0][0].state_dict())  # the frozen part comes from the pretrained model
+    state = load_checkpoint(path, model=model, optimizer=opt, scheduler=sched, sampling_generator=gen)
+    assert state["step"] == 3 and state["loader"] == {"epoch": 1, "batch_index": 3}
+    assert torch.equal(torch.randn(4, generator=gen), expected_draw)
+    _train_step(model, opt, sched)
+    for want, have in zip(reference[0].parameters(), model.parameters()):
+        assert torch.equal(want, have)
+    assert sched.get_last_lr() == reference[2].get_last_lr()
+    assert opt.state_dict()["state"][0]["step"] == 4
+
+
+def test_optimizer_file_loads_with_weights_only(tmp_path):
+    parts = _parts()
+    _train_step(*parts[:3])
+    path = _save(tmp_path, 1, parts)
+    data = torch.load(path / "optimizer.pt", weights_only=True)
+    assert set(data) == {"optimizer", "scheduler"}
+
+
+def test_tmp_folder_is_never_latest(tmp_path):
+    parts = _parts()
+    _save(tmp_path, 10, parts)
+    leftover = tmp_path / "step-000020.tmp"
+    leftover.mkdir()
+    (leftover / "trainer_state.json").write_text(json.dumps({"step": 20}))
+    (tmp_path / "step-000030").mkdir()  # no trainer_state.json: incomplete, ignored too
+    assert latest_checkpoint(tmp_path) == tmp_path / "step-000010"
+    assert resolve_resume("latest", tmp_path) == tmp_path / "step-000010"
+    _save(tmp_path, 20, parts)  # a new save of that step replaces the leftover
+    assert not leftover.exists() and latest_checkpoint(tmp_path) == tmp_path / "step-000020"
+
+
+def test_a_save_killed_before_rename_leaves_previous_latest(tmp_path, monkeypatch):
+    parts = _parts()
+    _save(tmp_path, 10, parts)
+
+    def killed(src, dst):
+        raise KeyboardInterrupt("killed while saving")
+
+    monkeypatch.setattr(os, "replace", killed)
+    with pytest.raises(KeyboardInterrupt):
+        _save(tmp_path, 20, parts)
+    assert (tmp_path / "step-000020.tmp").is_dir()
+    assert latest_checkpoint(tmp_path) == tmp_path / "step-000010"
+
+
+def test_keep_latest_k_prunes_oldest(tmp_path):
+    parts = _parts()
+    for step in (5, 10, 15, 20):
+        _save(tmp_path, step, parts, k=2)
+    assert [s for s, _ in list_checkpoints(tmp_path)] == [15, 20]
+    _save(tmp_path, 25, parts, k=0)  # 0 keeps all
+    assert [s for s, _ in list_checkpoints(tmp_path)] == [15, 20, 25]
+
+
+def test_resolve_resume(tmp_path):
+    assert resolve_resume(None, tmp_path) is None
+    assert resolve_resume("latest", tmp_path / "nothing-yet") is None
+    path = _save(tmp_path, 3, _parts())
+    assert resolve_resume(str(path), tmp_path / "elsewhere") == path
+    with pytest.raises(FileNotFoundError, match="not a complete checkpoint"):
+        resolve_resume(str(tmp_path / "step-000099"), tmp_path)
+
+
+def test_loading_into_another_mode_is_refused(tmp_path):
+    path = _save(tmp_path, 1, _parts())
+    model, opt, sched, gen = _parts()
+    model.requires_grad_(True)
+    with pytest.raises(ValueError, match="another trainer.mode"):
+        load_checkpoint(path, model=model, optimizer=opt, scheduler=sched, sampling_generator=gen)

@@ -1,0 +1,127 @@
+"""LatentLoader: one bucket per batch, every sample once per epoch, order a pure function of (seed, epoch),
+and an exact mid-epoch resume from ``state_dict``."""
+
+import itertools
+import json
+
+import pytest
+import torch
+
+from tests.trainer_helpers import write_fake_cache
+from trainer.loader import LatentLoader, read_manifest
+
+BUCKETS = {(48, 64, 1): 5, (64, 32, 1): 3, (32, 32, 1): 7}  # [width, height, frames] -> samples
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory):
+    root = tmp_path_factory.mktemp("cache")
+    write_fake_cache(root, BUCKETS, shards_per_bucket=2)
+    return root
+
+
+def _keys(batches):
+    return [key for b in batches for key in b["keys"]]
+
+
+def test_batches_hold_one_bucket_with_matching_shapes(cache):
+    loader = LatentLoader(cache, batch_size=2, seed=0)
+    meta_bucket = {}
+    for bucket, refs in loader.buckets.items():
+        for i, ref in enumerate(refs):
+            meta = loader.read_metadata(bucket, i)
+            assert meta["key"] == ref.key and tuple(meta["bucket"]) == bucket
+            meta_bucket[ref.key] = bucket
+    for batch in itertools.islice(loader, 3 * len(loader)):
+        width, height, _ = batch["bucket"]
+        B = len(batch["keys"])
+        assert {meta_bucket[k] for k in batch["keys"]} == {tuple(batch["bucket"])}
+        assert batch["latents"].shape == (B, 16, height // 8, width // 8)
+        assert batch["prompt_embeds"].shape == (B, 8, 32)
+        assert batch["pooled_prompt_embeds"].shape == (B, 32)
+        assert all(
+            batch[k].dtype == torch.float32 for k in ("latents", "prompt_embeds", "pooled_prompt_embeds")
+        )
+
+
+def test_every_sample_once_per_epoch(cache):
+    loader = LatentLoader(cache, batch_size=2, seed=3)
+    n = len(loader)
+    assert n == 3 + 2 + 4  # ceil(5/2) + ceil(3/2) + ceil(7/2)
+    batches = list(itertools.islice(loader, 2 * n))
+    all_keys = sorted(f"s{i:05d}" for i in range(sum(BUCKETS.values())))
+    for epoch in range(2):
+        in_epoch = batches[epoch * n : (epoch + 1) * n]
+        assert {b["epoch"] for b in in_epoch} == {epoch}
+        assert [b["index"] for b in in_epoch] == list(range(n))
+        assert sorted(_keys(in_epoch)) == all_keys
+    assert _keys(batches[:n]) != _keys(batches[n:])  # a new shuffle each epoch
+
+
+def test_drop_last_keeps_only_full_batches(cache):
+    loader = LatentLoader(cache, batch_size=2, seed=0, drop_last=True)
+    assert len(loader) == 2 + 1 + 3
+    assert all(len(b["keys"]) == 2 for b in itertools.islice(loader, len(loader)))
+
+
+def test_order_is_a_function_of_seed_and_epoch(cache):
+    def order(seed, n_batches=18):
+        return _keys(itertools.islice(LatentLoader(cache, batch_size=2, seed=seed), n_batches))
+
+    assert order(0) == order(0)
+    assert order(0) != order(1)
+    # the batch plan alone, without reading data, is the same function
+    loader = LatentLoader(cache, batch_size=2, seed=0)
+    assert loader.epoch_batches(1) == LatentLoader(cache, batch_size=2, seed=0).epoch_batches(1)
+    assert loader.epoch_batches(0) != loader.epoch_batches(1)
+
+
+@pytest.mark.parametrize("consumed", [0, 4, 9, 13])  # start, mid-epoch, epoch boundary, second epoch
+def test_state_dict_resumes_exactly(cache, consumed):
+    loader = LatentLoader(cache, batch_size=2, seed=7)
+    it = iter(loader)
+    for _ in range(consumed):
+        next(it)
+    state = json.loads(json.dumps(loader.state_dict()))  # must survive JSON
+    expected = [next(it) for _ in range(6)]
+
+    fresh = LatentLoader(cache, batch_size=2, seed=7)
+    fresh.load_state_dict(state)
+    got = list(itertools.islice(fresh, 6))
+    for want, have in zip(expected, got):
+        assert have["keys"] == want["keys"] and have["bucket"] == want["bucket"]
+        for name in ("latents", "prompt_embeds", "pooled_prompt_embeds"):
+            assert torch.equal(have[name], want[name])
+
+
+def test_state_of_another_dataset_starts_a_new_epoch(cache):
+    loader = LatentLoader(cache, batch_size=2, seed=7)
+    loader.load_state_dict({"epoch": 2, "batch_index": 5, "seed": 7, "batch_size": 2, "dataset_id": "other"})
+    assert (loader.epoch, loader.batch_index) == (3, 0)
+
+
+def test_manifest_checks(tmp_path):
+    with pytest.raises(FileNotFoundError, match="run the cache stage"):
+        read_manifest(tmp_path)
+    manifest = write_fake_cache(tmp_path, {(16, 16, 1): 3})
+    manifest["shards"][0]["samples"] = 4
+    (tmp_path / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(ValueError, match="manifest says 4 samples, the tar holds 3"):
+        LatentLoader(tmp_path, batch_size=2)
+    manifest["shards"][0]["samples"] = 3
+    manifest["stage"] = "bucket"
+    (tmp_path / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(ValueError, match="'cache' stage"):
+        read_manifest(tmp_path)
+
+
+def test_verify_detects_a_changed_shard(tmp_path):
+    manifest = write_fake_cache(tmp_path, {(16, 16, 1): 2})
+    LatentLoader(tmp_path, batch_size=2, verify=True)
+    shard = tmp_path / manifest["shards"][0]["path"]
+    data = bytearray(shard.read_bytes())
+    data[-1] ^= 0xFF  # tar padding: still a valid tar, different bytes
+    shard.write_bytes(bytes(data))
+    LatentLoader(tmp_path, batch_size=2)  # not checked unless asked
+    with pytest.raises(ValueError, match="sha256 differs"):
+        LatentLoader(tmp_path, batch_size=2, verify=True)
