@@ -78,6 +78,9 @@ def _run_flow(command: str, config: Path, overrides: list[str], nproc: int) -> t
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``latentmill`` console script."""
+    # Progress bars and the summary are the CLI's output; Prefect's per-task INFO lines would drown them.
+    os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
+    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
     parser = _parser()
     # Overrides may come after options (`run cfg --nproc 1 trainer.max_steps=5`): collect them all.
     args, extra = parser.parse_known_args(argv)

@@ -21,6 +21,7 @@ def _isolated_prefect_home(tmp_path_factory):
     os.environ["PREFECT_HOME"] = str(home)
     os.environ.pop("PREFECT_API_URL", None)
     os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
+    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
     yield home
     for key, value in saved.items():
         if value is None:

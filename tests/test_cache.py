@@ -14,37 +14,24 @@ from latentmill.models import (
     cached_model_fingerprints,
     check_cache_compatible,
 )
-from stages import bucket, cache, caption, ingest
+from latentmill.recipe import Recipe
+from pipelines.prep import STAGES, manifest_header, plan_stage, stage_processor
+from stages import cache
 from stages.bucket import BucketConfig
 from stages.cache import CacheConfig, get_encoders, load_pixels
-from stages.caption import CaptionConfig
 from stages.ingest import IngestConfig
 from stages.shardio import StageDir, read_shard
 
 
 def _prep(src, root, model, cache_cfg):
-    """Run the four stages in-process; return the cache StageDir and its manifest."""
-    cfgs = {"ingest": IngestConfig(source=str(src), shard_size=8), "caption": CaptionConfig(),
-            "bucket": BucketConfig(resolution=64, aspect_ratios=[0.75, 1.0, 1.3333]), "cache": cache_cfg}
-    upstream = None
-    for name, mod in (("ingest", ingest), ("caption", caption), ("bucket", bucket), ("cache", cache)):
-        sd = StageDir(root / name, name).ensure()
-        cfg = cfgs[name]
-        if name == "ingest":
-            units = mod.plan(cfg)
-        elif name == "cache":
-            units = mod.plan(cfg, model, upstream)
-        else:
-            units = mod.plan(cfg, upstream)
-        if name == "cache":
-            records = [sd.run_unit(u, lambda unit, out: mod.process(cfg, model, unit, out)) for u in units]
-            header = cache.manifest_header(cfg, model)
-        else:
-            records = [sd.run_unit(u, lambda unit, out, m=mod, c=cfg: m.process(c, unit, out)) for u in units]
-            header = {"fingerprint": name}
-        manifest = sd.write_manifest(records, header)
-        upstream = sd
-    return upstream, manifest, records
+    """Run the four stages in this process (no Prefect) through the flow's own plan/process functions."""
+    recipe = Recipe(output_dir=str(root), model=model, ingest=IngestConfig(source=str(src), shard_size=8),
+                    bucket=BucketConfig(resolution=64, aspect_ratios=[0.75, 1.0, 1.3333]), cache=cache_cfg)
+    for name in STAGES:
+        sd = StageDir(recipe.stage_dir(name), name).ensure()
+        records = [sd.run_unit(u, stage_processor(name, recipe)) for u in plan_stage(name, recipe)]
+        manifest = sd.write_manifest(records, manifest_header(name, recipe))
+    return sd, manifest, records
 
 
 @pytest.fixture(scope="module")
@@ -134,7 +121,7 @@ def test_swapped_vae_is_refused_and_changes_cache_keys(cached, tmp_path):
     swapped = ModelConfig(pretrained=model.pretrained, vae=str(other / "vae"))
     with pytest.raises(CacheMismatchError, match="vae: cache was made with fingerprint"):
         check_cache_compatible(manifest, swapped)
-    upstream = StageDir(sd.root.parent / "bucket", "bucket")
+    upstream = StageDir(sd.root.parent / "bucket", "bucket")  # prep/bucket beside prep/cache
     old = {u.unit_id for u in cache.plan(cfg, model, upstream)}
     new = {u.unit_id for u in cache.plan(cfg, swapped, upstream)}
     assert old.isdisjoint(new)

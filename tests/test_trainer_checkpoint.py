@@ -56,7 +56,7 @@ def test_round_trip_restores_every_state(tmp_path):
     assert path.name == "step-000003" and sorted(p.name for p in path.iterdir()) == [
         "model.safetensors",
         "optimizer.pt",
-        "rng.safetensors",
+        "rng-rank0.safetensors",
         "trainer_state.json",
     ]
     assert set(load_file(path / "model.safetensors")) == {"1.weight", "1.bias"}  # trainable only

@@ -4,10 +4,12 @@ Layout of ``<train_dir>/checkpoints/step-000010/``:
 
 * ``model.safetensors``  - the trainable parameters (all of them in full mode, the LoRA ones in lora mode);
 * ``optimizer.pt``       - optimizer and LR-scheduler state dicts (``torch.save``; loaded ``weights_only=True``);
-* ``rng.safetensors``    - torch CPU (and CUDA) RNG state and the noise-sampling generator state (uint8);
+* ``rng-rank0.safetensors`` - torch CPU (and CUDA) RNG and noise-sampling generator states (uint8), one
+  file per rank;
 * ``trainer_state.json`` - step, loader position, last loss, config.
 
-A folder is written as ``step-000010.tmp`` and renamed once complete, so ``latest_checkpoint`` (the highest
+A folder is written as ``step-000010.tmp`` and renamed (by rank 0, after every rank wrote its part) once
+complete, so ``latest_checkpoint`` (the highest
 ``step-NNNNNN`` without suffix) never picks a partial one. ``keep_latest_k`` prunes older steps.
 """
 
@@ -19,7 +21,7 @@ import os
 import re
 import shutil
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from safetensors.torch import load_file, save_file
@@ -28,12 +30,12 @@ from torch import nn
 log = logging.getLogger(__name__)
 
 STEP_DIR = re.compile(r"^step-(\d+)$")
-MODEL_FILE, OPTIM_FILE, RNG_FILE, STATE_FILE = (
-    "model.safetensors",
-    "optimizer.pt",
-    "rng.safetensors",
-    "trainer_state.json",
-)
+MODEL_FILE, OPTIM_FILE, STATE_FILE = "model.safetensors", "optimizer.pt", "trainer_state.json"
+
+
+def rng_file(rank: int) -> str:
+    """Name of the RNG-state file of ``rank``."""
+    return f"rng-rank{rank}.safetensors"
 
 
 def step_dir_name(step: int) -> str:
@@ -83,33 +85,47 @@ def save_checkpoint(
     sampling_generator: torch.Generator,
     trainer_state: dict[str, Any],
     keep_latest_k: int = 0,
+    rank: int = 0,
+    barrier: Callable[[], None] = lambda: None,
 ) -> Path:
-    """Write ``step-NNNNNN`` atomically (tmp folder, then rename), prune to ``keep_latest_k``; return its path."""
+    """Write ``step-NNNNNN`` atomically (tmp folder, then rename), prune to ``keep_latest_k``; return its path.
+
+    Under DDP every rank calls this with its ``rank`` and a ``barrier``: rank 0 writes the shared files,
+    each rank its RNG state, and rank 0 renames the folder once all are written.
+    """
     ckpt_dir = Path(ckpt_dir)
-    ckpt_dir.mkdir(parents=True, exist_ok=True)
     final = ckpt_dir / step_dir_name(step)
     tmp = ckpt_dir / (final.name + ".tmp")
-    if tmp.exists():
-        shutil.rmtree(tmp)  # leftover of a run killed while saving
-    tmp.mkdir()
+    if rank == 0:
+        ckpt_dir.mkdir(parents=True, exist_ok=True)
+        if tmp.exists():
+            shutil.rmtree(tmp)  # leftover of a run killed while saving
+        tmp.mkdir()
+    barrier()
 
-    weights = {k: v.to("cpu").contiguous() for k, v in trainable_state_dict(model).items()}
-    save_file(weights, tmp / MODEL_FILE)
-    torch.save({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict()}, tmp / OPTIM_FILE)
+    written = [rng_file(rank)]
     rng = {"torch_cpu": torch.get_rng_state(), "sampling": sampling_generator.get_state()}
     if torch.cuda.is_available():
         rng["torch_cuda"] = torch.cuda.get_rng_state()
-    save_file(rng, tmp / RNG_FILE)
-    (tmp / STATE_FILE).write_text(json.dumps({**trainer_state, "step": step}, indent=2, sort_keys=True))
-    for name in (MODEL_FILE, OPTIM_FILE, RNG_FILE, STATE_FILE):
+    save_file(rng, tmp / rng_file(rank))
+    if rank == 0:
+        weights = {k: v.to("cpu").contiguous() for k, v in trainable_state_dict(model).items()}
+        save_file(weights, tmp / MODEL_FILE)
+        torch.save({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict()}, tmp / OPTIM_FILE)
+        (tmp / STATE_FILE).write_text(json.dumps({**trainer_state, "step": step}, indent=2, sort_keys=True))
+        written += [MODEL_FILE, OPTIM_FILE, STATE_FILE]
+    for name in written:
         with open(tmp / name, "rb") as fh:
             os.fsync(fh.fileno())
+    barrier()
 
-    if final.exists():  # re-saving a step (e.g. after resuming from an older one)
-        shutil.rmtree(final)
-    os.replace(tmp, final)
-    _fsync_dir(ckpt_dir)
-    prune_checkpoints(ckpt_dir, keep_latest_k)
+    if rank == 0:
+        if final.exists():  # re-saving a step (e.g. after resuming from an older one)
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        _fsync_dir(ckpt_dir)
+        prune_checkpoints(ckpt_dir, keep_latest_k)
+    barrier()
     return final
 
 
@@ -144,8 +160,9 @@ def load_checkpoint(
     optimizer: torch.optim.Optimizer,
     scheduler: Any,
     sampling_generator: torch.Generator,
+    rank: int = 0,
 ) -> dict[str, Any]:
-    """Restore model, optimizer, scheduler and RNG states in place; return the saved ``trainer_state``."""
+    """Restore model, optimizer, scheduler and ``rank``'s RNG states in place; return the ``trainer_state``."""
     path = Path(path)
     weights = load_file(path / MODEL_FILE)
     expected = set(trainable_state_dict(model))
@@ -163,9 +180,12 @@ def load_checkpoint(
     optim = torch.load(path / OPTIM_FILE, map_location="cpu", weights_only=True)
     optimizer.load_state_dict(optim["optimizer"])
     scheduler.load_state_dict(optim["scheduler"])
-    rng = load_file(path / RNG_FILE)
-    torch.set_rng_state(rng["torch_cpu"])
-    sampling_generator.set_state(rng["sampling"])
-    if "torch_cuda" in rng and torch.cuda.is_available():
-        torch.cuda.set_rng_state(rng["torch_cuda"])
+    if (path / rng_file(rank)).is_file():
+        rng = load_file(path / rng_file(rank))
+        torch.set_rng_state(rng["torch_cpu"])
+        sampling_generator.set_state(rng["sampling"])
+        if "torch_cuda" in rng and torch.cuda.is_available():
+            torch.cuda.set_rng_state(rng["torch_cuda"])
+    else:  # saved with fewer processes: this rank keeps its fresh seed
+        log.warning("%s has no RNG state for rank %d; this rank's noise starts from its seed", path, rank)
     return json.loads((path / STATE_FILE).read_text())

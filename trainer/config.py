@@ -85,14 +85,14 @@ class TrainerConfig:
 
 @dataclass
 class ParallelConfig:
-    """How to spread training over processes; only ``none`` (one process) exists so far."""
+    """How to spread training over processes: ``none`` (one process) or ``ddp`` (under torchrun)."""
 
     strategy: Literal["none", "ddp", "fsdp2"] = "none"
 
     def validate(self) -> None:
         """Fail early for strategies that are declared in the recipe schema but not implemented yet."""
-        if self.strategy != "none":
+        if self.strategy == "fsdp2":
             raise ConfigError(
-                f"parallel.strategy: {self.strategy!r} is not available yet in this version of the trainer; "
-                "use 'none' (single process)"
+                "parallel.strategy: 'fsdp2' is not available yet in this version of the trainer; "
+                "use 'none' (single process) or 'ddp' (one full model copy per process)"
             )
