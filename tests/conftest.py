@@ -4,9 +4,18 @@ from __future__ import annotations
 
 import os
 import shutil
+import tempfile
 from pathlib import Path
 
 import pytest
+
+# Set before any test module imports Prefect, so its settings take effect: flows run against a temporary
+# local API under a throwaway PREFECT_HOME, never a user's server or ~/.prefect.
+_PREFECT_HOME = tempfile.mkdtemp(prefix="latentmill-test-prefect-")
+os.environ["PREFECT_HOME"] = _PREFECT_HOME
+os.environ.pop("PREFECT_API_URL", None)
+os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
+os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DEMO_IMAGES = REPO_ROOT / "data" / "demo" / "images"
@@ -14,20 +23,9 @@ DEMO_CONFIG = REPO_ROOT / "configs" / "demo.yaml"
 
 
 @pytest.fixture(scope="session", autouse=True)
-def _isolated_prefect_home(tmp_path_factory):
-    """Flows run against a temporary local Prefect API under a throwaway PREFECT_HOME."""
-    home = tmp_path_factory.mktemp("prefect-home")
-    saved = {k: os.environ.get(k) for k in ("PREFECT_HOME", "PREFECT_API_URL", "PREFECT_LOGGING_LEVEL")}
-    os.environ["PREFECT_HOME"] = str(home)
-    os.environ.pop("PREFECT_API_URL", None)
-    os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
-    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
-    yield home
-    for key, value in saved.items():
-        if value is None:
-            os.environ.pop(key, None)
-        else:
-            os.environ[key] = value
+def _remove_prefect_home():
+    yield
+    shutil.rmtree(_PREFECT_HOME, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")
