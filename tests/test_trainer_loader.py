@@ -125,3 +125,20 @@ def test_verify_detects_a_changed_shard(tmp_path):
     LatentLoader(tmp_path, batch_size=2)  # not checked unless asked
     with pytest.raises(ValueError, match="sha256 differs"):
         LatentLoader(tmp_path, batch_size=2, verify=True)
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_ranks_share_each_epoch_equally_and_disjointly(cache, world_size):
+    loaders = [
+        LatentLoader(cache, batch_size=2, seed=1, rank=r, world_size=world_size) for r in range(world_size)
+    ]
+    plan = loaders[0].global_batches(0)  # 9 batches
+    per_rank = len(plan) // world_size
+    assert [len(loader) for loader in loaders] == [per_rank] * world_size
+    epochs = [list(itertools.islice(loader, per_rank)) for loader in loaders]
+    seen = [key for batches in epochs for key in _keys(batches)]
+    assert len(seen) == len(set(seen))  # no sample on two ranks
+    expected = [k for _, idx in plan[: per_rank * world_size] for k in idx]
+    assert len(seen) == len(expected)
+    # the next batch of every rank is from epoch 1
+    assert all(next(iter(loader))["epoch"] == 1 for loader in loaders)

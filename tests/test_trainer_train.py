@@ -45,13 +45,17 @@ def _run(setup, train_dir, **overrides):
     return train(cfg, cache_dir=cache, pretrained=pretrained, train_dir=train_dir, seed=0, progress=False)
 
 
-def test_overfits_a_few_samples(setup, tmp_path):
-    # Measured on this setup (seeds 0-2): last5/first5 = 0.42-0.45 after 100 steps; at 60 steps 0.49-0.50.
-    summary = _run(setup, tmp_path, max_steps=100, batch_size=4)
+@pytest.mark.parametrize(
+    ("mode", "max_ratio"),
+    # Measured here (100 steps, seeds 0-4): full 0.436-0.455, lora (rank 4, attention only) 0.796-0.819.
+    [("full", 0.55), ("lora", 0.9)],
+)
+def test_overfits_a_few_samples(setup, tmp_path, mode, max_ratio):
+    summary = _run(setup, tmp_path, mode=mode, max_steps=100, batch_size=4, lora_rank=4)
     losses = [r["loss"] for r in read_metrics(tmp_path)]
     assert len(losses) == 100
     ratio = statistics.mean(losses[-5:]) / statistics.mean(losses[:5])
-    assert ratio < 0.55, f"loss fell only to {ratio:.3f} of its start"
+    assert ratio < max_ratio, f"loss fell only to {ratio:.3f} of its start"
     assert summary["steps"] == 100 and summary["final_loss"] == losses[-1]
     assert summary["samples_per_s"] > 0 and 0 <= summary["data_wait_fraction"] < 1
     assert summary["peak_rss_mb"] > 50 and summary["resumed_from"] is None
@@ -174,7 +178,13 @@ def test_config_from_recipe_dict_and_errors():
     with pytest.raises(ConfigError, match="trainer.timestep_sampling"):
         from_dict(TrainerConfig, {"timestep_sampling": "cosine"}, prefix="trainer")
     assert from_dict(ParallelConfig, {}).strategy == "none"
-    for strategy in ("ddp", "fsdp2"):
-        with pytest.raises(ConfigError, match=f"parallel.strategy: '{strategy}' is not available yet"):
-            from_dict(ParallelConfig, {"strategy": strategy}, prefix="parallel")
+    assert from_dict(ParallelConfig, {"strategy": "ddp"}).strategy == "ddp"
+    with pytest.raises(ConfigError, match="parallel.strategy: 'fsdp2' is not available yet"):
+        from_dict(ParallelConfig, {"strategy": "fsdp2"}, prefix="parallel")
     assert json.loads(json.dumps(to_dict(cfg)))["lora_target_modules"] == cfg.lora_target_modules
+
+
+def test_strategy_none_refuses_a_multi_process_launch(setup, tmp_path, monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(ConfigError, match="'none' but 2 processes were launched"):
+        _run(setup, tmp_path)

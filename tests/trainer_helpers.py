@@ -7,9 +7,11 @@ reading path.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import io
 import json
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -136,17 +138,12 @@ def read_metrics(train_dir: str | Path) -> list[dict]:
     return [json.loads(line) for line in text.splitlines() if line]
 
 
-def torch_threads(n: int = 1):
-    """Context manager: run torch on ``n`` intra-op threads (tiny models are faster and steadier so)."""
-    import contextlib
-
-    @contextlib.contextmanager
-    def _ctx():
-        before = torch.get_num_threads()
-        torch.set_num_threads(n)
-        try:
-            yield
-        finally:
-            torch.set_num_threads(before)
-
-    return _ctx()
+@contextlib.contextmanager
+def torch_threads(n: int = 1) -> Iterator[None]:
+    """Run torch on ``n`` intra-op threads (tiny models are faster and steadier so on a shared CPU)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)

@@ -6,7 +6,8 @@ Public API::
     summary = train(TrainerConfig(max_steps=200), cache_dir=..., pretrained=..., train_dir=..., seed=0)
 
 Modules: ``config`` (typed recipe sections), ``objective`` (flow matching), ``flux`` (Flux model adapter,
-load and export), ``loader`` (``LatentLoader``), ``checkpoint`` (atomic step folders), ``train`` (the loop).
+load and export), ``loader`` (``LatentLoader``), ``checkpoint`` (atomic step folders), ``parallel``
+(none / DDP under torchrun), ``train`` (the loop).
 """
 
 from trainer.checkpoint import latest_checkpoint, list_checkpoints, load_checkpoint, save_checkpoint

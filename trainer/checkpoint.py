@@ -8,9 +8,9 @@ Layout of ``<train_dir>/checkpoints/step-000010/``:
   file per rank;
 * ``trainer_state.json`` - step, loader position, last loss, config.
 
-A folder is written as ``step-000010.tmp`` and renamed (by rank 0, after every rank wrote its part) once
-complete, so ``latest_checkpoint`` (the highest
-``step-NNNNNN`` without suffix) never picks a partial one. ``keep_latest_k`` prunes older steps.
+A folder is written as ``step-000010.tmp`` and renamed once complete (by rank 0, after every rank wrote
+its part), so ``latest_checkpoint`` (the highest ``step-NNNNNN`` without suffix) never picks a partial
+one. ``keep_latest_k`` prunes older steps.
 """
 
 from __future__ import annotations
@@ -111,7 +111,9 @@ def save_checkpoint(
     if rank == 0:
         weights = {k: v.to("cpu").contiguous() for k, v in trainable_state_dict(model).items()}
         save_file(weights, tmp / MODEL_FILE)
-        torch.save({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict()}, tmp / OPTIM_FILE)
+        torch.save(
+            {"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict()}, tmp / OPTIM_FILE
+        )
         (tmp / STATE_FILE).write_text(json.dumps({**trainer_state, "step": step}, indent=2, sort_keys=True))
         written += [MODEL_FILE, OPTIM_FILE, STATE_FILE]
     for name in written:

@@ -93,12 +93,13 @@ def flux_forward(
     """Predict the flow velocity [B, C, H, W] for noisy latents at noise levels ``sigmas_B``.
 
     Calls the transformer exactly like ``FluxPipeline.__call__``; ``guidance`` is passed only when the model
-    has a guidance embedding (``config.guidance_embeds``).
+    has a guidance embedding (``config.guidance_embeds``). ``transformer`` may be wrapped in DDP.
     """
     B, _, H, W = noisy_latents_BCHW.shape
     device, dtype = noisy_latents_BCHW.device, noisy_latents_BCHW.dtype
+    config = getattr(transformer, "module", transformer).config  # DDP wraps the model in .module
     guidance = None
-    if getattr(transformer.config, "guidance_embeds", False):
+    if getattr(config, "guidance_embeds", False):
         guidance = torch.full((B,), float(guidance_scale), device=device, dtype=torch.float32)
     pred_BNK = transformer(
         hidden_states=pack_latents(noisy_latents_BCHW),

@@ -13,6 +13,7 @@ Design choices:
   and each member is read exactly once per epoch. This needs local, uncompressed tars (what the cache
   stage writes); remote (fsspec) caches are not supported yet.
 * ``state_dict()`` is (epoch, index of the next batch): restoring it yields the very same next batches.
+* Under DDP each rank takes every ``world_size``-th batch of the global plan, the same number per rank.
 """
 
 from __future__ import annotations
@@ -110,9 +111,14 @@ class LatentLoader:
         drop_last: bool = False,
         verify: bool = False,
         manifest: dict | None = None,
+        rank: int = 0,
+        world_size: int = 1,
     ) -> None:
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} is outside world_size {world_size}")
+        self.rank, self.world_size = rank, world_size
         self.cache_dir = Path(cache_dir)
         self.manifest = manifest if manifest is not None else read_manifest(self.cache_dir)
         self.batch_size, self.seed, self.dtype, self.drop_last = batch_size, seed, dtype, drop_last
@@ -152,8 +158,8 @@ class LatentLoader:
         self._fds: dict[int, int] = {}
 
     # --- order: a pure function of (seed, epoch, manifest) ---
-    def epoch_batches(self, epoch: int) -> list[tuple[tuple[int, ...], list[int]]]:
-        """The batches of ``epoch`` as (bucket, sample indices within that bucket), in iteration order."""
+    def global_batches(self, epoch: int) -> list[tuple[tuple[int, ...], list[int]]]:
+        """All ranks' batches of ``epoch`` as (bucket, sample indices within that bucket), in order."""
         gen = _epoch_generator(self.seed, epoch)
         batches = []
         for bucket, refs in self.buckets.items():
@@ -165,8 +171,17 @@ class LatentLoader:
                 batches.append((bucket, chunk))
         return [batches[i] for i in torch.randperm(len(batches), generator=gen).tolist()]
 
+    def epoch_batches(self, epoch: int) -> list[tuple[tuple[int, ...], list[int]]]:
+        """This rank's batches of ``epoch``: every ``world_size``-th global batch.
+
+        Every rank gets the same count; the last ``len % world_size`` global batches of the epoch are skipped.
+        """
+        batches = self.global_batches(epoch)
+        per_rank = len(batches) // self.world_size
+        return batches[self.rank :: self.world_size][:per_rank]
+
     def __len__(self) -> int:
-        """Batches per epoch."""
+        """Batches per epoch on this rank."""
         return len(self.epoch_batches(0))
 
     # --- resumable state ---
@@ -178,6 +193,7 @@ class LatentLoader:
             "seed": self.seed,
             "batch_size": self.batch_size,
             "dataset_id": self.dataset_id,
+            "world_size": self.world_size,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -189,6 +205,9 @@ class LatentLoader:
         )
         if same:
             self.epoch, self.batch_index = int(state["epoch"]), int(state["batch_index"])
+            saved_world = int(state.get("world_size", 1))
+            if saved_world != self.world_size:  # continue from the same global position, approximately
+                self.batch_index = self.batch_index * saved_world // self.world_size
         else:
             # A refreshed dataset or changed batch size: the old position means nothing, start a new epoch.
             log.warning(

@@ -31,7 +31,8 @@ class DistContext:
     world_size: int = 1
     local_rank: int = 0
     device: torch.device = torch.device("cpu")
-    initialized: bool = False  # whether this context started a process group (and must end it)
+    initialized: bool = False  # a process group joins the ranks (barrier and all-reduce are real)
+    owns_group: bool = False  # this context started the group, so ``shutdown`` ends it
 
     @property
     def is_main(self) -> bool:
@@ -83,9 +84,10 @@ def init_distributed(parallel: ParallelConfig) -> DistContext:
     if cuda:
         torch.cuda.set_device(local_rank)
     device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
-    if not dist.is_initialized():
+    owns_group = not dist.is_initialized()
+    if owns_group:
         dist.init_process_group(backend="nccl" if cuda else "gloo")
-    return DistContext(rank=rank, world_size=world, local_rank=local_rank, device=device, initialized=True)
+    return DistContext(rank, world, local_rank, device, initialized=True, owns_group=owns_group)
 
 
 def parallelize(model: nn.Module, parallel: ParallelConfig, ctx: DistContext) -> nn.Module:
@@ -98,5 +100,5 @@ def parallelize(model: nn.Module, parallel: ParallelConfig, ctx: DistContext) ->
 
 def shutdown(ctx: DistContext) -> None:
     """End the process group this context started."""
-    if ctx.initialized and dist.is_initialized():
+    if ctx.owns_group and dist.is_initialized():
         dist.destroy_process_group()

@@ -2,8 +2,8 @@
 
 Reads ONLY the cache stage's latent shards, trains a Flux-class transformer with flow matching, writes
 ``<train_dir>/metrics.jsonl`` (one JSON object per optimizer step), checkpoints under
-``<train_dir>/checkpoints/`` and, at the end, a Diffusers export. Single process; CUDA if available
-(bfloat16 autocast), else CPU in float32.
+``<train_dir>/checkpoints/`` and, at the end, a Diffusers export. CUDA if available (bfloat16 autocast),
+else CPU in float32. One process, or DDP under torchrun (``parallel.strategy: ddp``, see ``parallel``).
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ from trainer.config import ParallelConfig, TrainerConfig
 from trainer.flux import check_batch_fits, export_flux, flux_forward, load_flux_transformer
 from trainer.loader import LatentLoader, read_manifest
 from trainer.objective import flow_matching_loss, interpolate, sample_sigmas, velocity_target
+from trainer.parallel import DistContext, init_distributed, parallelize, shutdown
 
 log = logging.getLogger(__name__)
 
@@ -105,16 +106,38 @@ def train(
     ``check_cache(manifest)`` (optional) raises if the cached latents were made by other encoders than the
     recipe's. ``export_dir`` defaults to ``<train_dir>/export`` (used when ``cfg.export``). Returns a summary:
     ``steps``, ``steps_this_run``, ``final_loss``, ``samples_per_s``, ``data_wait_fraction``, ``peak_rss_mb``,
-    ``export_dir``, ``resumed_from``.
+    ``export_dir``, ``resumed_from``, ``world_size``. Under torchrun with ``parallel.strategy: ddp`` every
+    rank calls this; rank 0 writes metrics, weights and the export (its summary has ``export_dir``).
     """
-    # ---------------------------------------------------------------- setup
     cfg.validate()
     parallel = parallel or ParallelConfig()
-    parallel.validate()
-    train_dir = Path(train_dir)
-    train_dir.mkdir(parents=True, exist_ok=True)
+    ctx = init_distributed(parallel)
+    try:
+        return _train(cfg, ctx, parallel, Path(cache_dir), pretrained, Path(train_dir), seed, export_dir,
+                      progress=progress, check_cache=check_cache)  # fmt: skip
+    finally:
+        shutdown(ctx)
+
+
+def _train(
+    cfg: TrainerConfig,
+    ctx: DistContext,
+    parallel: ParallelConfig,
+    cache_dir: Path,
+    pretrained: str,
+    train_dir: Path,
+    seed: int,
+    export_dir: str | Path | None,
+    *,
+    progress: bool,
+    check_cache: Callable[[dict], None] | None,
+) -> dict[str, Any]:
+    """The body of ``train`` for one process (rank ``ctx.rank`` of ``ctx.world_size``)."""
+    # ---------------------------------------------------------------- setup
     ckpt_dir, metrics_path = train_dir / "checkpoints", train_dir / "metrics.jsonl"
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if ctx.is_main:
+        train_dir.mkdir(parents=True, exist_ok=True)
+    device = ctx.device
     autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else nullcontext()
 
     # ---------------------------------------------------------------- data: manifest and loader
@@ -129,9 +152,11 @@ def train(
         drop_last=cfg.drop_last,
         verify=cfg.verify_shards,
         manifest=manifest,
+        rank=ctx.rank,
+        world_size=ctx.world_size,
     )
     log.info(
-        "cache %s: %d samples in %d buckets, %d batches per epoch",
+        "cache %s: %d samples in %d buckets, %d batches per epoch and rank",
         cache_dir,
         loader.num_samples,
         len(loader.buckets),
@@ -139,7 +164,7 @@ def train(
     )
 
     # ---------------------------------------------------------------- model
-    torch.manual_seed(derive_seed(seed, "init"))  # LoRA init draws from the global RNG
+    torch.manual_seed(derive_seed(seed, "init"))  # LoRA init draws from the global RNG: same on every rank
     transformer = load_flux_transformer(
         pretrained,
         mode=cfg.mode,
@@ -149,6 +174,7 @@ def train(
         lora_target_modules=cfg.lora_target_modules,
     )
     trainable = [p for p in transformer.parameters() if p.requires_grad]
+    model = parallelize(transformer, parallel, ctx)  # forward through `model`; save/export `transformer`
     log.info("%s mode: %d trainable parameters", cfg.mode, sum(p.numel() for p in trainable))
 
     # ---------------------------------------------------------------- optimizer, LR schedule, noise RNG
@@ -160,7 +186,8 @@ def train(
         weight_decay=cfg.weight_decay,
     )
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_lambda(cfg.warmup_steps))
-    sampling_gen = torch.Generator().manual_seed(derive_seed(seed, "sampling"))  # sigmas and noise, on CPU
+    # sigmas and noise come from this CPU generator only; each rank draws its own
+    sampling_gen = torch.Generator().manual_seed(derive_seed(seed, f"sampling:{ctx.rank}"))
 
     # ---------------------------------------------------------------- resume
     resume_path = resolve_resume(cfg.resume, ckpt_dir)
@@ -172,21 +199,25 @@ def train(
             optimizer=optimizer,
             scheduler=scheduler,
             sampling_generator=sampling_gen,
+            rank=ctx.rank,
         )
         loader.load_state_dict(state["loader"])
         start_step, last_loss = int(state["step"]), float(state.get("loss", float("nan")))
-        _rewind_metrics(metrics_path, start_step)
+        if ctx.is_main:
+            _rewind_metrics(metrics_path, start_step)
         log.info("resumed from %s at step %d", resume_path, start_step)
-    else:
+    elif ctx.is_main:
         _set_aside_previous_run(train_dir, ckpt_dir, metrics_path)
         metrics_path.write_text("")
+    ctx.barrier()  # every rank has decided where to start before rank 0 writes anything new
 
     # ---------------------------------------------------------------- training loop
     grad_clip = cfg.grad_clip if cfg.grad_clip > 0 else math.inf
     step, samples_seen, train_time, data_time = start_step, 0, 0.0, 0.0
     batches = iter(loader)
-    bar = tqdm(total=cfg.max_steps, initial=start_step, disable=not progress, desc="train", unit="step")
-    with bar, loader, open(metrics_path, "a") as metrics_file:
+    bar = tqdm(total=cfg.max_steps, initial=start_step, disable=not (progress and ctx.is_main), unit="step")
+    metrics_file = open(metrics_path, "a") if ctx.is_main else nullcontext()
+    with bar, loader, metrics_file:
         while step < cfg.max_steps:
             t_start = time.perf_counter()
             batch = next(batches)
@@ -198,7 +229,7 @@ def train(
                 check_batch_fits(transformer, latents, prompt_embeds, pooled)
 
             # --- flow matching: noise level, noisy latents, velocity target (all randomness from one generator)
-            batch_size = latents.shape[0]
+            batch_size = latents.shape[0]  # this rank's share of the step
             sigmas = sample_sigmas(batch_size, cfg, sampling_gen).to(device)
             noise = torch.randn(latents.shape, generator=sampling_gen, dtype=torch.float32).to(device)
             noisy = interpolate(latents, noise, sigmas)
@@ -206,21 +237,22 @@ def train(
 
             # --- forward, backward, clip, step
             with autocast:
-                pred = flux_forward(transformer, noisy, sigmas, prompt_embeds, pooled, cfg.guidance_scale)
+                pred = flux_forward(model, noisy, sigmas, prompt_embeds, pooled, cfg.guidance_scale)
             loss = flow_matching_loss(pred, target)
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
-            grad_norm = torch.nn.utils.clip_grad_norm_(trainable, grad_clip)
-            last_loss = loss.item()
+            grad_norm = torch.nn.utils.clip_grad_norm_(trainable, grad_clip)  # of the rank-averaged grads
+            last_loss = ctx.mean(loss.item())  # the loss of the global batch
             if not math.isfinite(last_loss):
                 raise FloatingPointError(f"loss is {last_loss} at step {step + 1} (batch {batch['keys']})")
             lr = scheduler.get_last_lr()[0]
             optimizer.step()
             scheduler.step()
             step += 1
+            global_batch = ctx.sum(batch_size)
             t_step = time.perf_counter() - t_start
             samples_seen, train_time, data_time = (
-                samples_seen + batch_size,
+                samples_seen + global_batch,
                 train_time + t_step,
                 data_time + t_data,
             )
@@ -231,14 +263,15 @@ def train(
                 "loss": last_loss,
                 "lr": lr,
                 "grad_norm": float(grad_norm),
-                "samples_per_s": batch_size / t_step,
+                "samples_per_s": global_batch / t_step,
                 "data_wait_s": t_data,
                 "step_time_s": t_step,
                 "epoch": batch["epoch"],
                 "bucket": batch["bucket"],
             }
-            metrics_file.write(json.dumps(record) + "\n")
-            metrics_file.flush()
+            if ctx.is_main:
+                metrics_file.write(json.dumps(record) + "\n")
+                metrics_file.flush()
             bar.update(1)
             if step % cfg.log_every == 0 or step == cfg.max_steps:
                 bar.set_postfix(loss=f"{last_loss:.4f}", lr=f"{lr:.2e}")
@@ -250,6 +283,7 @@ def train(
                     "loader": loader.state_dict(),
                     "loss": last_loss,
                     "seed": seed,
+                    "world_size": ctx.world_size,
                     "mode": cfg.mode,
                     "config": to_dict(cfg),
                     "manifest_fingerprint": manifest.get("fingerprint"),
@@ -263,11 +297,13 @@ def train(
                     sampling_generator=sampling_gen,
                     trainer_state=trainer_state,
                     keep_latest_k=cfg.keep_latest_k,
+                    rank=ctx.rank,
+                    barrier=ctx.barrier,
                 )
 
     # ---------------------------------------------------------------- export
     exported = None
-    if cfg.export:
+    if cfg.export and ctx.is_main:
         exported = export_flux(
             transformer.to("cpu"),
             mode=cfg.mode,
@@ -275,6 +311,7 @@ def train(
             export_dir=export_dir if export_dir is not None else train_dir / "export",
         )
         log.info("exported %s weights to %s", cfg.mode, exported)
+    ctx.barrier()
 
     return {
         "steps": step,
@@ -285,4 +322,5 @@ def train(
         "peak_rss_mb": peak_rss_mb(),
         "export_dir": str(exported) if exported is not None else None,
         "resumed_from": str(resume_path) if resume_path is not None else None,
+        "world_size": ctx.world_size,
     }
