@@ -84,3 +84,25 @@ def test_bad_config_fails_before_any_work(tmp_path, capsys):
     assert main(["run", str(DEMO_CONFIG), f"output_dir={out}", "trainer.mode=ful"]) == 2
     assert "trainer.mode: 'ful' is not one of 'full', 'lora'" in capsys.readouterr().err
     assert not out.exists()
+
+
+def test_nproc_launches_torchrun_ddp(demo_run, tmp_path):
+    out, _, args = demo_run
+    base = [a for a in args if not a.startswith(("trainer.", "--summary-json")) and a != str(out / "summary.json")]
+    base[0] = "train"
+    summary_path = tmp_path / "ddp.json"
+    assert main([*base, "trainer.max_steps=4", "trainer.save_every=2", "trainer.batch_size=2",
+                 "parallel.strategy=ddp", "--nproc", "2", "--summary-json", str(summary_path)]) == 0
+    summary = json.loads(summary_path.read_text())["train"]
+    assert summary["world_size"] == 2 and summary["steps"] == 4
+    steps = [json.loads(line)["step"] for line in (out / "train" / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [1, 2, 3, 4]
+    assert (out / "export" / "model_index.json").is_file()
+
+
+def test_nproc_without_ddp_fails_before_training(demo_run, capsys):
+    out, _, args = demo_run
+    before = (out / "train" / "metrics.jsonl").read_text()
+    assert main(["train", *args[1:5], "--nproc", "2"]) == 2
+    assert "--nproc 2 needs parallel.strategy: 'ddp'" in capsys.readouterr().err
+    assert (out / "train" / "metrics.jsonl").read_text() == before

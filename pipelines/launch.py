@@ -1,0 +1,48 @@
+"""Entry point of one training process under torchrun: ``python -m pipelines.launch RECIPE_JSON SUMMARY_JSON``.
+
+`latentmill train CONFIG --nproc N` writes the validated recipe to JSON and starts
+``torchrun --standalone --nproc-per-node N -m pipelines.launch ...``; every rank trains, rank 0 writes the
+summary.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+from latentmill.models import check_cache_compatible
+from latentmill.recipe import Recipe, recipe_from_dict
+
+
+def train_recipe(recipe: Recipe, progress: bool = True) -> dict[str, Any]:
+    """Train on the recipe's latent cache (refusing one made by other models) and export."""
+    from trainer import train
+
+    return train(
+        recipe.trainer,
+        cache_dir=recipe.stage_dir("cache"),
+        pretrained=recipe.model.pretrained,
+        train_dir=recipe.train_dir,
+        seed=recipe.seed,
+        export_dir=recipe.export_dir,
+        parallel=recipe.parallel,
+        progress=progress,
+        check_cache=lambda manifest: check_cache_compatible(manifest, recipe.model),
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    recipe_json, summary_json = (argv if argv is not None else sys.argv[1:])[:2]
+    recipe = recipe_from_dict(json.loads(Path(recipe_json).read_text()))
+    rank = int(os.environ.get("RANK", "0"))
+    summary = train_recipe(recipe, progress=rank == 0)
+    if rank == 0:
+        Path(summary_json).write_text(json.dumps(summary, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
