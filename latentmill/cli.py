@@ -57,8 +57,22 @@ def _print_summary(summary: dict[str, Any], recipe_output: str | None) -> None:
               f"peak RSS {train['peak_rss_mb']:.0f} MB")
         if train.get("export_dir"):
             print(f"exported pipeline: {train['export_dir']}")
+    if summary.get("sample"):
+        print(f"sample image: {summary['sample']}")
     if recipe_output:
         print(f"outputs under: {recipe_output}")
+
+
+def _sample_image(export_dir: Path, path: Path) -> Path:
+    """Generate one image with the exported pipeline, exactly as a user would load it."""
+    import torch
+    from diffusers import DiffusionPipeline
+
+    pipe = DiffusionPipeline.from_pretrained(export_dir)
+    image = pipe("a red circle on a blue background", height=128, width=128, num_inference_steps=8,
+                 generator=torch.Generator().manual_seed(0), max_sequence_length=32).images[0]
+    image.save(path)
+    return path
 
 
 def _run_flow(command: str, config: Path, overrides: list[str], nproc: int) -> tuple[dict, str]:
@@ -102,6 +116,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "demo":
             os.chdir(REPO_ROOT)  # the demo recipe's paths are relative to the repository
             summary, out = _run_flow("run", DEMO_CONFIG, args.overrides, 1)
+            export = summary["train"].get("export_dir")
+            if export:
+                summary["sample"] = str(_sample_image(Path(export), Path(out) / "sample.png"))
         else:
             summary, out = _run_flow(args.command, args.config, args.overrides, getattr(args, "nproc", 1))
     except (ConfigError, CacheMismatchError, FileNotFoundError) as err:

@@ -106,3 +106,18 @@ def test_nproc_without_ddp_fails_before_training(demo_run, capsys):
     assert main(["train", *args[1:5], "--nproc", "2"]) == 2
     assert "--nproc 2 needs parallel.strategy: 'ddp'" in capsys.readouterr().err
     assert (out / "train" / "metrics.jsonl").read_text() == before
+
+
+def test_demo_command_runs_the_embedded_default_and_samples(tiny_flux, tmp_path, monkeypatch):
+    from PIL import Image
+
+    monkeypatch.chdir(tmp_path)  # `demo` moves to the repository root itself; undone after the test
+    out = tmp_path / "demo"
+    summary_path = tmp_path / "demo.json"
+    assert main(["demo", f"output_dir={out}", f"model.pretrained={tiny_flux}", "trainer.max_steps=3",
+                 "--summary-json", str(summary_path)]) == 0
+    summary = json.loads(summary_path.read_text())
+    assert summary["stages"]["cache"]["out"] == 24 and summary["train"]["steps"] == 3
+    with Image.open(summary["sample"]) as image:
+        assert image.size == (128, 128)
+    assert summary["sample"] == str(out / "sample.png")
