@@ -50,6 +50,9 @@ def _print_summary(summary: dict[str, Any], recipe_output: str | None) -> None:
         buckets = (stages.get("bucket") or {}).get("buckets")
         if buckets:
             print("buckets (WxHxF: samples): " + ", ".join(f"{k}: {v}" for k, v in buckets.items()))
+    snapshot = summary.get("snapshot")
+    if snapshot:
+        print(f"snapshot: {snapshot['name']} ({'new' if snapshot['new'] else 'unchanged'}) at {snapshot['path']}")
     train = summary.get("train")
     if train:
         print(f"train: {train['steps']} steps, final loss {train['final_loss']:.4f}, "
@@ -95,6 +98,8 @@ def main(argv: list[str] | None = None) -> int:
     # Progress bars and the summary are the CLI's output; Prefect's per-task INFO lines would drown them.
     os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+    # A loaded machine can take longer than the default 20 s to start the temporary local API.
+    os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180")
     parser = _parser()
     # Overrides may come after options (`run cfg --nproc 1 trainer.max_steps=5`): collect them all.
     args, extra = parser.parse_known_args(argv)

@@ -19,8 +19,28 @@ def _stage_dirs(path: Path) -> list[Path]:
     return found
 
 
+def _print_snapshot(folder: Path, manifest: dict) -> None:
+    snap = manifest["snapshot"]
+    print(f"snapshot {snap['name']} ({folder}): {snap['samples']} samples in {len(manifest['shards'])} shards, "
+          f"{snap['bytes'] / 1e6:.2f} MB, family {manifest.get('family')}, dtype {manifest.get('dtype')}, "
+          f"parent {snap['parent'] or '-'}, created {snap['created']}")
+    print("  buckets: " + ", ".join(f"{k}: {v}" for k, v in snap["buckets"].items()))
+    for name, model in (manifest.get("models") or {}).items():
+        print(f"  {name}: {model.get('class')} fingerprint {model.get('fingerprint', '')[:16]}")
+    for stage, reasons in snap["quarantine"].items():
+        for reason, count in reasons.items():
+            print(f"  quarantined at {stage}: {count} × {reason}")
+
+
 def inspect_path(path: Path) -> int:
-    """Print each stage's counts, buckets, models and quarantine reasons."""
+    """Print a snapshot's report, or each stage's counts, buckets, models and quarantine reasons."""
+    if (path / "manifest.json").is_file() and "snapshot" in json.loads((path / "manifest.json").read_text()):
+        _print_snapshot(path, json.loads((path / "manifest.json").read_text()))
+        return 0
+    latest = path / "snapshots" / "LATEST"
+    if latest.is_file():
+        folder = path / "snapshots" / latest.read_text().strip()
+        _print_snapshot(folder, json.loads((folder / "manifest.json").read_text()))
     for stage_dir in _stage_dirs(path):
         manifest = json.loads((stage_dir / "manifest.json").read_text())
         counts = manifest["counts"]

@@ -15,7 +15,7 @@ import os
 import threading
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Literal, Optional
 
 # Components whose outputs are cached; the trainer never loads them.
 CACHED_COMPONENTS = ("vae", "text_encoder", "text_encoder_2")
@@ -31,6 +31,7 @@ class ModelConfig:
     """Which pretrained pipeline to use, with optional per-component overrides."""
 
     pretrained: str
+    family: Literal["auto", "flux", "wan"] = "auto"  # auto: read from the pipeline's model_index.json
     vae: Optional[str] = None
     text_encoder: Optional[str] = None
     text_encoder_2: Optional[str] = None
@@ -127,10 +128,10 @@ def tokenizer_source(model: ModelConfig, encoder: str) -> ComponentSource:
     return ComponentSource(model.pretrained, name)
 
 
-def cached_model_fingerprints(model: ModelConfig) -> dict[str, str]:
+def cached_model_fingerprints(model: ModelConfig, components: tuple[str, ...] = CACHED_COMPONENTS) -> dict[str, str]:
     """Fingerprints of the components whose outputs the cache stores (text encoders with tokenizers)."""
     prints = {}
-    for name in CACHED_COMPONENTS:
+    for name in components:
         fp = component_fingerprint(component_source(model, name))
         if name in TOKENIZER_OF:
             fp = hashlib.sha256((fp + component_fingerprint(tokenizer_source(model, name))).encode()).hexdigest()
@@ -141,7 +142,7 @@ def cached_model_fingerprints(model: ModelConfig) -> dict[str, str]:
 def check_cache_compatible(manifest: dict[str, Any], model: ModelConfig) -> None:
     """Refuse a latent cache whose producing models differ from the recipe's, saying what differs."""
     recorded = manifest.get("models") or {}
-    expected = cached_model_fingerprints(model)
+    expected = cached_model_fingerprints(model, tuple(recorded) or CACHED_COMPONENTS)
     problems = []
     for name, fp in expected.items():
         have = (recorded.get(name) or {}).get("fingerprint")

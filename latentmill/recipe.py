@@ -43,6 +43,7 @@ class Recipe:
     output_dir: str
     model: ModelConfig
     seed: int = 0
+    snapshot: str = "latest"  # the dataset snapshot training reads: "latest" or a published name
     runner: RunnerConfig = field(default_factory=RunnerConfig)
     ingest: IngestConfig = field(default_factory=IngestConfig)
     caption: CaptionConfig = field(default_factory=CaptionConfig)

@@ -6,6 +6,7 @@ and returns the run summary (``{"stages": {...}, "train": {...}}``).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -18,7 +19,7 @@ from latentmill.config import ConfigError
 from latentmill.recipe import Recipe, load_recipe, recipe_from_dict
 from pipelines.launch import train_recipe
 from pipelines.prep import prep, run_prep
-from stages.shardio import StageDir
+from pipelines.snapshot import resolve_snapshot
 
 
 @task(name="train-model", cache_policy=NONE)
@@ -55,7 +56,7 @@ def check_nproc(recipe: Recipe, nproc: int) -> None:
 def run_train(recipe: Recipe, nproc: int = 1) -> dict[str, Any]:
     """Train from the cache stage's manifest, in this process or under torchrun."""
     check_nproc(recipe, nproc)
-    StageDir(recipe.stage_dir("cache"), "cache").read_manifest()  # clear error if prep has not run
+    resolve_snapshot(recipe.output_dir, recipe.snapshot)  # clear error if prep has not run
     if nproc == 1:
         return train_task(recipe.to_dict())
     return torchrun_task(recipe.to_dict(), nproc)
@@ -71,11 +72,24 @@ def train(config: str = "configs/demo.yaml", overrides: list[str] | None = None,
 @flow(name="prep-then-train")
 def prep_then_train(config: str = "configs/demo.yaml", overrides: list[str] | None = None,
                     nproc: int = 1) -> dict[str, Any]:
-    """Prepare the latent cache, then train on it: ``{"stages": {...}, "train": {...}}``."""
+    """Prepare the latent cache, then train on its snapshot: ``{"stages", "snapshot", "train"}``."""
     recipe = load_recipe(config, overrides)
     check_nproc(recipe, nproc)
-    stages = run_prep(recipe)
-    return {"stages": stages, "train": run_train(recipe, nproc)}
+    prepared = run_prep(recipe)
+    return {**prepared, "train": run_train(recipe, nproc)}
 
 
-__all__ = ["prep", "train", "prep_then_train"]
+@flow(name="refresh")
+def refresh(config: str = "configs/demo.yaml", overrides: list[str] | None = None, train: bool = False,
+            nproc: int = 1) -> dict[str, Any]:
+    """Prep incrementally (only new or changed inputs cost work); train on the snapshot if it is new."""
+    recipe = load_recipe(config, overrides)
+    check_nproc(recipe, nproc)
+    prepared = run_prep(recipe)
+    result = dict(prepared)
+    if train and prepared["snapshot"]["new"]:
+        result["train"] = run_train(dataclasses.replace(recipe, snapshot=prepared["snapshot"]["name"]), nproc)
+    return result
+
+
+__all__ = ["prep", "train", "prep_then_train", "refresh"]

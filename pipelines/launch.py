@@ -18,12 +18,13 @@ from latentmill.recipe import Recipe, recipe_from_dict
 
 
 def train_recipe(recipe: Recipe, progress: bool = True) -> dict[str, Any]:
-    """Train on the recipe's latent cache (refusing one made by other models) and export."""
+    """Train on the recipe's dataset snapshot (refusing one made by other models) and export."""
+    from pipelines.snapshot import resolve_snapshot
     from trainer import train
 
     return train(
         recipe.trainer,
-        cache_dir=recipe.stage_dir("cache"),
+        cache_dir=resolve_snapshot(recipe.output_dir, recipe.snapshot),
         pretrained=recipe.model.pretrained,
         train_dir=recipe.train_dir,
         seed=recipe.seed,

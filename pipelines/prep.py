@@ -17,6 +17,8 @@ from prefect.utilities.annotations import unmapped
 from tqdm.auto import tqdm
 
 from latentmill.recipe import Recipe, RunnerConfig, load_recipe, recipe_from_dict
+from pipelines.report import StageProgress, publish_prep_artifacts
+from pipelines.snapshot import publish as publish_snapshot
 from stages import bucket, cache, caption, ingest
 from stages.shardio import StageDir, UnitOutput, UnitRecord, WorkUnit, stable_hash, stage_report
 
@@ -54,11 +56,10 @@ def manifest_header(stage: str, recipe: Recipe) -> dict[str, Any]:
     if stage == "ingest":
         return {"fingerprint": stable_hash(ingest.fingerprint(recipe.ingest)), "source": recipe.ingest.source}
     if stage == "caption":
-        return {"fingerprint": stable_hash(caption.fingerprint(recipe.caption,
-                                                               caption.build_captioner(recipe.caption)))}
+        return caption.manifest_header(recipe.caption)
     if stage == "bucket":
         return {"fingerprint": stable_hash(bucket.fingerprint(recipe.bucket))}
-    return cache.manifest_header(recipe.cache, recipe.model)
+    return cache.manifest_header(recipe.cache, recipe.model, _stage_dir(recipe, stage))
 
 
 @task(name="run-unit", cache_policy=NONE, retries=1, retry_delay_seconds=1)
@@ -87,14 +88,17 @@ def ensure_models(recipe: Recipe) -> None:
 
     if recipe.model.tiny_recipe and not (Path(recipe.model.pretrained) / "model_index.json").is_file():
         from latentmill.tiny import ensure_tiny_flux
+        from latentmill.tiny_wan import ensure_tiny_wan
 
+        # The folder does not exist yet, so its family cannot be read from it: the recipe says it.
+        build = ensure_tiny_wan if recipe.model.family == "wan" else ensure_tiny_flux
         print(f"building tiny models from {recipe.model.tiny_recipe} into {recipe.model.pretrained}")
-        ensure_tiny_flux(recipe.model.pretrained, recipe=recipe.model.tiny_recipe)
+        build(recipe.model.pretrained, recipe=recipe.model.tiny_recipe)
 
 
 @flow(name="prep-stages")
 def prep_stages(recipe_data: dict) -> dict[str, Any]:
-    """Run ingest → caption → bucket → cache; return per-stage counts."""
+    """Run ingest → caption → bucket → cache, publish the snapshot; return counts and the snapshot."""
     recipe = recipe_from_dict(recipe_data)
     ensure_models(recipe)
     report: dict[str, Any] = {}
@@ -104,22 +108,23 @@ def prep_stages(recipe_data: dict) -> dict[str, Any]:
         units = plan_stage(stage, recipe)
         futures = run_unit.map(stage, unmapped(recipe_data), units)
         records = []
-        with tqdm(total=sum(u.samples_in for u in units), desc=f"{stage:>8}", unit="sample") as bar:
+        total = sum(u.samples_in for u in units)
+        progress = StageProgress(stage, total)
+        with tqdm(total=total, desc=f"{stage:>8}", unit="sample") as bar:
             for future in futures:
                 record = future.result()
                 records.append(record)
                 bar.update(record.samples_in)
+                progress.update(record.samples_in)
         manifest = stage_dir.write_manifest(records, manifest_header(stage, recipe))
         report[stage] = stage_report(stage, records, time.perf_counter() - start)
         if stage == "bucket":
             report[stage]["buckets"] = bucket.histogram(manifest)
         if stage == "cache":
-            processed = sum(r.samples_in - len(r.quarantined) for r in records if not r.reused)
-            reused = sum(r.samples_out for r in records if r.reused)
-            report[stage]["components"] = {name: {"processed": processed, "reused": reused}
-                                           for name in ("vae", "text")}
+            report[stage].update(cache.component_report(records))
             report[stage]["manifest"] = str(stage_dir.manifest_path)
-    return report
+    publish_prep_artifacts(report, recipe.prep_dir)
+    return {"stages": report, "snapshot": publish_snapshot(recipe.output_dir, recipe.stage_dir("cache"))}
 
 
 def run_prep(recipe: Recipe) -> dict[str, Any]:
@@ -130,6 +135,5 @@ def run_prep(recipe: Recipe) -> dict[str, Any]:
 
 @flow(name="prep")
 def prep(config: str = "configs/demo.yaml", overrides: list[str] | None = None) -> dict[str, Any]:
-    """Prepare a latent cache from a recipe: ``{"stages": {...}}``."""
-    recipe = load_recipe(config, overrides)
-    return {"stages": run_prep(recipe)}
+    """Prepare a latent cache and publish its snapshot: ``{"stages": {...}, "snapshot": {...}}``."""
+    return run_prep(load_recipe(config, overrides))

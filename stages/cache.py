@@ -1,47 +1,52 @@
-"""Cache: decode, resize and crop each image once, encode it with the VAE, encode its caption.
+"""Cache: decode, resize and crop each image or clip once, encode it with the VAE, encode its caption.
 
-Output per sample, as safetensors inside the tar (never pickle):
+The format (version 2) is specified in ``docs/cache-format.md``. In short, per sample, as safetensors inside
+the tar (never pickle): ``<key>.vae.safetensors`` (``latents``, optionally ``latents_std``),
+``<key>.text.safetensors`` (``prompt_embeds``, Flux also ``pooled_prompt_embeds``), ``<key>.json``.
 
-    <key>.vae.safetensors    latents_CHW, normalised as (z - shift_factor) * scaling_factor
-    <key>.text.safetensors   prompt_embeds_LD (T5 sequence), pooled_prompt_embeds_D (CLIP pooled)
-    <key>.json               metadata: source, bucket, crop, caption, ...
-
-The manifest records which VAE / text encoders (fingerprints), dtype and sequence length produced the
-latents; the trainer refuses latents that do not match its recipe.
+Component keys: a sample's VAE latent is keyed by (media hash, clip window, bucket, crop, VAE fingerprint,
+dtype, latent mode) and its text embedding by (caption, text-encoder fingerprints, dtype, length policy).
+A work unit that must run (because its input shard or the stage fingerprint changed) still copies every
+component whose key an earlier unit already produced: re-captioning re-encodes text only, swapping the VAE
+re-encodes latents only.
 """
 
 from __future__ import annotations
 
 import io
+import json
+import os
 import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Literal
 
 import torch
 from PIL import Image
 from safetensors.torch import save as safetensors_save
 
-from latentmill.models import (
-    ModelConfig,
-    cached_model_fingerprints,
-    component_source,
-    read_component_config,
-    tokenizer_source,
-)
+from latentmill.models import ModelConfig, cached_model_fingerprints
+from stages.families import describe_components, detect_family, family_components, get_encoders
 from stages.shardio import (
     StageDir,
     UnitOutput,
+    UnitRecord,
     WorkUnit,
     json_bytes,
     read_shard,
     sample_json,
+    sha256_bytes,
     stable_hash,
     units_per_shard,
 )
 
 STAGE = "cache"
+FORMAT_VERSION = 2
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 IMAGE_MEMBERS = ("jpg", "png", "webp", "bmp")
+VAE_MEMBER, TEXT_MEMBER = "vae.safetensors", "text.safetensors"
 
 
 @dataclass
@@ -49,9 +54,16 @@ class CacheConfig:
     """How latents and text embeddings are computed and stored."""
 
     dtype: Literal["float32", "bfloat16", "float16"] = "bfloat16"  # storage dtype of every tensor
-    batch_size: int = 8  # images per VAE call (shapes are uniform inside a bucket shard)
-    max_sequence_length: int = 512  # T5 tokens, as FluxPipeline's max_sequence_length
+    batch_size: int = 8  # samples per encoder call (shapes are uniform inside a bucket shard)
+    max_sequence_length: int = 512  # text tokens, as the pipeline's max_sequence_length
     device: Literal["auto", "cpu", "cuda"] = "auto"
+    latents: Literal["mean", "sample", "distribution"] = "mean"  # distribution: mean + std, sampled in training
+    trim_text: Literal["auto", "always", "never"] = "auto"  # see docs/cache-format.md
+    seed: int = 0  # for latents: sample
+    prefetch: bool = True  # decode the next batch while the current one is encoded
+    # CPU threads per encoder call. CPU kernels reduce in a thread-count-dependent order, so the count is
+    # pinned: the same bytes whichever runner (threads, processes, Dask with OMP_NUM_THREADS=1) ran it.
+    threads: int = 0  # 0: all cores of the machine
 
     def validate(self) -> None:
         from latentmill.config import ConfigError
@@ -60,6 +72,8 @@ class CacheConfig:
             raise ConfigError(f"cache.batch_size: must be >= 1, got {self.batch_size}")
         if self.max_sequence_length < 1:
             raise ConfigError(f"cache.max_sequence_length: must be >= 1, got {self.max_sequence_length}")
+        if self.threads < 0:
+            raise ConfigError(f"cache.threads: must be >= 0 (0 = all cores), got {self.threads}")
 
 
 def _device(cfg: CacheConfig) -> torch.device:
@@ -68,142 +82,359 @@ def _device(cfg: CacheConfig) -> torch.device:
     return torch.device(cfg.device)
 
 
-class FluxEncoders:
-    """The VAE and both text encoders of a Flux-class pipeline, loaded once per worker."""
-
-    def __init__(self, model: ModelConfig, device: torch.device):
-        from diffusers import AutoencoderKL
-        from transformers import AutoTokenizer, CLIPTextModel, T5EncoderModel
-
-        self.device = device
-        # Encoders run in bf16 on GPU, float32 on CPU (CPU bf16 matmuls are slow and less exact).
-        self.compute_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-
-        def load(cls, name):
-            src = component_source(model, name)
-            return cls.from_pretrained(src.path, **src.kwargs(), torch_dtype=self.compute_dtype).to(device).eval()
-
-        def load_tokenizer(encoder):
-            src = tokenizer_source(model, encoder)
-            return AutoTokenizer.from_pretrained(src.path, **src.kwargs())
-
-        self.vae = load(AutoencoderKL, "vae")
-        self.text_encoder = load(CLIPTextModel, "text_encoder")
-        self.text_encoder_2 = load(T5EncoderModel, "text_encoder_2")
-        self.tokenizer = load_tokenizer("text_encoder")
-        self.tokenizer_2 = load_tokenizer("text_encoder_2")
-        self.scaling_factor = float(self.vae.config.scaling_factor)
-        self.shift_factor = float(self.vae.config.shift_factor or 0.0)
-        self.lock = threading.Lock()  # one forward at a time per loaded model set
-
-    @torch.no_grad()
-    def encode_images(self, pixels_BCHW: torch.Tensor) -> torch.Tensor:
-        """Normalised VAE latents (the distribution's mean) of images in [-1, 1]."""
-        with self.lock:
-            x = pixels_BCHW.to(self.device, self.compute_dtype)
-            mean = self.vae.encode(x).latent_dist.mean
-        return ((mean.float() - self.shift_factor) * self.scaling_factor).cpu()
-
-    @torch.no_grad()
-    def encode_text(self, captions: list[str], max_sequence_length: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(T5 sequence embeddings [B, L, D], CLIP pooled embeddings [B, D]) as FluxPipeline computes them."""
-        clip_ids = self.tokenizer(captions, padding="max_length", max_length=self.tokenizer.model_max_length,
-                                  truncation=True, return_tensors="pt").input_ids
-        t5_ids = self.tokenizer_2(captions, padding="max_length", max_length=max_sequence_length,
-                                  truncation=True, return_tensors="pt").input_ids
-        with self.lock:
-            pooled_BD = self.text_encoder(clip_ids.to(self.device), output_hidden_states=False).pooler_output
-            embeds_BLD = self.text_encoder_2(t5_ids.to(self.device), output_hidden_states=False)[0]
-        return embeds_BLD.float().cpu(), pooled_BD.float().cpu()
+def _pin_threads(cfg: CacheConfig) -> None:
+    threads = cfg.threads or os.cpu_count() or 1
+    if _device(cfg).type == "cpu" and torch.get_num_threads() != threads:
+        torch.set_num_threads(threads)
 
 
-_encoders: dict[tuple, FluxEncoders] = {}
-_encoders_lock = threading.Lock()
+def trims_text(cfg: CacheConfig, family: str) -> bool:
+    """Whether text embeddings are stored at their real length (see docs/cache-format.md)."""
+    return cfg.trim_text == "always" or (cfg.trim_text == "auto" and family == "wan")
 
 
-def get_encoders(model: ModelConfig, cfg: CacheConfig) -> FluxEncoders:
-    """Load the encoders once per process (threads of one worker share them)."""
-    key = (model.pretrained, model.vae, model.text_encoder, model.text_encoder_2, str(_device(cfg)))
-    with _encoders_lock:
-        if key not in _encoders:
-            _encoders[key] = FluxEncoders(model, _device(cfg))
-        return _encoders[key]
+# ---------------------------------------------------------------------------------------------------------
+# Fingerprints and component keys
+# ---------------------------------------------------------------------------------------------------------
 
 
-def fingerprint(cfg: CacheConfig, model_prints: dict[str, str]) -> dict[str, Any]:
-    """What decides a latent besides the pixels: models, storage dtype, sequence length, format."""
-    return {"stage": STAGE, "version": 1, "models": model_prints, "dtype": cfg.dtype,
-            "max_sequence_length": cfg.max_sequence_length, "resample": "lanczos"}
+@dataclass(frozen=True)
+class CachePlan:
+    """Everything that decides a latent or an embedding, computed once per recipe (no model loaded)."""
+
+    family: str
+    prints: dict[str, str]  # component -> weights fingerprint
+    vae_fp: str
+    text_fp: str
+
+    @classmethod
+    def of(cls, cfg: CacheConfig, model: ModelConfig) -> CachePlan:
+        family = detect_family(model)
+        prints = cached_model_fingerprints(model, family_components(family))
+        vae_fp = stable_hash({"family": family, "vae": prints["vae"], "dtype": cfg.dtype, "latents": cfg.latents,
+                              "seed": cfg.seed if cfg.latents == "sample" else None, "resample": "lanczos",
+                              "version": FORMAT_VERSION})
+        text_fp = stable_hash({"family": family, "encoders": {k: v for k, v in prints.items() if k != "vae"},
+                               "dtype": cfg.dtype, "max_sequence_length": cfg.max_sequence_length,
+                               "trim": trims_text(cfg, family), "version": FORMAT_VERSION})
+        return cls(family, prints, vae_fp, text_fp)
+
+    def fingerprint(self) -> dict[str, Any]:
+        return {"stage": STAGE, "version": FORMAT_VERSION, "vae": self.vae_fp, "text": self.text_fp}
+
+    def vae_key(self, meta: dict[str, Any]) -> str:
+        return stable_hash([self.vae_fp, meta["sha256"], meta.get("clip"), meta["bucket"], meta.get("crop")])
+
+    def text_key(self, caption: str) -> str:
+        return stable_hash([self.text_fp, caption])
+
+
+_plans: dict[tuple, CachePlan] = {}
+_plans_lock = threading.Lock()
+
+
+def cache_plan(cfg: CacheConfig, model: ModelConfig) -> CachePlan:
+    """The recipe's CachePlan, computed once per process (fingerprints hash weight files)."""
+    key = (json.dumps(cfg.__dict__, sort_keys=True), json.dumps(model.__dict__, sort_keys=True))
+    with _plans_lock:
+        if key not in _plans:
+            _plans[key] = CachePlan.of(cfg, model)
+        return _plans[key]
 
 
 def plan(cfg: CacheConfig, model: ModelConfig, upstream: StageDir) -> list[WorkUnit]:
-    """One unit per bucket shard, keyed by the shard's hash and the models' fingerprints."""
-    return units_per_shard(upstream, fingerprint(cfg, cached_model_fingerprints(model)))
+    """One unit per bucket shard, keyed by the shard's hash and the cache fingerprint.
+
+    Units reuse only components committed before this plan: what a unit encodes then never depends on
+    which other units of the same run happened to finish first (encoders are not bit-exact across batch
+    compositions), so a run's bytes are a pure function of its inputs and of the cache it started from.
+    """
+    units = units_per_shard(upstream, cache_plan(cfg, model).fingerprint())
+    cutoff = time.time_ns()
+    for unit in units:
+        unit.payload["reuse_before_ns"] = cutoff
+    return units
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Reuse of components encoded by earlier units
+# ---------------------------------------------------------------------------------------------------------
+
+
+class ComponentIndex:
+    """Where each component key already lives: (shard path, sample key), from the committed unit records.
+
+    Kept per process and refreshed incrementally: when the ``units/`` folder changed, only the records not
+    seen before are read, so units committed by earlier runs (or other workers) are found without re-reading
+    every record for every unit.
+    """
+
+    def __init__(self, stage_root: Path):
+        self.root = stage_root
+        self.vae: dict[str, tuple[Path, str, int]] = {}  # key -> (shard, sample key, record mtime)
+        self.text: dict[str, tuple[Path, str, int]] = {}
+        self._seen: set[str] = set()
+        self._mtime = -1
+
+    def refresh(self) -> ComponentIndex:
+        units = self.root / "units"
+        mtime = units.stat().st_mtime_ns if units.is_dir() else -1
+        if mtime == self._mtime:
+            return self
+        self._mtime = mtime
+        for path in sorted(units.glob("*.json")) if units.is_dir() else []:
+            if path.name in self._seen:
+                continue
+            self._seen.add(path.name)
+            try:
+                record = UnitRecord.from_json(json.loads(path.read_text()))
+                committed = path.stat().st_mtime_ns
+            except (OSError, ValueError, TypeError, KeyError):
+                continue
+            if not record.shards:
+                continue
+            shard = self.root / record.shards[0].path
+            for sample_key, keys in record.extra.get("components", {}).items():
+                for table, key in ((self.vae, keys["vae"]), (self.text, keys["text"])):
+                    if key not in table or committed < table[key][2]:
+                        table[key] = (shard, sample_key, committed)
+        return self
+
+    def find(self, table: str, keys: list[str], before_ns: int) -> dict[str, tuple[Path, str]]:
+        """Locations of the ``keys`` committed before ``before_ns``."""
+        found = {}
+        for key in keys:
+            hit = getattr(self, table).get(key)
+            if hit is not None and hit[2] < before_ns:
+                found[key] = hit[:2]
+        return found
+
+
+_indexes: dict[str, ComponentIndex] = {}
+_indexes_lock = threading.Lock()
+
+
+def component_index(stage_root: Path) -> ComponentIndex:
+    """The up-to-date component index of a cache folder (one per process)."""
+    with _indexes_lock:
+        key = str(stage_root.resolve())
+        if key not in _indexes:
+            _indexes[key] = ComponentIndex(stage_root)
+        return _indexes[key].refresh()
+
+
+def _fetch(wanted: dict[str, tuple[Path, str]], member: str) -> dict[str, bytes]:
+    """Read ``member`` of each wanted (shard, sample) once per shard; returns component key -> bytes."""
+    by_shard: dict[Path, dict[str, str]] = {}
+    for comp_key, (shard, sample_key) in wanted.items():
+        by_shard.setdefault(shard, {})[sample_key] = comp_key
+    found = {}
+    for shard, samples in by_shard.items():
+        if not shard.is_file():  # removed since it was indexed: those components are encoded again
+            continue
+        for sample in read_shard(shard):
+            comp_key = samples.get(sample["__key__"])
+            if comp_key is not None and member in sample:
+                found[comp_key] = sample[member]
+    return found
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Pixels
+# ---------------------------------------------------------------------------------------------------------
+
+
+def _resize_crop(img: Image.Image, crop: dict[str, int], width: int, height: int) -> torch.Tensor:
+    img = img.convert("RGB").resize((crop["resize_width"], crop["resize_height"]), Image.Resampling.LANCZOS)
+    img = img.crop((crop["left"], crop["top"], crop["left"] + width, crop["top"] + height))
+    raw = torch.frombuffer(bytearray(img.tobytes()), dtype=torch.uint8)
+    return raw.view(height, width, 3).permute(2, 0, 1).float().div(127.5).sub(1.0)
 
 
 def load_pixels(data: bytes, crop: dict[str, int], bucket: list[int]) -> torch.Tensor:
-    """Decode, resize to cover, crop to the bucket: a [3, H, W] tensor in [-1, 1]."""
-    width, height = bucket[0], bucket[1]
+    """Decode an image, resize to cover, crop to the bucket: a [3, H, W] tensor in [-1, 1]."""
     with Image.open(io.BytesIO(data)) as img:
-        img = img.convert("RGB")
-        img = img.resize((crop["resize_width"], crop["resize_height"]), Image.Resampling.LANCZOS)
-        img = img.crop((crop["left"], crop["top"], crop["left"] + width, crop["top"] + height))
-        raw = torch.frombuffer(bytearray(img.tobytes()), dtype=torch.uint8)
-    return raw.view(height, width, 3).permute(2, 0, 1).float().div(127.5).sub(1.0)
+        return _resize_crop(img, crop, bucket[0], bucket[1])
+
+
+def load_clip_pixels(meta: dict[str, Any], sample: dict[str, Any]) -> torch.Tensor:
+    """Decode a clip's frames, resize and crop each like an image: a [3, F, H, W] tensor in [-1, 1]."""
+    from stages.video import read_clip
+
+    frames_FHWC = read_clip(meta, sample)
+    width, height = meta["bucket"][0], meta["bucket"][1]
+    frames = [_resize_crop(Image.fromarray(f.numpy()), meta["crop"], width, height) for f in frames_FHWC]
+    return torch.stack(frames, dim=1)
+
+
+def decode_sample(sample: dict[str, Any], meta: dict[str, Any]) -> torch.Tensor:
+    """The pixels of one image or clip, as the bucket stage sized and cropped it."""
+    if meta.get("kind") == "video":
+        return load_clip_pixels(meta, sample)
+    member = next((m for m in IMAGE_MEMBERS if m in sample), None)
+    if member is None:
+        raise ValueError("sample has no image member")
+    return load_pixels(sample[member], meta["crop"], meta["bucket"])
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The unit
+# ---------------------------------------------------------------------------------------------------------
+
+
+def _prefetched(fn, items: list, enabled: bool):
+    """Yield ``fn(item)`` for each item, computing the next one in a background thread when enabled."""
+    if not enabled:
+        yield from (fn(item) for item in items)
+        return
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        future = pool.submit(fn, items[0]) if items else None
+        for k in range(len(items)):
+            result = future.result()
+            if k + 1 < len(items):
+                future = pool.submit(fn, items[k + 1])
+            yield result
 
 
 def _tensor_bytes(tensors: dict[str, torch.Tensor], dtype: torch.dtype) -> bytes:
     return safetensors_save({k: v.to(dtype).contiguous() for k, v in tensors.items()})
 
 
+def _text_tensors(encoded: dict[str, Any], i: int, trim: bool) -> dict[str, torch.Tensor]:
+    embeds = encoded["prompt_embeds"][i]
+    tensors = {"prompt_embeds": embeds[: encoded["lengths"][i]] if trim else embeds}
+    if "pooled_prompt_embeds" in encoded:
+        tensors["pooled_prompt_embeds"] = encoded["pooled_prompt_embeds"][i]
+    return tensors
+
+
+def _latent_tensors(mean: torch.Tensor, std: torch.Tensor, cfg: CacheConfig, key: str) -> dict[str, torch.Tensor]:
+    if cfg.latents == "distribution":
+        return {"latents": mean, "latents_std": std}
+    if cfg.latents == "sample":  # seeded per sample: the same inputs give the same bytes
+        gen = torch.Generator().manual_seed(int(stable_hash([cfg.seed, key])[:15], 16))
+        return {"latents": mean + std * torch.randn(mean.shape, generator=gen)}
+    return {"latents": mean}
+
+
 def process(cfg: CacheConfig, model: ModelConfig, unit: WorkUnit, out: UnitOutput) -> None:
-    """Encode every sample of one bucket shard; undecodable images are quarantined."""
-    encoders = get_encoders(model, cfg)
-    dtype = DTYPES[cfg.dtype]
-    batch: list[tuple[dict, dict, torch.Tensor]] = []
+    """Encode (or copy already-encoded components of) every sample of one bucket shard."""
+    plan_ = cache_plan(cfg, model)
+    dtype, trim = DTYPES[cfg.dtype], trims_text(cfg, plan_.family)
+    index = component_index(out.stage_dir.root)
+    samples = list(read_shard(unit.payload["shard"]))
+    metas = [sample_json(s) for s in samples]
+    keys = [(plan_.vae_key(m), plan_.text_key(m["caption"])) for m in metas]
+    before = unit.payload.get("reuse_before_ns", 0)
+    old_vae = _fetch(index.find("vae", [vk for vk, _ in keys], before), VAE_MEMBER)
+    old_text = _fetch(index.find("text", [tk for _, tk in keys], before), TEXT_MEMBER)
+    encoders = None
+    counts = {"vae": {"encoded": 0, "reused": 0}, "text": {"encoded": 0, "reused": 0}}
+    sizes = {"vae": 0, "text": 0}
+    components: dict[str, dict[str, str]] = {}
 
-    def flush() -> None:
-        if not batch:
-            return
-        latents_BCHW = encoders.encode_images(torch.stack([p for _, _, p in batch]))
-        embeds_BLD, pooled_BD = encoders.encode_text([m["caption"] for _, m, _ in batch],
-                                                     cfg.max_sequence_length)
-        for i, (sample, meta, _) in enumerate(batch):
-            out.add({
-                "__key__": sample["__key__"],
-                "vae.safetensors": _tensor_bytes({"latents": latents_BCHW[i]}, dtype),
-                "text.safetensors": _tensor_bytes(
-                    {"prompt_embeds": embeds_BLD[i], "pooled_prompt_embeds": pooled_BD[i]}, dtype),
-                "json": json_bytes(meta),
-            }, bucket=meta["bucket"])
-        batch.clear()
+    def decode(batch: list[int]) -> dict[int, torch.Tensor | Exception]:
+        pixels: dict[int, torch.Tensor | Exception] = {}
+        for i in batch:
+            if keys[i][0] not in old_vae:
+                try:
+                    pixels[i] = decode_sample(samples[i], metas[i])
+                except Exception as err:  # any undecodable input is quarantined, never fatal
+                    pixels[i] = err
+        return pixels
 
-    for sample in read_shard(unit.payload["shard"]):
-        meta = sample_json(sample)
-        member = next((m for m in IMAGE_MEMBERS if m in sample), None)
-        try:
-            if member is None:
-                raise ValueError("sample has no image member")
-            pixels = load_pixels(sample[member], meta["crop"], meta["bucket"])
-        except (OSError, ValueError, Image.DecompressionBombError) as err:
-            out.quarantine(sample["__key__"], meta.get("source", "?"), f"cannot decode pixels: {err}")
-            continue
-        batch.append((sample, meta, pixels))
-        if len(batch) >= cfg.batch_size:
-            flush()
-    flush()
+    batches = [list(range(s, min(s + cfg.batch_size, len(samples)))) for s in range(0, len(samples), cfg.batch_size)]
+    for batch, pixels in zip(batches, _prefetched(decode, batches, cfg.prefetch)):
+        for i, value in list(pixels.items()):
+            if isinstance(value, Exception):
+                out.quarantine(samples[i]["__key__"], metas[i].get("source", "?"), f"cannot decode pixels: {value}")
+                del pixels[i]
+        keep = [i for i in batch if keys[i][0] in old_vae or i in pixels]
+        need_vae = [i for i in keep if keys[i][0] not in old_vae]
+        need_text = sorted({keys[i][1]: i for i in keep if keys[i][1] not in old_text}.values())
+        if (need_vae or need_text) and encoders is None:
+            encoders = get_encoders(model, plan_.family, _device(cfg))
+            _pin_threads(cfg)
+        vae_bytes: dict[str, bytes] = {}
+        if need_vae:
+            mean, std = encoders.encode_pixels(torch.stack([pixels[i] for i in need_vae]))
+            for j, i in enumerate(need_vae):
+                vae_bytes[keys[i][0]] = _tensor_bytes(_latent_tensors(mean[j], std[j], cfg, keys[i][0]), dtype)
+        text_bytes: dict[str, bytes] = {}
+        if need_text:
+            encoded = encoders.encode_text([metas[i]["caption"] for i in need_text], cfg.max_sequence_length)
+            for j, i in enumerate(need_text):
+                text_bytes[keys[i][1]] = _tensor_bytes(_text_tensors(encoded, j, trim), dtype)
+        for i in keep:
+            vk, tk = keys[i]
+            vae = old_vae.get(vk) or vae_bytes[vk]
+            text = old_text.get(tk) or text_bytes[tk]
+            counts["vae"]["reused" if vk in old_vae else "encoded"] += 1
+            counts["text"]["reused" if tk in old_text else "encoded"] += 1
+            sizes["vae"] += len(vae)
+            sizes["text"] += len(text)
+            meta = {**metas[i], "components": {"vae": vk, "text": tk}}
+            key = samples[i]["__key__"]
+            components[key] = {"vae": vk, "text": tk}
+            out.add({"__key__": key, VAE_MEMBER: vae, TEXT_MEMBER: text, "json": json_bytes(meta)},
+                    bucket=metas[i]["bucket"])
+    out.extra.update(components=components, counts=counts, bytes=sizes)
 
 
-def manifest_header(cfg: CacheConfig, model: ModelConfig) -> dict[str, Any]:
-    """The models, dtype and sequence length every latent of this cache was made with (loads no model)."""
-    prints = cached_model_fingerprints(model)
-    vae_config = read_component_config(component_source(model, "vae"))
-    models = {}
-    for name in prints:
-        config = read_component_config(component_source(model, name))
-        cls = config.get("_class_name") or (config.get("architectures") or ["?"])[0]
-        models[name] = {"class": cls, "fingerprint": prints[name]}
-    models["vae"]["scaling_factor"] = float(vae_config.get("scaling_factor", 1.0))
-    models["vae"]["shift_factor"] = float(vae_config.get("shift_factor") or 0.0)
-    return {"fingerprint": stable_hash(fingerprint(cfg, prints)), "models": models,
-            "dtype": cfg.dtype, "max_sequence_length": cfg.max_sequence_length}
+# ---------------------------------------------------------------------------------------------------------
+# Empty prompt and manifest
+# ---------------------------------------------------------------------------------------------------------
+
+
+def ensure_empty_prompt(cfg: CacheConfig, model: ModelConfig, stage_dir: StageDir) -> dict[str, str]:
+    """Embeddings of the empty caption, cached once per text-encoder fingerprint (for caption dropout)."""
+    plan_ = cache_plan(cfg, model)
+    name = f"empty_prompt-{plan_.text_key('')[:16]}.safetensors"
+    path = stage_dir.root / name
+    if not path.is_file():
+        encoders = get_encoders(model, plan_.family, _device(cfg))
+        _pin_threads(cfg)
+        encoded = encoders.encode_text([""], cfg.max_sequence_length)
+        data = _tensor_bytes(_text_tensors(encoded, 0, trims_text(cfg, plan_.family)), DTYPES[cfg.dtype])
+        tmp = path.with_name(name + ".tmp")
+        tmp.write_bytes(data)
+        tmp.replace(path)
+    return {"path": name, "sha256": sha256_bytes(path.read_bytes())}
+
+
+def manifest_header(cfg: CacheConfig, model: ModelConfig, stage_dir: StageDir) -> dict[str, Any]:
+    """Family, models, dtype, latent mode, text layout and empty prompt of this cache."""
+    plan_ = cache_plan(cfg, model)
+    models = describe_components(model, plan_.family)
+    for name, fp in plan_.prints.items():
+        models[name]["fingerprint"] = fp
+    return {
+        "format_version": FORMAT_VERSION,
+        "family": plan_.family,
+        "fingerprint": stable_hash(plan_.fingerprint()),
+        "models": models,
+        "dtype": cfg.dtype,
+        "latents": cfg.latents,
+        "max_sequence_length": cfg.max_sequence_length,
+        "text": {"trimmed": trims_text(cfg, plan_.family), "pad_to": cfg.max_sequence_length},
+        "empty_prompt": ensure_empty_prompt(cfg, model, stage_dir),
+    }
+
+
+def component_report(records: list[UnitRecord]) -> dict[str, Any]:
+    """``components.{vae,text}.{processed,reused}`` and bytes per sample for the run summary."""
+    report = {"vae": {"processed": 0, "reused": 0}, "text": {"processed": 0, "reused": 0}}
+    sizes = {"vae": 0, "text": 0}
+    for record in records:
+        for comp in ("vae", "text"):
+            counts = record.extra.get("counts", {}).get(comp, {})
+            if record.reused:  # the whole unit was reused: every component too
+                report[comp]["reused"] += record.samples_out
+            else:
+                report[comp]["processed"] += counts.get("encoded", 0)
+                report[comp]["reused"] += counts.get("reused", 0)
+            sizes[comp] += record.extra.get("bytes", {}).get(comp, 0)
+    samples = sum(r.samples_out for r in records)
+    per_sample = {k: round(v / samples) for k, v in sizes.items()} if samples else {"vae": 0, "text": 0}
+    return {"components": report, "bytes_per_sample": per_sample}
+

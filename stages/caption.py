@@ -1,17 +1,38 @@
-"""Caption: give every raw sample a ``.txt`` caption and record where it came from.
+"""Caption: give every raw sample one or more captions, post-processed, with provenance.
 
-Captioners are pluggable: an object with a ``name``, a ``fingerprint()`` (what decides its output) and
-``caption(metas) -> list[str | None]`` over a batch of sample metadata. ``sidecar`` uses the captions that
-ingest found next to the media files; model-based captioners plug in through :data:`CAPTIONERS`.
+The captioner (``caption.captioner``) makes new captions; the policy (``caption.policy``) decides how they
+meet the captions a sample already has (what ingest found: a sidecar file, a manifest column, a webdataset
+member; or captions of an upstream caption pass):
+
+* ``keep``    — a sample with an existing caption keeps it; only the others are captioned (default);
+* ``replace`` — every sample is captioned; existing captions are dropped;
+* ``append``  — every sample is captioned and the new text is appended to each existing caption with
+  ``caption.separator`` (e.g. tags or a trigger token after a human caption);
+* ``extend``  — every sample is captioned and the new captions join the existing ones as alternatives.
+
+Every caption then goes through the post-processing rules (:mod:`stages.captioners.postprocess`). A
+sample is written with ``meta["captions"]`` (all captions, primary first; the trainer picks one per step),
+``meta["caption"]`` and the ``.txt`` member (the primary caption, what the cache stage encodes) and
+``meta["caption_provenance"]`` (one dict per caption: captioner, model id and fingerprint, prompt,
+generation settings...). A sample left without a caption is quarantined with the reason, or kept with an
+empty caption when ``caption.on_missing`` is ``keep_empty``.
+
+Everything that decides a caption is in the stage fingerprint, so changing the prompt re-captions and a
+re-run reuses every unit. Wall-clock facts (when, how long, on which device) go to the unit record
+(``units/<id>.json`` ``extra``), never into the shard bytes.
 """
 
 from __future__ import annotations
 
-import re
-from dataclasses import dataclass
-from pathlib import Path
-from typing import Any, Literal, Protocol
+import time
+from dataclasses import dataclass, field
+from typing import Any, Literal, Optional, Union
 
+from stages.captioners import Captioner, CaptionItem, CaptionResult
+from stages.captioners.hf import TransformersCaptioner
+from stages.captioners.postprocess import DEFAULT_STRIP_PREFIXES, CaptionRules
+from stages.captioners.sidecar import SidecarCaptioner, sidecar_provenance
+from stages.captioners.template import TemplateCaptioner, template_fields
 from stages.shardio import (
     StageDir,
     UnitOutput,
@@ -23,78 +44,240 @@ from stages.shardio import (
 )
 
 STAGE = "caption"
+FORMAT_VERSION = 2  # 2: captions list, per-caption provenance, policies, post-processing rules
 
 
 @dataclass
 class CaptionConfig:
-    """Which captioner runs and what happens to samples without a caption."""
+    """Which captioner runs, how its captions meet existing ones, and how captions are cleaned."""
 
-    captioner: Literal["sidecar"] = "sidecar"
+    captioner: Literal["sidecar", "transformers", "template"] = "sidecar"
+    policy: Literal["keep", "replace", "append", "extend"] = "keep"
     on_missing: Literal["quarantine", "keep_empty"] = "quarantine"
+    # transformers captioner
+    model: Optional[str] = None  # hub id or local folder, e.g. Salesforce/blip-image-captioning-large
+    revision: Optional[str] = None  # hub revision (branch, tag or commit) of `model`
+    prompt: Optional[Union[str, list[str]]] = None  # a list makes one caption per prompt
+    max_new_tokens: int = 64
+    min_new_tokens: int = 0
+    num_beams: int = 1
+    generate_kwargs: dict[str, Any] = field(default_factory=dict)  # more model.generate(...) arguments
+    batch_size: int = 8  # model inputs per generate call (images, or videos)
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"  # auto: bf16 on GPU, fp32 on CPU
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    trust_remote_code: bool = False
+    frames: int = 8  # K frames sampled uniformly from a video's clip window
+    # template captioner
+    template: Optional[Union[str, list[str]]] = None  # e.g. "trtcrd, {caption}"; a list: one caption each
+    # policy append
+    separator: str = ", "
+    # post-processing, applied to every caption
+    strip_prefixes: list[str] = field(default_factory=lambda: list(DEFAULT_STRIP_PREFIXES))
+    blocklist: list[str] = field(default_factory=list)  # phrases deleted from captions
+    reject: list[str] = field(default_factory=list)  # a caption containing one of these is dropped
     max_chars: int = 1000  # longer captions are cut at a word boundary
+    min_chars: int = 1
 
+    def validate(self) -> None:
+        from latentmill.config import ConfigError
 
-class Captioner(Protocol):
-    name: str
+        for key in ("batch_size", "frames", "max_new_tokens", "num_beams"):
+            if getattr(self, key) < 1:
+                raise ConfigError(f"caption.{key}: must be >= 1, got {getattr(self, key)}")
+        if self.min_new_tokens < 0 or self.min_chars < 0:
+            raise ConfigError("caption.min_new_tokens and caption.min_chars: must be >= 0")
+        if self.max_chars < max(1, self.min_chars):
+            raise ConfigError(f"caption.max_chars: must be >= caption.min_chars and >= 1, got {self.max_chars}")
+        if self.captioner == "transformers" and not self.model:
+            raise ConfigError("caption.model: must be set when caption.captioner is 'transformers' "
+                              "(a Hugging Face model id or a local model folder)")
+        if self.captioner == "template":
+            if not self.templates:
+                raise ConfigError("caption.template: must be set when caption.captioner is 'template', "
+                                  "e.g. 'trtcrd, {caption}'")
+            for template in self.templates:
+                try:
+                    template_fields(template)
+                except ValueError as err:
+                    raise ConfigError(f"caption.template: {template!r}: {err}") from None
+        if isinstance(self.prompt, list) and not self.prompt:
+            raise ConfigError("caption.prompt: an empty list; give a prompt, a list of prompts, or null")
+        if self.captioner == "sidecar" and self.policy in ("append", "extend"):
+            raise ConfigError(f"caption.policy: {self.policy!r} needs a captioner that makes new text "
+                              "('transformers' or 'template'); with 'sidecar' use 'keep' or 'replace'")
 
-    def fingerprint(self) -> dict[str, Any]: ...
+    @property
+    def templates(self) -> list[str]:
+        """``caption.template`` as a list (one caption per template)."""
+        return [self.template] if isinstance(self.template, str) else list(self.template or [])
 
-    def caption(self, metas: list[dict[str, Any]]) -> list[str | None]: ...
+    @property
+    def prompts(self) -> list[str | None]:
+        """``caption.prompt`` as a list (one caption per prompt; None: the model's default)."""
+        return [self.prompt] if isinstance(self.prompt, str) or self.prompt is None else list(self.prompt)
 
-
-class SidecarCaptioner:
-    """Captions from ``.txt`` files next to the media (read by ingest into ``sidecar_caption``)."""
-
-    name = "sidecar"
-
-    def fingerprint(self) -> dict[str, Any]:
-        return {"captioner": self.name, "version": 1}
-
-    def caption(self, metas: list[dict[str, Any]]) -> list[str | None]:
-        return [m.get("sidecar_caption") for m in metas]
-
-
-CAPTIONERS: dict[str, type] = {"sidecar": SidecarCaptioner}
+    def rules(self) -> CaptionRules:
+        """The post-processing rules these settings describe."""
+        return CaptionRules(tuple(self.strip_prefixes), tuple(self.blocklist), tuple(self.reject),
+                            self.max_chars, self.min_chars)
 
 
 def build_captioner(cfg: CaptionConfig) -> Captioner:
-    """The captioner named by ``caption.captioner``."""
-    return CAPTIONERS[cfg.captioner]()
+    """The captioner named by ``caption.captioner`` (cheap: models load on first use, once per process)."""
+    if cfg.captioner == "sidecar":
+        return SidecarCaptioner()
+    if cfg.captioner == "template":
+        return TemplateCaptioner(cfg.templates)
+    return TransformersCaptioner(
+        cfg.model, revision=cfg.revision, prompts=cfg.prompts, max_new_tokens=cfg.max_new_tokens,
+        min_new_tokens=cfg.min_new_tokens, num_beams=cfg.num_beams, generate_kwargs=cfg.generate_kwargs,
+        batch_size=cfg.batch_size, dtype=cfg.dtype, device=cfg.device, frames=cfg.frames,
+        trust_remote_code=cfg.trust_remote_code)
 
 
-def clean_caption(text: str | None, max_chars: int) -> str:
-    """Normalise whitespace and cut overlong captions at a word boundary."""
-    text = re.sub(r"\s+", " ", text or "").strip()
-    if len(text) > max_chars:
-        text = text[:max_chars].rsplit(" ", 1)[0]
-    return text
+def fingerprint(cfg: CaptionConfig, captioner: Captioner | None = None) -> dict[str, Any]:
+    """Everything that decides a caption: captioner (model, prompt, generation), policy, rules, format."""
+    captioner = captioner or build_captioner(cfg)
+    fp = {"stage": STAGE, "version": FORMAT_VERSION, "captioner": captioner.fingerprint(),
+          "policy": cfg.policy, "on_missing": cfg.on_missing, "rules": cfg.rules().fingerprint()}
+    if cfg.policy == "append":
+        fp["separator"] = cfg.separator
+    return fp
 
 
-def fingerprint(cfg: CaptionConfig, captioner: Captioner) -> dict[str, Any]:
-    return {"stage": STAGE, "version": 1, "captioner": captioner.fingerprint(),
-            "on_missing": cfg.on_missing, "max_chars": cfg.max_chars}
+def manifest_header(cfg: CaptionConfig) -> dict[str, Any]:
+    """The stage fingerprint and the captioner's settings, for the caption manifest."""
+    from stages.shardio import stable_hash
+
+    fp = fingerprint(cfg)
+    captioner = dict(fp["captioner"])
+    if cfg.captioner == "transformers":
+        captioner.update(model=cfg.model, revision=cfg.revision)
+    return {"fingerprint": stable_hash(fp), "captioner": captioner, "policy": cfg.policy}
 
 
 def plan(cfg: CaptionConfig, upstream: StageDir, captioner: Captioner | None = None) -> list[WorkUnit]:
     """One unit per upstream shard, keyed by the shard's hash and the captioning fingerprint."""
-    return units_per_shard(upstream, fingerprint(cfg, captioner or build_captioner(cfg)))
+    return units_per_shard(upstream, fingerprint(cfg, captioner))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Existing captions and policies
+# ---------------------------------------------------------------------------------------------------------
+
+
+def existing_captions(sample: dict[str, Any], meta: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
+    """A sample's captions before this stage, with provenance: upstream metadata, ``.txt``, or sidecar."""
+    if isinstance(meta.get("captions"), list) and meta["captions"]:
+        provs = meta.get("caption_provenance")
+        provs = provs if isinstance(provs, list) and len(provs) == len(meta["captions"]) else None
+        return [(str(t), provs[i] if provs else {"captioner": "upstream"}) for i, t in enumerate(meta["captions"])]
+    if isinstance(meta.get("caption"), str) and meta["caption"].strip():
+        prov = meta.get("caption_provenance")
+        return [(meta["caption"], prov if isinstance(prov, dict) else {"captioner": "upstream"})]
+    if sample.get("txt"):
+        return [(sample["txt"].decode("utf-8", errors="replace"), {"captioner": "upstream", "member": "txt"})]
+    if isinstance(meta.get("sidecar_caption"), str) and meta["sidecar_caption"].strip():
+        return [(meta["sidecar_caption"], sidecar_provenance(meta))]
+    return []
+
+
+def _clean(rules: CaptionRules, pairs: list[tuple[str, dict[str, Any]]],
+           reasons: list[str]) -> list[tuple[str, dict[str, Any]]]:
+    """Post-process captions, dropping empty and rejected ones (their reasons go to ``reasons``)."""
+    kept, seen = [], set()
+    for text, prov in pairs:
+        clean, reason = rules.apply(text)
+        if reason:
+            reasons.append(reason)
+        elif clean not in seen:
+            seen.add(clean)
+            kept.append((clean, prov))
+    return kept
+
+
+def combine(policy: str, existing: list[tuple[str, dict]], new: list[tuple[str, dict]],
+            separator: str) -> list[tuple[str, dict]]:
+    """The captions a sample ends with under ``policy``, primary first."""
+    if policy == "keep":
+        return existing or new
+    if policy == "replace":
+        return new
+    if policy == "extend":
+        return existing + new
+    if not existing or not new:  # append: nothing to append to, or nothing to append
+        return existing or new
+    return [(f"{old}{separator}{text}", {**prov, "appended_to": old_prov})
+            for old, old_prov in existing for text, prov in new]
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Processing one unit
+# ---------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class _Pending:
+    sample: dict[str, Any]
+    meta: dict[str, Any]
+    existing: list[tuple[str, dict[str, Any]]]
+    reasons: list[str]
+    needs_captioner: bool
 
 
 def process(cfg: CaptionConfig, unit: WorkUnit, out: UnitOutput, captioner: Captioner | None = None) -> None:
-    """Caption every sample of the unit's shard; samples without a caption follow ``on_missing``."""
+    """Caption the unit's shard, streaming: at most ``batch_size`` samples wait for the captioner at once."""
     captioner = captioner or build_captioner(cfg)
-    samples = list(read_shard(unit.payload["shard"]))
-    metas = [sample_json(s) for s in samples]
-    captions = captioner.caption(metas)
-    for sample, meta, text in zip(samples, metas, captions):
-        text = clean_caption(text, cfg.max_chars)
-        if not text and cfg.on_missing == "quarantine":
-            out.quarantine(sample["__key__"], meta["source"],
-                           f"no caption from captioner {captioner.name!r} (set caption.on_missing=keep_empty "
+    rules = cfg.rules()
+    pending: list[_Pending] = []
+
+    def flush() -> None:
+        todo = [p for p in pending if p.needs_captioner]
+        results = captioner.caption([
+            CaptionItem(p.sample["__key__"], p.meta, p.sample, [t for t, _ in p.existing]) for p in todo
+        ]) if todo else []
+        if len(results) != len(todo):
+            raise RuntimeError(f"captioner {captioner.name!r} returned {len(results)} results for {len(todo)}")
+        by_id = {id(p): r for p, r in zip(todo, results)}
+        for p in pending:
+            _finish(cfg, rules, captioner.name, p, by_id.get(id(p)), out)
+        pending.clear()
+
+    for sample in read_shard(unit.payload["shard"]):
+        meta = sample_json(sample)
+        reasons: list[str] = []
+        existing = _clean(rules, existing_captions(sample, meta), reasons)
+        needs = cfg.policy != "keep" or not existing
+        pending.append(_Pending(sample, meta, existing, reasons, needs))
+        # Bound memory: flush when a batch is ready, or when many kept samples queue behind it.
+        if sum(p.needs_captioner for p in pending) >= cfg.batch_size or len(pending) >= 8 * cfg.batch_size:
+            flush()
+    flush()
+    out.extra = {"captioner": captioner.name, **getattr(captioner, "stats", dict)(),
+                 "captioned_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+
+
+def _finish(cfg: CaptionConfig, rules: CaptionRules, name: str, p: _Pending, result: CaptionResult | None,
+            out: UnitOutput) -> None:
+    """Apply the policy and the rules to one sample; write it or quarantine it."""
+    new: list[tuple[str, dict[str, Any]]] = []
+    if result is not None:
+        if result.error:
+            p.reasons.append(result.error)
+        new = _clean(rules, list(zip(result.texts, result.provenance)), p.reasons)
+    # Cleaned again: appended text may need cutting to max_chars, and extend may repeat a caption.
+    final = _clean(rules, combine(cfg.policy, p.existing, new, cfg.separator), p.reasons)
+    final = [(text, {**prov, "policy": cfg.policy}) for text, prov in final]
+    meta, key = p.meta, p.sample["__key__"]
+    if not final:
+        why = "; ".join(dict.fromkeys(p.reasons)) or "no caption"
+        if cfg.on_missing == "quarantine":
+            out.quarantine(key, meta.get("source", "?"),
+                           f"no caption from captioner {name!r}: {why} (set caption.on_missing=keep_empty "
                            "to train it unconditionally)")
-            continue
-        meta["caption"] = text
-        meta["caption_provenance"] = {"captioner": captioner.name, **captioner.fingerprint()}
-        if meta.get("sidecar_caption") is not None and captioner.name == "sidecar":
-            meta["caption_provenance"]["file"] = str(Path(meta["source"]).with_suffix(".txt"))
-        out.add({**sample, "txt": text.encode("utf-8"), "json": json_bytes(meta)})
+            return
+        final = [("", {"captioner": name, "policy": cfg.policy, "empty": why})]
+    meta["captions"] = [text for text, _ in final]
+    meta["caption"] = final[0][0]
+    meta["caption_provenance"] = [prov for _, prov in final]
+    out.add({**p.sample, "txt": final[0][0].encode("utf-8"), "json": json_bytes(meta)})

@@ -1,94 +1,130 @@
-"""Ingest: a folder of images (+ sidecar ``.txt`` captions) into raw shards with per-sample metadata.
+"""Ingest: raw media (a folder, a file list, a manifest or webdataset shards) into raw shards with metadata.
 
-Ingest reads headers, not pixels (pixels are decoded once, in the cache stage). Files that are not
-readable images, or that the recipe does not accept, go to the quarantine list with a reason.
+Ingest reads headers, not pixels (pixels are decoded once, in the cache stage). Every sample's JSON holds
+``key, source`` (its id in the source), ``source_uri`` (what a reader opens), ``sha256`` (of the bytes),
+``kind`` (``image`` | ``video``), ``width, height``, the caption found beside it (``sidecar_caption``,
+``caption_origin``), and for a video ``fps, frames, duration, codec``. An image keeps its bytes in the
+raw shard; a video is a reference: its bytes stay where they are and later stages open ``source_uri``.
+Files that are not readable media, or that the recipe does not accept, go to the quarantine list with a
+reason. See :mod:`stages.sources` for what ``ingest.source`` may name.
+
+Work units: entries are grouped by a hash of their id into units of at most ``shard_size`` samples
+(:func:`stages.sources.hash_groups`), so new files re-run only the units they land in; webdataset
+sources are one unit per input shard.
 """
 
 from __future__ import annotations
 
+import io
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 from PIL import Image, UnidentifiedImageError
 
 from stages.shardio import StageDir, UnitOutput, WorkUnit, json_bytes, sha256_bytes, sha256_file, stable_hash
+from stages.sources import (
+    Entry,
+    content_identity,
+    count_shard_samples,
+    hash_groups,
+    is_remote,
+    iter_shard_samples,
+    list_source,
+    read_bytes,
+    shard_identity,
+    shard_member_uri,
+    shard_sample_caption,
+    sidecar_caption,
+)
+from stages.video import VIDEO_EXTENSIONS, probe_video
 
 STAGE = "ingest"
+FORMAT_VERSION = 2  # 2: sources, video references, source_uri, caption_origin, hash-grouped units
 IMAGE_EXTENSIONS = {".jpg": "jpg", ".jpeg": "jpg", ".png": "png", ".webp": "webp", ".bmp": "bmp"}
-SIDECAR_EXTENSIONS = {".txt"}
+MEDIA_EXTENSIONS = {**IMAGE_EXTENSIONS, **VIDEO_EXTENSIONS}
 
 
 @dataclass
 class IngestConfig:
     """Where raw media comes from and how it is grouped into shards."""
 
-    source: str = "data/demo/images"
-    shard_size: int = 64  # samples per raw shard (= one work unit)
-    max_bytes: int = 64 << 20  # larger files are quarantined instead of read
-    max_pixels: int = 8192 * 8192  # decompression-bomb guard, checked on the header
-    extensions: list[str] = field(default_factory=lambda: sorted(IMAGE_EXTENSIONS))
+    source: str = "data/demo/images"  # folder, file list, manifest, or webdataset shards (stages.sources)
+    shard_size: int = 64  # at most this many samples per raw shard (= one work unit)
+    max_bytes: int = 64 << 20  # larger images are quarantined instead of read (their bytes go into shards)
+    max_video_bytes: int = 16 << 30  # larger videos are quarantined (videos are referenced, not copied)
+    max_pixels: int = 8192 * 8192  # decompression-bomb guard, checked on the header (per frame for video)
+    extensions: list[str] = field(default_factory=lambda: sorted(MEDIA_EXTENSIONS))
+    path_column: Optional[str] = None  # manifest column with the media path or URL (default: path, url)
+    caption_column: Optional[str] = "caption"  # manifest column with a caption (absent column: none)
 
     def validate(self) -> None:
         from latentmill.config import ConfigError
 
         if self.shard_size < 1:
             raise ConfigError(f"ingest.shard_size: must be >= 1, got {self.shard_size}")
-        bad = [e for e in self.extensions if e.lower() not in IMAGE_EXTENSIONS]
+        for key in ("max_bytes", "max_video_bytes", "max_pixels"):
+            if getattr(self, key) < 1:
+                raise ConfigError(f"ingest.{key}: must be >= 1, got {getattr(self, key)}")
+        bad = [e for e in self.extensions if e.lower() not in MEDIA_EXTENSIONS]
         if bad:
             raise ConfigError(
-                f"ingest.extensions: {bad[0]!r} is not one of {', '.join(sorted(IMAGE_EXTENSIONS))}"
+                f"ingest.extensions: {bad[0]!r} is not one of {', '.join(sorted(MEDIA_EXTENSIONS))}"
             )
 
 
 def fingerprint(cfg: IngestConfig) -> dict[str, Any]:
-    """What, besides the input bytes, decides ingest's output (the source path does not)."""
-    return {"stage": STAGE, "version": 1, "max_bytes": cfg.max_bytes, "max_pixels": cfg.max_pixels,
-            "extensions": sorted(e.lower() for e in cfg.extensions)}
+    """What, besides the input bytes, decides ingest's output (the source location does not)."""
+    return {"stage": STAGE, "version": FORMAT_VERSION, "max_bytes": cfg.max_bytes,
+            "max_video_bytes": cfg.max_video_bytes, "max_pixels": cfg.max_pixels,
+            "extensions": sorted(e.lower() for e in cfg.extensions),
+            "path_column": cfg.path_column, "caption_column": cfg.caption_column}
 
 
-def _list_files(root: Path) -> list[Path]:
-    if not root.is_dir():
-        raise FileNotFoundError(f"ingest.source {root} is not a folder")
-    return sorted(p for p in root.rglob("*") if p.is_file() and not p.name.startswith("."))
+def _entry_identity(entry: Entry) -> str:
+    # Identity = id in the source + bytes of the file, its sidecars and caption; never mtimes, so a fresh
+    # clone or a copy of the same data reuses every unit. A video is a reference: its location is part of
+    # its output, so a moved video re-ingests (an image's bytes travel in the shard and do not).
+    identity = content_identity(entry)
+    return stable_hash([identity, entry.uri]) if entry.suffix in VIDEO_EXTENSIONS else identity
 
 
 def plan(cfg: IngestConfig) -> list[WorkUnit]:
-    """Group the source files into units of ``shard_size`` media files, each keyed by content."""
-    root = Path(cfg.source)
-    files = _list_files(root)
-    accepted = {e.lower() for e in cfg.extensions}
-    media, others = [], []
-    for path in files:
-        suffix = path.suffix.lower()
-        if suffix in SIDECAR_EXTENSIONS:
-            continue
-        (media if suffix in accepted else others).append(path)
+    """Work units of at most ``shard_size`` entries, grouped by a hash of their ids and keyed by content."""
+    source = list_source(cfg.source, cfg.path_column, cfg.caption_column)
     fp = fingerprint(cfg)
-    # Odd files (unknown extensions) are samples too: they get quarantined, so nothing disappears silently.
-    entries = media + others
+    if source.kind == "webdataset":
+        units = []
+        for shard in source.shards:
+            ident = [Path(shard).name, shard_identity(shard)]
+            if is_remote(shard) or _has_video_member(shard):
+                ident.append(shard)  # video samples reference the shard's location
+            ids = [stable_hash(ident)]
+            unit_id = stable_hash({"fingerprint": fp, "inputs": ids})
+            units.append(WorkUnit(unit_id, ids, {"kind": "shard", "shard": shard},
+                                  count_shard_samples(shard)))
+        return units
+    # Odd files (unknown extensions) are entries too: they get quarantined, so nothing disappears silently.
+    entries = source.entries
     units = []
-    for start in range(0, len(entries), cfg.shard_size):
-        group = entries[start : start + cfg.shard_size]
-        items, ids = [], []
-        for path in group:
-            rel = path.relative_to(root).as_posix()
-            sidecar = path.with_suffix(".txt")
-            # Identity = path inside the source + bytes of the file and its caption, never mtimes:
-            # a fresh clone or a copy of the same data reuses every unit.
-            content_id = stable_hash([rel, sha256_file(path), sha256_file(sidecar) if sidecar.is_file() else None])
-            items.append({"path": str(path), "rel": rel, "sidecar": str(sidecar) if sidecar.is_file() else None})
-            ids.append(content_id)
+    for group in hash_groups([e.id for e in entries], cfg.shard_size):
+        members = sorted((entries[i] for i in group), key=lambda e: e.id)
+        ids = [_entry_identity(e) for e in members]
         unit_id = stable_hash({"fingerprint": fp, "inputs": ids})
-        units.append(WorkUnit(unit_id=unit_id, inputs=ids, payload={"items": items, "root": str(root)},
-                              samples_in=len(group)))
+        payload = {"kind": "entries", "root": source.root, "items": [e.to_json() for e in members]}
+        units.append(WorkUnit(unit_id=unit_id, inputs=ids, payload=payload, samples_in=len(members)))
     return units
 
 
-def _probe(data: bytes, cfg: IngestConfig) -> dict[str, Any]:
-    """Read an image header: format and size, without decoding pixels."""
-    import io
+def _has_video_member(shard: str) -> bool:
+    import tarfile
 
+    with tarfile.open(shard, "r") as tar:
+        return any(Path(m.name).suffix.lower() in VIDEO_EXTENSIONS for m in tar if m.isfile())
+
+
+def _probe_image(data: bytes, cfg: IngestConfig) -> dict[str, Any]:
+    """Read an image header: format and size, without decoding pixels."""
     with Image.open(io.BytesIO(data)) as img:
         width, height = img.size
         fmt = (img.format or "").lower()
@@ -99,48 +135,150 @@ def _probe(data: bytes, cfg: IngestConfig) -> dict[str, Any]:
     return {"width": width, "height": height, "format": fmt}
 
 
-def process(cfg: IngestConfig, unit: WorkUnit, out: UnitOutput) -> None:
-    """Read each file of the unit; write raw samples or quarantine them with a reason."""
+class _Refused(Exception):
+    """A sample that is quarantined with this message as its reason."""
+
+
+def _image_header(data: bytes, cfg: IngestConfig) -> dict[str, Any]:
+    try:
+        return _probe_image(data, cfg)
+    except UnidentifiedImageError:
+        raise _Refused("not a readable image: unknown format or corrupt header") from None
+    except (OSError, ValueError, Image.DecompressionBombError) as err:
+        raise _Refused(f"not a readable image: {err}") from None
+
+
+def _video_header(src: str | bytes, cfg: IngestConfig) -> dict[str, Any]:
+    try:
+        header = probe_video(src)
+    except ValueError as err:
+        reason = str(err)
+        prefix = "" if reason.startswith("not a readable video") else "not a readable video: "
+        raise _Refused(prefix + reason) from None
+    if header["width"] * header["height"] > cfg.max_pixels:
+        raise _Refused(f"{header['width']}x{header['height']} exceeds ingest.max_pixels={cfg.max_pixels}")
+    return header
+
+
+def _check_size(size: int, kind: str, cfg: IngestConfig) -> None:
+    limit, key = (cfg.max_bytes, "max_bytes") if kind == "image" else (cfg.max_video_bytes, "max_video_bytes")
+    if size == 0:
+        raise _Refused("empty file")
+    if size > limit:
+        raise _Refused(f"file is {size} bytes, over ingest.{key}={limit}")
+
+
+def _entry_sample(entry: Entry, kind: str, cfg: IngestConfig) -> tuple[dict[str, Any], bytes | None]:
+    """Header metadata of one listed entry, and the bytes to store (images only)."""
+    limit = cfg.max_bytes if kind == "image" else cfg.max_video_bytes
+    if is_remote(entry.uri):
+        try:
+            data = read_bytes(entry.uri, limit)
+        except ValueError:
+            raise _Refused(f"file is over ingest.{'max_bytes' if kind == 'image' else 'max_video_bytes'}="
+                           f"{limit} bytes") from None
+        except Exception as err:  # network and filesystem errors of any fsspec backend
+            raise _Refused(f"cannot read {entry.uri}: {type(err).__name__}: {err}") from None
+        _check_size(len(data), kind, cfg)
+        digest, size, src = sha256_bytes(data), len(data), data
+    else:
+        path = Path(entry.uri)
+        if not path.is_file():
+            raise _Refused(f"file not found: {entry.uri}")
+        size = path.stat().st_size
+        _check_size(size, kind, cfg)
+        if kind == "image":
+            data = path.read_bytes()
+            digest = sha256_bytes(data)
+        else:
+            data, digest = None, sha256_file(path)
+        src = data if kind == "image" else str(path)
+    if entry.sha256 and entry.sha256 != digest:
+        raise _Refused(f"sha256 mismatch: the manifest says {entry.sha256}, the bytes hash to {digest}")
+    header = _image_header(data, cfg) if kind == "image" else _video_header(src, cfg)
+    meta = {"sha256": digest, "bytes": size, **header}
+    return meta, (data if kind == "image" else None)
+
+
+def _media_meta(key: str, source: str, root: str, uri: str, kind: str, ext: str, meta: dict[str, Any],
+                caption: str | None, origin: str | None) -> dict[str, Any]:
+    meta = {"key": key, "source": source, "source_root": root, "source_uri": uri, "kind": kind, **meta,
+            "sidecar_caption": caption, "caption_origin": origin}
+    if kind == "video":
+        meta["format"] = ext
+    return meta
+
+
+def _process_entries(cfg: IngestConfig, unit: WorkUnit, out: UnitOutput) -> None:
     accepted = {e.lower() for e in cfg.extensions}
+    root = unit.payload["root"]
     for item in unit.payload["items"]:
-        path, rel = Path(item["path"]), item["rel"]
-        key = sha256_bytes(rel.encode())[:16]
-        suffix = path.suffix.lower()
+        entry = Entry.from_json(item)
+        key = sha256_bytes(entry.id.encode())[:16]
+        suffix = entry.suffix
+        if entry.error:
+            out.quarantine(key, entry.id, entry.error)
+            continue
         if suffix not in accepted:
-            out.quarantine(key, rel, f"unsupported file type {suffix or '(none)'}; accepted: "
+            out.quarantine(key, entry.id, f"unsupported file type {suffix or '(none)'}; accepted: "
                            + ", ".join(sorted(accepted)))
             continue
-        size = path.stat().st_size
-        if size > cfg.max_bytes:
-            out.quarantine(key, rel, f"file is {size} bytes, over ingest.max_bytes={cfg.max_bytes}")
-            continue
-        if size == 0:
-            out.quarantine(key, rel, "empty file")
-            continue
-        data = path.read_bytes()
+        kind = "video" if suffix in VIDEO_EXTENSIONS else "image"
         try:
-            header = _probe(data, cfg)
-        except UnidentifiedImageError:
-            out.quarantine(key, rel, "not a readable image: unknown format or corrupt header")
+            header, data = _entry_sample(entry, kind, cfg)
+        except _Refused as why:
+            out.quarantine(key, entry.id, str(why))
             continue
-        except (OSError, ValueError, Image.DecompressionBombError) as err:
-            out.quarantine(key, rel, f"not a readable image: {err}")
+        caption, origin = (entry.caption, entry.caption_origin) if entry.caption else sidecar_caption(entry.sidecars)
+        ext = MEDIA_EXTENSIONS[suffix]
+        meta = _media_meta(key, entry.id, root, entry.uri, kind, ext, header, caption, origin)
+        sample = {"__key__": key, "json": json_bytes(meta)}
+        if data is not None:
+            sample[ext] = data
+        out.add(sample)
+
+
+def _process_shard(cfg: IngestConfig, unit: WorkUnit, out: UnitOutput) -> None:
+    accepted = {e.lower() for e in cfg.extensions}
+    shard = unit.payload["shard"]
+    name = Path(shard).name
+    count = 0
+    for sample in iter_shard_samples(shard):
+        count += 1
+        exts = [e for e in sample["__members__"] if "." + e in MEDIA_EXTENSIONS and "." + e in accepted]
+        ext = next((e for e in exts if "." + e in IMAGE_EXTENSIONS), exts[0] if exts else None)
+        source = f"{name}/{sample['__key__']}" + (f".{ext}" if ext else "")
+        key = sha256_bytes(source.encode())[:16]
+        if ext is None:
+            have = ", ".join(sorted(sample["__members__"]))
+            out.quarantine(key, source, f"no media member with an accepted extension (members: {have})")
             continue
-        caption = None
-        if item["sidecar"]:
-            caption = Path(item["sidecar"]).read_text(encoding="utf-8", errors="replace").strip()
-        meta = {
-            "key": key,
-            "source": rel,
-            "source_root": unit.payload["root"],
-            "sha256": sha256_bytes(data),
-            "kind": "image",
-            "bytes": size,
-            **header,
-            "sidecar_caption": caption,
-        }
-        ext = IMAGE_EXTENSIONS[suffix]
-        out.add({"__key__": key, ext: data, "json": json_bytes(meta)})
+        data = sample[ext]
+        kind = "video" if "." + ext in VIDEO_EXTENSIONS else "image"
+        uri = shard_member_uri(shard, sample["__members__"][ext])
+        try:
+            _check_size(len(data), kind, cfg)
+            header = _image_header(data, cfg) if kind == "image" else _video_header(data, cfg)
+        except _Refused as why:
+            out.quarantine(key, source, str(why))
+            continue
+        caption, origin = shard_sample_caption(sample)
+        store_ext = MEDIA_EXTENSIONS["." + ext]
+        meta = _media_meta(key, source, shard, uri, kind, store_ext,
+                           {"sha256": sha256_bytes(data), "bytes": len(data), **header}, caption, origin)
+        raw = {"__key__": key, "json": json_bytes(meta)}
+        if kind == "image":
+            raw[store_ext] = data
+        out.add(raw)
+    unit.samples_in = count  # plan cannot count a remote shard's samples without reading it
+
+
+def process(cfg: IngestConfig, unit: WorkUnit, out: UnitOutput) -> None:
+    """Read each entry (or shard sample) of the unit; write raw samples or quarantine them with a reason."""
+    if unit.payload.get("kind") == "shard":
+        _process_shard(cfg, unit, out)
+    else:
+        _process_entries(cfg, unit, out)
 
 
 def run(cfg: IngestConfig, stage_dir: StageDir, units: list[WorkUnit] | None = None):

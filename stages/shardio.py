@@ -286,6 +286,7 @@ class StageDir:
         records = sorted(records, key=lambda r: r.unit_id)
         shards = [asdict(s) for r in records for s in r.shards]
         quarantined = [q for r in records for q in r.quarantined]
+        expanded = sum(int(r.extra.get("expanded", 0)) for r in records)
         manifest = {
             "stage": self.stage,
             "format_version": FORMAT_VERSION,
@@ -296,6 +297,7 @@ class StageDir:
                 "in": sum(r.samples_in for r in records),
                 "out": sum(r.samples_out for r in records),
                 "quarantined": len(quarantined),
+                **({"expanded": expanded} if expanded else {}),  # clips beyond one per video
             },
         }
         tmp = self.quarantine_path.with_name(self.quarantine_path.name + ".tmp")
@@ -313,7 +315,13 @@ class StageDir:
 
 
 def stage_report(stage: str, records: list[UnitRecord], seconds: float) -> dict[str, Any]:
-    """Counts for the run summary: in = out + quarantined, and in = processed + reused."""
+    """Counts for the run summary: in + expanded = out + quarantined, and in = processed + reused.
+
+    ``expanded`` is non-zero only where one input sample becomes several outputs (the bucket stage cuts a
+    video into clips); its records then count ``videos``, ``clips`` and ``expanded`` (clips beyond the
+    first of each video) in ``extra``, and the report carries them. ``in``, ``processed`` and ``reused``
+    count input samples; ``out`` counts output samples (clips).
+    """
     report = {
         "in": sum(r.samples_in for r in records),
         "out": sum(r.samples_out for r in records),
@@ -324,7 +332,12 @@ def stage_report(stage: str, records: list[UnitRecord], seconds: float) -> dict[
         "units": len(records),
         "seconds": round(seconds, 3),
     }
-    if report["in"] != report["out"] + report["quarantined"]:
+    expanded = sum(int(r.extra.get("expanded", 0)) for r in records)
+    if any("clips" in r.extra for r in records):
+        report["videos"] = sum(int(r.extra.get("videos", 0)) for r in records)
+        report["clips"] = sum(int(r.extra.get("clips", 0)) for r in records)
+        report["expanded"] = expanded
+    if report["in"] + expanded != report["out"] + report["quarantined"]:
         raise RuntimeError(f"{stage}: counts do not conserve: {report}")
     return report
 

@@ -16,6 +16,8 @@ os.environ["PREFECT_HOME"] = _PREFECT_HOME
 os.environ.pop("PREFECT_API_URL", None)
 os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+# A loaded machine can take longer than the default 20 s to start the temporary local API.
+os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180")
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DEMO_IMAGES = REPO_ROOT / "data" / "demo" / "images"
@@ -42,3 +44,19 @@ def demo_images(tmp_path) -> Path:
     dst = tmp_path / "images"
     shutil.copytree(DEMO_IMAGES, dst)
     return dst
+
+
+@pytest.fixture(scope="session")
+def tiny_blip(tmp_path_factory) -> Path:
+    """A tiny random-weight BLIP captioner folder built from data/tiny-blip.yaml with seed 0."""
+    from latentmill.tiny_captioner import build_tiny_captioner
+
+    return build_tiny_captioner(tmp_path_factory.mktemp("models") / "tiny-blip", seed=0)
+
+
+@pytest.fixture(scope="session")
+def tiny_wan(tmp_path_factory) -> Path:
+    """A complete tiny WanPipeline folder built from data/tiny-wan.yaml with seed 0."""
+    from latentmill.tiny_wan import build_tiny_wan
+
+    return build_tiny_wan(tmp_path_factory.mktemp("models") / "tiny-wan", seed=0)

@@ -15,23 +15,20 @@ from latentmill.models import (
     check_cache_compatible,
 )
 from latentmill.recipe import Recipe
-from pipelines.prep import STAGES, manifest_header, plan_stage, stage_processor
 from stages import cache
 from stages.bucket import BucketConfig
-from stages.cache import CacheConfig, get_encoders, load_pixels
+from stages.cache import CacheConfig, load_pixels
+from stages.families import get_encoders
 from stages.ingest import IngestConfig
 from stages.shardio import StageDir, read_shard
+from tests.helpers import prep_in_process
 
 
 def _prep(src, root, model, cache_cfg):
-    """Run the four stages in this process (no Prefect) through the flow's own plan/process functions."""
+    """Run the four stages in this process; return the cache stage's folder, manifest and records."""
     recipe = Recipe(output_dir=str(root), model=model, ingest=IngestConfig(source=str(src), shard_size=8),
                     bucket=BucketConfig(resolution=64, aspect_ratios=[0.75, 1.0, 1.3333]), cache=cache_cfg)
-    for name in STAGES:
-        sd = StageDir(recipe.stage_dir(name), name).ensure()
-        records = [sd.run_unit(u, stage_processor(name, recipe)) for u in plan_stage(name, recipe)]
-        manifest = sd.write_manifest(records, manifest_header(name, recipe))
-    return sd, manifest, records
+    return prep_in_process(recipe)["cache"]
 
 
 @pytest.fixture(scope="module")
@@ -49,11 +46,14 @@ def test_latent_and_text_shapes_and_dtypes(cached):
     model, cfg, sd, manifest, _ = cached
     assert manifest["counts"] == {"in": 25, "out": 24, "quarantined": 1}
     assert manifest["dtype"] == "bfloat16" and manifest["max_sequence_length"] == 16
+    assert (manifest["format_version"], manifest["family"], manifest["latents"]) == (2, "flux", "mean")
+    assert manifest["text"] == {"trimmed": False, "pad_to": 16}
     n = 0
     for shard in manifest["shards"]:
         width, height, frames = shard["bucket"]
         for sample in read_shard(sd.root / shard["path"]):
             assert set(sample) == {"__key__", "vae.safetensors", "text.safetensors", "json"}
+            assert set(load_tensors(sample["vae.safetensors"])) == {"latents"}
             latents = load_tensors(sample["vae.safetensors"])["latents"]
             text = load_tensors(sample["text.safetensors"])
             assert latents.shape == (16, height // 8, width // 8) and latents.dtype == torch.bfloat16
@@ -137,5 +137,100 @@ def test_cache_is_byte_reproducible(cached, tmp_path):
 
 
 def test_encoders_are_loaded_once(cached):
-    model, cfg, *_ = cached
-    assert get_encoders(model, cfg) is get_encoders(model, cfg)
+    model, *_ = cached
+    assert get_encoders(model, "flux", torch.device("cpu")) is get_encoders(model, "flux", torch.device("cpu"))
+
+
+def _latents_by_source(sd, manifest):
+    out = {}
+    for shard in manifest["shards"]:
+        for sample in read_shard(sd.root / shard["path"]):
+            out[json.loads(sample["json"])["source"]] = sample
+    return out
+
+
+def test_recaption_reencodes_text_only_and_vae_swap_reencodes_latents_only(tiny_flux, demo_images, tmp_path):
+    from latentmill.tiny import build_tiny_flux
+
+    model = ModelConfig(pretrained=str(tiny_flux))
+    cfg = CacheConfig(dtype="float32", batch_size=4, max_sequence_length=16)
+    sd, first, records = _prep(demo_images, tmp_path, model, cfg)
+    assert cache.component_report(records)["components"] == {"vae": {"processed": 24, "reused": 0},
+                                                             "text": {"processed": 24, "reused": 0}}
+    before = _latents_by_source(sd, first)
+
+    # One new caption: its shard's unit re-runs, but only one text embedding is computed.
+    (demo_images / "img_005.txt").write_text("a brand new caption\n")
+    sd, second, records = _prep(demo_images, tmp_path, model, cfg)
+    report = cache.component_report(records)["components"]
+    assert report["text"] == {"processed": 1, "reused": 23}
+    assert report["vae"] == {"processed": 0, "reused": 24}
+    after = _latents_by_source(sd, second)
+    assert after["img_005.jpg"]["vae.safetensors"] == before["img_005.jpg"]["vae.safetensors"]
+    assert after["img_005.jpg"]["text.safetensors"] != before["img_005.jpg"]["text.safetensors"]
+    assert after["img_007.jpg"]["text.safetensors"] == before["img_007.jpg"]["text.safetensors"]
+
+    # Another VAE: every latent is re-encoded, every text embedding reused.
+    other_vae = build_tiny_flux(tmp_path / "other", seed=3) / "vae"
+    swapped = ModelConfig(pretrained=str(tiny_flux), vae=str(other_vae))
+    sd, third, records = _prep(demo_images, tmp_path, swapped, cfg)
+    report = cache.component_report(records)["components"]
+    assert report == {"vae": {"processed": 24, "reused": 0}, "text": {"processed": 0, "reused": 24}}
+    assert third["models"]["vae"]["fingerprint"] != second["models"]["vae"]["fingerprint"]
+    assert third["models"]["text_encoder_2"] == second["models"]["text_encoder_2"]
+
+
+def test_trimmed_text_distribution_latents_and_empty_prompt(tiny_flux, tmp_path):
+    from tests.conftest import DEMO_IMAGES
+
+    model = ModelConfig(pretrained=str(tiny_flux))
+    cfg = CacheConfig(dtype="float32", max_sequence_length=32, trim_text="always", latents="distribution")
+    sd, manifest, records = _prep(DEMO_IMAGES, tmp_path, model, cfg)
+    assert manifest["text"] == {"trimmed": True, "pad_to": 32} and manifest["latents"] == "distribution"
+    from diffusers import FluxPipeline
+
+    pipe = FluxPipeline.from_pretrained(tiny_flux)
+    for sample in list(_latents_by_source(sd, manifest).values())[:5]:
+        caption_text = json.loads(sample["json"])["caption"]
+        n_tokens = int(pipe.tokenizer_2(caption_text, max_length=32, truncation=True).input_ids.__len__())
+        text = load_tensors(sample["text.safetensors"])
+        assert text["prompt_embeds"].shape == (n_tokens, 32)
+        full, _, _ = pipe.encode_prompt(caption_text, prompt_2=None, max_sequence_length=32)
+        torch.testing.assert_close(text["prompt_embeds"], full[0, :n_tokens])
+        vae = load_tensors(sample["vae.safetensors"])
+        assert vae["latents_std"].shape == vae["latents"].shape and bool((vae["latents_std"] > 0).all())
+
+    empty = load_tensors((sd.root / manifest["empty_prompt"]["path"]).read_bytes())
+    assert empty["pooled_prompt_embeds"].shape == (32,)
+    assert empty["prompt_embeds"].shape == (1, 32)  # the empty caption is just the EOS token
+    sizes = cache.component_report(records)["bytes_per_sample"]
+    assert 0 < sizes["text"] < 32 * 32 * 4  # trimmed: less than a padded float32 sequence
+
+
+def test_sample_mode_latents_are_seeded_and_reproducible(tiny_flux, tmp_path):
+    from tests.conftest import DEMO_IMAGES
+
+    model = ModelConfig(pretrained=str(tiny_flux))
+    runs = []
+    for name, seed in (("a", 0), ("b", 0), ("c", 1)):
+        cfg = CacheConfig(dtype="float32", max_sequence_length=8, latents="sample", seed=seed)
+        runs.append(_prep(DEMO_IMAGES, tmp_path / name, model, cfg)[1])
+    digests = [[s["sha256"] for s in m["shards"]] for m in runs]
+    assert digests[0] == digests[1] and digests[0] != digests[2]
+
+
+def test_verify_catches_a_flipped_byte(cached, tmp_path, capsys):
+    import shutil
+
+    from latentmill.inspect import verify_path
+
+    *_, sd, manifest, _ = cached
+    copy = tmp_path / "cache"
+    shutil.copytree(sd.root, copy)
+    assert verify_path(copy) == 0
+    victim = copy / manifest["shards"][2]["path"]
+    data = bytearray(victim.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    victim.write_bytes(bytes(data))
+    assert verify_path(copy) == 1
+    assert f"MISMATCH {victim}" in capsys.readouterr().out

@@ -63,7 +63,7 @@ def test_ingest_is_content_addressed(demo_images, tmp_path):
     cfg = IngestConfig(source=str(demo_images), shard_size=8)
     before = [u.unit_id for u in ingest.plan(cfg)]
     assert [u.unit_id for u in ingest.plan(cfg)] == before
-    (demo_images / "img_023.txt").write_text("a new caption\n")  # last unit: files 16..25 sorted
+    (demo_images / "img_023.txt").write_text("a new caption\n")  # changes only the unit holding img_023
     after = [u.unit_id for u in ingest.plan(cfg)]
     assert sum(a != b for a, b in zip(before, after)) == 1
 

@@ -8,6 +8,7 @@ import torch
 from safetensors.torch import load_file
 
 from trainer.checkpoint import (
+    MODEL_FILE,
     latest_checkpoint,
     list_checkpoints,
     load_checkpoint,
@@ -136,3 +137,35 @@ def test_loading_into_another_mode_is_refused(tmp_path):
     model.requires_grad_(True)
     with pytest.raises(ValueError, match="another trainer.mode"):
         load_checkpoint(path, model=model, optimizer=opt, scheduler=sched, sampling_generator=gen)
+
+
+def test_sharded_checkpoint_resumes_in_another_strategy(tmp_path):
+    """FSDP2 in one process (a group of one) writes DCP shards; a plain run resumes from them."""
+    from tests.trainer_helpers import build_tiny_transformer, read_metrics, torch_threads, write_fake_cache
+    from trainer import ParallelConfig, TrainerConfig, train
+
+    pretrained = build_tiny_transformer(tmp_path / "pretrained")
+    write_fake_cache(tmp_path / "cache", {(32, 32, 1): 4}, smooth=True)
+    cfg = dict(max_steps=4, batch_size=2, learning_rate=3e-3, save_every=2, keep_latest_k=0, export=False)
+
+    def run(train_dir, parallel, **kw):
+        with torch_threads(1):
+            return train(
+                TrainerConfig(**{**cfg, **kw}),
+                cache_dir=tmp_path / "cache",
+                pretrained=str(pretrained),
+                train_dir=train_dir,
+                parallel=ParallelConfig(parallel),
+                progress=False,
+            )
+
+    run(tmp_path / "fsdp", "fsdp2")
+    step2 = tmp_path / "fsdp" / "checkpoints" / "step-000002"
+    assert (step2 / "dcp").is_dir() and not (step2 / MODEL_FILE).exists()
+    run(tmp_path / "plain", "none", resume=str(step2))
+    sharded, plain = (read_metrics(tmp_path / d) for d in ("fsdp", "plain"))
+    assert [r["step"] for r in plain] == [3, 4]
+    assert [r["loss"] for r in plain] == pytest.approx([r["loss"] for r in sharded[2:]], rel=1e-5)
+    # and the other way round is refused with a reason, not a shape error
+    with pytest.raises(ValueError, match="saved unsharded"):
+        run(tmp_path / "back", "fsdp2", resume=str(tmp_path / "plain" / "checkpoints" / "step-000004"))

@@ -142,3 +142,81 @@ def test_ranks_share_each_epoch_equally_and_disjointly(cache, world_size):
     assert len(seen) == len(expected)
     # the next batch of every rank is from epoch 1
     assert all(next(iter(loader))["epoch"] == 1 for loader in loaders)
+
+
+# --- cache format 2: family, trimmed text, posterior distribution, empty prompt / caption dropout ---
+
+
+def test_format_1_and_2_are_read_and_family_defaults_to_flux(tmp_path):
+    v1 = write_fake_cache(tmp_path / "v1", {(16, 16, 1): 2}, format_version=1)
+    assert "family" not in v1 and LatentLoader(tmp_path / "v1", batch_size=2).family == "flux"
+    write_fake_cache(tmp_path / "v2", {(16, 16, 9): 2}, family="wan")
+    assert LatentLoader(tmp_path / "v2", batch_size=2).family == "wan"
+    manifest = json.loads((tmp_path / "v2" / "manifest.json").read_text())
+    manifest["format_version"] = 3
+    (tmp_path / "v2" / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(ValueError, match="format_version 3, this trainer reads 1 and 2"):
+        read_manifest(tmp_path / "v2")
+
+
+def test_trimmed_prompt_embeds_are_zero_padded_to_pad_to(tmp_path):
+    write_fake_cache(tmp_path, {(32, 16, 9): 5}, family="wan", trimmed=True, seq_len=12)
+    loader = LatentLoader(tmp_path, batch_size=5, seed=0)
+    batch = next(iter(loader))
+    assert batch["latents"].shape == (5, 16, 3, 2, 4)  # 9 frames -> 3 latent frames
+    assert batch["prompt_embeds"].shape == (5, 12, 32) and "pooled_prompt_embeds" not in batch
+    for i, key in enumerate(batch["keys"]):
+        ref = next(r for r in loader.buckets[(32, 16, 9)] if r.key == key)
+        from safetensors.torch import load as load_st
+
+        raw = load_st(loader._read(ref, "text.safetensors"))["prompt_embeds"]
+        n = raw.shape[0]
+        assert 2 <= n <= 12
+        assert torch.equal(batch["prompt_embeds"][i, :n], raw.float())
+        assert not batch["prompt_embeds"][i, n:].any()  # zeros, like WanPipeline's padding
+
+
+def test_pad_tokens_refuses_more_tokens_than_pad_to():
+    from trainer.loader import pad_tokens
+
+    assert pad_tokens(torch.ones(3, 2), 5).tolist() == [[1, 1]] * 3 + [[0, 0]] * 2
+    with pytest.raises(ValueError, match="more than the manifest's text.pad_to"):
+        pad_tokens(torch.ones(6, 2), 5)
+
+
+def test_distribution_caches_carry_latents_std(tmp_path):
+    write_fake_cache(tmp_path, {(16, 16, 1): 2}, latents="distribution")
+    batch = next(iter(LatentLoader(tmp_path, batch_size=2)))
+    assert batch["latents_std"].shape == batch["latents"].shape
+    assert (batch["latents_std"] > 0).all()
+
+
+def test_caption_dropout_is_seeded_per_sample_and_epoch(tmp_path):
+    from safetensors.torch import load_file
+
+    write_fake_cache(tmp_path, {(16, 16, 9): 40}, family="wan", trimmed=True, seq_len=6)
+    empty = load_file(tmp_path / "empty_prompt.safetensors")["prompt_embeds"].float()
+    loader = LatentLoader(tmp_path, batch_size=8, seed=3, caption_dropout=0.25)
+    batches = list(itertools.islice(loader, 10))  # two epochs
+    dropped = torch.cat([b["caption_dropped"] for b in batches])
+    assert 0.1 < dropped.float().mean() < 0.45  # 80 draws at p = 0.25
+    for b in batches:
+        for i, drop in enumerate(b["caption_dropped"]):
+            if drop:
+                assert torch.equal(b["prompt_embeds"][i, :1], empty) and not b["prompt_embeds"][i, 1:].any()
+    # a pure function of (seed, epoch, key): the same decisions after a resume, new ones next epoch
+    again = LatentLoader(tmp_path, batch_size=8, seed=3, caption_dropout=0.25)
+    again.load_state_dict(json.loads(json.dumps({**loader.state_dict(), "epoch": 0, "batch_index": 2})))
+    for want, have in zip(batches[2:], itertools.islice(again, 8)):
+        assert have["keys"] == want["keys"] and torch.equal(have["caption_dropped"], want["caption_dropped"])
+        assert torch.equal(have["prompt_embeds"], want["prompt_embeds"])
+    by_epoch = [{k: bool(d) for b in batches[e * 5 : e * 5 + 5] for k, d in zip(b["keys"], b["caption_dropped"])}
+                for e in (0, 1)]  # fmt: skip
+    assert by_epoch[0] != by_epoch[1]
+    assert not torch.cat([b["caption_dropped"] for b in itertools.islice(LatentLoader(tmp_path, 8), 5)]).any()
+
+
+def test_caption_dropout_needs_the_empty_prompt(tmp_path):
+    write_fake_cache(tmp_path, {(16, 16, 1): 2}, format_version=1)
+    with pytest.raises(ValueError, match="no empty_prompt entry"):
+        LatentLoader(tmp_path, batch_size=2, caption_dropout=0.1)

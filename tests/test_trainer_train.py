@@ -179,8 +179,15 @@ def test_config_from_recipe_dict_and_errors():
         from_dict(TrainerConfig, {"timestep_sampling": "cosine"}, prefix="trainer")
     assert from_dict(ParallelConfig, {}).strategy == "none"
     assert from_dict(ParallelConfig, {"strategy": "ddp"}).strategy == "ddp"
-    with pytest.raises(ConfigError, match="parallel.strategy: 'fsdp2' is not available yet"):
-        from_dict(ParallelConfig, {"strategy": "fsdp2"}, prefix="parallel")
+    assert from_dict(ParallelConfig, {"strategy": "fsdp2", "hsdp_replicate": 2}).hsdp_replicate == 2
+    with pytest.raises(ConfigError, match="parallel.hsdp_replicate: 2 needs parallel.strategy 'fsdp2'"):
+        from_dict(ParallelConfig, {"strategy": "ddp", "hsdp_replicate": 2}, prefix="parallel")
+    with pytest.raises(ConfigError, match="trainer.validation_prompts"):
+        from_dict(TrainerConfig, {"validate_every": 5}, prefix="trainer")
+    with pytest.raises(ConfigError, match="trainer.caption_dropout: must be in"):
+        from_dict(TrainerConfig, {"caption_dropout": 1.5}, prefix="trainer")
+    with pytest.raises(ConfigError, match="trainer.lr_schedule: 'step' is not one of"):
+        from_dict(TrainerConfig, {"lr_schedule": "step"}, prefix="trainer")
     assert json.loads(json.dumps(to_dict(cfg)))["lora_target_modules"] == cfg.lora_target_modules
 
 

@@ -1,8 +1,8 @@
-"""Test helpers for the trainer room: a tiny Flux transformer saved like a pipeline, and fake latent caches.
+"""Test helpers for the trainer room: tiny Flux / Wan transformers saved like a pipeline, and fake latent caches.
 
-The fake cache follows the cache stage's contract exactly (manifest.json + one-bucket webdataset tars with
-``k.vae.safetensors``, ``k.text.safetensors``, ``k.json``), so the trainer is tested through its real
-reading path.
+The fake cache follows the cache stage's contract exactly (docs/cache-format.md, format 2: manifest.json with
+``family``, ``latents``, ``text``, ``empty_prompt`` + one-bucket webdataset tars with ``k.vae.safetensors``,
+``k.text.safetensors``, ``k.json``), so the trainer is tested through its real reading path.
 """
 
 from __future__ import annotations
@@ -32,6 +32,21 @@ TINY_TRANSFORMER = dict(
 )
 TEXT_DIM, POOLED_DIM, SEQ_LEN = 32, 32, 8
 
+# The transformer of data/tiny-wan.yaml (WanTransformer3DModel), for trainer tests that need no VAE.
+TINY_WAN_TRANSFORMER = dict(
+    patch_size=(1, 2, 2),
+    num_attention_heads=2,
+    attention_head_dim=16,
+    in_channels=16,
+    out_channels=16,
+    text_dim=32,
+    freq_dim=32,
+    ffn_dim=64,
+    num_layers=1,
+    cross_attn_norm=True,
+    qk_norm="rms_norm_across_heads",
+)
+
 
 def build_tiny_transformer(root: str | Path, seed: int = 0) -> Path:
     """Save a random tiny ``FluxTransformer2DModel`` to ``<root>/transformer``; return ``root``."""
@@ -40,6 +55,22 @@ def build_tiny_transformer(root: str | Path, seed: int = 0) -> Path:
     torch.manual_seed(seed)
     FluxTransformer2DModel(**TINY_TRANSFORMER).save_pretrained(Path(root) / "transformer")
     return Path(root)
+
+
+def build_tiny_wan_transformer(root: str | Path, seed: int = 0) -> Path:
+    """Save a random tiny ``WanTransformer3DModel`` to ``<root>/transformer``; return ``root``."""
+    from diffusers import WanTransformer3DModel
+
+    torch.manual_seed(seed)
+    WanTransformer3DModel(**TINY_WAN_TRANSFORMER).save_pretrained(Path(root) / "transformer")
+    return Path(root)
+
+
+def _text_tensors(family: str, n_tokens: int, text_dim: int, pooled_dim: int, dtype, gen) -> dict:
+    tensors = {"prompt_embeds": torch.randn(n_tokens, text_dim, generator=gen).to(dtype).contiguous()}
+    if family == "flux":
+        tensors["pooled_prompt_embeds"] = torch.randn(pooled_dim, generator=gen).to(dtype).contiguous()
+    return tensors
 
 
 def write_fake_cache(
@@ -54,12 +85,20 @@ def write_fake_cache(
     pooled_dim: int = POOLED_DIM,
     channels: int = 16,
     smooth: bool = False,
+    family: str = "flux",
+    format_version: int = 2,
+    trimmed: bool = False,
+    latents: str = "mean",
 ) -> dict:
     """Write a cache-stage output: ``buckets`` maps [width, height, frames] -> sample count. Returns the manifest.
 
-    Latents are [channels, H/8, W/8] random normal (``smooth``: one random value per channel, constant over
-    space, which a tiny model can memorise in a few dozen steps); text embeddings random normal; keys
-    ``s00000``... are unique over the whole cache.
+    Latents are random normal, [channels, H/8, W/8] for ``family`` flux and [channels, (F-1)/4+1, H/8, W/8]
+    for wan (``smooth``: one random value per channel, constant over space and time, which a tiny model can
+    memorise in a few dozen steps); ``latents="distribution"`` adds a ``latents_std`` in [0.05, 0.15).
+    Text embeddings are random normal; ``trimmed``: each sample holds 2..seq_len real tokens and the
+    manifest says ``text: {trimmed: true, pad_to: seq_len}``. ``empty_prompt.safetensors`` holds the empty
+    caption's tensors (one token). Keys ``s00000``... are unique over the whole cache. ``format_version=1``
+    writes the older manifest (no family/latents/text/empty_prompt).
     """
     cache_dir = Path(cache_dir)
     (cache_dir / "shards").mkdir(parents=True, exist_ok=True)
@@ -74,24 +113,25 @@ def write_fake_cache(
             in_shard = min(per_shard, count - start)
             for _ in range(in_shard):
                 key = f"s{n:05d}"
+                space = (height // 8, width // 8)
+                if family == "wan":
+                    space = ((frames - 1) // 4 + 1, *space)
                 if smooth:
-                    latents = torch.randn(channels, 1, 1, generator=gen).expand(-1, height // 8, width // 8)
+                    x = torch.randn(channels, *[1] * len(space), generator=gen).expand(-1, *space)
                 else:
-                    latents = torch.randn(channels, height // 8, width // 8, generator=gen)
-                latents = latents.to(dtype)
-                prompt = torch.randn(seq_len, text_dim, generator=gen).to(dtype)
-                pooled = torch.randn(pooled_dim, generator=gen).to(dtype)
+                    x = torch.randn(channels, *space, generator=gen)
+                vae = {"latents": x.to(dtype).contiguous()}
+                if latents == "distribution":
+                    std = 0.05 + 0.1 * torch.rand(channels, *space, generator=gen)
+                    vae["latents_std"] = std.to(dtype).contiguous()
+                n_tokens = int(torch.randint(2, seq_len + 1, (1,), generator=gen)) if trimmed else seq_len
+                text = _text_tensors(family, n_tokens, text_dim, pooled_dim, dtype, gen)
                 meta = {"key": key, "bucket": list(bucket), "caption": f"caption {n}"}
                 writer.write(
                     {
                         "__key__": key,
-                        "vae.safetensors": save_safetensors({"latents": latents.contiguous()}),
-                        "text.safetensors": save_safetensors(
-                            {
-                                "prompt_embeds": prompt.contiguous(),
-                                "pooled_prompt_embeds": pooled.contiguous(),
-                            }
-                        ),
+                        "vae.safetensors": save_safetensors(vae),
+                        "text.safetensors": save_safetensors(text),
                         "json": json.dumps(meta).encode(),
                     }
                 )
@@ -110,11 +150,18 @@ def write_fake_cache(
                     "bucket": list(bucket),
                 }
             )
-    manifest = {
-        "stage": "cache",
-        "format_version": 1,
-        "fingerprint": hashlib.sha256(json.dumps(shards, sort_keys=True).encode()).hexdigest(),
-        "models": {
+    if family == "wan":
+        models = {
+            "vae": {
+                "class": "AutoencoderKLWan",
+                "fingerprint": "0" * 64,
+                "latents_mean": [0.0] * channels,
+                "latents_std": [1.0] * channels,
+            },
+            "text_encoder": {"class": "UMT5EncoderModel", "fingerprint": "1" * 64},
+        }
+    else:
+        models = {
             "vae": {
                 "class": "AutoencoderKL",
                 "fingerprint": "0" * 64,
@@ -123,11 +170,28 @@ def write_fake_cache(
             },
             "text_encoder": {"class": "CLIPTextModel", "fingerprint": "1" * 64},
             "text_encoder_2": {"class": "T5EncoderModel", "fingerprint": "2" * 64},
-        },
+        }
+    manifest = {
+        "stage": "cache",
+        "format_version": format_version,
+        "fingerprint": hashlib.sha256(json.dumps(shards, sort_keys=True).encode()).hexdigest(),
+        "models": models,
         "dtype": str(dtype).removeprefix("torch."),
         "max_sequence_length": seq_len,
         "shards": shards,
     }
+    if format_version >= 2:
+        empty = save_safetensors(
+            _text_tensors(family, 1 if trimmed else seq_len, text_dim, pooled_dim, dtype, gen)
+        )
+        (cache_dir / "empty_prompt.safetensors").write_bytes(empty)
+        manifest.update(
+            family=family,
+            latents=latents,
+            text={"trimmed": trimmed, "pad_to": seq_len},
+            empty_prompt={"path": "empty_prompt.safetensors", "sha256": hashlib.sha256(empty).hexdigest()},
+            counts={"in": n, "out": n, "quarantined": 0},
+        )
     (cache_dir / "manifest.json").write_text(json.dumps(manifest, indent=2))
     return manifest
 

@@ -5,14 +5,19 @@ Public API::
     from trainer import TrainerConfig, ParallelConfig, train
     summary = train(TrainerConfig(max_steps=200), cache_dir=..., pretrained=..., train_dir=..., seed=0)
 
-Modules: ``config`` (typed recipe sections), ``objective`` (flow matching), ``flux`` (Flux model adapter,
-load and export), ``loader`` (``LatentLoader``), ``checkpoint`` (atomic step folders), ``parallel``
-(none / DDP under torchrun), ``train`` (the loop).
+Modules: ``config`` (typed recipe sections), ``objective`` (flow matching: timestep sampling, shift,
+interpolation, target, loss weighting), ``adapter`` / ``adapters`` (the per-family interface and registry),
+``flux`` (Flux-class images), ``wan`` (Wan-class videos), ``loader`` (``LatentLoader``, cache format 1 and 2),
+``checkpoint`` (atomic step folders; DCP shards under FSDP2), ``parallel`` (none / DDP / FSDP2 / HSDP,
+activation checkpointing, compile), ``validation`` (sample grids), ``train`` (the loop).
 """
 
+from trainer.adapter import ModelAdapter
+from trainer.adapters import ADAPTERS, get_adapter
 from trainer.checkpoint import latest_checkpoint, list_checkpoints, load_checkpoint, save_checkpoint
 from trainer.config import ParallelConfig, TrainerConfig
 from trainer.flux import (
+    FluxAdapter,
     export_flux,
     flux_forward,
     latent_image_ids,
@@ -21,28 +26,45 @@ from trainer.flux import (
     unpack_latents,
 )
 from trainer.loader import LatentLoader, read_manifest
-from trainer.objective import flow_matching_loss, interpolate, sample_sigmas, shift_sigmas, velocity_target
+from trainer.objective import (
+    flow_matching_loss,
+    interpolate,
+    loss_weights,
+    resolution_mu,
+    sample_sigmas,
+    shift_sigmas,
+    velocity_target,
+)
 from trainer.train import train
+from trainer.wan import WanAdapter, wan_forward
 
 __all__ = [
+    "ADAPTERS",
+    "FluxAdapter",
     "LatentLoader",
+    "ModelAdapter",
     "ParallelConfig",
     "TrainerConfig",
+    "WanAdapter",
     "export_flux",
     "flow_matching_loss",
     "flux_forward",
+    "get_adapter",
     "interpolate",
     "latent_image_ids",
     "latest_checkpoint",
     "list_checkpoints",
     "load_checkpoint",
     "load_flux_transformer",
+    "loss_weights",
     "pack_latents",
     "read_manifest",
+    "resolution_mu",
     "sample_sigmas",
     "save_checkpoint",
     "shift_sigmas",
     "train",
     "unpack_latents",
     "velocity_target",
+    "wan_forward",
 ]

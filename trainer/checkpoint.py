@@ -8,6 +8,12 @@ Layout of ``<train_dir>/checkpoints/step-000010/``:
   file per rank;
 * ``trainer_state.json`` - step, loader position, last loss, config.
 
+With FSDP2 (``sharded=True``) the weights and optimizer state are not gathered: every rank writes its shards
+with ``torch.distributed.checkpoint`` (DCP) into ``dcp/`` (model and optimizer state dicts from
+``torch.distributed.checkpoint.state_dict.get_state_dict``, trainable parameters only), and the LR schedule
+goes to ``lr_scheduler.pt``. A DCP checkpoint can be loaded by any strategy and world size (DCP reshards);
+a ``model.safetensors`` checkpoint only by the unsharded strategies (none, ddp).
+
 A folder is written as ``step-000010.tmp`` and renamed once complete (by rank 0, after every rank wrote
 its part), so ``latest_checkpoint`` (the highest ``step-NNNNNN`` without suffix) never picks a partial
 one. ``keep_latest_k`` prunes older steps.
@@ -31,6 +37,7 @@ log = logging.getLogger(__name__)
 
 STEP_DIR = re.compile(r"^step-(\d+)$")
 MODEL_FILE, OPTIM_FILE, STATE_FILE = "model.safetensors", "optimizer.pt", "trainer_state.json"
+DCP_DIR, SCHED_FILE = "dcp", "lr_scheduler.pt"
 
 
 def rng_file(rank: int) -> str:
@@ -87,11 +94,13 @@ def save_checkpoint(
     keep_latest_k: int = 0,
     rank: int = 0,
     barrier: Callable[[], None] = lambda: None,
+    sharded: bool = False,
 ) -> Path:
     """Write ``step-NNNNNN`` atomically (tmp folder, then rename), prune to ``keep_latest_k``; return its path.
 
-    Under DDP every rank calls this with its ``rank`` and a ``barrier``: rank 0 writes the shared files,
-    each rank its RNG state, and rank 0 renames the folder once all are written.
+    Under DDP/FSDP2 every rank calls this with its ``rank`` and a ``barrier``: rank 0 writes the shared files,
+    each rank its RNG state (and with ``sharded`` its DCP shards), and rank 0 renames the folder once all
+    are written.
     """
     ckpt_dir = Path(ckpt_dir)
     final = ckpt_dir / step_dir_name(step)
@@ -108,14 +117,25 @@ def save_checkpoint(
     if torch.cuda.is_available():
         rng["torch_cuda"] = torch.cuda.get_rng_state()
     save_file(rng, tmp / rng_file(rank))
+    if sharded:
+        import torch.distributed.checkpoint as dcp
+
+        model_sd, optim_sd = _dcp_state_dicts(model, optimizer)
+        dcp.save({"model": model_sd, "optimizer": optim_sd}, checkpoint_id=tmp / DCP_DIR)
     if rank == 0:
-        weights = {k: v.to("cpu").contiguous() for k, v in trainable_state_dict(model).items()}
-        save_file(weights, tmp / MODEL_FILE)
-        torch.save(
-            {"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict()}, tmp / OPTIM_FILE
-        )
-        (tmp / STATE_FILE).write_text(json.dumps({**trainer_state, "step": step}, indent=2, sort_keys=True))
-        written += [MODEL_FILE, OPTIM_FILE, STATE_FILE]
+        if sharded:
+            torch.save({"scheduler": scheduler.state_dict()}, tmp / SCHED_FILE)
+            written += [SCHED_FILE]
+        else:
+            weights = {k: v.to("cpu").contiguous() for k, v in trainable_state_dict(model).items()}
+            save_file(weights, tmp / MODEL_FILE)
+            torch.save(
+                {"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict()}, tmp / OPTIM_FILE
+            )
+            written += [MODEL_FILE, OPTIM_FILE]
+        state = {**trainer_state, "step": step, "format": "dcp" if sharded else "safetensors"}
+        (tmp / STATE_FILE).write_text(json.dumps(state, indent=2, sort_keys=True))
+        written += [STATE_FILE]
     for name in written:
         with open(tmp / name, "rb") as fh:
             os.fsync(fh.fileno())
@@ -129,6 +149,13 @@ def save_checkpoint(
         prune_checkpoints(ckpt_dir, keep_latest_k)
     barrier()
     return final
+
+
+def _dcp_state_dicts(model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict, dict]:
+    """Model (trainable parameters only) and optimizer state dicts keyed by parameter name, as DCP wants."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+    return get_state_dict(model, optimizer, options=StateDictOptions(ignore_frozen_params=True))
 
 
 def prune_checkpoints(ckpt_dir: str | Path, keep_latest_k: int) -> list[Path]:
@@ -164,8 +191,57 @@ def load_checkpoint(
     sampling_generator: torch.Generator,
     rank: int = 0,
 ) -> dict[str, Any]:
-    """Restore model, optimizer, scheduler and ``rank``'s RNG states in place; return the ``trainer_state``."""
+    """Restore model, optimizer, scheduler and ``rank``'s RNG states in place; return the ``trainer_state``.
+
+    A sharded (DCP) checkpoint is loaded collectively: every rank of the run calls this.
+    """
     path = Path(path)
+    if (path / DCP_DIR).is_dir():
+        _load_dcp(path, model, optimizer, scheduler)
+    else:
+        _load_safetensors(path, model, optimizer, scheduler)
+    if (path / rng_file(rank)).is_file():
+        rng = load_file(path / rng_file(rank))
+        torch.set_rng_state(rng["torch_cpu"])
+        sampling_generator.set_state(rng["sampling"])
+        if "torch_cuda" in rng and torch.cuda.is_available():
+            torch.cuda.set_rng_state(rng["torch_cuda"])
+    else:  # saved with fewer processes: this rank keeps its fresh seed
+        log.warning("%s has no RNG state for rank %d; this rank's noise starts from its seed", path, rank)
+    return json.loads((path / STATE_FILE).read_text())
+
+
+def _load_dcp(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any) -> None:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
+
+    model_sd, optim_sd = _dcp_state_dicts(model, optimizer)
+    state = {"model": model_sd, "optimizer": optim_sd}
+    try:
+        dcp.load(state, checkpoint_id=path / DCP_DIR)
+    except Exception as err:  # DCP names the missing keys deep inside a CheckpointException
+        raise ValueError(
+            f"{path}: the sharded checkpoint does not match the model's trainable parameters or optimizer "
+            f"(was it saved in another trainer.mode?): {str(err)[:500]}"
+        ) from err
+    set_state_dict(
+        model,
+        optimizer,
+        model_state_dict=state["model"],
+        optim_state_dict=state["optimizer"],
+        options=StateDictOptions(ignore_frozen_params=True),
+    )
+    scheduler.load_state_dict(
+        torch.load(path / SCHED_FILE, map_location="cpu", weights_only=True)["scheduler"]
+    )
+
+
+def _load_safetensors(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any) -> None:
+    if any(_is_dtensor(p) for p in model.parameters()):
+        raise ValueError(
+            f"{path} was saved unsharded (parallel.strategy none or ddp); resume it with one of those, "
+            "or start the FSDP2 run from the exported weights"
+        )
     weights = load_file(path / MODEL_FILE)
     expected = set(trainable_state_dict(model))
     if set(weights) != expected:
@@ -182,12 +258,7 @@ def load_checkpoint(
     optim = torch.load(path / OPTIM_FILE, map_location="cpu", weights_only=True)
     optimizer.load_state_dict(optim["optimizer"])
     scheduler.load_state_dict(optim["scheduler"])
-    if (path / rng_file(rank)).is_file():
-        rng = load_file(path / rng_file(rank))
-        torch.set_rng_state(rng["torch_cpu"])
-        sampling_generator.set_state(rng["sampling"])
-        if "torch_cuda" in rng and torch.cuda.is_available():
-            torch.cuda.set_rng_state(rng["torch_cuda"])
-    else:  # saved with fewer processes: this rank keeps its fresh seed
-        log.warning("%s has no RNG state for rank %d; this rank's noise starts from its seed", path, rank)
-    return json.loads((path / STATE_FILE).read_text())
+
+
+def _is_dtensor(tensor: torch.Tensor) -> bool:
+    return type(tensor).__name__ == "DTensor" or type(getattr(tensor, "data", None)).__name__ == "DTensor"

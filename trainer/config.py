@@ -15,17 +15,20 @@ from latentmill.config import ConfigError
 
 @dataclass
 class TrainerConfig:
-    """How to train: mode, optimiser, schedule, timestep sampling, checkpointing, LoRA and export."""
+    """How to train: mode, optimiser, schedule, timestep sampling, checkpointing, LoRA, validation, export."""
 
     mode: Literal["full", "lora"] = "full"
-    max_steps: int = 100
-    batch_size: int = 4
-    # --- optimiser (AdamW) and schedule (linear warmup, then constant) ---
+    max_steps: int = 100  # optimizer steps
+    batch_size: int = 4  # per rank and micro-batch
+    grad_accum_steps: int = 1  # micro-batches per optimizer step (global batch = batch x accum x ranks)
+    # --- optimiser (AdamW) and schedule (linear warmup, then lr_schedule down to min_lr_ratio) ---
     learning_rate: float = 1e-4
     weight_decay: float = 0.0
     adam_betas: tuple[float, float] = (0.9, 0.999)
     adam_eps: float = 1e-8
     warmup_steps: int = 0
+    lr_schedule: Literal["constant", "cosine", "linear"] = "constant"  # after warmup, until max_steps
+    min_lr_ratio: float = 0.0  # cosine/linear end at learning_rate * min_lr_ratio
     grad_clip: float = 1.0  # max global grad norm; 0 disables clipping (the norm is still logged)
     # --- checkpointing ---
     save_every: int = 50  # also saves at the final step; 0 disables checkpoints
@@ -34,25 +37,55 @@ class TrainerConfig:
     # the same train_dir is moved to checkpoints.previous/ and metrics.previous.jsonl)
     resume: Optional[str] = None
     # --- flow-matching timesteps: sigma ~ sampling, then sigma' = shift*sigma / (1 + (shift-1)*sigma) ---
-    timestep_sampling: Literal["logit_normal", "uniform"] = "logit_normal"
+    timestep_sampling: Literal["logit_normal", "uniform", "mode"] = "logit_normal"
     logit_mean: float = 0.0
     logit_std: float = 1.0
+    mode_scale: float = 1.29  # timestep_sampling: mode (SD3's value)
+    # fixed: `shift`; resolution: shift = exp(mu), mu linear in the latent token count (Flux calculate_shift)
+    shift_mode: Literal["fixed", "resolution"] = "fixed"
     shift: float = 1.0
-    guidance_scale: float = 3.5  # fed to guidance-embedding models (FLUX.1-dev style), ignored otherwise
+    base_shift: float = 0.5  # shift_mode resolution: mu at base_image_seq_len tokens (FLUX.1-dev values)
+    max_shift: float = 1.15  # ... and at max_image_seq_len tokens
+    base_image_seq_len: int = 256
+    max_image_seq_len: int = 4096
+    loss_weighting: Literal["none", "sigma_sqrt", "cosmap"] = "none"  # as diffusers' SD3 weighting schemes
+    # guidance-embedding models (FLUX.1-dev style): their guidance input, in training and validation;
+    # models without one (Wan): only the classifier-free guidance scale of validation samples
+    guidance_scale: float = 3.5
+    caption_dropout: float = 0.0  # per-sample probability of training on the empty prompt instead
     # --- LoRA (mode: lora) ---
     lora_rank: int = 16
     lora_alpha: float = 16.0
     lora_target_modules: list[str] = field(default_factory=lambda: ["to_k", "to_q", "to_v", "to_out.0"])
+    # --- memory and speed, applied from outside to the unmodified model ---
+    activation_checkpointing: bool = False  # recompute each transformer block in backward
+    compile: bool = False  # torch.compile each transformer block
     # --- data ---
     drop_last: bool = False  # drop each bucket's last partial batch
     verify_shards: bool = False  # check each shard's sha256 against the manifest before training
+    # --- validation: sample the in-training model with the recipe's VAE/text encoders ---
+    validate_every: int = 0  # 0: never; else every N optimizer steps (and at the last step)
+    validation_prompts: list[str] = field(default_factory=list)
+    validation_steps: int = 8  # denoising steps
+    validation_size: list[int] = field(
+        default_factory=lambda: [128, 128]
+    )  # [width, height] or [w, h, frames]
+    validation_seed: int = 0
     # --- logging and export ---
     log_every: int = 10  # progress-bar / log line cadence; metrics.jsonl gets every step regardless
+    tensorboard: bool = True  # also write <train_dir>/tb when the tensorboard package is installed
     export: bool = True
 
     def validate(self) -> None:
         """Reject values that type-check but cannot work, naming the key."""
-        positive = {"max_steps": self.max_steps, "batch_size": self.batch_size, "log_every": self.log_every}
+        positive = {
+            "max_steps": self.max_steps,
+            "batch_size": self.batch_size,
+            "log_every": self.log_every,
+            "grad_accum_steps": self.grad_accum_steps,
+            "validation_steps": self.validation_steps,
+            "base_image_seq_len": self.base_image_seq_len,
+        }
         for key, value in positive.items():
             if value < 1:
                 raise ConfigError(f"trainer.{key}: must be >= 1, got {value}")
@@ -62,18 +95,28 @@ class TrainerConfig:
             "keep_latest_k": self.keep_latest_k,
             "weight_decay": self.weight_decay,
             "grad_clip": self.grad_clip,
+            "validate_every": self.validate_every,
         }
         for key, value in non_negative.items():
             if value < 0:
                 raise ConfigError(f"trainer.{key}: must be >= 0, got {value}")
         if self.learning_rate <= 0:
             raise ConfigError(f"trainer.learning_rate: must be > 0, got {self.learning_rate}")
+        if not 0.0 <= self.min_lr_ratio <= 1.0:
+            raise ConfigError(f"trainer.min_lr_ratio: must be in [0, 1], got {self.min_lr_ratio}")
         if not all(0.0 <= b < 1.0 for b in self.adam_betas):
             raise ConfigError(f"trainer.adam_betas: each must be in [0, 1), got {list(self.adam_betas)}")
         if self.shift <= 0:
             raise ConfigError(f"trainer.shift: must be > 0, got {self.shift}")
         if self.logit_std <= 0:
             raise ConfigError(f"trainer.logit_std: must be > 0, got {self.logit_std}")
+        if self.max_image_seq_len <= self.base_image_seq_len:
+            raise ConfigError(
+                f"trainer.max_image_seq_len: must be > base_image_seq_len ({self.base_image_seq_len}), "
+                f"got {self.max_image_seq_len}"
+            )
+        if not 0.0 <= self.caption_dropout <= 1.0:
+            raise ConfigError(f"trainer.caption_dropout: must be in [0, 1], got {self.caption_dropout}")
         if self.mode == "lora":
             if self.lora_rank < 1:
                 raise ConfigError(f"trainer.lora_rank: must be >= 1, got {self.lora_rank}")
@@ -81,18 +124,31 @@ class TrainerConfig:
                 raise ConfigError("trainer.lora_target_modules: must name at least one module in lora mode")
         if self.resume is not None and not str(self.resume).strip():
             raise ConfigError("trainer.resume: use 'latest', a checkpoint folder path, or null")
+        if self.validate_every and not self.validation_prompts:
+            raise ConfigError("trainer.validation_prompts: give at least one prompt when validate_every > 0")
+        if len(self.validation_size) not in (2, 3) or any(v < 1 for v in self.validation_size):
+            raise ConfigError(
+                f"trainer.validation_size: expected [width, height] or [width, height, frames], "
+                f"got {self.validation_size}"
+            )
 
 
 @dataclass
 class ParallelConfig:
-    """How to spread training over processes: ``none`` (one process) or ``ddp`` (under torchrun)."""
+    """How to spread training over processes: one process, DDP, or FSDP2 (optionally HSDP), under torchrun."""
 
     strategy: Literal["none", "ddp", "fsdp2"] = "none"
+    # fsdp2 only: replicate groups of a 2-D (replicate x shard) mesh; 1 = plain FSDP over all ranks (HSDP
+    # with e.g. 2 on 2 nodes x 8 GPUs: shard within a node, replicate across nodes)
+    hsdp_replicate: int = 1
+    mixed_precision: bool = True  # fsdp2 on CUDA: bf16 params/compute, fp32 gradient reduction
 
     def validate(self) -> None:
-        """Fail early for strategies that are declared in the recipe schema but not implemented yet."""
-        if self.strategy == "fsdp2":
+        """Check the options that only make sense together."""
+        if self.hsdp_replicate < 1:
+            raise ConfigError(f"parallel.hsdp_replicate: must be >= 1, got {self.hsdp_replicate}")
+        if self.hsdp_replicate > 1 and self.strategy != "fsdp2":
             raise ConfigError(
-                "parallel.strategy: 'fsdp2' is not available yet in this version of the trainer; "
-                "use 'none' (single process) or 'ddp' (one full model copy per process)"
+                f"parallel.hsdp_replicate: {self.hsdp_replicate} needs parallel.strategy 'fsdp2' "
+                f"(got {self.strategy!r})"
             )

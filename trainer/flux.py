@@ -4,7 +4,8 @@ The transformer sees what ``FluxPipeline`` gives it at inference time: 2x2-packe
 ids for image and text tokens, ``timestep = sigma`` and (for guidance-distilled models) the guidance scale.
 Packing and ids reproduce ``FluxPipeline._pack_latents`` / ``_unpack_latents`` /
 ``_prepare_latent_image_ids`` so that a model trained here samples correctly in the stock pipeline.
-``load_flux_transformer`` and ``export_flux`` load the model for training and write the Diffusers artefact.
+``FluxAdapter`` is what the training loop uses (see ``trainer.adapter``); ``load_flux_transformer`` and
+``export_flux`` load the model for training and write the Diffusers artefact.
 
 Shape legend: B batch, C latent channels (16), H/W latent height/width (pixels / 8), N = (H/2)*(W/2) image
 tokens, L text tokens, D text feature width.
@@ -12,15 +13,12 @@ tokens, L text tokens, D text feature width.
 
 from __future__ import annotations
 
-import os
-import shutil
 from pathlib import Path
 
 import torch
 from torch import nn
 
-# Files that mark a folder as an earlier export (safe to replace).
-EXPORT_MARKERS = ("model_index.json", "pytorch_lora_weights.safetensors")
+from trainer.adapter import EXPORT_MARKERS, ModelAdapter  # noqa: F401  (EXPORT_MARKERS: public name)
 
 
 def pack_latents(latents_BCHW: torch.Tensor) -> torch.Tensor:
@@ -114,47 +112,14 @@ def flux_forward(
     return unpack_latents(pred_BNK, H, W)
 
 
-def load_flux_transformer(
-    pretrained: str,
-    *,
-    mode: str = "full",
-    device: torch.device | str = "cpu",
-    lora_rank: int = 16,
-    lora_alpha: float = 16.0,
-    lora_target_modules: list[str] | None = None,
-) -> nn.Module:
+def load_flux_transformer(pretrained: str, **kwargs) -> nn.Module:
     """``FluxTransformer2DModel.from_pretrained(pretrained, subfolder="transformer")``, made trainable.
 
     ``full``: every parameter trains, in float32. ``lora``: the base is frozen (bfloat16 on CUDA, float32
-    on CPU) and a PEFT LoRA adapter (float32) is added with ``transformer.add_adapter``.
+    on CPU) and a PEFT LoRA adapter (float32) is added with ``transformer.add_adapter``. Keyword arguments:
+    ``mode``, ``device``, ``lora_rank``, ``lora_alpha``, ``lora_target_modules``, ``base_dtype``.
     """
-    from diffusers import FluxTransformer2DModel
-
-    device = torch.device(device)
-    base_dtype = torch.bfloat16 if (mode == "lora" and device.type == "cuda") else torch.float32
-    transformer = FluxTransformer2DModel.from_pretrained(
-        pretrained, subfolder="transformer", torch_dtype=base_dtype
-    )
-    if mode == "lora":
-        from peft import LoraConfig
-
-        transformer.requires_grad_(False)
-        transformer.add_adapter(
-            LoraConfig(
-                r=lora_rank,
-                lora_alpha=lora_alpha,
-                init_lora_weights="gaussian",
-                target_modules=list(lora_target_modules or ["to_k", "to_q", "to_v", "to_out.0"]),
-            )
-        )
-        for param in transformer.parameters():
-            if param.requires_grad:
-                param.data = param.data.float()  # trainable weights stay float32 even on a bf16 base
-    elif mode == "full":
-        transformer.requires_grad_(True)
-    else:
-        raise ValueError(f"unknown trainer mode {mode!r}")
-    return transformer.to(device).train()
+    return FluxAdapter().load(pretrained, **kwargs)
 
 
 def export_flux(transformer: nn.Module, *, mode: str, pretrained: str, export_dir: str | Path) -> Path:
@@ -164,28 +129,43 @@ def export_flux(transformer: nn.Module, *, mode: str, pretrained: str, export_di
     ``FluxPipeline.from_pretrained(pretrained).load_lora_weights(export_dir)``. Written to
     ``<export_dir>.tmp`` and renamed, so a half-written export is never left under the final name.
     """
-    from diffusers import FluxPipeline
+    return FluxAdapter().export(transformer, mode=mode, pretrained=pretrained, export_dir=export_dir)
 
-    export_dir = Path(export_dir)
-    tmp = export_dir.with_name(export_dir.name + ".tmp")
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    if mode == "full":
-        pipe = FluxPipeline.from_pretrained(pretrained, transformer=transformer)
-        pipe.save_pretrained(tmp)
-    elif mode == "lora":
-        from peft.utils import get_peft_model_state_dict
 
-        FluxPipeline.save_lora_weights(
-            tmp,
-            transformer_lora_layers=get_peft_model_state_dict(transformer),
-            transformer_lora_adapter_metadata=transformer.peft_config["default"].to_dict(),
+class FluxAdapter(ModelAdapter):
+    """Flux-class image models (FLUX.1-dev/schnell and fine-tunes): ``FluxTransformer2DModel``, ``FluxPipeline``."""
+
+    family = "flux"
+    transformer_class = "FluxTransformer2DModel"
+    pipeline_class = "FluxPipeline"
+    text_keys = ("prompt_embeds", "pooled_prompt_embeds")
+    latent_ndim = 3
+
+    def blocks(self, transformer: nn.Module) -> list[nn.Module]:
+        return [*transformer.transformer_blocks, *transformer.single_transformer_blocks]
+
+    def check_batch(self, transformer: nn.Module, batch: dict) -> None:
+        check_batch_fits(transformer, batch["latents"], batch["prompt_embeds"], batch["pooled_prompt_embeds"])
+
+    def seq_len(self, latents: torch.Tensor) -> int:
+        return (latents.shape[-2] // 2) * (latents.shape[-1] // 2)  # packed 2x2 tokens
+
+    def forward(self, model: nn.Module, noisy, sigmas_B, batch: dict, cfg) -> torch.Tensor:
+        return flux_forward(
+            model, noisy, sigmas_B, batch["prompt_embeds"], batch["pooled_prompt_embeds"], cfg.guidance_scale
         )
-    else:
-        raise ValueError(f"unknown trainer mode {mode!r}")
-    if export_dir.exists():
-        if not any((export_dir / marker).exists() for marker in EXPORT_MARKERS):
-            raise FileExistsError(f"{export_dir} exists and is not a previous export; refusing to replace it")
-        shutil.rmtree(export_dir)
-    os.replace(tmp, export_dir)
-    return export_dir
+
+    def validation_images(
+        self, pipe, prompts, *, size, steps, generator, max_sequence_length, guidance_scale
+    ):
+        width, height = size[0], size[1]
+        out = pipe(
+            prompts,
+            height=height,
+            width=width,
+            num_inference_steps=steps,
+            guidance_scale=guidance_scale,
+            max_sequence_length=max_sequence_length,
+            generator=generator,
+        )
+        return [[image] for image in out.images]

@@ -1,8 +1,11 @@
 """``LatentLoader``: batches of cached latents and text embeddings from the cache stage's shards.
 
-Contract read (``<cache_dir>/manifest.json``, written by the cache stage): a list of uncompressed webdataset
-tar shards, each holding ONE bucket ``[width, height, frames]``; per sample ``k.vae.safetensors``
-(``latents``), ``k.text.safetensors`` (``prompt_embeds``, ``pooled_prompt_embeds``) and ``k.json``.
+Contract read (``<cache_dir>/manifest.json``, written by the cache stage; docs/cache-format.md, format
+versions 1 and 2): a list of uncompressed webdataset tar shards, each holding ONE bucket
+``[width, height, frames]``; per sample ``k.vae.safetensors`` (``latents``, and ``latents_std`` when the
+manifest says ``"latents": "distribution"``), ``k.text.safetensors`` (``prompt_embeds``, and
+``pooled_prompt_embeds`` for Flux) and ``k.json``; ``empty_prompt.safetensors`` holds the text tensors of
+the empty caption.
 
 Design choices:
 
@@ -14,6 +17,10 @@ Design choices:
   stage writes); remote (fsspec) caches are not supported yet.
 * ``state_dict()`` is (epoch, index of the next batch): restoring it yields the very same next batches.
 * Under DDP each rank takes every ``world_size``-th batch of the global plan, the same number per rank.
+* Trimmed text (``text.trimmed``): ``prompt_embeds`` hold only the real tokens and are zero-padded to
+  ``text.pad_to`` when a batch is assembled, which is what ``WanPipeline`` feeds its transformer.
+* Caption dropout: a sample trains on the empty prompt's tensors with probability ``caption_dropout``; the
+  decision is a pure function of (seed, epoch, sample key), so a resumed run drops the very same captions.
 """
 
 from __future__ import annotations
@@ -32,6 +39,7 @@ from safetensors.torch import load as load_safetensors
 
 log = logging.getLogger(__name__)
 
+FORMAT_VERSIONS = (1, 2)
 VAE_MEMBER = "vae.safetensors"
 TEXT_MEMBER = "text.safetensors"
 META_MEMBER = "json"
@@ -56,11 +64,42 @@ def read_manifest(cache_dir: str | Path) -> dict:
         raise ValueError(
             f"{path} is a {manifest.get('stage')!r} manifest, the trainer needs the 'cache' stage's"
         )
-    if manifest.get("format_version") != 1:
-        raise ValueError(f"{path}: format_version {manifest.get('format_version')!r}, this trainer reads 1")
+    if manifest.get("format_version") not in FORMAT_VERSIONS:
+        raise ValueError(
+            f"{path}: format_version {manifest.get('format_version')!r}, this trainer reads "
+            f"{' and '.join(map(str, FORMAT_VERSIONS))}"
+        )
     if not manifest.get("shards"):
         raise ValueError(f"{path} lists no shards: nothing to train on")
+    if manifest.get("latents", "mean") not in ("mean", "sample", "distribution"):
+        raise ValueError(f"{path}: latents {manifest['latents']!r} is not one of mean, sample, distribution")
     return manifest
+
+
+def manifest_family(manifest: dict) -> str:
+    """The model family that produced the cache (``flux`` when the manifest does not say: format 1)."""
+    return manifest.get("family") or "flux"
+
+
+def _unit_interval(*parts: object) -> float:
+    """A number in [0, 1) that is a pure function of ``parts`` (same on every process and platform)."""
+    digest = hashlib.sha256(":".join(map(str, parts)).encode()).digest()
+    return int.from_bytes(digest[:8], "little") / 2**64
+
+
+def caption_dropped(seed: int, epoch: int, key: str, probability: float) -> bool:
+    """Whether sample ``key`` trains on the empty prompt in ``epoch`` (probability ``probability``)."""
+    return probability > 0 and _unit_interval("latentmill-caption-dropout", seed, epoch, key) < probability
+
+
+def pad_tokens(embeds_LD: torch.Tensor, pad_to: int) -> torch.Tensor:
+    """Zero-pad [n, D] token embeddings to [pad_to, D] (as ``WanPipeline._get_t5_prompt_embeds`` does)."""
+    n = embeds_LD.shape[0]
+    if n > pad_to:
+        raise ValueError(f"prompt_embeds hold {n} tokens, more than the manifest's text.pad_to ({pad_to})")
+    if n == pad_to:
+        return embeds_LD
+    return torch.cat([embeds_LD, embeds_LD.new_zeros(pad_to - n, *embeds_LD.shape[1:])])
 
 
 def index_shard(path: Path) -> list[tuple[str, dict[str, tuple[int, int]]]]:
@@ -96,9 +135,11 @@ def _epoch_generator(seed: int, epoch: int) -> torch.Generator:
 class LatentLoader:
     """Infinite iterator of single-bucket batches; deterministic in (seed, epoch, manifest); resumable.
 
-    Each batch is a dict: ``latents`` [B, 16, H/8, W/8], ``prompt_embeds`` [B, L, D],
-    ``pooled_prompt_embeds`` [B, D_pooled] (all ``dtype``), ``keys`` (list of sample keys),
-    ``bucket`` ([width, height, frames]), ``epoch`` and ``index`` (position of the batch in its epoch).
+    Each batch is a dict: ``latents`` [B, 16, H/8, W/8] (images) or [B, 16, F', H/8, W/8] (videos),
+    ``latents_std`` (same shape, ``"latents": "distribution"`` caches only), ``prompt_embeds`` [B, L, D]
+    (zero-padded to ``text.pad_to`` when trimmed), ``pooled_prompt_embeds`` [B, D_pooled] (Flux) (all
+    ``dtype``), ``caption_dropped`` (bool [B]), ``keys`` (list of sample keys), ``bucket``
+    ([width, height, frames]), ``epoch`` and ``index`` (position of the batch in its epoch).
     """
 
     def __init__(
@@ -113,6 +154,7 @@ class LatentLoader:
         manifest: dict | None = None,
         rank: int = 0,
         world_size: int = 1,
+        caption_dropout: float = 0.0,
     ) -> None:
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
@@ -122,6 +164,14 @@ class LatentLoader:
         self.cache_dir = Path(cache_dir)
         self.manifest = manifest if manifest is not None else read_manifest(self.cache_dir)
         self.batch_size, self.seed, self.dtype, self.drop_last = batch_size, seed, dtype, drop_last
+        self.family = manifest_family(self.manifest)
+        self.distribution = self.manifest.get("latents", "mean") == "distribution"
+        text = self.manifest.get("text") or {}
+        self.pad_to: int | None = int(text["pad_to"]) if text.get("trimmed") else None
+        if not 0.0 <= caption_dropout <= 1.0:
+            raise ValueError(f"caption_dropout must be in [0, 1], got {caption_dropout}")
+        self.caption_dropout = caption_dropout
+        self.empty_prompt = self._load_empty_prompt() if caption_dropout > 0 else None
         # What the sample order depends on: the shard list (content-addressed), not the stage config.
         shard_ids = [
             (e["path"], e.get("sha256"), e.get("samples"), e.get("bucket")) for e in self.manifest["shards"]
@@ -156,6 +206,20 @@ class LatentLoader:
         self._order_epoch: int | None = None
         self._order: list[tuple[tuple[int, ...], list[int]]] = []
         self._fds: dict[int, int] = {}
+
+    def _load_empty_prompt(self) -> dict[str, torch.Tensor]:
+        """The text tensors of the empty caption (``manifest["empty_prompt"]``), checked against its sha256."""
+        entry = self.manifest.get("empty_prompt")
+        if not entry:
+            raise ValueError(
+                f"{self.cache_dir}: trainer.caption_dropout needs the empty prompt's embeddings, and the cache "
+                "manifest has no empty_prompt entry (cache format 2 writes one); re-run the cache stage"
+            )
+        path = self.cache_dir / entry["path"]
+        data = path.read_bytes()
+        if entry.get("sha256") and hashlib.sha256(data).hexdigest() != entry["sha256"]:
+            raise ValueError(f"{path}: sha256 differs from the manifest")
+        return load_safetensors(data)
 
     # --- order: a pure function of (seed, epoch, manifest) ---
     def global_batches(self, epoch: int) -> list[tuple[tuple[int, ...], list[int]]]:
@@ -228,7 +292,7 @@ class LatentLoader:
                 self.epoch, self.batch_index = self.epoch + 1, 0
                 continue
             bucket, indices = self._order[self.batch_index]
-            batch = self._read_batch(bucket, indices)
+            batch = self._read_batch(bucket, indices, self.epoch)
             batch["epoch"], batch["index"] = self.epoch, self.batch_index
             self.batch_index += 1  # state now points at the next batch
             yield batch
@@ -243,27 +307,42 @@ class LatentLoader:
             raise IOError(f"{self.shard_paths[ref.shard]}: short read for {ref.key}.{ext}")
         return data
 
-    def _read_batch(self, bucket: tuple[int, ...], indices: list[int]) -> dict[str, Any]:
+    def _read_batch(self, bucket: tuple[int, ...], indices: list[int], epoch: int) -> dict[str, Any]:
         refs = [self.buckets[bucket][i] for i in indices]
-        latents, prompt, pooled = [], [], []
+        columns: dict[str, list[torch.Tensor]] = {}
+        dropped = []
         for ref in refs:
             vae = load_safetensors(self._read(ref, VAE_MEMBER))
             text = load_safetensors(self._read(ref, TEXT_MEMBER))
-            latents.append(vae["latents"])
-            prompt.append(text["prompt_embeds"])
-            pooled.append(text["pooled_prompt_embeds"])
-        try:
-            out = {
-                name: torch.stack(ts).to(self.dtype)
-                for name, ts in (
-                    ("latents", latents),
-                    ("prompt_embeds", prompt),
-                    ("pooled_prompt_embeds", pooled),
+            drop = self.empty_prompt is not None and caption_dropped(
+                self.seed, epoch, ref.key, self.caption_dropout
+            )
+            if drop:
+                text = self.empty_prompt
+            dropped.append(drop)
+            if self.distribution and "latents_std" not in vae:
+                raise ValueError(
+                    f"sample {ref.key!r}: the manifest says latents: distribution, no latents_std"
                 )
-            }
+            sample = {"latents": vae["latents"], **text}
+            if self.distribution:
+                sample["latents_std"] = vae["latents_std"]
+            if self.pad_to is not None and "prompt_embeds" in sample:
+                sample["prompt_embeds"] = pad_tokens(sample["prompt_embeds"], self.pad_to)
+            if columns and set(sample) != set(columns):
+                raise ValueError(f"sample {ref.key!r} holds {sorted(sample)}, others {sorted(columns)}")
+            for name, tensor in sample.items():
+                columns.setdefault(name, []).append(tensor)
+        try:
+            out = {name: torch.stack(ts).to(self.dtype) for name, ts in columns.items()}
         except RuntimeError as err:  # stack refuses mixed shapes
             raise ValueError(f"bucket {list(bucket)} holds samples of different shapes: {err}") from err
-        return {**out, "keys": [r.key for r in refs], "bucket": list(bucket)}
+        return {
+            **out,
+            "keys": [r.key for r in refs],
+            "bucket": list(bucket),
+            "caption_dropped": torch.tensor(dropped, dtype=torch.bool),
+        }
 
     def read_metadata(self, bucket: tuple[int, ...], index: int) -> dict:
         """The ``k.json`` metadata of one sample (for inspection and tests)."""

@@ -1,18 +1,24 @@
-"""Rectified-flow / flow-matching objective, in the convention of Diffusers' Flux and SD3 pipelines.
+"""Rectified-flow / flow-matching objective, in the convention of Diffusers' Flux, SD3 and Wan pipelines.
 
 With clean latents x0, Gaussian noise eps and a noise level sigma in [0, 1]:
 
     x_sigma = (1 - sigma) * x0 + sigma * eps        (sigma = 0: data, sigma = 1: pure noise)
     target  = d x_sigma / d sigma = eps - x0        (the velocity the network predicts)
-    loss    = mean((prediction - target) ** 2)
+    loss    = mean(w(sigma) * (prediction - target) ** 2)      (w = 1 unless loss_weighting says otherwise)
 
 ``FlowMatchEulerDiscreteScheduler`` samples with ``x_next = x + (sigma_next - sigma) * prediction``, which is
-exactly this velocity. The network is given ``timestep = sigma`` (the Flux pipeline passes ``t / 1000`` with
-``t = 1000 * sigma``).
+exactly this velocity; ``UniPCMultistepScheduler(prediction_type="flow_prediction")`` (Wan) recovers
+``x0 = x_sigma - sigma * prediction`` from the same velocity.
+
+Noise levels: sigma is drawn by ``timestep_sampling`` (SD3's ``logit_normal``, ``mode`` or ``uniform``), then
+shifted by ``sigma' = s * sigma / (1 + (s - 1) * sigma)``: ``s = shift`` (fixed), or ``s = exp(mu)`` with
+``mu`` linear in the latent token count (``shift_mode: resolution``, Flux's ``calculate_shift``; the shift
+``time_shift(mu, 1, sigma)`` of the Flux pipeline is the same map with ``s = exp(mu)``).
 """
 
 from __future__ import annotations
 
+import math
 from typing import Protocol
 
 import torch
@@ -29,26 +35,69 @@ class SigmaSampling(Protocol):
 
 
 def shift_sigmas(sigmas: torch.Tensor, shift: float) -> torch.Tensor:
-    """Flux/SD3 fixed timestep shift: sigma' = shift * sigma / (1 + (shift - 1) * sigma)."""
+    """Flux/SD3 timestep shift: sigma' = shift * sigma / (1 + (shift - 1) * sigma)."""
     if shift == 1.0:
         return sigmas
     return shift * sigmas / (1.0 + (shift - 1.0) * sigmas)
 
 
-def sample_sigmas(n: int, cfg: SigmaSampling, generator: torch.Generator | None = None) -> torch.Tensor:
-    """Draw ``n`` noise levels in (0, 1) as float32 on the CPU, from ``generator``.
+def resolution_mu(
+    image_seq_len: int,
+    base_seq_len: int = 256,
+    max_seq_len: int = 4096,
+    base_shift: float = 0.5,
+    max_shift: float = 1.15,
+) -> float:
+    """Flux's ``calculate_shift``: mu linear in the token count, base_shift at base_seq_len, max_shift at max."""
+    m = (max_shift - base_shift) / (max_seq_len - base_seq_len)
+    return image_seq_len * m + (base_shift - m * base_seq_len)
 
-    ``logit_normal``: sigma = sigmoid(u), u ~ N(logit_mean, logit_std) (SD3's default weighting by density);
-    ``uniform``: sigma ~ U[0, 1). Then the fixed ``shift`` is applied (``shift_sigmas``).
+
+def shift_for(cfg, image_seq_len: int) -> float:
+    """The shift of a batch whose latents are ``image_seq_len`` transformer tokens, per ``cfg.shift_mode``."""
+    if getattr(cfg, "shift_mode", "fixed") == "fixed":
+        return cfg.shift
+    mu = resolution_mu(
+        image_seq_len, cfg.base_image_seq_len, cfg.max_image_seq_len, cfg.base_shift, cfg.max_shift
+    )
+    return math.exp(mu)
+
+
+def sample_sigmas(
+    n: int, cfg: SigmaSampling, generator: torch.Generator | None = None, shift: float | None = None
+) -> torch.Tensor:
+    """Draw ``n`` noise levels in [0, 1] as float32 on the CPU, from ``generator``.
+
+    ``logit_normal``: sigma = sigmoid(u), u ~ N(logit_mean, logit_std) (SD3's default);
+    ``mode``: u ~ U[0, 1), sigma = 1 - u - mode_scale * (cos(pi u / 2)^2 - 1 + u) (SD3's mode sampling);
+    ``uniform``: sigma ~ U[0, 1). Then ``shift`` (default ``cfg.shift``) is applied (``shift_sigmas``).
     """
     if cfg.timestep_sampling == "logit_normal":
         u = torch.randn(n, generator=generator, dtype=torch.float32)
         sigmas = torch.sigmoid(cfg.logit_mean + cfg.logit_std * u)
+    elif cfg.timestep_sampling == "mode":
+        u = torch.rand(n, generator=generator, dtype=torch.float32)
+        sigmas = 1.0 - u - cfg.mode_scale * (torch.cos(math.pi * u / 2) ** 2 - 1.0 + u)
     elif cfg.timestep_sampling == "uniform":
         sigmas = torch.rand(n, generator=generator, dtype=torch.float32)
     else:
         raise ValueError(f"unknown timestep_sampling {cfg.timestep_sampling!r}")
-    return shift_sigmas(sigmas, cfg.shift)
+    return shift_sigmas(sigmas, cfg.shift if shift is None else shift)
+
+
+def loss_weights(sigmas_B: torch.Tensor, scheme: str = "none") -> torch.Tensor:
+    """Per-sample loss weights [B] (diffusers' ``compute_loss_weighting_for_sd3``).
+
+    ``none``: 1; ``sigma_sqrt``: sigma^-2; ``cosmap``: 2 / (pi * (1 - 2 sigma + 2 sigma^2)).
+    """
+    sigmas_B = sigmas_B.float()
+    if scheme == "none":
+        return torch.ones_like(sigmas_B)
+    if scheme == "sigma_sqrt":
+        return sigmas_B**-2.0
+    if scheme == "cosmap":
+        return 2.0 / (math.pi * (1.0 - 2.0 * sigmas_B + 2.0 * sigmas_B**2))
+    raise ValueError(f"unknown loss_weighting {scheme!r}")
 
 
 def _per_sample(sigma_B: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
@@ -67,6 +116,14 @@ def velocity_target(x0: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
     return noise - x0
 
 
-def flow_matching_loss(pred: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    """Mean squared error over all elements, computed in float32 (uniform weighting over sigma)."""
-    return F.mse_loss(pred.float(), target.float())
+def flow_matching_loss(
+    pred: torch.Tensor, target: torch.Tensor, weights_B: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Mean over samples of (weight x mean squared error over the sample's elements), in float32.
+
+    Without weights this is the plain MSE over all elements (samples of one batch have the same size).
+    """
+    if weights_B is None:
+        return F.mse_loss(pred.float(), target.float())
+    err_B = (pred.float() - target.float()).square().reshape(pred.shape[0], -1).mean(dim=1)
+    return (err_B * weights_B.to(err_B.device, torch.float32)).mean()

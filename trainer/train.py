@@ -1,9 +1,11 @@
 """The training entry point: ``train(cfg, cache_dir=..., pretrained=..., train_dir=..., seed=...)``.
 
-Reads ONLY the cache stage's latent shards, trains a Flux-class transformer with flow matching, writes
-``<train_dir>/metrics.jsonl`` (one JSON object per optimizer step), checkpoints under
-``<train_dir>/checkpoints/`` and, at the end, a Diffusers export. CUDA if available (bfloat16 autocast),
-else CPU in float32. One process, or DDP under torchrun (``parallel.strategy: ddp``, see ``parallel``).
+Reads ONLY the cache stage's latent shards, trains the transformer of the cache's model family (the
+manifest's ``family``: Flux-class images, Wan-class videos; see ``trainer.adapters``) with flow matching,
+writes ``<train_dir>/metrics.jsonl`` (one JSON object per optimizer step; TensorBoard scalars in
+``<train_dir>/tb`` when ``tensorboard`` is installed), checkpoints under ``<train_dir>/checkpoints/``,
+validation grids under ``<train_dir>/validation/`` and, at the end, a Diffusers export. CUDA if available
+(bfloat16 autocast), else CPU in float32. One process, or DDP / FSDP2 under torchrun (see ``parallel``).
 """
 
 from __future__ import annotations
@@ -25,12 +27,21 @@ import torch
 from tqdm.auto import tqdm
 
 from latentmill.config import to_dict
+from trainer.adapter import ModelAdapter
+from trainer.adapters import get_adapter
 from trainer.checkpoint import list_checkpoints, load_checkpoint, resolve_resume, save_checkpoint
 from trainer.config import ParallelConfig, TrainerConfig
-from trainer.flux import check_batch_fits, export_flux, flux_forward, load_flux_transformer
-from trainer.loader import LatentLoader, read_manifest
-from trainer.objective import flow_matching_loss, interpolate, sample_sigmas, velocity_target
+from trainer.loader import LatentLoader, manifest_family, read_manifest
+from trainer.objective import (
+    flow_matching_loss,
+    interpolate,
+    loss_weights,
+    sample_sigmas,
+    shift_for,
+    velocity_target,
+)
 from trainer.parallel import DistContext, init_distributed, parallelize, shutdown
+from trainer.validation import run_validation
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +57,48 @@ def warmup_lambda(warmup_steps: int) -> Callable[[int], float]:
     if warmup_steps <= 0:
         return lambda step: 1.0
     return lambda step: min(1.0, (step + 1) / warmup_steps)
+
+
+def lr_lambda(
+    warmup_steps: int, max_steps: int, schedule: str = "constant", min_lr_ratio: float = 0.0
+) -> Callable[[int], float]:
+    """LR multiplier of optimizer step ``step`` (0-based): linear warmup, then ``schedule`` down to ``min_lr_ratio``.
+
+    Warmup: (step + 1) / warmup_steps. After it, with p = (step - warmup_steps) / (max_steps - warmup_steps):
+    ``constant`` 1; ``linear`` 1 - (1 - min) p; ``cosine`` min + (1 - min) (1 + cos(pi p)) / 2 (the
+    convention of ``transformers.get_cosine_schedule_with_warmup``, with a floor).
+    """
+
+    def multiplier(step: int) -> float:
+        if step < warmup_steps:
+            return (step + 1) / warmup_steps
+        if schedule == "constant":
+            return 1.0
+        progress = min(1.0, (step - warmup_steps) / max(1, max_steps - warmup_steps))
+        if schedule == "linear":
+            return 1.0 - (1.0 - min_lr_ratio) * progress
+        if schedule == "cosine":
+            return min_lr_ratio + (1.0 - min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
+        raise ValueError(f"unknown lr_schedule {schedule!r}")
+
+    return multiplier
+
+
+def peak_mem_mb(device: torch.device) -> float:
+    """Peak memory of this process in MiB: CUDA max allocated on a GPU, else the peak resident set."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / (1024 * 1024)
+    return peak_rss_mb()
+
+
+def tensorboard_writer(log_dir: Path) -> Any:
+    """A ``torch.utils.tensorboard.SummaryWriter`` on ``log_dir``, or None when tensorboard is not installed."""
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError:  # torch raises ImportError when the tensorboard package is missing
+        log.info("tensorboard is not installed: metrics go to metrics.jsonl only")
+        return None
+    return SummaryWriter(log_dir=str(log_dir))
 
 
 def peak_rss_mb() -> float:
@@ -101,13 +154,16 @@ def train(
     progress: bool = True,
     check_cache: Callable[[dict], None] | None = None,
 ) -> dict[str, Any]:
-    """Train on the latents in ``cache_dir``, starting from the Flux pipeline ``pretrained``.
+    """Train on the latents in ``cache_dir``, starting from the Diffusers pipeline ``pretrained``.
 
-    ``check_cache(manifest)`` (optional) raises if the cached latents were made by other encoders than the
-    recipe's. ``export_dir`` defaults to ``<train_dir>/export`` (used when ``cfg.export``). Returns a summary:
-    ``steps``, ``steps_this_run``, ``final_loss``, ``samples_per_s``, ``data_wait_fraction``, ``peak_rss_mb``,
-    ``export_dir``, ``resumed_from``, ``world_size``. Under torchrun with ``parallel.strategy: ddp`` every
-    rank calls this; rank 0 writes metrics, weights and the export (its summary has ``export_dir``).
+    The cache manifest's ``family`` picks the adapter (``flux`` when absent). ``check_cache(manifest)``
+    (optional) raises if the cached latents were made by other encoders than the recipe's. ``export_dir``
+    defaults to ``<train_dir>/export`` (used when ``cfg.export``). Returns a summary: ``steps``,
+    ``steps_this_run``, ``final_loss``, ``samples_per_s``, ``data_wait_fraction``, ``peak_rss_mb``,
+    ``peak_mem_mb``, ``export_dir``, ``resumed_from``, ``world_size``, ``epochs`` (epochs of data this rank
+    has read), ``family``, ``validation`` (grid paths). Under
+    torchrun with ``parallel.strategy: ddp | fsdp2`` every rank calls this; rank 0 writes metrics, weights
+    and the export (its summary has ``export_dir``).
     """
     cfg.validate()
     parallel = parallel or ParallelConfig()
@@ -139,11 +195,14 @@ def _train(
         train_dir.mkdir(parents=True, exist_ok=True)
     device = ctx.device
     autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else nullcontext()
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
 
     # ---------------------------------------------------------------- data: manifest and loader
     manifest = read_manifest(cache_dir)
     if check_cache is not None:
         check_cache(manifest)
+    adapter = get_adapter(manifest_family(manifest))
     loader = LatentLoader(
         cache_dir,
         cfg.batch_size,
@@ -154,9 +213,11 @@ def _train(
         manifest=manifest,
         rank=ctx.rank,
         world_size=ctx.world_size,
+        caption_dropout=cfg.caption_dropout,
     )
     log.info(
-        "cache %s: %d samples in %d buckets, %d batches per epoch and rank",
+        "%s cache %s: %d samples in %d buckets, %d batches per epoch and rank",
+        adapter.family,
         cache_dir,
         loader.num_samples,
         len(loader.buckets),
@@ -165,16 +226,27 @@ def _train(
 
     # ---------------------------------------------------------------- model
     torch.manual_seed(derive_seed(seed, "init"))  # LoRA init draws from the global RNG: same on every rank
-    transformer = load_flux_transformer(
+    transformer = adapter.load(
         pretrained,
         mode=cfg.mode,
-        device=device,
+        # FSDP2 shards from CPU onto the device (no full copy per GPU) and keeps float32 masters; its
+        # mixed-precision policy does the bf16 compute
+        device="cpu" if ctx.sharded else device,
         lora_rank=cfg.lora_rank,
         lora_alpha=cfg.lora_alpha,
         lora_target_modules=cfg.lora_target_modules,
+        base_dtype=torch.float32 if ctx.sharded else None,
+    )
+    # forward through `model`; save/export `transformer` (the same module under FSDP2, sharded in place)
+    model = parallelize(
+        transformer,
+        parallel,
+        ctx,
+        blocks=adapter.blocks(transformer),
+        activation_checkpointing=cfg.activation_checkpointing,
+        compile=cfg.compile,
     )
     trainable = [p for p in transformer.parameters() if p.requires_grad]
-    model = parallelize(transformer, parallel, ctx)  # forward through `model`; save/export `transformer`
     log.info("%s mode: %d trainable parameters", cfg.mode, sum(p.numel() for p in trainable))
 
     # ---------------------------------------------------------------- optimizer, LR schedule, noise RNG
@@ -185,8 +257,10 @@ def _train(
         eps=cfg.adam_eps,
         weight_decay=cfg.weight_decay,
     )
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_lambda(cfg.warmup_steps))
-    # sigmas and noise come from this CPU generator only; each rank draws its own
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lr_lambda(cfg.warmup_steps, cfg.max_steps, cfg.lr_schedule, cfg.min_lr_ratio)
+    )
+    # sigmas, noise and posterior samples come from this CPU generator only; each rank draws its own
     sampling_gen = torch.Generator().manual_seed(derive_seed(seed, f"sampling:{ctx.rank}"))
 
     # ---------------------------------------------------------------- resume
@@ -202,6 +276,7 @@ def _train(
             rank=ctx.rank,
         )
         loader.load_state_dict(state["loader"])
+        _follow_current_schedule(scheduler, cfg.learning_rate)
         start_step, last_loss = int(state["step"]), float(state.get("loss", float("nan")))
         if ctx.is_main:
             _rewind_metrics(metrics_path, start_step)
@@ -213,43 +288,67 @@ def _train(
 
     # ---------------------------------------------------------------- training loop
     grad_clip = cfg.grad_clip if cfg.grad_clip > 0 else math.inf
+    accum = cfg.grad_accum_steps
+    text_len = _text_length(manifest)
     step, samples_seen, train_time, data_time = start_step, 0, 0.0, 0.0
+    validations: list[str] = []
     batches = iter(loader)
     bar = tqdm(total=cfg.max_steps, initial=start_step, disable=not (progress and ctx.is_main), unit="step")
     metrics_file = open(metrics_path, "a") if ctx.is_main else nullcontext()
+    tb = tensorboard_writer(train_dir / "tb") if (ctx.is_main and cfg.tensorboard) else None
     with bar, loader, metrics_file:
         while step < cfg.max_steps:
             t_start = time.perf_counter()
-            batch = next(batches)
-            latents = batch["latents"].to(device, non_blocking=True)
-            prompt_embeds = batch["prompt_embeds"].to(device, non_blocking=True)
-            pooled = batch["pooled_prompt_embeds"].to(device, non_blocking=True)
-            t_data = time.perf_counter() - t_start
-            if step == start_step:
-                check_batch_fits(transformer, latents, prompt_embeds, pooled)
-
-            # --- flow matching: noise level, noisy latents, velocity target (all randomness from one generator)
-            batch_size = latents.shape[0]  # this rank's share of the step
-            sigmas = sample_sigmas(batch_size, cfg, sampling_gen).to(device)
-            noise = torch.randn(latents.shape, generator=sampling_gen, dtype=torch.float32).to(device)
-            noisy = interpolate(latents, noise, sigmas)
-            target = velocity_target(latents, noise)
-
-            # --- forward, backward, clip, step
-            with autocast:
-                pred = flux_forward(model, noisy, sigmas, prompt_embeds, pooled, cfg.guidance_scale)
-            loss = flow_matching_loss(pred, target)
+            t_data, step_samples, micro_losses = 0.0, 0, []
             optimizer.zero_grad(set_to_none=True)
-            loss.backward()
+            for micro in range(accum):
+                # --- data (this rank's micro-batch)
+                t_fetch = time.perf_counter()
+                batch = next(batches)
+                inputs = {
+                    k: v.to(device, non_blocking=True)
+                    for k, v in batch.items()
+                    if isinstance(v, torch.Tensor)
+                }
+                t_data += time.perf_counter() - t_fetch
+                if step == start_step and micro == 0:
+                    adapter.check_batch(transformer, inputs)
+                latents = inputs["latents"]
+                batch_size = latents.shape[0]
+                step_samples += batch_size
+
+                # --- flow matching: all randomness from one generator, in a fixed order
+                if "latents_std" in inputs:  # a fresh draw from the cached posterior each time
+                    eps = torch.randn(latents.shape, generator=sampling_gen, dtype=torch.float32).to(device)
+                    latents = latents + inputs["latents_std"] * eps
+                shift = shift_for(cfg, adapter.seq_len(latents))
+                sigmas = sample_sigmas(batch_size, cfg, sampling_gen, shift=shift).to(device)
+                noise = torch.randn(latents.shape, generator=sampling_gen, dtype=torch.float32).to(device)
+                noisy = interpolate(latents, noise, sigmas)
+                target = velocity_target(latents, noise)
+                weights = loss_weights(sigmas, cfg.loss_weighting) if cfg.loss_weighting != "none" else None
+
+                # --- forward and backward; gradients are reduced across ranks on the last micro-batch only
+                last_micro = micro == accum - 1
+                with _grad_sync(model, last_micro):
+                    with autocast:
+                        pred = adapter.forward(model, noisy, sigmas, inputs, cfg)
+                    loss = flow_matching_loss(pred, target, weights)
+                    (loss / accum).backward()
+                micro_losses.append(loss.item())
+
+            # --- clip, step
             grad_norm = torch.nn.utils.clip_grad_norm_(trainable, grad_clip)  # of the rank-averaged grads
-            last_loss = ctx.mean(loss.item())  # the loss of the global batch
+            if hasattr(grad_norm, "full_tensor"):  # FSDP2: a DTensor
+                grad_norm = grad_norm.full_tensor()
+            last_loss = ctx.mean(sum(micro_losses) / accum)  # the loss of the global batch
             if not math.isfinite(last_loss):
                 raise FloatingPointError(f"loss is {last_loss} at step {step + 1} (batch {batch['keys']})")
             lr = scheduler.get_last_lr()[0]
             optimizer.step()
             scheduler.step()
             step += 1
-            global_batch = ctx.sum(batch_size)
+            global_batch = ctx.sum(step_samples)
             t_step = time.perf_counter() - t_start
             samples_seen, train_time, data_time = (
                 samples_seen + global_batch,
@@ -265,17 +364,46 @@ def _train(
                 "grad_norm": float(grad_norm),
                 "samples_per_s": global_batch / t_step,
                 "data_wait_s": t_data,
+                "data_wait_fraction": t_data / t_step if t_step else 0.0,
                 "step_time_s": t_step,
+                "peak_mem_mb": peak_mem_mb(device),
                 "epoch": batch["epoch"],
                 "bucket": batch["bucket"],
             }
             if ctx.is_main:
                 metrics_file.write(json.dumps(record) + "\n")
                 metrics_file.flush()
+                if tb is not None:
+                    for name in (
+                        "loss",
+                        "lr",
+                        "grad_norm",
+                        "samples_per_s",
+                        "data_wait_fraction",
+                        "peak_mem_mb",
+                    ):
+                        tb.add_scalar(f"train/{name}", record[name], step)
             bar.update(1)
             if step % cfg.log_every == 0 or step == cfg.max_steps:
                 bar.set_postfix(loss=f"{last_loss:.4f}", lr=f"{lr:.2e}")
                 log.info("step %d loss %.5f lr %.3g grad_norm %.3g", step, last_loss, lr, float(grad_norm))
+
+            # --- validation samples (every rank takes part: an FSDP2 forward is collective)
+            if cfg.validate_every and (step % cfg.validate_every == 0 or step == cfg.max_steps):
+                path = run_validation(
+                    adapter,
+                    transformer,
+                    pretrained=pretrained,
+                    cfg=cfg,
+                    step=step,
+                    train_dir=train_dir,
+                    device=device,
+                    max_sequence_length=text_len,
+                    is_main=ctx.is_main,
+                    tb_writer=tb,
+                )
+                if path is not None:
+                    validations.append(str(path))
 
             # --- checkpoint
             if cfg.save_every and (step % cfg.save_every == 0 or step == cfg.max_steps):
@@ -285,6 +413,8 @@ def _train(
                     "seed": seed,
                     "world_size": ctx.world_size,
                     "mode": cfg.mode,
+                    "family": adapter.family,
+                    "strategy": parallel.strategy,
                     "config": to_dict(cfg),
                     "manifest_fingerprint": manifest.get("fingerprint"),
                 }
@@ -299,18 +429,23 @@ def _train(
                     keep_latest_k=cfg.keep_latest_k,
                     rank=ctx.rank,
                     barrier=ctx.barrier,
+                    sharded=ctx.sharded,
                 )
+    if tb is not None:
+        tb.close()
 
     # ---------------------------------------------------------------- export
     exported = None
-    if cfg.export and ctx.is_main:
-        exported = export_flux(
-            transformer.to("cpu"),
-            mode=cfg.mode,
-            pretrained=pretrained,
-            export_dir=export_dir if export_dir is not None else train_dir / "export",
-        )
-        log.info("exported %s weights to %s", cfg.mode, exported)
+    if cfg.export:
+        full = _unsharded_copy(adapter, transformer, cfg, pretrained, ctx) if ctx.sharded else transformer
+        if ctx.is_main:
+            exported = adapter.export(
+                full.to("cpu"),
+                mode=cfg.mode,
+                pretrained=pretrained,
+                export_dir=export_dir if export_dir is not None else train_dir / "export",
+            )
+            log.info("exported %s weights to %s", cfg.mode, exported)
     ctx.barrier()
 
     return {
@@ -320,7 +455,76 @@ def _train(
         "samples_per_s": samples_seen / train_time if train_time else 0.0,
         "data_wait_fraction": data_time / train_time if train_time else 0.0,
         "peak_rss_mb": peak_rss_mb(),
+        "peak_mem_mb": peak_mem_mb(device),
         "export_dir": str(exported) if exported is not None else None,
         "resumed_from": str(resume_path) if resume_path is not None else None,
         "world_size": ctx.world_size,
+        "epochs": loader.epoch + loader.batch_index / max(1, len(loader)),  # position of this rank's data
+        "family": adapter.family,
+        "validation": validations,
     }
+
+
+def _follow_current_schedule(scheduler: torch.optim.lr_scheduler.LambdaLR, learning_rate: float) -> None:
+    """After a resume: take the LR from this run's schedule at the restored step, not the saved value.
+
+    Equal to the saved value when the recipe is unchanged; a resumed run with a new ``max_steps`` or
+    ``learning_rate`` (a longer cosine, say) follows the new schedule from its current step.
+    """
+    scheduler.base_lrs = [learning_rate] * len(scheduler.base_lrs)
+    lrs = [base * fn(scheduler.last_epoch) for base, fn in zip(scheduler.base_lrs, scheduler.lr_lambdas)]
+    for group, lr in zip(scheduler.optimizer.param_groups, lrs):
+        group["lr"] = lr
+    scheduler._last_lr = lrs
+
+
+def _text_length(manifest: dict) -> int:
+    """Token count the cached prompt embeddings were made with (the pipeline's ``max_sequence_length``)."""
+    text = manifest.get("text") or {}
+    return int(text.get("pad_to") or manifest.get("max_sequence_length") or 512)
+
+
+def _grad_sync(model: torch.nn.Module, sync: bool):
+    """Context for one micro-batch: skip the cross-rank gradient reduction unless ``sync`` (last micro-batch)."""
+    if sync:
+        return nullcontext()
+    if isinstance(model, torch.nn.parallel.DistributedDataParallel):
+        return model.no_sync()
+    if hasattr(model, "set_requires_gradient_sync"):  # FSDP2: re-enabled before the last micro-batch
+        return _FSDPNoSync(model)
+    return nullcontext()
+
+
+class _FSDPNoSync:
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.model = model
+
+    def __enter__(self) -> None:
+        self.model.set_requires_gradient_sync(False)
+
+    def __exit__(self, *exc: object) -> None:
+        self.model.set_requires_gradient_sync(True)
+
+
+def _unsharded_copy(
+    adapter: ModelAdapter, transformer: torch.nn.Module, cfg: TrainerConfig, pretrained: str, ctx: DistContext
+) -> torch.nn.Module:
+    """Gather the FSDP2-sharded weights (collective) into a plain CPU model on rank 0 (other ranks: as is)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    full_sd = get_model_state_dict(
+        transformer, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+    )
+    if not ctx.is_main:
+        return transformer
+    copy = adapter.load(
+        pretrained,
+        mode=cfg.mode,
+        device="cpu",
+        lora_rank=cfg.lora_rank,
+        lora_alpha=cfg.lora_alpha,
+        lora_target_modules=cfg.lora_target_modules,
+        base_dtype=torch.float32,
+    )
+    copy.load_state_dict(full_sd)
+    return copy

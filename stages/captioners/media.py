@@ -1,0 +1,125 @@
+"""Decoding what a captioner looks at: one image, or K frames sampled uniformly from a video clip.
+
+A sample is a video when its JSON says ``"kind": "video"`` or it has a video member (``mp4``, ``webm``,
+``mkv``, ``mov``); without a member, the video is read from its ``source_uri`` (ingest keeps videos as
+references). Its optional clip window ``"clip": {"start_frame": S, "num_frames": N}`` limits where frames
+are taken from (the whole video when absent). Frames are decoded by :func:`stages.video.read_frames`
+(decord, PyAV fallback) and shrunk to the model's input size right away, so memory per sample stays
+bounded by K small frames whatever the video's resolution or length.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+from typing import Any, Literal
+
+from PIL import Image
+
+IMAGE_MEMBERS = ("jpg", "jpeg", "png", "webp", "bmp")
+VIDEO_MEMBERS = ("mp4", "webm", "mkv", "mov")
+
+VideoSource = bytes | str | os.PathLike
+
+
+def media_member(sample: dict[str, Any], meta: dict[str, Any]) -> tuple[str, str | None]:
+    """``(kind, member)`` of a sample: ``("image", "jpg")``, ``("video", "mp4")``, or ``("video", None)`` for a
+    video that ingest keeps as a reference (``source_uri``); ValueError when there is nothing to look at."""
+    video = next((m for m in VIDEO_MEMBERS if m in sample), None)
+    image = next((m for m in IMAGE_MEMBERS if m in sample), None)
+    if meta.get("kind") == "video" or (video and not image):
+        if video is None and not meta.get("source_uri"):
+            raise ValueError(f"video sample has no video member ({', '.join(VIDEO_MEMBERS)}) and no source_uri")
+        return "video", video
+    if image is None:
+        raise ValueError(f"sample has no image member ({', '.join(IMAGE_MEMBERS)}) or video member")
+    return "image", image
+
+
+def fit_within(img: Image.Image, max_side: int | None) -> Image.Image:
+    """``img`` as RGB, shrunk (never enlarged) so that its longer side is at most ``max_side``."""
+    img = img.convert("RGB")
+    if max_side and max(img.size) > max_side:
+        scale = max_side / max(img.size)
+        size = (max(1, round(img.width * scale)), max(1, round(img.height * scale)))
+        img = img.resize(size, Image.Resampling.BICUBIC)
+    return img
+
+
+def load_image(data: bytes, max_side: int | None = None) -> Image.Image:
+    """Decode an image (JPEGs at reduced scale when that is enough) and fit it within ``max_side``."""
+    with Image.open(io.BytesIO(data)) as img:
+        if max_side:
+            img.draft("RGB", (max_side, max_side))  # JPEG: decode at 1/2, 1/4, 1/8 scale when large enough
+        img.load()
+        return fit_within(img, max_side)
+
+
+def frame_indices(total: int, start_frame: int = 0, num_frames: int | None = None, k: int = 8) -> list[int]:
+    """``k`` frame indices spread uniformly over ``[start_frame, start_frame + num_frames)``.
+
+    Index i is the centre of the i-th of k equal segments of the window, so the frames cover the whole
+    clip and never sit on its very first or last frame unless the clip is that short. A window longer
+    than the video is cut at its end; ``k`` larger than the window repeats frames.
+    """
+    if k < 1:
+        raise ValueError(f"k must be >= 1, got {k}")
+    if total < 1:
+        raise ValueError("video has no frames")
+    if not 0 <= start_frame < total:
+        raise ValueError(f"clip start_frame {start_frame} is outside the video's {total} frames")
+    window = total - start_frame if num_frames is None else min(num_frames, total - start_frame)
+    if window < 1:
+        raise ValueError(f"clip num_frames must be >= 1, got {num_frames}")
+    return [start_frame + min(window - 1, int((i + 0.5) * window / k)) for i in range(k)]
+
+
+def sample_frames_with_indices(
+    video: VideoSource, start_frame: int = 0, num_frames: int | None = None, k: int = 8,
+    max_side: int | None = None, backend: Literal["auto", "decord", "pyav"] = "auto",
+    total_frames: int | None = None,
+) -> tuple[list[Image.Image], list[int]]:
+    """Like :func:`sample_frames`, also returning the frame index of each frame."""
+    from stages.video import probe_video, read_frames
+
+    src = bytes(video) if isinstance(video, (bytes, bytearray)) else str(video)
+    total = total_frames or probe_video(src)["frames"]
+    indices = frame_indices(total, start_frame, num_frames, k)
+    frames_KHWC = read_frames(src, indices, backend=backend).numpy()
+    return [fit_within(Image.fromarray(frame), max_side) for frame in frames_KHWC], indices
+
+
+def sample_frames(
+    video: VideoSource, start_frame: int = 0, num_frames: int | None = None, k: int = 8,
+    max_side: int | None = None, backend: Literal["auto", "decord", "pyav"] = "auto",
+) -> list[Image.Image]:
+    """``k`` RGB frames sampled uniformly from the clip window of a video (bytes, path or URI).
+
+    Decoding is :func:`stages.video.read_frames` (decord, PyAV fallback), the one video reader of the
+    repository, so a captioner sees the frames the cache stage will encode.
+
+    Args:
+        video: The encoded video (bytes of an mp4/webm/mkv/mov file), a path, or any URI
+            :mod:`stages.video` opens (``file://``, fsspec URLs, ``tar://member::shard.tar``).
+        start_frame: First frame of the clip window.
+        num_frames: Length of the clip window in frames; None means up to the end of the video.
+        k: How many frames to return (see :func:`frame_indices` for where they sit).
+        max_side: Shrink every frame so that its longer side is at most this many pixels.
+        backend: ``auto`` tries decord and falls back to PyAV; ``decord`` / ``pyav`` force one.
+    """
+    return sample_frames_with_indices(video, start_frame, num_frames, k, max_side, backend)[0]
+
+
+def load_media(sample: dict[str, Any], meta: dict[str, Any], frames: int,
+               max_side: int | None) -> tuple[str, list[Image.Image], list[int] | None]:
+    """``("image", [img], None)`` or ``("video", K frames, their indices)`` for one sample."""
+    kind, member = media_member(sample, meta)
+    if kind == "image":
+        return kind, [load_image(sample[member], max_side)], None
+    clip = meta.get("clip") or {}
+    source = sample[member] if member else meta["source_uri"]
+    # The frame count ingest probed (same numbering as read_frames) saves opening the video twice.
+    total = int(meta["frames"]) if meta.get("frames") else None
+    images, indices = sample_frames_with_indices(source, int(clip.get("start_frame") or 0),
+                                                 clip.get("num_frames"), frames, max_side, total_frames=total)
+    return kind, images, indices

@@ -1,0 +1,198 @@
+"""Model families: which VAE and text encoders a family caches, and how they are called.
+
+Each family is a small class over unmodified Diffusers / Transformers components, loaded once per worker:
+
+- ``flux`` (Flux-class image models): ``AutoencoderKL`` latents normalised ``(z - shift) * scale``; CLIP
+  pooled embedding + T5 sequence embeddings, computed exactly as ``FluxPipeline.encode_prompt``.
+- ``wan`` (Wan-class video models): ``AutoencoderKLWan`` latents normalised ``(z - mean) / std`` per channel;
+  UMT5 sequence embeddings with the attention mask, as ``WanPipeline`` computes them.
+
+Adding a family = one class with ``COMPONENTS``, ``load``, ``encode_pixels`` and ``encode_text``.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from pathlib import Path
+from typing import Any, ClassVar
+
+import torch
+
+from latentmill.models import ModelConfig, component_source, read_component_config, tokenizer_source
+
+# model_index.json `_class_name` -> family
+PIPELINE_FAMILIES = {"FluxPipeline": "flux", "WanPipeline": "wan"}
+
+
+def detect_family(model: ModelConfig) -> str:
+    """The family named by the recipe, or read from the pipeline's ``model_index.json``."""
+    if model.family != "auto":
+        return model.family
+    root = Path(model.pretrained)
+    if root.is_dir():
+        index = json.loads((root / "model_index.json").read_text())
+    else:
+        from huggingface_hub import hf_hub_download
+
+        index = json.loads(Path(hf_hub_download(model.pretrained, "model_index.json")).read_text())
+    name = index.get("_class_name", "")
+    if name not in PIPELINE_FAMILIES:
+        from latentmill.config import ConfigError
+
+        raise ConfigError(f"model.family: cannot tell the family of a {name or 'unknown'} pipeline; set "
+                          f"model.family to one of {', '.join(repr(f) for f in FAMILIES)}")
+    return PIPELINE_FAMILIES[name]
+
+
+class _Encoders:
+    """Shared plumbing: device, dtype, one lock per loaded model set."""
+
+    COMPONENTS: ClassVar[tuple[str, ...]]
+    name: ClassVar[str]
+
+    def __init__(self, model: ModelConfig, device: torch.device):
+        self.model = model
+        self.device = device
+        # Encoders run in bf16 on GPU, float32 on CPU (CPU bf16 matmuls are slow and less exact).
+        self.compute_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+        self.lock = threading.Lock()  # one forward at a time per loaded model set
+
+    def _load(self, cls, name: str):
+        src = component_source(self.model, name)
+        module = cls.from_pretrained(src.path, **src.kwargs(), torch_dtype=self.compute_dtype)
+        return module.to(self.device).eval()
+
+    def _tokenizer(self, encoder: str):
+        from transformers import AutoTokenizer
+
+        src = tokenizer_source(self.model, encoder)
+        return AutoTokenizer.from_pretrained(src.path, **src.kwargs())
+
+
+class FluxEncoders(_Encoders):
+    """AutoencoderKL + CLIP (pooled) + T5 (sequence), as FluxPipeline uses them."""
+
+    name = "flux"
+    COMPONENTS = ("vae", "text_encoder", "text_encoder_2")
+    pooled = True
+
+    def __init__(self, model: ModelConfig, device: torch.device):
+        super().__init__(model, device)
+        from diffusers import AutoencoderKL
+        from transformers import CLIPTextModel, T5EncoderModel
+
+        self.vae = self._load(AutoencoderKL, "vae")
+        self.text_encoder = self._load(CLIPTextModel, "text_encoder")
+        self.text_encoder_2 = self._load(T5EncoderModel, "text_encoder_2")
+        self.tokenizer = self._tokenizer("text_encoder")
+        self.tokenizer_2 = self._tokenizer("text_encoder_2")
+        self.scaling_factor = float(self.vae.config.scaling_factor)
+        self.shift_factor = float(self.vae.config.shift_factor or 0.0)
+
+    @torch.no_grad()
+    def encode_pixels(self, pixels_BCHW: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(mean, std) of the normalised latent distribution of images in [-1, 1]."""
+        with self.lock:
+            dist = self.vae.encode(pixels_BCHW.to(self.device, self.compute_dtype)).latent_dist
+        mean = (dist.mean.float() - self.shift_factor) * self.scaling_factor
+        return mean.cpu(), (dist.std.float() * self.scaling_factor).cpu()
+
+    @torch.no_grad()
+    def encode_text(self, captions: list[str], max_sequence_length: int) -> dict[str, Any]:
+        """T5 ``prompt_embeds`` [B, L, D] with real lengths, CLIP ``pooled_prompt_embeds`` [B, D]."""
+        clip_ids = self.tokenizer(captions, padding="max_length", max_length=self.tokenizer.model_max_length,
+                                  truncation=True, return_tensors="pt").input_ids
+        t5 = self.tokenizer_2(captions, padding="max_length", max_length=max_sequence_length,
+                              truncation=True, return_tensors="pt")
+        with self.lock:
+            pooled_BD = self.text_encoder(clip_ids.to(self.device), output_hidden_states=False).pooler_output
+            # FluxPipeline runs T5 without an attention mask: every position sees the padding.
+            embeds_BLD = self.text_encoder_2(t5.input_ids.to(self.device), output_hidden_states=False)[0]
+        return {"prompt_embeds": embeds_BLD.float().cpu(), "lengths": t5.attention_mask.sum(1).tolist(),
+                "pooled_prompt_embeds": pooled_BD.float().cpu()}
+
+
+class WanEncoders(_Encoders):
+    """AutoencoderKLWan + UMT5, as WanPipeline uses them (masked text encoder, zero padding)."""
+
+    name = "wan"
+    COMPONENTS = ("vae", "text_encoder")
+    pooled = False
+
+    def __init__(self, model: ModelConfig, device: torch.device):
+        super().__init__(model, device)
+        from diffusers import AutoencoderKLWan
+        from transformers import UMT5EncoderModel
+
+        # The Wan VAE runs in float32 even on GPU: its causal 3-D convs are sensitive to bf16.
+        self.vae = AutoencoderKLWan.from_pretrained(
+            component_source(model, "vae").path, **component_source(model, "vae").kwargs(),
+            torch_dtype=torch.float32).to(device).eval()
+        if device.type == "cuda":
+            self.vae.enable_tiling()  # bounded memory for large frames; time is chunked by the causal cache
+        self.text_encoder = self._load(UMT5EncoderModel, "text_encoder")
+        self.tokenizer = self._tokenizer("text_encoder")
+        self.latents_mean = torch.tensor(self.vae.config.latents_mean).view(1, -1, 1, 1, 1)
+        self.latents_std = torch.tensor(self.vae.config.latents_std).view(1, -1, 1, 1, 1)
+
+    @torch.no_grad()
+    def encode_pixels(self, pixels_BCFHW: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(mean, std) of the normalised latent distribution of clips in [-1, 1]."""
+        with self.lock:
+            dist = self.vae.encode(pixels_BCFHW.to(self.device, torch.float32)).latent_dist
+        mean = (dist.mean.float().cpu() - self.latents_mean) / self.latents_std
+        return mean, dist.std.float().cpu() / self.latents_std
+
+    @torch.no_grad()
+    def encode_text(self, captions: list[str], max_sequence_length: int) -> dict[str, Any]:
+        """UMT5 ``prompt_embeds`` [B, L, D] (zero beyond each real length), as WanPipeline computes them."""
+        from diffusers.pipelines.wan.pipeline_wan import prompt_clean
+
+        inputs = self.tokenizer([prompt_clean(c) for c in captions], padding="max_length",
+                                max_length=max_sequence_length, truncation=True, add_special_tokens=True,
+                                return_attention_mask=True, return_tensors="pt")
+        with self.lock:
+            hidden = self.text_encoder(inputs.input_ids.to(self.device),
+                                       inputs.attention_mask.to(self.device)).last_hidden_state
+        lengths = inputs.attention_mask.gt(0).sum(1).tolist()
+        embeds = hidden.float().cpu()
+        for i, n in enumerate(lengths):
+            embeds[i, n:] = 0  # WanPipeline keeps the real tokens and pads with zeros
+        return {"prompt_embeds": embeds, "lengths": lengths}
+
+
+FAMILIES: dict[str, type[_Encoders]] = {"flux": FluxEncoders, "wan": WanEncoders}
+
+
+def family_components(family: str) -> tuple[str, ...]:
+    """The components whose outputs a family's cache stores."""
+    return FAMILIES[family].COMPONENTS
+
+
+def describe_components(model: ModelConfig, family: str) -> dict[str, dict[str, Any]]:
+    """Class name of each cached component and the VAE normalisation, without loading any weights."""
+    out = {}
+    for name in family_components(family):
+        config = read_component_config(component_source(model, name))
+        out[name] = {"class": config.get("_class_name") or (config.get("architectures") or ["?"])[0]}
+    vae = read_component_config(component_source(model, "vae"))
+    if family == "flux":
+        out["vae"].update(scaling_factor=float(vae.get("scaling_factor", 1.0)),
+                          shift_factor=float(vae.get("shift_factor") or 0.0))
+    else:
+        out["vae"].update(latents_mean=list(vae["latents_mean"]), latents_std=list(vae["latents_std"]))
+    return out
+
+
+_encoders: dict[tuple, _Encoders] = {}
+_encoders_lock = threading.Lock()
+
+
+def get_encoders(model: ModelConfig, family: str, device: torch.device) -> _Encoders:
+    """Load a family's encoders once per process (the threads of one worker share them)."""
+    key = (family, model.pretrained, model.vae, model.text_encoder, model.text_encoder_2, str(device))
+    with _encoders_lock:
+        if key not in _encoders:
+            _encoders[key] = FAMILIES[family](model, device)
+        return _encoders[key]

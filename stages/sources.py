@@ -1,0 +1,410 @@
+"""Where raw media comes from: what ``ingest.source`` names, listed as entries with stable ids.
+
+``ingest.source`` may be
+
+* a local folder: every file below it (recursively, hidden files and folders skipped); captions from a
+  sidecar ``<name>.txt`` or ``<name>.json`` (its ``caption`` / ``text`` / ``prompt`` field) beside a file;
+* a file list (``.txt`` / ``.lst``): one path or URL a line, ``#`` comments; relative paths are relative
+  to the list's folder;
+* a manifest (``.csv``, ``.jsonl``, ``.parquet``): one row per sample, the media in column ``path`` or
+  ``url`` (or ``ingest.path_column``), an optional caption column (``ingest.caption_column``) and an
+  optional ``sha256`` column;
+* existing webdataset shards: ``shards/train-{000..003}.tar`` (brace notation) or one ``.tar``.
+
+Lists, manifests, shards and the paths inside them are read through fsspec: local paths, ``file://``,
+``http(s)://`` (with aiohttp installed), ``s3://`` / ``gs://`` when s3fs / gcsfs are installed.
+
+An entry's id is what it is called in the source (the path relative to the folder or list, the URL, or
+``<shard>/<key>.<ext>``); :func:`hash_groups` assigns entries to work units by a hash of that id, so new
+files land in the units their ids hash to and every other unit keeps its id (contract 1).
+"""
+
+from __future__ import annotations
+
+import csv
+import hashlib
+import io
+import json
+import os
+import tarfile
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Iterator, Literal
+
+from stages.shardio import sha256_bytes, sha256_file, stable_hash
+from stages.video import local_path
+
+SIDECAR_EXTENSIONS = (".txt", ".json")
+LIST_SUFFIXES = (".txt", ".lst")
+MANIFEST_SUFFIXES = (".csv", ".jsonl", ".parquet")
+PATH_COLUMNS = ("path", "url")
+CAPTION_FIELDS = ("caption", "text", "prompt")  # read from a sidecar .json or a shard's .json member
+
+SourceKind = Literal["folder", "list", "manifest", "webdataset"]
+
+
+@dataclass
+class Entry:
+    """One raw sample to ingest."""
+
+    id: str  # stable name in the source: relative path, URL or "<shard>/<key>.<ext>"
+    uri: str  # what readers open: an absolute local path or a URL
+    caption: str | None = None  # from a manifest column
+    caption_origin: str | None = None
+    sidecars: tuple[str, ...] = ()  # local sidecar files (.txt before .json)
+    sha256: str | None = None  # declared by the manifest, checked against the bytes
+    error: str | None = None  # a listing problem: the entry is quarantined with this reason
+
+    @property
+    def suffix(self) -> str:
+        name = self.id.split("?", 1)[0].rsplit("/", 1)[-1]
+        return os.path.splitext(name)[1].lower()
+
+    def to_json(self) -> dict[str, Any]:
+        data = asdict(self)
+        data["sidecars"] = list(self.sidecars)
+        return data
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> "Entry":
+        return cls(**{**data, "sidecars": tuple(data.get("sidecars") or ())})
+
+
+@dataclass
+class Source:
+    """A listed source: its entries (folder, list, manifest) or its shards (webdataset)."""
+
+    kind: SourceKind
+    root: str  # the folder, or the folder of the list / manifest, or the source string for shards
+    entries: list[Entry]
+    shards: list[str]
+
+
+def is_remote(uri: str) -> bool:
+    return local_path(uri) is None
+
+
+def _join(base: str, ref: str) -> str:
+    """``ref`` resolved against the folder ``base`` (both local or URL-like)."""
+    if "://" in ref or os.path.isabs(ref):
+        return local_path(ref) or ref
+    if is_remote(base):
+        return base.rstrip("/") + "/" + ref
+    return str(Path(local_path(base)) / ref)
+
+
+def _parent(uri: str) -> str:
+    path = local_path(uri)
+    if path is not None:
+        return str(Path(path).resolve().parent)
+    return uri.rsplit("/", 1)[0]
+
+
+def source_kind(spec: str) -> SourceKind:
+    """What ``ingest.source`` names, from its shape (a folder, a list, a manifest or shards)."""
+    lower = spec.split("?", 1)[0].lower()
+    if lower.endswith(".tar") or ("{" in spec and ".tar" in lower):
+        return "webdataset"
+    if lower.endswith(MANIFEST_SUFFIXES):
+        return "manifest"
+    if lower.endswith(LIST_SUFFIXES):
+        return "list"
+    path = local_path(spec)
+    if path is not None and Path(path).is_dir():
+        return "folder"
+    raise FileNotFoundError(
+        f"ingest.source {spec!r} is not a folder, a file list (.txt, .lst), a manifest (.csv, .jsonl, "
+        ".parquet) or webdataset shards (.tar, brace notation such as shards-{000..009}.tar)")
+
+
+def _sidecars(path: Path) -> tuple[str, ...]:
+    return tuple(str(p) for ext in SIDECAR_EXTENSIONS if (p := path.with_suffix(ext)).is_file())
+
+
+def _list_folder(root: Path) -> list[Entry]:
+    if not root.is_dir():
+        raise FileNotFoundError(f"ingest.source {root} is not a folder")
+    entries = []
+    for path in sorted(root.rglob("*")):
+        rel = path.relative_to(root)
+        if not path.is_file() or any(part.startswith(".") for part in rel.parts):
+            continue
+        if path.suffix.lower() in SIDECAR_EXTENSIONS:
+            continue
+        entries.append(Entry(rel.as_posix(), str(path.resolve()), sidecars=_sidecars(path)))
+    return entries
+
+
+def _open_text(uri: str):
+    import fsspec
+
+    return fsspec.open(uri, "rt", encoding="utf-8")
+
+
+def _rows(uri: str) -> Iterator[dict[str, Any]]:
+    lower = uri.split("?", 1)[0].lower()
+    if lower.endswith(".csv"):
+        with _open_text(uri) as fh:
+            yield from csv.DictReader(fh)
+    elif lower.endswith(".jsonl"):
+        with _open_text(uri) as fh:
+            for line in fh:
+                if line.strip():
+                    yield json.loads(line)
+    else:
+        import fsspec
+        import pyarrow.parquet as pq
+
+        with fsspec.open(uri, "rb") as fh:
+            yield from pq.read_table(fh).to_pylist()
+
+
+def _entry_for(ref: str, base: str) -> Entry:
+    uri = _join(base, ref)
+    sidecars = () if is_remote(uri) else _sidecars(Path(uri))
+    return Entry(ref, uri, sidecars=sidecars)
+
+
+def _dedupe(entries: list[Entry], where: str) -> list[Entry]:
+    """Keep ids unique: a repeated entry is quarantined (its key would collide), not dropped."""
+    seen: dict[str, int] = {}
+    out = []
+    for entry in entries:
+        n = seen.get(entry.id, 0)
+        seen[entry.id] = n + 1
+        if n:
+            entry = Entry(f"{entry.id}#dup{n}", entry.uri, error=f"listed again in {where} ({entry.id})")
+        out.append(entry)
+    return out
+
+
+def _list_file(uri: str) -> list[Entry]:
+    base = _parent(uri)
+    with _open_text(uri) as fh:
+        refs = [line.strip() for line in fh]
+    entries = [_entry_for(ref, base) for ref in refs if ref and not ref.startswith("#")]
+    return _dedupe(entries, Path(uri).name)
+
+
+def _list_manifest(uri: str, path_column: str | None, caption_column: str | None) -> list[Entry]:
+    base, name = _parent(uri), uri.rsplit("/", 1)[-1]
+    entries = []
+    for n, row in enumerate(_rows(uri), start=1):
+        column = path_column or next((c for c in PATH_COLUMNS if row.get(c)), None)
+        ref = row.get(column) if column else None
+        if not ref:
+            wanted = path_column or " or ".join(PATH_COLUMNS)
+            entries.append(Entry(f"{name}#row{n}", "", error=f"{name} row {n} has no {wanted} value"))
+            continue
+        entry = _entry_for(str(ref), base)
+        caption = row.get(caption_column) if caption_column else None
+        if isinstance(caption, str) and caption.strip():
+            entry.caption, entry.caption_origin = caption.strip(), f"{name}:{caption_column}"
+        if row.get("sha256"):
+            entry.sha256 = str(row["sha256"]).lower()
+        entries.append(entry)
+    return _dedupe(entries, name)
+
+
+def _expand_shards(spec: str) -> list[str]:
+    from braceexpand import braceexpand
+
+    shards = []
+    for uri in braceexpand(spec):
+        path = local_path(uri)
+        if path is not None:
+            if not Path(path).is_file():
+                raise FileNotFoundError(f"ingest.source: shard {uri} does not exist")
+            uri = str(Path(path).resolve())
+        shards.append(uri)
+    return shards
+
+
+def list_source(spec: str, path_column: str | None = None, caption_column: str | None = "caption") -> Source:
+    """List ``ingest.source``: its kind, root and entries (or shards for webdataset)."""
+    kind = source_kind(spec)
+    if kind == "webdataset":
+        return Source(kind, spec, [], _expand_shards(spec))
+    if kind == "folder":
+        root = Path(local_path(spec)).resolve()
+        return Source(kind, str(root), _list_folder(root), [])
+    if kind == "list":
+        return Source(kind, _parent(spec), _list_file(spec), [])
+    return Source(kind, _parent(spec), _list_manifest(spec, path_column, caption_column), [])
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Identity and grouping
+# ---------------------------------------------------------------------------------------------------------
+
+
+def remote_identity(uri: str) -> str:
+    """A cheap content identity of a remote object: its ETag / checksum / mtime, else its bytes' hash."""
+    import fsspec
+
+    fs, path = fsspec.core.url_to_fs(uri)
+    try:
+        info = fs.info(path)
+    except FileNotFoundError:
+        return stable_hash([uri, "missing"])  # ingest quarantines it; planning goes on
+    except (OSError, NotImplementedError, ValueError):
+        info = {}
+    lowered = {str(k).lower(): v for k, v in info.items()}
+    tag = [lowered[k] for k in ("etag", "md5hash", "checksum", "last-modified", "lastmodified", "mtime",
+                                "updated") if lowered.get(k)]
+    if tag:
+        return stable_hash([uri, lowered.get("size"), [str(t) for t in tag]])
+    try:
+        with fsspec.open(uri, "rb") as fh:
+            return sha256_bytes(fh.read())
+    except OSError as err:
+        return stable_hash([uri, "unreadable", type(err).__name__])
+
+
+def content_identity(entry: Entry) -> str:
+    """What decides this entry's output: its id, the bytes of the file and its sidecars, its caption."""
+    if entry.error:
+        return stable_hash([entry.id, entry.error])
+    if is_remote(entry.uri):
+        data_id = entry.sha256 or remote_identity(entry.uri)
+    else:
+        path = Path(entry.uri)
+        data_id = sha256_file(path) if path.is_file() else "missing"
+    sidecars = {Path(p).suffix: sha256_file(p) for p in entry.sidecars}
+    return stable_hash([entry.id, data_id, sidecars, entry.caption])
+
+
+def shard_identity(uri: str) -> str:
+    """Content identity of an input webdataset shard."""
+    return remote_identity(uri) if is_remote(uri) else sha256_file(uri)
+
+
+def hash_groups(ids: list[str], max_size: int) -> list[list[int]]:
+    """Group ``ids`` (their indices) into hash ranges of at most ``max_size`` each.
+
+    The 64-bit id hashes are split in halves, recursively, while a range holds more than ``max_size``
+    ids. Adding an id changes only the range it falls into (which splits in two when it overflows);
+    every other group, and so every other unit id, stays as it was. Sorted chunking would instead shift
+    every group after the insertion point.
+    """
+    if max_size < 1:
+        raise ValueError("max_size must be >= 1")
+    keyed = sorted((int(hashlib.sha256(i.encode()).hexdigest()[:16], 16), n) for n, i in enumerate(ids))
+    groups: list[list[int]] = []
+
+    def split(items: list[tuple[int, int]], lo: int, bits: int) -> None:
+        if not items:
+            return
+        if len(items) <= max_size or bits == 0:
+            groups.append([n for _, n in items])
+            return
+        mid = lo + (1 << (bits - 1))
+        split([x for x in items if x[0] < mid], lo, bits - 1)
+        split([x for x in items if x[0] >= mid], mid, bits - 1)
+
+    split(keyed, 0, 64)
+    return groups
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Reading
+# ---------------------------------------------------------------------------------------------------------
+
+
+def read_bytes(uri: str, limit: int | None = None) -> bytes:
+    """The bytes of ``uri``; ValueError when over ``limit``."""
+    import fsspec
+
+    with fsspec.open(uri, "rb") as fh:
+        data = fh.read() if limit is None else fh.read(limit + 1)
+    if limit is not None and len(data) > limit:
+        raise ValueError(f"over {limit} bytes")
+    return data
+
+
+def _caption_from_json(data: Any) -> str | None:
+    if isinstance(data, dict):
+        for name in CAPTION_FIELDS:
+            if isinstance(data.get(name), str) and data[name].strip():
+                return data[name].strip()
+    return None
+
+
+def sidecar_caption(sidecars: tuple[str, ...] | list[str]) -> tuple[str | None, str | None]:
+    """``(caption, origin)`` from the first sidecar that has one: ``.txt`` text, ``.json`` caption field."""
+    for path in sidecars:
+        text = Path(path).read_text(encoding="utf-8", errors="replace")
+        if path.endswith(".json"):
+            try:
+                caption = _caption_from_json(json.loads(text))
+            except ValueError:
+                continue
+        else:
+            caption = text.strip()
+        if caption:
+            return caption, f"sidecar:{Path(path).name}"
+    return None, None
+
+
+def _open_tar(uri: str) -> tarfile.TarFile:
+    if is_remote(uri):
+        return tarfile.open(fileobj=io.BytesIO(read_bytes(uri)), mode="r")
+    return tarfile.open(uri, mode="r")
+
+
+def count_shard_samples(uri: str) -> int:
+    """How many webdataset samples (distinct keys) a local shard holds; 0 for remote shards (unknown)."""
+    if is_remote(uri):
+        return 0
+    keys = set()
+    with tarfile.open(uri, mode="r") as tar:
+        for member in tar:
+            if member.isfile() and "." in os.path.basename(member.name):
+                keys.add(_split_member(member.name)[0])
+    return len(keys)
+
+
+def _split_member(name: str) -> tuple[str, str]:
+    base = os.path.basename(name)
+    prefix, ext = base.split(".", 1)
+    return os.path.join(os.path.dirname(name), prefix), ext
+
+
+def iter_shard_samples(uri: str) -> Iterator[dict[str, Any]]:
+    """Yield ``{"__key__", "__members__": {ext: member name}, ext: bytes...}`` for each sample of a shard."""
+    current: dict[str, Any] | None = None
+    with _open_tar(uri) as tar:
+        for member in tar:
+            if not member.isfile() or "." not in os.path.basename(member.name):
+                continue
+            key, ext = _split_member(member.name)
+            if current is None or current["__key__"] != key:
+                if current is not None:
+                    yield current
+                current = {"__key__": key, "__members__": {}}
+            current[ext.lower()] = tar.extractfile(member).read()
+            current["__members__"][ext.lower()] = member.name
+    if current is not None:
+        yield current
+
+
+def shard_member_uri(shard_uri: str, member: str) -> str:
+    """An fsspec URL for one member of a tar shard, e.g. ``tar://k.mp4::file:///data/shard-000.tar``."""
+    outer = shard_uri if is_remote(shard_uri) else "file://" + str(Path(shard_uri).resolve())
+    return f"tar://{member}::{outer}"
+
+
+def shard_sample_caption(sample: dict[str, Any]) -> tuple[str | None, str | None]:
+    """A webdataset sample's caption: its ``txt`` member, else the caption field of its ``json``."""
+    if sample.get("txt"):
+        text = sample["txt"].decode("utf-8", errors="replace").strip()
+        if text:
+            return text, "webdataset:txt"
+    if sample.get("json"):
+        try:
+            caption = _caption_from_json(json.loads(sample["json"]))
+        except ValueError:
+            caption = None
+        if caption:
+            return caption, "webdataset:json"
+    return None, None

@@ -1,0 +1,376 @@
+"""Video: header probing, frame reading, clip planning and scene cuts. The one video implementation.
+
+* :func:`probe_video` reads what ingest records (fps, frame count, size, duration, codec) from the
+  container header: decord for the frame count and fps (the numbering :func:`read_frames` uses), PyAV for
+  the size and codec name (decord exposes neither without decoding a frame).
+* :func:`read_frames` decodes chosen frames as ``uint8 [F, H, W, 3]`` (decord first, PyAV when decord
+  cannot read the stream). The cache stage decodes clips with it and captioners should too.
+* :func:`plan_clips` turns a video's length and fps into training clips: a window of source frames,
+  resampled to the target fps, whose length is one of the model family's admissible frame counts
+  (``4k+1`` for Wan-class), placed by a strategy (``head``, ``uniform``, ``slide``) and never across a
+  scene cut (:func:`detect_cuts`, PySceneDetect).
+
+A clip is a reference (source, start frame, frame count, fps, frame indices), never a re-encoded copy.
+A URI is a local path, a ``file://`` URL or any fsspec URL (``http(s)://``, ``s3://``, and
+``tar://member::shard.tar`` for a video inside a webdataset shard); non-local sources are read into
+memory once per call.
+"""
+
+from __future__ import annotations
+
+import io
+import math
+from dataclasses import dataclass
+from typing import Any, Iterable, Literal, Sequence
+
+import torch
+
+VIDEO_EXTENSIONS = {".mp4": "mp4", ".webm": "webm", ".mkv": "mkv", ".mov": "mov", ".avi": "avi", ".m4v": "mp4"}
+CLIP_STRATEGIES = ("head", "uniform", "slide")
+
+# ---------------------------------------------------------------------------------------------------------
+# Opening a source
+# ---------------------------------------------------------------------------------------------------------
+
+
+def local_path(uri: str) -> str | None:
+    """The filesystem path of a local ``uri`` (plain path or ``file://``), None for anything remote."""
+    if uri.startswith("file://"):
+        return uri[len("file://"):]
+    if "://" in uri or "::" in uri:
+        return None
+    return uri
+
+
+def read_uri_bytes(uri: str) -> bytes:
+    """All bytes of ``uri`` (local path or fsspec URL)."""
+    path = local_path(uri)
+    if path is not None:
+        with open(path, "rb") as fh:
+            return fh.read()
+    import fsspec
+
+    with fsspec.open(uri, "rb") as fh:
+        return fh.read()
+
+
+def _source(uri: str | bytes) -> str | bytes:
+    """A path decord / PyAV open directly, or the bytes of a remote video."""
+    if isinstance(uri, (bytes, bytearray)):
+        return bytes(uri)
+    path = local_path(str(uri))
+    return path if path is not None else read_uri_bytes(str(uri))
+
+
+def _open_arg(src: str | bytes) -> Any:
+    return io.BytesIO(src) if isinstance(src, bytes) else src
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Probing
+# ---------------------------------------------------------------------------------------------------------
+
+
+def _decord_reader(src: str | bytes):
+    import decord
+
+    return decord.VideoReader(_open_arg(src), ctx=decord.cpu(0), num_threads=1)
+
+
+def probe_video(uri: str | bytes) -> dict[str, Any]:
+    """Header facts of a video: ``width, height, fps, frames, duration, codec``.
+
+    Raises ValueError with a readable reason when the file has no decodable video stream or no frames.
+    """
+    import av
+
+    src = _source(uri)
+    frames = fps = None
+    try:
+        reader = _decord_reader(src)
+        frames, fps = len(reader), float(reader.get_avg_fps())
+        del reader
+    except Exception:  # decord raises RuntimeError / DECORDError / AssertionError: PyAV decides below
+        pass
+    try:
+        with av.open(_open_arg(src)) as container:
+            if not container.streams.video:
+                raise ValueError("no video stream")
+            stream = container.streams.video[0]
+            width, height = stream.codec_context.width, stream.codec_context.height
+            codec = stream.codec_context.name
+            if frames is None:
+                rate = stream.average_rate or stream.guessed_rate
+                fps = float(rate) if rate else 0.0
+                frames = stream.frames or sum(1 for p in container.demux(stream) if p.size)
+    except av.FFmpegError as err:
+        raise ValueError(f"not a readable video: {err}") from None
+    if not frames or frames < 1:
+        raise ValueError("video has no frames")
+    if not fps or fps <= 0 or not math.isfinite(fps):
+        raise ValueError(f"video has no usable frame rate ({fps})")
+    if not width or not height:
+        raise ValueError(f"video has a degenerate size {width}x{height}")
+    return {"width": int(width), "height": int(height), "fps": round(fps, 6), "frames": int(frames),
+            "duration": round(frames / fps, 6), "codec": codec}
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Reading frames
+# ---------------------------------------------------------------------------------------------------------
+
+
+def _read_decord(src: str | bytes, unique: list[int]) -> torch.Tensor:
+    reader = _decord_reader(src)
+    if unique[-1] >= len(reader):
+        raise IndexError(f"frame {unique[-1]} is past the end of the video ({len(reader)} frames)")
+    return torch.from_numpy(reader.get_batch(unique).asnumpy())
+
+
+def _read_pyav(src: str | bytes, unique: list[int]) -> torch.Tensor:
+    import av
+
+    wanted, last = set(unique), unique[-1]
+    found: dict[int, torch.Tensor] = {}
+    with av.open(_open_arg(src)) as container:
+        for n, frame in enumerate(container.decode(video=0)):
+            if n in wanted:
+                found[n] = torch.from_numpy(frame.to_ndarray(format="rgb24"))
+            if n >= last:
+                break
+    missing = [i for i in unique if i not in found]
+    if missing:
+        raise IndexError(f"video ended before frame {missing[0]} ({len(found)} of {len(unique)} frames read)")
+    return torch.stack([found[i] for i in unique])
+
+
+def read_frames(uri: str | bytes, frame_indices: Sequence[int],
+                backend: Literal["auto", "decord", "pyav"] = "auto") -> torch.Tensor:
+    """Decode the frames ``frame_indices`` (any order, repeats allowed) as ``uint8 [F, H, W, 3]`` RGB.
+
+    ``auto`` reads with decord and falls back to PyAV when decord cannot open or decode the stream; an
+    index past the end of the video raises IndexError from either backend.
+    """
+    indices = [int(i) for i in frame_indices]
+    if not indices:
+        raise ValueError("frame_indices is empty")
+    if min(indices) < 0:
+        raise IndexError(f"negative frame index {min(indices)}")
+    unique = sorted(set(indices))
+    src = _source(uri)
+    frames_UHWC = None
+    if backend in ("auto", "decord"):
+        try:
+            frames_UHWC = _read_decord(src, unique)
+        except IndexError:
+            raise
+        except Exception:
+            if backend == "decord":
+                raise
+    if frames_UHWC is None:
+        frames_UHWC = _read_pyav(src, unique)
+    position = {i: n for n, i in enumerate(unique)}
+    return frames_UHWC[torch.tensor([position[i] for i in indices])]
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Clips
+# ---------------------------------------------------------------------------------------------------------
+
+
+def admissible_frame_counts(frame_step: int = 4, max_frames: int = 81, include_one: bool = False) -> list[int]:
+    """``frame_step·k + 1`` up to ``max_frames``: 5, 9, …, 81 for Wan-class (4× temporal VAE)."""
+    return [n for n in range(1 if include_one else frame_step + 1, max_frames + 1, frame_step)]
+
+
+@dataclass(frozen=True)
+class ClipPolicy:
+    """How clips are cut from a video (built from ``bucket.*`` keys by ``BucketConfig.clip_policy``)."""
+
+    frame_counts: tuple[int, ...]  # admissible clip lengths in output frames
+    target_fps: float | None = 16.0  # None: keep the source fps; a slower source is never upsampled
+    strategy: Literal["head", "uniform", "slide"] = "head"
+    clips_per_video: int = 1  # K, for uniform
+    clip_stride: int | None = None  # S in output frames, for slide; None: the clip length (no overlap)
+
+
+@dataclass(frozen=True)
+class Clip:
+    """A training clip: a reference into its source video, not a copy."""
+
+    start_frame: int  # first source frame
+    num_frames: int  # output frames (the bucket's F)
+    fps: float  # output frame rate
+    frame_indices: tuple[int, ...]  # source frame of each output frame
+
+    @property
+    def end_frame(self) -> int:
+        """One past the last source frame the clip reads."""
+        return self.frame_indices[-1] + 1
+
+    def to_json(self) -> dict[str, Any]:
+        return {"start_frame": self.start_frame, "num_frames": self.num_frames, "fps": self.fps,
+                "frame_indices": list(self.frame_indices)}
+
+
+def resample(src_fps: float, target_fps: float | None) -> tuple[float, float]:
+    """``(output fps, source frames per output frame)``; sources slower than the target keep their fps.
+
+    Upsampling would repeat frames and teach stutter, so a 12 fps source with target 16 stays at 12 fps
+    (step 1) and its clips record ``fps: 12``.
+    """
+    if not target_fps or target_fps >= src_fps:
+        return float(src_fps), 1.0
+    return float(target_fps), src_fps / target_fps
+
+
+def _offset(i: int, step: float) -> int:
+    # round half up (Python's round() is half-to-even, which spaces frames unevenly); the epsilon keeps
+    # 2.4999999 from float error on the right side of .5
+    return math.floor(i * step + 0.5 + 1e-9)
+
+
+def _span(n: int, step: float) -> int:
+    """Source frames covered by an ``n``-frame clip."""
+    return _offset(n - 1, step) + 1
+
+
+def _starts(policy: ClipPolicy, lo: int, hi: int, span: int, n: int, step: float) -> list[int]:
+    room = hi - lo - span  # how far the window can move inside [lo, hi)
+    if policy.strategy == "head":
+        return [lo]
+    if policy.strategy == "uniform":
+        k = policy.clips_per_video
+        if k == 1:
+            return [lo + room // 2]
+        return [lo + (2 * i * room + k - 1) // (2 * (k - 1)) for i in range(k)]
+    stride = policy.clip_stride or n
+    starts, i = [], 0
+    while (start := lo + _offset(i * stride, step)) <= lo + room:
+        starts.append(start)
+        i += 1
+    return starts
+
+
+def segments(frames: int, cuts: Iterable[int] = ()) -> list[tuple[int, int]]:
+    """``[start, end)`` source-frame ranges between scene cuts (a cut is the first frame of a scene)."""
+    bounds = [0, *sorted({c for c in cuts if 0 < c < frames}), frames]
+    return list(zip(bounds, bounds[1:]))
+
+
+def plan_clips(frames: int, fps: float, policy: ClipPolicy, cuts: Iterable[int] = ()) -> list[Clip]:
+    """The clips of a ``frames``-long video at ``fps``, in order; empty when it is too short.
+
+    Each scene (the whole video without cuts) is planned on its own, so no clip crosses a cut: its clip
+    length is the largest admissible frame count that fits in it after resampling, and its windows are
+    placed by the strategy: ``head`` one at the start; ``uniform`` K evenly spaced from start to end (one
+    centred window for K=1; fewer when the scene has room for fewer distinct windows); ``slide`` from
+    the start every S output frames while the window fits.
+    """
+    out_fps, step = resample(fps, policy.target_fps)
+    counts = sorted(policy.frame_counts)
+    clips: list[Clip] = []
+    for lo, hi in segments(frames, cuts):
+        fitting = [n for n in counts if _span(n, step) <= hi - lo]
+        if not fitting:
+            continue
+        n = fitting[-1]
+        span = _span(n, step)
+        seen = set()
+        for start in _starts(policy, lo, hi, span, n, step):
+            if start in seen:
+                continue
+            seen.add(start)
+            indices = tuple(start + _offset(i, step) for i in range(n))
+            clips.append(Clip(start, n, round(out_fps, 6), indices))
+    return clips
+
+
+def output_frames(frames: int, fps: float, target_fps: float | None) -> int:
+    """How many output frames ``frames`` source frames give after resampling."""
+    _, step = resample(fps, target_fps)
+    n = max(0, math.ceil((frames - 0.5) / step))
+    while n > 0 and _span(n, step) > frames:
+        n -= 1
+    return n
+
+
+def too_short_reason(frames: int, fps: float, policy: ClipPolicy, cuts: Iterable[int] = ()) -> str:
+    """Why :func:`plan_clips` found no clip, naming the smallest bucket."""
+    out_fps, _ = resample(fps, policy.target_fps)
+    longest = max(hi - lo for lo, hi in segments(frames, cuts))
+    have = output_frames(longest, fps, policy.target_fps)
+    where = f"its longest scene has {longest} frames" if longest < frames else f"{frames} frames"
+    return (f"video too short: {where} at {fps:g} fps give {have} frames at {out_fps:g} fps; "
+            f"the smallest bucket needs {min(policy.frame_counts)} frames (bucket.frame_counts)")
+
+
+def encode_clip(frames_FHWC: torch.Tensor, fps: float, keyframe_interval: int = 8, crf: int = 17) -> bytes:
+    """H.264 in MP4 of ``uint8 [F, H, W, 3]`` frames, a keyframe every ``keyframe_interval`` frames.
+
+    One encoder thread and fixed settings make the bytes a pure function of the frames (for a given
+    FFmpeg build). Odd sizes are encoded as 4:4:4 (4:2:0 needs even sizes), so no pixel is cropped.
+    """
+    from fractions import Fraction
+
+    import av
+
+    _, height, width, _ = frames_FHWC.shape
+    buf = io.BytesIO()
+    with av.open(buf, "w", format="mp4") as container:
+        stream = container.add_stream("libx264", rate=Fraction(fps).limit_denominator(1001))
+        stream.width, stream.height = width, height
+        stream.pix_fmt = "yuv420p" if width % 2 == 0 and height % 2 == 0 else "yuv444p"
+        stream.options = {"threads": "1", "crf": str(crf), "g": str(keyframe_interval),
+                          "keyint_min": str(keyframe_interval), "bframes": "0", "sc_threshold": "0"}
+        for frame in frames_FHWC.contiguous().numpy():
+            for packet in stream.encode(av.VideoFrame.from_ndarray(frame, format="rgb24")):
+                container.mux(packet)
+        for packet in stream.encode():
+            container.mux(packet)
+    return buf.getvalue()
+
+
+CLIP_MEMBER = "mp4"
+
+
+def read_clip(meta: dict[str, Any], sample: dict[str, Any] | None = None) -> torch.Tensor:
+    """The frames of a bucketed clip sample as ``uint8 [F, H, W, 3]`` (what the cache stage encodes).
+
+    A re-encoded clip (``meta["clip"]["reencoded"]``, ``bucket.reencode``) is read from the sample's
+    ``mp4`` member, every frame of it; otherwise the clip's ``frame_indices`` are read from
+    ``meta["source_uri"]``.
+    """
+    clip = meta["clip"]
+    if clip.get("reencoded"):
+        if sample is None or CLIP_MEMBER not in sample:
+            raise ValueError(f"clip is re-encoded but the sample has no {CLIP_MEMBER} member")
+        return read_frames(sample[CLIP_MEMBER], range(clip["num_frames"]))
+    return read_frames(meta["source_uri"], clip["frame_indices"])
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Scene cuts
+# ---------------------------------------------------------------------------------------------------------
+
+
+def detect_cuts(uri: str | bytes, threshold: float = 27.0) -> list[int]:
+    """First frame of every scene after the first (PySceneDetect ``ContentDetector``, decoded with PyAV).
+
+    ``min_scene_len`` is 1: a suppressed cut would let a clip cross it, whereas an extra cut only makes
+    a scene shorter.
+    """
+    import logging
+
+    from scenedetect import ContentDetector, SceneManager
+    from scenedetect.backends.pyav import VideoStreamAv
+
+    log = logging.getLogger("pyscenedetect")
+    if log.level == logging.NOTSET:  # its INFO line per video would interleave with the progress bars
+        log.setLevel(logging.WARNING)
+    src = _source(uri)
+    video = VideoStreamAv(_open_arg(src), name="video")
+    manager = SceneManager()
+    manager.add_detector(ContentDetector(threshold=threshold, min_scene_len=1))
+    manager.detect_scenes(video, show_progress=False)
+    return sorted(int(start.frame_num) for start, _ in manager.get_scene_list()[1:])

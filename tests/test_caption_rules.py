@@ -1,0 +1,214 @@
+"""Caption stage without models: post-processing rules, policies, the template captioner, config errors."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from latentmill.config import ConfigError, from_dict
+from stages import caption, ingest
+from stages.caption import CaptionConfig, combine
+from stages.captioners import CaptionItem
+from stages.captioners.media import frame_indices
+from stages.captioners.postprocess import CaptionRules
+from stages.captioners.template import TemplateCaptioner
+from stages.ingest import IngestConfig
+from stages.shardio import StageDir, read_shard
+
+
+def _run(cfg, upstream, root):
+    sd = StageDir(root, "caption").ensure()
+    records = [sd.run_unit(u, lambda unit, out: caption.process(cfg, unit, out)) for u in caption.plan(cfg, upstream)]
+    sd.write_manifest(records, caption.manifest_header(cfg))
+    samples = [json.loads(s["json"]) | {"_txt": s["txt"].decode()}
+               for r in records for shard in r.shards for s in read_shard(sd.root / shard.path)]
+    return records, {m["source"]: m for m in samples}
+
+
+@pytest.fixture()
+def ingested(demo_images, tmp_path):
+    """The demo images in a folder tree (style/ and photos/), img_004 without a caption, ingested."""
+    (demo_images / "style").mkdir()
+    (demo_images / "photos").mkdir()
+    for name in ("img_000.png", "img_000.txt", "img_001.jpg", "img_001.txt"):
+        (demo_images / name).rename(demo_images / "style" / name)
+    for name in ("img_002.jpg", "img_002.txt"):
+        (demo_images / name).rename(demo_images / "photos" / name)
+    (demo_images / "img_004.txt").unlink()
+    (demo_images / "broken.jpg").unlink()
+    (demo_images / "broken.txt").unlink()
+    cfg = IngestConfig(source=str(demo_images), shard_size=8)
+    sd = StageDir(tmp_path / "ingest", "ingest").ensure()
+    records = [sd.run_unit(u, lambda unit, out: ingest.process(cfg, unit, out)) for u in ingest.plan(cfg)]
+    sd.write_manifest(records, {"fingerprint": "test"})
+    return demo_images, sd
+
+
+# --------------------------------------------------------------------------------------------------------
+# Post-processing
+
+
+@pytest.mark.parametrize("raw, expected", [
+    ("The image shows a red cat.", "a red cat."),
+    ("  this IMAGE shows:   a cat\n on a\tmat ", "a cat on a mat"),
+    ("In this image, the image shows two dogs", "two dogs"),  # repeated prefixes
+    ("A picture of a dog", "a dog"),
+    ("A pictures of a dog", "A pictures of a dog"),  # only at a word boundary
+    ("a cat, watermark, on grass", "a cat, on grass"),  # blocklisted phrase deleted, separators tidied
+    ("Watermark a cat", "a cat"),
+    ("watermark: The image shows a cat", "a cat"),  # a deleted phrase does not hide a prefix
+    ("a cat,  ", "a cat"),
+])
+def test_rules_clean_captions(raw, expected):
+    rules = CaptionRules(blocklist=("watermark",))
+    assert rules.apply(raw) == (expected, None)
+
+
+def test_rules_limits_and_rejects():
+    rules = CaptionRules(max_chars=12, min_chars=4, reject=("I'm sorry",))
+    assert rules.apply("a cat on a red mat") == ("a cat on a", None)  # cut on a word boundary
+    assert rules.apply("abcdefghijklmnop") == ("abcdefghijkl", None)  # one overlong word is cut anyway
+    assert rules.apply("cat") == ("", "caption 'cat' is shorter than caption.min_chars=4")
+    assert rules.apply("   ")[1] == "empty caption"
+    assert rules.apply(None)[1] == "empty caption"
+    assert "rejected phrase" in rules.apply("I'm sorry, I can't")[1]
+    assert rules.apply("The image shows")[1] == "empty caption"  # nothing left after the prefix
+
+
+def test_rules_change_the_fingerprint():
+    base = CaptionConfig()
+    prints = {json.dumps(caption.fingerprint(c), sort_keys=True) for c in (
+        base, CaptionConfig(blocklist=["x"]), CaptionConfig(max_chars=10), CaptionConfig(strip_prefixes=[]),
+        CaptionConfig(reject=["x"]), CaptionConfig(min_chars=2), CaptionConfig(policy="replace"))}
+    assert len(prints) == 7
+    # Settings of captioners that do not run leave it alone: changing the prompt of an unused model does not.
+    assert caption.fingerprint(CaptionConfig(prompt="x", batch_size=3)) == caption.fingerprint(base)
+
+
+# --------------------------------------------------------------------------------------------------------
+# Policies and the template captioner
+
+
+def test_combine_policies():
+    old = [("a cat", {"captioner": "sidecar"})]
+    new = [("tag1", {"captioner": "template"}), ("tag2", {"captioner": "template"})]
+    assert [t for t, _ in combine("keep", old, new, ", ")] == ["a cat"]
+    assert [t for t, _ in combine("keep", [], new, ", ")] == ["tag1", "tag2"]
+    assert [t for t, _ in combine("replace", old, new, ", ")] == ["tag1", "tag2"]
+    assert [t for t, _ in combine("extend", old, new, ", ")] == ["a cat", "tag1", "tag2"]
+    appended = combine("append", old, new[:1], " | ")
+    assert appended == [("a cat | tag1", {"captioner": "template", "appended_to": {"captioner": "sidecar"}})]
+    assert [t for t, _ in combine("append", old, [], ", ")] == ["a cat"]
+    assert [t for t, _ in combine("append", [], new, ", ")] == ["tag1", "tag2"]
+
+
+def test_template_fields():
+    meta = {"source": "style/sub/img_7.png", "width": 64, "height": 32, "kind": "image", "tags": ["red", "flat"]}
+    item = CaptionItem("k", meta, {}, existing=["a cat", "a feline"])
+    templates = ["trtcrd, {caption}", "{folder}|{folders}|{name}|{filename}|{ext}|{width}x{height}|{tags}"]
+    (result,) = TemplateCaptioner(templates).caption([item])
+    assert result.texts == ["trtcrd, a cat", "trtcrd, a feline", "sub|style/sub|img_7|img_7.png|png|64x32|red, flat"]
+    assert result.provenance[0] == {"captioner": "template", "template": "trtcrd, {caption}"}
+    with pytest.raises(KeyError, match=r"field \{nope\} is not in the metadata of style/sub/img_7.png"):
+        TemplateCaptioner(["{nope}"]).caption([item])
+
+
+def test_template_trigger_token_stage(ingested, tmp_path):
+    images, upstream = ingested
+    cfg = CaptionConfig(captioner="template", template="trtcrd, {caption}", policy="replace")
+    records, metas = _run(cfg, upstream, tmp_path / "caption")
+    assert sum(r.samples_out for r in records) == 25 and not any(r.quarantined for r in records)
+    sidecar = (images / "style" / "img_001.txt").read_text().strip()
+    assert metas["style/img_001.jpg"]["caption"] == f"trtcrd, {sidecar}" == metas["style/img_001.jpg"]["_txt"]
+    assert metas["img_004.jpg"]["captions"] == ["trtcrd"]  # no existing caption: the trigger alone
+    prov = metas["style/img_001.jpg"]["caption_provenance"]
+    assert prov == [{"captioner": "template", "template": "trtcrd, {caption}", "policy": "replace"}]
+
+
+def test_template_append_and_keep(ingested, tmp_path):
+    _, upstream = ingested
+    append = CaptionConfig(captioner="template", template="{folder}", policy="append", separator=", style ")
+    _, metas = _run(append, upstream, tmp_path / "append")
+    assert metas["style/img_000.png"]["caption"].endswith(", style style")
+    assert metas["photos/img_002.jpg"]["caption"].endswith(", style photos")
+    # Top-level files have no folder: nothing to append, the caption stays; img_004 had none: quarantined.
+    assert metas["img_003.png"]["caption"] == metas["img_003.png"]["sidecar_caption"]
+    assert "img_004.jpg" not in metas
+
+    keep = CaptionConfig(captioner="template", template="a photo from {folder}, {name}", policy="keep")
+    _, metas = _run(keep, upstream, tmp_path / "keep")
+    assert metas["img_004.jpg"]["captions"] == ["a photo from, img_004"]  # only the uncaptioned sample
+    assert metas["img_003.png"]["caption_provenance"][0]["captioner"] == "sidecar"
+    assert metas["img_003.png"]["caption"] == metas["img_003.png"]["sidecar_caption"]
+
+    same = CaptionConfig(captioner="template", template="{caption}", policy="extend")
+    _, metas = _run(same, upstream, tmp_path / "same")
+    assert metas["img_003.png"]["captions"] == [metas["img_003.png"]["sidecar_caption"]]  # no duplicates
+
+    extend = CaptionConfig(captioner="template", template=["{name}", "{folder}"], policy="extend")
+    _, metas = _run(extend, upstream, tmp_path / "extend")
+    assert metas["style/img_001.jpg"]["captions"][1:] == ["img_001", "style"]
+    assert metas["style/img_001.jpg"]["caption"] == metas["style/img_001.jpg"]["sidecar_caption"]
+    assert [p["captioner"] for p in metas["style/img_001.jpg"]["caption_provenance"]] == [
+        "sidecar", "template", "template"]
+
+
+def test_missing_caption_keep_empty(ingested, tmp_path):
+    _, upstream = ingested
+    records, metas = _run(CaptionConfig(on_missing="keep_empty"), upstream, tmp_path / "c")
+    assert metas["img_004.jpg"]["caption"] == "" and metas["img_004.jpg"]["captions"] == [""]
+    assert metas["img_004.jpg"]["caption_provenance"][0]["empty"] .startswith("ingest found no caption")
+    records, metas = _run(CaptionConfig(blocklist=["background"], min_chars=42), upstream, tmp_path / "q")
+    reasons = {q["source"]: q["reason"] for r in records for q in r.quarantined}
+    # "a blue stripes on a green background, square picture" loses "background": 41 characters left.
+    assert "'a blue stripes on a green, square picture' is shorter than caption.min_chars=42" in reasons["img_005.jpg"]
+    assert metas and not any("background" in m["caption"] for m in metas.values())
+    assert reasons["img_004.jpg"].startswith("no caption from captioner 'sidecar'")
+
+
+def test_rerun_reuses_and_records_time_outside_the_shards(ingested, tmp_path):
+    _, upstream = ingested
+    cfg = CaptionConfig(captioner="template", template="{name}", policy="replace")
+    first, _ = _run(cfg, upstream, tmp_path / "c")
+    again, _ = _run(cfg, upstream, tmp_path / "c")
+    assert all(r.reused for r in again) and [r.unit_id for r in again] == [r.unit_id for r in first]
+    assert "captioned_at" in first[0].extra
+    other, _ = _run(cfg, upstream, tmp_path / "other")  # a fresh run later: same bytes
+    assert [s.sha256 for r in other for s in r.shards] == [s.sha256 for r in first for s in r.shards]
+
+
+# --------------------------------------------------------------------------------------------------------
+# Config and frame sampling
+
+
+@pytest.mark.parametrize("data, message", [
+    ({"captioner": "blip"}, "caption.captioner: 'blip' is not one of 'sidecar', 'transformers', 'template'"),
+    ({"policy": "merge"}, "caption.policy: 'merge' is not one of 'keep', 'replace', 'append', 'extend'"),
+    ({"captioner": "transformers"}, "caption.model: must be set when caption.captioner is 'transformers'"),
+    ({"captioner": "template"}, "caption.template: must be set"),
+    ({"captioner": "template", "template": "{a.b}"}, "caption.template: '{a.b}': field {a.b} must be a plain"),
+    ({"batch_size": 0}, "caption.batch_size: must be >= 1"),
+    ({"frames": 0}, "caption.frames: must be >= 1"),
+    ({"policy": "append"}, "caption.policy: 'append' needs a captioner that makes new text"),
+    ({"dtype": "fp8"}, "caption.dtype: 'fp8' is not one of 'auto', 'float32', 'bfloat16', 'float16'"),
+])
+def test_config_errors_name_the_key(data, message):
+    with pytest.raises(ConfigError) as err:
+        from_dict(CaptionConfig, data, prefix="caption")
+    assert message in str(err.value)
+
+
+def test_config_accepts_lists():
+    cfg = from_dict(CaptionConfig, {"captioner": "transformers", "model": "m", "prompt": ["a", "b"],
+                                    "generate_kwargs": {"repetition_penalty": 1.2}}, prefix="caption")
+    assert cfg.prompts == ["a", "b"] and cfg.generate_kwargs == {"repetition_penalty": 1.2}
+
+
+def test_frame_indices_cover_the_clip_window():
+    assert frame_indices(100, 0, None, 4) == [12, 37, 62, 87]
+    assert frame_indices(24, 4, 16, 4) == [6, 10, 14, 18]
+    assert frame_indices(10, 8, 50, 2) == [8, 9]  # window cut at the end of the video
+    assert frame_indices(3, 0, None, 5) == [0, 0, 1, 2, 2]  # more frames asked than there are
+    with pytest.raises(ValueError, match="start_frame 30 is outside"):
+        frame_indices(24, 30, None, 4)

@@ -1,0 +1,105 @@
+"""The prep flow as users run it: incremental re-runs, snapshots, refresh, artifacts, task runners."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+
+from latentmill.inspect import verify_path
+from latentmill.recipe import load_recipe
+from pipelines.flows import refresh
+from pipelines.prep import run_prep
+from pipelines.snapshot import latest_name, resolve_snapshot
+from tests.conftest import DEMO_CONFIG
+
+pytestmark = pytest.mark.slow
+
+
+def _recipe(tiny_flux, images, out, *extra):
+    return load_recipe(DEMO_CONFIG, [f"output_dir={out}", f"model.pretrained={tiny_flux}",
+                                     f"ingest.source={images}", *extra])
+
+
+def _processed(result):
+    return {name: (s["processed"], s["reused"]) for name, s in result["stages"].items()}
+
+
+def test_incremental_reruns_and_snapshots(tiny_flux, demo_images, tmp_path):
+    out = tmp_path / "out"
+    first = run_prep(_recipe(tiny_flux, demo_images, out))
+    assert first["snapshot"]["new"] and first["snapshot"]["name"].startswith("0001-")
+
+    again = run_prep(_recipe(tiny_flux, demo_images, out))
+    assert _processed(again) == {"ingest": (0, 26), "caption": (0, 25), "bucket": (0, 25), "cache": (0, 25)}
+    assert again["snapshot"] == {**first["snapshot"], "new": False}
+
+    # A changed bucket option re-runs bucket and cache, not ingest or caption; text embeddings are reused.
+    rebucket = run_prep(_recipe(tiny_flux, demo_images, out, "bucket.resolution=96"))
+    assert _processed(rebucket)["ingest"] == (0, 26) and _processed(rebucket)["caption"] == (0, 25)
+    assert _processed(rebucket)["bucket"] == (25, 0)
+    assert rebucket["stages"]["cache"]["components"] == {"vae": {"processed": 24, "reused": 0},
+                                                         "text": {"processed": 0, "reused": 24}}
+    second = rebucket["snapshot"]
+    assert second["new"] and second["name"].startswith("0002-")
+    manifest = json.loads((resolve_snapshot(out, "latest") / "manifest.json").read_text())
+    assert manifest["snapshot"]["parent"] == first["snapshot"]["name"]
+    assert set(manifest["snapshot"]["buckets"]) == {"96x96x1", "80x112x1", "112x80x1", "128x64x1", "64x128x1"}
+    # The older snapshot still resolves and every shard it names is intact.
+    assert verify_path(resolve_snapshot(out, first["snapshot"]["name"])) == 0
+    with pytest.raises(FileNotFoundError, match="snapshot 'nope' not found"):
+        resolve_snapshot(out, "nope")
+
+
+def test_refresh_trains_only_on_a_new_snapshot(tiny_flux, demo_images, tmp_path):
+    out = tmp_path / "out"
+    overrides = [f"output_dir={out}", f"model.pretrained={tiny_flux}", f"ingest.source={demo_images}",
+                 "trainer.max_steps=2", "trainer.save_every=0"]
+    first = refresh(str(DEMO_CONFIG), overrides, train=True)
+    assert first["train"]["steps"] == 2 and first["snapshot"]["new"]
+    unchanged = refresh(str(DEMO_CONFIG), overrides, train=True)
+    assert "train" not in unchanged and not unchanged["snapshot"]["new"]
+
+    shutil.copy(demo_images / "img_001.jpg", demo_images / "zz_new.jpg")
+    (demo_images / "zz_new.txt").write_text("a newly added picture\n")
+    grown = refresh(str(DEMO_CONFIG), overrides, train=True)
+    assert grown["snapshot"]["new"] and grown["stages"]["cache"]["out"] == 25
+    assert grown["stages"]["ingest"]["reused"] > 0  # untouched units were not redone
+    assert grown["train"]["steps"] == 2
+    assert latest_name(out) == grown["snapshot"]["name"]
+
+
+def test_prep_publishes_artifacts(tiny_flux, demo_images, tmp_path):
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
+
+    run_prep(_recipe(tiny_flux, demo_images, tmp_path / "out"))
+    with get_client(sync_client=True) as client:
+        counts = client.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=["prep-counts"])))
+        buckets = client.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=["prep-buckets"])))
+        quarantine = client.read_artifacts(
+            artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=["prep-quarantine"])))
+    rows = json.loads(counts[-1].data) if isinstance(counts[-1].data, str) else counts[-1].data
+    assert [r["stage"] for r in rows] == ["ingest", "caption", "bucket", "cache"]
+    assert rows[0]["in"] == 26 and rows[3]["out"] == 24
+    assert "128x128x1" in buckets[-1].data
+    reasons = json.loads(quarantine[-1].data) if isinstance(quarantine[-1].data, str) else quarantine[-1].data
+    assert {r["stage"] for r in reasons} == {"ingest", "cache"}
+
+
+def _shard_digests(out):
+    digests = {}
+    for stage in ("ingest", "caption", "bucket", "cache"):
+        manifest = json.loads((out / "prep" / stage / "manifest.json").read_text())
+        digests[stage] = [(s["name"], s["sha256"]) for s in manifest["shards"]]
+    return digests
+
+
+@pytest.mark.parametrize("kind", ["processes", "dask"])
+def test_other_runners_write_identical_bytes(tiny_flux, demo_images, tmp_path, kind):
+    pytest.importorskip("prefect_dask") if kind == "dask" else None
+    threads = run_prep(_recipe(tiny_flux, demo_images, tmp_path / "threads"))
+    other = run_prep(_recipe(tiny_flux, demo_images, tmp_path / kind, f"runner.kind={kind}", "runner.workers=2"))
+    assert _processed(other) == _processed(threads)
+    assert _shard_digests(tmp_path / kind) == _shard_digests(tmp_path / "threads")

@@ -1,0 +1,188 @@
+"""Video probing, frame reading, clip planning and scene cuts on synthetic videos written with PyAV."""
+
+from __future__ import annotations
+
+import tarfile
+from fractions import Fraction
+from pathlib import Path
+
+import pytest
+import torch
+
+av = pytest.importorskip("av")
+
+from stages.video import (  # noqa: E402
+    ClipPolicy,
+    admissible_frame_counts,
+    detect_cuts,
+    plan_clips,
+    probe_video,
+    read_frames,
+    resample,
+    too_short_reason,
+)
+
+WAN = tuple(admissible_frame_counts(4, 81))  # 5, 9, ..., 81
+
+
+def write_video(path: Path, frames: int, fps: float, width: int = 64, height: int = 48,
+                codec: str = "libx264", cut: int | None = None) -> Path:
+    """Frame i is flat grey 6·i (a readable index) — or, with ``cut``, two visually distinct scenes."""
+    import numpy as np
+
+    fmt = {"webm": "webm", "mkv": "matroska"}.get(path.suffix[1:], "mp4")
+    with av.open(str(path), "w", format=fmt) as container:
+        stream = container.add_stream(codec, rate=Fraction(fps).limit_denominator(1001))
+        stream.width, stream.height, stream.pix_fmt = width, height, "yuv420p"
+        if codec == "libx264":
+            stream.options = {"threads": "1", "crf": "1", "bframes": "2"}
+        elif codec == "mpeg4":
+            stream.options = {"qscale": "1"}
+        for i in range(frames):
+            img = np.full((height, width, 3), 6 * i % 256, np.uint8)
+            if cut is not None:
+                img[:] = (40, 80, 220) if i < cut else (230, 230, 40)
+                img[: height // 3, (2 * i) % width : (2 * i) % width + 6] = 0
+            for packet in stream.encode(av.VideoFrame.from_ndarray(img, format="rgb24")):
+                container.mux(packet)
+        for packet in stream.encode():
+            container.mux(packet)
+    return path
+
+
+@pytest.mark.parametrize("frames, fps, width, height, codec, name", [
+    (24, 12, 64, 48, "libx264", "h264"),
+    (37, 24, 48, 64, "mpeg4", "mpeg4"),
+    (30, 30000 / 1001, 80, 48, "libx264", "h264"),
+])
+def test_probe_reads_header_facts(tmp_path, frames, fps, width, height, codec, name):
+    path = write_video(tmp_path / "v.mp4", frames, fps, width, height, codec)
+    info = probe_video(str(path))
+    assert info == {"width": width, "height": height, "fps": pytest.approx(fps, abs=1e-5), "frames": frames,
+                    "duration": pytest.approx(frames / fps, abs=1e-5), "codec": name}
+    assert probe_video(path.read_bytes()) == info  # bytes (remote sources) give the same answer
+
+
+def test_probe_refuses_broken_and_empty_videos(tmp_path):
+    (tmp_path / "garbage.mp4").write_bytes(b"not a video" * 20)
+    with pytest.raises(ValueError, match="not a readable video"):
+        probe_video(str(tmp_path / "garbage.mp4"))
+    # A valid MP4 header without a single frame.
+    with av.open(str(tmp_path / "empty.mp4"), "w", format="mp4") as container:
+        stream = container.add_stream("mpeg4", rate=8)
+        stream.width, stream.height = 32, 32
+        container.start_encoding()
+    with pytest.raises(ValueError, match="no video stream|no frames"):
+        probe_video(str(tmp_path / "empty.mp4"))
+
+
+def test_read_frames_returns_requested_frames_in_order(tmp_path):
+    path = write_video(tmp_path / "v.mp4", 30, 12)
+    frames_FHWC = read_frames(str(path), [7, 0, 7, 29])
+    assert frames_FHWC.shape == (4, 48, 64, 3) and frames_FHWC.dtype == torch.uint8
+    grey = frames_FHWC.float().mean(dim=(1, 2, 3))
+    assert torch.allclose(grey, torch.tensor([42.0, 0.0, 42.0, 174.0]), atol=3)
+    # decord and the PyAV fallback decode the same pixels; bytes and tar members read like paths
+    assert torch.equal(read_frames(str(path), [7, 0, 7, 29], backend="pyav"), frames_FHWC)
+    assert torch.equal(read_frames(path.read_bytes(), [7, 0, 7, 29]), frames_FHWC)
+    with tarfile.open(tmp_path / "s.tar", "w") as tar:
+        tar.add(path, arcname="k/v.mp4")
+    assert torch.equal(read_frames(f"tar://k/v.mp4::file://{tmp_path / 's.tar'}", [7, 0, 7, 29]), frames_FHWC)
+    for backend in ("auto", "pyav"):
+        with pytest.raises(IndexError):
+            read_frames(str(path), [30], backend=backend)
+
+
+def test_read_frames_falls_back_to_pyav_when_decord_cannot_open(tmp_path, monkeypatch):
+    import stages.video as video
+
+    path = write_video(tmp_path / "v.mp4", 10, 8)
+
+    def broken(*_):
+        raise RuntimeError("decord cannot read this")
+
+    monkeypatch.setattr(video, "_decord_reader", broken)
+    assert read_frames(str(path), [3]).float().mean().item() == pytest.approx(18, abs=3)
+    assert probe_video(str(path))["frames"] == 10  # frame count and fps from PyAV's header
+
+
+def _windows(clips):
+    return [(c.start_frame, c.num_frames, c.fps, list(c.frame_indices)) for c in clips]
+
+
+def test_clip_strategies_on_a_real_video(tmp_path):
+    """40 frames at 24 fps resampled to 8 fps: every third frame, 14 output frames."""
+    info = probe_video(str(write_video(tmp_path / "v.mp4", 40, 24)))
+    frames, fps = info["frames"], info["fps"]
+    head = plan_clips(frames, fps, ClipPolicy(WAN, 8, "head"))
+    assert _windows(head) == [(0, 13, 8.0, list(range(0, 37, 3)))]  # 13 = largest 4k+1 <= 14
+
+    uniform = plan_clips(frames, fps, ClipPolicy((5, 9), 8, "uniform", clips_per_video=3))
+    # 9 frames span 25 source frames; the 15 frames of room are split evenly: starts 0, 8 (7.5 rounds up), 15
+    assert _windows(uniform) == [(s, 9, 8.0, list(range(s, s + 25, 3))) for s in (0, 8, 15)]
+
+    slide = plan_clips(frames, fps, ClipPolicy((5,), 8, "slide", clip_stride=4))
+    # stride 4 output frames = 12 source frames; a 5-frame window spans 13: starts 0, 12, 24 (36 + 13 > 40)
+    assert _windows(slide) == [(s, 5, 8.0, [s, s + 3, s + 6, s + 9, s + 12]) for s in (0, 12, 24)]
+    default_stride = plan_clips(frames, fps, ClipPolicy((5,), 8, "slide"))  # stride = clip length
+    assert [c.start_frame for c in default_stride] == [0, 15]
+
+
+def test_fractional_resampling_rounds_half_up_and_never_upsamples():
+    # 12 -> 8 fps: 1.5 source frames per output frame
+    (clip,) = plan_clips(13, 12, ClipPolicy((9,), 8, "head"))
+    assert list(clip.frame_indices) == [0, 2, 3, 5, 6, 8, 9, 11, 12] and clip.fps == 8.0
+    # 8 fps source, 16 fps target: kept at 8 fps, no repeated frames
+    assert resample(8, 16) == (8.0, 1.0)
+    (clip,) = plan_clips(12, 8, ClipPolicy((9,), 16, "head"))
+    assert list(clip.frame_indices) == list(range(9)) and clip.fps == 8.0
+    # target_fps None keeps the source rate
+    (clip,) = plan_clips(5, 30, ClipPolicy((5,), None, "head"))
+    assert list(clip.frame_indices) == [0, 1, 2, 3, 4] and clip.fps == 30.0
+
+
+def test_uniform_gives_fewer_windows_when_the_video_has_no_room():
+    clips = plan_clips(10, 8, ClipPolicy((9,), 8, "uniform", clips_per_video=4))
+    assert [c.start_frame for c in clips] == [0, 1]  # only two distinct 9-frame windows in 10 frames
+    (one,) = plan_clips(20, 8, ClipPolicy((9,), 8, "uniform", clips_per_video=1))
+    assert one.start_frame == 5  # a single window is centred
+
+
+def test_too_short_video_has_no_clip_and_a_reason():
+    policy = ClipPolicy((5, 9), 8, "head")
+    assert plan_clips(12, 24, policy) == []  # 12 frames at 24 fps = 4 frames at 8 fps
+    reason = too_short_reason(12, 24, policy)
+    assert "give 4 frames at 8 fps" in reason and "smallest bucket needs 5 frames" in reason
+
+
+def test_scene_cut_is_detected_and_no_window_crosses_it(tmp_path):
+    pytest.importorskip("scenedetect")
+    path = write_video(tmp_path / "cut.mp4", 40, 12, cut=17)
+    cuts = detect_cuts(str(path))
+    assert cuts == [17]
+    policy = ClipPolicy((5, 9), 8, "slide", clip_stride=2)
+    crossing = [c for c in plan_clips(40, 12, policy) if c.start_frame < 17 < c.end_frame]
+    assert crossing  # without scene splitting some windows do cross the cut
+    clips = plan_clips(40, 12, policy, cuts)
+    assert clips and all(c.end_frame <= 17 or c.start_frame >= 17 for c in clips)
+    assert {c.start_frame < 17 for c in clips} == {True, False}  # clips on both sides
+    # head with scene splitting: one clip per scene
+    assert [c.start_frame for c in plan_clips(40, 12, ClipPolicy((5, 9), 8, "head"), cuts)] == [0, 17]
+    # a clean video has no cut
+    assert detect_cuts(str(write_video(tmp_path / "clean.mp4", 30, 12))) == []
+
+
+def test_decoded_clip_frames_are_the_planned_source_frames(tmp_path):
+    """What the cache stage does with a clip: read_frames(source_uri, clip.frame_indices)."""
+    path = write_video(tmp_path / "v.mp4", 36, 24)
+    (clip,) = plan_clips(36, 24, ClipPolicy((5, 9), 8, "uniform", clips_per_video=1))
+    frames_FHWC = read_frames(str(path), clip.frame_indices)
+    assert frames_FHWC.shape[0] == clip.num_frames == 9
+    expected = torch.tensor([6.0 * i for i in clip.frame_indices])
+    assert torch.allclose(frames_FHWC.float().mean(dim=(1, 2, 3)), expected, atol=3)
+
+
+def test_file_urls_read_like_paths(tmp_path):
+    path = write_video(tmp_path / "v.mp4", 12, 8)
+    assert torch.equal(read_frames(f"file://{path}", [1, 2]), read_frames(str(path), [1, 2]))
+    assert probe_video(f"file://{path}") == probe_video(str(path))

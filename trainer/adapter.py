@@ -1,0 +1,176 @@
+"""What a model family plugs into the training loop: ``ModelAdapter``, plus the loading and export they share.
+
+An adapter stands between cached latents and an unmodified Diffusers transformer. The loop only ever calls:
+
+* ``load(pretrained, mode=..., ...)``   the transformer, trainable (full, or frozen base + PEFT LoRA);
+* ``blocks(transformer)``              the repeated blocks (FSDP2 units, activation checkpointing, compile);
+* ``check_batch(transformer, batch)``  a clear error when cached tensors do not fit the model;
+* ``seq_len(latents)``                 transformer tokens per sample (resolution-dependent shift);
+* ``forward(model, noisy, sigmas, batch, cfg)``  the velocity prediction, shaped like ``noisy``;
+* ``export(transformer, mode=..., pretrained=..., export_dir=...)``  the Diffusers artefact;
+* ``validation_images(pipe, ...)``     sample the assembled pipeline for the validation grid.
+
+A new family (SD3, HunyuanVideo, LTX...) is one module with a subclass and one line in
+``trainer.adapters.ADAPTERS``; the loop does not change.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+# Files that mark a folder as an earlier export (safe to replace).
+EXPORT_MARKERS = ("model_index.json", "pytorch_lora_weights.safetensors")
+DEFAULT_LORA_TARGETS = ("to_k", "to_q", "to_v", "to_out.0")
+
+
+def load_transformer(
+    transformer_cls: type,
+    pretrained: str,
+    *,
+    mode: str = "full",
+    device: torch.device | str = "cpu",
+    lora_rank: int = 16,
+    lora_alpha: float = 16.0,
+    lora_target_modules: list[str] | None = None,
+    base_dtype: torch.dtype | None = None,
+) -> nn.Module:
+    """``transformer_cls.from_pretrained(pretrained, subfolder="transformer")``, made trainable.
+
+    ``full``: every parameter trains, in float32. ``lora``: the base is frozen (``base_dtype``; default
+    bfloat16 on CUDA, float32 on CPU) and a PEFT LoRA adapter (float32) is added with ``add_adapter``.
+    """
+    device = torch.device(device)
+    if base_dtype is None:
+        base_dtype = torch.bfloat16 if (mode == "lora" and device.type == "cuda") else torch.float32
+    if mode == "full":
+        base_dtype = torch.float32
+    elif mode != "lora":
+        raise ValueError(f"unknown trainer mode {mode!r}")
+    # torch_dtype only when not the default (diffusers 0.42 deprecates the name, older releases lack `dtype`)
+    extra = {"torch_dtype": base_dtype} if base_dtype != torch.float32 else {}
+    transformer = transformer_cls.from_pretrained(pretrained, subfolder="transformer", **extra)
+    if mode == "lora":
+        from peft import LoraConfig
+
+        transformer.requires_grad_(False)
+        transformer.add_adapter(
+            LoraConfig(
+                r=lora_rank,
+                lora_alpha=lora_alpha,
+                init_lora_weights="gaussian",
+                target_modules=list(lora_target_modules or DEFAULT_LORA_TARGETS),
+            )
+        )
+        for param in transformer.parameters():
+            if param.requires_grad:
+                param.data = param.data.float()  # trainable weights stay float32 even on a bf16 base
+    else:
+        transformer.requires_grad_(True)
+    return transformer.to(device).train()
+
+
+def _replace_export(tmp: Path, export_dir: Path) -> Path:
+    if export_dir.exists():
+        if not any((export_dir / marker).exists() for marker in EXPORT_MARKERS):
+            raise FileExistsError(f"{export_dir} exists and is not a previous export; refusing to replace it")
+        shutil.rmtree(export_dir)
+    os.replace(tmp, export_dir)
+    return export_dir
+
+
+def export_pipeline(
+    pipeline_cls: type, transformer: nn.Module, *, mode: str, pretrained: str, export_dir: str | Path
+) -> Path:
+    """Write a Diffusers artefact: full -> a complete pipeline folder; lora -> a LoRA weights folder.
+
+    The full export is ``pipeline_cls.from_pretrained(pretrained, transformer=transformer).save_pretrained``
+    and loads with ``DiffusionPipeline.from_pretrained(export_dir)``; the LoRA export is
+    ``pipeline_cls.save_lora_weights`` and loads with ``pipeline_cls.from_pretrained(pretrained)
+    .load_lora_weights(export_dir)``. Written to ``<export_dir>.tmp`` and renamed.
+    """
+    export_dir = Path(export_dir)
+    tmp = export_dir.with_name(export_dir.name + ".tmp")
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    if mode == "full":
+        pipe = pipeline_cls.from_pretrained(pretrained, transformer=transformer)
+        pipe.save_pretrained(tmp)
+    elif mode == "lora":
+        from peft.utils import get_peft_model_state_dict
+
+        pipeline_cls.save_lora_weights(
+            tmp,
+            transformer_lora_layers=get_peft_model_state_dict(transformer),
+            transformer_lora_adapter_metadata=transformer.peft_config["default"].to_dict(),
+        )
+    else:
+        raise ValueError(f"unknown trainer mode {mode!r}")
+    return _replace_export(tmp, export_dir)
+
+
+class ModelAdapter:
+    """Base of the per-family adapters; subclasses set the class names and implement the model-specific parts."""
+
+    family: str = ""
+    transformer_class: str = ""  # diffusers class names, imported on use
+    pipeline_class: str = ""
+    text_keys: tuple[str, ...] = ("prompt_embeds",)  # tensors of k.text.safetensors the forward needs
+    latent_ndim: int = 3  # of one sample: 3 = image [C, H, W], 4 = video [C, F, H, W]
+
+    @staticmethod
+    def _diffusers(name: str) -> type:
+        import diffusers
+
+        return getattr(diffusers, name)
+
+    def load(self, pretrained: str, **kwargs: Any) -> nn.Module:
+        """The trainable transformer of ``pretrained`` (see ``load_transformer`` for the keyword arguments)."""
+        return load_transformer(self._diffusers(self.transformer_class), pretrained, **kwargs)
+
+    def blocks(self, transformer: nn.Module) -> list[nn.Module]:
+        """The repeated transformer blocks, in forward order."""
+        raise NotImplementedError
+
+    def check_batch(self, transformer: nn.Module, batch: dict[str, Any]) -> None:
+        """Raise ``ValueError`` naming what differs when cached tensors do not fit the transformer."""
+        raise NotImplementedError
+
+    def seq_len(self, latents: torch.Tensor) -> int:
+        """Transformer tokens of one sample of ``latents`` [B, ...]."""
+        raise NotImplementedError
+
+    def forward(
+        self, model: nn.Module, noisy: torch.Tensor, sigmas_B: torch.Tensor, batch: dict[str, Any], cfg: Any
+    ) -> torch.Tensor:
+        """Velocity prediction for ``noisy`` at noise levels ``sigmas_B``, shaped like ``noisy``."""
+        raise NotImplementedError
+
+    def export(self, transformer: nn.Module, *, mode: str, pretrained: str, export_dir: str | Path) -> Path:
+        """The Diffusers artefact of the trained transformer (see ``export_pipeline``)."""
+        return export_pipeline(
+            self._diffusers(self.pipeline_class),
+            transformer,
+            mode=mode,
+            pretrained=pretrained,
+            export_dir=export_dir,
+        )
+
+    def validation_images(
+        self,
+        pipe: Any,
+        prompts: list[str],
+        *,
+        size: list[int],
+        steps: int,
+        generator: torch.Generator,
+        max_sequence_length: int,
+        guidance_scale: float,
+    ) -> list[list[Any]]:
+        """Sample ``pipe`` once per prompt; one row of PIL images per prompt (frames of a video, or 1 image)."""
+        raise NotImplementedError

@@ -1,0 +1,21 @@
+"""The model families the trainer knows, by the ``family`` name of the cache manifest.
+
+Adding a family (SD3, HunyuanVideo, LTX...) is one module with a ``trainer.adapter.ModelAdapter`` subclass
+and one line here; the training loop does not change.
+"""
+
+from __future__ import annotations
+
+from trainer.adapter import ModelAdapter
+from trainer.flux import FluxAdapter
+from trainer.wan import WanAdapter
+
+ADAPTERS: dict[str, type[ModelAdapter]] = {"flux": FluxAdapter, "wan": WanAdapter}
+
+
+def get_adapter(family: str) -> ModelAdapter:
+    """The adapter of ``family`` (``flux`` | ``wan``); ``ValueError`` lists the known families otherwise."""
+    try:
+        return ADAPTERS[family]()
+    except KeyError:
+        raise ValueError(f"unknown model family {family!r}; known: {', '.join(sorted(ADAPTERS))}") from None
