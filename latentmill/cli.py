@@ -4,7 +4,7 @@
     latentmill train CONFIG [key.path=value ...] [--nproc N] [--summary-json PATH]
     latentmill run CONFIG [key.path=value ...] [--nproc N] [--summary-json PATH]
     latentmill demo [key.path=value ...] [--summary-json PATH]
-    latentmill inspect PATH        (an output_dir or one stage folder)
+    latentmill inspect PATH        (a recipe with its defaults, an output_dir, a snapshot or a stage)
     latentmill verify PATH         (re-hash shards against their manifests; exit 1 on any mismatch)
 """
 
@@ -33,10 +33,10 @@ def _parser() -> argparse.ArgumentParser:
         p.add_argument("--summary-json", type=Path, help="write the run summary here as JSON")
         if name in ("train", "run"):
             p.add_argument("--nproc", type=int, default=1, help="processes (launches torchrun when > 1)")
-    for name, text in [("inspect", "show manifests, counts, buckets and quarantine reasons"),
+    for name, text in [("inspect", "show a recipe with its defaults, or a snapshot's or stages' report"),
                        ("verify", "re-hash shards against their manifests")]:
         p = sub.add_parser(name, help=text)
-        p.add_argument("path", type=Path, help="an output_dir or a stage folder holding manifest.json")
+        p.add_argument("path", type=Path, help="a recipe (.yaml), an output_dir, a snapshot or stage folder")
     return parser
 
 

@@ -32,8 +32,20 @@ def _print_snapshot(folder: Path, manifest: dict) -> None:
             print(f"  quarantined at {stage}: {count} × {reason}")
 
 
+def inspect_recipe(path: Path) -> int:
+    """Print a recipe with every default filled in, as the run would see it."""
+    import yaml
+
+    from latentmill.recipe import load_recipe
+
+    print(yaml.safe_dump(load_recipe(path).to_dict(), sort_keys=False, default_flow_style=False), end="")
+    return 0
+
+
 def inspect_path(path: Path) -> int:
-    """Print a snapshot's report, or each stage's counts, buckets, models and quarantine reasons."""
+    """Print a recipe, a snapshot's report, or each stage's counts, buckets, models and quarantine reasons."""
+    if path.is_file() and path.suffix in (".yaml", ".yml"):
+        return inspect_recipe(path)
     if (path / "manifest.json").is_file() and "snapshot" in json.loads((path / "manifest.json").read_text()):
         _print_snapshot(path, json.loads((path / "manifest.json").read_text()))
         return 0

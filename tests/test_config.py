@@ -52,3 +52,16 @@ def test_missing_required_key():
         recipe_from_dict({"output_dir": "x"})
     with pytest.raises(ConfigError, match="unknown key colour"):
         recipe_from_dict({"output_dir": "x", "model": {"pretrained": "p"}, "colour": 1})
+
+
+def test_inspect_prints_the_full_recipe_which_loads_back(capsys):
+    import yaml
+
+    from latentmill.cli import main
+
+    assert main(["inspect", str(DEMO_CONFIG)]) == 0
+    printed = yaml.safe_load(capsys.readouterr().out)
+    full = load_recipe(DEMO_CONFIG)
+    assert printed == full.to_dict()
+    assert recipe_from_dict(printed).to_dict() == full.to_dict()
+    assert printed["trainer"]["max_steps"] == 200 and "lora_rank" in printed["trainer"]
