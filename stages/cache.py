@@ -76,10 +76,16 @@ class CacheConfig:
             raise ConfigError(f"cache.threads: must be >= 0 (0 = all cores), got {self.threads}")
 
 
-def _device(cfg: CacheConfig) -> torch.device:
-    if cfg.device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(cfg.device)
+def pick_gpu(unit_id: str, gpus: int) -> int:
+    """The GPU a unit runs on: units spread evenly over the GPUs by their (random-looking) ids."""
+    return int(unit_id[:8], 16) % gpus
+
+
+def _device(cfg: CacheConfig, unit_id: str = "0") -> torch.device:
+    """CPU, or one of the GPUs: each GPU holds its own copy of the encoders, units are spread over them."""
+    if cfg.device == "cpu" or (cfg.device == "auto" and not torch.cuda.is_available()):
+        return torch.device("cpu")
+    return torch.device("cuda", pick_gpu(unit_id, torch.cuda.device_count()))
 
 
 def _pin_threads(cfg: CacheConfig) -> None:
@@ -353,7 +359,7 @@ def process(cfg: CacheConfig, model: ModelConfig, unit: WorkUnit, out: UnitOutpu
         need_vae = [i for i in keep if keys[i][0] not in old_vae]
         need_text = sorted({keys[i][1]: i for i in keep if keys[i][1] not in old_text}.values())
         if (need_vae or need_text) and encoders is None:
-            encoders = get_encoders(model, plan_.family, _device(cfg))
+            encoders = get_encoders(model, plan_.family, _device(cfg, unit.unit_id))
             _pin_threads(cfg)
         vae_bytes: dict[str, bytes] = {}
         if need_vae:

@@ -87,6 +87,8 @@ class FluxEncoders(_Encoders):
         self.text_encoder_2 = self._load(T5EncoderModel, "text_encoder_2")
         self.tokenizer = self._tokenizer("text_encoder")
         self.tokenizer_2 = self._tokenizer("text_encoder_2")
+        if device.type == "cuda":
+            self.vae.enable_slicing()  # one image at a time through the decoder-side buffers: bounded memory
         self.scaling_factor = float(self.vae.config.scaling_factor)
         self.shift_factor = float(self.vae.config.shift_factor or 0.0)
 

@@ -234,3 +234,14 @@ def test_verify_catches_a_flipped_byte(cached, tmp_path, capsys):
     victim.write_bytes(bytes(data))
     assert verify_path(copy) == 1
     assert f"MISMATCH {victim}" in capsys.readouterr().out
+
+
+def test_units_spread_evenly_over_gpus():
+    from collections import Counter
+
+    from stages.cache import pick_gpu
+    from stages.shardio import stable_hash
+
+    counts = Counter(pick_gpu(stable_hash(i), 4) for i in range(4000))
+    assert set(counts) == {0, 1, 2, 3} and min(counts.values()) > 900
+    assert pick_gpu("00000007ab", 4) == 3
