@@ -68,6 +68,7 @@ class Figure:
     baseline_reps: list[float] = field(default_factory=list)
     inputs: dict[str, Any] = field(default_factory=dict)  # sizes, counts, model configs: how to reproduce
     notes: str = ""
+    details: dict[str, Any] = field(default_factory=dict)  # secondary measurements (CPU-time ratio, breakdowns)
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -83,7 +84,8 @@ def check_goal(ratio: float, goal: str | None) -> bool | None:
 
 
 def figure(name: str, ours: list[float], baseline: list[float], unit: str, goal: str | None,
-           inputs: dict[str, Any], notes: str = "", ratios: list[float] | None = None) -> Figure:
+           inputs: dict[str, Any], notes: str = "", ratios: list[float] | None = None,
+           details: dict[str, Any] | None = None) -> Figure:
     """Build a Figure from per-repetition values; ratio = median of the per-repetition ours/baseline."""
     ratios = ratios if ratios is not None else [o / b for o, b in zip(ours, baseline)]
     ratio = statistics.median(ratios)
@@ -102,6 +104,7 @@ def figure(name: str, ours: list[float], baseline: list[float], unit: str, goal:
         baseline_reps=[_round(v) for v in baseline],
         inputs=inputs,
         notes=notes,
+        details=details or {},
     )
 
 
@@ -122,6 +125,17 @@ def interleave(reps: int, ours: Callable[[int], float], baseline: Callable[[int]
             (ours_v if who == "ours" else base_v).append(value)
             log(f"{label} rep {rep + 1}/{reps} {who}: {value:.4g}")
     return ours_v, base_v
+
+
+def timed(fn: Callable[[], Any]) -> tuple[float, float, Any]:
+    """(wall seconds, CPU seconds of this process, result) of ``fn()``."""
+    wall, cpu = time.perf_counter(), time.process_time()
+    result = fn()
+    return time.perf_counter() - wall, time.process_time() - cpu, result
+
+
+def median(values: list[float]) -> float:
+    return _round(statistics.median(values))
 
 
 def log(msg: str) -> None:

@@ -1,7 +1,8 @@
 """The ``latentmill`` command: demo, prep, train, run, inspect, verify.
 
     latentmill prep CONFIG [key.path=value ...] [--summary-json PATH]
-    latentmill train CONFIG [key.path=value ...] [--nproc N] [--summary-json PATH]
+    latentmill train CONFIG [key.path=value ...] [--nproc N] [--nnodes M --rdzv-endpoint HOST:PORT]
+                     [--summary-json PATH]
     latentmill run CONFIG [key.path=value ...] [--nproc N] [--summary-json PATH]
     latentmill demo [key.path=value ...] [--summary-json PATH]
     latentmill inspect PATH        (a recipe with its defaults, an output_dir, a snapshot or a stage)
@@ -32,7 +33,10 @@ def _parser() -> argparse.ArgumentParser:
         p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. trainer.max_steps=200")
         p.add_argument("--summary-json", type=Path, help="write the run summary here as JSON")
         if name in ("train", "run"):
-            p.add_argument("--nproc", type=int, default=1, help="processes (launches torchrun when > 1)")
+            p.add_argument("--nproc", type=int, default=1, help="processes on this node (torchrun when > 1)")
+        if name == "train":
+            p.add_argument("--nnodes", type=int, default=1, help="nodes (each runs this same command)")
+            p.add_argument("--rdzv-endpoint", help="HOST:PORT of the first node, for --nnodes > 1")
     for name, text in [("inspect", "show a recipe with its defaults, or a snapshot's or stages' report"),
                        ("verify", "re-hash shards against their manifests")]:
         p = sub.add_parser(name, help=text)
@@ -54,7 +58,9 @@ def _print_summary(summary: dict[str, Any], recipe_output: str | None) -> None:
     if snapshot:
         print(f"snapshot: {snapshot['name']} ({'new' if snapshot['new'] else 'unchanged'}) at {snapshot['path']}")
     train = summary.get("train")
-    if train:
+    if train and train.get("steps") is None:
+        print(f"train: {train.get('note', 'no summary on this node')}")
+    elif train:
         print(f"train: {train['steps']} steps, final loss {train['final_loss']:.4f}, "
               f"{train['samples_per_s']:.1f} samples/s, data wait {100 * train['data_wait_fraction']:.1f}%, "
               f"peak RSS {train['peak_rss_mb']:.0f} MB")
@@ -78,7 +84,8 @@ def _sample_image(export_dir: Path, path: Path) -> Path:
     return path
 
 
-def _run_flow(command: str, config: Path, overrides: list[str], nproc: int) -> tuple[dict, str]:
+def _run_flow(command: str, config: Path, overrides: list[str], nproc: int, nnodes: int = 1,
+              rdzv_endpoint: str | None = None) -> tuple[dict, str]:
     from latentmill.recipe import load_recipe
 
     recipe = load_recipe(config, overrides)  # validate before Prefect starts anything
@@ -87,7 +94,7 @@ def _run_flow(command: str, config: Path, overrides: list[str], nproc: int) -> t
     if command == "prep":
         summary = prep(str(config), overrides)
     elif command == "train":
-        summary = train(str(config), overrides, nproc)
+        summary = train(str(config), overrides, nproc, nnodes, rdzv_endpoint)
     else:
         summary = prep_then_train(str(config), overrides, nproc)
     return summary, recipe.output_dir
@@ -125,7 +132,8 @@ def main(argv: list[str] | None = None) -> int:
             if export:
                 summary["sample"] = str(_sample_image(Path(export), Path(out) / "sample.png"))
         else:
-            summary, out = _run_flow(args.command, args.config, args.overrides, getattr(args, "nproc", 1))
+            summary, out = _run_flow(args.command, args.config, args.overrides, getattr(args, "nproc", 1),
+                                     getattr(args, "nnodes", 1), getattr(args, "rdzv_endpoint", None))
     except (ConfigError, CacheMismatchError, FileNotFoundError) as err:
         print(f"latentmill: error: {err}", file=sys.stderr)
         return 2

@@ -144,6 +144,9 @@ def check_cache_compatible(manifest: dict[str, Any], model: ModelConfig) -> None
     recorded = manifest.get("models") or {}
     expected = cached_model_fingerprints(model, tuple(recorded) or CACHED_COMPONENTS)
     problems = []
+    family = manifest.get("family", "flux")
+    if model.family != "auto" and model.family != family:
+        problems.append(f"family: cache holds {family!r} latents, recipe's model.family is {model.family!r}")
     for name, fp in expected.items():
         have = (recorded.get(name) or {}).get("fingerprint")
         if have != fp:

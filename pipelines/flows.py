@@ -28,45 +28,67 @@ def train_task(recipe_data: dict) -> dict[str, Any]:
     return train_recipe(recipe_from_dict(recipe_data))
 
 
+@dataclasses.dataclass(frozen=True)
+class Launch:
+    """How many training processes, and on how many nodes (torchrun's c10d rendezvous when > 1)."""
+
+    nproc: int = 1  # processes on this node
+    nnodes: int = 1
+    rdzv_endpoint: str | None = None  # host:port of the rendezvous (the first node), needed when nnodes > 1
+    rdzv_id: str = "latentmill"
+
+    def torchrun_args(self) -> list[str]:
+        if self.nnodes == 1:
+            return ["--standalone", f"--nproc-per-node={self.nproc}"]
+        return [f"--nnodes={self.nnodes}", f"--nproc-per-node={self.nproc}", "--rdzv-backend=c10d",
+                f"--rdzv-endpoint={self.rdzv_endpoint}", f"--rdzv-id={self.rdzv_id}"]
+
+
 @task(name="train-torchrun", cache_policy=NONE)
-def torchrun_task(recipe_data: dict, nproc: int) -> dict[str, Any]:
-    """Train with ``nproc`` processes started by torchrun on this node; return rank 0's summary."""
+def torchrun_task(recipe_data: dict, launch: Launch) -> dict[str, Any]:
+    """Train with the processes torchrun starts on this node; return the summary (rank 0's node only)."""
     recipe = recipe_from_dict(recipe_data)
     recipe.train_dir.mkdir(parents=True, exist_ok=True)
     recipe_json, summary_json = recipe.train_dir / "launch-recipe.json", recipe.train_dir / "launch-summary.json"
     recipe_json.write_text(json.dumps(recipe_data))
     summary_json.unlink(missing_ok=True)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+    cmd = [sys.executable, "-m", "torch.distributed.run", *launch.torchrun_args(),
            "-m", "pipelines.launch", str(recipe_json), str(summary_json)]
     done = subprocess.run(cmd)
     if done.returncode != 0:
         raise RuntimeError(f"torchrun exited with status {done.returncode}; see the rank logs above")
+    if not summary_json.is_file():  # another node holds global rank 0
+        return {"steps": None, "note": "the summary is written on the node that holds global rank 0"}
     return json.loads(summary_json.read_text())
 
 
-def check_nproc(recipe: Recipe, nproc: int) -> None:
-    """Fail before any work when the process count does not fit the recipe's parallel strategy."""
-    if nproc < 1:
-        raise ConfigError(f"--nproc: must be >= 1, got {nproc}")
-    if nproc > 1 and recipe.parallel.strategy == "none":
-        raise ConfigError(f"--nproc {nproc} needs parallel.strategy: 'ddp' (allowed with --nproc > 1: 'ddp'); "
-                          "add parallel.strategy=ddp")
+def check_launch(recipe: Recipe, launch: Launch) -> None:
+    """Fail before any work when the process layout does not fit the recipe's parallel strategy."""
+    if launch.nproc < 1 or launch.nnodes < 1:
+        raise ConfigError(f"--nproc and --nnodes: must be >= 1, got {launch.nproc} and {launch.nnodes}")
+    world = launch.nproc * launch.nnodes
+    if world > 1 and recipe.parallel.strategy == "none":
+        raise ConfigError(f"{world} processes need parallel.strategy 'ddp' or 'fsdp2' (allowed with more than "
+                          "one process: 'ddp', 'fsdp2'); add parallel.strategy=ddp or parallel.strategy=fsdp2")
+    if launch.nnodes > 1 and not launch.rdzv_endpoint:
+        raise ConfigError("--nnodes > 1 needs --rdzv-endpoint HOST:PORT (the first node's address)")
 
 
-def run_train(recipe: Recipe, nproc: int = 1) -> dict[str, Any]:
-    """Train from the cache stage's manifest, in this process or under torchrun."""
-    check_nproc(recipe, nproc)
+def run_train(recipe: Recipe, launch: Launch = Launch()) -> dict[str, Any]:
+    """Train on the recipe's snapshot, in this process or under torchrun."""
+    check_launch(recipe, launch)
     resolve_snapshot(recipe.output_dir, recipe.snapshot)  # clear error if prep has not run
-    if nproc == 1:
+    if launch.nproc * launch.nnodes == 1:
         return train_task(recipe.to_dict())
-    return torchrun_task(recipe.to_dict(), nproc)
+    return torchrun_task(recipe.to_dict(), launch)
 
 
 @flow(name="train")
-def train(config: str = "configs/demo.yaml", overrides: list[str] | None = None, nproc: int = 1) -> dict[str, Any]:
-    """Train on a prepared latent cache: ``{"train": {...}}``."""
+def train(config: str = "configs/demo.yaml", overrides: list[str] | None = None, nproc: int = 1,
+          nnodes: int = 1, rdzv_endpoint: str | None = None) -> dict[str, Any]:
+    """Train on a prepared dataset snapshot: ``{"train": {...}}``."""
     recipe = load_recipe(config, overrides)
-    return {"train": run_train(recipe, nproc)}
+    return {"train": run_train(recipe, Launch(nproc, nnodes, rdzv_endpoint))}
 
 
 @flow(name="prep-then-train")
@@ -74,9 +96,9 @@ def prep_then_train(config: str = "configs/demo.yaml", overrides: list[str] | No
                     nproc: int = 1) -> dict[str, Any]:
     """Prepare the latent cache, then train on its snapshot: ``{"stages", "snapshot", "train"}``."""
     recipe = load_recipe(config, overrides)
-    check_nproc(recipe, nproc)
+    check_launch(recipe, Launch(nproc))
     prepared = run_prep(recipe)
-    return {**prepared, "train": run_train(recipe, nproc)}
+    return {**prepared, "train": run_train(recipe, Launch(nproc))}
 
 
 @flow(name="refresh")
@@ -84,11 +106,12 @@ def refresh(config: str = "configs/demo.yaml", overrides: list[str] | None = Non
             nproc: int = 1) -> dict[str, Any]:
     """Prep incrementally (only new or changed inputs cost work); train on the snapshot if it is new."""
     recipe = load_recipe(config, overrides)
-    check_nproc(recipe, nproc)
+    check_launch(recipe, Launch(nproc))
     prepared = run_prep(recipe)
     result = dict(prepared)
     if train and prepared["snapshot"]["new"]:
-        result["train"] = run_train(dataclasses.replace(recipe, snapshot=prepared["snapshot"]["name"]), nproc)
+        snapshot = dataclasses.replace(recipe, snapshot=prepared["snapshot"]["name"])
+        result["train"] = run_train(snapshot, Launch(nproc))
     return result
 
 

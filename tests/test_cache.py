@@ -245,3 +245,10 @@ def test_units_spread_evenly_over_gpus():
     counts = Counter(pick_gpu(stable_hash(i), 4) for i in range(4000))
     assert set(counts) == {0, 1, 2, 3} and min(counts.values()) > 900
     assert pick_gpu("00000007ab", 4) == 3
+
+
+def test_family_mismatch_is_refused(cached):
+    model, _, _, manifest, _ = cached
+    wrong = ModelConfig(pretrained=model.pretrained, family="wan")
+    with pytest.raises(CacheMismatchError, match="family: cache holds 'flux' latents, recipe's model.family is 'wan'"):
+        check_cache_compatible(manifest, wrong)

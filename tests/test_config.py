@@ -65,3 +65,18 @@ def test_inspect_prints_the_full_recipe_which_loads_back(capsys):
     assert printed == full.to_dict()
     assert recipe_from_dict(printed).to_dict() == full.to_dict()
     assert printed["trainer"]["max_steps"] == 200 and "lora_rank" in printed["trainer"]
+
+
+def test_launch_layouts_and_their_errors():
+    from pipelines.flows import Launch, check_launch
+
+    recipe = load_recipe(DEMO_CONFIG, ["parallel.strategy=fsdp2"])
+    assert Launch(4).torchrun_args() == ["--standalone", "--nproc-per-node=4"]
+    multi = Launch(8, nnodes=2, rdzv_endpoint="node0:29500")
+    assert multi.torchrun_args() == ["--nnodes=2", "--nproc-per-node=8", "--rdzv-backend=c10d",
+                                     "--rdzv-endpoint=node0:29500", "--rdzv-id=latentmill"]
+    check_launch(recipe, multi)
+    with pytest.raises(ConfigError, match="--nnodes > 1 needs --rdzv-endpoint"):
+        check_launch(recipe, Launch(8, nnodes=2))
+    with pytest.raises(ConfigError, match="16 processes need parallel.strategy 'ddp' or 'fsdp2'"):
+        check_launch(load_recipe(DEMO_CONFIG), Launch(8, nnodes=2, rdzv_endpoint="h:1"))

@@ -104,7 +104,7 @@ def test_nproc_without_ddp_fails_before_training(demo_run, capsys):
     out, _, args = demo_run
     before = (out / "train" / "metrics.jsonl").read_text()
     assert main(["train", *args[1:5], "--nproc", "2"]) == 2
-    assert "--nproc 2 needs parallel.strategy: 'ddp'" in capsys.readouterr().err
+    assert "2 processes need parallel.strategy 'ddp' or 'fsdp2'" in capsys.readouterr().err
     assert (out / "train" / "metrics.jsonl").read_text() == before
 
 

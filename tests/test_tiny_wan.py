@@ -21,8 +21,8 @@ def _hashes(folder: Path, pattern: str = "*.safetensors") -> dict[str, str]:
 
 
 @pytest.fixture(scope="module")
-def wan_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return build_tiny_wan(tmp_path_factory.mktemp("tiny") / "wan", seed=0)
+def wan_dir(tiny_wan: Path) -> Path:
+    return tiny_wan  # the session's tiny Wan pipeline (tests/conftest.py), seed 0
 
 
 @pytest.fixture(scope="module")

@@ -66,7 +66,7 @@ def _torchrun(root: Path, jobs: list[dict]) -> list[list[dict]]:
 
 @pytest.fixture(scope="module")
 def runs(setup, tiny_flux, tmp_path_factory):
-    """One launch: FSDP2 full (a), its resume from step 4 (b), HSDP 2x1 LoRA with validation (c)."""
+    """One launch: FSDP2 full (a), its resume from step 4 (b), HSDP 2x1 LoRA, accumulating, validating (c)."""
     out = tmp_path_factory.mktemp("fsdp-runs")
     fsdp, hsdp = {"strategy": "fsdp2"}, {"strategy": "fsdp2", "hsdp_replicate": 2}
     step4 = out / "a" / "checkpoints" / "step-000004"
@@ -82,6 +82,7 @@ def runs(setup, tiny_flux, tmp_path_factory):
             max_steps=4,
             learning_rate=1e-2,
             export=True,
+            grad_accum_steps=2,
             validate_every=4,
             validation_prompts=["a red square"],
             validation_steps=1,
@@ -131,6 +132,9 @@ def test_hsdp_lora_trains_and_exports(runs, tiny_flux):
     tmp_path, summaries = runs
     rank0, rank1 = summaries["c"]  # 2 replicas x 1 shard
     assert rank0["steps"] == rank1["steps"] == 4 and rank0["final_loss"] == rank1["final_loss"]
+    assert (
+        rank0["epochs"] == rank1["epochs"] == 4.0
+    )  # 4 steps x 2 micro-batches, 2 batches per rank and epoch
     (_, step4), = list_checkpoints(tmp_path / "c" / "checkpoints")[-1:]  # fmt: skip
     # validation with a sharded transformer: every rank samples (collective forward), rank 0 saves the grid
     assert [Path(p).name for p in rank0["validation"]] == ["step-000004.png"] and rank1["validation"] == []

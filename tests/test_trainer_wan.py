@@ -134,13 +134,6 @@ def test_flux_cache_on_a_wan_model_is_refused(setup, tmp_path):
 
 
 @pytest.fixture(scope="module")
-def tiny_wan(tmp_path_factory):
-    from latentmill.tiny_wan import build_tiny_wan
-
-    return build_tiny_wan(tmp_path_factory.mktemp("models") / "tiny-wan")
-
-
-@pytest.fixture(scope="module")
 def export_cache(tmp_path_factory):
     """Video latents for 32x48 px, 9 frames: [16, 3, 4, 6]; trimmed UMT5 embeds padded to 16 tokens."""
     root = tmp_path_factory.mktemp("wan-export-cache")

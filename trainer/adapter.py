@@ -124,14 +124,15 @@ class ModelAdapter:
     latent_ndim: int = 3  # of one sample: 3 = image [C, H, W], 4 = video [C, F, H, W]
 
     @staticmethod
-    def _diffusers(name: str) -> type:
+    def diffusers_class(name: str) -> type:
+        """A class of the ``diffusers`` package by name (imported on use)."""
         import diffusers
 
         return getattr(diffusers, name)
 
     def load(self, pretrained: str, **kwargs: Any) -> nn.Module:
         """The trainable transformer of ``pretrained`` (see ``load_transformer`` for the keyword arguments)."""
-        return load_transformer(self._diffusers(self.transformer_class), pretrained, **kwargs)
+        return load_transformer(self.diffusers_class(self.transformer_class), pretrained, **kwargs)
 
     def blocks(self, transformer: nn.Module) -> list[nn.Module]:
         """The repeated transformer blocks, in forward order."""
@@ -154,7 +155,7 @@ class ModelAdapter:
     def export(self, transformer: nn.Module, *, mode: str, pretrained: str, export_dir: str | Path) -> Path:
         """The Diffusers artefact of the trained transformer (see ``export_pipeline``)."""
         return export_pipeline(
-            self._diffusers(self.pipeline_class),
+            self.diffusers_class(self.pipeline_class),
             transformer,
             mode=mode,
             pretrained=pretrained,

@@ -26,6 +26,7 @@ import logging
 import os
 import re
 import shutil
+import warnings
 from pathlib import Path
 from typing import Any, Callable
 
@@ -218,7 +219,9 @@ def _load_dcp(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer, sc
     model_sd, optim_sd = _dcp_state_dicts(model, optimizer)
     state = {"model": model_sd, "optimizer": optim_sd}
     try:
-        dcp.load(state, checkpoint_id=path / DCP_DIR)
+        with warnings.catch_warnings():  # loading shards in one process (strategy none) is intended
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            dcp.load(state, checkpoint_id=path / DCP_DIR)
     except Exception as err:  # DCP names the missing keys deep inside a CheckpointException
         raise ValueError(
             f"{path}: the sharded checkpoint does not match the model's trainable parameters or optimizer "

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import os
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -153,6 +154,9 @@ def apply_fsdp2(
     """``fully_shard`` each block, then the root, on the mesh; bf16 mixed precision on CUDA."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+    # Flux blocks return views (splits of one tensor); the adapters never modify a model output in place,
+    # which is the case this warning is about, so it is noise here.
+    warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module \(.*\) returned a view tensor")
     mesh = build_mesh(parallel, ctx)
     kwargs = {"mesh": mesh}
     if ctx.device.type == "cuda" and parallel.mixed_precision:

@@ -52,13 +52,6 @@ def derive_seed(seed: int, purpose: str) -> int:
     return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
 
 
-def warmup_lambda(warmup_steps: int) -> Callable[[int], float]:
-    """LR multiplier: linear from 1/warmup_steps to 1 over the first ``warmup_steps`` steps, then 1."""
-    if warmup_steps <= 0:
-        return lambda step: 1.0
-    return lambda step: min(1.0, (step + 1) / warmup_steps)
-
-
 def lr_lambda(
     warmup_steps: int, max_steps: int, schedule: str = "constant", min_lr_ratio: float = 0.0
 ) -> Callable[[int], float]:

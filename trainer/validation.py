@@ -54,7 +54,7 @@ def run_validation(
 
     Returns the PNG path on the main rank (None elsewhere).
     """
-    pipeline_cls = adapter._diffusers(adapter.pipeline_class)
+    pipeline_cls = adapter.diffusers_class(adapter.pipeline_class)
     cuda = device.type == "cuda"
     dtype = torch.bfloat16 if cuda else torch.float32
     # torch_dtype only when not the default (diffusers 0.42 deprecates the name, older releases lack `dtype`)
