@@ -25,12 +25,9 @@ Command line: ``python -m latentmill.tiny OUT_DIR [--seed N] [--recipe PATH] [--
 
 from __future__ import annotations
 
-import argparse
 import math
 import os
-import shutil
 import string
-import tempfile
 from collections import Counter
 from collections.abc import Iterable, Sequence
 from pathlib import Path
@@ -39,11 +36,11 @@ from typing import Any
 import yaml
 
 from latentmill.config import ConfigError
+from latentmill.tinyio import is_complete, save_folder, tiny_cli
 
 DEFAULT_RECIPE_PATH: Path = Path(__file__).resolve().parents[1] / "data" / "tiny-flux.yaml"
 """The recipe shipped with the repository (``data/tiny-flux.yaml``)."""
 
-MODEL_INDEX = "model_index.json"
 
 _COMPONENTS = ("transformer", "vae", "text_encoder", "text_encoder_2", "scheduler")
 _TOKENIZERS = ("tokenizer", "tokenizer_2")
@@ -495,65 +492,6 @@ def _build_pipeline(data: dict[str, Any], seed: int) -> Any:
     )
 
 
-def _is_complete(out_dir: Path) -> bool:
-    return (out_dir / MODEL_INDEX).is_file()
-
-
-def _apply_umask(root: Path) -> None:
-    """Give ``root`` (made by mkdtemp: 0700) and its files (safetensors are written 0600) the usual modes."""
-    umask = os.umask(0)
-    os.umask(umask)
-    root.chmod(0o777 & ~umask)
-    for path in root.rglob("*"):
-        path.chmod((0o777 if path.is_dir() else 0o666) & ~umask)
-
-
-def _publish(tmp: Path, out_dir: Path, replace: bool) -> None:
-    """Rename the finished folder ``tmp`` to ``out_dir`` (same filesystem, so the rename is atomic)."""
-    if out_dir.is_dir() and not any(out_dir.iterdir()):
-        out_dir.rmdir()  # an empty placeholder, e.g. made by mkdir
-    if not out_dir.exists():
-        os.rename(tmp, out_dir)
-        return
-    if not (replace and out_dir.is_dir() and _is_complete(out_dir)):
-        raise FileExistsError(
-            f"{out_dir} exists and is not a pipeline folder (no {MODEL_INDEX}); refusing to replace it"
-        )
-    old = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.old-", dir=out_dir.parent))
-    os.rename(out_dir, old / out_dir.name)
-    try:
-        os.rename(tmp, out_dir)
-    except BaseException:
-        os.rename(old / out_dir.name, out_dir)
-        raise
-    finally:
-        shutil.rmtree(old, ignore_errors=True)
-
-
-def _build(out_dir: Path, recipe: str | os.PathLike[str], seed: int, replace: bool) -> Path:
-    data = load_recipe(recipe)
-    out_dir = Path(out_dir).expanduser().absolute()
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    pipe = _build_pipeline(data, seed)
-    # Hidden sibling: same filesystem as out_dir (atomic rename), and never mistaken for the real folder.
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.partial-", dir=out_dir.parent))
-    try:
-        pipe.save_pretrained(tmp, safe_serialization=True)
-        if not _is_complete(tmp):
-            raise RuntimeError(f"save_pretrained wrote no {MODEL_INDEX} into {tmp}")
-        _apply_umask(tmp)
-        try:
-            _publish(tmp, out_dir, replace)
-        except OSError:
-            if not replace and _is_complete(out_dir):
-                return out_dir  # another process finished the same build first
-            raise
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
-    return out_dir
-
-
 def build_tiny_flux(
     out_dir: str | os.PathLike[str], recipe: str | os.PathLike[str] = DEFAULT_RECIPE_PATH, seed: int = 0
 ) -> Path:
@@ -577,7 +515,8 @@ def build_tiny_flux(
         ConfigError: the recipe is inconsistent (see ``load_recipe``).
         FileExistsError: ``out_dir`` holds something that is not a pipeline folder.
     """
-    return _build(Path(out_dir), recipe, seed, replace=True)
+    pipe = _build_pipeline(load_recipe(recipe), seed)
+    return save_folder(out_dir, lambda tmp: pipe.save_pretrained(tmp, safe_serialization=True), replace=True)
 
 
 def ensure_tiny_flux(
@@ -597,26 +536,16 @@ def ensure_tiny_flux(
         The absolute path of the pipeline folder.
     """
     path = Path(out_dir).expanduser().absolute()
-    if _is_complete(path):
+    if is_complete(path):
         return path
-    return _build(path, recipe, seed, replace=False)
+    pipe = _build_pipeline(load_recipe(recipe), seed)
+    return save_folder(path, lambda tmp: pipe.save_pretrained(tmp, safe_serialization=True), replace=False)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """``python -m latentmill.tiny OUT_DIR [--seed N] [--recipe PATH] [--if-missing]``; prints the folder path."""
-    parser = argparse.ArgumentParser(prog="python -m latentmill.tiny", description=__doc__.splitlines()[0])
-    parser.add_argument("out_dir", type=Path, help="pipeline folder to write")
-    parser.add_argument("--seed", type=int, default=0, help="seed for the random weights (default: 0)")
-    parser.add_argument("--recipe", type=Path, default=DEFAULT_RECIPE_PATH, help="recipe YAML")
-    parser.add_argument("--if-missing", action="store_true", help="keep an existing build (model_index.json)")
-    args = parser.parse_args(argv)
-    build = ensure_tiny_flux if args.if_missing else build_tiny_flux
-    try:
-        path = build(args.out_dir, recipe=args.recipe, seed=args.seed)
-    except (ConfigError, FileExistsError) as err:
-        parser.exit(2, f"error: {err}\n")
-    print(path)
-    return 0
+    return tiny_cli(argv, "python -m latentmill.tiny", __doc__.splitlines()[0], build_tiny_flux,
+                    ensure_tiny_flux, DEFAULT_RECIPE_PATH)
 
 
 if __name__ == "__main__":

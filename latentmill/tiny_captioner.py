@@ -28,11 +28,8 @@ Command line: ``python -m latentmill.tiny_captioner OUT_DIR [--seed N] [--recipe
 
 from __future__ import annotations
 
-import argparse
 import os
 import re
-import shutil
-import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -40,7 +37,7 @@ from typing import Any
 import yaml
 
 from latentmill.config import ConfigError
-from latentmill.tiny import _apply_umask
+from latentmill.tinyio import is_complete, save_folder, tiny_cli
 
 DEFAULT_RECIPE_PATH: Path = Path(__file__).resolve().parents[1] / "data" / "tiny-blip.yaml"
 """The BLIP recipe shipped with the repository (``data/tiny-blip.yaml``)."""
@@ -196,30 +193,6 @@ def _build(data: dict[str, Any], seed: int) -> tuple[Any, Any]:
     return model, processor
 
 
-def _is_complete(path: Path) -> bool:
-    return all((path / name).is_file() for name in _COMPLETE)
-
-
-def _publish(tmp: Path, out_dir: Path, replace: bool) -> None:
-    """Rename the finished folder into place (atomic on one filesystem), replacing an old build if asked."""
-    if out_dir.is_dir() and not any(out_dir.iterdir()):
-        out_dir.rmdir()
-    if not out_dir.exists():
-        os.rename(tmp, out_dir)
-        return
-    if not (replace and out_dir.is_dir() and _is_complete(out_dir)):
-        raise FileExistsError(f"{out_dir} exists and is not a tiny captioner folder; refusing to replace it")
-    old = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.old-", dir=out_dir.parent))
-    os.rename(out_dir, old / out_dir.name)
-    try:
-        os.rename(tmp, out_dir)
-    except BaseException:
-        os.rename(old / out_dir.name, out_dir)
-        raise
-    finally:
-        shutil.rmtree(old, ignore_errors=True)
-
-
 def build_tiny_captioner(out_dir: str | os.PathLike[str], recipe: str | os.PathLike[str] = DEFAULT_RECIPE_PATH,
                     seed: int = 0, replace: bool = True) -> Path:
     """Build the tiny BLIP captioner folder from ``recipe`` into ``out_dir``; return its absolute path.
@@ -228,54 +201,28 @@ def build_tiny_captioner(out_dir: str | os.PathLike[str], recipe: str | os.PathL
         ConfigError: the recipe is inconsistent (see ``load_recipe``).
         FileExistsError: ``out_dir`` holds something that is not a tiny captioner folder.
     """
-    data = load_recipe(recipe)
-    out_dir = Path(out_dir).expanduser().absolute()
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    model, processor = _build(data, seed)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.partial-", dir=out_dir.parent))
-    try:
+    model, processor = _build(load_recipe(recipe), seed)
+
+    def save(tmp: Path) -> None:
         model.save_pretrained(tmp, safe_serialization=True)
         processor.save_pretrained(tmp)
-        if not _is_complete(tmp):
-            raise RuntimeError(f"save_pretrained did not write {', '.join(_COMPLETE)} into {tmp}")
-        _apply_umask(tmp)  # mkdtemp makes 0700, safetensors 0600
-        try:
-            _publish(tmp, out_dir, replace)
-        except OSError:
-            if not replace and _is_complete(out_dir):
-                return out_dir  # another process finished the same build first
-            raise
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
-    return out_dir
+
+    return save_folder(out_dir, save, replace=replace, markers=_COMPLETE)
 
 
 def ensure_tiny_captioner(out_dir: str | os.PathLike[str], recipe: str | os.PathLike[str] = DEFAULT_RECIPE_PATH,
                      seed: int = 0) -> Path:
     """Return ``out_dir``, building the tiny captioner there first only if it is not complete."""
     path = Path(out_dir).expanduser().absolute()
-    if _is_complete(path):
+    if is_complete(path, _COMPLETE):
         return path
     return build_tiny_captioner(path, recipe, seed, replace=False)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """``python -m latentmill.tiny_captioner OUT_DIR [--seed N] [--recipe PATH] [--if-missing]``."""
-    parser = argparse.ArgumentParser(prog="python -m latentmill.tiny_captioner",
-                                     description=__doc__.splitlines()[0])
-    parser.add_argument("out_dir", type=Path, help="model folder to write")
-    parser.add_argument("--seed", type=int, default=0, help="seed for the random weights (default: 0)")
-    parser.add_argument("--recipe", type=Path, default=DEFAULT_RECIPE_PATH, help="recipe YAML")
-    parser.add_argument("--if-missing", action="store_true", help="keep an existing complete build")
-    args = parser.parse_args(argv)
-    build = ensure_tiny_captioner if args.if_missing else build_tiny_captioner
-    try:
-        path = build(args.out_dir, recipe=args.recipe, seed=args.seed)
-    except (ConfigError, FileExistsError) as err:
-        parser.exit(2, f"error: {err}\n")
-    print(path)
-    return 0
+    return tiny_cli(argv, "python -m latentmill.tiny_captioner", __doc__.splitlines()[0],
+                    build_tiny_captioner, ensure_tiny_captioner, DEFAULT_RECIPE_PATH)
 
 
 if __name__ == "__main__":

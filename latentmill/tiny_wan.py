@@ -23,10 +23,7 @@ Command line: ``python -m latentmill.tiny_wan OUT_DIR [--seed N] [--recipe PATH]
 
 from __future__ import annotations
 
-import argparse
 import os
-import shutil
-import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -34,7 +31,8 @@ from typing import Any
 import yaml
 
 from latentmill.config import ConfigError
-from latentmill.tiny import MODEL_INDEX, _apply_umask, _check_keys, _publish, build_t5_tokenizer
+from latentmill.tiny import _check_keys, build_t5_tokenizer
+from latentmill.tinyio import is_complete, save_folder, tiny_cli
 
 DEFAULT_RECIPE_PATH: Path = Path(__file__).resolve().parents[1] / "data" / "tiny-wan.yaml"
 """The recipe shipped with the repository (``data/tiny-wan.yaml``)."""
@@ -173,33 +171,6 @@ def _build_pipeline(data: dict[str, Any], seed: int) -> Any:
     )
 
 
-def _is_complete(out_dir: Path) -> bool:
-    return (out_dir / MODEL_INDEX).is_file()
-
-
-def _build(out_dir: Path, recipe: str | os.PathLike[str], seed: int, replace: bool) -> Path:
-    data = load_recipe(recipe)
-    out_dir = Path(out_dir).expanduser().absolute()
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    pipe = _build_pipeline(data, seed)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.partial-", dir=out_dir.parent))
-    try:
-        pipe.save_pretrained(tmp, safe_serialization=True)
-        if not _is_complete(tmp):
-            raise RuntimeError(f"save_pretrained wrote no {MODEL_INDEX} into {tmp}")
-        _apply_umask(tmp)
-        try:
-            _publish(tmp, out_dir, replace)
-        except OSError:
-            if not replace and _is_complete(out_dir):
-                return out_dir  # another process finished the same build first
-            raise
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
-    return out_dir
-
-
 def build_tiny_wan(
     out_dir: str | os.PathLike[str], recipe: str | os.PathLike[str] = DEFAULT_RECIPE_PATH, seed: int = 0
 ) -> Path:
@@ -213,7 +184,8 @@ def build_tiny_wan(
         The absolute path of the folder, loadable with ``WanPipeline.from_pretrained`` and
         ``diffusers.DiffusionPipeline.from_pretrained``.
     """
-    return _build(Path(out_dir), recipe, seed, replace=True)
+    pipe = _build_pipeline(load_recipe(recipe), seed)
+    return save_folder(out_dir, lambda tmp: pipe.save_pretrained(tmp, safe_serialization=True), replace=True)
 
 
 def ensure_tiny_wan(
@@ -221,28 +193,16 @@ def ensure_tiny_wan(
 ) -> Path:
     """Return ``out_dir``, building the tiny Wan pipeline there first only if ``model_index.json`` is missing."""
     path = Path(out_dir).expanduser().absolute()
-    if _is_complete(path):
+    if is_complete(path):
         return path
-    return _build(path, recipe, seed, replace=False)
+    pipe = _build_pipeline(load_recipe(recipe), seed)
+    return save_folder(path, lambda tmp: pipe.save_pretrained(tmp, safe_serialization=True), replace=False)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """``python -m latentmill.tiny_wan OUT_DIR [--seed N] [--recipe PATH] [--if-missing]``; prints the path."""
-    parser = argparse.ArgumentParser(
-        prog="python -m latentmill.tiny_wan", description=__doc__.splitlines()[0]
-    )
-    parser.add_argument("out_dir", type=Path, help="pipeline folder to write")
-    parser.add_argument("--seed", type=int, default=0, help="seed for the random weights (default: 0)")
-    parser.add_argument("--recipe", type=Path, default=DEFAULT_RECIPE_PATH, help="recipe YAML")
-    parser.add_argument("--if-missing", action="store_true", help="keep an existing build (model_index.json)")
-    args = parser.parse_args(argv)
-    build = ensure_tiny_wan if args.if_missing else build_tiny_wan
-    try:
-        path = build(args.out_dir, recipe=args.recipe, seed=args.seed)
-    except (ConfigError, FileExistsError) as err:
-        parser.exit(2, f"error: {err}\n")
-    print(path)
-    return 0
+    return tiny_cli(argv, "python -m latentmill.tiny_wan", __doc__.splitlines()[0], build_tiny_wan,
+                    ensure_tiny_wan, DEFAULT_RECIPE_PATH)
 
 
 if __name__ == "__main__":
