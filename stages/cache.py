@@ -49,6 +49,11 @@ IMAGE_MEMBERS = ("jpg", "png", "webp", "bmp")
 VAE_MEMBER, TEXT_MEMBER = "vae.safetensors", "text.safetensors"
 
 
+def text_member(j: int) -> str:
+    """The member of a sample's caption ``j``: ``text.safetensors`` for the primary, ``text.<j>...`` after."""
+    return TEXT_MEMBER if j == 0 else f"text.{j}.safetensors"
+
+
 @dataclass
 class CacheConfig:
     """How latents and text embeddings are computed and stored."""
@@ -177,8 +182,9 @@ class ComponentIndex:
 
     def __init__(self, stage_root: Path):
         self.root = stage_root
-        self.vae: dict[str, tuple[Path, str, int]] = {}  # key -> (shard, sample key, record mtime)
-        self.text: dict[str, tuple[Path, str, int]] = {}
+        # component key -> (shard, sample key, member, record mtime)
+        self.vae: dict[str, tuple[Path, str, str, int]] = {}
+        self.text: dict[str, tuple[Path, str, str, int]] = {}
         self._seen: set[str] = set()
         self._mtime = -1
 
@@ -201,18 +207,21 @@ class ComponentIndex:
                 continue
             shard = self.root / record.shards[0].path
             for sample_key, keys in record.extra.get("components", {}).items():
-                for table, key in ((self.vae, keys["vae"]), (self.text, keys["text"])):
-                    if key not in table or committed < table[key][2]:
-                        table[key] = (shard, sample_key, committed)
+                entries = [(self.vae, keys["vae"], VAE_MEMBER)]
+                texts = keys["text"] if isinstance(keys["text"], list) else [keys["text"]]
+                entries += [(self.text, tk, text_member(j)) for j, tk in enumerate(texts)]
+                for table, key, member in entries:
+                    if key not in table or committed < table[key][3]:
+                        table[key] = (shard, sample_key, member, committed)
         return self
 
-    def find(self, table: str, keys: list[str], before_ns: int) -> dict[str, tuple[Path, str]]:
-        """Locations of the ``keys`` committed before ``before_ns``."""
+    def find(self, table: str, keys: list[str], before_ns: int) -> dict[str, tuple[Path, str, str]]:
+        """(shard, sample key, member) of each of the ``keys`` committed before ``before_ns``."""
         found = {}
         for key in keys:
             hit = getattr(self, table).get(key)
-            if hit is not None and hit[2] < before_ns:
-                found[key] = hit[:2]
+            if hit is not None and hit[3] < before_ns:
+                found[key] = hit[:3]
         return found
 
 
@@ -229,19 +238,19 @@ def component_index(stage_root: Path) -> ComponentIndex:
         return _indexes[key].refresh()
 
 
-def _fetch(wanted: dict[str, tuple[Path, str]], member: str) -> dict[str, bytes]:
-    """Read ``member`` of each wanted (shard, sample) once per shard; returns component key -> bytes."""
-    by_shard: dict[Path, dict[str, str]] = {}
-    for comp_key, (shard, sample_key) in wanted.items():
-        by_shard.setdefault(shard, {})[sample_key] = comp_key
+def _fetch(wanted: dict[str, tuple[Path, str, str]]) -> dict[str, bytes]:
+    """Read each wanted (shard, sample, member) once per shard; returns component key -> bytes."""
+    by_shard: dict[Path, dict[tuple[str, str], str]] = {}
+    for comp_key, (shard, sample_key, member) in wanted.items():
+        by_shard.setdefault(shard, {})[(sample_key, member)] = comp_key
     found = {}
-    for shard, samples in by_shard.items():
+    for shard, members in by_shard.items():
         if not shard.is_file():  # removed since it was indexed: those components are encoded again
             continue
         for sample in read_shard(shard):
-            comp_key = samples.get(sample["__key__"])
-            if comp_key is not None and member in sample:
-                found[comp_key] = sample[member]
+            for (sample_key, member), comp_key in members.items():
+                if sample_key == sample["__key__"] and member in sample:
+                    found[comp_key] = sample[member]
     return found
 
 
@@ -330,10 +339,12 @@ def process(cfg: CacheConfig, model: ModelConfig, unit: WorkUnit, out: UnitOutpu
     index = component_index(out.stage_dir.root)
     samples = list(read_shard(unit.payload["shard"]))
     metas = [sample_json(s) for s in samples]
-    keys = [(plan_.vae_key(m), plan_.text_key(m["caption"])) for m in metas]
+    # Every caption of a sample is encoded (the trainer picks one per step); the first is the primary.
+    captions = [m.get("captions") or [m["caption"]] for m in metas]
+    keys = [(plan_.vae_key(m), [plan_.text_key(c) for c in caps]) for m, caps in zip(metas, captions)]
     before = unit.payload.get("reuse_before_ns", 0)
-    old_vae = _fetch(index.find("vae", [vk for vk, _ in keys], before), VAE_MEMBER)
-    old_text = _fetch(index.find("text", [tk for _, tk in keys], before), TEXT_MEMBER)
+    old_vae = _fetch(index.find("vae", [vk for vk, _ in keys], before))
+    old_text = _fetch(index.find("text", [tk for _, tks in keys for tk in tks], before))
     encoders = None
     counts = {"vae": {"encoded": 0, "reused": 0}, "text": {"encoded": 0, "reused": 0}}
     sizes = {"vae": 0, "text": 0}
@@ -357,7 +368,7 @@ def process(cfg: CacheConfig, model: ModelConfig, unit: WorkUnit, out: UnitOutpu
                 del pixels[i]
         keep = [i for i in batch if keys[i][0] in old_vae or i in pixels]
         need_vae = [i for i in keep if keys[i][0] not in old_vae]
-        need_text = sorted({keys[i][1]: i for i in keep if keys[i][1] not in old_text}.values())
+        need_text = {tk: captions[i][j] for i in keep for j, tk in enumerate(keys[i][1]) if tk not in old_text}
         if (need_vae or need_text) and encoders is None:
             encoders = get_encoders(model, plan_.family, _device(cfg, unit.unit_id))
             _pin_threads(cfg)
@@ -368,22 +379,23 @@ def process(cfg: CacheConfig, model: ModelConfig, unit: WorkUnit, out: UnitOutpu
                 vae_bytes[keys[i][0]] = _tensor_bytes(_latent_tensors(mean[j], std[j], cfg, keys[i][0]), dtype)
         text_bytes: dict[str, bytes] = {}
         if need_text:
-            encoded = encoders.encode_text([metas[i]["caption"] for i in need_text], cfg.max_sequence_length)
-            for j, i in enumerate(need_text):
-                text_bytes[keys[i][1]] = _tensor_bytes(_text_tensors(encoded, j, trim), dtype)
+            encoded = encoders.encode_text(list(need_text.values()), cfg.max_sequence_length)
+            for j, tk in enumerate(need_text):
+                text_bytes[tk] = _tensor_bytes(_text_tensors(encoded, j, trim), dtype)
         for i in keep:
-            vk, tk = keys[i]
+            vk, tks = keys[i]
             vae = old_vae.get(vk) or vae_bytes[vk]
-            text = old_text.get(tk) or text_bytes[tk]
+            texts = [old_text.get(tk) or text_bytes[tk] for tk in tks]
             counts["vae"]["reused" if vk in old_vae else "encoded"] += 1
-            counts["text"]["reused" if tk in old_text else "encoded"] += 1
+            for tk in tks:
+                counts["text"]["reused" if tk in old_text else "encoded"] += 1
             sizes["vae"] += len(vae)
-            sizes["text"] += len(text)
-            meta = {**metas[i], "components": {"vae": vk, "text": tk}}
+            sizes["text"] += len(texts[0])
             key = samples[i]["__key__"]
-            components[key] = {"vae": vk, "text": tk}
-            out.add({"__key__": key, VAE_MEMBER: vae, TEXT_MEMBER: text, "json": json_bytes(meta)},
-                    bucket=metas[i]["bucket"])
+            components[key] = {"vae": vk, "text": tks}
+            meta = {**metas[i], "components": components[key]}
+            members = {text_member(j): data for j, data in enumerate(texts)}
+            out.add({"__key__": key, VAE_MEMBER: vae, **members, "json": json_bytes(meta)}, bucket=metas[i]["bucket"])
     out.extra.update(components=components, counts=counts, bytes=sizes)
 
 
@@ -435,7 +447,7 @@ def component_report(records: list[UnitRecord]) -> dict[str, Any]:
         for comp in ("vae", "text"):
             counts = record.extra.get("counts", {}).get(comp, {})
             if record.reused:  # the whole unit was reused: every component too
-                report[comp]["reused"] += record.samples_out
+                report[comp]["reused"] += counts.get("encoded", 0) + counts.get("reused", 0)
             else:
                 report[comp]["processed"] += counts.get("encoded", 0)
                 report[comp]["reused"] += counts.get("reused", 0)

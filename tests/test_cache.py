@@ -252,3 +252,41 @@ def test_family_mismatch_is_refused(cached):
     wrong = ModelConfig(pretrained=model.pretrained, family="wan")
     with pytest.raises(CacheMismatchError, match="family: cache holds 'flux' latents, recipe's model.family is 'wan'"):
         check_cache_compatible(manifest, wrong)
+
+
+def test_every_caption_is_cached_and_the_loader_picks_one_per_epoch(tiny_flux, tmp_path):
+    from stages.caption import CaptionConfig
+    from tests.conftest import DEMO_IMAGES
+    from trainer.loader import LatentLoader, caption_choice
+
+    recipe = Recipe(output_dir=str(tmp_path), model=ModelConfig(pretrained=str(tiny_flux)),
+                    ingest=IngestConfig(source=str(DEMO_IMAGES), shard_size=8),
+                    caption=CaptionConfig(captioner="template", template="trtcrd, {caption}", policy="extend"),
+                    bucket=BucketConfig(resolution=64, aspect_ratios=[0.75, 1.0, 1.3333]),
+                    cache=CacheConfig(dtype="float32", max_sequence_length=16))
+    sd, manifest, records = prep_in_process(recipe)["cache"]
+    assert cache.component_report(records)["components"]["text"] == {"processed": 48, "reused": 0}
+    from diffusers import FluxPipeline
+
+    pipe = FluxPipeline.from_pretrained(tiny_flux)
+    sample = next(read_shard(sd.root / manifest["shards"][0]["path"]))
+    meta = json.loads(sample["json"])
+    assert len(meta["captions"]) == 2 and meta["captions"][1] == "trtcrd, " + meta["captions"][0]
+    for j, member in enumerate(("text.safetensors", "text.1.safetensors")):
+        embeds, _, _ = pipe.encode_prompt(meta["captions"][j], prompt_2=None, max_sequence_length=16)
+        torch.testing.assert_close(load_tensors(sample[member])["prompt_embeds"], embeds[0])
+
+    # The loader trains each sample on one of its captions per epoch: seeded, and both get used.
+    loader = LatentLoader(sd.root, batch_size=4, seed=0)
+    key = sample["__key__"]
+    chosen = [caption_choice(0, epoch, key, 2) for epoch in range(16)]
+    assert set(chosen) == {0, 1}
+    for epoch in (0, 1):
+        batches = loader.epoch_batches(epoch)
+        bucket, indices = next((b, ix) for b, ix in batches
+                               if any(loader.buckets[b][i].key == key for i in ix))
+        batch = loader._read_batch(bucket, indices, epoch)
+        row = [loader.buckets[bucket][i].key for i in indices].index(key)
+        member = ("text.safetensors", "text.1.safetensors")[chosen[epoch]]
+        expected = load_tensors(sample[member])["prompt_embeds"]
+        torch.testing.assert_close(batch["prompt_embeds"][row], expected)

@@ -92,6 +92,18 @@ def caption_dropped(seed: int, epoch: int, key: str, probability: float) -> bool
     return probability > 0 and _unit_interval("latentmill-caption-dropout", seed, epoch, key) < probability
 
 
+def caption_choice(seed: int, epoch: int, key: str, count: int) -> int:
+    """Which of a sample's ``count`` cached captions it trains on in ``epoch`` (uniform, seeded)."""
+    return min(count - 1, int(_unit_interval("latentmill-caption-choice", seed, epoch, key) * count))
+
+
+def text_members(members: dict[str, Any]) -> list[str]:
+    """A sample's caption members in order: ``text.safetensors``, ``text.1.safetensors``, ..."""
+    alternatives = sorted((int(ext.split(".")[1]), ext) for ext in members
+                          if ext.startswith("text.") and ext.count(".") == 2 and ext.split(".")[1].isdigit())
+    return [TEXT_MEMBER, *(ext for _, ext in alternatives)]
+
+
 def pad_tokens(embeds_LD: torch.Tensor, pad_to: int) -> torch.Tensor:
     """Zero-pad [n, D] token embeddings to [pad_to, D] (as ``WanPipeline._get_t5_prompt_embeds`` does)."""
     n = embeds_LD.shape[0]
@@ -313,7 +325,9 @@ class LatentLoader:
         dropped = []
         for ref in refs:
             vae = load_safetensors(self._read(ref, VAE_MEMBER))
-            text = load_safetensors(self._read(ref, TEXT_MEMBER))
+            texts = text_members(ref.members)  # several captions: one per epoch, seeded
+            member = texts[caption_choice(self.seed, epoch, ref.key, len(texts))] if len(texts) > 1 else TEXT_MEMBER
+            text = load_safetensors(self._read(ref, member))
             drop = self.empty_prompt is not None and caption_dropped(
                 self.seed, epoch, ref.key, self.caption_dropout
             )
