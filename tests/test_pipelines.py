@@ -52,6 +52,23 @@ def test_incremental_reruns_and_snapshots(tiny_flux, demo_images, tmp_path):
         resolve_snapshot(out, "nope")
 
 
+def test_inspect_prints_a_snapshot_report(tiny_flux, demo_images, tmp_path, capsys):
+    from latentmill.inspect import inspect_path
+
+    out = tmp_path / "out"
+    name = run_prep(_recipe(tiny_flux, demo_images, out))["snapshot"]["name"]
+    capsys.readouterr()
+    assert inspect_path(resolve_snapshot(out, "latest")) == 0
+    report = capsys.readouterr().out
+    manifest = json.loads((resolve_snapshot(out, "latest") / "manifest.json").read_text())
+    assert f"snapshot {name}" in report and "24 samples" in report
+    assert f"{manifest['snapshot']['bytes'] / 1e6:.2f} MB" in report
+    assert "128x128x1: 8" in report
+    assert f"vae: AutoencoderKL fingerprint {manifest['models']['vae']['fingerprint'][:16]}" in report
+    assert "quarantined at ingest: 1 × not a readable image" in report
+    assert "quarantined at cache: 1 × cannot decode pixels" in report
+
+
 def test_refresh_trains_only_on_a_new_snapshot(tiny_flux, demo_images, tmp_path):
     out = tmp_path / "out"
     overrides = [f"output_dir={out}", f"model.pretrained={tiny_flux}", f"ingest.source={demo_images}",
