@@ -220,3 +220,14 @@ def test_caption_dropout_needs_the_empty_prompt(tmp_path):
     write_fake_cache(tmp_path, {(16, 16, 1): 2}, format_version=1)
     with pytest.raises(ValueError, match="no empty_prompt entry"):
         LatentLoader(tmp_path, batch_size=2, caption_dropout=0.1)
+
+
+def test_prefetch_changes_neither_batches_nor_position(cache):
+    with LatentLoader(cache, batch_size=3, seed=5, prefetch=True) as ahead, \
+            LatentLoader(cache, batch_size=3, seed=5, prefetch=False) as plain:
+        fast, slow = iter(ahead), iter(plain)
+        for n in range(1, 3 * len(ahead) + 2):  # across epoch boundaries
+            a, b = next(fast), next(slow)
+            assert _keys([a]) == _keys([b]) and torch.equal(a["latents"], b["latents"])
+            assert ahead.state_dict() == plain.state_dict()
+            assert ahead.epoch * len(ahead) + ahead.batch_index == n  # handed out n, whatever was read ahead

@@ -30,6 +30,7 @@ import json
 import logging
 import os
 import tarfile
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
@@ -167,6 +168,7 @@ class LatentLoader:
         rank: int = 0,
         world_size: int = 1,
         caption_dropout: float = 0.0,
+        prefetch: bool = True,
     ) -> None:
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
@@ -183,6 +185,7 @@ class LatentLoader:
         if not 0.0 <= caption_dropout <= 1.0:
             raise ValueError(f"caption_dropout must be in [0, 1], got {caption_dropout}")
         self.caption_dropout = caption_dropout
+        self.prefetch = prefetch  # read the next batch while the current one trains
         self.empty_prompt = self._load_empty_prompt() if caption_dropout > 0 else None
         # What the sample order depends on: the shard list (content-addressed), not the stage config.
         shard_ids = [
@@ -294,20 +297,45 @@ class LatentLoader:
         self._order_epoch = None
 
     # --- iteration ---
-    def __iter__(self) -> Iterator[dict[str, Any]]:
+    def _positions(self) -> Iterator[tuple[int, int, tuple[int, ...], list[int]]]:
+        """(epoch, index, bucket, sample indices) of every batch from the current position on."""
+        epoch, index = self.epoch, self.batch_index
         while True:
-            if self._order_epoch != self.epoch:
-                self._order, self._order_epoch = self.epoch_batches(self.epoch), self.epoch
+            if self._order_epoch != epoch:
+                self._order, self._order_epoch = self.epoch_batches(epoch), epoch
             if not self._order:
                 raise ValueError("no full batch in any bucket: lower batch_size or set drop_last false")
-            if self.batch_index >= len(self._order):
-                self.epoch, self.batch_index = self.epoch + 1, 0
+            if index >= len(self._order):
+                epoch, index = epoch + 1, 0
                 continue
-            bucket, indices = self._order[self.batch_index]
-            batch = self._read_batch(bucket, indices, self.epoch)
-            batch["epoch"], batch["index"] = self.epoch, self.batch_index
-            self.batch_index += 1  # state now points at the next batch
-            yield batch
+            bucket, indices = self._order[index]
+            yield epoch, index, bucket, indices
+            index += 1
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        """Batches forever; the next one is read in a background thread while the current one trains.
+
+        The position (``state_dict``) only moves when a batch is handed out, so a checkpoint taken after
+        batch N resumes at batch N+1 whatever was prefetched.
+        """
+        positions = self._positions()
+        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="latent-prefetch") as pool:
+
+            def submit():
+                epoch, index, bucket, indices = next(positions)
+                return epoch, index, pool.submit(self._read_batch, bucket, indices, epoch)
+
+            pending = submit()
+            while True:
+                epoch, index, future = pending
+                batch = future.result()
+                if self.prefetch:
+                    pending = submit()
+                batch["epoch"], batch["index"] = epoch, index
+                self.epoch, self.batch_index = epoch, index + 1  # state now points at the next batch
+                yield batch
+                if not self.prefetch:
+                    pending = submit()
 
     def _read(self, ref: SampleRef, ext: str) -> bytes:
         fd = self._fds.get(ref.shard)
