@@ -42,3 +42,8 @@ serve-stop:
 
 clean:
 	rm -rf outputs .prefect
+
+# Benchmarks (bench/README.md): writes bench/results.json and bench/RESULTS.md; BENCH_ARGS=--quick for a smoke run
+.PHONY: bench
+bench: venv
+	$(PY) -m bench.run $(BENCH_ARGS)

@@ -109,7 +109,7 @@ def figure(name: str, ours: list[float], baseline: list[float], unit: str, goal:
 
 
 def _round(x: float) -> float:
-    return float(f"{x:.4g}")
+    return float(f"{x:.5g}")
 
 
 def interleave(reps: int, ours: Callable[[int], float], baseline: Callable[[int], float],
@@ -220,6 +220,33 @@ def parser(description: str) -> argparse.ArgumentParser:
     p.add_argument("--json", type=Path, default=None, help="write the figures here (default bench/.work/)")
     p.add_argument("--keep", action="store_true", help="keep the generated data under bench/.work/")
     return p
+
+
+def parse_args(description: str, argv=None) -> argparse.Namespace:
+    """Parse the common command line and apply ``--device``."""
+    args = parser(description).parse_args(argv)
+    use_device(args.device)
+    return args
+
+
+def use_device(device: str) -> None:
+    """``cpu``: hide GPUs, so the product code's automatic choice (cache ``device: auto``, the trainer) picks
+    the CPU like the baselines; ``cuda``: require one."""
+    if device == "cpu":
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""
+    else:
+        import torch
+
+        if not torch.cuda.is_available():
+            raise SystemExit("--device cuda: no CUDA device visible")
+
+
+def sync(device: str) -> None:
+    """Wait for queued GPU work (a no-op on the CPU), so that a timer stops when the work is done."""
+    if device == "cuda":
+        import torch
+
+        torch.cuda.synchronize()
 
 
 def reps_of(args: argparse.Namespace, full: int = 5, quick: int = 2) -> int:
@@ -353,6 +380,15 @@ STYLES = ["photo", "watercolor painting", "pencil sketch", "3d render", "oil pai
 PHOTO_SIZES = [(640, 480), (480, 640), (512, 512), (768, 432), (432, 768), (600, 600), (720, 540), (540, 720)]
 
 
+def make_caption(rng: random.Random) -> str:
+    """A caption of 10 to ~40 words; some long, as VLM recaptions are."""
+    fg = rng.choice(COLORS)
+    caption = f"a {rng.choice(STYLES)} of a {fg} {rng.choice(SHAPES)} {rng.choice(PLACES)}"
+    for _ in range(rng.randint(0, 3)):
+        caption += f", with a {rng.choice(COLORS)} {rng.choice(SHAPES)} {rng.choice(PLACES)}"
+    return caption
+
+
 def make_images(folder: Path, count: int, seed: int = 0, sizes: list[tuple[int, int]] = PHOTO_SIZES,
                 start: int = 0) -> list[Path]:
     """Write ``count`` deterministic JPEG images with sidecar ``.txt`` captions into ``folder``.
@@ -374,15 +410,10 @@ def make_images(folder: Path, count: int, seed: int = 0, sizes: list[tuple[int, 
         noise = nrng.normal(0, 18, size=(height, width, 3)).astype(np.float32)
         img = Image.fromarray(np.clip(base + noise, 0, 255).astype(np.uint8))
         draw = ImageDraw.Draw(img)
-        fg, bg = rng.sample(COLORS, 2)
-        shape = rng.choice(SHAPES)
         for _ in range(rng.randint(1, 4)):
             cx, cy, r = rng.randrange(width), rng.randrange(height), rng.randint(20, min(width, height) // 3)
             draw.ellipse([cx - r, cy - r, cx + r, cy + r], fill=tuple(rng.randrange(256) for _ in range(3)))
-        caption = f"a {rng.choice(STYLES)} of a {fg} {shape} {rng.choice(PLACES)}"
-        extra = rng.randint(0, 3)  # some captions are long, as VLM recaptions are
-        for _ in range(extra):
-            caption += f", with a {rng.choice(COLORS)} {rng.choice(SHAPES)} {rng.choice(PLACES)}"
+        caption = make_caption(rng)
         buf = io.BytesIO()
         img.save(buf, format="JPEG", quality=90)
         path = folder / f"img{i:06d}.jpg"
@@ -421,3 +452,19 @@ def model_summary(pretrained: Path) -> dict[str, Any]:
         weights = sum(p.stat().st_size for p in (pretrained / comp).glob("*.safetensors"))
         out[comp] = {k: cfg.get(k) for k in keys} | {"params_m": round(weights / 4 / 1e6, 3)}
     return out
+
+
+def reset_process_caches() -> list[str]:
+    """Forget what a long-lived prep process keeps between runs (loaded encoders, weight fingerprints,
+    component indexes), so that a timed prep pays what a fresh ``latentmill prep`` process pays (less the
+    imports and the Prefect start-up). Returns the names it cleared; a renamed one is skipped, not fatal."""
+    import importlib
+
+    cleared = []
+    for module, name in (("stages.families", "_encoders"), ("stages.cache", "_plans"),
+                         ("stages.cache", "_indexes"), ("latentmill.models", "_memo")):
+        memo = getattr(importlib.import_module(module), name, None)
+        if isinstance(memo, dict):
+            memo.clear()
+            cleared.append(f"{module}.{name}")
+    return cleared

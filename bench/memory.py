@@ -1,0 +1,145 @@
+"""Figure 8: peak resident memory of prep and of the loader at 1× and 10× the dataset size.
+
+Each configuration runs in a fresh child process (``python -m bench.memory --child ...``) that reports
+``resource.getrusage(RUSAGE_SELF).ru_maxrss`` when it is done, plus its resident set right after the
+imports (``details``: the increment over that floor, whose ratio is the harsher reading).
+
+* prep: ``pipelines.prep.run_prep`` (Prefect flow, 2 threads, all four stages, tiny Flux set, one bucket
+  256², bf16, 512 T5 tokens, cache batch 8, ingest shard size 16) on N and 10·N generated JPEGs. One
+  bucket and small units, so that the 1× run already has two units in flight with whole cache batches (a
+  tiny dataset with five buckets and 64-image units has one unit and small bucket shards, hence small
+  encoder batches on one thread and a lower peak: that measures batch size and concurrency, not dataset
+  size). The Prefect client (and what it runs in-process) is part of the measured process, as it is of
+  ``latentmill prep``.
+* loader: ``LatentLoader(dtype=float32, batch 8)`` over the first shards of one generated Flux-class 512²
+  latent cache (~750 KB a sample, 64 samples a shard), reading one full epoch; 1× = M samples, 10× = 10·M.
+
+Run alone: ``python -m bench.memory --quick``.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+import time
+
+from bench.common import (
+    FLUX_512,
+    REPO_ROOT,
+    TINY_RECIPE,
+    figure,
+    finish,
+    fresh_dir,
+    log,
+    make_images,
+    model_dir,
+    parse_args,
+    peak_rss_mb,
+    reps_of,
+    rss_mb,
+    setup_env,
+    write_latent_cache,
+)
+
+setup_env()
+
+
+def child_prep(images: str, out: str) -> dict:
+    import diffusers  # noqa: F401  (imported before the floor is read, as the stages import it)
+    import transformers  # noqa: F401
+
+    from bench.prep import quiet_prep, recipe_for
+
+    floor = rss_mb()
+    start = time.perf_counter()
+    # one bucket and units of <= 16 images: full cache batches on both runner threads at 1x already
+    recipe = recipe_for(images, out, model_dir(TINY_RECIPE), shard_size=16, aspect_ratios=[1.0])
+    summary = quiet_prep(recipe)
+    return {"peak_rss_mb": peak_rss_mb(), "floor_rss_mb": floor, "seconds": time.perf_counter() - start,
+            "samples": summary["stages"]["cache"]["out"]}
+
+
+def child_loader(cache: str, shards: int) -> dict:
+    import torch
+
+    from trainer.loader import LatentLoader, read_manifest
+
+    floor = rss_mb()
+    manifest = read_manifest(cache)
+    manifest["shards"] = manifest["shards"][:shards]
+    start = time.perf_counter()
+    with LatentLoader(cache, 8, seed=0, dtype=torch.float32, manifest=manifest) as loader:
+        it = iter(loader)
+        count = sum(len(next(it)["keys"]) for _ in range(len(loader)))
+    return {"peak_rss_mb": peak_rss_mb(), "floor_rss_mb": floor, "seconds": time.perf_counter() - start,
+            "samples": count}
+
+
+def spawn(*argv: str) -> dict:
+    """Run ``python -m bench.memory --child ...`` and return the JSON it prints last."""
+    done = subprocess.run([sys.executable, "-m", "bench.memory", "--child", *argv], cwd=REPO_ROOT,
+                          capture_output=True, text=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"child {argv} failed:\n{done.stderr[-3000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def run(args) -> list:
+    reps = reps_of(args, full=2, quick=1)
+    n_images = 16 if args.quick else 32
+    n_shards = 1 if args.quick else 2  # loader 1x: 64 or 128 samples
+    work = fresh_dir("memory")
+    model_dir(TINY_RECIPE)  # built once, before any child needs it
+    make_images(work / "images-1x", n_images, seed=2)
+    make_images(work / "images-10x", 10 * n_images, seed=2)
+    manifest = write_latent_cache(work / "cache", 10 * n_shards * 64, FLUX_512, shard_samples=64, seed=0)
+    log(f"memory: generated {n_images} + {10 * n_images} images and {len(manifest['shards'])} latent shards")
+
+    figures = []
+    configs = {
+        "prep": (lambda k, rep: spawn("prep", str(work / f"images-{k}"), str(work / f"prep-{k}-{rep}")),
+                 {"1x": n_images, "10x": 10 * n_images}, "images"),
+        "loader": (lambda k, rep: spawn("loader", str(work / "cache"), str(n_shards * (10 if k == "10x" else 1))),
+                   {"1x": n_shards * 64, "10x": 10 * n_shards * 64}, "latent samples"),
+    }
+    for what, (fn, sizes, unit) in configs.items():
+        res = {"1x": [], "10x": []}
+        for rep in range(reps):
+            for k in (["1x", "10x"] if rep % 2 == 0 else ["10x", "1x"]):
+                res[k].append(fn(k, rep))
+                log(f"memory {what} {k} rep {rep + 1}/{reps}: peak {res[k][-1]['peak_rss_mb']:.0f} MiB "
+                    f"(floor {res[k][-1]['floor_rss_mb']:.0f}, {res[k][-1]['seconds']:.1f} s)")
+        peaks = {k: [r["peak_rss_mb"] for r in v] for k, v in res.items()}
+        growth = [(a["peak_rss_mb"] - a["floor_rss_mb"]) / (b["peak_rss_mb"] - b["floor_rss_mb"])
+                  for a, b in zip(res["10x"], res["1x"])]
+        inputs = {"sizes": {k: f"{v} {unit}" for k, v in sizes.items()},
+                  "samples_out": {k: v[0]["samples"] for k, v in res.items()},
+                  "floor_rss_mb": {k: round(v[0]["floor_rss_mb"]) for k, v in res.items()}}
+        if what == "prep":
+            inputs |= {"prep": "run_prep, threads x2, tiny Flux set, one bucket 256x256, bf16, 512 tokens, cache batch 8, ingest shard size 16"}
+        else:
+            inputs |= {"loader": "LatentLoader(batch 8, dtype=float32), one epoch", "sample": FLUX_512}
+        figures.append(figure(f"8. peak RSS of {what}, 10x vs 1x dataset", peaks["10x"], peaks["1x"], "MiB",
+                              "<= 1.2", inputs, "fresh process per configuration; ru_maxrss of that process",
+                              details={"increment_over_floor_ratio": round(sorted(growth)[len(growth) // 2], 3)}))
+    if not args.keep:
+        shutil.rmtree(work, ignore_errors=True)
+    return figures
+
+
+def main(argv=None) -> None:
+    if argv is None and len(sys.argv) > 1 and sys.argv[1] == "--child":
+        kind, *rest = sys.argv[2:]
+        result = child_prep(*rest) if kind == "prep" else child_loader(rest[0], int(rest[1]))
+        print(json.dumps(result))
+        return
+    args = parse_args(__doc__.splitlines()[0], argv)
+    start = time.perf_counter()
+    figures = run(args)
+    finish("memory", figures, args, time.perf_counter() - start)
+
+
+if __name__ == "__main__":
+    main()
