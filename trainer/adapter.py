@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import os
 import shutil
+from abc import ABC, abstractmethod
 from pathlib import Path
 from typing import Any
 
@@ -114,7 +115,7 @@ def export_pipeline(
     return _replace_export(tmp, export_dir)
 
 
-class ModelAdapter:
+class ModelAdapter(ABC):
     """Base of the per-family adapters; subclasses set the class names and implement the model-specific parts."""
 
     family: str = ""
@@ -134,23 +135,27 @@ class ModelAdapter:
         """The trainable transformer of ``pretrained`` (see ``load_transformer`` for the keyword arguments)."""
         return load_transformer(self.diffusers_class(self.transformer_class), pretrained, **kwargs)
 
+    @abstractmethod
     def blocks(self, transformer: nn.Module) -> list[nn.Module]:
         """The repeated transformer blocks, in forward order."""
-        raise NotImplementedError
+        ...
 
+    @abstractmethod
     def check_batch(self, transformer: nn.Module, batch: dict[str, Any]) -> None:
         """Raise ``ValueError`` naming what differs when cached tensors do not fit the transformer."""
-        raise NotImplementedError
+        ...
 
+    @abstractmethod
     def seq_len(self, latents: torch.Tensor) -> int:
         """Transformer tokens of one sample of ``latents`` [B, ...]."""
-        raise NotImplementedError
+        ...
 
+    @abstractmethod
     def forward(
         self, model: nn.Module, noisy: torch.Tensor, sigmas_B: torch.Tensor, batch: dict[str, Any], cfg: Any
     ) -> torch.Tensor:
         """Velocity prediction for ``noisy`` at noise levels ``sigmas_B``, shaped like ``noisy``."""
-        raise NotImplementedError
+        ...
 
     def export(self, transformer: nn.Module, *, mode: str, pretrained: str, export_dir: str | Path) -> Path:
         """The Diffusers artefact of the trained transformer (see ``export_pipeline``)."""
@@ -162,6 +167,7 @@ class ModelAdapter:
             export_dir=export_dir,
         )
 
+    @abstractmethod
     def validation_images(
         self,
         pipe: Any,
@@ -174,4 +180,4 @@ class ModelAdapter:
         guidance_scale: float,
     ) -> list[list[Any]]:
         """Sample ``pipe`` once per prompt; one row of PIL images per prompt (frames of a video, or 1 image)."""
-        raise NotImplementedError
+        ...
