@@ -49,13 +49,9 @@ RESOLUTION, TOKENS, BATCH, WARMUP = 256, 128, 4, 3
 
 def prep_with_stages(recipe) -> None:
     """Run ingest → caption → bucket → cache with the stage functions, in this thread (no Prefect)."""
-    from pipelines.prep import STAGES, manifest_header, plan_stage, stage_processor
-    from stages.shardio import StageDir
+    from pipelines.prep import run_stages_in_process
 
-    for stage in STAGES:
-        stage_dir = StageDir(recipe.stage_dir(stage), stage).ensure()
-        records = [stage_dir.run_unit(u, stage_processor(stage, recipe)) for u in plan_stage(stage, recipe)]
-        stage_dir.write_manifest(records, manifest_header(stage, recipe))
+    run_stages_in_process(recipe)
 
 
 def on_the_fly_run(samples, pretrained, steps: int, device: str = "cpu") -> tuple[list[float], dict[str, float]]:

@@ -62,6 +62,21 @@ def manifest_header(stage: str, recipe: Recipe) -> dict[str, Any]:
     return cache.manifest_header(recipe.cache, recipe.model, _stage_dir(recipe, stage))
 
 
+def run_stages_in_process(recipe: Recipe) -> dict[str, tuple[StageDir, dict[str, Any], list[UnitRecord]]]:
+    """Run the four stages here, one unit after another, without Prefect (tests, benchmarks, debugging).
+
+    The same plan / process / manifest functions as the flow; no snapshot is published. Returns each stage's
+    folder, committed manifest and unit records.
+    """
+    ensure_models(recipe)
+    result = {}
+    for stage in STAGES:
+        stage_dir = _stage_dir(recipe, stage).ensure()
+        records = [stage_dir.run_unit(u, stage_processor(stage, recipe)) for u in plan_stage(stage, recipe)]
+        result[stage] = (stage_dir, stage_dir.write_manifest(records, manifest_header(stage, recipe)), records)
+    return result
+
+
 @task(name="run-unit", cache_policy=NONE, retries=1, retry_delay_seconds=1)
 def run_unit(stage: str, recipe_data: dict, unit: WorkUnit) -> UnitRecord:
     """Run one work unit (or reuse its committed output)."""
