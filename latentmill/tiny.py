@@ -36,7 +36,7 @@ from typing import Any
 import yaml
 
 from latentmill.config import ConfigError
-from latentmill.tinyio import is_complete, save_folder, tiny_cli
+from latentmill.tinyio import pipeline_folder, tiny_cli
 
 DEFAULT_RECIPE_PATH: Path = Path(__file__).resolve().parents[1] / "data" / "tiny-flux.yaml"
 """The recipe shipped with the repository (``data/tiny-flux.yaml``)."""
@@ -515,8 +515,7 @@ def build_tiny_flux(
         ConfigError: the recipe is inconsistent (see ``load_recipe``).
         FileExistsError: ``out_dir`` holds something that is not a pipeline folder.
     """
-    pipe = _build_pipeline(load_recipe(recipe), seed)
-    return save_folder(out_dir, lambda tmp: pipe.save_pretrained(tmp, safe_serialization=True), replace=True)
+    return pipeline_folder(out_dir, lambda: _build_pipeline(load_recipe(recipe), seed), replace=True)
 
 
 def ensure_tiny_flux(
@@ -535,11 +534,7 @@ def ensure_tiny_flux(
     Returns:
         The absolute path of the pipeline folder.
     """
-    path = Path(out_dir).expanduser().absolute()
-    if is_complete(path):
-        return path
-    pipe = _build_pipeline(load_recipe(recipe), seed)
-    return save_folder(path, lambda tmp: pipe.save_pretrained(tmp, safe_serialization=True), replace=False)
+    return pipeline_folder(out_dir, lambda: _build_pipeline(load_recipe(recipe), seed), replace=False)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -32,7 +32,7 @@ import yaml
 
 from latentmill.config import ConfigError
 from latentmill.tiny import _check_keys, build_t5_tokenizer
-from latentmill.tinyio import is_complete, save_folder, tiny_cli
+from latentmill.tinyio import pipeline_folder, tiny_cli
 
 DEFAULT_RECIPE_PATH: Path = Path(__file__).resolve().parents[1] / "data" / "tiny-wan.yaml"
 """The recipe shipped with the repository (``data/tiny-wan.yaml``)."""
@@ -184,19 +184,14 @@ def build_tiny_wan(
         The absolute path of the folder, loadable with ``WanPipeline.from_pretrained`` and
         ``diffusers.DiffusionPipeline.from_pretrained``.
     """
-    pipe = _build_pipeline(load_recipe(recipe), seed)
-    return save_folder(out_dir, lambda tmp: pipe.save_pretrained(tmp, safe_serialization=True), replace=True)
+    return pipeline_folder(out_dir, lambda: _build_pipeline(load_recipe(recipe), seed), replace=True)
 
 
 def ensure_tiny_wan(
     out_dir: str | os.PathLike[str], recipe: str | os.PathLike[str] = DEFAULT_RECIPE_PATH, seed: int = 0
 ) -> Path:
     """Return ``out_dir``, building the tiny Wan pipeline there first only if ``model_index.json`` is missing."""
-    path = Path(out_dir).expanduser().absolute()
-    if is_complete(path):
-        return path
-    pipe = _build_pipeline(load_recipe(recipe), seed)
-    return save_folder(path, lambda tmp: pipe.save_pretrained(tmp, safe_serialization=True), replace=False)
+    return pipeline_folder(out_dir, lambda: _build_pipeline(load_recipe(recipe), seed), replace=False)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -78,6 +78,18 @@ def save_folder(out_dir: str | os.PathLike[str], save: Callable[[Path], None], *
     return out_dir
 
 
+def pipeline_folder(out_dir: str | os.PathLike[str], make_pipeline: Callable[[], object], *, replace: bool) -> Path:
+    """Build a Diffusers pipeline with ``make_pipeline()`` and save it to ``out_dir`` atomically.
+
+    ``replace=False`` keeps a finished folder already there (nothing is built); ``replace=True`` rebuilds.
+    """
+    path = Path(out_dir).expanduser().absolute()
+    if not replace and is_complete(path):
+        return path
+    pipe = make_pipeline()
+    return save_folder(path, lambda tmp: pipe.save_pretrained(tmp, safe_serialization=True), replace=replace)
+
+
 def tiny_cli(argv: Sequence[str] | None, prog: str, description: str, build: Callable[..., Path],
              ensure: Callable[..., Path], default_recipe: Path) -> int:
     """``python -m PROG OUT_DIR [--seed N] [--recipe PATH] [--if-missing]``: build, print the folder path."""
