@@ -2,7 +2,7 @@
 
 Stages are plain functions (``stages/``); this module only plans units, hands them to Prefect tasks, shows
 progress and gathers counts. Stage outputs are content-addressed, so Prefect's own result caching is off:
-a unit whose record exists on disk is reused by the stage itself.
+a unit whose record exists on disk is reused without a task run.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ def _stage_dir(recipe: Recipe, stage: str) -> StageDir:
 def plan_stage(stage: str, recipe: Recipe) -> list[WorkUnit]:
     """The work units of ``stage`` given the upstream stage's committed manifest."""
     if stage == "ingest":
-        return ingest.plan(recipe.ingest)
+        return ingest.plan(recipe.ingest, _stage_dir(recipe, "ingest"))
     upstream = _stage_dir(recipe, STAGES[STAGES.index(stage) - 1])
     if stage == "caption":
         return caption.plan(recipe.caption, upstream)
@@ -54,7 +54,8 @@ def stage_processor(stage: str, recipe: Recipe) -> Callable[[WorkUnit, UnitOutpu
 def manifest_header(stage: str, recipe: Recipe) -> dict[str, Any]:
     """Stage-specific manifest fields (the cache stage records its models)."""
     if stage == "ingest":
-        return {"fingerprint": stable_hash(ingest.fingerprint(recipe.ingest)), "source": recipe.ingest.source}
+        return {"fingerprint": stable_hash(ingest.fingerprint(recipe.ingest)), "source": recipe.ingest.source,
+                "shard_size": recipe.ingest.shard_size}
     if stage == "caption":
         return caption.manifest_header(recipe.caption)
     if stage == "bucket":
@@ -121,11 +122,17 @@ def prep_stages(recipe_data: dict) -> dict[str, Any]:
         start = time.perf_counter()
         stage_dir = _stage_dir(recipe, stage).ensure()
         units = plan_stage(stage, recipe)
-        futures = run_unit.map(stage, unmapped(recipe_data), units)
-        records = []
+        # A unit whose record is committed is reused here, without a task run: a refresh that adds 1% of
+        # the data pays task runs (and worker round trips) for that 1% only.
+        records = [r for u in units if (r := stage_dir.load_record(u.unit_id)) is not None]
+        done = {r.unit_id for r in records}
+        pending = [u for u in units if u.unit_id not in done]
+        futures = run_unit.map(stage, unmapped(recipe_data), pending) if pending else []
         total = sum(u.samples_in for u in units)
-        progress = StageProgress(stage, total)
+        # The UI's progress artifact follows the work to do (none when every unit is reused).
+        progress = StageProgress(stage, sum(u.samples_in for u in pending)) if pending else None
         with tqdm(total=total, desc=f"{stage:>8}", unit="sample") as bar:
+            bar.update(sum(r.samples_in for r in records))
             for future in futures:
                 record = future.result()
                 records.append(record)

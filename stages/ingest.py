@@ -8,13 +8,15 @@ raw shard; a video is a reference: its bytes stay where they are and later stage
 Files that are not readable media, or that the recipe does not accept, go to the quarantine list with a
 reason. See :mod:`stages.sources` for what ``ingest.source`` may name.
 
-Work units: entries are grouped by a hash of their id into units of at most ``shard_size`` samples
-(:func:`stages.sources.hash_groups`), so new files re-run only the units they land in; webdataset
+Work units: at most ``shard_size`` entries each. A first run groups entries by a hash of their id
+(:func:`stages.sources.hash_groups`); later runs keep each entry in the unit it had and put new entries in
+new units (:func:`layout`), so a refresh re-runs only the units of new or changed files. Webdataset
 sources are one unit per input shard.
 """
 
 from __future__ import annotations
 
+import hashlib
 import io
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,7 +24,16 @@ from typing import Any, Optional
 
 from PIL import Image, UnidentifiedImageError
 
-from stages.shardio import StageDir, UnitOutput, WorkUnit, json_bytes, sha256_bytes, sha256_file, stable_hash
+from stages.shardio import (
+    FileHashes,
+    StageDir,
+    UnitOutput,
+    WorkUnit,
+    json_bytes,
+    sha256_bytes,
+    sha256_file,
+    stable_hash,
+)
 from stages.sources import (
     Entry,
     content_identity,
@@ -81,16 +92,73 @@ def fingerprint(cfg: IngestConfig) -> dict[str, Any]:
             "path_column": cfg.path_column, "caption_column": cfg.caption_column}
 
 
-def _entry_identity(entry: Entry) -> str:
+def _entry_identity(entry: Entry, hashes: FileHashes | None = None) -> str:
     # Identity = id in the source + bytes of the file, its sidecars and caption; never mtimes, so a fresh
     # clone or a copy of the same data reuses every unit. A video is a reference: its location is part of
     # its output, so a moved video re-ingests (an image's bytes travel in the shard and do not).
-    identity = content_identity(entry)
+    identity = content_identity(entry, hashes)
     return stable_hash([identity, entry.uri]) if entry.suffix in VIDEO_EXTENSIONS else identity
 
 
-def plan(cfg: IngestConfig) -> list[WorkUnit]:
-    """Work units of at most ``shard_size`` entries, grouped by a hash of their ids and keyed by content."""
+LAYOUT_KEY = "entries"  # a unit record's extra: the ids of the entries the unit held, in order
+HASHES_FILE = "file-hashes.json"
+
+
+def previous_groups(stage_dir: StageDir | None, shard_size: int) -> list[list[str]]:
+    """The entry ids of each unit of the last committed ingest run, when it grouped by ``shard_size``.
+
+    Empty when there is no committed run, when it used another shard size, or when one of its records
+    predates the layout (then every entry is grouped afresh, as in a first run).
+    """
+    if stage_dir is None or not stage_dir.manifest_path.is_file():
+        return []
+    try:
+        manifest = stage_dir.read_manifest()
+    except (OSError, ValueError):
+        return []
+    if manifest.get("shard_size") != shard_size:
+        return []
+    groups = []
+    for unit_id in manifest.get("units", []):
+        record = stage_dir.load_record(unit_id)
+        ids = record.extra.get(LAYOUT_KEY) if record is not None else None
+        if not isinstance(ids, list):
+            return []
+        groups.append(ids)
+    return groups
+
+
+def layout(ids: list[str], previous: list[list[str]], max_size: int) -> list[list[int]]:
+    """Group entry ``ids`` (their indices) into work units of at most ``max_size``.
+
+    Entries keep the unit they had in the ``previous`` run (an entry that is gone leaves its unit one
+    smaller), and entries new to this run go into new units of their own, split evenly by id hash: a refresh
+    that adds files re-runs only units of new files. With no previous run every entry is grouped by
+    :func:`stages.sources.hash_groups`, so two clean runs of the same input make the same units.
+    """
+    where = {i: n for n, i in enumerate(ids)}
+    groups, placed = [], set()
+    for group in previous:
+        members = [where[i] for i in group if i in where and i not in placed]
+        placed.update(ids[n] for n in members)
+        if members:
+            groups.append(members)
+    new = [n for n, i in enumerate(ids) if i not in placed]
+    if not groups:
+        return hash_groups(ids, max_size)
+    if new:
+        new.sort(key=lambda n: hashlib.sha256(ids[n].encode()).digest())
+        count = -(-len(new) // max_size)
+        groups += [new[k * len(new) // count:(k + 1) * len(new) // count] for k in range(count)]
+    return groups
+
+
+def plan(cfg: IngestConfig, stage_dir: StageDir | None = None) -> list[WorkUnit]:
+    """Work units of at most ``shard_size`` entries, keyed by content (see :func:`layout`).
+
+    With ``stage_dir`` (the ingest stage's folder) planning keeps the last run's grouping and remembers file
+    digests in ``<stage_dir>/file-hashes.json``, so an unchanged file is not read again.
+    """
     source = list_source(cfg.source, cfg.path_column, cfg.caption_column)
     fp = fingerprint(cfg)
     if source.kind == "webdataset":
@@ -105,14 +173,16 @@ def plan(cfg: IngestConfig) -> list[WorkUnit]:
                                   count_shard_samples(shard)))
         return units
     # Odd files (unknown extensions) are entries too: they get quarantined, so nothing disappears silently.
+    hashes = FileHashes(stage_dir.root / HASHES_FILE if stage_dir is not None else None)
     entries = source.entries
     units = []
-    for group in hash_groups([e.id for e in entries], cfg.shard_size):
+    for group in layout([e.id for e in entries], previous_groups(stage_dir, cfg.shard_size), cfg.shard_size):
         members = sorted((entries[i] for i in group), key=lambda e: e.id)
-        ids = [_entry_identity(e) for e in members]
+        ids = [_entry_identity(e, hashes) for e in members]
         unit_id = stable_hash({"fingerprint": fp, "inputs": ids})
         payload = {"kind": "entries", "root": source.root, "items": [e.to_json() for e in members]}
         units.append(WorkUnit(unit_id=unit_id, inputs=ids, payload=payload, samples_in=len(members)))
+    hashes.save()
     return units
 
 
@@ -191,7 +261,7 @@ def _entry_sample(entry: Entry, kind: str, cfg: IngestConfig) -> tuple[dict[str,
             data = path.read_bytes()
             digest = sha256_bytes(data)
         else:
-            data, digest = None, sha256_file(path)
+            data, digest = None, entry.digest or sha256_file(path)  # planning hashed it already
         src = data if kind == "image" else str(path)
     if entry.sha256 and entry.sha256 != digest:
         raise _Refused(f"sha256 mismatch: the manifest says {entry.sha256}, the bytes hash to {digest}")
@@ -212,6 +282,7 @@ def _media_meta(key: str, source: str, root: str, uri: str, kind: str, ext: str,
 def _process_entries(cfg: IngestConfig, unit: WorkUnit, out: UnitOutput) -> None:
     accepted = {e.lower() for e in cfg.extensions}
     root = unit.payload["root"]
+    out.extra[LAYOUT_KEY] = [item["id"] for item in unit.payload["items"]]
     for item in unit.payload["items"]:
         entry = Entry.from_json(item)
         key = sha256_bytes(entry.id.encode())[:16]

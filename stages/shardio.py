@@ -42,6 +42,63 @@ def sha256_file(path: str | Path, chunk: int = 1 << 20) -> str:
     return h.hexdigest()
 
 
+class FileHashes:
+    """sha256 of local files, remembered by ``(size, mtime_ns, inode)`` across runs in one JSON file.
+
+    A refresh lists every input again; without this it re-reads every byte to find that nothing changed.
+    A remembered digest is used only while the file's size, mtime and inode are what they were when it
+    was hashed. Like git's index, a file hashed within ``RACY_SECONDS`` of its last modification is not
+    remembered (a second write in the same mtime tick could keep the stat and change the bytes). Missing,
+    unreadable or foreign content in ``path`` only means hashing again. Thread-safe.
+    """
+
+    RACY_SECONDS = 2.0
+
+    def __init__(self, path: str | Path | None = None):
+        import threading
+
+        self.path = Path(path) if path is not None else None
+        self._known: dict[str, list] = {}
+        self._used: dict[str, list] = {}
+        self._lock = threading.Lock()
+        self.hashed = 0  # files read and hashed by this instance (the rest came from the store)
+        if self.path is not None and self.path.is_file():
+            try:
+                data = json.loads(self.path.read_text())
+                if isinstance(data, dict) and isinstance(data.get("files"), dict):
+                    self._known = data["files"]
+            except (OSError, ValueError):
+                pass
+
+    def sha256(self, path: str | Path) -> str:
+        """The hex sha256 of the file at ``path`` (an absolute path is the key)."""
+        key = os.path.abspath(path)
+        st = os.stat(key)
+        stat = [st.st_size, st.st_mtime_ns, st.st_ino]
+        with self._lock:
+            known = self._known.get(key)
+        if known is not None and known[:3] == stat:
+            digest = known[3]
+        else:
+            digest = sha256_file(key)
+            with self._lock:
+                self.hashed += 1
+            if time.time() - st.st_mtime_ns / 1e9 < self.RACY_SECONDS:
+                return digest
+        with self._lock:
+            self._used[key] = [*stat, digest]
+        return digest
+
+    def save(self) -> None:
+        """Write the digests used since loading (files no longer listed are forgotten), atomically."""
+        if self.path is None:
+            return
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        with self._lock:
+            files = dict(sorted(self._used.items()))
+        _write_json_atomic(self.path, {"version": 1, "files": files})
+
+
 def stable_hash(obj: Any) -> str:
     """Hash of a JSON-able object, independent of dict order."""
     return sha256_bytes(json.dumps(obj, sort_keys=True, separators=(",", ":"), default=str).encode())

@@ -31,7 +31,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Iterator, Literal
 
-from stages.shardio import sha256_bytes, sha256_file, stable_hash
+from stages.shardio import FileHashes, sha256_bytes, sha256_file, stable_hash
 from stages.video import local_path
 
 SIDECAR_EXTENSIONS = (".txt", ".json")
@@ -54,6 +54,7 @@ class Entry:
     sidecars: tuple[str, ...] = ()  # local sidecar files (.txt before .json)
     sha256: str | None = None  # declared by the manifest, checked against the bytes
     error: str | None = None  # a listing problem: the entry is quarantined with this reason
+    digest: str | None = None  # sha256 of a local file's bytes, found while planning
 
     @property
     def suffix(self) -> str:
@@ -261,16 +262,24 @@ def remote_identity(uri: str) -> str:
         return stable_hash([uri, "unreadable", type(err).__name__])
 
 
-def content_identity(entry: Entry) -> str:
-    """What decides this entry's output: its id, the bytes of the file and its sidecars, its caption."""
+def content_identity(entry: Entry, hashes: FileHashes | None = None) -> str:
+    """What decides this entry's output: its id, the bytes of the file and its sidecars, its caption.
+
+    Local files are hashed through ``hashes`` (remembered digests of unchanged files) when given; the
+    file's digest is left in ``entry.digest`` so that ingest need not hash it again.
+    """
     if entry.error:
         return stable_hash([entry.id, entry.error])
+    file_sha = hashes.sha256 if hashes is not None else sha256_file
     if is_remote(entry.uri):
         data_id = entry.sha256 or remote_identity(entry.uri)
     else:
         path = Path(entry.uri)
-        data_id = sha256_file(path) if path.is_file() else "missing"
-    sidecars = {Path(p).suffix: sha256_file(p) for p in entry.sidecars}
+        if path.is_file():
+            data_id = entry.digest = file_sha(path)
+        else:
+            data_id = "missing"
+    sidecars = {Path(p).suffix: file_sha(p) for p in entry.sidecars}
     return stable_hash([entry.id, data_id, sidecars, entry.caption])
 
 

@@ -237,23 +237,87 @@ def test_hash_groups_are_bounded_and_local():
         assert old <= frozenset().union(*changed)
 
 
+def _ingest_run(cfg, sd):
+    units = ingest.plan(cfg, sd)
+    records = [sd.run_unit(u, lambda unit, out: ingest.process(cfg, unit, out)) for u in units]
+    sd.write_manifest(records, {"shard_size": cfg.shard_size})
+    return units, records
+
+
 def test_adding_three_files_reruns_only_their_units(demo_images, tmp_path):
     from PIL import Image
 
     cfg = IngestConfig(source=str(demo_images), shard_size=8)
     sd = StageDir(tmp_path / "ingest", "ingest").ensure()
-    first = [sd.run_unit(u, lambda unit, out: ingest.process(cfg, unit, out)) for u in ingest.plan(cfg)]
+    _, first = _ingest_run(cfg, sd)
     assert len(first) >= 4 and not any(r.reused for r in first)
     new = ["added_a.png", "added_b.png", "added_c.png"]
     for i, name in enumerate(new):
         Image.new("RGB", (64, 48), (10 * i, 20, 30)).save(demo_images / name)
-    units = ingest.plan(cfg)
-    second = [sd.run_unit(u, lambda unit, out: ingest.process(cfg, unit, out)) for u in units]
-    rerun = [u for u, r in zip(units, second) if not r.reused]
-    with_new = [u for u in units if {i["id"] for i in u.payload["items"]} & set(new)]
-    assert {u.unit_id for u in rerun} == {u.unit_id for u in with_new}
-    assert 1 <= len(rerun) <= 3
-    # every other unit is reused as it was (sorted chunking would have shifted every unit: "added_*" sorts
-    # before every demo file); no unit overflowed here, so the new files replaced units one for one
-    assert len(units) == len(first)
-    assert {r.unit_id for r in second if r.reused} <= {r.unit_id for r in first}
+    units, second = _ingest_run(cfg, sd)
+    # every unit of the first run is kept as it was; the three new files make one new unit of their own
+    assert {r.unit_id for r in second if r.reused} == {r.unit_id for r in first}
+    rerun = [(u, r) for u, r in zip(units, second) if not r.reused]
+    assert [sorted(i["id"] for i in u.payload["items"]) for u, _ in rerun] == [new]
+    assert sum(r.samples_in for _, r in rerun) == 3 and rerun[0][1].samples_out == 3
+
+    # A changed file re-runs its own unit only; a removed file leaves its unit one smaller.
+    changed, removed = sorted(demo_images.glob("img_0*.jpg"))[:2]
+    Image.new("RGB", (40, 40), (1, 2, 3)).save(changed, format="JPEG")
+    removed.unlink()
+    units, third = _ingest_run(cfg, sd)
+    rerun = [u for u, r in zip(units, third) if not r.reused]
+    held = [{i["id"] for i in u.payload["items"]} for u in rerun]
+    assert 1 <= len(rerun) <= 2 and any(changed.name in h for h in held)
+    assert not any(removed.name in {i["id"] for i in u.payload["items"]} for u in units)
+    assert len(units) == len(second) and sum(u.samples_in for u in units) == 26 + 3 - 1
+
+
+def test_a_new_shard_size_regroups_and_a_clean_run_ignores_history(demo_images, tmp_path):
+    cfg = IngestConfig(source=str(demo_images), shard_size=8)
+    sd = StageDir(tmp_path / "ingest", "ingest").ensure()
+    first, _ = _ingest_run(cfg, sd)
+    # without the stage folder (a clean run) the grouping is the hash grouping of a first run
+    assert [u.unit_id for u in ingest.plan(cfg)] == [u.unit_id for u in first]
+    smaller = IngestConfig(source=str(demo_images), shard_size=4)
+    units, _ = _ingest_run(smaller, sd)
+    assert max(u.samples_in for u in units) <= 4
+    assert [u.unit_id for u in units] == [u.unit_id for u in ingest.plan(smaller)]
+
+
+def test_layout_keeps_old_units_and_splits_new_entries_evenly():
+    ids = [f"f{i:03d}" for i in range(10)]
+    previous = [["f000", "f001", "gone"], ["f002", "f003"]]
+    groups = ingest.layout(ids, previous, 4)
+    assert [[ids[n] for n in g] for g in groups[:2]] == [["f000", "f001"], ["f002", "f003"]]
+    rest = groups[2:]
+    assert sorted(ids[n] for g in rest for n in g) == ids[4:] and sorted(len(g) for g in rest) == [3, 3]
+    assert ingest.layout(ids, [], 4) == hash_groups(ids, 4)
+
+
+def test_file_hashes_are_remembered_while_the_file_is_unchanged(tmp_path):
+    import os
+
+    from stages.shardio import FileHashes, sha256_file
+
+    path, store = tmp_path / "a.bin", tmp_path / "hashes.json"
+    path.write_bytes(b"x" * 1000)
+    old = 1_700_000_000_000_000_000
+    os.utime(path, ns=(old, old))
+    first = FileHashes(store)
+    assert first.sha256(path) == sha256_file(path) and first.hashed == 1
+    first.save()
+    second = FileHashes(store)
+    assert second.sha256(path) == sha256_file(path) and second.hashed == 0
+    # same size, new bytes and a new mtime: hashed again
+    path.write_bytes(b"y" * 1000)
+    os.utime(path, ns=(old + 1, old + 1))
+    third = FileHashes(store)
+    assert third.sha256(path) == sha256_file(path) and third.hashed == 1
+    # a file modified a moment ago is hashed but not remembered (its mtime tick may not be over)
+    fresh = tmp_path / "fresh.bin"
+    fresh.write_bytes(b"z")
+    third.sha256(fresh)
+    third.save()
+    assert str(fresh) not in json.loads(store.read_text())["files"]
+    assert FileHashes(store).sha256(path) == sha256_file(path)

@@ -82,7 +82,10 @@ def test_refresh_trains_only_on_a_new_snapshot(tiny_flux, demo_images, tmp_path)
     (demo_images / "zz_new.txt").write_text("a newly added picture\n")
     grown = refresh(str(DEMO_CONFIG), overrides, train=True)
     assert grown["snapshot"]["new"] and grown["stages"]["cache"]["out"] == 25
-    assert grown["stages"]["ingest"]["reused"] > 0  # untouched units were not redone
+    # only the new file's work: one new unit per stage, every other unit reused without a task run
+    assert _processed(grown) == {"ingest": (1, 26), "caption": (1, 25), "bucket": (1, 25), "cache": (1, 25)}
+    assert {s: grown["stages"][s]["units"] for s in ("ingest", "cache")} == {
+        s: unchanged["stages"][s]["units"] + 1 for s in ("ingest", "cache")}
     assert grown["train"]["steps"] == 2
     assert latest_name(out) == grown["snapshot"]["name"]
 
