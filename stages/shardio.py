@@ -99,6 +99,32 @@ class FileHashes:
         _write_json_atomic(self.path, {"version": 1, "files": files})
 
 
+def _libc_malloc_trim():
+    import ctypes
+    import ctypes.util
+    import sys
+
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
+    except (OSError, AttributeError):
+        return None
+
+
+_malloc_trim = _libc_malloc_trim()
+
+
+def release_memory() -> None:
+    """Hand the allocator's free memory back to the OS (glibc ``malloc_trim``; elsewhere a no-op).
+
+    A unit decodes images and builds tensors of sizes that vary with the bucket; glibc keeps the freed
+    blocks in fragmented arenas, so without this a long prep's resident set creeps up with every unit.
+    """
+    if _malloc_trim is not None and os.environ.get("LATENTMILL_NO_TRIM") != "1":
+        _malloc_trim(0)
+
+
 def stable_hash(obj: Any) -> str:
     """Hash of a JSON-able object, independent of dict order."""
     return sha256_bytes(json.dumps(obj, sort_keys=True, separators=(",", ":"), default=str).encode())
@@ -335,6 +361,8 @@ class StageDir:
         except BaseException:
             out.abort()
             raise
+        finally:
+            release_memory()
         return out.commit(time.perf_counter() - start)
 
     def write_manifest(self, records: list[UnitRecord], header: dict[str, Any]) -> dict[str, Any]:

@@ -87,3 +87,13 @@ def test_manifest_counts_conserve_and_parts_split(tmp_path):
     assert stage.quarantine_path.read_text().count("\n") == 1
     report = stage_report("demo", [record], 0.5)
     assert (report["in"], report["out"], report["quarantined"], report["processed"], report["reused"]) == (6, 5, 1, 6, 0)
+
+
+def test_release_memory_finds_malloc_trim_on_linux():
+    import sys
+
+    from stages import shardio
+
+    if sys.platform.startswith("linux"):
+        assert shardio._malloc_trim is not None  # otherwise prep's heap would silently never be trimmed
+    shardio.release_memory()
