@@ -80,17 +80,27 @@ _memo: dict[tuple, str] = {}
 _memo_lock = threading.Lock()
 
 
-def _file_sha(path: Path) -> str:
+def hash_store_path() -> Path:
+    """Where weight-file digests are remembered across runs: ``$LATENTMILL_HASH_STORE``, else
+    ``$XDG_CACHE_HOME/latentmill/weight-hashes.json`` (``~/.cache`` by default)."""
+    if os.environ.get("LATENTMILL_HASH_STORE"):
+        return Path(os.environ["LATENTMILL_HASH_STORE"])
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "latentmill" / "weight-hashes.json"
+
+
+def _file_sha(path: Path, store=None) -> str:
     st = path.stat()
     key = (str(path.resolve()), st.st_size, st.st_mtime_ns)
     with _memo_lock:
         if key in _memo:
             return _memo[key]
-    h = hashlib.sha256()
-    with open(path, "rb") as fh:
-        while block := fh.read(1 << 22):
-            h.update(block)
-    digest = h.hexdigest()
+    if store is None:
+        from stages.shardio import sha256_file
+
+        digest = sha256_file(path, chunk=1 << 22)
+    else:
+        digest = store.sha256(path.resolve())
     with _memo_lock:
         _memo[key] = digest
     return digest
@@ -101,12 +111,22 @@ def component_fingerprint(src: ComponentSource) -> str:
     root = _local_dir(src)
     if not root.is_dir():
         raise FileNotFoundError(f"model component folder {root} does not exist")
+    # Digests of unchanged weight files are remembered on disk (hash_store_path): a FLUX.1-dev-sized
+    # set is ~30 GB, which a prep would otherwise read in full on every run just to fingerprint it.
+    from stages.shardio import FileHashes
+
+    store = FileHashes(hash_store_path())
     entries = []
     for path in sorted(root.rglob("*")):
         if path.is_file() and path.name.endswith(_WEIGHT_SUFFIXES):
-            entries.append((path.relative_to(root).as_posix(), _file_sha(path)))
+            entries.append((path.relative_to(root).as_posix(), _file_sha(path, store)))
     if not entries:
         raise FileNotFoundError(f"no config or weight files under {root}")
+    if store.hashed:
+        try:
+            store.save(forget_unused=False)
+        except OSError:
+            pass  # a read-only home: the digests are only remembered for this process
     return hashlib.sha256(json.dumps(entries).encode()).hexdigest()
 
 

@@ -89,14 +89,19 @@ class FileHashes:
             self._used[key] = [*stat, digest]
         return digest
 
-    def save(self) -> None:
-        """Write the digests used since loading (files no longer listed are forgotten), atomically."""
+    def save(self, forget_unused: bool = True) -> None:
+        """Write the digests atomically: those used since loading, and with ``forget_unused=False`` also
+        the others the file held (a store shared by several datasets or models)."""
         if self.path is None:
             return
         self.path.parent.mkdir(parents=True, exist_ok=True)
         with self._lock:
-            files = dict(sorted(self._used.items()))
-        _write_json_atomic(self.path, {"version": 1, "files": files})
+            files = dict(self._used) if forget_unused else {**self._known, **self._used}
+        import threading
+
+        tmp = self.path.with_name(f"{self.path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+        tmp.write_text(json.dumps({"version": 1, "files": dict(sorted(files.items()))}))
+        os.replace(tmp, self.path)  # several processes may save at once: the last one wins, none tears
 
 
 def _libc_malloc_trim():

@@ -290,3 +290,35 @@ def test_every_caption_is_cached_and_the_loader_picks_one_per_epoch(tiny_flux, t
         member = ("text.safetensors", "text.1.safetensors")[chosen[epoch]]
         expected = load_tensors(sample[member])["prompt_embeds"]
         torch.testing.assert_close(batch["prompt_embeds"][row], expected)
+
+
+def test_weight_digests_are_remembered_across_processes(tiny_flux, tmp_path, monkeypatch):
+    import os
+    import shutil
+
+    from latentmill import models
+    from stages.shardio import sha256_file
+
+    store = tmp_path / "weights.json"
+    monkeypatch.setenv("LATENTMILL_HASH_STORE", str(store))
+    shutil.copytree(tiny_flux / "vae", tmp_path / "model" / "vae")
+    weights = sorted((tmp_path / "model" / "vae").glob("*.safetensors"))
+    old = 1_700_000_000_000_000_000  # long ago: not within the racy window of FileHashes
+    for w in (tmp_path / "model" / "vae").iterdir():
+        os.utime(w, ns=(old, old))
+    src = models.ComponentSource(str(tmp_path / "model"), "vae")
+    monkeypatch.setattr(models, "_memo", {})
+    first = models.component_fingerprint(src)
+    files = json.loads(store.read_text())["files"]
+    assert weights and all(files[str(w.resolve())][3] == sha256_file(w) for w in weights)
+    # a new process (empty memo) reads the digests back; a wrong digest in the store proves they are used
+    for w in weights:
+        files[str(w.resolve())][3] = "0" * 64
+    store.write_text(json.dumps({"version": 1, "files": files}))
+    monkeypatch.setattr(models, "_memo", {})
+    assert models.component_fingerprint(src) != first
+    # a weight file that changes (new mtime) is hashed again
+    for w in weights:
+        os.utime(w, ns=(old + 1, old + 1))
+    monkeypatch.setattr(models, "_memo", {})
+    assert models.component_fingerprint(src) == first
