@@ -22,18 +22,19 @@ from trainer.config import ParallelConfig, TrainerConfig
 
 @dataclass
 class RunnerConfig:
-    """How the prep flow runs stage work units: threads, processes, or a Dask cluster."""
+    """How the prep flow runs stage work units: threads, processes, or a Dask or Ray cluster."""
 
-    kind: Literal["threads", "processes", "dask"] = "threads"
-    workers: int = 2
-    address: Optional[str] = None  # Dask scheduler address (tcp://host:8786) when kind is dask
+    kind: Literal["threads", "processes", "dask", "ray"] = "threads"
+    workers: int = 2  # threads, processes, or workers (CPUs) of the local Dask / Ray cluster
+    address: Optional[str] = None  # an existing cluster: tcp://host:8786 (Dask) or ray://host:10001 / auto (Ray)
 
     def validate(self) -> None:
         if self.workers < 1:
             raise ConfigError(f"runner.workers: must be >= 1, got {self.workers}")
-        if self.kind == "dask" and importlib.util.find_spec("prefect_dask") is None:
-            raise ConfigError("runner.kind: 'dask' needs the prefect-dask package (pip install prefect-dask); "
-                              "allowed without it: 'threads', 'processes'")
+        for kind, package in (("dask", "prefect_dask"), ("ray", "prefect_ray")):
+            if self.kind == kind and importlib.util.find_spec(package) is None:
+                raise ConfigError(f"runner.kind: {kind!r} needs the {package.replace('_', '-')} package (pip "
+                                  f"install 'latentmill[{kind}]'); allowed without it: 'threads', 'processes'")
 
 
 @dataclass

@@ -91,6 +91,14 @@ def task_runner(runner: RunnerConfig):
         return ThreadPoolTaskRunner(max_workers=runner.workers)
     if runner.kind == "processes":
         return ProcessPoolTaskRunner(max_workers=runner.workers)
+    if runner.kind == "ray":
+        from prefect_ray import RayTaskRunner
+
+        if runner.address:
+            return RayTaskRunner(address=runner.address)
+        # a local cluster of `workers` CPUs, no dashboard; it stops when the flow ends
+        return RayTaskRunner(init_kwargs={"num_cpus": runner.workers, "include_dashboard": False,
+                                          "log_to_driver": False})
     from prefect_dask import DaskTaskRunner
 
     if runner.address:

@@ -34,7 +34,7 @@ def test_override_values_parse_as_yaml():
     [
         ("trainer.mode=ful", r"trainer.mode: 'ful' is not one of 'full', 'lora'"),
         ("parallel.strategy=zero3", r"parallel.strategy: 'zero3' is not one of 'none', 'ddp', 'fsdp2'"),
-        ("runner.kind=k8s", r"runner.kind: 'k8s' is not one of 'threads', 'processes', 'dask'"),
+        ("runner.kind=k8s", r"runner.kind: 'k8s' is not one of 'threads', 'processes', 'dask', 'ray'"),
         ("trainer.max_steps=lots", r"trainer.max_steps: expected an integer"),
         ("trainer.max_step=5", r"unknown key trainer.max_step; allowed keys under trainer: .*max_steps"),
         ("cache.dtype=fp8", r"cache.dtype: 'fp8' is not one of 'float32', 'bfloat16', 'float16'"),

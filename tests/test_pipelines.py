@@ -120,9 +120,10 @@ def _shard_digests(out):
     return digests
 
 
-@pytest.mark.parametrize("kind", ["processes", "dask"])
+@pytest.mark.parametrize("kind", ["processes", "dask", "ray"])
 def test_other_runners_write_identical_bytes(tiny_flux, demo_images, tmp_path, kind):
-    pytest.importorskip("prefect_dask") if kind == "dask" else None
+    if kind in ("dask", "ray"):
+        pytest.importorskip(f"prefect_{kind}")
     threads = run_prep(_recipe(tiny_flux, demo_images, tmp_path / "threads"))
     other = run_prep(_recipe(tiny_flux, demo_images, tmp_path / kind, f"runner.kind={kind}", "runner.workers=2"))
     assert _processed(other) == _processed(threads)
