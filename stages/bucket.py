@@ -287,7 +287,7 @@ def _video_clips(cfg: BucketConfig, sample: dict[str, Any], meta: dict[str, Any]
         clip_members = dict(members)
         if cfg.reencode:
             try:
-                frames_FHWC = read_frames(meta["source_uri"], clip.frame_indices)
+                frames_FHWC = read_frames(meta["source_uri"], clip.frame_indices, rotation=meta.get("rotation", 0))
             except Exception as err:  # decord / PyAV errors: a damaged stream
                 out.quarantine(clip_key, source, f"cannot decode clip frames: {type(err).__name__}: {err}")
                 continue

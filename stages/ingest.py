@@ -51,7 +51,7 @@ from stages.sources import (
 from stages.video import VIDEO_EXTENSIONS, probe_video
 
 STAGE = "ingest"
-FORMAT_VERSION = 2  # 2: sources, video references, source_uri, caption_origin, hash-grouped units
+FORMAT_VERSION = 3  # 2: sources, video references, source_uri, caption_origin, hash-grouped units; 3: rotation
 IMAGE_EXTENSIONS = {".jpg": "jpg", ".jpeg": "jpg", ".png": "png", ".webp": "webp", ".bmp": "bmp"}
 MEDIA_EXTENSIONS = {**IMAGE_EXTENSIONS, **VIDEO_EXTENSIONS}
 

@@ -1,8 +1,10 @@
 """Video: header probing, frame reading, clip planning and scene cuts. The one video implementation.
 
-* :func:`probe_video` reads what ingest records (fps, frame count, size, duration, codec) from the
-  container header: decord for the frame count and fps (the numbering :func:`read_frames` uses), PyAV for
-  the size and codec name (decord exposes neither without decoding a frame).
+* :func:`probe_video` reads what ingest records (fps, frame count, size, duration, codec, display
+  rotation) from the container: decord for the frame count and fps (the numbering :func:`read_frames`
+  uses), PyAV for the size, codec name and rotation (decord exposes none of them without decoding a frame).
+  A rotated (phone) video is recorded with its displayed size, and :func:`read_frames` turns its frames
+  upright.
 * :func:`read_frames` decodes chosen frames as ``uint8 [F, H, W, 3]`` (decord first, PyAV when decord
   cannot read the stream). The cache stage decodes clips with it and captioners should too.
 * :func:`plan_clips` turns a video's length and fps into training clips: a window of source frames,
@@ -86,6 +88,7 @@ def probe_video(uri: str | bytes) -> dict[str, Any]:
 
     src = _source(uri)
     frames = fps = None
+    rotation = video_rotation(src)
     try:
         reader = _decord_reader(src)
         frames, fps = len(reader), float(reader.get_avg_fps())
@@ -111,8 +114,45 @@ def probe_video(uri: str | bytes) -> dict[str, Any]:
         raise ValueError(f"video has no usable frame rate ({fps})")
     if not width or not height:
         raise ValueError(f"video has a degenerate size {width}x{height}")
-    return {"width": int(width), "height": int(height), "fps": round(fps, 6), "frames": int(frames),
+    if rotation % 180:
+        width, height = height, width  # the size as the video is shown (and as read_frames returns it)
+    meta = {"width": int(width), "height": int(height), "fps": round(fps, 6), "frames": int(frames),
             "duration": round(frames / fps, 6), "codec": codec}
+    if rotation:
+        meta["rotation"] = rotation
+    return meta
+
+
+def video_rotation(uri: str | bytes) -> int:
+    """The display rotation of a video, in degrees counter-clockwise (0, 90, 180 or -90).
+
+    Phones store portrait video as landscape frames plus a display matrix; players turn the frames by it
+    (``-90``: a quarter turn clockwise). This is FFmpeg's ``av_display_rotation_get`` of the first frame,
+    rounded to a quarter turn; 0 when the file has no display matrix or PyAV cannot tell.
+    """
+    import av
+
+    try:
+        with av.open(_open_arg(_source(uri))) as container:
+            if not container.streams.video:
+                return 0
+            for frame in container.decode(video=0):
+                angle = getattr(frame, "rotation", 0) or 0
+                break
+            else:
+                return 0
+    except (av.FFmpegError, ValueError, OSError):
+        return 0
+    if not math.isfinite(angle):
+        return 0
+    quarter = round(angle / 90) % 4
+    return {0: 0, 1: 90, 2: 180, 3: -90}[quarter]
+
+
+def rotate_frames(frames_FHWC: torch.Tensor, rotation: int) -> torch.Tensor:
+    """Frames turned as the display matrix says (``rotation`` degrees counter-clockwise)."""
+    k = round(rotation / 90) % 4
+    return torch.rot90(frames_FHWC, k, dims=(1, 2)).contiguous() if k else frames_FHWC
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -145,11 +185,14 @@ def _read_pyav(src: str | bytes, unique: list[int]) -> torch.Tensor:
 
 
 def read_frames(uri: str | bytes, frame_indices: Sequence[int],
-                backend: Literal["auto", "decord", "pyav"] = "auto") -> torch.Tensor:
+                backend: Literal["auto", "decord", "pyav"] = "auto", rotation: int | None = None) -> torch.Tensor:
     """Decode the frames ``frame_indices`` (any order, repeats allowed) as ``uint8 [F, H, W, 3]`` RGB.
 
     ``auto`` reads with decord and falls back to PyAV when decord cannot open or decode the stream; an
-    index past the end of the video raises IndexError from either backend.
+    index past the end of the video raises IndexError from either backend. Frames come out upright, turned
+    by the video's display rotation (``rotation``, as :func:`probe_video` recorded it; ``None`` reads it
+    from the file). A rotated video is always read with PyAV: decord 0.6.0 (and decord2 3.4) return
+    garbage or fail on one.
     """
     indices = [int(i) for i in frame_indices]
     if not indices:
@@ -158,8 +201,12 @@ def read_frames(uri: str | bytes, frame_indices: Sequence[int],
         raise IndexError(f"negative frame index {min(indices)}")
     unique = sorted(set(indices))
     src = _source(uri)
+    if rotation is None:
+        rotation = video_rotation(src)
     frames_UHWC = None
-    if backend in ("auto", "decord"):
+    if backend == "decord" and rotation:
+        raise ValueError(f"decord cannot read a rotated video (display rotation {rotation}); use backend 'pyav'")
+    if backend in ("auto", "decord") and not rotation:
         try:
             frames_UHWC = _read_decord(src, unique)
         except IndexError:
@@ -168,7 +215,7 @@ def read_frames(uri: str | bytes, frame_indices: Sequence[int],
             if backend == "decord":
                 raise
     if frames_UHWC is None:
-        frames_UHWC = _read_pyav(src, unique)
+        frames_UHWC = rotate_frames(_read_pyav(src, unique), rotation)
     position = {i: n for n, i in enumerate(unique)}
     return frames_UHWC[torch.tensor([position[i] for i in indices])]
 
@@ -345,8 +392,8 @@ def read_clip(meta: dict[str, Any], sample: dict[str, Any] | None = None) -> tor
     if clip.get("reencoded"):
         if sample is None or CLIP_MEMBER not in sample:
             raise ValueError(f"clip is re-encoded but the sample has no {CLIP_MEMBER} member")
-        return read_frames(sample[CLIP_MEMBER], range(clip["num_frames"]))
-    return read_frames(meta["source_uri"], clip["frame_indices"])
+        return read_frames(sample[CLIP_MEMBER], range(clip["num_frames"]), rotation=0)  # written upright
+    return read_frames(meta["source_uri"], clip["frame_indices"], rotation=meta.get("rotation", 0))
 
 
 # ---------------------------------------------------------------------------------------------------------
