@@ -154,6 +154,21 @@ def _write_json_atomic(path: Path, obj: Any) -> None:
 # ---------------------------------------------------------------------------------------------------------
 
 
+class _HashingFile:
+    """A write-only file that hashes what passes through it (the shard is not read back to hash it)."""
+
+    def __init__(self, fh):
+        self.fh = fh
+        self.sha = hashlib.sha256()
+
+    def write(self, data) -> int:
+        self.sha.update(data)
+        return self.fh.write(data)
+
+    def flush(self) -> None:
+        self.fh.flush()
+
+
 class _ShardSink:
     """Writes samples into ``path`` through a temporary file; ``commit`` renames it into place."""
 
@@ -161,8 +176,11 @@ class _ShardSink:
         self.path = path
         self.tmp = path.with_name(path.name + ".tmp")
         self._fh = open(self.tmp, "wb")
-        # mtime 0 and fixed owner make the tar bytes a pure function of the samples.
-        self._writer = wds.TarWriter(self._fh, user=_TAR_USER, group=_TAR_USER, mtime=0, encoder=False)
+        self._hashing = _HashingFile(self._fh)
+        # mtime 0 and fixed owner make the tar bytes a pure function of the samples; the tar is a stream
+        # ("w|"), written front to back, so hashing the writes hashes the file.
+        self._writer = wds.TarWriter(self._hashing, user=_TAR_USER, group=_TAR_USER, mtime=0, encoder=False,
+                                     compress=False)
         self.count = 0
 
     def write(self, sample: dict[str, Any]) -> None:
@@ -174,9 +192,8 @@ class _ShardSink:
         self._fh.flush()
         os.fsync(self._fh.fileno())
         self._fh.close()
-        digest = sha256_file(self.tmp)
         os.replace(self.tmp, self.path)
-        return digest
+        return self._hashing.sha.hexdigest()
 
     def abort(self) -> None:
         try:

@@ -97,3 +97,19 @@ def test_release_memory_finds_malloc_trim_on_linux():
     if sys.platform.startswith("linux"):
         assert shardio._malloc_trim is not None  # otherwise prep's heap would silently never be trimmed
     shardio.release_memory()
+
+
+def test_shard_digest_is_hashed_while_writing_and_matches_the_file(tmp_path):
+    import os
+
+    stage = StageDir(tmp_path / "s", "demo").ensure()
+    big = [{"__key__": f"k{i}", "bin": os.urandom(3_000_001 + i), "json": b"{}"} for i in range(3)]
+
+    def process(unit, out):
+        for s in big:
+            out.add(s)
+
+    record = stage.run_unit(WorkUnit("b" * 64, ["in"], {}, samples_in=3), process)
+    path = stage.root / record.shards[0].path
+    assert record.shards[0].sha256 == sha256_file(path) and path.stat().st_size % 512 == 0
+    assert [s["bin"] for s in read_shard(path)] == [s["bin"] for s in big]
