@@ -231,3 +231,206 @@ def test_prefetch_changes_neither_batches_nor_position(cache):
             assert _keys([a]) == _keys([b]) and torch.equal(a["latents"], b["latents"])
             assert ahead.state_dict() == plain.state_dict()
             assert ahead.epoch * len(ahead) + ahead.batch_index == n  # handed out n, whatever was read ahead
+
+
+# --- the direct read path: safetensors headers parsed by the loader, payloads read into the batch tensors ---
+
+
+def _add_second_captions(cache_dir, seed=1):
+    """Give every sample of a fake cache a ``text.1.safetensors`` (other random tensors, other lengths)."""
+    import io
+    import tarfile
+
+    from safetensors.torch import load as load_st
+    from safetensors.torch import save as save_st
+
+    gen = torch.Generator().manual_seed(seed)
+    manifest = json.loads((cache_dir / "manifest.json").read_text())
+    for entry in manifest["shards"]:
+        path = cache_dir / entry["path"]
+        with tarfile.open(path) as tar:
+            members = [(m, tar.extractfile(m).read()) for m in tar.getmembers()]
+        out = io.BytesIO()
+        with tarfile.open(fileobj=out, mode="w", format=tarfile.USTAR_FORMAT) as tar:
+            for member, data in members:
+                tar.addfile(member, io.BytesIO(data))
+                if member.name.endswith(".text.safetensors"):
+                    first = load_st(data)
+                    n = int(torch.randint(1, first["prompt_embeds"].shape[0] + 1, (1,), generator=gen))
+                    shapes = {k: v.shape if k != "prompt_embeds" else (n, *v.shape[1:]) for k, v in first.items()}
+                    other = {k: torch.randn(shapes[k], generator=gen).to(v.dtype) for k, v in first.items()}
+                    info = tarfile.TarInfo(member.name.replace(".text.", ".text.1."))
+                    info.size = len(blob := save_st(other))
+                    tar.addfile(info, io.BytesIO(blob))
+        path.write_bytes(out.getvalue())
+
+
+def _reference_batch(loader, batch, seed, dropout, empty):
+    """The batch as the loader built it before: safetensors ``load`` per member, pad, ``torch.stack``."""
+    from safetensors.torch import load as load_st
+
+    from trainer.loader import caption_choice, caption_dropped, pad_tokens
+
+    refs = {ref.key: ref for refs in loader.buckets.values() for ref in refs}
+    columns = {}
+    for key in batch["keys"]:
+        ref = refs[key]
+        vae = load_st(loader._read(ref, "vae.safetensors"))
+        texts = ref.texts
+        text = load_st(loader._read(ref, texts[caption_choice(seed, batch["epoch"], key, len(texts))]))
+        if caption_dropped(seed, batch["epoch"], key, dropout):
+            text = empty
+        sample = {"latents": vae["latents"], **text}
+        if loader.distribution:
+            sample["latents_std"] = vae["latents_std"]
+        if loader.pad_to is not None:
+            sample["prompt_embeds"] = pad_tokens(sample["prompt_embeds"], loader.pad_to)
+        for name, tensor in sample.items():
+            columns.setdefault(name, []).append(tensor)
+    return {name: torch.stack(ts).to(loader.dtype) for name, ts in columns.items()}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("empty_dtype", [None, torch.float32])  # float32: dropped rows promote the column
+def test_direct_read_equals_a_reference_decode(tmp_path, monkeypatch, dtype, empty_dtype):
+    import hashlib
+
+    from safetensors.torch import load_file, save_file
+
+    import trainer.loader as loader_module
+
+    buckets = {(32, 16, 1): 11, (16, 16, 1): 6}
+    write_fake_cache(tmp_path, buckets, trimmed=True, seq_len=9, latents="distribution", shards_per_bucket=2)
+    _add_second_captions(tmp_path)
+    if empty_dtype is not None:  # an empty prompt stored in another dtype than the samples
+        path = tmp_path / "empty_prompt.safetensors"
+        save_file({k: v.to(empty_dtype) for k, v in load_file(path).items()}, str(path))
+        manifest = json.loads((tmp_path / "manifest.json").read_text())
+        manifest["empty_prompt"]["sha256"] = hashlib.sha256(path.read_bytes()).hexdigest()
+        (tmp_path / "manifest.json").write_text(json.dumps(manifest))
+    empty = load_file(tmp_path / "empty_prompt.safetensors")
+    monkeypatch.setattr(loader_module, "PARALLEL_READ_BYTES", 0)  # also the several-threads path
+    seed, dropout = 4, 0.3
+    for io_threads, prefetch in [(1, False), (3, True)]:
+        loader = LatentLoader(tmp_path, batch_size=4, seed=seed, dtype=dtype, caption_dropout=dropout,
+                              io_threads=io_threads, prefetch=prefetch)  # fmt: skip
+        assert all(ref.texts == ("text.safetensors", "text.1.safetensors") for r in loader.buckets.values()
+                   for ref in r)  # fmt: skip
+        batches = list(itertools.islice(loader, 3 * len(loader)))
+        assert torch.cat([b["caption_dropped"] for b in batches]).any()
+        for batch in batches:
+            want = _reference_batch(loader, batch, seed, dropout, empty)
+            got = {k: v for k, v in batch.items() if isinstance(v, torch.Tensor) and k != "caption_dropped"}
+            assert set(got) == set(want)
+            assert set(want) == {"latents", "latents_std", "prompt_embeds", "pooled_prompt_embeds"}
+            for name in want:
+                assert got[name].dtype == want[name].dtype == dtype and got[name].is_contiguous()
+                assert torch.equal(got[name], want[name]), name
+        loader.close()
+
+
+def _member_header(path, key, ext):
+    """(file offset, bytes) of the JSON header of a safetensors member in a shard."""
+    from trainer.loader import index_shard
+
+    offset, _ = dict(index_shard(path))[key][ext]
+    data = path.read_bytes()
+    n = int.from_bytes(data[offset : offset + 8], "little")
+    return offset + 8, data[offset + 8 : offset + 8 + n]
+
+
+@pytest.mark.parametrize(
+    "corrupt, message",
+    [
+        (lambda h: h.replace(b'"BF16"', b'"XF16"', 1), "unknown dtype 'XF16'"),
+        (lambda h: h.replace(b'"shape":[16,', b'"shape":[17,', 1), r"hold 128 bytes, BF16 \[17, 2, 2\] needs"),
+        (lambda h: h.replace(b'"data_offsets":[0,', b'"data_offsets":[2,', 1), "data_offsets"),
+        (lambda h: b'"' + b"a" * (len(h) - 2) + b'"', "not a JSON object"),
+        (lambda h: h[:-3] + b"xyz", "not JSON"),
+    ],
+)
+def test_a_corrupt_member_header_names_the_shard_and_the_key(tmp_path, corrupt, message):
+    manifest = write_fake_cache(tmp_path, {(16, 16, 1): 3})
+    shard = tmp_path / manifest["shards"][0]["path"]
+    at, header = _member_header(shard, "s00001", "vae.safetensors")
+    bad = corrupt(header)
+    assert len(bad) == len(header)
+    data = bytearray(shard.read_bytes())
+    data[at : at + len(header)] = bad
+    shard.write_bytes(bytes(data))
+    loader = LatentLoader(tmp_path, batch_size=3)  # the index reads headers, it does not refuse samples
+    with pytest.raises(ValueError, match=message) as err:
+        next(iter(loader))
+    text = str(err.value)
+    assert str(shard) in text and "'s00001'" in text and "s00001.vae.safetensors" in text
+
+
+def test_a_header_length_past_the_member_is_refused(tmp_path):
+    manifest = write_fake_cache(tmp_path, {(16, 16, 1): 2})
+    shard = tmp_path / manifest["shards"][0]["path"]
+    at, header = _member_header(shard, "s00000", "text.safetensors")
+    data = bytearray(shard.read_bytes())
+    data[at - 8 : at] = (10**6).to_bytes(8, "little")
+    shard.write_bytes(bytes(data))
+    with pytest.raises(ValueError, match=r"s00000.*text\.safetensors.*header length 1000000 runs past"):
+        next(iter(LatentLoader(tmp_path, batch_size=2, prefetch=False)))
+
+
+def test_fast_tar_index_equals_tarfile(tmp_path):
+    import io
+    import tarfile
+
+    from trainer.loader import _index_shard_tarfile, index_shard
+
+    manifest = write_fake_cache(tmp_path, {(16, 16, 1): 5, (32, 16, 1): 3})
+    for entry in manifest["shards"]:
+        path = tmp_path / entry["path"]
+        headers = {}
+        assert index_shard(path, headers) == _index_shard_tarfile(path)
+        assert {ext for _, ext in headers} == {"vae.safetensors", "text.safetensors"}
+        assert len(headers) == 2 * entry["samples"]  # every safetensors header came with its tar header
+    # directories, a ustar prefix, a pax header (long name): the fast path or tarfile, the same index
+    for fmt in (tarfile.USTAR_FORMAT, tarfile.PAX_FORMAT, tarfile.GNU_FORMAT):
+        buf = io.BytesIO()
+        with tarfile.open(fileobj=buf, mode="w", format=fmt) as tar:
+            long_path = "x" * 90 + "/" + "y" * 60 + ".vae.safetensors"  # a ustar prefix
+            names = [("d", None), ("d/a.json", 3), (long_path, 700), ("noext", 1)]
+            if fmt != tarfile.USTAR_FORMAT:
+                names.append(("z" * 120 + ".json", 5))  # too long for ustar: a pax / GNU long-name header
+            for name, size in names:
+                info = tarfile.TarInfo(name)
+                if size is None:
+                    info.type = tarfile.DIRTYPE
+                    tar.addfile(info)
+                else:
+                    info.size = size
+                    tar.addfile(info, io.BytesIO(bytes(size)))
+        path = tmp_path / f"odd-{fmt}.tar"
+        path.write_bytes(buf.getvalue())
+        assert index_shard(path) == _index_shard_tarfile(path)
+
+
+def test_read_ahead_in_a_thread_changes_neither_batches_nor_position(cache, monkeypatch):
+    """A consumer slow enough for the read-ahead thread (forced here) gets what a plain loader gives."""
+    import threading
+
+    import trainer.loader as loader_module
+
+    monkeypatch.setattr(loader_module, "PREFETCH_MIN_CONSUMER_S", 0.0)
+    monkeypatch.setattr(loader_module, "PREFETCH_DELAY_SHARE", 1.0)  # and the delayed start
+    with LatentLoader(cache, batch_size=3, seed=5, prefetch=True) as ahead, \
+            LatentLoader(cache, batch_size=3, seed=5, prefetch=False) as plain:
+        fast, slow = iter(ahead), iter(plain)
+        for n in range(1, 3 * len(ahead) + 2):
+            a, b = next(fast), next(slow)
+            if n == 2:
+                assert any(t.name.startswith("latent-prefetch") for t in threading.enumerate())
+            assert _keys([a]) == _keys([b]) and (a["epoch"], a["index"]) == (b["epoch"], b["index"])
+            for name in ("latents", "prompt_embeds", "pooled_prompt_embeds"):
+                assert torch.equal(a[name], b[name])
+            assert ahead.state_dict() == plain.state_dict()
+            assert ahead.epoch * len(ahead) + ahead.batch_index == n
+        state = ahead.state_dict()
+    resumed = LatentLoader(cache, batch_size=3, seed=5, prefetch=True)
+    resumed.load_state_dict(state)
+    assert _keys([next(iter(resumed))]) == _keys([next(slow)])

@@ -11,10 +11,14 @@ Design choices:
 
 * One bucket per batch, never mixed shapes. The order is a pure function of (seed, epoch, manifest): shuffle
   each bucket's samples, chunk them into batches of ``batch_size``, shuffle the list of batches.
-* Memory: at start-up only tar *headers* are read (an index of byte ranges per sample member). A batch reads
-  its members with ``os.pread`` from the shard files, so RAM holds one batch, whatever the dataset size,
-  and each member is read exactly once per epoch. This needs local, uncompressed tars (what the cache
-  stage writes); remote (fsspec) caches are not supported yet.
+* Memory: at start-up only tar *headers* are read (an index of byte ranges per sample member, one ``pread``
+  per header block). A batch reads its members from the shard files, so RAM holds one batch, whatever the
+  dataset size, and each member is read exactly once per epoch. This needs local, uncompressed tars (what
+  the cache stage writes); remote (fsspec) caches are not supported yet.
+* One copy per tensor: a member's safetensors header (8-byte little-endian length + JSON with dtype, shape
+  and ``data_offsets``) is read and checked first, then ``os.preadv`` reads each tensor's payload straight
+  into its row of a preallocated batch tensor (``[B, ...]``, the stored dtype). No per-sample decode, no
+  ``torch.stack``; a different output ``dtype`` is one conversion per batch column.
 * ``state_dict()`` is (epoch, index of the next batch): restoring it yields the very same next batches.
 * Under DDP each rank takes every ``world_size``-th batch of the global plan, the same number per rank.
 * Trimmed text (``text.trimmed``): ``prompt_embeds`` hold only the real tokens and are zero-padded to
@@ -30,10 +34,13 @@ import json
 import logging
 import os
 import tarfile
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+import threading
+import time
+import zlib
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterator, Union
 
 import torch
 from safetensors.torch import load as load_safetensors
@@ -45,6 +52,50 @@ VAE_MEMBER = "vae.safetensors"
 TEXT_MEMBER = "text.safetensors"
 META_MEMBER = "json"
 
+# safetensors dtype names -> torch dtypes (the ones torch can hold; the cache stage writes BF16/F16/F32)
+SAFETENSORS_DTYPES: dict[str, torch.dtype] = {
+    "BOOL": torch.bool,
+    "U8": torch.uint8,
+    "I8": torch.int8,
+    "I16": torch.int16,
+    "I32": torch.int32,
+    "I64": torch.int64,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "F32": torch.float32,
+    "F64": torch.float64,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
+}
+HEADER_READ = 4096  # bytes read at a member's start: its safetensors header (typically < 300 bytes) fits
+MAX_HEADER = 100_000_000  # the safetensors library's own limit on the JSON header
+_TAR_BLOCK = 512
+PREFETCH_MIN_CONSUMER_S = 200e-6  # read ahead only for a consumer this slow per batch (a hand-off: ~50-100µs)
+PREFETCH_DELAY_SHARE = 0.1  # the read-ahead starts this share of the consumer's time per batch later...
+PREFETCH_DELAY_MAX_S = 0.001  # ...and at most this much later
+PARALLEL_READ_BYTES = 1 << 20  # a batch with less to read is read by one thread (a hand-off costs ~50 µs)
+INDEX_COLD_S_PER_SAMPLE = 75e-6  # the first shard indexed slower than this per sample: shards are on disk,
+INDEX_THREADS = 8  # so index the others with this many threads (reads in flight)
+_TAR_CHUNK = 4096  # bytes read per tar index pread: small members' data and the next headers come along
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """One tensor of a safetensors member: dtype, shape and payload byte range from the member's start."""
+
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    begin: int
+    end: int
+
+
+@dataclass(frozen=True)
+class MemberLayout:
+    """A parsed, checked safetensors header: its tensors in header order and the member size it implies."""
+
+    tensors: dict[str, TensorSpec]
+    size: int  # 8 + header length + payload bytes: the whole member
+
 
 @dataclass(frozen=True)
 class SampleRef:
@@ -53,6 +104,17 @@ class SampleRef:
     shard: int  # index into LatentLoader.shard_paths
     key: str
     members: dict[str, tuple[int, int]]  # extension -> (offset, size) in the tar
+    texts: tuple[str, ...] = (TEXT_MEMBER,)  # caption members in order (``text_members``)
+    # extension -> its checked safetensors header, where the index read it (shared by equal headers)
+    layouts: dict[str, MemberLayout] = field(default_factory=dict)
+
+
+class HeaderError(ValueError):
+    """A safetensors header that does not describe a valid member (the caller adds shard and key)."""
+
+
+# Where one tensor of a batch row comes from: (sample, member extension, tensor) or an in-memory tensor
+_Source = Union[tuple[SampleRef, str, TensorSpec], torch.Tensor]
 
 
 def read_manifest(cache_dir: str | Path) -> dict:
@@ -115,8 +177,135 @@ def pad_tokens(embeds_LD: torch.Tensor, pad_to: int) -> torch.Tensor:
     return torch.cat([embeds_LD, embeds_LD.new_zeros(pad_to - n, *embeds_LD.shape[1:])])
 
 
-def index_shard(path: Path) -> list[tuple[str, dict[str, tuple[int, int]]]]:
-    """List (key, {extension: (offset, size)}) per sample of an uncompressed tar, reading headers only."""
+def parse_safetensors_header(header: bytes) -> MemberLayout:
+    """Parse and check the JSON header of a safetensors member (the bytes after its 8-byte length).
+
+    Checks what ``safetensors.torch.load`` checks: known dtypes, integer shapes, each tensor's byte range as
+    long as its shape and dtype say, the ranges back to back from 0 in offset order. Raises ``HeaderError``.
+    """
+    try:
+        entries = json.loads(header)
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise HeaderError(f"safetensors header is not JSON ({err})") from None
+    if not isinstance(entries, dict):
+        raise HeaderError("safetensors header is not a JSON object")
+    tensors: dict[str, TensorSpec] = {}
+    for name, entry in entries.items():
+        if name == "__metadata__":
+            continue
+        if not isinstance(entry, dict):
+            raise HeaderError(f"tensor {name!r}: entry is not an object")
+        dtype = SAFETENSORS_DTYPES.get(entry.get("dtype"))  # type: ignore[arg-type]
+        if dtype is None:
+            raise HeaderError(f"tensor {name!r}: unknown dtype {entry.get('dtype')!r}")
+        shape, offsets = entry.get("shape"), entry.get("data_offsets")
+        if not (isinstance(shape, list) and all(type(d) is int and d >= 0 for d in shape)):
+            raise HeaderError(f"tensor {name!r}: invalid shape {shape!r}")
+        if not (isinstance(offsets, list) and len(offsets) == 2 and all(type(o) is int for o in offsets)):
+            raise HeaderError(f"tensor {name!r}: invalid data_offsets {offsets!r}")
+        numel = 1
+        for d in shape:
+            numel *= d
+        begin, end = offsets
+        if end - begin != numel * dtype.itemsize or begin < 0:
+            raise HeaderError(
+                f"tensor {name!r}: data_offsets {offsets} hold {end - begin} bytes, "
+                f"{entry['dtype']} {shape} needs {numel * dtype.itemsize}"
+            )
+        tensors[name] = TensorSpec(dtype, tuple(shape), begin, end)
+    position = 0
+    for name, spec in sorted(tensors.items(), key=lambda item: (item[1].begin, item[1].end)):
+        if spec.begin != position:
+            raise HeaderError(f"tensor {name!r}: data_offsets start at {spec.begin}, expected {position}")
+        position = spec.end
+    data_start = 8 + len(header)
+    return MemberLayout(
+        {
+            name: TensorSpec(t.dtype, t.shape, data_start + t.begin, data_start + t.end)
+            for name, t in tensors.items()
+        },
+        data_start + position,
+    )
+
+
+def _tar_size(field: bytes) -> int | None:
+    """A ustar numeric field (octal ASCII); None for anything else (base-256, garbage)."""
+    if field[0] & 0x80:  # base-256: left to tarfile
+        return None
+    try:
+        return int(field.split(b"\0", 1)[0].strip() or b"0", 8)
+    except ValueError:
+        return None
+
+
+def _st_header(chunk: bytes, at: int, size: int) -> bytes | None:
+    """The JSON header of the safetensors member of ``size`` bytes at ``chunk[at:]``; None if cut off."""
+    if at + 8 > len(chunk):
+        return None
+    end = at + 8 + int.from_bytes(chunk[at : at + 8], "little")
+    return chunk[at + 8 : end] if end <= len(chunk) and end <= at + size else None
+
+
+def _index_shard_fast(
+    fd: int, headers: dict[tuple[str, str], bytes] | None = None
+) -> list[tuple[str, dict[str, tuple[int, int]]]] | None:
+    """``index_shard`` for plain ustar/v7 tars (what ``webdataset.TarWriter`` writes for short ASCII names).
+
+    Reads the header blocks with ``os.pread`` (``_TAR_CHUNK`` bytes at a time, so a small member's data
+    and the next header come with one read). Returns None on anything it does not parse itself (pax or GNU
+    long-name headers, base-256 sizes, non-ASCII names, bad checksums), so the caller can use ``tarfile``.
+    ``headers``: filled with (key, extension) -> the JSON header of each ``.safetensors`` member that came
+    with the read of its tar header (unchecked bytes).
+    """
+    samples: dict[str, dict[str, tuple[int, int]]] = {}
+    file_size = os.fstat(fd).st_size
+    chunk, chunk_start, offset = b"", 0, 0
+    while offset + _TAR_BLOCK <= file_size:
+        if not chunk_start <= offset <= chunk_start + len(chunk) - _TAR_BLOCK:
+            chunk, chunk_start = os.pread(fd, _TAR_CHUNK, offset), offset
+            if len(chunk) < _TAR_BLOCK:
+                return None
+        at = offset - chunk_start
+        block = chunk[at : at + _TAR_BLOCK]
+        if block.count(0) == _TAR_BLOCK:  # end-of-archive marker
+            break
+        try:  # what tarfile writes: zero-padded octal digits, then NUL (and a space after the checksum)
+            size, checksum = int(block[124:135], 8), int(block[148:154], 8)
+        except ValueError:
+            size, checksum = _tar_size(block[124:136]), _tar_size(block[148:156])  # type: ignore[assignment]
+        # the checksum is the byte sum with its own field as spaces (adler32 sums in C: compare modulo 65521)
+        if checksum is None:
+            return None
+        if (1 + checksum + sum(block[148:156]) - 8 * 0x20) % 65521 != zlib.adler32(block) & 0xFFFF:
+            return None
+        typeflag = block[156:157]
+        if size is None or typeflag not in (b"0", b"\0", b"5"):
+            return None
+        name = block[:100].split(b"\0", 1)[0]
+        if block[345]:  # a ustar name prefix (tarfile reads it whatever the magic says)
+            name = block[345:500].split(b"\0", 1)[0] + b"/" + name
+        if not name.isascii():
+            return None
+        data = offset + _TAR_BLOCK
+        if typeflag != b"5" and not name.endswith(b"/"):  # a v7 directory: a name ending in "/"
+            dirname, _, basename = name.decode().rpartition("/")
+            key, dot, ext = basename.partition(".")
+            if dot:
+                key = f"{dirname}/{key}" if dirname else key
+                samples.setdefault(key, {})[ext] = (data, size)
+                if headers is not None and ext.endswith(".safetensors") and size >= 8:
+                    header = _st_header(chunk, at + _TAR_BLOCK, size)
+                    if header is None and chunk_start != offset:  # cut by the chunk's end: read from here
+                        chunk, chunk_start = os.pread(fd, _TAR_CHUNK, offset), offset
+                        header = _st_header(chunk, _TAR_BLOCK, size)
+                    if header is not None:
+                        headers[key, ext] = header
+        offset = data + -(-size // _TAR_BLOCK) * _TAR_BLOCK
+    return list(samples.items())
+
+
+def _index_shard_tarfile(path: Path) -> list[tuple[str, dict[str, tuple[int, int]]]]:
+    """``index_shard`` through ``tarfile``: every tar dialect it reads (pax, GNU long names, ...)."""
     samples: dict[str, dict[str, tuple[int, int]]] = {}
     with tarfile.open(path, mode="r:") as tar:
         for member in tar:
@@ -129,6 +318,26 @@ def index_shard(path: Path) -> list[tuple[str, dict[str, tuple[int, int]]]]:
             key = f"{dirname}/{key}" if dirname else key
             samples.setdefault(key, {})[ext] = (member.offset_data, member.size)
     return list(samples.items())
+
+
+def index_shard(
+    path: Path, headers: dict[tuple[str, str], bytes] | None = None
+) -> list[tuple[str, dict[str, tuple[int, int]]]]:
+    """List (key, {extension: (offset, size)}) per sample of an uncompressed tar, reading headers only.
+
+    Plain ustar headers are parsed directly from ``os.pread`` blocks; any other tar dialect goes through
+    ``tarfile`` (same result, slower). ``headers``: see ``_index_shard_fast`` (left empty by ``tarfile``).
+    """
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        samples = _index_shard_fast(fd, headers)
+    finally:
+        os.close(fd)
+    if samples is None:
+        if headers is not None:
+            headers.clear()
+        samples = _index_shard_tarfile(path)
+    return samples
 
 
 def _sha256(path: Path) -> str:
@@ -153,6 +362,9 @@ class LatentLoader:
     (zero-padded to ``text.pad_to`` when trimmed), ``pooled_prompt_embeds`` [B, D_pooled] (Flux) (all
     ``dtype``), ``caption_dropped`` (bool [B]), ``keys`` (list of sample keys), ``bucket``
     ([width, height, frames]), ``epoch`` and ``index`` (position of the batch in its epoch).
+
+    ``prefetch``: read the next batch in a background thread while the consumer works on this one (see
+    ``__iter__``); ``io_threads``: threads that copy the members of one batch (over ``PARALLEL_READ_BYTES``).
     """
 
     def __init__(
@@ -169,6 +381,7 @@ class LatentLoader:
         world_size: int = 1,
         caption_dropout: float = 0.0,
         prefetch: bool = True,
+        io_threads: int = 2,
     ) -> None:
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
@@ -186,6 +399,10 @@ class LatentLoader:
             raise ValueError(f"caption_dropout must be in [0, 1], got {caption_dropout}")
         self.caption_dropout = caption_dropout
         self.prefetch = prefetch  # read the next batch while the current one trains
+        if io_threads < 1:
+            raise ValueError(f"io_threads must be >= 1, got {io_threads}")
+        self.io_threads = io_threads  # threads that copy one batch's members (os.preadv releases the GIL)
+        self._io_pool: ThreadPoolExecutor | None = None
         self.empty_prompt = self._load_empty_prompt() if caption_dropout > 0 else None
         # What the sample order depends on: the shard list (content-addressed), not the stage config.
         shard_ids = [
@@ -194,26 +411,37 @@ class LatentLoader:
         self.dataset_id = hashlib.sha256(json.dumps(shard_ids, sort_keys=True).encode()).hexdigest()
 
         # --- index every shard's headers, grouped by bucket (manifest order, then tar order) ---
+        self._layouts: dict[bytes, MemberLayout] = {}  # parsed headers by their bytes (a bucket shares a few)
         self.shard_paths: list[Path] = []
-        by_bucket: dict[tuple[int, ...], list[SampleRef]] = {}
         for entry in self.manifest["shards"]:
             path = self.cache_dir / entry["path"]
             if path.suffix != ".tar":
                 raise ValueError(f"{path}: only uncompressed .tar shards are supported")
             if verify and entry.get("sha256") and _sha256(path) != entry["sha256"]:
                 raise ValueError(f"{path}: sha256 differs from the manifest (corrupt or replaced shard)")
-            shard_id = len(self.shard_paths)
             self.shard_paths.append(path)
-            samples = index_shard(path)
+        by_bucket: dict[tuple[int, ...], list[SampleRef]] = {}
+        indexed = zip(self.manifest["shards"], self._index_shards())
+        for shard_id, (entry, (samples, headers)) in enumerate(indexed):
+            path = self.shard_paths[shard_id]
             if "samples" in entry and entry["samples"] != len(samples):
                 raise ValueError(
                     f"{path}: manifest says {entry['samples']} samples, the tar holds {len(samples)}"
                 )
             for key, members in samples:
-                missing = {VAE_MEMBER, TEXT_MEMBER} - set(members)
-                if missing:
-                    raise ValueError(f"{path}: sample {key!r} lacks {', '.join(sorted(missing))}")
-                by_bucket.setdefault(tuple(entry["bucket"]), []).append(SampleRef(shard_id, key, members))
+                if VAE_MEMBER not in members or TEXT_MEMBER not in members:
+                    missing = sorted({VAE_MEMBER, TEXT_MEMBER} - set(members))
+                    raise ValueError(f"{path}: sample {key!r} lacks {', '.join(missing)}")
+                layouts = {}
+                for ext, (_, size) in members.items():
+                    header = headers.get((key, ext))
+                    layout = self._parsed(header) if header is not None else None
+                    if layout is not None and layout.size == size:  # else checked (and refused) when read
+                        layouts[ext] = layout
+                others = len(members) - 2 - (META_MEMBER in members)  # members beside vae, text and json
+                texts = tuple(text_members(members)) if others else (TEXT_MEMBER,)
+                ref = SampleRef(shard_id, key, members, texts, layouts)
+                by_bucket.setdefault(tuple(entry["bucket"]), []).append(ref)
         self.buckets = {b: by_bucket[b] for b in sorted(by_bucket)}
         self.num_samples = sum(len(refs) for refs in self.buckets.values())
 
@@ -221,6 +449,31 @@ class LatentLoader:
         self._order_epoch: int | None = None
         self._order: list[tuple[tuple[int, ...], list[int]]] = []
         self._fds: dict[int, int] = {}
+        self._fd_lock = threading.Lock()
+
+    def _index_shards(self) -> Iterator[tuple[list[tuple[str, dict[str, tuple[int, int]]]], dict]]:
+        """(``index_shard`` result, safetensors headers it read) of every shard, in order.
+
+        The first shard is indexed alone and timed: when that is slow (shards not in the page cache, one
+        disk round trip per tar header), the others are indexed by ``INDEX_THREADS`` threads at once, which
+        keeps that many reads in flight.
+        """
+
+        def one(path: Path) -> tuple[list[tuple[str, dict[str, tuple[int, int]]]], dict]:
+            headers: dict[tuple[str, str], bytes] = {}
+            return index_shard(path, headers), headers
+
+        if not self.shard_paths:
+            return
+        start = time.perf_counter()
+        first = one(self.shard_paths[0])
+        cold = time.perf_counter() - start > INDEX_COLD_S_PER_SAMPLE * max(1, len(first[0]))
+        yield first
+        if cold and len(self.shard_paths) > 1:
+            with ThreadPoolExecutor(max_workers=INDEX_THREADS, thread_name_prefix="latent-index") as pool:
+                yield from pool.map(one, self.shard_paths[1:])
+        else:
+            yield from map(one, self.shard_paths[1:])
 
     def _load_empty_prompt(self) -> dict[str, torch.Tensor]:
         """The text tensors of the empty caption (``manifest["empty_prompt"]``), checked against its sha256."""
@@ -313,85 +566,279 @@ class LatentLoader:
             index += 1
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
-        """Batches forever; the next one is read in a background thread while the current one trains.
+        """Batches forever; with ``prefetch`` the next one is read in a background thread while the current
+        one trains (once the consumer takes ``PREFETCH_MIN_CONSUMER_S`` or more per batch), without it each
+        batch is read in the calling thread when asked for.
 
         The position (``state_dict``) only moves when a batch is handed out, so a checkpoint taken after
         batch N resumes at batch N+1 whatever was prefetched.
         """
         positions = self._positions()
-        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="latent-prefetch") as pool:
-
-            def submit():
-                epoch, index, bucket, indices = next(positions)
-                return epoch, index, pool.submit(self._read_batch, bucket, indices, epoch)
-
-            pending = submit()
-            while True:
-                epoch, index, future = pending
-                batch = future.result()
-                if self.prefetch:
-                    pending = submit()
+        if not self.prefetch:
+            for epoch, index, bucket, indices in positions:
+                batch = self._read_batch(bucket, indices, epoch)
                 batch["epoch"], batch["index"] = epoch, index
                 self.epoch, self.batch_index = epoch, index + 1  # state now points at the next batch
                 yield batch
-                if not self.prefetch:
-                    pending = submit()
+            return
+        # The read-ahead: the next batch is read in a thread while the consumer works on this one, when the
+        # consumer spends long enough per batch for that to pay (a tight loop gains nothing from a thread on
+        # the reading side: it reads in its own thread). It starts after a short delay (a share of the
+        # consumer's time per batch), so that the reader's Python does not hold the GIL just when the
+        # consumer's own per-batch Python runs (moving the batch, drawing noise); a consumer that asks again
+        # sooner starts it at once.
+        asked = threading.Event()
+
+        def read(bucket: tuple[int, ...], indices: list[int], epoch: int, delay: float) -> dict[str, Any]:
+            if delay > 0:
+                asked.wait(delay)
+            return self._read_batch(bucket, indices, epoch)
+
+        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="latent-prefetch") as pool:
+            pending: tuple[int, int, Future] | None = None
+            handed_at: float | None = None
+            while True:
+                asked.set()
+                consumer_s = time.perf_counter() - handed_at if handed_at is not None else 0.0
+                if pending is None:
+                    epoch, index, bucket, indices = next(positions)
+                    batch = self._read_batch(bucket, indices, epoch)
+                else:
+                    epoch, index, future = pending
+                    batch = future.result()
+                    pending = None
+                if consumer_s >= PREFETCH_MIN_CONSUMER_S:
+                    delay = min(PREFETCH_DELAY_MAX_S, PREFETCH_DELAY_SHARE * consumer_s)
+                    next_epoch, next_index, bucket, indices = next(positions)
+                    asked.clear()
+                    pending = next_epoch, next_index, pool.submit(read, bucket, indices, next_epoch, delay)
+                batch["epoch"], batch["index"] = epoch, index
+                self.epoch, self.batch_index = epoch, index + 1  # state now points at the next batch
+                handed_at = time.perf_counter()
+                yield batch
+
+    def _fd(self, shard: int) -> int:
+        """The open file descriptor of shard ``shard`` (opened on first use, closed by ``close``)."""
+        fd = self._fds.get(shard)
+        if fd is None:
+            with self._fd_lock:
+                fd = self._fds.get(shard)
+                if fd is None:
+                    fd = self._fds[shard] = os.open(self.shard_paths[shard], os.O_RDONLY)
+        return fd
 
     def _read(self, ref: SampleRef, ext: str) -> bytes:
-        fd = self._fds.get(ref.shard)
-        if fd is None:
-            fd = self._fds[ref.shard] = os.open(self.shard_paths[ref.shard], os.O_RDONLY)
+        """The bytes of one member of a sample (metadata, tests; batches read with ``_read_batch``)."""
         offset, size = ref.members[ext]
-        data = os.pread(fd, size, offset)
+        data = os.pread(self._fd(ref.shard), size, offset)
         if len(data) != size:
             raise IOError(f"{self.shard_paths[ref.shard]}: short read for {ref.key}.{ext}")
         return data
 
+    def _where(self, ref: SampleRef, ext: str) -> str:
+        return f"{self.shard_paths[ref.shard]}: sample {ref.key!r}, member {ref.key}.{ext}"
+
+    def _parsed(self, header: bytes, strict: bool = False) -> MemberLayout | None:
+        """``parse_safetensors_header`` once per distinct header; an invalid one: None, or ``HeaderError``
+        when ``strict``."""
+        layout = self._layouts.get(header)
+        if layout is None:
+            try:
+                layout = parse_safetensors_header(header)
+            except HeaderError:
+                if strict:
+                    raise
+                return None
+            if len(self._layouts) >= 65536:  # many distinct headers (unusual): stay bounded
+                self._layouts.clear()
+            self._layouts[header] = layout
+        return layout
+
+    def _layout(self, ref: SampleRef, ext: str) -> MemberLayout:
+        """The checked safetensors header of a sample member: from the index where it read it, else one
+        small ``pread``. Raises ``ValueError`` naming the shard, the sample and the member if invalid."""
+        layout = ref.layouts.get(ext)
+        if layout is not None:
+            return layout
+        offset, size = ref.members[ext]
+        fd = self._fd(ref.shard)
+        head = os.pread(fd, min(size, HEADER_READ), offset)
+        if len(head) < 8:
+            raise ValueError(f"{self._where(ref, ext)}: {size} bytes, too short for a safetensors header")
+        end = 8 + int.from_bytes(head[:8], "little")
+        if end > size or end - 8 > MAX_HEADER:
+            raise ValueError(
+                f"{self._where(ref, ext)}: safetensors header length {end - 8} runs past the member's "
+                f"{size} bytes"
+            )
+        if end > len(head):
+            head += os.pread(fd, end - len(head), offset + len(head))
+            if len(head) < end:
+                raise IOError(f"{self._where(ref, ext)}: short read")
+        try:
+            layout = self._parsed(head[8:end], strict=True)
+        except HeaderError as err:
+            raise ValueError(f"{self._where(ref, ext)}: {err}") from None
+        if layout.size != size:
+            raise ValueError(
+                f"{self._where(ref, ext)}: safetensors header describes {layout.size} bytes, "
+                f"the member holds {size}"
+            )
+        return layout
+
     def _read_batch(self, bucket: tuple[int, ...], indices: list[int], epoch: int) -> dict[str, Any]:
+        """Read one batch: the members' headers first, then each tensor payload straight into its row."""
         refs = [self.buckets[bucket][i] for i in indices]
-        columns: dict[str, list[torch.Tensor]] = {}
+        # 1. per sample, where each output tensor comes from: a tensor of a member, or the empty prompt's
+        rows: list[dict[str, _Source]] = []
         dropped = []
         for ref in refs:
-            vae = load_safetensors(self._read(ref, VAE_MEMBER))
-            texts = text_members(ref.members)  # several captions: one per epoch, seeded
-            member = texts[caption_choice(self.seed, epoch, ref.key, len(texts))] if len(texts) > 1 else TEXT_MEMBER
-            text = load_safetensors(self._read(ref, member))
+            vae = self._layout(ref, VAE_MEMBER)
+            if "latents" not in vae.tensors:
+                raise ValueError(f"{self._where(ref, VAE_MEMBER)}: no 'latents' tensor")
+            sample: dict[str, _Source] = {"latents": (ref, VAE_MEMBER, vae.tensors["latents"])}
             drop = self.empty_prompt is not None and caption_dropped(
                 self.seed, epoch, ref.key, self.caption_dropout
             )
-            if drop:
-                text = self.empty_prompt
             dropped.append(drop)
-            if self.distribution and "latents_std" not in vae:
-                raise ValueError(
-                    f"sample {ref.key!r}: the manifest says latents: distribution, no latents_std"
-                )
-            sample = {"latents": vae["latents"], **text}
+            if drop:
+                sample.update(self.empty_prompt)  # type: ignore[arg-type]
+            else:
+                texts = ref.texts  # several captions: one per epoch, seeded
+                member = texts[caption_choice(self.seed, epoch, ref.key, len(texts)) if len(texts) > 1 else 0]
+                for name, spec in self._layout(ref, member).tensors.items():
+                    sample[name] = (ref, member, spec)
             if self.distribution:
-                sample["latents_std"] = vae["latents_std"]
-            if self.pad_to is not None and "prompt_embeds" in sample:
-                sample["prompt_embeds"] = pad_tokens(sample["prompt_embeds"], self.pad_to)
-            if columns and set(sample) != set(columns):
-                raise ValueError(f"sample {ref.key!r} holds {sorted(sample)}, others {sorted(columns)}")
-            for name, tensor in sample.items():
-                columns.setdefault(name, []).append(tensor)
-        try:
-            out = {name: torch.stack(ts).to(self.dtype) for name, ts in columns.items()}
-        except RuntimeError as err:  # stack refuses mixed shapes
-            raise ValueError(f"bucket {list(bucket)} holds samples of different shapes: {err}") from err
+                if "latents_std" not in vae.tensors:
+                    raise ValueError(
+                        f"sample {ref.key!r}: the manifest says latents: distribution, no latents_std"
+                    )
+                sample["latents_std"] = (ref, VAE_MEMBER, vae.tensors["latents_std"])
+            if rows and sample.keys() != rows[0].keys():
+                raise ValueError(f"sample {ref.key!r} holds {sorted(sample)}, others {sorted(rows[0])}")
+            rows.append(sample)
+
+        # 2. one batch tensor per column, [B, *row shape] in the rows' (stored) dtype
+        columns = {name: self._column(bucket, name, [row[name] for row in rows]) for name in rows[0]}
+
+        # 3. payloads: the bytes of each row of each column, read in place; padding and empty prompts filled
+        # (shard, member offset) -> (sample, member, [(file offset, buffer)])
+        reads: dict[tuple[int, int], tuple[SampleRef, str, list[tuple[int, Any]]]] = {}
+        conversions: list[tuple[torch.Tensor, torch.Tensor]] = []  # (row, staged tensor of another dtype)
+        for name, out in columns.items():
+            flat = out.view(len(rows), out[0].numel())
+            flat_bytes = flat.view(torch.uint8).numpy()  # [B, row bytes], writable, shares out's memory
+            for i, row in enumerate(rows):
+                source = row[name]
+                if isinstance(source, torch.Tensor):  # the empty prompt's tensor
+                    n = source.numel()
+                    flat[i, :n].copy_(source.reshape(-1))
+                    flat[i, n:].zero_()
+                    continue
+                ref, member, spec = source
+                nbytes = spec.end - spec.begin
+                if spec.dtype == out.dtype:
+                    buffer = flat_bytes[i, :nbytes]
+                    if nbytes < flat_bytes.shape[1]:  # trimmed text: zeros after the real tokens
+                        flat_bytes[i, nbytes:] = 0
+                else:  # rows of different dtypes (not what the cache stage writes): stage, convert below
+                    staged = torch.empty(spec.shape, dtype=spec.dtype)
+                    buffer = staged.view(-1).view(torch.uint8).numpy()
+                    conversions.append((flat[i, : staged.numel()], staged))
+                    flat[i, staged.numel() :].zero_()
+                if nbytes:
+                    at = ref.members[member][0]
+                    reads.setdefault((ref.shard, at), (ref, member, []))[2].append((at + spec.begin, buffer))
+        self._read_members([group for _, group in sorted(reads.items(), key=lambda item: item[0])])
+        for row, staged in conversions:
+            row.copy_(staged.reshape(-1))
         return {
-            **out,
+            **{name: out if out.dtype == self.dtype else out.to(self.dtype) for name, out in columns.items()},
             "keys": [r.key for r in refs],
             "bucket": list(bucket),
             "caption_dropped": torch.tensor(dropped, dtype=torch.bool),
         }
+
+    def _column(self, bucket: tuple[int, ...], name: str, sources: list[_Source]) -> torch.Tensor:
+        """An uninitialised batch tensor for column ``name``: the rows' common shape (``prompt_embeds`` of a
+        trimmed cache: ``pad_to`` tokens) and dtype (promoted as ``torch.stack`` would, if they differ)."""
+        shapes, dtypes = set(), set()
+        for source in sources:
+            if isinstance(source, torch.Tensor):
+                shape, dtype = tuple(source.shape), source.dtype
+            else:
+                shape, dtype = source[2].shape, source[2].dtype
+            if self.pad_to is not None and name == "prompt_embeds" and shape:
+                if shape[0] > self.pad_to:
+                    raise ValueError(
+                        f"prompt_embeds hold {shape[0]} tokens, more than the manifest's text.pad_to "
+                        f"({self.pad_to})"
+                    )
+                shape = (self.pad_to, *shape[1:])
+            shapes.add(shape)
+            dtypes.add(dtype)
+        if len(shapes) > 1:
+            raise ValueError(
+                f"bucket {list(bucket)} holds samples of different shapes: {name} {sorted(shapes)}"
+            )
+        dtype = dtypes.pop()
+        for other in dtypes:
+            dtype = torch.promote_types(dtype, other)
+        return torch.empty((len(sources), *shapes.pop()), dtype=dtype)
+
+    def _read_members(self, groups: list[tuple[SampleRef, str, list[tuple[int, Any]]]]) -> None:
+        """Run ``_read_into`` for every member of a batch (in file order): with ``io_threads`` > 1 and at
+        least ``PARALLEL_READ_BYTES`` to read, in that many contiguous slices at once (page-cache copies on
+        several cores, several requests in flight on a cold disk)."""
+        total = sum(len(buffer) for _, _, pieces in groups for _, buffer in pieces)
+        threads = min(self.io_threads, len(groups))
+        if threads < 2 or total < PARALLEL_READ_BYTES:
+            for group in groups:
+                self._read_into(*group)
+            return
+        if self._io_pool is None:
+            self._io_pool = ThreadPoolExecutor(self.io_threads - 1, thread_name_prefix="latent-io")
+        cuts, done, share = [0], 0, total / threads
+        for i, (_, _, pieces) in enumerate(groups):  # slices of about equal bytes
+            done += sum(len(buffer) for _, buffer in pieces)
+            if done >= share * len(cuts) and len(cuts) < threads:
+                cuts.append(i + 1)
+        cuts.append(len(groups))
+        slices = [groups[a:b] for a, b in zip(cuts, cuts[1:]) if b > a]
+        futures = [self._io_pool.submit(self._read_slice, part) for part in slices[1:]]
+        self._read_slice(slices[0])
+        for future in futures:
+            future.result()
+
+    def _read_slice(self, groups: list[tuple[SampleRef, str, list[tuple[int, Any]]]]) -> None:
+        for group in groups:
+            self._read_into(*group)
+
+    def _read_into(self, ref: SampleRef, member: str, pieces: list[tuple[int, Any]]) -> None:
+        """Fill ``pieces`` ((file offset, writable buffer), one member's tensors) with one ``os.preadv``
+        per run of adjacent byte ranges."""
+        fd = self._fd(ref.shard)
+        pieces.sort(key=lambda piece: piece[0])
+        runs: list[tuple[int, list[Any]]] = []
+        end = -1
+        for offset, buffer in pieces:
+            if offset != end:
+                runs.append((offset, []))
+            runs[-1][1].append(buffer)
+            end = offset + len(buffer)
+        for start, buffers in runs:
+            if os.preadv(fd, buffers, start) != sum(len(buffer) for buffer in buffers):
+                raise IOError(f"{self._where(ref, member)}: short read")
 
     def read_metadata(self, bucket: tuple[int, ...], index: int) -> dict:
         """The ``k.json`` metadata of one sample (for inspection and tests)."""
         return json.loads(self._read(self.buckets[bucket][index], META_MEMBER))
 
     def close(self) -> None:
-        """Close the shard files."""
+        """Close the shard files (and stop the read threads)."""
+        if self._io_pool is not None:
+            self._io_pool.shutdown()
+            self._io_pool = None
         for fd in self._fds.values():
             os.close(fd)
         self._fds.clear()
