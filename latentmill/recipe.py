@@ -27,10 +27,13 @@ class RunnerConfig:
     kind: Literal["threads", "processes", "dask", "ray"] = "threads"
     workers: int = 2  # threads, processes, or workers (CPUs) of the local Dask / Ray cluster
     address: Optional[str] = None  # an existing cluster: tcp://host:8786 (Dask) or ray://host:10001 / auto (Ray)
+    units_per_task: int = 0  # work units per Prefect task run; 0: auto (two task runs per worker, <= 16 units)
 
     def validate(self) -> None:
         if self.workers < 1:
             raise ConfigError(f"runner.workers: must be >= 1, got {self.workers}")
+        if self.units_per_task < 0:
+            raise ConfigError(f"runner.units_per_task: must be >= 0 (0 = auto), got {self.units_per_task}")
         for kind, package in (("dask", "prefect_dask"), ("ray", "prefect_ray")):
             if self.kind == kind and importlib.util.find_spec(package) is None:
                 raise ConfigError(f"runner.kind: {kind!r} needs the {package.replace('_', '-')} package (pip "

@@ -20,9 +20,10 @@ from latentmill.recipe import Recipe, RunnerConfig, load_recipe, recipe_from_dic
 from pipelines.report import StageProgress, publish_prep_artifacts
 from pipelines.snapshot import publish as publish_snapshot
 from stages import bucket, cache, caption, ingest
-from stages.shardio import StageDir, UnitOutput, UnitRecord, WorkUnit, stable_hash, stage_report
+from stages.shardio import StageDir, UnitOutput, UnitRecord, WorkUnit, stable_hash, stage_report, tune_allocator
 
 STAGES = ("ingest", "caption", "bucket", "cache")
+MAX_UNITS_PER_TASK = 16
 
 
 def _stage_dir(recipe: Recipe, stage: str) -> StageDir:
@@ -70,6 +71,7 @@ def run_stages_in_process(recipe: Recipe) -> dict[str, tuple[StageDir, dict[str,
     folder, committed manifest and unit records.
     """
     ensure_models(recipe)
+    tune_allocator()
     result = {}
     for stage in STAGES:
         stage_dir = _stage_dir(recipe, stage).ensure()
@@ -78,11 +80,27 @@ def run_stages_in_process(recipe: Recipe) -> dict[str, tuple[StageDir, dict[str,
     return result
 
 
-@task(name="run-unit", cache_policy=NONE, retries=1, retry_delay_seconds=1)
-def run_unit(stage: str, recipe_data: dict, unit: WorkUnit) -> UnitRecord:
-    """Run one work unit (or reuse its committed output)."""
+@task(name="run-units", cache_policy=NONE, retries=1, retry_delay_seconds=1)
+def run_units(stage: str, recipe_data: dict, units: list[WorkUnit]) -> list[UnitRecord]:
+    """Run a few work units one after another (a unit committed before a retry is reused, not redone)."""
     recipe = recipe_from_dict(recipe_data)
-    return _stage_dir(recipe, stage).run_unit(unit, stage_processor(stage, recipe))
+    tune_allocator()  # a worker process (processes, Dask, Ray) has not run the flow's call
+    stage_dir, process = _stage_dir(recipe, stage), stage_processor(stage, recipe)
+    return [stage_dir.run_unit(unit, process) for unit in units]
+
+
+def task_chunks(units: list[WorkUnit], runner: RunnerConfig) -> list[list[WorkUnit]]:
+    """The units of one stage grouped into task runs.
+
+    A Prefect task run costs the API server ~50 ms of CPU (state changes, events), about what encoding a
+    small unit costs on a CPU, so units travel in groups: ``runner.units_per_task``, or by default as many
+    as leaves every worker two task runs (for balance), at most ``MAX_UNITS_PER_TASK`` (for progress and
+    retries on large stages).
+    """
+    if not units:
+        return []
+    size = runner.units_per_task or min(MAX_UNITS_PER_TASK, -(-len(units) // (2 * runner.workers)))
+    return [units[i:i + size] for i in range(0, len(units), size)]
 
 
 def task_runner(runner: RunnerConfig):
@@ -125,6 +143,7 @@ def prep_stages(recipe_data: dict) -> dict[str, Any]:
     """Run ingest → caption → bucket → cache, publish the snapshot; return counts and the snapshot."""
     recipe = recipe_from_dict(recipe_data)
     ensure_models(recipe)
+    tune_allocator()
     report: dict[str, Any] = {}
     for stage in STAGES:
         start = time.perf_counter()
@@ -135,17 +154,19 @@ def prep_stages(recipe_data: dict) -> dict[str, Any]:
         records = [r for u in units if (r := stage_dir.load_record(u.unit_id)) is not None]
         done = {r.unit_id for r in records}
         pending = [u for u in units if u.unit_id not in done]
-        futures = run_unit.map(stage, unmapped(recipe_data), pending) if pending else []
+        chunks = task_chunks(pending, recipe.runner)
+        futures = run_units.map(stage, unmapped(recipe_data), chunks) if chunks else []
         total = sum(u.samples_in for u in units)
         # The UI's progress artifact follows the work to do (none when every unit is reused).
         progress = StageProgress(stage, sum(u.samples_in for u in pending)) if pending else None
         with tqdm(total=total, desc=f"{stage:>8}", unit="sample") as bar:
             bar.update(sum(r.samples_in for r in records))
             for future in futures:
-                record = future.result()
-                records.append(record)
-                bar.update(record.samples_in)
-                progress.update(record.samples_in)
+                done_records = future.result()
+                records.extend(done_records)
+                samples = sum(r.samples_in for r in done_records)
+                bar.update(samples)
+                progress.update(samples)
         manifest = stage_dir.write_manifest(records, manifest_header(stage, recipe))
         report[stage] = stage_report(stage, records, time.perf_counter() - start)
         if stage == "bucket":

@@ -36,7 +36,6 @@ from stages.shardio import (
     WorkUnit,
     json_bytes,
     read_shard,
-    release_memory,
     sample_json,
     sha256_bytes,
     stable_hash,
@@ -397,8 +396,6 @@ def process(cfg: CacheConfig, model: ModelConfig, unit: WorkUnit, out: UnitOutpu
             meta = {**metas[i], "components": components[key]}
             members = {text_member(j): data for j, data in enumerate(texts)}
             out.add({"__key__": key, VAE_MEMBER: vae, **members, "json": json_bytes(meta)}, bucket=metas[i]["bucket"])
-        del pixels, vae_bytes, text_bytes
-        release_memory()  # activations of varying shapes fragment the heap; give them back per batch
     out.extra.update(components=components, counts=counts, bytes=sizes)
 
 

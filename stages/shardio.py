@@ -13,10 +13,14 @@ whose record exists is done: re-running reuses it, and a killed run resumes at t
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import hashlib
 import json
 import os
+import sys
 import tarfile
+import threading
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -104,30 +108,63 @@ class FileHashes:
         os.replace(tmp, self.path)  # several processes may save at once: the last one wins, none tears
 
 
-def _libc_malloc_trim():
-    import ctypes
-    import ctypes.util
-    import sys
+class _MallInfo2(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_size_t) for name in (
+        "arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")]
 
+
+def _glibc_malloc() -> tuple[Any, Any, Any]:
+    """glibc's ``malloc_trim``, ``mallinfo2`` and ``mallopt`` (None elsewhere)."""
     if not sys.platform.startswith("linux"):
-        return None
+        return None, None, None
     try:
-        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        trim, opt = libc.malloc_trim, libc.mallopt
     except (OSError, AttributeError):
-        return None
+        return None, None, None
+    info = getattr(libc, "mallinfo2", None)  # glibc >= 2.33
+    if info is not None:
+        info.restype = _MallInfo2
+    return trim, info, opt
 
 
-_malloc_trim = _libc_malloc_trim()
+_malloc_trim, _mallinfo2, _mallopt = _glibc_malloc()
+_M_ARENA_MAX = -8
+TRIM_FREE_BYTES = 64 << 20  # trim when the heap holds at least this much free memory...
+TRIM_EVERY_UNITS = 8  # ...at most once every this many units of the process
+_units_since_trim = 0
+_trim_lock = threading.Lock()
+
+
+def tune_allocator(arenas: int = 2) -> None:
+    """Cap glibc's malloc arenas for this process (call before the worker threads start).
+
+    glibc gives threads up to 8 arenas per core; the prep's task threads and per-unit decode threads each
+    fragment their own, and the resident set of a long prep crept up with the number of units (peak RSS
+    at 10x the data: 1.26x the 1x peak; with 2 arenas: 1.20x, at no measured cost in speed).
+    """
+    if _mallopt is not None and os.environ.get("LATENTMILL_NO_TRIM") != "1":
+        _mallopt(_M_ARENA_MAX, int(arenas))
 
 
 def release_memory() -> None:
     """Hand the allocator's free memory back to the OS (glibc ``malloc_trim``; elsewhere a no-op).
 
-    A unit decodes images and builds tensors of sizes that vary with the bucket; glibc keeps the freed
-    blocks in fragmented arenas, so without this a long prep's resident set creeps up with every unit.
+    Called after each unit: every ``TRIM_EVERY_UNITS``-th call trims when the arenas hold at least
+    ``TRIM_FREE_BYTES`` free. Trimming bounds the creep of fragmented free memory, but it is not free: the
+    next unit faults its pages back in (trimming after every unit cost ~10% of a small CPU cache stage).
     """
-    if _malloc_trim is not None and os.environ.get("LATENTMILL_NO_TRIM") != "1":
-        _malloc_trim(0)
+    global _units_since_trim
+    if _malloc_trim is None or os.environ.get("LATENTMILL_NO_TRIM") == "1":
+        return
+    with _trim_lock:
+        _units_since_trim += 1
+        if _units_since_trim < TRIM_EVERY_UNITS:
+            return
+        _units_since_trim = 0
+    if _mallinfo2 is not None and _mallinfo2().fordblks < TRIM_FREE_BYTES:
+        return
+    _malloc_trim(0)
 
 
 def stable_hash(obj: Any) -> str:

@@ -89,14 +89,19 @@ def test_manifest_counts_conserve_and_parts_split(tmp_path):
     assert (report["in"], report["out"], report["quarantined"], report["processed"], report["reused"]) == (6, 5, 1, 6, 0)
 
 
-def test_release_memory_finds_malloc_trim_on_linux():
+def test_allocator_controls_are_found_on_linux():
     import sys
 
     from stages import shardio
 
     if sys.platform.startswith("linux"):
-        assert shardio._malloc_trim is not None  # otherwise prep's heap would silently never be trimmed
-    shardio.release_memory()
+        # otherwise prep's heap would silently never be trimmed nor its arenas capped
+        assert shardio._malloc_trim is not None and shardio._mallopt is not None
+        assert shardio._mallinfo2 is not None and shardio._mallinfo2().arena > 0
+    shardio.tune_allocator()
+    for _ in range(2 * shardio.TRIM_EVERY_UNITS):
+        shardio.release_memory()
+    assert 0 <= shardio._units_since_trim < shardio.TRIM_EVERY_UNITS
 
 
 def test_shard_digest_is_hashed_while_writing_and_matches_the_file(tmp_path):
