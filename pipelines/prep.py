@@ -20,7 +20,15 @@ from latentmill.recipe import Recipe, RunnerConfig, load_recipe, recipe_from_dic
 from pipelines.report import StageProgress, publish_prep_artifacts
 from pipelines.snapshot import publish as publish_snapshot
 from stages import bucket, cache, caption, ingest
-from stages.shardio import StageDir, UnitOutput, UnitRecord, WorkUnit, stable_hash, stage_report, tune_allocator
+from stages.shardio import (
+    StageDir,
+    UnitOutput,
+    UnitRecord,
+    WorkUnit,
+    stable_hash,
+    stage_report,
+    tune_allocator,
+)
 
 STAGES = ("ingest", "caption", "bucket", "cache")
 MAX_UNITS_PER_TASK = 16
