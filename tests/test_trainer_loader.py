@@ -434,3 +434,29 @@ def test_read_ahead_in_a_thread_changes_neither_batches_nor_position(cache, monk
     resumed = LatentLoader(cache, batch_size=3, seed=5, prefetch=True)
     resumed.load_state_dict(state)
     assert _keys([next(iter(resumed))]) == _keys([next(slow)])
+
+
+def test_the_read_ahead_thread_runs_no_dtype_conversion(cache, monkeypatch):
+    """The bf16 -> float32 conversion is a multi-threaded torch op: run in the read-ahead thread, its
+    OpenMP team fought the training step's for the cores (CPU steps 1.3-1.5x slower). It runs in the
+    consumer's thread, when the batch is handed out."""
+    import threading
+
+    import trainer.loader as loader_module
+
+    monkeypatch.setattr(loader_module, "PREFETCH_MIN_CONSUMER_S", 0.0)
+    converted_in = []
+    original = LatentLoader._convert
+
+    def spy(self, batch):
+        converted_in.append(threading.current_thread().name)
+        return original(self, batch)
+
+    monkeypatch.setattr(LatentLoader, "_convert", spy)
+    with LatentLoader(cache, batch_size=3, seed=5, dtype=torch.float32, prefetch=True) as loader:
+        it = iter(loader)
+        batches = [next(it) for _ in range(4)]
+    assert converted_in and set(converted_in) == {threading.current_thread().name}
+    assert all(b["latents"].dtype == torch.float32 and b["prompt_embeds"].dtype == torch.float32 for b in batches)
+    raw = loader._read_batch(*loader.epoch_batches(0)[0], 0, convert=False)
+    assert raw["latents"].dtype == torch.bfloat16  # what the fake cache stores
