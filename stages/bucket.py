@@ -7,7 +7,8 @@ video). A sample goes to the tier nearest its own pixel count, or with ``no_upsc
 whose bucket fits inside it (it is then never enlarged; a sample smaller than every bucket is
 quarantined). The crop (``center``, or ``random`` with ``bucket.seed``) is recorded per sample.
 
-A video becomes clips (:func:`stages.video.plan_clips`): windows resampled to ``target_fps`` whose frame
+A video becomes clips (:func:`stages.video.plan_clips`; by frame time, :func:`stages.video.plan_clips_timed`,
+for a variable-frame-rate video): windows resampled to ``target_fps`` whose frame
 count is an admissible one (``frame_step·k+1``), placed by ``clip_strategy``, never across a scene cut
 when ``scene_split`` is on. Clip ``j`` of video ``k`` is written as sample ``k-c<j>`` with
 ``meta["clip"] = {start_frame, num_frames, fps, frame_indices}`` and bucket ``[W, H, num_frames]``: a
@@ -44,7 +45,9 @@ from stages.video import (
     admissible_frame_counts,
     detect_cuts,
     encode_clip,
+    frame_times,
     plan_clips,
+    plan_clips_timed,
     read_frames,
     too_short_reason,
 )
@@ -267,7 +270,14 @@ def _video_clips(cfg: BucketConfig, sample: dict[str, Any], meta: dict[str, Any]
         except Exception as err:  # PyAV / scenedetect errors: the video cannot be read
             out.quarantine(key, source, f"cannot read video for scene detection: {type(err).__name__}: {err}")
             return 0
-    clips = plan_clips(meta["frames"], meta["fps"], policy, cuts)
+    if meta.get("vfr"):
+        try:
+            clips = plan_clips_timed(frame_times(meta["source_uri"]), meta["fps"], policy, cuts)
+        except Exception as err:  # decord / PyAV errors: the video cannot be read
+            out.quarantine(key, source, f"cannot read frame times: {type(err).__name__}: {err}")
+            return 0
+    else:
+        clips = plan_clips(meta["frames"], meta["fps"], policy, cuts)
     if not clips:
         out.quarantine(key, source, too_short_reason(meta["frames"], meta["fps"], policy, cuts))
         return 0

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import io
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Iterable, Literal, Sequence
 
 import torch
@@ -89,9 +89,11 @@ def probe_video(uri: str | bytes) -> dict[str, Any]:
     src = _source(uri)
     frames = fps = None
     rotation = video_rotation(src)
+    times: list[float] | None = None
     try:
         reader = _decord_reader(src)
         frames, fps = len(reader), float(reader.get_avg_fps())
+        times = [float(t) for t in reader.get_frame_timestamp(range(frames))[:, 0]] if frames else None
         del reader
     except Exception:  # decord raises RuntimeError / DECORDError / AssertionError: PyAV decides below
         pass
@@ -120,7 +122,33 @@ def probe_video(uri: str | bytes) -> dict[str, Any]:
             "duration": round(frames / fps, 6), "codec": codec}
     if rotation:
         meta["rotation"] = rotation
+    if times is not None and is_variable_rate(times, fps):
+        meta["vfr"] = True  # clips are placed by frame time (plan_clips_timed), not by frame index
     return meta
+
+
+def is_variable_rate(times: Sequence[float], fps: float) -> bool:
+    """Whether frame times drift from a constant ``fps`` grid by more than half a frame."""
+    if len(times) < 3 or fps <= 0:
+        return False
+    t0 = times[0]
+    return max(abs(t - t0 - i / fps) for i, t in enumerate(times)) > 0.5 / fps
+
+
+def frame_times(uri: str | bytes) -> list[float]:
+    """Presentation time (seconds) of every frame, in frame-index order (decord's index; PyAV's packets
+    when decord cannot open the file)."""
+    src = _source(uri)
+    try:
+        reader = _decord_reader(src)
+        return [float(t) for t in reader.get_frame_timestamp(range(len(reader)))[:, 0]]
+    except Exception:
+        import av
+
+        with av.open(_open_arg(src)) as container:
+            stream = container.streams.video[0]
+            pts = sorted(p.pts for p in container.demux(stream) if p.size and p.pts is not None)
+            return [float(t * stream.time_base) for t in pts]
 
 
 def video_rotation(uri: str | bytes) -> int:
@@ -331,6 +359,40 @@ def plan_clips(frames: int, fps: float, policy: ClipPolicy, cuts: Iterable[int] 
             indices = tuple(start + _offset(i, step) for i in range(n))
             clips.append(Clip(start, n, round(out_fps, 6), indices))
     return clips
+
+
+def plan_clips_timed(times: Sequence[float], fps: float, policy: ClipPolicy, cuts: Iterable[int] = ()) -> list[Clip]:
+    """:func:`plan_clips` for a variable-frame-rate video: output frames are evenly spaced in *time*.
+
+    ``times`` are the frames' start times, ``fps`` the average rate. The clips are planned on a grid of
+    the output rate over the video's duration (a grid frame every ``1 / output fps`` seconds), then each
+    grid frame becomes the source frame on screen at its time, within the same scene: a frame held on
+    screen for long repeats, as a player would show it.
+    """
+    times = list(times)
+    if not times:
+        return []
+    out_fps, _ = resample(fps, policy.target_fps)
+    t0 = times[0]
+    grid = int(math.floor((times[-1] - t0) * out_fps + 1e-6)) + 1
+    real_cuts = sorted({c for c in cuts if 0 < c < len(times)})
+    grid_cuts = [math.ceil((times[c] - t0) * out_fps - 1e-6) for c in real_cuts]  # first grid frame of a scene
+    scenes = segments(len(times), real_cuts)
+    clips = []
+    for clip in plan_clips(grid, out_fps, replace(policy, target_fps=None), grid_cuts):
+        first = _shown_at(times, t0 + clip.frame_indices[0] / out_fps)
+        lo, hi = next((a, b) for a, b in scenes if a <= first < b)
+        indices = tuple(min(max(_shown_at(times, t0 + j / out_fps), lo), hi - 1) for j in clip.frame_indices)
+        clips.append(Clip(indices[0], clip.num_frames, clip.fps, indices))
+    return clips
+
+
+def _shown_at(times: Sequence[float], t: float) -> int:
+    """Index of the frame on screen at time ``t``: the last one starting at or before it (half a
+    millisecond of tolerance for rounded timestamps)."""
+    import bisect
+
+    return max(0, bisect.bisect_right(times, t + 5e-4) - 1)
 
 
 def output_frames(frames: int, fps: float, target_fps: float | None) -> int:

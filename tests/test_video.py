@@ -242,3 +242,82 @@ def test_ingest_records_rotation_and_clips_decode_upright(tmp_path):
     clip = {"frame_indices": [0, 4, 8]}
     assert read_clip({**metas["portrait.mp4"], "clip": clip}).shape == (3, 64, 48, 3)
     assert read_clip({**metas["landscape.mp4"], "clip": clip}).shape == (3, 48, 64, 3)
+
+
+def write_vfr_video(path: Path, gaps_ms: list[int]) -> Path:
+    """Frame i is flat grey 6·i, shown for ``gaps_ms[i]`` milliseconds (a variable frame rate)."""
+    import numpy as np
+
+    with av.open(str(path), "w") as container:
+        stream = container.add_stream("libx264", rate=25)
+        stream.width, stream.height, stream.pix_fmt = 64, 48, "yuv420p"
+        stream.codec_context.time_base = Fraction(1, 1000)
+        stream.options = {"threads": "1", "crf": "1", "bframes": "0"}
+        pts = 0
+        for i, gap in enumerate(gaps_ms):
+            frame = av.VideoFrame.from_ndarray(np.full((48, 64, 3), 6 * i, np.uint8), format="rgb24")
+            frame.pts, frame.time_base = pts, Fraction(1, 1000)
+            for packet in stream.encode(frame):
+                container.mux(packet)
+            pts += gap
+        for packet in stream.encode():
+            container.mux(packet)
+    return path
+
+
+GAPS_MS = [100] * 10 + [40] * 20 + [200] * 5  # 10 fps, then 25 fps, then 5 fps
+
+
+def test_a_variable_frame_rate_video_is_cut_evenly_in_time(tmp_path):
+    from stages.video import ClipPolicy, frame_times, plan_clips_timed, probe_video
+
+    path = write_vfr_video(tmp_path / "vfr.mp4", GAPS_MS)
+    meta = probe_video(str(path))
+    assert meta["vfr"] is True and meta["frames"] == 35
+    times = frame_times(str(path))
+    assert times == pytest.approx([sum(GAPS_MS[:i]) / 1000 for i in range(35)], abs=1e-3)
+    assert "vfr" not in probe_video(str(write_video(tmp_path / "cfr.mp4", 24, 12)))
+
+    policy = ClipPolicy(frame_counts=(5, 9, 13, 17, 21), target_fps=10.0)
+    (clip,) = plan_clips_timed(times, meta["fps"], policy)
+    assert clip.num_frames == 21 and clip.fps == 10.0
+    for i, index in enumerate(clip.frame_indices):  # output frame i shows the frame on screen at i / 10 s
+        t = i / 10
+        assert times[index] <= t + 1e-3 and (index + 1 == len(times) or times[index + 1] > t + 1e-3)
+    # the 25 fps stretch is thinned out, the 5 fps one repeats frames: 1.8 s and 1.9 s both show frame 30
+    assert clip.frame_indices[10:] == (10, 12, 15, 17, 20, 22, 25, 27, 30, 30, 31)
+    # the pixels come from those frames (grey 6·i)
+    grey = read_frames(str(path), clip.frame_indices)[:, 0, 0, 0].tolist()
+    assert all(abs(g - 6 * i) <= 3 for g, i in zip(grey, clip.frame_indices))
+
+    # a scene cut at frame 20 (1.4 s): each scene is cut on its own, no clip crosses it
+    clips = plan_clips_timed(times, meta["fps"], policy, cuts=[20])
+    assert [c.frame_indices for c in clips] == [
+        (0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 12, 15),
+        (20, 22, 25, 27, 30, 30, 31, 31, 32, 32, 33, 33, 34),
+    ]
+
+
+def test_the_bucket_stage_places_clips_of_a_vfr_video_by_time(tmp_path):
+    from stages import bucket, ingest
+    from stages.bucket import BucketConfig
+    from stages.ingest import IngestConfig
+    from stages.shardio import StageDir, read_shard
+    from stages.video import frame_times, plan_clips_timed
+
+    src = tmp_path / "videos"
+    src.mkdir()
+    path = write_vfr_video(src / "vfr.mp4", GAPS_MS)
+    icfg = IngestConfig(source=str(src))
+    ing = StageDir(tmp_path / "ingest", "ingest").ensure()
+    ing.write_manifest([ing.run_unit(u, lambda unit, out: ingest.process(icfg, unit, out))
+                        for u in ingest.plan(icfg)], {})
+    bcfg = BucketConfig(resolution=64, target_fps=10.0, frame_counts=[5, 9, 13, 17, 21])
+    bk = StageDir(tmp_path / "bucket", "bucket").ensure()
+    records = [bk.run_unit(u, lambda unit, out: bucket.process(bcfg, unit, out)) for u in bucket.plan(bcfg, ing)]
+    metas = [json.loads(s["json"]) for r in records for sh in r.shards for s in read_shard(bk.root / sh.path)]
+    clips = [m["clip"] for m in metas]
+    assert metas[0]["vfr"] is True
+    expected = plan_clips_timed(frame_times(str(path)), metas[0]["fps"], bcfg.clip_policy())
+    assert [c["frame_indices"] for c in clips] == [list(c.frame_indices) for c in expected]
+    assert clips[0]["fps"] == 10.0 and len(clips[0]["frame_indices"]) == 21
