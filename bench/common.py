@@ -36,7 +36,7 @@ def setup_env() -> None:
     home.mkdir(parents=True, exist_ok=True)
     os.environ["PREFECT_HOME"] = str(home)
     # weight digests remembered across runs, as for a user's second prep, but never in ~/.cache
-    os.environ["LATENTMILL_HASH_STORE"] = str(WORK / "weight-hashes.json")
+    os.environ["LATENTMILL_HASH_STORE"] = str(WORK / "weight-hashes.sqlite")
     os.environ.pop("PREFECT_API_URL", None)
     os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")

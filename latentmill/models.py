@@ -82,11 +82,11 @@ _memo_lock = threading.Lock()
 
 def hash_store_path() -> Path:
     """Where weight-file digests are remembered across runs: ``$LATENTMILL_HASH_STORE``, else
-    ``$XDG_CACHE_HOME/latentmill/weight-hashes.json`` (``~/.cache`` by default)."""
+    ``$XDG_CACHE_HOME/latentmill/weight-hashes.sqlite`` (``~/.cache`` by default)."""
     if os.environ.get("LATENTMILL_HASH_STORE"):
         return Path(os.environ["LATENTMILL_HASH_STORE"])
     base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(base) / "latentmill" / "weight-hashes.json"
+    return Path(base) / "latentmill" / "weight-hashes.sqlite"
 
 
 def _file_sha(path: Path, store=None) -> str:
@@ -122,11 +122,8 @@ def component_fingerprint(src: ComponentSource) -> str:
             entries.append((path.relative_to(root).as_posix(), _file_sha(path, store)))
     if not entries:
         raise FileNotFoundError(f"no config or weight files under {root}")
-    if store.hashed:
-        try:
-            store.save(forget_unused=False)
-        except OSError:
-            pass  # a read-only home: the digests are only remembered for this process
+    store.save(forget_unused=False)  # a read-only home: the digests are only remembered for this process
+    store.close()
     return hashlib.sha256(json.dumps(entries).encode()).hexdigest()
 
 

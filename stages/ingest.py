@@ -101,7 +101,7 @@ def _entry_identity(entry: Entry, hashes: FileHashes | None = None) -> str:
 
 
 LAYOUT_KEY = "entries"  # a unit record's extra: the ids of the entries the unit held, in order
-HASHES_FILE = "file-hashes.json"
+HASHES_FILE = "file-hashes.sqlite"
 
 
 def previous_groups(stage_dir: StageDir | None, shard_size: int) -> list[list[str]]:
@@ -157,7 +157,7 @@ def plan(cfg: IngestConfig, stage_dir: StageDir | None = None) -> list[WorkUnit]
     """Work units of at most ``shard_size`` entries, keyed by content (see :func:`layout`).
 
     With ``stage_dir`` (the ingest stage's folder) planning keeps the last run's grouping and remembers file
-    digests in ``<stage_dir>/file-hashes.json``, so an unchanged file is not read again.
+    digests in ``<stage_dir>/file-hashes.sqlite``, so an unchanged file is not read again.
     """
     source = list_source(cfg.source, cfg.path_column, cfg.caption_column)
     fp = fingerprint(cfg)
@@ -183,6 +183,7 @@ def plan(cfg: IngestConfig, stage_dir: StageDir | None = None) -> list[WorkUnit]
         payload = {"kind": "entries", "root": source.root, "items": [e.to_json() for e in members]}
         units.append(WorkUnit(unit_id=unit_id, inputs=ids, payload=payload, samples_in=len(members)))
     hashes.save()
+    hashes.close()
     return units
 
 

@@ -47,65 +47,106 @@ def sha256_file(path: str | Path, chunk: int = 1 << 20) -> str:
 
 
 class FileHashes:
-    """sha256 of local files, remembered by ``(size, mtime_ns, inode)`` across runs in one JSON file.
+    """sha256 of local files, remembered by ``(size, mtime_ns, inode)`` across runs in a SQLite file.
 
     A refresh lists every input again; without this it re-reads every byte to find that nothing changed.
     A remembered digest is used only while the file's size, mtime and inode are what they were when it
     was hashed. Like git's index, a file hashed within ``RACY_SECONDS`` of its last modification is not
-    remembered (a second write in the same mtime tick could keep the stat and change the bytes). Missing,
-    unreadable or foreign content in ``path`` only means hashing again. Thread-safe.
+    remembered (a second write in the same mtime tick could keep the stat and change the bytes).
+
+    The store is looked up a file at a time (nothing is loaded whole: a million files cost no memory) and
+    written by ``save``; several processes may share one (SQLite locks it). A missing, locked or damaged
+    store only means hashing again. Thread-safe.
     """
 
     RACY_SECONDS = 2.0
 
     def __init__(self, path: str | Path | None = None):
-        import threading
-
         self.path = Path(path) if path is not None else None
-        self._known: dict[str, list] = {}
-        self._used: dict[str, list] = {}
+        self._db = None
+        self._new: dict[str, tuple[int, int, int, str]] = {}  # hashed by this instance, to remember
+        self._seen: set[str] = set()  # every file asked for (what ``save`` keeps when forgetting)
         self._lock = threading.Lock()
         self.hashed = 0  # files read and hashed by this instance (the rest came from the store)
         if self.path is not None and self.path.is_file():
-            try:
-                data = json.loads(self.path.read_text())
-                if isinstance(data, dict) and isinstance(data.get("files"), dict):
-                    self._known = data["files"]
-            except (OSError, ValueError):
-                pass
+            self._db = self._connect()
+
+    def _connect(self):
+        import sqlite3
+
+        try:
+            db = sqlite3.connect(self.path, timeout=30, check_same_thread=False, isolation_level=None)
+            db.execute("CREATE TABLE IF NOT EXISTS files (path TEXT PRIMARY KEY, size INTEGER, "
+                       "mtime_ns INTEGER, ino INTEGER, sha256 TEXT)")
+            return db
+        except sqlite3.Error:
+            return None
+
+    def _known(self, key: str) -> tuple | None:
+        import sqlite3
+
+        if self._db is None:
+            return None
+        try:
+            with self._lock:
+                return self._db.execute("SELECT size, mtime_ns, ino, sha256 FROM files WHERE path = ?",
+                                        (key,)).fetchone()
+        except sqlite3.Error:
+            return None
 
     def sha256(self, path: str | Path) -> str:
-        """The hex sha256 of the file at ``path`` (an absolute path is the key)."""
+        """The hex sha256 of the file at ``path`` (its absolute path is the key)."""
         key = os.path.abspath(path)
         st = os.stat(key)
-        stat = [st.st_size, st.st_mtime_ns, st.st_ino]
+        stat = (st.st_size, st.st_mtime_ns, st.st_ino)
+        known = self._known(key)
         with self._lock:
-            known = self._known.get(key)
-        if known is not None and known[:3] == stat:
-            digest = known[3]
-        else:
-            digest = sha256_file(key)
-            with self._lock:
-                self.hashed += 1
-            if time.time() - st.st_mtime_ns / 1e9 < self.RACY_SECONDS:
-                return digest
+            self._seen.add(key)
+        if known is not None and tuple(known[:3]) == stat:
+            return known[3]
+        digest = sha256_file(key)
         with self._lock:
-            self._used[key] = [*stat, digest]
+            self.hashed += 1
+            if time.time() - st.st_mtime_ns / 1e9 >= self.RACY_SECONDS:
+                self._new[key] = (*stat, digest)
         return digest
 
     def save(self, forget_unused: bool = True) -> None:
-        """Write the digests atomically: those used since loading, and with ``forget_unused=False`` also
-        the others the file held (a store shared by several datasets or models)."""
-        if self.path is None:
-            return
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        with self._lock:
-            files = dict(self._used) if forget_unused else {**self._known, **self._used}
-        import threading
+        """Remember the digests hashed since opening; with ``forget_unused`` also forget the files this
+        instance was not asked for (a dataset's own store), without it keep them (a shared store)."""
+        import sqlite3
 
-        tmp = self.path.with_name(f"{self.path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
-        tmp.write_text(json.dumps({"version": 1, "files": dict(sorted(files.items()))}))
-        os.replace(tmp, self.path)  # several processes may save at once: the last one wins, none tears
+        if self.path is None or (not self._new and not forget_unused):
+            return
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            if self._db is None:
+                self._db = self._connect()
+            if self._db is None:
+                return
+            with self._lock:
+                rows = [(k, *v) for k, v in sorted(self._new.items())]
+                db = self._db
+                db.execute("BEGIN IMMEDIATE")
+                try:
+                    db.executemany("INSERT OR REPLACE INTO files VALUES (?, ?, ?, ?, ?)", rows)
+                    if forget_unused:
+                        db.execute("CREATE TEMP TABLE IF NOT EXISTS seen (path TEXT PRIMARY KEY)")
+                        db.execute("DELETE FROM seen")
+                        db.executemany("INSERT OR IGNORE INTO seen VALUES (?)", ((k,) for k in self._seen))
+                        db.execute("DELETE FROM files WHERE path NOT IN (SELECT path FROM seen)")
+                    db.execute("COMMIT")
+                except BaseException:
+                    db.execute("ROLLBACK")
+                    raise
+                self._new.clear()
+        except (sqlite3.Error, OSError):
+            pass  # a read-only or busy store: the digests are only remembered for this process
+
+    def close(self) -> None:
+        if self._db is not None:
+            self._db.close()
+            self._db = None
 
 
 class _MallInfo2(ctypes.Structure):

@@ -13,7 +13,7 @@ import pytest
 # local API under a throwaway PREFECT_HOME, never a user's server or ~/.prefect.
 _PREFECT_HOME = tempfile.mkdtemp(prefix="latentmill-test-prefect-")
 os.environ["PREFECT_HOME"] = _PREFECT_HOME
-os.environ["LATENTMILL_HASH_STORE"] = os.path.join(_PREFECT_HOME, "weight-hashes.json")  # not ~/.cache
+os.environ["LATENTMILL_HASH_STORE"] = os.path.join(_PREFECT_HOME, "weight-hashes.sqlite")  # not ~/.cache
 os.environ.pop("PREFECT_API_URL", None)
 os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")

@@ -295,11 +295,12 @@ def test_every_caption_is_cached_and_the_loader_picks_one_per_epoch(tiny_flux, t
 def test_weight_digests_are_remembered_across_processes(tiny_flux, tmp_path, monkeypatch):
     import os
     import shutil
+    import sqlite3
 
     from latentmill import models
     from stages.shardio import sha256_file
 
-    store = tmp_path / "weights.json"
+    store = tmp_path / "weights.sqlite"
     monkeypatch.setenv("LATENTMILL_HASH_STORE", str(store))
     shutil.copytree(tiny_flux / "vae", tmp_path / "model" / "vae")
     weights = sorted((tmp_path / "model" / "vae").glob("*.safetensors"))
@@ -309,12 +310,11 @@ def test_weight_digests_are_remembered_across_processes(tiny_flux, tmp_path, mon
     src = models.ComponentSource(str(tmp_path / "model"), "vae")
     monkeypatch.setattr(models, "_memo", {})
     first = models.component_fingerprint(src)
-    files = json.loads(store.read_text())["files"]
-    assert weights and all(files[str(w.resolve())][3] == sha256_file(w) for w in weights)
+    rows = dict(sqlite3.connect(store).execute("SELECT path, sha256 FROM files").fetchall())
+    assert weights and all(rows[str(w.resolve())] == sha256_file(w) for w in weights)
     # a new process (empty memo) reads the digests back; a wrong digest in the store proves they are used
-    for w in weights:
-        files[str(w.resolve())][3] = "0" * 64
-    store.write_text(json.dumps({"version": 1, "files": files}))
+    with sqlite3.connect(store) as db:
+        db.executemany("UPDATE files SET sha256 = ? WHERE path = ?", [("0" * 64, str(w.resolve())) for w in weights])
     monkeypatch.setattr(models, "_memo", {})
     assert models.component_fingerprint(src) != first
     # a weight file that changes (new mtime) is hashed again

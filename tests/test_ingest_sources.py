@@ -297,10 +297,11 @@ def test_layout_keeps_old_units_and_splits_new_entries_evenly():
 
 def test_file_hashes_are_remembered_while_the_file_is_unchanged(tmp_path):
     import os
+    import sqlite3
 
     from stages.shardio import FileHashes, sha256_file
 
-    path, store = tmp_path / "a.bin", tmp_path / "hashes.json"
+    path, store = tmp_path / "a.bin", tmp_path / "hashes.sqlite"
     path.write_bytes(b"x" * 1000)
     old = 1_700_000_000_000_000_000
     os.utime(path, ns=(old, old))
@@ -319,5 +320,23 @@ def test_file_hashes_are_remembered_while_the_file_is_unchanged(tmp_path):
     fresh.write_bytes(b"z")
     third.sha256(fresh)
     third.save()
-    assert str(fresh) not in json.loads(store.read_text())["files"]
+    rows = dict(sqlite3.connect(store).execute("SELECT path, sha256 FROM files").fetchall())
+    assert rows == {str(path): sha256_file(path)}
     assert FileHashes(store).sha256(path) == sha256_file(path)
+    # a dataset's store forgets files no longer asked for; a shared one keeps them
+    other = tmp_path / "b.bin"
+    other.write_bytes(b"w")
+    os.utime(other, ns=(old, old))
+    shared = FileHashes(store)
+    shared.sha256(other)
+    shared.save(forget_unused=False)
+    assert len(sqlite3.connect(store).execute("SELECT path FROM files").fetchall()) == 2
+    own = FileHashes(store)
+    own.sha256(other)
+    own.save()
+    assert sqlite3.connect(store).execute("SELECT path FROM files").fetchall() == [(str(other),)]
+    # a damaged store only means hashing again
+    store.write_bytes(b"not a database")
+    damaged = FileHashes(store)
+    assert damaged.sha256(path) == sha256_file(path) and damaged.hashed == 1
+    damaged.save()
