@@ -51,7 +51,8 @@ from stages.sources import (
 from stages.video import VIDEO_EXTENSIONS, probe_video
 
 STAGE = "ingest"
-FORMAT_VERSION = 3  # 2: sources, video references, source_uri, caption_origin, hash-grouped units; 3: rotation
+FORMAT_VERSION = 3  # 2: sources, video references, source_uri, caption_origin, hash-grouped units; 3: video
+# rotation and variable frame rate (rotation, vfr)
 IMAGE_EXTENSIONS = {".jpg": "jpg", ".jpeg": "jpg", ".png": "png", ".webp": "webp", ".bmp": "bmp"}
 MEDIA_EXTENSIONS = {**IMAGE_EXTENSIONS, **VIDEO_EXTENSIONS}
 

@@ -15,8 +15,9 @@ Lists, manifests, shards and the paths inside them are read through fsspec: loca
 ``http(s)://`` (with aiohttp installed), ``s3://`` / ``gs://`` when s3fs / gcsfs are installed.
 
 An entry's id is what it is called in the source (the path relative to the folder or list, the URL, or
-``<shard>/<key>.<ext>``); :func:`hash_groups` assigns entries to work units by a hash of that id, so new
-files land in the units their ids hash to and every other unit keeps its id (contract 1).
+``<shard>/<key>.<ext>``). A first ingest run groups entries into work units by a hash of that id
+(:func:`hash_groups`); later runs keep each entry in its unit and put new entries into new units
+(:func:`stages.ingest.layout`), so every unchanged unit keeps its id (contract 1).
 """
 
 from __future__ import annotations
