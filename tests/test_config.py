@@ -80,3 +80,24 @@ def test_launch_layouts_and_their_errors():
         check_launch(recipe, Launch(8, nnodes=2))
     with pytest.raises(ConfigError, match="16 processes need parallel.strategy 'ddp' or 'fsdp2'"):
         check_launch(load_recipe(DEMO_CONFIG), Launch(8, nnodes=2, rdzv_endpoint="h:1"))
+
+
+def test_units_travel_a_few_per_task_run():
+    from latentmill.recipe import RunnerConfig
+    from pipelines.prep import MAX_UNITS_PER_TASK, task_chunks
+    from stages.shardio import WorkUnit
+
+    def units(n):
+        return [WorkUnit(f"u{i:04d}", [], {}, 1) for i in range(n)]
+
+    def sizes(n, **runner):
+        return [len(c) for c in task_chunks(units(n), RunnerConfig(**runner))]
+
+    assert sizes(0) == [] and sizes(1) == [1] and sizes(3) == [1, 1, 1]
+    assert sizes(15, workers=2) == [4, 4, 4, 3]  # two task runs per worker
+    assert sizes(1000, workers=2) == [MAX_UNITS_PER_TASK] * 62 + [8]  # progress and retries stay fine-grained
+    assert sizes(10, workers=2, units_per_task=1) == [1] * 10
+    chunks = task_chunks(units(15), RunnerConfig(workers=2))
+    assert [u.unit_id for c in chunks for u in c] == [u.unit_id for u in units(15)]  # every unit, once, in order
+    with pytest.raises(ConfigError, match="runner.units_per_task: must be >= 0"):
+        RunnerConfig(units_per_task=-1).validate()
