@@ -255,6 +255,15 @@ def reps_of(args: argparse.Namespace, full: int = 5, quick: int = 2) -> int:
     return args.reps if args.reps else (quick if args.quick else full)
 
 
+def run_benchmark(name: str, doc: str, run, argv=None) -> None:
+    """A benchmark script's ``main``: parse the common command line (described by the first line of
+    ``doc``), run ``run(args)`` and ``finish`` with its figures."""
+    args = parse_args(doc.splitlines()[0], argv)
+    start = time.perf_counter()
+    figures = run(args)
+    finish(name, figures, args, time.perf_counter() - start)
+
+
 def finish(name: str, figures: list[Figure], args: argparse.Namespace, seconds: float) -> None:
     """Print the figures and write them as JSON (``--json`` or ``bench/.work/<name>.json``)."""
     out = args.json or WORK / f"{name}.json"

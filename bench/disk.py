@@ -19,20 +19,18 @@ from __future__ import annotations
 import random
 import shutil
 import statistics
-import time
 
 from bench.common import (
     FLUX_512,
     TINY_RECIPE,
     WORK,
     figure,
-    finish,
     fresh_dir,
     log,
     make_caption,
     make_images,
     model_dir,
-    parse_args,
+    run_benchmark,
     setup_env,
     shard_paths,
     write_latent_cache,
@@ -87,13 +85,15 @@ def run(args) -> list:
                    details={"cache_stage_tiny": stage_bytes})]
 
 
-def main(argv=None) -> None:
-    args = parse_args(__doc__.splitlines()[0], argv)
-    start = time.perf_counter()
+def run_and_clean(args) -> list:
     figures = run(args)
     if not args.keep:
         shutil.rmtree(WORK / "disk", ignore_errors=True)
-    finish("disk", figures, args, time.perf_counter() - start)
+    return figures
+
+
+def main(argv=None) -> None:
+    run_benchmark("disk", __doc__, run_and_clean, argv)
 
 
 if __name__ == "__main__":

@@ -30,12 +30,11 @@ import time
 from bench.common import (
     FLUX_512,
     figure,
-    finish,
     fresh_dir,
     log,
     median,
-    parse_args,
     reps_of,
+    run_benchmark,
     setup_env,
     shard_paths,
     timed,
@@ -199,10 +198,7 @@ def run(args) -> list:
 
 
 def main(argv=None) -> None:
-    args = parse_args(__doc__.splitlines()[0], argv)
-    start = time.perf_counter()
-    figures = run(args)
-    finish("loader", figures, args, time.perf_counter() - start)
+    run_benchmark("loader", __doc__, run, argv)
 
 
 if __name__ == "__main__":

@@ -30,15 +30,14 @@ from bench.common import (
     REPO_ROOT,
     TINY_RECIPE,
     figure,
-    finish,
     fresh_dir,
     log,
     make_images,
     model_dir,
-    parse_args,
     peak_rss_mb,
     reps_of,
     rss_mb,
+    run_benchmark,
     setup_env,
     write_latent_cache,
 )
@@ -135,10 +134,7 @@ def main(argv=None) -> None:
         result = child_prep(*rest) if kind == "prep" else child_loader(rest[0], int(rest[1]))
         print(json.dumps(result))
         return
-    args = parse_args(__doc__.splitlines()[0], argv)
-    start = time.perf_counter()
-    figures = run(args)
-    finish("memory", figures, args, time.perf_counter() - start)
+    run_benchmark("memory", __doc__, run, argv)
 
 
 if __name__ == "__main__":

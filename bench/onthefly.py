@@ -30,14 +30,13 @@ from bench.common import (
     SMALL_RECIPE,
     TINY_RECIPE,
     figure,
-    finish,
     fresh_dir,
     log,
     make_images,
     model_dir,
     model_summary,
-    parse_args,
     reps_of,
+    run_benchmark,
     setup_env,
     sync,
 )
@@ -151,10 +150,7 @@ def run(args) -> list:
 
 
 def main(argv=None) -> None:
-    args = parse_args(__doc__.splitlines()[0], argv)
-    start = time.perf_counter()
-    figures = run(args)
-    finish("onthefly", figures, args, time.perf_counter() - start)
+    run_benchmark("onthefly", __doc__, run, argv)
 
 
 if __name__ == "__main__":

@@ -29,15 +29,14 @@ import time
 from bench.common import (
     TINY_RECIPE,
     figure,
-    finish,
     fresh_dir,
     log,
     make_images,
     model_dir,
     model_summary,
-    parse_args,
     reps_of,
     reset_process_caches,
+    run_benchmark,
     setup_env,
     sync,
 )
@@ -203,10 +202,7 @@ def run(args) -> list:
 
 
 def main(argv=None) -> None:
-    args = parse_args(__doc__.splitlines()[0], argv)
-    start = time.perf_counter()
-    figures = run(args)
-    finish("prep", figures, args, time.perf_counter() - start)
+    run_benchmark("prep", __doc__, run, argv)
 
 
 if __name__ == "__main__":

@@ -28,13 +28,12 @@ from bench.common import (
     TINY_RECIPE,
     drop_cache,
     figure,
-    finish,
     fresh_dir,
     log,
     model_dir,
     model_summary,
-    parse_args,
     reps_of,
+    run_benchmark,
     setup_env,
     shard_paths,
     write_latent_cache,
@@ -163,10 +162,7 @@ def run(args) -> list:
 
 
 def main(argv=None) -> None:
-    args = parse_args(__doc__.splitlines()[0], argv)
-    start = time.perf_counter()
-    figures = run(args)
-    finish("trainer", figures, args, time.perf_counter() - start)
+    run_benchmark("trainer", __doc__, run, argv)
 
 
 if __name__ == "__main__":
