@@ -331,7 +331,7 @@ def test_direct_read_equals_a_reference_decode(tmp_path, monkeypatch, dtype, emp
 
 def _member_header(path, key, ext):
     """(file offset, bytes) of the JSON header of a safetensors member in a shard."""
-    from trainer.loader import index_shard
+    from trainer.shard_index import index_shard
 
     offset, _ = dict(index_shard(path))[key][ext]
     data = path.read_bytes()
@@ -380,7 +380,7 @@ def test_fast_tar_index_equals_tarfile(tmp_path):
     import io
     import tarfile
 
-    from trainer.loader import _index_shard_tarfile, index_shard
+    from trainer.shard_index import _index_shard_tarfile, index_shard
 
     manifest = write_fake_cache(tmp_path, {(16, 16, 1): 5, (32, 16, 1): 3})
     for entry in manifest["shards"]:
