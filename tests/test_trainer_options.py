@@ -4,8 +4,13 @@ cache-format-2 inputs (posterior sampling, caption dropout) under an exact resum
 import pytest
 import torch
 
-from tests.trainer_helpers import build_tiny_transformer, read_metrics, torch_threads, write_fake_cache
-from trainer import TrainerConfig, train
+from tests.trainer_helpers import (
+    build_tiny_transformer,
+    read_metrics,
+    run_train,
+    torch_threads,
+    write_fake_cache,
+)
 from trainer.checkpoint import list_checkpoints
 
 
@@ -28,18 +33,7 @@ def _one_thread():
 
 
 def _run(setup, train_dir, **overrides):
-    pretrained, cache = setup
-    cfg = TrainerConfig(
-        **{
-            "max_steps": 6,
-            "batch_size": 2,
-            "learning_rate": 3e-3,
-            "save_every": 0,
-            "export": False,
-            **overrides,
-        }
-    )
-    return train(cfg, cache_dir=cache, pretrained=pretrained, train_dir=train_dir, seed=0, progress=False)
+    return run_train(setup, train_dir, **{"max_steps": 6, "batch_size": 2, **overrides})
 
 
 ALL_OPTIONS = dict(

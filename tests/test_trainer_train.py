@@ -9,7 +9,13 @@ import torch
 from safetensors.torch import load_file
 
 from latentmill.config import ConfigError, from_dict, to_dict
-from tests.trainer_helpers import build_tiny_transformer, read_metrics, torch_threads, write_fake_cache
+from tests.trainer_helpers import (
+    build_tiny_transformer,
+    read_metrics,
+    run_train,
+    torch_threads,
+    write_fake_cache,
+)
 from trainer import ParallelConfig, TrainerConfig, train
 from trainer.checkpoint import list_checkpoints
 
@@ -31,18 +37,7 @@ def _one_thread():
 
 
 def _run(setup, train_dir, **overrides):
-    pretrained, cache = setup
-    cfg = TrainerConfig(
-        **{
-            "max_steps": 10,
-            "batch_size": 3,
-            "learning_rate": 3e-3,
-            "save_every": 0,
-            "export": False,
-            **overrides,
-        }
-    )
-    return train(cfg, cache_dir=cache, pretrained=pretrained, train_dir=train_dir, seed=0, progress=False)
+    return run_train(setup, train_dir, **{"max_steps": 10, "batch_size": 3, **overrides})
 
 
 @pytest.mark.parametrize(
