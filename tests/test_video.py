@@ -321,3 +321,19 @@ def test_the_bucket_stage_places_clips_of_a_vfr_video_by_time(tmp_path):
     expected = plan_clips_timed(frame_times(str(path)), metas[0]["fps"], bcfg.clip_policy())
     assert [c["frame_indices"] for c in clips] == [list(c.frame_indices) for c in expected]
     assert clips[0]["fps"] == 10.0 and len(clips[0]["frame_indices"]) == 21
+
+
+def test_captioners_see_a_rotated_video_upright_with_the_probed_rotation(tmp_path, monkeypatch):
+    from stages import video as video_module
+    from stages.captioners.media import load_media
+    from stages.video import probe_video
+
+    path = write_video(tmp_path / "phone.mp4", 12, 12, width=64, height=48, rotation=-90, halves=True)
+    meta = {"kind": "video", "source_uri": str(path), **probe_video(str(path))}
+    # ingest's probe already knows the rotation: the video is not opened again to find it
+    monkeypatch.setattr(video_module, "video_rotation", lambda uri: pytest.fail("rotation probed again"))
+    kind, images, indices = load_media({"__key__": "k"}, meta, frames=3, max_side=None)
+    assert kind == "video" and len(images) == 3 and len(indices) == 3
+    assert all(img.size == (48, 64) for img in images)  # shown size, not the coded 64x48
+    top, bottom = images[0].getpixel((24, 4)), images[0].getpixel((24, 60))
+    assert top[0] > top[2] and bottom[2] > bottom[0]  # red left half turned to the top

@@ -77,15 +77,16 @@ def frame_indices(total: int, start_frame: int = 0, num_frames: int | None = Non
 def sample_frames_with_indices(
     video: VideoSource, start_frame: int = 0, num_frames: int | None = None, k: int = 8,
     max_side: int | None = None, backend: Literal["auto", "decord", "pyav"] = "auto",
-    total_frames: int | None = None,
+    total_frames: int | None = None, rotation: int | None = None,
 ) -> tuple[list[Image.Image], list[int]]:
-    """Like :func:`sample_frames`, also returning the frame index of each frame."""
+    """Like :func:`sample_frames`, also returning the frame index of each frame. ``total_frames`` and
+    ``rotation``, when ingest probed them, save opening the video again to find them."""
     from stages.video import probe_video, read_frames
 
     src = bytes(video) if isinstance(video, (bytes, bytearray)) else str(video)
     total = total_frames or probe_video(src)["frames"]
     indices = frame_indices(total, start_frame, num_frames, k)
-    frames_KHWC = read_frames(src, indices, backend=backend).numpy()
+    frames_KHWC = read_frames(src, indices, backend=backend, rotation=rotation).numpy()
     return [fit_within(Image.fromarray(frame), max_side) for frame in frames_KHWC], indices
 
 
@@ -118,8 +119,11 @@ def load_media(sample: dict[str, Any], meta: dict[str, Any], frames: int,
         return kind, [load_image(sample[member], max_side)], None
     clip = meta.get("clip") or {}
     source = sample[member] if member else meta["source_uri"]
-    # The frame count ingest probed (same numbering as read_frames) saves opening the video twice.
-    total = int(meta["frames"]) if meta.get("frames") else None
-    images, indices = sample_frames_with_indices(source, int(clip.get("start_frame") or 0),
-                                                 clip.get("num_frames"), frames, max_side, total_frames=total)
+    # What ingest probed (the frame count, in read_frames' numbering, and the display rotation) saves
+    # opening the video again.
+    probed = bool(meta.get("frames"))
+    total = int(meta["frames"]) if probed else None
+    rotation = int(meta.get("rotation", 0)) if probed else None
+    images, indices = sample_frames_with_indices(source, int(clip.get("start_frame") or 0), clip.get("num_frames"),
+                                                 frames, max_side, total_frames=total, rotation=rotation)
     return kind, images, indices
