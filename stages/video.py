@@ -88,7 +88,6 @@ def probe_video(uri: str | bytes) -> dict[str, Any]:
 
     src = _source(uri)
     frames = fps = None
-    rotation = video_rotation(src)
     times: list[float] | None = None
     try:
         reader = _decord_reader(src)
@@ -104,7 +103,9 @@ def probe_video(uri: str | bytes) -> dict[str, Any]:
             stream = container.streams.video[0]
             width, height = stream.codec_context.width, stream.codec_context.height
             codec = stream.codec_context.name
+            rotation = _first_frame_rotation(container)
             if frames is None:
+                container.seek(0)
                 rate = stream.average_rate or stream.guessed_rate
                 fps = float(rate) if rate else 0.0
                 frames = stream.frames or sum(1 for p in container.demux(stream) if p.size)
@@ -162,19 +163,23 @@ def video_rotation(uri: str | bytes) -> int:
 
     try:
         with av.open(_open_arg(_source(uri))) as container:
-            if not container.streams.video:
-                return 0
-            for frame in container.decode(video=0):
-                angle = getattr(frame, "rotation", 0) or 0
-                break
-            else:
-                return 0
+            return _first_frame_rotation(container) if container.streams.video else 0
     except (av.FFmpegError, ValueError, OSError):
         return 0
+
+
+def _first_frame_rotation(container: Any) -> int:
+    """:func:`video_rotation` of an open PyAV container (0 when its first frame cannot be decoded)."""
+    import av
+
+    try:
+        frame = next(iter(container.decode(video=0)), None)
+    except (av.FFmpegError, ValueError):
+        return 0
+    angle = getattr(frame, "rotation", 0) or 0 if frame is not None else 0
     if not math.isfinite(angle):
         return 0
-    quarter = round(angle / 90) % 4
-    return {0: 0, 1: 90, 2: 180, 3: -90}[quarter]
+    return {0: 0, 1: 90, 2: 180, 3: -90}[round(angle / 90) % 4]
 
 
 def rotate_frames(frames_FHWC: torch.Tensor, rotation: int) -> torch.Tensor:

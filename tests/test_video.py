@@ -337,3 +337,17 @@ def test_captioners_see_a_rotated_video_upright_with_the_probed_rotation(tmp_pat
     assert all(img.size == (48, 64) for img in images)  # shown size, not the coded 64x48
     top, bottom = images[0].getpixel((24, 4)), images[0].getpixel((24, 60))
     assert top[0] > top[2] and bottom[2] > bottom[0]  # red left half turned to the top
+
+
+def test_probe_without_decord_counts_frames_after_reading_the_rotation(tmp_path, monkeypatch):
+    from stages import video as video_module
+
+    path = write_video(tmp_path / "phone.mp4", 24, 12, rotation=90)
+    with_decord = probe_video(str(path))
+
+    def no_decord(src):
+        raise RuntimeError("decord cannot open it")
+
+    monkeypatch.setattr(video_module, "_decord_reader", no_decord)
+    assert probe_video(str(path)) == with_decord == {
+        "width": 48, "height": 64, "fps": 12.0, "frames": 24, "duration": 2.0, "codec": "h264", "rotation": 90}
