@@ -15,8 +15,10 @@ Contenders, each reading every sample once (one epoch), batch size ``B``:
 * files: one safetensors file per sample, read with ``safetensors.torch.load_file`` in a shuffled order
   and stacked into batches of B.
 
-Each baseline pass is paired with a pass of ours right next to it (alternating which goes first); the
-ratio of a pair is one repetition. ``details.cpu_time_ratio`` is the same ratio computed from the CPU time
+A measurement is ``PASSES`` epochs (4; 1 with ``--quick``), each after its own untimed cache warm-up or
+drop: one hot epoch of 1,024 samples takes ~0.1 s, short enough for a single hiccup of a shared machine to
+move it. Each baseline measurement is paired with one of ours right next to it (alternating which goes
+first); the ratio of a pair is one repetition. ``details.cpu_time_ratio`` is the same ratio computed from the CPU time
 of this process instead of wall time: on a shared machine it moves less with other people's load.
 
 "hot": every file read once before timing; "cold": ``os.sync()`` then ``POSIX_FADV_DONTNEED`` on every
@@ -42,6 +44,8 @@ from bench.common import (
 )
 
 setup_env()
+
+PASSES = 4  # epochs per timed measurement (full size); each repetition pairs one measurement of each side
 
 
 def write_per_file(root, cache_dir, manifest) -> list:
@@ -69,7 +73,7 @@ def run(args) -> list:
     from bench.common import drop_cache, warm_cache
     from trainer.loader import LatentLoader
 
-    reps = reps_of(args, full=7, quick=2)
+    reps = reps_of(args, full=5, quick=2)
     num = 128 if args.quick else 1024
     batch = 8
     work = fresh_dir("loader")
@@ -126,15 +130,22 @@ def run(args) -> list:
         fn()
     log(f"warm-up passes done at {time.perf_counter() - t0:.0f} s")
 
+    passes = 1 if args.quick else PASSES
+
     def measure(who: str, mode: str) -> tuple[float, float]:
+        """Samples/s (wall, CPU) over ``passes`` epochs, each after its own cache warm-up or drop (untimed):
+        one 1,024-sample epoch is ~0.1 s hot, short enough for one hiccup of a shared machine to move it."""
         fn, paths = contenders[who]
-        if mode == "cold":
-            drop_cache(paths)
-        else:
-            warm_cache(paths)
-        wall, cpu, count = timed(fn)
-        assert count == num, (who, count, num)
-        return count / wall, count / cpu
+        wall = cpu = 0.0
+        for _ in range(passes):
+            if mode == "cold":
+                drop_cache(paths)
+            else:
+                warm_cache(paths)
+            pass_wall, pass_cpu, count = timed(fn)
+            assert count == num, (who, count, num)
+            wall, cpu = wall + pass_wall, cpu + pass_cpu
+        return passes * num / wall, passes * num / cpu
 
     # Each baseline is paired with a pass of ours right before or after it (alternating), so that both
     # see the same machine load; the ratio of each pair is one repetition.
@@ -159,6 +170,7 @@ def run(args) -> list:
 
     inputs = {"samples": num, "sample": FLUX_512 | {"dtype": "bfloat16", "bytes_on_disk": round(shard_bytes / num)},
               "shard_samples": 64, "shards": len(shards), "batch_size": batch,
+              "epochs_per_measurement": passes,
               "loader": "LatentLoader(cache_dir, 8, seed=0, dtype=bfloat16) (defaults: prefetch=True, "
                         "io_threads=2), constructed inside the timing",
               "per_file_bytes": round(file_bytes / num)}

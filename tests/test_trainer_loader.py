@@ -460,3 +460,54 @@ def test_the_read_ahead_thread_runs_no_dtype_conversion(cache, monkeypatch):
     assert all(b["latents"].dtype == torch.float32 and b["prompt_embeds"].dtype == torch.float32 for b in batches)
     raw = loader._read_batch(*loader.epoch_batches(0)[0], 0, convert=False)
     assert raw["latents"].dtype == torch.bfloat16  # what the fake cache stores
+
+
+def test_shards_on_disk_get_the_next_batches_advised_and_the_same_batches(tmp_path, monkeypatch):
+    """Shards not in the page cache: when a batch is handed out, the kernel has been asked
+    (POSIX_FADV_WILLNEED) for exactly the members of it and of the next ADVISE_AHEAD_BATCHES batches (the
+    VAE member and the caption that epoch reads, nothing for a dropped caption). Batches are unchanged."""
+    import collections
+    import os
+
+    import trainer.loader as loader_module
+
+    buckets = {(32, 16, 1): 11, (16, 16, 1): 6}
+    write_fake_cache(tmp_path, buckets, trimmed=True, seq_len=9, shards_per_bucket=2)
+    _add_second_captions(tmp_path)
+    ahead = loader_module.ADVISE_AHEAD_BATCHES
+    assert ahead >= 1
+    options = dict(batch_size=3, seed=2, caption_dropout=0.3, prefetch=False)
+    with LatentLoader(tmp_path, **options) as plain:
+        assert not plain._on_disk  # just written, so in the page cache: nothing is advised
+        count = 2 * len(plain) + 1  # across an epoch boundary
+        expected = list(itertools.islice(plain, count + ahead))
+    assert torch.cat([b["caption_dropped"] for b in expected]).any()
+
+    def members(batch):  # what a batch reads: (shard path, offset, size) of each member
+        out = []
+        for key, dropped in zip(batch["keys"], batch["caption_dropped"].tolist()):
+            ref = next(r for refs in plain.buckets.values() for r in refs if r.key == key)
+            text = ref.texts[loader_module.caption_choice(2, batch["epoch"], key, len(ref.texts))]
+            for member in ["vae.safetensors"] + ([] if dropped else [text]):
+                out.append((str(plain.shard_paths[ref.shard].resolve()), *ref.members[member]))
+        return out
+
+    advised = []
+    real_fadvise = os.posix_fadvise
+
+    def spy(fd, offset, length, advice):
+        assert advice == os.POSIX_FADV_WILLNEED
+        advised.append((os.readlink(f"/proc/self/fd/{fd}"), offset, length))
+        return real_fadvise(fd, offset, length, advice)
+
+    monkeypatch.setattr(os, "posix_fadvise", spy)
+    with LatentLoader(tmp_path, **options) as on_disk:
+        on_disk._on_disk = True  # as _index_shards sets it when the first shard indexes slowly
+        it = iter(on_disk)
+        for n in range(count):
+            got, want = next(it), expected[n]
+            assert got["keys"] == want["keys"] and torch.equal(got["caption_dropped"], want["caption_dropped"])
+            for name in ("latents", "prompt_embeds", "pooled_prompt_embeds"):
+                assert torch.equal(got[name], want[name]), name
+            window = [m for batch in expected[: n + 1 + ahead] for m in members(batch)]
+            assert collections.Counter(advised) == collections.Counter(window), n

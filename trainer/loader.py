@@ -20,6 +20,9 @@ Design choices:
   tars), then ``os.preadv`` reads each tensor's payload straight into its row of a preallocated batch
   tensor (``[B, ...]``, the stored dtype). No per-sample decode, no
   ``torch.stack``; a different output ``dtype`` is one conversion per batch column.
+* Shards on disk (the first shard indexed slowly: not in the page cache): the kernel is asked
+  (``POSIX_FADV_WILLNEED``) for the members of the next ``ADVISE_AHEAD_BATCHES`` batches before a batch is
+  read, so reads of a shuffled epoch overlap (cold epochs ~1.25x as fast here). In the page cache: no advice.
 * ``state_dict()`` is (epoch, index of the next batch): restoring it yields the very same next batches.
 * Under DDP each rank takes every ``world_size``-th batch of the global plan, the same number per rank.
 * Trimmed text (``text.trimmed``): ``prompt_embeds`` hold only the real tokens and are zero-padded to
@@ -67,6 +70,7 @@ PREFETCH_DELAY_MAX_S = 0.001  # ...and at most this much later
 PARALLEL_READ_BYTES = 1 << 20  # a batch with less to read is read by one thread (a hand-off costs ~50 µs)
 INDEX_COLD_S_PER_SAMPLE = 75e-6  # the first shard indexed slower than this per sample: shards are on disk,
 INDEX_THREADS = 8  # so index the others with this many threads (reads in flight)
+ADVISE_AHEAD_BATCHES = 2  # shards on disk: the kernel is asked to read this many batches ahead (WILLNEED)
 
 
 @dataclass(frozen=True)
@@ -217,6 +221,7 @@ class LatentLoader:
 
         # --- index every shard's headers, grouped by bucket (manifest order, then tar order) ---
         self._layouts: dict[bytes, MemberLayout] = {}  # parsed headers by their bytes (a bucket shares a few)
+        self._on_disk = False  # set by _index_shards: the shards were not in the page cache
         self.shard_paths: list[Path] = []
         for entry in self.manifest["shards"]:
             path = self.cache_dir / entry["path"]
@@ -273,6 +278,7 @@ class LatentLoader:
         start = time.perf_counter()
         first = one(self.shard_paths[0])
         cold = time.perf_counter() - start > INDEX_COLD_S_PER_SAMPLE * max(1, len(first[0]))
+        self._on_disk = cold
         yield first
         if cold and len(self.shard_paths) > 1:
             with ThreadPoolExecutor(max_workers=INDEX_THREADS, thread_name_prefix="latent-index") as pool:
@@ -370,6 +376,36 @@ class LatentLoader:
             yield epoch, index, bucket, indices
             index += 1
 
+    def _advised(
+        self, positions: Iterator[tuple[int, int, tuple[int, ...], list[int]]]
+    ) -> Iterator[tuple[int, int, tuple[int, ...], list[int]]]:
+        """``positions``, each yielded once the kernel was asked (``POSIX_FADV_WILLNEED``) to read the
+        members of the next ``ADVISE_AHEAD_BATCHES`` batches: with shards on disk that keeps several reads
+        in flight while this batch is copied (the kernel's own read-ahead only helps sequential reads, and a
+        shuffled epoch jumps between members). Shards in the page cache: ``positions`` unchanged."""
+        if not self._on_disk or not hasattr(os, "posix_fadvise"):
+            yield from positions
+            return
+        ahead: list[tuple[int, int, tuple[int, ...], list[int]]] = []
+        for position in positions:
+            ahead.append(position)
+            epoch, _, bucket, indices = position
+            for ref in (self.buckets[bucket][i] for i in indices):
+                for member in (VAE_MEMBER, self._text_member(ref, epoch)):
+                    if member is not None:
+                        offset, size = ref.members[member]
+                        os.posix_fadvise(self._fd(ref.shard), offset, size, os.POSIX_FADV_WILLNEED)
+            if len(ahead) > ADVISE_AHEAD_BATCHES:
+                yield ahead.pop(0)
+
+    def _text_member(self, ref: SampleRef, epoch: int) -> str | None:
+        """The text member sample ``ref`` reads in ``epoch``: None when its caption is dropped (the empty
+        prompt's tensors instead), else one of its captions (several: one per epoch, seeded)."""
+        if self.empty_prompt is not None and caption_dropped(self.seed, epoch, ref.key, self.caption_dropout):
+            return None
+        texts = ref.texts
+        return texts[caption_choice(self.seed, epoch, ref.key, len(texts)) if len(texts) > 1 else 0]
+
     def __iter__(self) -> Iterator[dict[str, Any]]:
         """Batches forever; with ``prefetch`` the next one is read in a background thread while the current
         one trains (once the consumer takes ``PREFETCH_MIN_CONSUMER_S`` or more per batch), without it each
@@ -378,7 +414,7 @@ class LatentLoader:
         The position (``state_dict``) only moves when a batch is handed out, so a checkpoint taken after
         batch N resumes at batch N+1 whatever was prefetched.
         """
-        positions = self._positions()
+        positions = self._advised(self._positions())
         if not self.prefetch:
             for epoch, index, bucket, indices in positions:
                 batch = self._read_batch(bucket, indices, epoch)
@@ -510,15 +546,11 @@ class LatentLoader:
             if "latents" not in vae.tensors:
                 raise ValueError(f"{self._where(ref, VAE_MEMBER)}: no 'latents' tensor")
             sample: dict[str, _Source] = {"latents": (ref, VAE_MEMBER, vae.tensors["latents"])}
-            drop = self.empty_prompt is not None and caption_dropped(
-                self.seed, epoch, ref.key, self.caption_dropout
-            )
-            dropped.append(drop)
-            if drop:
+            member = self._text_member(ref, epoch)
+            dropped.append(member is None)
+            if member is None:
                 sample.update(self.empty_prompt)  # type: ignore[arg-type]
             else:
-                texts = ref.texts  # several captions: one per epoch, seeded
-                member = texts[caption_choice(self.seed, epoch, ref.key, len(texts)) if len(texts) > 1 else 0]
                 for name, spec in self._layout(ref, member).tensors.items():
                     sample[name] = (ref, member, spec)
             if self.distribution:
