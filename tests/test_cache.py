@@ -128,10 +128,15 @@ def test_swapped_vae_is_refused_and_changes_cache_keys(cached, tmp_path):
 
 
 def test_cache_is_byte_reproducible(cached, tmp_path):
+    """A second clean run gives the same bytes; it decodes in a read-ahead thread (prefetch on), the first
+    one in line (prefetch "auto" is off on the CPU), which must not change a byte either."""
+    import dataclasses
+
     from tests.conftest import DEMO_IMAGES
 
     model, cfg, _, manifest, _ = cached
-    _, again, records = _prep(DEMO_IMAGES, tmp_path, model, cfg)
+    assert cfg.prefetch == "auto"
+    _, again, records = _prep(DEMO_IMAGES, tmp_path, model, dataclasses.replace(cfg, prefetch=True))
     assert [(s["name"], s["sha256"]) for s in again["shards"]] == [(s["name"], s["sha256"]) for s in manifest["shards"]]
     assert not any(r.reused for r in records)  # a fresh folder: every unit really ran
 

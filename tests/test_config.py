@@ -40,6 +40,7 @@ def test_override_values_parse_as_yaml():
         ("cache.dtype=fp8", r"cache.dtype: 'fp8' is not one of 'float32', 'bfloat16', 'float16'"),
         ("bucket.step=10", r"bucket.step: must be a positive multiple of 16"),
         ("trainer.max_steps=0", r"trainer.max_steps: must be >= 1"),
+        ("cache.prefetch=sometimes", r"cache.prefetch: 'sometimes' does not fit bool or 'auto'"),
     ],
 )
 def test_bad_values_name_the_key_and_allowed_values(override, message):
