@@ -300,11 +300,11 @@ def rss_mb() -> float:
 
 
 def peak_rss_mb() -> float:
-    """Peak resident set of this process in MiB (getrusage; KiB on Linux)."""
-    import resource
+    """Peak resident set of this process in MiB (``trainer.train.peak_rss_mb``: VmHWM on Linux, which
+    ``execve`` resets, unlike ``ru_maxrss``, which would floor a child at its parent's size)."""
+    from trainer.train import peak_rss_mb as peak
 
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return peak / 2**20 if sys.platform == "darwin" else peak / 1024
+    return peak()
 
 
 # ---------------------------------------------------------------------------------------------------------

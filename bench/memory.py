@@ -14,6 +14,13 @@ imports (``details``: the increment over that floor, whose ratio is the harsher 
 * loader: ``LatentLoader(dtype=float32, batch 8)`` over the first shards of one generated Flux-class 512²
   latent cache (~750 KB a sample, 64 samples a shard), reading one full epoch; 1× = M samples, 10× = 10·M.
 
+* clip: one Wan-class clip through the cache stage's encoder call (``stages.families.get_encoders`` for
+  the tiny Wan set with ``model.vae`` pointing at a VAE of Wan2.1's real size: base_dim 96, 2 res blocks,
+  127 M parameters, random weights, seed 0) at 96×96 pixels, 81 frames against 17 (WanPipeline's default
+  clip length against a short one: 4.8x the pixels). The Wan VAE encodes causally, 4 frames at a time
+  with a feature cache, so its activations should not grow with the clip; what does grow is the clip's
+  own pixels and latents.
+
 Run alone: ``python -m bench.memory --quick``.
 """
 
@@ -76,6 +83,43 @@ def child_loader(cache: str, shards: int) -> dict:
             "samples": count}
 
 
+WAN_VAE_FULL = {"base_dim": 96, "z_dim": 16, "dim_mult": [1, 2, 4, 4], "num_res_blocks": 2, "attn_scales": [],
+                "temperal_downsample": [False, True, True]}  # AutoencoderKLWan of Wan2.1 (its defaults)
+
+
+def wan_models() -> tuple:
+    """The tiny Wan pipeline folder and a Wan2.1-sized ``AutoencoderKLWan`` folder (random, seed 0)."""
+    import torch
+    from diffusers import AutoencoderKLWan
+
+    from bench.common import WORK
+    from latentmill.tiny_wan import ensure_tiny_wan
+
+    pipeline = ensure_tiny_wan(WORK / "models" / "tiny-wan", seed=0)
+    vae_dir = WORK / "models" / "wan21-size-vae"
+    if not (vae_dir / "config.json").is_file():
+        torch.manual_seed(0)
+        AutoencoderKLWan(**WAN_VAE_FULL).save_pretrained(vae_dir)
+    return pipeline, vae_dir
+
+
+def child_clip(frames: str, size: str) -> dict:
+    import torch
+
+    from latentmill.models import ModelConfig
+    from stages.families import get_encoders
+
+    pipeline, vae_dir = wan_models()
+    encoders = get_encoders(ModelConfig(pretrained=str(pipeline), vae=str(vae_dir)), "wan", torch.device("cpu"))
+    side = int(size)
+    pixels = torch.rand(1, 3, int(frames), side, side, generator=torch.Generator().manual_seed(0)) * 2 - 1
+    floor = rss_mb()  # models loaded, pixels made
+    start = time.perf_counter()
+    mean, _ = encoders.encode_pixels(pixels)
+    return {"peak_rss_mb": peak_rss_mb(), "floor_rss_mb": floor, "seconds": time.perf_counter() - start,
+            "samples": 1, "latent_shape": list(mean.shape)}
+
+
 def spawn(*argv: str) -> dict:
     """Run ``python -m bench.memory --child ...`` and return the JSON it prints last."""
     done = subprocess.run([sys.executable, "-m", "bench.memory", "--child", *argv], cwd=REPO_ROOT,
@@ -96,12 +140,18 @@ def run(args) -> list:
     manifest = write_latent_cache(work / "cache", 10 * n_shards * 64, FLUX_512, shard_samples=64, seed=0)
     log(f"memory: generated {n_images} + {10 * n_images} images and {len(manifest['shards'])} latent shards")
 
+    wan_models()  # built once, before any child needs them
+    clip_frames = {"1x": 5, "10x": 17} if args.quick else {"1x": 17, "10x": 81}
+    clip_side = 64 if args.quick else 96
+
     figures = []
     configs = {
         "prep": (lambda k, rep: spawn("prep", str(work / f"images-{k}"), str(work / f"prep-{k}-{rep}")),
                  {"1x": n_images, "10x": 10 * n_images}, "images"),
         "loader": (lambda k, rep: spawn("loader", str(work / "cache"), str(n_shards * (10 if k == "10x" else 1))),
                    {"1x": n_shards * 64, "10x": 10 * n_shards * 64}, "latent samples"),
+        "clip": (lambda k, rep: spawn("clip", str(clip_frames[k]), str(clip_side)),
+                 clip_frames, f"frames of {clip_side}x{clip_side}"),
     }
     for what, (fn, sizes, unit) in configs.items():
         res = {"1x": [], "10x": []}
@@ -116,12 +166,19 @@ def run(args) -> list:
         inputs = {"sizes": {k: f"{v} {unit}" for k, v in sizes.items()},
                   "samples_out": {k: v[0]["samples"] for k, v in res.items()},
                   "floor_rss_mb": {k: round(v[0]["floor_rss_mb"]) for k, v in res.items()}}
+        name = f"8. peak RSS of {what}, 10x vs 1x dataset"
         if what == "prep":
             inputs |= {"prep": "run_prep, threads x2, tiny Flux set, one bucket 256x256, bf16, 512 tokens, cache batch 8, ingest shard size 16"}
-        else:
+        elif what == "loader":
             inputs |= {"loader": "LatentLoader(batch 8, dtype=float32), one epoch", "sample": FLUX_512}
-        figures.append(figure(f"8. peak RSS of {what}, 10x vs 1x dataset", peaks["10x"], peaks["1x"], "MiB",
-                              "<= 1.2", inputs, "fresh process per configuration; ru_maxrss of that process",
+        else:
+            name = f"8. peak RSS of one Wan-class clip encode, {clip_frames['10x']} vs {clip_frames['1x']} frames"
+            inputs |= {"encode": "stages.families.WanEncoders.encode_pixels, batch 1, float32, CPU",
+                       "vae": "AutoencoderKLWan " + json.dumps(WAN_VAE_FULL) + " (Wan2.1's size), random, seed 0",
+                       "latent_shape": {k: v[0]["latent_shape"] for k, v in res.items()},
+                       "floor": "models loaded and pixels made"}
+        figures.append(figure(name, peaks["10x"], peaks["1x"], "MiB", "<= 1.2", inputs,
+                              "fresh process per configuration; ru_maxrss of that process",
                               details={"increment_over_floor_ratio": round(sorted(growth)[len(growth) // 2], 3)}))
     if not args.keep:
         shutil.rmtree(work, ignore_errors=True)
@@ -131,7 +188,9 @@ def run(args) -> list:
 def main(argv=None) -> None:
     if argv is None and len(sys.argv) > 1 and sys.argv[1] == "--child":
         kind, *rest = sys.argv[2:]
-        result = child_prep(*rest) if kind == "prep" else child_loader(rest[0], int(rest[1]))
+        children = {"prep": lambda: child_prep(*rest), "loader": lambda: child_loader(rest[0], int(rest[1])),
+                    "clip": lambda: child_clip(*rest)}
+        result = children[kind]()
         print(json.dumps(result))
         return
     run_benchmark("memory", __doc__, run, argv)

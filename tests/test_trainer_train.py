@@ -190,3 +190,24 @@ def test_strategy_none_refuses_a_multi_process_launch(setup, tmp_path, monkeypat
     monkeypatch.setenv("WORLD_SIZE", "2")
     with pytest.raises(ConfigError, match="'none' but 2 processes were launched"):
         _run(setup, tmp_path)
+
+
+def test_peak_rss_of_a_child_is_its_own_not_its_parents():
+    """``ru_maxrss`` survives ``execve``: a child of a large process (a flow run, the benchmark driver)
+    reported at least the parent's resident set. ``peak_rss_mb`` reads the child's own peak."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from trainer.train import peak_rss_mb
+
+    ballast = b"\x01" * (1536 << 20)  # 1.5 GiB, every page touched
+    assert peak_rss_mb() > 1536
+    code = ("import resource; from trainer.train import peak_rss_mb; "
+            "print(peak_rss_mb(), resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         cwd=Path(__file__).resolve().parents[1])
+    own, maxrss = map(float, out.stdout.split())
+    del ballast
+    assert maxrss > 1536  # what ru_maxrss says (the parent's size at fork)
+    assert 20 < own < 1024  # python + torch + the trainer module: a few hundred MiB

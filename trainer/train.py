@@ -95,7 +95,19 @@ def tensorboard_writer(log_dir: Path) -> Any:
 
 
 def peak_rss_mb() -> float:
-    """Peak resident memory of this process in MiB."""
+    """Peak resident memory of this process in MiB.
+
+    On Linux, ``VmHWM`` of ``/proc/self/status``: the peak of this program's own address space. Not
+    ``getrusage``'s ``ru_maxrss``, which survives ``execve``: a process started by a large parent (a Prefect
+    flow run, a benchmark driver) would report at least what the parent held when it forked.
+    """
+    try:
+        with open("/proc/self/status", encoding="ascii") as fh:
+            for line in fh:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 1024  # kB
+    except (OSError, ValueError, IndexError):
+        pass
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return peak / (1024 * 1024) if sys.platform == "darwin" else peak / 1024  # bytes on macOS, KiB on Linux
 
