@@ -165,8 +165,9 @@ def prep_stages(recipe_data: dict) -> dict[str, Any]:
         chunks = task_chunks(pending, recipe.runner)
         futures = run_units.map(stage, unmapped(recipe_data), chunks) if chunks else []
         total = sum(u.samples_in for u in units)
-        # The UI's progress artifact follows the work to do (none when every unit is reused).
-        progress = StageProgress(stage, sum(u.samples_in for u in pending)) if pending else None
+        # The UI's progress artifact follows the work to do; none when every unit is reused or the work is
+        # one task run (it would only jump from 0 to 100%, for two API calls: a refresh's new data).
+        progress = StageProgress(stage, sum(u.samples_in for u in pending)) if len(chunks) > 1 else None
         with tqdm(total=total, desc=f"{stage:>8}", unit="sample") as bar:
             bar.update(sum(r.samples_in for r in records))
             for future in futures:
@@ -174,7 +175,8 @@ def prep_stages(recipe_data: dict) -> dict[str, Any]:
                 records.extend(done_records)
                 samples = sum(r.samples_in for r in done_records)
                 bar.update(samples)
-                progress.update(samples)
+                if progress is not None:
+                    progress.update(samples)
         manifest = stage_dir.write_manifest(records, manifest_header(stage, recipe))
         report[stage] = stage_report(stage, records, time.perf_counter() - start)
         if stage == "bucket":

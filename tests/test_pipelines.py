@@ -128,3 +128,35 @@ def test_other_runners_write_identical_bytes(tiny_flux, demo_images, tmp_path, k
     other = run_prep(_recipe(tiny_flux, demo_images, tmp_path / kind, f"runner.kind={kind}", "runner.workers=2"))
     assert _processed(other) == _processed(threads)
     assert _shard_digests(tmp_path / kind) == _shard_digests(tmp_path / "threads")
+
+
+def test_progress_artifacts_follow_stages_with_several_task_runs(tiny_flux, demo_images, tmp_path):
+    """A stage whose pending work spans several task runs shows a progress artifact that ends at 100%; a
+    refresh whose new data is one task run per stage creates none (two API calls per stage saved)."""
+    import datetime
+
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterType
+
+    from pipelines.prep import plan_stage, task_chunks
+
+    def progress_since(start):
+        with get_client(sync_client=True) as client:
+            found = client.read_artifacts(artifact_filter=ArtifactFilter(type=ArtifactFilterType(any_=["progress"])))
+        return sorted((a.description, a.data) for a in found if a.created >= start)
+
+    recipe = _recipe(tiny_flux, demo_images, tmp_path / "out")
+    start = datetime.datetime.now(datetime.timezone.utc)
+    run_prep(recipe)
+    first = progress_since(start)
+    several = [stage for stage in ("ingest", "caption", "bucket", "cache")
+               if len(task_chunks(plan_stage(stage, recipe), recipe.runner)) > 1]
+    assert "ingest" in several  # the demo's 26 inputs make several ingest units
+    assert first == sorted((f"{stage}: samples done", 100.0) for stage in several)
+
+    shutil.copy(demo_images / "img_001.jpg", demo_images / "zz_new.jpg")
+    (demo_images / "zz_new.txt").write_text("a newly added picture\n")
+    start = datetime.datetime.now(datetime.timezone.utc)
+    grown = run_prep(recipe)
+    assert _processed(grown)["cache"][0] == 1  # one new sample, encoded in one task run
+    assert progress_since(start) == []
