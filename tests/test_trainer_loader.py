@@ -462,12 +462,40 @@ def test_the_read_ahead_thread_runs_no_dtype_conversion(cache, monkeypatch):
     assert raw["latents"].dtype == torch.bfloat16  # what the fake cache stores
 
 
-def test_shards_on_disk_get_the_next_batches_advised_and_the_same_batches(tmp_path, monkeypatch):
-    """Shards not in the page cache: when a batch is handed out, the kernel has been asked
+def _advice_spy(monkeypatch):
+    """Record (shard path, offset, length) of every POSIX_FADV_WILLNEED; every advice is given for real."""
+    import os
+
+    advised = []
+    real_fadvise = os.posix_fadvise
+
+    def spy(fd, offset, length, advice):
+        if advice == os.POSIX_FADV_WILLNEED:
+            advised.append((os.readlink(f"/proc/self/fd/{fd}"), offset, length))
+        return real_fadvise(fd, offset, length, advice)
+
+    monkeypatch.setattr(os, "posix_fadvise", spy)
+    return advised
+
+
+def _members_read(loader, batch, seed):
+    """What a batch reads: (shard path, offset, size) of its VAE member and its caption's text member."""
+    import trainer.loader as loader_module
+
+    out = []
+    for key, dropped in zip(batch["keys"], batch["caption_dropped"].tolist()):
+        ref = next(r for refs in loader.buckets.values() for r in refs if r.key == key)
+        text = ref.texts[loader_module.caption_choice(seed, batch["epoch"], key, len(ref.texts))]
+        for member in ["vae.safetensors"] + ([] if dropped else [text]):
+            out.append((str(loader.shard_paths[ref.shard].resolve()), *ref.members[member]))
+    return out
+
+
+def test_samples_on_disk_get_the_next_batches_advised_and_the_same_batches(tmp_path, monkeypatch):
+    """Samples not in the page cache: when a batch is handed out, the kernel has been asked
     (POSIX_FADV_WILLNEED) for exactly the members of it and of the next ADVISE_AHEAD_BATCHES batches (the
     VAE member and the caption that epoch reads, nothing for a dropped caption). Batches are unchanged."""
     import collections
-    import os
 
     import trainer.loader as loader_module
 
@@ -478,36 +506,53 @@ def test_shards_on_disk_get_the_next_batches_advised_and_the_same_batches(tmp_pa
     assert ahead >= 1
     options = dict(batch_size=3, seed=2, caption_dropout=0.3, prefetch=False)
     with LatentLoader(tmp_path, **options) as plain:
-        assert not plain._on_disk  # just written, so in the page cache: nothing is advised
         count = 2 * len(plain) + 1  # across an epoch boundary
         expected = list(itertools.islice(plain, count + ahead))
     assert torch.cat([b["caption_dropped"] for b in expected]).any()
 
-    def members(batch):  # what a batch reads: (shard path, offset, size) of each member
-        out = []
-        for key, dropped in zip(batch["keys"], batch["caption_dropped"].tolist()):
-            ref = next(r for refs in plain.buckets.values() for r in refs if r.key == key)
-            text = ref.texts[loader_module.caption_choice(2, batch["epoch"], key, len(ref.texts))]
-            for member in ["vae.safetensors"] + ([] if dropped else [text]):
-                out.append((str(plain.shard_paths[ref.shard].resolve()), *ref.members[member]))
-        return out
-
-    advised = []
-    real_fadvise = os.posix_fadvise
-
-    def spy(fd, offset, length, advice):
-        assert advice == os.POSIX_FADV_WILLNEED
-        advised.append((os.readlink(f"/proc/self/fd/{fd}"), offset, length))
-        return real_fadvise(fd, offset, length, advice)
-
-    monkeypatch.setattr(os, "posix_fadvise", spy)
+    advised = _advice_spy(monkeypatch)
+    monkeypatch.setattr(LatentLoader, "_on_disk_now", lambda self, ref: True)  # every sample on disk
     with LatentLoader(tmp_path, **options) as on_disk:
-        on_disk._on_disk = True  # as _index_shards sets it when the first shard indexes slowly
         it = iter(on_disk)
         for n in range(count):
             got, want = next(it), expected[n]
             assert got["keys"] == want["keys"] and torch.equal(got["caption_dropped"], want["caption_dropped"])
             for name in ("latents", "prompt_embeds", "pooled_prompt_embeds"):
                 assert torch.equal(got[name], want[name]), name
-            window = [m for batch in expected[: n + 1 + ahead] for m in members(batch)]
+            window = [m for batch in expected[: n + 1 + ahead] for m in _members_read(plain, batch, 2)]
             assert collections.Counter(advised) == collections.Counter(window), n
+
+
+def test_cached_samples_get_no_advice_and_dropped_ones_do(tmp_path, monkeypatch):
+    """The page-cache probe (a 1-byte RWF_NOWAIT read of each sample's largest member): shards just written
+    are in the page cache, so nothing is advised; after os.sync and POSIX_FADV_DONTNEED on every shard
+    (what `cold` means in the benchmarks), samples are advised, only ones the next batches read, and the
+    batches are the same."""
+    import os
+
+    buckets = {(16, 16, 1): 12}
+    # text members of 640 KiB: their middle lies past what the kernel reads ahead of a tar header
+    write_fake_cache(tmp_path, buckets, seq_len=320, text_dim=1024, shards_per_bucket=2)
+    options = dict(batch_size=4, seed=1, prefetch=False)
+    with LatentLoader(tmp_path, **options) as plain:
+        expected = list(itertools.islice(plain, len(plain)))
+    advised = _advice_spy(monkeypatch)
+    with LatentLoader(tmp_path, **options) as hot:
+        assert hot._nowait  # Linux >= 4.14 on a local file system
+        batches = list(itertools.islice(hot, len(hot)))
+    assert advised == []
+    assert [b["keys"] for b in batches] == [b["keys"] for b in expected]
+
+    os.sync()
+    for path in plain.shard_paths:
+        fd = os.open(path, os.O_RDONLY)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        os.close(fd)
+    with LatentLoader(tmp_path, **options) as cold:
+        batches = list(itertools.islice(cold, len(cold)))
+    read = {m for batch in expected for m in _members_read(plain, batch, 1)}
+    assert advised and set(advised) <= read
+    for got, want in zip(batches, expected):
+        assert got["keys"] == want["keys"]
+        for name in ("latents", "prompt_embeds", "pooled_prompt_embeds"):
+            assert torch.equal(got[name], want[name]), name
