@@ -32,6 +32,7 @@ from stages.shardio import (
 
 STAGES = ("ingest", "caption", "bucket", "cache")
 MAX_UNITS_PER_TASK = 16
+MIN_TASK_SAMPLES = 16  # auto grouping: fewer pending samples than this per task run are not split further
 
 
 def _stage_dir(recipe: Recipe, stage: str) -> StageDir:
@@ -103,11 +104,14 @@ def task_chunks(units: list[WorkUnit], runner: RunnerConfig) -> list[list[WorkUn
     A Prefect task run costs the API server ~50 ms of CPU (state changes, events), about what encoding a
     small unit costs on a CPU, so units travel in groups: ``runner.units_per_task``, or by default as many
     as leaves every worker two task runs (for balance), at most ``MAX_UNITS_PER_TASK`` (for progress and
-    retries on large stages).
+    retries on large stages), and fewer task runs when there are fewer than ``MIN_TASK_SAMPLES`` samples
+    for each (a refresh's few new samples: one task run, not one per worker).
     """
     if not units:
         return []
-    size = runner.units_per_task or min(MAX_UNITS_PER_TASK, -(-len(units) // (2 * runner.workers)))
+    samples = sum(unit.samples_in for unit in units)
+    runs = min(2 * runner.workers, max(1, samples // MIN_TASK_SAMPLES))
+    size = runner.units_per_task or min(MAX_UNITS_PER_TASK, -(-len(units) // runs))
     return [units[i:i + size] for i in range(0, len(units), size)]
 
 

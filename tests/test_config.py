@@ -85,17 +85,21 @@ def test_launch_layouts_and_their_errors():
 
 def test_units_travel_a_few_per_task_run():
     from latentmill.recipe import RunnerConfig
-    from pipelines.prep import MAX_UNITS_PER_TASK, task_chunks
+    from pipelines.prep import MAX_UNITS_PER_TASK, MIN_TASK_SAMPLES, task_chunks
     from stages.shardio import WorkUnit
 
-    def units(n):
-        return [WorkUnit(f"u{i:04d}", [], {}, 1) for i in range(n)]
+    def units(n, samples=MIN_TASK_SAMPLES):
+        return [WorkUnit(f"u{i:04d}", [], {}, samples) for i in range(n)]
 
-    def sizes(n, **runner):
-        return [len(c) for c in task_chunks(units(n), RunnerConfig(**runner))]
+    def sizes(n, samples=MIN_TASK_SAMPLES, **runner):
+        return [len(c) for c in task_chunks(units(n, samples), RunnerConfig(**runner))]
 
     assert sizes(0) == [] and sizes(1) == [1] and sizes(3) == [1, 1, 1]
     assert sizes(15, workers=2) == [4, 4, 4, 3]  # two task runs per worker
+    # a few new samples (a refresh): one task run, or as many as MIN_TASK_SAMPLES-sample groups allow
+    assert sizes(5, samples=2, workers=2) == [5]
+    assert sizes(6, samples=MIN_TASK_SAMPLES // 2, workers=2) == [2, 2, 2]
+    assert sizes(5, samples=2, workers=2, units_per_task=1) == [1] * 5  # the recipe's choice wins
     assert sizes(1000, workers=2) == [MAX_UNITS_PER_TASK] * 62 + [8]  # progress and retries stay fine-grained
     assert sizes(10, workers=2, units_per_task=1) == [1] * 10
     chunks = task_chunks(units(15), RunnerConfig(workers=2))

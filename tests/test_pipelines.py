@@ -145,13 +145,14 @@ def test_progress_artifacts_follow_stages_with_several_task_runs(tiny_flux, demo
             found = client.read_artifacts(artifact_filter=ArtifactFilter(type=ArtifactFilterType(any_=["progress"])))
         return sorted((a.description, a.data) for a in found if a.created >= start)
 
-    recipe = _recipe(tiny_flux, demo_images, tmp_path / "out")
+    # one unit per task run: the demo's 26 inputs alone are too few to split (MIN_TASK_SAMPLES)
+    recipe = _recipe(tiny_flux, demo_images, tmp_path / "out", "runner.units_per_task=1")
     start = datetime.datetime.now(datetime.timezone.utc)
     run_prep(recipe)
     first = progress_since(start)
     several = [stage for stage in ("ingest", "caption", "bucket", "cache")
                if len(task_chunks(plan_stage(stage, recipe), recipe.runner)) > 1]
-    assert "ingest" in several  # the demo's 26 inputs make several ingest units
+    assert "cache" in several  # one unit per bucket shard
     assert first == sorted((f"{stage}: samples done", 100.0) for stage in several)
 
     shutil.copy(demo_images / "img_001.jpg", demo_images / "zz_new.jpg")
