@@ -130,7 +130,9 @@ def spawn(*argv: str) -> dict:
 
 
 def run(args) -> list:
-    reps = reps_of(args, full=2, quick=1)
+    # prep: 3 repetitions (with 2, two runs gave 1.16 and 1.26: one 10x run that fragments more moves it)
+    reps_of_config = {"prep": reps_of(args, full=3, quick=1), "loader": reps_of(args, full=3, quick=1),
+                      "clip": reps_of(args, full=2, quick=1)}
     n_images = 16 if args.quick else 32
     n_shards = 1 if args.quick else 2  # loader 1x: 64 or 128 samples
     work = fresh_dir("memory")
@@ -155,6 +157,7 @@ def run(args) -> list:
     }
     for what, (fn, sizes, unit) in configs.items():
         res = {"1x": [], "10x": []}
+        reps = reps_of_config[what]
         for rep in range(reps):
             for k in (["1x", "10x"] if rep % 2 == 0 else ["10x", "1x"]):
                 res[k].append(fn(k, rep))
