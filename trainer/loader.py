@@ -22,8 +22,8 @@ Design choices:
   ``torch.stack``; a different output ``dtype`` is one conversion per batch column.
 * Shards on disk: the kernel is asked (``POSIX_FADV_WILLNEED``) for the members of the next
   ``ADVISE_AHEAD_BATCHES`` batches before a batch is read, so reads of a shuffled epoch overlap (cold
-  epochs ~1.25x as fast here). A batch already in the page cache (a 1-byte ``RWF_NOWAIT`` probe) is not
-  advised: a second epoch of a dataset that fits in RAM pays nothing.
+  epochs ~1.2x as fast here). A sample already in the page cache (a 1-byte ``RWF_NOWAIT`` probe) is not
+  advised: a second epoch of a dataset that fits in RAM pays only the probes.
 * ``state_dict()`` is (epoch, index of the next batch): restoring it yields the very same next batches.
 * Under DDP each rank takes every ``world_size``-th batch of the global plan, the same number per rank.
 * Trimmed text (``text.trimmed``): ``prompt_embeds`` hold only the real tokens and are zero-padded to

@@ -102,7 +102,7 @@ def peak_rss_mb() -> float:
     flow run, a benchmark driver) would report at least what the parent held when it forked.
     """
     try:
-        with open("/proc/self/status", encoding="ascii") as fh:
+        with open("/proc/self/status", encoding="utf-8", errors="replace") as fh:
             for line in fh:
                 if line.startswith("VmHWM:"):
                     return int(line.split()[1]) / 1024  # kB
