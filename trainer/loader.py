@@ -84,6 +84,7 @@ class SampleRef:
     texts: tuple[str, ...] = (TEXT_MEMBER,)  # caption members in order (``text_members``)
     # extension -> its checked safetensors header, where the index read it (shared by equal headers)
     layouts: dict[str, MemberLayout] = field(default_factory=dict)
+    probe_at: int = 0  # the middle byte of its largest member: what the page-cache probe reads
 
 
 # Where one tensor of a batch row comes from: (sample, member extension, tensor) or an in-memory tensor
@@ -246,14 +247,16 @@ class LatentLoader:
                     missing = sorted({VAE_MEMBER, TEXT_MEMBER} - set(members))
                     raise ValueError(f"{path}: sample {key!r} lacks {', '.join(missing)}")
                 layouts = {}
-                for ext, (_, size) in members.items():
+                largest = (0, 0)  # (size, offset) of the largest member
+                for ext, (offset, size) in members.items():
+                    largest = max(largest, (size, offset))
                     header = headers.get((key, ext))
                     layout = self._parsed(header) if header is not None else None
                     if layout is not None and layout.size == size:  # else checked (and refused) when read
                         layouts[ext] = layout
                 others = len(members) - 2 - (META_MEMBER in members)  # members beside vae, text and json
                 texts = tuple(text_members(members)) if others else (TEXT_MEMBER,)
-                ref = SampleRef(shard_id, key, members, texts, layouts)
+                ref = SampleRef(shard_id, key, members, texts, layouts, largest[1] + largest[0] // 2)
                 by_bucket.setdefault(tuple(entry["bucket"]), []).append(ref)
         self.buckets = {b: by_bucket[b] for b in sorted(by_bucket)}
         self.num_samples = sum(len(refs) for refs in self.buckets.values())
@@ -410,9 +413,8 @@ class LatentLoader:
         the kernel or the file system cannot tell, what the start-up index saw (``_on_disk``: the first
         shard indexed slowly)."""
         if self._nowait:
-            offset, size = max(ref.members.values(), key=lambda member: member[1])
             try:
-                os.preadv(self._fd(ref.shard), [self._probe], offset + size // 2, os.RWF_NOWAIT)
+                os.preadv(self._fd(ref.shard), [self._probe], ref.probe_at, os.RWF_NOWAIT)
                 return False
             except BlockingIOError:
                 return True
