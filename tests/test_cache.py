@@ -327,3 +327,27 @@ def test_weight_digests_are_remembered_across_processes(tiny_flux, tmp_path, mon
         os.utime(w, ns=(old + 1, old + 1))
     monkeypatch.setattr(models, "_memo", {})
     assert models.component_fingerprint(src) == first
+
+
+def test_prefetch_auto_decodes_in_line_on_the_cpu(tiny_flux, tmp_path, monkeypatch):
+    """cache.prefetch "auto": no decode read-ahead thread when encoding on the CPU (it fought the encoders'
+    threads for the cores); true still asks for one."""
+    import dataclasses
+
+    from tests.conftest import DEMO_IMAGES
+
+    seen = []
+    real = cache._prefetched
+
+    def spy(fn, items, enabled):
+        seen.append(enabled)
+        return real(fn, items, enabled)
+
+    monkeypatch.setattr(cache, "_prefetched", spy)
+    model = ModelConfig(pretrained=str(tiny_flux))
+    cfg = CacheConfig(dtype="bfloat16", batch_size=3, max_sequence_length=16)
+    _prep(DEMO_IMAGES, tmp_path / "auto", model, cfg)
+    assert seen and set(seen) == {False}
+    seen.clear()
+    _prep(DEMO_IMAGES, tmp_path / "on", model, dataclasses.replace(cfg, prefetch=True))
+    assert seen and set(seen) == {True}
