@@ -297,7 +297,7 @@ def test_direct_read_equals_a_reference_decode(tmp_path, monkeypatch, dtype, emp
 
     from safetensors.torch import load_file, save_file
 
-    import trainer.loader as loader_module
+    import trainer.batch_reader as batch_reader
 
     buckets = {(32, 16, 1): 11, (16, 16, 1): 6}
     write_fake_cache(tmp_path, buckets, trimmed=True, seq_len=9, latents="distribution", shards_per_bucket=2)
@@ -309,7 +309,7 @@ def test_direct_read_equals_a_reference_decode(tmp_path, monkeypatch, dtype, emp
         manifest["empty_prompt"]["sha256"] = hashlib.sha256(path.read_bytes()).hexdigest()
         (tmp_path / "manifest.json").write_text(json.dumps(manifest))
     empty = load_file(tmp_path / "empty_prompt.safetensors")
-    monkeypatch.setattr(loader_module, "PARALLEL_READ_BYTES", 0)  # also the several-threads path
+    monkeypatch.setattr(batch_reader, "PARALLEL_READ_BYTES", 0)  # also the several-threads path
     seed, dropout = 4, 0.3
     for io_threads, prefetch in [(1, False), (3, True)]:
         loader = LatentLoader(tmp_path, batch_size=4, seed=seed, dtype=dtype, caption_dropout=dropout,
@@ -327,6 +327,56 @@ def test_direct_read_equals_a_reference_decode(tmp_path, monkeypatch, dtype, emp
                 assert got[name].dtype == want[name].dtype == dtype and got[name].is_contiguous()
                 assert torch.equal(got[name], want[name]), name
         loader.close()
+
+
+@pytest.mark.parametrize("trimmed", [True, False])
+def test_batches_of_samples_with_one_header_are_read_by_a_plan_and_equal_the_reference(
+    tmp_path, monkeypatch, trimmed
+):
+    """Samples that share their VAE and text headers (a bucket's samples usually do) are read by a plan
+    built once per header pair (``ShardReader._read_planned``): dropped captions, padding to pad_to, a
+    second caption and latents_std come out as the reference decode has them; other batches take the
+    general path."""
+    import hashlib
+
+    from safetensors.torch import load_file, save_file
+
+    from tests.trainer_helpers import SEQ_LEN
+    from trainer.batch_reader import ShardReader
+
+    buckets = {(32, 16, 1): 9, (16, 16, 1): 5}
+    if trimmed:  # 2 or 3 real tokens padded to 3, second captions of 1 to 3: many batches share headers
+        write_fake_cache(tmp_path, buckets, trimmed=True, seq_len=3, latents="distribution", shards_per_bucket=2)
+        _add_second_captions(tmp_path)
+    else:  # every caption SEQ_LEN tokens; the empty prompt as long, as the cache stage writes it untrimmed
+        write_fake_cache(tmp_path, buckets, latents="distribution")
+        path = tmp_path / "empty_prompt.safetensors"
+        empty = load_file(path)
+        empty["prompt_embeds"] = torch.randn(SEQ_LEN, empty["prompt_embeds"].shape[1]).to(torch.bfloat16)
+        save_file(empty, str(path))
+        manifest = json.loads((tmp_path / "manifest.json").read_text())
+        manifest["empty_prompt"]["sha256"] = hashlib.sha256(path.read_bytes()).hexdigest()
+        (tmp_path / "manifest.json").write_text(json.dumps(manifest))
+    empty = load_file(tmp_path / "empty_prompt.safetensors")
+    planned = []  # per planned batch: whether it has a dropped caption
+    original = ShardReader._read_planned
+
+    def spy(self, plan, refs, texts):
+        planned.append(any(text is None for text in texts))
+        return original(self, plan, refs, texts)
+
+    monkeypatch.setattr(ShardReader, "_read_planned", spy)
+    seed, dropout = 7, 0.3
+    with LatentLoader(tmp_path, batch_size=2, seed=seed, caption_dropout=dropout, prefetch=False) as loader:
+        batches = list(itertools.islice(loader, 4 * len(loader)))
+        for batch in batches:
+            want = _reference_batch(loader, batch, seed, dropout, empty)
+            for name in ("latents", "latents_std", "prompt_embeds", "pooled_prompt_embeds"):
+                assert torch.equal(batch[name], want[name]), name
+        plans = len(loader._reader._plans)
+    assert any(planned) and not all(planned)  # planned batches with a dropped caption and without one
+    assert len(planned) < len(batches) if trimmed else len(planned) == len(batches)
+    assert 1 <= plans <= (6 if trimmed else 2)  # one per header pair (per bucket untrimmed), not per batch
 
 
 def _member_header(path, key, ext):

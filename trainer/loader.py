@@ -18,7 +18,7 @@ Design choices:
 * One copy per tensor: a member's safetensors header (8-byte little-endian length + JSON with dtype, shape
   and ``data_offsets``) is read and checked first (:mod:`trainer.shard_index`, which also indexes the
   tars), then ``os.preadv`` reads each tensor's payload straight into its row of a preallocated batch
-  tensor (``[B, ...]``, the stored dtype). No per-sample decode, no
+  tensor (``[B, ...]``, the stored dtype; :mod:`trainer.batch_reader`). No per-sample decode, no
   ``torch.stack``; a different output ``dtype`` is one conversion per batch column.
 * Shards on disk: the kernel is asked (``POSIX_FADV_WILLNEED``) for the members of the next
   ``ADVISE_AHEAD_BATCHES`` batches before a batch is read, so reads of a shuffled epoch overlap (cold
@@ -41,54 +41,25 @@ import os
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator, Union
+from typing import Any, Iterator
 
 import torch
 from safetensors.torch import load as load_safetensors
 
-from trainer.shard_index import (
-    HEADER_READ,
-    MAX_HEADER,
-    HeaderError,
-    MemberLayout,
-    TensorSpec,
-    index_shard,
-    parse_safetensors_header,
-)
+from trainer.batch_reader import META_MEMBER, TEXT_MEMBER, VAE_MEMBER, SampleRef, ShardReader
+from trainer.shard_index import index_shard
 
 log = logging.getLogger(__name__)
 
 FORMAT_VERSIONS = (1, 2)
-VAE_MEMBER = "vae.safetensors"
-TEXT_MEMBER = "text.safetensors"
-META_MEMBER = "json"
 
 PREFETCH_MIN_CONSUMER_S = 200e-6  # read ahead only for a consumer this slow per batch (a hand-off: ~50-100µs)
 PREFETCH_DELAY_SHARE = 0.1  # the read-ahead starts this share of the consumer's time per batch later...
 PREFETCH_DELAY_MAX_S = 0.001  # ...and at most this much later
-PARALLEL_READ_BYTES = 1 << 20  # a batch with less to read is read by one thread (a hand-off costs ~50 µs)
 INDEX_COLD_S_PER_SAMPLE = 75e-6  # the first shard indexed slower than this per sample: shards are on disk,
 INDEX_THREADS = 8  # so index the others with this many threads (reads in flight)
 ADVISE_AHEAD_BATCHES = 2  # shards on disk: the kernel is asked to read this many batches ahead (WILLNEED)
-
-
-@dataclass(frozen=True)
-class SampleRef:
-    """Where one cached sample lives: its shard file and the byte range of each member."""
-
-    shard: int  # index into LatentLoader.shard_paths
-    key: str
-    members: dict[str, tuple[int, int]]  # extension -> (offset, size) in the tar
-    texts: tuple[str, ...] = (TEXT_MEMBER,)  # caption members in order (``text_members``)
-    # extension -> its checked safetensors header, where the index read it (shared by equal headers)
-    layouts: dict[str, MemberLayout] = field(default_factory=dict)
-    probe_at: int = 0  # the middle byte of its largest member: what the page-cache probe reads
-
-
-# Where one tensor of a batch row comes from: (sample, member extension, tensor) or an in-memory tensor
-_Source = Union[tuple[SampleRef, str, TensorSpec], torch.Tensor]
 
 
 def read_manifest(cache_dir: str | Path) -> dict:
@@ -175,7 +146,7 @@ class LatentLoader:
     ([width, height, frames]), ``epoch`` and ``index`` (position of the batch in its epoch).
 
     ``prefetch``: read the next batch in a background thread while the consumer works on this one (see
-    ``__iter__``); ``io_threads``: threads that copy the members of one batch (over ``PARALLEL_READ_BYTES``).
+    ``__iter__``); ``io_threads``: threads that copy the members of one batch (``ShardReader``).
     """
 
     def __init__(
@@ -210,10 +181,9 @@ class LatentLoader:
             raise ValueError(f"caption_dropout must be in [0, 1], got {caption_dropout}")
         self.caption_dropout = caption_dropout
         self.prefetch = prefetch  # read the next batch while the current one trains
-        if io_threads < 1:
-            raise ValueError(f"io_threads must be >= 1, got {io_threads}")
         self.io_threads = io_threads  # threads that copy one batch's members (os.preadv releases the GIL)
-        self._io_pool: ThreadPoolExecutor | None = None
+        self.shard_paths: list[Path] = []  # filled below; the reader holds this very list
+        self._reader = ShardReader(self.shard_paths, io_threads)  # open files, batch assembly
         self.empty_prompt = self._load_empty_prompt() if caption_dropout > 0 else None
         # What the sample order depends on: the shard list (content-addressed), not the stage config.
         shard_ids = [
@@ -222,11 +192,9 @@ class LatentLoader:
         self.dataset_id = hashlib.sha256(json.dumps(shard_ids, sort_keys=True).encode()).hexdigest()
 
         # --- index every shard's headers, grouped by bucket (manifest order, then tar order) ---
-        self._layouts: dict[bytes, MemberLayout] = {}  # parsed headers by their bytes (a bucket shares a few)
         self._on_disk = False  # set by _index_shards: the shards were not in the page cache
         self._nowait = hasattr(os, "RWF_NOWAIT")  # page-cache probes (Linux >= 4.14), see _on_disk_now
         self._probe = bytearray(1)
-        self.shard_paths: list[Path] = []
         for entry in self.manifest["shards"]:
             path = self.cache_dir / entry["path"]
             if path.suffix != ".tar":
@@ -251,7 +219,7 @@ class LatentLoader:
                 for ext, (offset, size) in members.items():
                     largest = max(largest, (size, offset))
                     header = headers.get((key, ext))
-                    layout = self._parsed(header) if header is not None else None
+                    layout = self._reader.parsed(header) if header is not None else None
                     if layout is not None and layout.size == size:  # else checked (and refused) when read
                         layouts[ext] = layout
                 others = len(members) - 2 - (META_MEMBER in members)  # members beside vae, text and json
@@ -264,8 +232,6 @@ class LatentLoader:
         self.epoch, self.batch_index = 0, 0
         self._order_epoch: int | None = None
         self._order: list[tuple[tuple[int, ...], list[int]]] = []
-        self._fds: dict[int, int] = {}
-        self._fd_lock = threading.Lock()
 
     def _index_shards(self) -> Iterator[tuple[list[tuple[str, dict[str, tuple[int, int]]]], dict]]:
         """(``index_shard`` result, safetensors headers it read) of every shard, in order.
@@ -402,7 +368,7 @@ class LatentLoader:
                     for member in (VAE_MEMBER, self._text_member(ref, epoch)):
                         if member is not None:
                             offset, size = ref.members[member]
-                            os.posix_fadvise(self._fd(ref.shard), offset, size, os.POSIX_FADV_WILLNEED)
+                            os.posix_fadvise(self._reader.fd(ref.shard), offset, size, os.POSIX_FADV_WILLNEED)
             if len(ahead) > ADVISE_AHEAD_BATCHES:
                 yield ahead.pop(0)
 
@@ -414,7 +380,7 @@ class LatentLoader:
         shard indexed slowly)."""
         if self._nowait:
             try:
-                os.preadv(self._fd(ref.shard), [self._probe], ref.probe_at, os.RWF_NOWAIT)
+                os.preadv(self._reader.fd(ref.shard), [self._probe], ref.probe_at, os.RWF_NOWAIT)
                 return False
             except BlockingIOError:
                 return True
@@ -482,155 +448,30 @@ class LatentLoader:
                 handed_at = time.perf_counter()
                 yield batch
 
-    def _fd(self, shard: int) -> int:
-        """The open file descriptor of shard ``shard`` (opened on first use, closed by ``close``)."""
-        fd = self._fds.get(shard)
-        if fd is None:
-            with self._fd_lock:
-                fd = self._fds.get(shard)
-                if fd is None:
-                    fd = self._fds[shard] = os.open(self.shard_paths[shard], os.O_RDONLY)
-        return fd
-
     def _read(self, ref: SampleRef, ext: str) -> bytes:
         """The bytes of one member of a sample (metadata, tests; batches read with ``_read_batch``)."""
-        offset, size = ref.members[ext]
-        data = os.pread(self._fd(ref.shard), size, offset)
-        if len(data) != size:
-            raise IOError(f"{self.shard_paths[ref.shard]}: short read for {ref.key}.{ext}")
-        return data
-
-    def _where(self, ref: SampleRef, ext: str) -> str:
-        return f"{self.shard_paths[ref.shard]}: sample {ref.key!r}, member {ref.key}.{ext}"
-
-    def _parsed(self, header: bytes, strict: bool = False) -> MemberLayout | None:
-        """``parse_safetensors_header`` once per distinct header; an invalid one: None, or ``HeaderError``
-        when ``strict``."""
-        layout = self._layouts.get(header)
-        if layout is None:
-            try:
-                layout = parse_safetensors_header(header)
-            except HeaderError:
-                if strict:
-                    raise
-                return None
-            if len(self._layouts) >= 65536:  # many distinct headers (unusual): stay bounded
-                self._layouts.clear()
-            self._layouts[header] = layout
-        return layout
-
-    def _layout(self, ref: SampleRef, ext: str) -> MemberLayout:
-        """The checked safetensors header of a sample member: from the index where it read it, else one
-        small ``pread``. Raises ``ValueError`` naming the shard, the sample and the member if invalid."""
-        layout = ref.layouts.get(ext)
-        if layout is not None:
-            return layout
-        offset, size = ref.members[ext]
-        fd = self._fd(ref.shard)
-        head = os.pread(fd, min(size, HEADER_READ), offset)
-        if len(head) < 8:
-            raise ValueError(f"{self._where(ref, ext)}: {size} bytes, too short for a safetensors header")
-        end = 8 + int.from_bytes(head[:8], "little")
-        if end > size or end - 8 > MAX_HEADER:
-            raise ValueError(
-                f"{self._where(ref, ext)}: safetensors header length {end - 8} runs past the member's "
-                f"{size} bytes"
-            )
-        if end > len(head):
-            head += os.pread(fd, end - len(head), offset + len(head))
-            if len(head) < end:
-                raise IOError(f"{self._where(ref, ext)}: short read")
-        try:
-            layout = self._parsed(head[8:end], strict=True)
-        except HeaderError as err:
-            raise ValueError(f"{self._where(ref, ext)}: {err}") from None
-        if layout.size != size:
-            raise ValueError(
-                f"{self._where(ref, ext)}: safetensors header describes {layout.size} bytes, "
-                f"the member holds {size}"
-            )
-        return layout
+        return self._reader.read(ref, ext)
 
     def _read_batch(
         self, bucket: tuple[int, ...], indices: list[int], epoch: int, convert: bool = True
     ) -> dict[str, Any]:
-        """Read one batch: the members' headers first, then each tensor payload straight into its row.
+        """Read one batch (``ShardReader.read_batch``: each tensor payload straight into its row).
 
         ``convert=False`` leaves the tensors in their stored dtype (``_convert`` does the rest): the
         read-ahead thread runs no multi-threaded torch op, whose OpenMP team would fight the training
         step's for the cores (with the conversion in the read-ahead thread a CPU step took 1.3-1.5x as
-        long). Everything it does here is ``os.preadv`` and numpy copies.
+        long).
         """
         refs = [self.buckets[bucket][i] for i in indices]
-        # 1. per sample, where each output tensor comes from: a tensor of a member, or the empty prompt's
-        rows: list[dict[str, _Source]] = []
-        dropped = []
-        for ref in refs:
-            vae = self._layout(ref, VAE_MEMBER)
-            if "latents" not in vae.tensors:
-                raise ValueError(f"{self._where(ref, VAE_MEMBER)}: no 'latents' tensor")
-            sample: dict[str, _Source] = {"latents": (ref, VAE_MEMBER, vae.tensors["latents"])}
-            member = self._text_member(ref, epoch)
-            dropped.append(member is None)
-            if member is None:
-                sample.update(self.empty_prompt)  # type: ignore[arg-type]
-            else:
-                for name, spec in self._layout(ref, member).tensors.items():
-                    sample[name] = (ref, member, spec)
-            if self.distribution:
-                if "latents_std" not in vae.tensors:
-                    raise ValueError(
-                        f"sample {ref.key!r}: the manifest says latents: distribution, no latents_std"
-                    )
-                sample["latents_std"] = (ref, VAE_MEMBER, vae.tensors["latents_std"])
-            if rows and sample.keys() != rows[0].keys():
-                raise ValueError(f"sample {ref.key!r} holds {sorted(sample)}, others {sorted(rows[0])}")
-            rows.append(sample)
-
-        # 2. one batch tensor per column, [B, *row shape] in the rows' (stored) dtype
-        columns = {name: self._column(bucket, name, [row[name] for row in rows]) for name in rows[0]}
-
-        # 3. payloads: the bytes of each row of each column, read in place; padding and empty prompts filled
-        # (shard, member offset) -> (sample, member, [(file offset, buffer)])
-        reads: dict[tuple[int, int], tuple[SampleRef, str, list[tuple[int, Any]]]] = {}
-        conversions: list[tuple[torch.Tensor, torch.Tensor]] = []  # (row, staged tensor of another dtype)
-        for name, out in columns.items():
-            flat = out.view(len(rows), out[0].numel())
-            flat_bytes = flat.view(torch.uint8).numpy()  # [B, row bytes], writable, shares out's memory
-            for i, row in enumerate(rows):
-                source = row[name]
-                if isinstance(source, torch.Tensor):  # the empty prompt's tensor
-                    n = source.numel()
-                    if source.dtype == out.dtype:
-                        nb = n * out.element_size()
-                        flat_bytes[i, :nb] = source.reshape(-1).view(torch.uint8).numpy()
-                        flat_bytes[i, nb:] = 0
-                    else:  # an empty prompt stored in another dtype (rare): a torch conversion
-                        flat[i, :n].copy_(source.reshape(-1))
-                        flat[i, n:].zero_()
-                    continue
-                ref, member, spec = source
-                nbytes = spec.end - spec.begin
-                if spec.dtype == out.dtype:
-                    buffer = flat_bytes[i, :nbytes]
-                    if nbytes < flat_bytes.shape[1]:  # trimmed text: zeros after the real tokens
-                        flat_bytes[i, nbytes:] = 0
-                else:  # rows of different dtypes (not what the cache stage writes): stage, convert below
-                    staged = torch.empty(spec.shape, dtype=spec.dtype)
-                    buffer = staged.view(-1).view(torch.uint8).numpy()
-                    conversions.append((flat[i, : staged.numel()], staged))
-                    flat[i, staged.numel() :].zero_()
-                if nbytes:
-                    at = ref.members[member][0]
-                    reads.setdefault((ref.shard, at), (ref, member, []))[2].append((at + spec.begin, buffer))
-        self._read_members([group for _, group in sorted(reads.items(), key=lambda item: item[0])])
-        for row, staged in conversions:
-            row.copy_(staged.reshape(-1))
+        texts = [self._text_member(ref, epoch) for ref in refs]
+        columns = self._reader.read_batch(
+            bucket, refs, texts, empty_prompt=self.empty_prompt, distribution=self.distribution, pad_to=self.pad_to
+        )
         batch = {
             **columns,
             "keys": [r.key for r in refs],
             "bucket": list(bucket),
-            "caption_dropped": torch.tensor(dropped, dtype=torch.bool),
+            "caption_dropped": torch.tensor([text is None for text in texts], dtype=torch.bool),
         }
         return self._convert(batch) if convert else batch
 
@@ -641,89 +482,13 @@ class LatentLoader:
                 batch[name] = value.to(self.dtype)
         return batch
 
-    def _column(self, bucket: tuple[int, ...], name: str, sources: list[_Source]) -> torch.Tensor:
-        """An uninitialised batch tensor for column ``name``: the rows' common shape (``prompt_embeds`` of a
-        trimmed cache: ``pad_to`` tokens) and dtype (promoted as ``torch.stack`` would, if they differ)."""
-        shapes, dtypes = set(), set()
-        for source in sources:
-            if isinstance(source, torch.Tensor):
-                shape, dtype = tuple(source.shape), source.dtype
-            else:
-                shape, dtype = source[2].shape, source[2].dtype
-            if self.pad_to is not None and name == "prompt_embeds" and shape:
-                if shape[0] > self.pad_to:
-                    raise ValueError(
-                        f"prompt_embeds hold {shape[0]} tokens, more than the manifest's text.pad_to "
-                        f"({self.pad_to})"
-                    )
-                shape = (self.pad_to, *shape[1:])
-            shapes.add(shape)
-            dtypes.add(dtype)
-        if len(shapes) > 1:
-            raise ValueError(
-                f"bucket {list(bucket)} holds samples of different shapes: {name} {sorted(shapes)}"
-            )
-        dtype = dtypes.pop()
-        for other in dtypes:
-            dtype = torch.promote_types(dtype, other)
-        return torch.empty((len(sources), *shapes.pop()), dtype=dtype)
-
-    def _read_members(self, groups: list[tuple[SampleRef, str, list[tuple[int, Any]]]]) -> None:
-        """Run ``_read_into`` for every member of a batch (in file order): with ``io_threads`` > 1 and at
-        least ``PARALLEL_READ_BYTES`` to read, in that many contiguous slices at once (page-cache copies on
-        several cores, several requests in flight on a cold disk)."""
-        total = sum(len(buffer) for _, _, pieces in groups for _, buffer in pieces)
-        threads = min(self.io_threads, len(groups))
-        if threads < 2 or total < PARALLEL_READ_BYTES:
-            for group in groups:
-                self._read_into(*group)
-            return
-        if self._io_pool is None:
-            self._io_pool = ThreadPoolExecutor(self.io_threads - 1, thread_name_prefix="latent-io")
-        cuts, done, share = [0], 0, total / threads
-        for i, (_, _, pieces) in enumerate(groups):  # slices of about equal bytes
-            done += sum(len(buffer) for _, buffer in pieces)
-            if done >= share * len(cuts) and len(cuts) < threads:
-                cuts.append(i + 1)
-        cuts.append(len(groups))
-        slices = [groups[a:b] for a, b in zip(cuts, cuts[1:]) if b > a]
-        futures = [self._io_pool.submit(self._read_slice, part) for part in slices[1:]]
-        self._read_slice(slices[0])
-        for future in futures:
-            future.result()
-
-    def _read_slice(self, groups: list[tuple[SampleRef, str, list[tuple[int, Any]]]]) -> None:
-        for group in groups:
-            self._read_into(*group)
-
-    def _read_into(self, ref: SampleRef, member: str, pieces: list[tuple[int, Any]]) -> None:
-        """Fill ``pieces`` ((file offset, writable buffer), one member's tensors) with one ``os.preadv``
-        per run of adjacent byte ranges."""
-        fd = self._fd(ref.shard)
-        pieces.sort(key=lambda piece: piece[0])
-        runs: list[tuple[int, list[Any]]] = []
-        end = -1
-        for offset, buffer in pieces:
-            if offset != end:
-                runs.append((offset, []))
-            runs[-1][1].append(buffer)
-            end = offset + len(buffer)
-        for start, buffers in runs:
-            if os.preadv(fd, buffers, start) != sum(len(buffer) for buffer in buffers):
-                raise IOError(f"{self._where(ref, member)}: short read")
-
     def read_metadata(self, bucket: tuple[int, ...], index: int) -> dict:
         """The ``k.json`` metadata of one sample (for inspection and tests)."""
         return json.loads(self._read(self.buckets[bucket][index], META_MEMBER))
 
     def close(self) -> None:
         """Close the shard files (and stop the read threads)."""
-        if self._io_pool is not None:
-            self._io_pool.shutdown()
-            self._io_pool = None
-        for fd in self._fds.values():
-            os.close(fd)
-        self._fds.clear()
+        self._reader.close()
 
     def __enter__(self) -> "LatentLoader":
         return self
