@@ -4,22 +4,24 @@ Data: ``N`` Flux-class 512² samples (latent 16×64×64, T5 77×4096, pooled 768
 written with the cache stage's shard writer into shards of 64 samples (the size the cache stage writes:
 one per bucket shard), plus the very same tensors as one safetensors file per sample.
 
-Contenders, each reading every sample once (one epoch), batch size ``B``:
+Contenders, each reading every sample once per epoch, batch size ``B``:
 
 * ours: ``trainer.loader.LatentLoader`` with its defaults (index of tar headers; per batch, each member's
   safetensors header checked and its tensors read with ``os.preadv`` straight into the batch tensors, on
   ``io_threads=2`` threads for batches over 1 MiB; ``prefetch`` on, which in a tight loop like this one
-  reads in the caller's thread), constructed inside the timing; output dtype bf16 (the storage dtype);
+  reads in the caller's thread), one loader per measurement as a training run has one for all its epochs,
+  constructed inside the first epoch's timing; output dtype bf16 (the storage dtype);
 * raw: a plain sequential read of the same shard files, 1 MiB at a time, bytes discarded;
 * webdataset: ``webdataset.WebDataset(shards).map(safetensors decode).to_tuple(...).batched(B)``;
 * files: one safetensors file per sample, read with ``safetensors.torch.load_file`` in a shuffled order
   and stacked into batches of B.
 
-A measurement is ``PASSES`` epochs (4; 1 with ``--quick``), each after its own untimed cache warm-up or
-drop: one hot epoch of 1,024 samples takes ~0.1 s, short enough for a single hiccup of a shared machine to
-move it. Each baseline measurement is paired with one of ours right next to it (alternating which goes
-first); the ratio of a pair is one repetition. ``details.cpu_time_ratio`` is the same ratio computed from the CPU time
-of this process instead of wall time: on a shared machine it moves less with other people's load.
+A measurement is ``PASSES`` epochs (4; 1 with ``--quick``) of one contender (for ours: of one loader, its
+start-up included), each epoch after its own untimed cache warm-up or drop: one hot epoch of 1,024 samples
+takes ~0.1 s, short enough for a single hiccup of a shared machine to move it. Each baseline measurement is
+paired with one of ours right next to it (alternating which goes first); the ratio of a pair is one
+repetition. ``details.cpu_time_ratio`` is the same ratio computed from the CPU time of this process instead
+of wall time: on a shared machine it moves less with other people's load.
 
 "hot": every file read once before timing; "cold": ``os.sync()`` then ``POSIX_FADV_DONTNEED`` on every
 file of the contender before timing. Run alone: ``python -m bench.loader --quick``.
@@ -86,40 +88,50 @@ def run(args) -> list:
     log(f"generated {num} samples ({shard_bytes / 2**20:.0f} MiB shards, {file_bytes / 2**20:.0f} MiB files) "
         f"in {time.perf_counter() - t0:.0f} s")
 
-    def ours(dtype=torch.bfloat16) -> int:
+    # Each contender is a generator: one ``next`` reads one epoch and gives its sample count. A measurement
+    # starts a fresh one, so that the loader is constructed (its tar index read) inside the first epoch's
+    # timing, then iterates epochs as a training run does: one loader, many epochs.
+    def ours(dtype=torch.bfloat16):
         with LatentLoader(work / "cache", batch, seed=0, dtype=dtype) as loader:
             it = iter(loader)
-            count = 0
-            for _ in range(len(loader)):
-                count += len(next(it)["keys"])
-        return count
+            try:
+                while True:
+                    count = 0
+                    for _ in range(len(loader)):
+                        count += len(next(it)["keys"])
+                    yield count
+            finally:
+                it.close()
 
-    def raw() -> int:
-        count = 0
-        for path in shards:
-            with open(path, "rb", buffering=0) as fh:
-                while fh.read(1 << 20):
-                    pass
-            count += 64
-        return min(count, num)
+    def raw():
+        while True:
+            count = 0
+            for path in shards:
+                with open(path, "rb", buffering=0) as fh:
+                    while fh.read(1 << 20):
+                        pass
+                count += 64
+            yield min(count, num)
 
     def decode(sample):
         return {**load(sample["vae.safetensors"]), **load(sample["text.safetensors"])}
 
-    def webdataset() -> int:
-        ds = (wds.WebDataset([str(p) for p in shards], shardshuffle=False, empty_check=False)
-              .map(decode).to_tuple("latents", "prompt_embeds", "pooled_prompt_embeds").batched(batch))
-        return sum(len(b[0]) for b in ds)
+    def webdataset():
+        while True:
+            ds = (wds.WebDataset([str(p) for p in shards], shardshuffle=False, empty_check=False)
+                  .map(decode).to_tuple("latents", "prompt_embeds", "pooled_prompt_embeds").batched(batch))
+            yield sum(len(b[0]) for b in ds)
 
     order = torch.randperm(len(files), generator=torch.Generator().manual_seed(0)).tolist()
 
-    def per_file() -> int:
-        count = 0
-        for start in range(0, len(order), batch):
-            samples = [load_file(str(files[i])) for i in order[start:start + batch]]
-            out = {k: torch.stack([s[k] for s in samples]) for k in samples[0]}
-            count += len(out["latents"])
-        return count
+    def per_file():
+        while True:
+            count = 0
+            for start in range(0, len(order), batch):
+                samples = [load_file(str(files[i])) for i in order[start:start + batch]]
+                out = {k: torch.stack([s[k] for s in samples]) for k in samples[0]}
+                count += len(out["latents"])
+            yield count
 
     contenders = {"ours": (ours, shards), "raw": (raw, shards), "webdataset": (webdataset, shards),
                   "files": (per_file, files), "ours_f32": (lambda: ours(torch.float32), shards)}
@@ -127,7 +139,9 @@ def run(args) -> list:
     # memory, which a training run pays once, not once per epoch.
     for fn, paths in contenders.values():
         warm_cache(paths)
-        fn()
+        epochs = fn()
+        next(epochs)
+        epochs.close()
     log(f"warm-up passes done at {time.perf_counter() - t0:.0f} s")
 
     passes = 1 if args.quick else PASSES
@@ -137,14 +151,16 @@ def run(args) -> list:
         one 1,024-sample epoch is ~0.1 s hot, short enough for one hiccup of a shared machine to move it."""
         fn, paths = contenders[who]
         wall = cpu = 0.0
+        epochs = fn()
         for _ in range(passes):
             if mode == "cold":
                 drop_cache(paths)
             else:
                 warm_cache(paths)
-            pass_wall, pass_cpu, count = timed(fn)
+            pass_wall, pass_cpu, count = timed(lambda: next(epochs))
             assert count == num, (who, count, num)
             wall, cpu = wall + pass_wall, cpu + pass_cpu
+        epochs.close()
         return passes * num / wall, passes * num / cpu
 
     # Each baseline is paired with a pass of ours right before or after it (alternating), so that both
@@ -172,7 +188,7 @@ def run(args) -> list:
               "shard_samples": 64, "shards": len(shards), "batch_size": batch,
               "epochs_per_measurement": passes,
               "loader": "LatentLoader(cache_dir, 8, seed=0, dtype=bfloat16) (defaults: prefetch=True, "
-                        "io_threads=2), constructed inside the timing",
+                        "io_threads=2), one per measurement, constructed inside the timing of its first epoch",
               "per_file_bytes": round(file_bytes / num)}
     def fig(name, who, mode, goal, notes):
         r = results[(who, mode)]

@@ -12,12 +12,14 @@ Configurations:
   16×16×16), 32 T5 tokens, float32 cache (configs/demo.yaml), batch 4: "the tiny training run";
 * ``small``: the larger ``bench/small-flux.yaml`` set at 256² (latent 16×32×32), 128 tokens, bf16 cache.
 
-The first ``WARMUP`` steps of every run are left out of the step-time means (first-call set-up).
+The first ``WARMUP`` steps of every run are left out of the step-time means (first-call set-up), and one
+short untimed run of each side goes before the timed ones (a process's first run pays one-time costs).
 Run alone: ``python -m bench.trainer --quick``.
 """
 
 from __future__ import annotations
 
+import gc
 import json
 import shutil
 import statistics
@@ -85,7 +87,7 @@ def run_config(name: str, conf: dict, args, reps: int, work) -> list:
 
     batch = 4
     figures = []
-    steps = {"tiny": 60, "small": 15}[name] if not args.quick else {"tiny": 15, "small": 8}[name]
+    steps = {"tiny": 120, "small": 15}[name] if not args.quick else {"tiny": 15, "small": 8}[name]
     num = 512 if not args.quick else 64
     pretrained = model_dir(conf["recipe"])
     cache = work / f"cache-{name}"
@@ -109,9 +111,14 @@ def run_config(name: str, conf: dict, args, reps: int, work) -> list:
     def bare(rep):
         return 1000 * mean_after_warmup(bare_run(batches, pretrained, steps, args.device))
 
+    # One short untimed run of each first: the first training run of a process pays one-time costs (kernel
+    # and allocator warm-up) for several steps, and would otherwise weigh on whichever side goes first.
+    train_run(cache, pretrained, work / f"train-{name}", WARMUP * 2, batch)
+    bare_run(batches, pretrained, WARMUP * 2, args.device)
     for rep in range(reps):
         order = [("ours", ours), ("bare", bare)] if rep % 2 == 0 else [("bare", bare), ("ours", ours)]
         for who, fn in order:
+            gc.collect()  # the previous run's model and optimizer, if a cycle holds them: not in this run's steps
             runs[who].append(fn(rep))
             log(f"trainer {name} rep {rep + 1}/{reps} {who}: {runs[who][-1]:.2f} ms/step")
         if name == "tiny":  # a cold start: the shards dropped from the page cache first
@@ -149,10 +156,12 @@ def run_config(name: str, conf: dict, args, reps: int, work) -> list:
 
 
 def run(args) -> list:
-    reps = reps_of(args, full=5, quick=2)
     work = fresh_dir("trainer")
     figures = []
     for name, conf in CONFIGS.items():
+        # the tiny run's steps (~10 ms) move with every hiccup of a shared machine: more repetitions of it,
+        # which cost seconds
+        reps = reps_of(args, full=9 if name == "tiny" else 5, quick=2)
         figures += run_config(name, conf, args, reps, work)
     if not args.keep:
         shutil.rmtree(work, ignore_errors=True)
