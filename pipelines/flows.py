@@ -18,7 +18,7 @@ from prefect.cache_policies import NONE
 from latentmill.config import ConfigError
 from latentmill.recipe import Recipe, load_recipe, recipe_from_dict
 from pipelines.launch import train_recipe
-from pipelines.prep import prep, run_prep
+from pipelines.prep import prep, release_prep_models, run_prep
 from pipelines.snapshot import resolve_snapshot
 
 
@@ -72,6 +72,20 @@ def check_launch(recipe: Recipe, launch: Launch) -> None:
                           "one process: 'ddp', 'fsdp2'); add parallel.strategy=ddp or parallel.strategy=fsdp2")
     if launch.nnodes > 1 and not launch.rdzv_endpoint:
         raise ConfigError("--nnodes > 1 needs --rdzv-endpoint HOST:PORT (the first node's address)")
+    check_gpus_per_node(launch.nproc, _visible_gpus())
+
+
+def _visible_gpus() -> int:
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def check_gpus_per_node(nproc: int, gpus: int) -> None:
+    """On a node with GPUs each process trains on one of its own (NCCL refuses two ranks on one GPU)."""
+    if gpus and nproc > gpus:
+        raise ConfigError(f"--nproc {nproc}: this node has {gpus} GPU{'s' if gpus > 1 else ''}, one process "
+                          f"trains per GPU; use --nproc {gpus} or fewer")
 
 
 def run_train(recipe: Recipe, launch: Launch = Launch()) -> dict[str, Any]:
@@ -98,6 +112,7 @@ def prep_then_train(config: str = "configs/demo.yaml", overrides: list[str] | No
     recipe = load_recipe(config, overrides)
     check_launch(recipe, Launch(nproc))
     prepared = run_prep(recipe)
+    release_prep_models()  # the encoders are done: training gets the GPUs whole
     return {**prepared, "train": run_train(recipe, Launch(nproc))}
 
 
@@ -111,6 +126,7 @@ def refresh(config: str = "configs/demo.yaml", overrides: list[str] | None = Non
     result = dict(prepared)
     if train and prepared["snapshot"]["new"]:
         snapshot = dataclasses.replace(recipe, snapshot=prepared["snapshot"]["name"])
+        release_prep_models()  # the encoders are done: training gets the GPUs whole
         result["train"] = run_train(snapshot, Launch(nproc))
     return result
 

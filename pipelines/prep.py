@@ -29,6 +29,7 @@ from stages.shardio import (
     stage_report,
     tune_allocator,
 )
+from stages.workers import number_worker
 
 STAGES = ("ingest", "caption", "bucket", "cache")
 MAX_UNITS_PER_TASK = 16
@@ -120,7 +121,17 @@ def task_runner(runner: RunnerConfig):
     if runner.kind == "threads":
         return ThreadPoolTaskRunner(max_workers=runner.workers)
     if runner.kind == "processes":
-        return ProcessPoolTaskRunner(max_workers=runner.workers)
+        import atexit
+        import shutil
+        import tempfile
+
+        # workers numbered 0, 1, ... by the slot files they lock in here: each keeps to one GPU
+        # (stages.workers)
+        slot_dir = tempfile.mkdtemp(prefix="latentmill-workers-")
+        atexit.register(shutil.rmtree, slot_dir, True)
+        return ProcessPoolTaskRunner(
+            max_workers=runner.workers, initializer=number_worker, initargs=(slot_dir,)
+        )
     if runner.kind == "ray":
         from prefect_ray import RayTaskRunner
 
@@ -134,6 +145,24 @@ def task_runner(runner: RunnerConfig):
     if runner.address:
         return DaskTaskRunner(address=runner.address)
     return DaskTaskRunner(cluster_kwargs={"n_workers": runner.workers, "threads_per_worker": 1})
+
+
+def release_prep_models() -> int:
+    """Forget the encoders and captioning models prep loaded in this process and hand the GPU memory they
+    held back to the driver, so that training in this same process (prep-then-train, refresh with train)
+    or under torchrun next to it gets whole GPUs. Returns how many model sets were dropped."""
+    import gc
+
+    import torch
+
+    from stages.captioners.hf import release_models
+    from stages.families import release_encoders
+
+    count = release_encoders() + release_models()
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return count
 
 
 def ensure_models(recipe: Recipe) -> None:

@@ -28,7 +28,13 @@ from PIL import Image
 from safetensors.torch import save as safetensors_save
 
 from latentmill.models import ModelConfig, cached_model_fingerprints
-from stages.families import describe_components, detect_family, family_components, get_encoders
+from stages.families import (
+    compute_dtypes,
+    describe_components,
+    detect_family,
+    family_components,
+    get_encoders,
+)
 from stages.shardio import (
     StageDir,
     UnitOutput,
@@ -41,6 +47,7 @@ from stages.shardio import (
     stable_hash,
     units_per_shard,
 )
+from stages.workers import unit_gpu
 
 STAGE = "cache"
 FORMAT_VERSION = 2
@@ -85,20 +92,31 @@ class CacheConfig:
 
 
 def pick_gpu(unit_id: str, gpus: int) -> int:
-    """The GPU a unit runs on: units spread evenly over the GPUs by their (random-looking) ids."""
-    return int(unit_id[:8], 16) % gpus
+    """The GPU a unit runs on: a numbered process-pool worker's own, else units spread evenly over the
+    GPUs by their (random-looking) ids (``stages.workers``)."""
+    return unit_gpu(unit_id, gpus)
+
+
+def _on_gpu(cfg: CacheConfig) -> bool:
+    return cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
 
 
 def _device(cfg: CacheConfig, unit_id: str = "0") -> torch.device:
-    """CPU, or one of the GPUs: each GPU holds its own copy of the encoders, units are spread over them."""
-    if cfg.device == "cpu" or (cfg.device == "auto" and not torch.cuda.is_available()):
+    """CPU, or one of the GPUs: each GPU holds one copy of the encoders per process that uses it."""
+    if not _on_gpu(cfg):
         return torch.device("cpu")
     return torch.device("cuda", pick_gpu(unit_id, torch.cuda.device_count()))
 
 
+def _compute(dtype: torch.dtype) -> dict[str, str]:
+    """A component key's record of the dtype its encoder ran in: nothing for float32 (the keys of caches
+    made on the CPU stay what they were), else its name."""
+    return {} if dtype == torch.float32 else {"compute": str(dtype).removeprefix("torch.")}
+
+
 def _pin_threads(cfg: CacheConfig) -> None:
     threads = cfg.threads or os.cpu_count() or 1
-    if _device(cfg).type == "cpu" and torch.get_num_threads() != threads:
+    if not _on_gpu(cfg) and torch.get_num_threads() != threads:
         torch.set_num_threads(threads)
 
 
@@ -125,12 +143,15 @@ class CachePlan:
     def of(cls, cfg: CacheConfig, model: ModelConfig) -> CachePlan:
         family = detect_family(model)
         prints = cached_model_fingerprints(model, family_components(family))
+        # the encoders' own dtype too (bf16 on a GPU): a GPU-made latent is not the CPU-made one's bytes
+        compute = compute_dtypes(family, torch.device("cuda" if _on_gpu(cfg) else "cpu"))
         vae_fp = stable_hash({"family": family, "vae": prints["vae"], "dtype": cfg.dtype, "latents": cfg.latents,
                               "seed": cfg.seed if cfg.latents == "sample" else None, "resample": "lanczos",
-                              "version": FORMAT_VERSION})
+                              "version": FORMAT_VERSION, **_compute(compute["vae"])})
         text_fp = stable_hash({"family": family, "encoders": {k: v for k, v in prints.items() if k != "vae"},
                                "dtype": cfg.dtype, "max_sequence_length": cfg.max_sequence_length,
-                               "trim": trims_text(cfg, family), "version": FORMAT_VERSION})
+                               "trim": trims_text(cfg, family), "version": FORMAT_VERSION,
+                               **_compute(compute["text"])})
         return cls(family, prints, vae_fp, text_fp)
 
     def fingerprint(self) -> dict[str, Any]:
@@ -364,7 +385,7 @@ def process(cfg: CacheConfig, model: ModelConfig, unit: WorkUnit, out: UnitOutpu
         return pixels
 
     batches = [list(range(s, min(s + cfg.batch_size, len(samples)))) for s in range(0, len(samples), cfg.batch_size)]
-    prefetch = cfg.prefetch if cfg.prefetch != "auto" else _device(cfg, unit.unit_id).type == "cuda"
+    prefetch = cfg.prefetch if cfg.prefetch != "auto" else _on_gpu(cfg)
     for batch, pixels in zip(batches, _prefetched(decode, batches, prefetch)):
         for i, value in list(pixels.items()):
             if isinstance(value, Exception):

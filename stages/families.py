@@ -45,6 +45,14 @@ def detect_family(model: ModelConfig) -> str:
     return PIPELINE_FAMILIES[name]
 
 
+def compute_dtypes(family: str, device: torch.device) -> dict[str, torch.dtype]:
+    """The dtype the ``vae`` and the ``text`` encoders of ``family`` run in on ``device``: bf16 on GPU,
+    float32 on CPU (CPU bf16 matmuls are slow and less exact); the Wan VAE in float32 everywhere (its
+    causal 3-D convs are sensitive to bf16). Part of the cache's component keys (``stages.cache``)."""
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    return {"vae": torch.float32 if family == "wan" else dtype, "text": dtype}
+
+
 class _Encoders:
     """Shared plumbing: device, dtype, one lock per loaded model set."""
 
@@ -54,8 +62,7 @@ class _Encoders:
     def __init__(self, model: ModelConfig, device: torch.device):
         self.model = model
         self.device = device
-        # Encoders run in bf16 on GPU, float32 on CPU (CPU bf16 matmuls are slow and less exact).
-        self.compute_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+        self.compute_dtype = compute_dtypes(self.name, device)["text"]  # (and the Flux VAE's)
         self.lock = threading.Lock()  # one forward at a time per loaded model set
 
     def _load(self, cls, name: str):
@@ -88,7 +95,8 @@ class FluxEncoders(_Encoders):
         self.tokenizer = self._tokenizer("text_encoder")
         self.tokenizer_2 = self._tokenizer("text_encoder_2")
         if device.type == "cuda":
-            self.vae.enable_slicing()  # one image at a time through the decoder-side buffers: bounded memory
+            # encode() then runs one image at a time: peak memory of one 1024² image, not of a batch of 16
+            self.vae.enable_slicing()
         self.scaling_factor = float(self.vae.config.scaling_factor)
         self.shift_factor = float(self.vae.config.shift_factor or 0.0)
 
@@ -127,12 +135,12 @@ class WanEncoders(_Encoders):
         from diffusers import AutoencoderKLWan
         from transformers import UMT5EncoderModel
 
-        # The Wan VAE runs in float32 even on GPU: its causal 3-D convs are sensitive to bf16.
+        # The Wan VAE runs in float32 even on GPU: its causal 3-D convs are sensitive to bf16. Not tiled:
+        # its memory is already bounded by encoding 4 frames at a time (figure 8's clip row), and tiles
+        # blended at their seams would give other latents than the whole-frame encode everywhere else.
         self.vae = AutoencoderKLWan.from_pretrained(
             component_source(model, "vae").path, **component_source(model, "vae").kwargs(),
-            torch_dtype=torch.float32).to(device).eval()
-        if device.type == "cuda":
-            self.vae.enable_tiling()  # bounded memory for large frames; time is chunked by the causal cache
+            torch_dtype=compute_dtypes("wan", device)["vae"]).to(device).eval()
         self.text_encoder = self._load(UMT5EncoderModel, "text_encoder")
         self.tokenizer = self._tokenizer("text_encoder")
         self.latents_mean = torch.tensor(self.vae.config.latents_mean).view(1, -1, 1, 1, 1)
@@ -198,3 +206,12 @@ def get_encoders(model: ModelConfig, family: str, device: torch.device) -> _Enco
         if key not in _encoders:
             _encoders[key] = FAMILIES[family](model, device)
         return _encoders[key]
+
+
+def release_encoders() -> int:
+    """Forget every encoder set this process loaded (the memory goes once nothing else holds them);
+    returns how many sets there were."""
+    with _encoders_lock:
+        count = len(_encoders)
+        _encoders.clear()
+    return count

@@ -252,6 +252,38 @@ def test_units_spread_evenly_over_gpus():
     assert pick_gpu("00000007ab", 4) == 3
 
 
+def test_component_keys_record_the_dtype_the_encoders_ran_in(tiny_flux, tiny_wan):
+    """On a GPU the encoders run in bf16 (the Wan VAE in float32 everywhere): those latents and embeddings
+    are not the CPU's bytes, so their keys differ; the CPU keys stay what they were before (float32 is
+    not written into them)."""
+    from stages.cache import CachePlan
+    from stages.shardio import stable_hash
+
+    flux = ModelConfig(pretrained=str(tiny_flux))
+    cpu, gpu = CachePlan.of(CacheConfig(device="cpu"), flux), CachePlan.of(CacheConfig(device="cuda"), flux)
+    assert cpu.vae_fp != gpu.vae_fp and cpu.text_fp != gpu.text_fp
+    assert CachePlan.of(CacheConfig(), flux).vae_fp == cpu.vae_fp  # auto on this GPU-less machine: the CPU
+    assert cpu.vae_fp == stable_hash({"family": "flux", "vae": cpu.prints["vae"], "dtype": "bfloat16",
+                                      "latents": "mean", "seed": None, "resample": "lanczos",
+                                      "version": cache.FORMAT_VERSION})
+    wan = ModelConfig(pretrained=str(tiny_wan))
+    cpu, gpu = CachePlan.of(CacheConfig(device="cpu"), wan), CachePlan.of(CacheConfig(device="cuda"), wan)
+    assert cpu.vae_fp == gpu.vae_fp and cpu.text_fp != gpu.text_fp
+
+
+def test_a_numbered_worker_process_keeps_to_one_gpu(monkeypatch):
+    """A process-pool worker loads its encoders (and captioning model) on one GPU whatever its units, or
+    8 workers on 8 GPUs would hold up to 8 copies per GPU."""
+    from stages.cache import pick_gpu
+    from stages.shardio import stable_hash
+    from stages.workers import WORKER_INDEX_ENV, worker_gpu
+
+    assert worker_gpu(4) is None  # the test process is not a numbered worker
+    monkeypatch.setenv(WORKER_INDEX_ENV, "5")
+    assert {pick_gpu(stable_hash(i), 4) for i in range(100)} == {1}
+    assert worker_gpu(8) == 5 and worker_gpu(0) is None
+
+
 def test_family_mismatch_is_refused(cached):
     model, _, _, manifest, _ = cached
     wrong = ModelConfig(pretrained=model.pretrained, family="wan")

@@ -83,6 +83,22 @@ def test_launch_layouts_and_their_errors():
         check_launch(load_recipe(DEMO_CONFIG), Launch(8, nnodes=2, rdzv_endpoint="h:1"))
 
 
+def test_each_rank_trains_on_a_gpu_of_its_own():
+    """A rank's GPU is its local rank among the GPUs it sees (0 when a launcher gave it one); a node with
+    GPUs refuses more processes than GPUs before any work (NCCL refuses two ranks on one GPU)."""
+    from pipelines.flows import check_gpus_per_node
+    from trainer.parallel import local_gpu
+
+    assert [local_gpu(rank, 8) for rank in range(8)] == list(range(8))
+    assert [local_gpu(rank, 1) for rank in range(4)] == [0, 0, 0, 0]  # CUDA_VISIBLE_DEVICES: one per rank
+    with pytest.raises(RuntimeError, match="no GPU is visible"):
+        local_gpu(0, 0)
+    check_gpus_per_node(8, 8)
+    check_gpus_per_node(4, 0)  # no GPU: gloo on the CPU, any count
+    with pytest.raises(ConfigError, match="--nproc 4: this node has 2 GPUs, one process trains per GPU"):
+        check_gpus_per_node(4, 2)
+
+
 def test_units_travel_a_few_per_task_run():
     from latentmill.recipe import RunnerConfig
     from pipelines.prep import MAX_UNITS_PER_TASK, MIN_TASK_SAMPLES, task_chunks

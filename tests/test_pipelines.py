@@ -6,6 +6,7 @@ import json
 import shutil
 
 import pytest
+from prefect import flow, task
 
 from latentmill.inspect import verify_path
 from latentmill.recipe import load_recipe
@@ -88,6 +89,9 @@ def test_refresh_trains_only_on_a_new_snapshot(tiny_flux, demo_images, tmp_path)
         s: unchanged["stages"][s]["units"] + 1 for s in ("ingest", "cache")}
     assert grown["train"]["steps"] == 2
     assert latest_name(out) == grown["snapshot"]["name"]
+    from stages.families import _encoders
+
+    assert not _encoders  # prep's encoders were let go before training in this process
 
 
 def test_prep_publishes_artifacts(tiny_flux, demo_images, tmp_path):
@@ -118,6 +122,32 @@ def _shard_digests(out):
         manifest = json.loads((out / "prep" / stage / "manifest.json").read_text())
         digests[stage] = [(s["name"], s["sha256"]) for s in manifest["shards"]]
     return digests
+
+
+@task
+def _worker_number(_: int) -> tuple[int, str | None]:
+    import os
+    import time
+
+    time.sleep(0.2)  # long enough for the pool to start both workers
+    return os.getpid(), os.environ.get("LATENTMILL_WORKER_INDEX")
+
+
+def test_process_workers_are_numbered_once_each():
+    """The processes runner numbers its worker processes 0, 1, ... (one GPU each, stages.workers)."""
+    from latentmill.recipe import RunnerConfig
+    from pipelines.prep import task_runner
+
+    @flow(task_runner=task_runner(RunnerConfig(kind="processes", workers=2)))
+    def numbered() -> list[tuple[int, str | None]]:
+        return [future.result() for future in _worker_number.map(range(6))]
+
+    by_pid = {}
+    for pid, number in numbered():
+        by_pid.setdefault(pid, set()).add(number)
+    assert all(len(numbers) == 1 for numbers in by_pid.values())  # a worker keeps its number
+    assert sorted(n for numbers in by_pid.values() for n in numbers) == [str(i) for i in range(len(by_pid))]
+    assert len(by_pid) == 2
 
 
 @pytest.mark.parametrize("kind", ["processes", "dask", "ray"])

@@ -102,10 +102,19 @@ def init_distributed(parallel: ParallelConfig) -> DistContext:
     return _start_group(parallel, int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", "0")), cuda)
 
 
+def local_gpu(local_rank: int, visible: int) -> int:
+    """The GPU index of local rank ``local_rank`` among the ``visible`` ones: its own ordinal when the
+    process sees every GPU of the node, 0 when a launcher gave each rank one GPU (``CUDA_VISIBLE_DEVICES``,
+    ``srun --gpus-per-task=1``)."""
+    if visible < 1:
+        raise RuntimeError("CUDA is available but no GPU is visible to this process")
+    return local_rank % visible
+
+
 def _start_group(parallel: ParallelConfig, rank: int, local_rank: int, cuda: bool, store=None) -> DistContext:
     if cuda:
-        torch.cuda.set_device(local_rank)
-    device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
+        torch.cuda.set_device(local_gpu(local_rank, torch.cuda.device_count()))
+    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     owns_group = not dist.is_initialized()
     if owns_group:
         backend = "nccl" if cuda else "gloo"
@@ -190,7 +199,7 @@ def parallelize(
     if parallel.strategy == "fsdp2" and ctx.initialized:
         return apply_fsdp2(model, blocks, parallel, ctx)
     if parallel.strategy == "ddp" and ctx.initialized:
-        device_ids = [ctx.local_rank] if ctx.device.type == "cuda" else None
+        device_ids = [ctx.device.index] if ctx.device.type == "cuda" else None
         return nn.parallel.DistributedDataParallel(model, device_ids=device_ids)
     return model
 

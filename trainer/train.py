@@ -340,13 +340,13 @@ def _train(
                         pred = adapter.forward(model, noisy, sigmas, inputs, cfg)
                     loss = flow_matching_loss(pred, target, weights)
                     (loss / accum).backward()
-                micro_losses.append(loss.item())
+                micro_losses.append(loss.detach())  # read once per step: no host sync per micro-batch
 
             # --- clip, step
             grad_norm = torch.nn.utils.clip_grad_norm_(trainable, grad_clip)  # of the rank-averaged grads
             if hasattr(grad_norm, "full_tensor"):  # FSDP2: a DTensor
                 grad_norm = grad_norm.full_tensor()
-            last_loss = ctx.mean(sum(micro_losses) / accum)  # the loss of the global batch
+            last_loss = ctx.mean(sum(torch.stack(micro_losses).tolist()) / accum)  # of the global batch
             if not math.isfinite(last_loss):
                 raise FloatingPointError(f"loss is {last_loss} at step {step + 1} (batch {batch['keys']})")
             lr = scheduler.get_last_lr()[0]
@@ -354,6 +354,8 @@ def _train(
             scheduler.step()
             step += 1
             global_batch = ctx.sum(step_samples)
+            if device.type == "cuda":  # the step's time includes the clip and optimizer kernels it queued
+                torch.cuda.synchronize(device)
             t_step = time.perf_counter() - t_start
             samples_seen, train_time, data_time = (
                 samples_seen + global_batch,

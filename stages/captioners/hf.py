@@ -65,11 +65,19 @@ def model_fingerprint(model: str, revision: str | None = None) -> str:
 
 
 def resolve_device(device: str) -> str:
-    """``caption.device`` made concrete: ``auto`` is ``cuda`` when a GPU is visible, else ``cpu``."""
+    """``caption.device`` made concrete: ``auto`` is ``cuda`` when a GPU is visible, else ``cpu``; ``cuda``
+    in a numbered process-pool worker is that worker's own GPU (``stages.workers``), not every worker's
+    ``cuda:0``."""
     import torch
 
+    from stages.workers import worker_gpu
+
     if device == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda":
+        own = worker_gpu(torch.cuda.device_count())
+        if own is not None:
+            return f"cuda:{own}"
     return device
 
 
@@ -134,6 +142,14 @@ class LoadedModel:
 
 _models: dict[tuple, LoadedModel] = {}
 _models_lock = threading.Lock()
+
+
+def release_models() -> int:
+    """Forget every captioning model this process loaded; returns how many there were."""
+    with _models_lock:
+        count = len(_models)
+        _models.clear()
+    return count
 
 
 def get_model(path: str, fingerprint: str, dtype: str, device: str, trust_remote_code: bool) -> LoadedModel:
