@@ -91,12 +91,6 @@ class CacheConfig:
             raise ConfigError(f"cache.threads: must be >= 0 (0 = all cores), got {self.threads}")
 
 
-def pick_gpu(unit_id: str, gpus: int) -> int:
-    """The GPU a unit runs on: a numbered process-pool worker's own, else units spread evenly over the
-    GPUs by their (random-looking) ids (``stages.workers``)."""
-    return unit_gpu(unit_id, gpus)
-
-
 def _on_gpu(cfg: CacheConfig) -> bool:
     return cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
 
@@ -105,7 +99,7 @@ def _device(cfg: CacheConfig, unit_id: str = "0") -> torch.device:
     """CPU, or one of the GPUs: each GPU holds one copy of the encoders per process that uses it."""
     if not _on_gpu(cfg):
         return torch.device("cpu")
-    return torch.device("cuda", pick_gpu(unit_id, torch.cuda.device_count()))
+    return torch.device("cuda", unit_gpu(unit_id, torch.cuda.device_count()))
 
 
 def _compute(dtype: torch.dtype) -> dict[str, str]:

@@ -244,7 +244,7 @@ def test_verify_catches_a_flipped_byte(cached, tmp_path, capsys):
 def test_units_spread_evenly_over_gpus():
     from collections import Counter
 
-    from stages.cache import pick_gpu
+    from stages.workers import unit_gpu as pick_gpu
     from stages.shardio import stable_hash
 
     counts = Counter(pick_gpu(stable_hash(i), 4) for i in range(4000))
@@ -274,7 +274,7 @@ def test_component_keys_record_the_dtype_the_encoders_ran_in(tiny_flux, tiny_wan
 def test_a_numbered_worker_process_keeps_to_one_gpu(monkeypatch):
     """A process-pool worker loads its encoders (and captioning model) on one GPU whatever its units, or
     8 workers on 8 GPUs would hold up to 8 copies per GPU."""
-    from stages.cache import pick_gpu
+    from stages.workers import unit_gpu as pick_gpu
     from stages.shardio import stable_hash
     from stages.workers import WORKER_INDEX_ENV, worker_gpu
 

@@ -10,6 +10,7 @@ threads at once (``os.preadv`` releases the GIL).
 
 from __future__ import annotations
 
+import math
 import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -243,9 +244,10 @@ class ShardReader:
                 if nbytes:
                     at = ref.members[member][0]
                     reads.setdefault((ref.shard, at), (ref, member, []))[2].append((at + spec.begin, buffer))
-        self._read_members(
-            [(ref, member, _runs(pieces)) for _, (ref, member, pieces) in sorted(reads.items())]
-        )
+        self._read_members([
+            (ref, member, _adjacent([(at, len(buffer), buffer) for at, buffer in pieces]))
+            for _, (ref, member, pieces) in sorted(reads.items())
+        ])
         for row, staged in conversions:
             row.copy_(staged.reshape(-1))
         return columns
@@ -372,13 +374,7 @@ def _column(bucket: tuple[int, ...], name: str, sources: list[_Source], pad_to: 
             shape, dtype = tuple(source.shape), source.dtype
         else:
             shape, dtype = source[2].shape, source[2].dtype
-        if pad_to is not None and name == "prompt_embeds" and shape:
-            if shape[0] > pad_to:
-                raise ValueError(
-                    f"prompt_embeds hold {shape[0]} tokens, more than the manifest's text.pad_to ({pad_to})"
-                )
-            shape = (pad_to, *shape[1:])
-        shapes.add(shape)
+        shapes.add(_padded(name, shape, pad_to))
         dtypes.add(dtype)
     if len(shapes) > 1:
         raise ValueError(f"bucket {list(bucket)} holds samples of different shapes: {name} {sorted(shapes)}")
@@ -388,40 +384,34 @@ def _column(bucket: tuple[int, ...], name: str, sources: list[_Source], pad_to: 
     return torch.empty((len(sources), *shapes.pop()), dtype=dtype)
 
 
-def _runs(pieces: list[tuple[int, Any]]) -> list[_Run]:
-    """(file offset, buffer) pieces of one member -> runs of adjacent ones."""
-    pieces.sort(key=lambda piece: piece[0])
-    runs: list[_Run] = []
-    start, buffers, end = -1, [], -1
-    for offset, buffer in pieces:
-        if offset != end:
-            if buffers:
-                runs.append((start, buffers, end - start))
-            start, buffers = offset, []
-        buffers.append(buffer)
-        end = offset + len(buffer)
-    if buffers:
-        runs.append((start, buffers, end - start))
-    return runs
-
-
-def _member_runs(tensors: list[tuple[int, TensorSpec]]) -> list[tuple[int, list[tuple[int, int]], int]]:
-    """(column, tensor) of one member -> runs of adjacent byte ranges: (offset in the member, [(column,
-    bytes)], bytes); empty tensors left out."""
-    runs: list[tuple[int, list[tuple[int, int]], int]] = []
-    start, pieces, end = -1, [], -1
-    for column, spec in sorted(tensors, key=lambda item: item[1].begin):
-        if spec.end == spec.begin:
+def _adjacent(items: list[tuple[int, int, Any]]) -> list[tuple[int, list[Any], int]]:
+    """(offset, bytes, payload) items -> runs of back-to-back ones: (start, [payloads], bytes), in offset
+    order; empty items left out."""
+    runs: list[tuple[int, list[Any], int]] = []
+    start, payloads, end = -1, [], -1
+    for offset, nbytes, payload in sorted(items, key=lambda item: item[0]):
+        if not nbytes:
             continue
-        if spec.begin != end:
-            if pieces:
-                runs.append((start, pieces, end - start))
-            start, pieces = spec.begin, []
-        pieces.append((column, spec.end - spec.begin))
-        end = spec.end
-    if pieces:
-        runs.append((start, pieces, end - start))
+        if offset != end:
+            if payloads:
+                runs.append((start, payloads, end - start))
+            start, payloads = offset, []
+        payloads.append(payload)
+        end = offset + nbytes
+    if payloads:
+        runs.append((start, payloads, end - start))
     return runs
+
+
+def _padded(name: str, shape: tuple[int, ...], pad_to: int | None) -> tuple[int, ...]:
+    """A row's shape in its batch column: ``prompt_embeds`` of a trimmed cache hold ``pad_to`` tokens."""
+    if pad_to is None or name != "prompt_embeds" or not shape:
+        return shape
+    if shape[0] > pad_to:
+        raise ValueError(
+            f"prompt_embeds hold {shape[0]} tokens, more than the manifest's text.pad_to ({pad_to})"
+        )
+    return (pad_to, *shape[1:])
 
 
 def _make_plan(
@@ -441,22 +431,12 @@ def _make_plan(
         sources.append(("latents_std", 0, vae.tensors["latents_std"]))
     if len({name for name, _, _ in sources}) != len(sources):
         return None
-    names, shapes, dtypes, padded = [], [], [], False
-    for name, _, spec in sources:
-        shape = spec.shape
-        if pad_to is not None and name == "prompt_embeds" and shape:
-            if shape[0] > pad_to:
-                return None
-            padded |= shape[0] < pad_to
-            shape = (pad_to, *shape[1:])
-        numel = 1
-        for d in shape:
-            numel *= d
-        if numel == 0:
-            return None
-        names.append(name)
-        shapes.append(shape)
-        dtypes.append(spec.dtype)
+    names = [name for name, _, _ in sources]
+    shapes = [_padded(name, spec.shape, pad_to) for name, _, spec in sources]  # raises as the general path
+    dtypes = [spec.dtype for _, _, spec in sources]
+    if any(math.prod(shape) == 0 for shape in shapes):
+        return None
+    padded = any(shape != spec.shape for shape, (_, _, spec) in zip(shapes, sources))
     empty_rows = None
     if empty_prompt is not None and set(empty_prompt) == set(text.tensors):
         empty_rows = {}
@@ -464,23 +444,19 @@ def _make_plan(
             if member != 1:
                 continue
             tensor = empty_prompt[name]
-            shape = tuple(tensor.shape)
-            if pad_to is not None and name == "prompt_embeds" and shape and shape[0] <= pad_to:
-                shape = (pad_to, *shape[1:])
-            if tensor.dtype != dtypes[c] or shape != shapes[c]:  # the general path promotes, or refuses
+            try:
+                fits = tensor.dtype == dtypes[c] and _padded(name, tuple(tensor.shape), pad_to) == shapes[c]
+            except ValueError:  # more tokens than pad_to
+                fits = False
+            if not fits:  # the general path promotes, or refuses (for a batch that drops a caption)
                 empty_rows = None
                 break
             row = torch.zeros(shapes[c], dtype=dtypes[c])
             row.view(-1)[: tensor.numel()] = tensor.reshape(-1)
             empty_rows[c] = row.view(-1).view(torch.uint8).numpy()
-    return _Plan(
-        vae,
-        text,
-        names,
-        shapes,
-        dtypes,
-        padded,
-        _member_runs([(c, spec) for c, (_, member, spec) in enumerate(sources) if member == 0]),
-        _member_runs([(c, spec) for c, (_, member, spec) in enumerate(sources) if member == 1]),
-        empty_rows,
+    vae_runs, text_runs = (
+        _adjacent([(spec.begin, spec.end - spec.begin, (c, spec.end - spec.begin))
+                   for c, (_, m, spec) in enumerate(sources) if m == member])
+        for member in (0, 1)
     )
+    return _Plan(vae, text, names, shapes, dtypes, padded, vae_runs, text_runs, empty_rows)
