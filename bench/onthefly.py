@@ -40,6 +40,7 @@ from bench.common import (
     setup_env,
     sync,
 )
+from stages.pixels import image_member
 
 setup_env()
 
@@ -65,7 +66,7 @@ def on_the_fly_run(samples, pretrained, steps: int, device: str = "cpu") -> tupl
     for i in range(steps):
         group = [samples[(i * BATCH + j) % len(samples)] for j in range(BATCH)]
         t0 = time.perf_counter()
-        pixels = torch.stack([enc.pixels(s["jpg"], m["crop"], RESOLUTION, RESOLUTION) for s, m in group])
+        pixels = torch.stack([enc.pixels(s[image_member(s)], m["crop"], RESOLUTION, RESOLUTION) for s, m in group])
         t1 = time.perf_counter()
         latents = enc.latents(pixels, sample=True)
         sync(device)

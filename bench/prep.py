@@ -40,6 +40,7 @@ from bench.common import (
     setup_env,
     sync,
 )
+from stages.pixels import image_member
 
 setup_env()
 
@@ -85,7 +86,7 @@ def bare_cache(bucket_dir, pretrained, device: str = "cpu") -> int:
             group = samples[start:start + CACHE_BATCH]
             metas = [json.loads(s["json"]) for s in group]
             width, height = metas[0]["bucket"][0], metas[0]["bucket"][1]
-            pixels = torch.stack([enc.pixels(s["jpg"], m["crop"], width, height) for s, m in zip(group, metas)])
+            pixels = torch.stack([enc.pixels(s[image_member(s)], m["crop"], width, height) for s, m in zip(group, metas)])
             latents = enc.latents(pixels).to(torch.bfloat16)
             embeds, pooled = enc.text([m["caption"] for m in metas], TOKENS)
             _ = (latents, embeds.to(torch.bfloat16), pooled.to(torch.bfloat16))

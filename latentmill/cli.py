@@ -54,6 +54,9 @@ def _print_summary(summary: dict[str, Any], recipe_output: str | None) -> None:
         buckets = (stages.get("bucket") or {}).get("buckets")
         if buckets:
             print("buckets (WxHxF: samples): " + ", ".join(f"{k}: {v}" for k, v in buckets.items()))
+        for name, s in stages.items():
+            if s.get("warning"):
+                print(f"WARNING {name}: {s['warning']}")
     snapshot = summary.get("snapshot")
     if snapshot:
         print(f"snapshot: {snapshot['name']} ({'new' if snapshot['new'] else 'unchanged'}) at {snapshot['path']}")

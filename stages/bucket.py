@@ -33,7 +33,7 @@ from stages.shardio import (
     StageDir,
     UnitOutput,
     WorkUnit,
-    json_bytes,
+    meta_bytes,
     read_shard,
     sample_json,
     stable_hash,
@@ -306,7 +306,7 @@ def _video_clips(cfg: BucketConfig, sample: dict[str, Any], meta: dict[str, Any]
             clip_meta["clip"]["reencoded"] = {"member": CLIP_MEMBER, "codec": "h264",
                                               "keyframe_interval": cfg.reencode_keyframe_interval,
                                               "crf": cfg.reencode_crf}
-        out.add({"__key__": clip_key, **clip_members, "json": json_bytes(clip_meta)}, part=_part(bucket),
+        out.add({"__key__": clip_key, **clip_members, "json": meta_bytes(clip_meta)}, part=_part(bucket),
                 bucket=list(bucket))
     return len(clips)
 
@@ -329,7 +329,7 @@ def process(cfg: BucketConfig, unit: WorkUnit, out: UnitOutput) -> None:
             continue
         meta["bucket"] = list(bucket)
         meta["crop"] = _crop(cfg, meta, bucket, sample["__key__"])
-        out.add({**sample, "json": json_bytes(meta)}, part=_part(bucket), bucket=list(bucket))
+        out.add({**sample, "json": meta_bytes(meta)}, part=_part(bucket), bucket=list(bucket))
     out.extra.update(videos=videos, clips=clips, expanded=expanded)
 
 

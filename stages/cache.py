@@ -13,7 +13,6 @@ re-encodes latents only.
 
 from __future__ import annotations
 
-import io
 import json
 import os
 import threading
@@ -28,6 +27,7 @@ from PIL import Image
 from safetensors.torch import save as safetensors_save
 
 from latentmill.models import ModelConfig, cached_model_fingerprints
+from stages import pixels
 from stages.families import (
     compute_dtypes,
     describe_components,
@@ -40,7 +40,7 @@ from stages.shardio import (
     UnitOutput,
     UnitRecord,
     WorkUnit,
-    json_bytes,
+    meta_bytes,
     read_shard,
     sample_json,
     sha256_bytes,
@@ -52,7 +52,6 @@ from stages.workers import unit_gpu
 STAGE = "cache"
 FORMAT_VERSION = 2
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-IMAGE_MEMBERS = ("jpg", "png", "webp", "bmp")
 VAE_MEMBER, TEXT_MEMBER = "vae.safetensors", "text.safetensors"
 
 
@@ -79,10 +78,22 @@ class CacheConfig:
     # CPU threads per encoder call. CPU kernels reduce in a thread-count-dependent order, so the count is
     # pinned: the same bytes whichever runner (threads, processes, Dask with OMP_NUM_THREADS=1) ran it.
     threads: int = 0  # 0: all cores of the machine
+    # What transparent pixels are composited over (a colour name or #rrggbb), here and in captioning.
+    alpha_background: str = "white"
+
+    @property
+    def background(self) -> tuple[int, int, int]:
+        """``alpha_background`` as an RGB triple."""
+        return pixels.parse_background(self.alpha_background)
 
     def validate(self) -> None:
         from latentmill.config import ConfigError
 
+        try:
+            pixels.parse_background(self.alpha_background)
+        except ValueError:
+            raise ConfigError(f"cache.alpha_background: {self.alpha_background!r} is not a colour; use a name "
+                              "such as 'white', 'black', 'gray' or a hex colour '#rrggbb'") from None
         if self.batch_size < 1:
             raise ConfigError(f"cache.batch_size: must be >= 1, got {self.batch_size}")
         if self.max_sequence_length < 1:
@@ -132,6 +143,7 @@ class CachePlan:
     prints: dict[str, str]  # component -> weights fingerprint
     vae_fp: str
     text_fp: str
+    background: tuple[int, int, int] = (255, 255, 255)  # cache.alpha_background
 
     @classmethod
     def of(cls, cfg: CacheConfig, model: ModelConfig) -> CachePlan:
@@ -146,13 +158,18 @@ class CachePlan:
                                "dtype": cfg.dtype, "max_sequence_length": cfg.max_sequence_length,
                                "trim": trims_text(cfg, family), "version": FORMAT_VERSION,
                                **_compute(compute["text"])})
-        return cls(family, prints, vae_fp, text_fp)
+        return cls(family, prints, vae_fp, text_fp, cfg.background)
 
     def fingerprint(self) -> dict[str, Any]:
-        return {"stage": STAGE, "version": FORMAT_VERSION, "vae": self.vae_fp, "text": self.text_fp}
+        return {"stage": STAGE, "version": FORMAT_VERSION, "vae": self.vae_fp, "text": self.text_fp,
+                "pixels": [pixels.RULES_VERSION, list(self.background)]}
 
     def vae_key(self, meta: dict[str, Any]) -> str:
-        return stable_hash([self.vae_fp, meta["sha256"], meta.get("clip"), meta["bucket"], meta.get("crop")])
+        # The decoding rules that change this sample's pixels from a plain RGB conversion (rotation, alpha
+        # over the background, colour profile...) join its key; a plain image keeps the key it always had.
+        parts = [self.vae_fp, meta["sha256"], meta.get("clip"), meta["bucket"], meta.get("crop")]
+        rules = pixels.pixel_rules(meta, self.background)
+        return stable_hash(parts + [rules] if rules else parts)
 
     def text_key(self, caption: str) -> str:
         return stable_hash([self.text_fp, caption])
@@ -278,16 +295,17 @@ def _fetch(wanted: dict[str, tuple[Path, str, str]]) -> dict[str, bytes]:
 
 
 def _resize_crop(img: Image.Image, crop: dict[str, int], width: int, height: int) -> torch.Tensor:
-    img = img.convert("RGB").resize((crop["resize_width"], crop["resize_height"]), Image.Resampling.LANCZOS)
+    img = img.resize((crop["resize_width"], crop["resize_height"]), Image.Resampling.LANCZOS)
     img = img.crop((crop["left"], crop["top"], crop["left"] + width, crop["top"] + height))
     raw = torch.frombuffer(bytearray(img.tobytes()), dtype=torch.uint8)
     return raw.view(height, width, 3).permute(2, 0, 1).float().div(127.5).sub(1.0)
 
 
-def load_pixels(data: bytes, crop: dict[str, int], bucket: list[int]) -> torch.Tensor:
-    """Decode an image, resize to cover, crop to the bucket: a [3, H, W] tensor in [-1, 1]."""
-    with Image.open(io.BytesIO(data)) as img:
-        return _resize_crop(img, crop, bucket[0], bucket[1])
+def load_pixels(data: bytes, crop: dict[str, int], bucket: list[int],
+                background: tuple[int, int, int] = (255, 255, 255)) -> torch.Tensor:
+    """Decode an image by the decoding rules (:mod:`stages.pixels`: shown orientation, 8-bit sRGB, alpha over
+    ``background``), resize to cover, crop to the bucket: a [3, H, W] tensor in [-1, 1]."""
+    return _resize_crop(pixels.decode_rgb(data, background), crop, bucket[0], bucket[1])
 
 
 def load_clip_pixels(meta: dict[str, Any], sample: dict[str, Any]) -> torch.Tensor:
@@ -300,14 +318,15 @@ def load_clip_pixels(meta: dict[str, Any], sample: dict[str, Any]) -> torch.Tens
     return torch.stack(frames, dim=1)
 
 
-def decode_sample(sample: dict[str, Any], meta: dict[str, Any]) -> torch.Tensor:
+def decode_sample(sample: dict[str, Any], meta: dict[str, Any],
+                  background: tuple[int, int, int] = (255, 255, 255)) -> torch.Tensor:
     """The pixels of one image or clip, as the bucket stage sized and cropped it."""
     if meta.get("kind") == "video":
         return load_clip_pixels(meta, sample)
-    member = next((m for m in IMAGE_MEMBERS if m in sample), None)
+    member = pixels.image_member(sample)
     if member is None:
         raise ValueError("sample has no image member")
-    return load_pixels(sample[member], meta["crop"], meta["bucket"])
+    return load_pixels(sample[member], meta["crop"], meta["bucket"], background)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -369,23 +388,23 @@ def process(cfg: CacheConfig, model: ModelConfig, unit: WorkUnit, out: UnitOutpu
     components: dict[str, dict[str, str]] = {}
 
     def decode(batch: list[int]) -> dict[int, torch.Tensor | Exception]:
-        pixels: dict[int, torch.Tensor | Exception] = {}
+        decoded: dict[int, torch.Tensor | Exception] = {}
         for i in batch:
             if keys[i][0] not in old_vae:
                 try:
-                    pixels[i] = decode_sample(samples[i], metas[i])
+                    decoded[i] = decode_sample(samples[i], metas[i], plan_.background)
                 except Exception as err:  # any undecodable input is quarantined, never fatal
-                    pixels[i] = err
-        return pixels
+                    decoded[i] = err
+        return decoded
 
     batches = [list(range(s, min(s + cfg.batch_size, len(samples)))) for s in range(0, len(samples), cfg.batch_size)]
     prefetch = cfg.prefetch if cfg.prefetch != "auto" else _on_gpu(cfg)
-    for batch, pixels in zip(batches, _prefetched(decode, batches, prefetch)):
-        for i, value in list(pixels.items()):
+    for batch, decoded in zip(batches, _prefetched(decode, batches, prefetch)):
+        for i, value in list(decoded.items()):
             if isinstance(value, Exception):
                 out.quarantine(samples[i]["__key__"], metas[i].get("source", "?"), f"cannot decode pixels: {value}")
-                del pixels[i]
-        keep = [i for i in batch if keys[i][0] in old_vae or i in pixels]
+                del decoded[i]
+        keep = [i for i in batch if keys[i][0] in old_vae or i in decoded]
         need_vae = [i for i in keep if keys[i][0] not in old_vae]
         need_text = {tk: captions[i][j] for i in keep for j, tk in enumerate(keys[i][1]) if tk not in old_text}
         if (need_vae or need_text) and encoders is None:
@@ -393,7 +412,7 @@ def process(cfg: CacheConfig, model: ModelConfig, unit: WorkUnit, out: UnitOutpu
             _pin_threads(cfg)
         vae_bytes: dict[str, bytes] = {}
         if need_vae:
-            mean, std = encoders.encode_pixels(torch.stack([pixels[i] for i in need_vae]))
+            mean, std = encoders.encode_pixels(torch.stack([decoded[i] for i in need_vae]))
             for j, i in enumerate(need_vae):
                 vae_bytes[keys[i][0]] = _tensor_bytes(_latent_tensors(mean[j], std[j], cfg, keys[i][0]), dtype)
         text_bytes: dict[str, bytes] = {}
@@ -414,7 +433,7 @@ def process(cfg: CacheConfig, model: ModelConfig, unit: WorkUnit, out: UnitOutpu
             components[key] = {"vae": vk, "text": tks}
             meta = {**metas[i], "components": components[key]}
             members = {text_member(j): data for j, data in enumerate(texts)}
-            out.add({"__key__": key, VAE_MEMBER: vae, **members, "json": json_bytes(meta)}, bucket=metas[i]["bucket"])
+            out.add({"__key__": key, VAE_MEMBER: vae, **members, "json": meta_bytes(meta)}, bucket=metas[i]["bucket"])
     out.extra.update(components=components, counts=counts, bytes=sizes)
 
 

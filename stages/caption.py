@@ -4,7 +4,9 @@ The captioner (``caption.captioner``) makes new captions; the policy (``caption.
 meet the captions a sample already has (what ingest found: a sidecar file, a manifest column, a webdataset
 member; or captions of an upstream caption pass):
 
-* ``keep``    — a sample with an existing caption keeps it; only the others are captioned (default);
+* ``auto``    — ``replace`` for the ``template`` captioner (it formats existing captions: keeping them would
+  make it a no-op), ``keep`` for the others (default);
+* ``keep``    — a sample with an existing caption keeps it; only the others are captioned;
 * ``replace`` — every sample is captioned; existing captions are dropped;
 * ``append``  — every sample is captioned and the new text is appended to each existing caption with
   ``caption.separator`` (e.g. tags or a trigger token after a human caption);
@@ -17,7 +19,9 @@ sample is written with ``meta["captions"]`` (all captions, primary first; the tr
 generation settings...). A sample left without a caption is quarantined with the reason, or kept with an
 empty caption when ``caption.on_missing`` is ``keep_empty``.
 
-Everything that decides a caption is in the stage fingerprint, so changing the prompt re-captions and a
+The stage counts the captions it changed; a model or template captioner that changed none of them is
+reported loudly (run summary, log), with the reason, since an explicit setting should never be a silent
+no-op. Everything that decides a caption is in the stage fingerprint, so changing the prompt re-captions and a
 re-run reuses every unit. Wall-clock facts (when, how long, on which device) go to the unit record
 (``units/<id>.json`` ``extra``), never into the shard bytes.
 """
@@ -37,7 +41,7 @@ from stages.shardio import (
     StageDir,
     UnitOutput,
     WorkUnit,
-    json_bytes,
+    meta_bytes,
     read_shard,
     sample_json,
     units_per_shard,
@@ -52,7 +56,7 @@ class CaptionConfig:
     """Which captioner runs, how its captions meet existing ones, and how captions are cleaned."""
 
     captioner: Literal["sidecar", "transformers", "template"] = "sidecar"
-    policy: Literal["keep", "replace", "append", "extend"] = "keep"
+    policy: Literal["auto", "keep", "replace", "append", "extend"] = "auto"  # auto: see resolved_policy
     on_missing: Literal["quarantine", "keep_empty"] = "quarantine"
     # transformers captioner
     model: Optional[str] = None  # hub id or local folder, e.g. Salesforce/blip-image-captioning-large
@@ -105,6 +109,17 @@ class CaptionConfig:
         if self.captioner == "sidecar" and self.policy in ("append", "extend"):
             raise ConfigError(f"caption.policy: {self.policy!r} needs a captioner that makes new text "
                               "('transformers' or 'template'); with 'sidecar' use 'keep' or 'replace'")
+        if self.policy == "append" and any("caption" in template_fields(t) for t in self.templates
+                                           if self.captioner == "template"):
+            raise ConfigError("caption.policy: 'append' with a caption.template that uses {caption} would write "
+                              "each caption twice; use 'replace' (or 'auto') to format the existing captions")
+
+    @property
+    def resolved_policy(self) -> str:
+        """The policy in force: ``auto`` is ``replace`` for the template captioner, ``keep`` otherwise."""
+        if self.policy != "auto":
+            return self.policy
+        return "replace" if self.captioner == "template" else "keep"
 
     @property
     def templates(self) -> list[str]:
@@ -122,8 +137,14 @@ class CaptionConfig:
                             self.max_chars, self.min_chars)
 
 
-def build_captioner(cfg: CaptionConfig) -> Captioner:
-    """The captioner named by ``caption.captioner`` (cheap: models load on first use, once per process)."""
+WHITE = (255, 255, 255)
+
+
+def build_captioner(cfg: CaptionConfig, background: tuple[int, int, int] = WHITE) -> Captioner:
+    """The captioner named by ``caption.captioner`` (cheap: models load on first use, once per process).
+
+    ``background`` is ``cache.alpha_background``: a model sees transparent pixels composited over it, as the
+    cache stage encodes them."""
     if cfg.captioner == "sidecar":
         return SidecarCaptioner()
     if cfg.captioner == "template":
@@ -132,33 +153,54 @@ def build_captioner(cfg: CaptionConfig) -> Captioner:
         cfg.model, revision=cfg.revision, prompts=cfg.prompts, max_new_tokens=cfg.max_new_tokens,
         min_new_tokens=cfg.min_new_tokens, num_beams=cfg.num_beams, generate_kwargs=cfg.generate_kwargs,
         batch_size=cfg.batch_size, dtype=cfg.dtype, device=cfg.device, frames=cfg.frames,
-        trust_remote_code=cfg.trust_remote_code)
+        trust_remote_code=cfg.trust_remote_code, background=background)
 
 
 def fingerprint(cfg: CaptionConfig, captioner: Captioner | None = None) -> dict[str, Any]:
     """Everything that decides a caption: captioner (model, prompt, generation), policy, rules, format."""
     captioner = captioner or build_captioner(cfg)
+    policy = cfg.resolved_policy
     fp = {"stage": STAGE, "version": FORMAT_VERSION, "captioner": captioner.fingerprint(),
-          "policy": cfg.policy, "on_missing": cfg.on_missing, "rules": cfg.rules().fingerprint()}
-    if cfg.policy == "append":
+          "policy": policy, "on_missing": cfg.on_missing, "rules": cfg.rules().fingerprint()}
+    if policy == "append":
         fp["separator"] = cfg.separator
     return fp
 
 
-def manifest_header(cfg: CaptionConfig) -> dict[str, Any]:
+def manifest_header(cfg: CaptionConfig, captioner: Captioner | None = None) -> dict[str, Any]:
     """The stage fingerprint and the captioner's settings, for the caption manifest."""
     from stages.shardio import stable_hash
 
-    fp = fingerprint(cfg)
-    captioner = dict(fp["captioner"])
+    fp = fingerprint(cfg, captioner)
+    described = dict(fp["captioner"])
     if cfg.captioner == "transformers":
-        captioner.update(model=cfg.model, revision=cfg.revision)
-    return {"fingerprint": stable_hash(fp), "captioner": captioner, "policy": cfg.policy}
+        described.update(model=cfg.model, revision=cfg.revision)
+    return {"fingerprint": stable_hash(fp), "captioner": described, "policy": cfg.resolved_policy}
 
 
 def plan(cfg: CaptionConfig, upstream: StageDir, captioner: Captioner | None = None) -> list[WorkUnit]:
     """One unit per upstream shard, keyed by the shard's hash and the captioning fingerprint."""
     return units_per_shard(upstream, fingerprint(cfg, captioner))
+
+
+def report(cfg: CaptionConfig, records: list) -> dict[str, Any]:
+    """How many captions the stage changed, and a warning when a captioner the user chose changed none.
+
+    ``records`` are the stage's unit records; each ran unit counted its samples in ``extra``.
+    """
+    counted = [r for r in records if "changed" in r.extra]
+    changed = sum(int(r.extra["changed"]) for r in counted)
+    asked = sum(int(r.extra.get("sent_to_captioner", 0)) for r in counted)
+    written = sum(r.samples_out for r in counted)
+    result: dict[str, Any] = {"changed": changed, "sent_to_captioner": asked}
+    if cfg.captioner != "sidecar" and counted and written and not changed:
+        if not asked:
+            why = (f"caption.policy is {cfg.resolved_policy!r} and every sample already had a caption; set "
+                   "caption.policy=replace (or append, extend) to caption them with it")
+        else:
+            why = f"its {asked} captions, after post-processing, equal the existing ones"
+        result["warning"] = f"captioner {cfg.captioner!r} changed 0 of {written} captions: {why}"
+    return result
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -228,8 +270,9 @@ class _Pending:
 def process(cfg: CaptionConfig, unit: WorkUnit, out: UnitOutput, captioner: Captioner | None = None) -> None:
     """Caption the unit's shard, streaming: at most ``batch_size`` samples wait for the captioner at once."""
     captioner = captioner or build_captioner(cfg)
-    rules = cfg.rules()
+    rules, policy = cfg.rules(), cfg.resolved_policy
     pending: list[_Pending] = []
+    counts = {"changed": 0, "sent_to_captioner": 0}
 
     def flush() -> None:
         todo = [p for p in pending if p.needs_captioner]
@@ -239,35 +282,38 @@ def process(cfg: CaptionConfig, unit: WorkUnit, out: UnitOutput, captioner: Capt
         if len(results) != len(todo):
             raise RuntimeError(f"captioner {captioner.name!r} returned {len(results)} results for {len(todo)}")
         by_id = {id(p): r for p, r in zip(todo, results)}
+        counts["sent_to_captioner"] += len(todo)
         for p in pending:
-            _finish(cfg, rules, captioner.name, p, by_id.get(id(p)), out)
+            counts["changed"] += _finish(cfg, rules, captioner.name, p, by_id.get(id(p)), out)
         pending.clear()
 
     for sample in read_shard(unit.payload["shard"]):
         meta = sample_json(sample)
         reasons: list[str] = []
         existing = _clean(rules, existing_captions(sample, meta), reasons)
-        needs = cfg.policy != "keep" or not existing
+        needs = policy != "keep" or not existing
         pending.append(_Pending(sample, meta, existing, reasons, needs))
         # Bound memory: flush when a batch is ready, or when many kept samples queue behind it.
         if sum(p.needs_captioner for p in pending) >= cfg.batch_size or len(pending) >= 8 * cfg.batch_size:
             flush()
     flush()
-    out.extra = {"captioner": captioner.name, **getattr(captioner, "stats", dict)(),
+    out.extra = {"captioner": captioner.name, **counts, **getattr(captioner, "stats", dict)(),
                  "captioned_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
 
 
 def _finish(cfg: CaptionConfig, rules: CaptionRules, name: str, p: _Pending, result: CaptionResult | None,
-            out: UnitOutput) -> None:
-    """Apply the policy and the rules to one sample; write it or quarantine it."""
+            out: UnitOutput) -> bool:
+    """Apply the policy and the rules to one sample; write it or quarantine it. True when the sample was
+    written with captions other than the ones it came with."""
     new: list[tuple[str, dict[str, Any]]] = []
     if result is not None:
         if result.error:
             p.reasons.append(result.error)
         new = _clean(rules, list(zip(result.texts, result.provenance)), p.reasons)
     # Cleaned again: appended text may need cutting to max_chars, and extend may repeat a caption.
-    final = _clean(rules, combine(cfg.policy, p.existing, new, cfg.separator), p.reasons)
-    final = [(text, {**prov, "policy": cfg.policy}) for text, prov in final]
+    policy = cfg.resolved_policy
+    final = _clean(rules, combine(policy, p.existing, new, cfg.separator), p.reasons)
+    final = [(text, {**prov, "policy": policy}) for text, prov in final]
     meta, key = p.meta, p.sample["__key__"]
     if not final:
         why = "; ".join(dict.fromkeys(p.reasons)) or "no caption"
@@ -275,9 +321,10 @@ def _finish(cfg: CaptionConfig, rules: CaptionRules, name: str, p: _Pending, res
             out.quarantine(key, meta.get("source", "?"),
                            f"no caption from captioner {name!r}: {why} (set caption.on_missing=keep_empty "
                            "to train it unconditionally)")
-            return
-        final = [("", {"captioner": name, "policy": cfg.policy, "empty": why})]
+            return False
+        final = [("", {"captioner": name, "policy": policy, "empty": why})]
     meta["captions"] = [text for text, _ in final]
     meta["caption"] = final[0][0]
     meta["caption_provenance"] = [prov for _, prov in final]
-    out.add({**p.sample, "txt": final[0][0].encode("utf-8"), "json": json_bytes(meta)})
+    out.add({**p.sample, "txt": final[0][0].encode("utf-8"), "json": meta_bytes(meta)})
+    return meta["captions"] != [text for text, _ in p.existing]

@@ -17,19 +17,19 @@ sources are one unit per input shard.
 from __future__ import annotations
 
 import hashlib
-import io
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
 from PIL import Image, UnidentifiedImageError
 
+from stages import pixels
 from stages.shardio import (
     FileHashes,
     StageDir,
     UnitOutput,
     WorkUnit,
-    json_bytes,
+    meta_bytes,
     sha256_bytes,
     sha256_file,
     stable_hash,
@@ -47,13 +47,15 @@ from stages.sources import (
     shard_member_uri,
     shard_sample_caption,
     sidecar_caption,
+    sidecar_problem,
 )
 from stages.video import VIDEO_EXTENSIONS, probe_video
 
 STAGE = "ingest"
-FORMAT_VERSION = 3  # 2: sources, video references, source_uri, caption_origin, hash-grouped units; 3: video
-# rotation and variable frame rate (rotation, vfr)
-IMAGE_EXTENSIONS = {".jpg": "jpg", ".jpeg": "jpg", ".png": "png", ".webp": "webp", ".bmp": "bmp"}
+FORMAT_VERSION = 4  # 2: sources, video references, source_uri, caption_origin, hash-grouped units; 3: video
+# rotation and variable frame rate (rotation, vfr); 4: every still format, decoding facts (shown size,
+# orientation, mode, alpha, colour profile, frames), one image member, images and videos in their own shards
+IMAGE_EXTENSIONS = {ext: pixels.IMAGE_MEMBER for ext in pixels.IMAGE_EXTENSIONS}
 MEDIA_EXTENSIONS = {**IMAGE_EXTENSIONS, **VIDEO_EXTENSIONS}
 
 
@@ -196,15 +198,16 @@ def _has_video_member(shard: str) -> bool:
 
 
 def _probe_image(data: bytes, cfg: IngestConfig) -> dict[str, Any]:
-    """Read an image header: format and size, without decoding pixels."""
-    with Image.open(io.BytesIO(data)) as img:
-        width, height = img.size
+    """Read an image header, without decoding pixels: format, shown size and decoding facts (stages.pixels)."""
+    with pixels.open_image(data) as img:
+        facts = pixels.header(img)
         fmt = (img.format or "").lower()
+    width, height = facts["width"], facts["height"]
     if width * height > cfg.max_pixels:
         raise ValueError(f"{width}x{height} exceeds ingest.max_pixels={cfg.max_pixels}")
     if width < 1 or height < 1:
         raise ValueError(f"degenerate size {width}x{height}")
-    return {"width": width, "height": height, "format": fmt}
+    return {**facts, "format": fmt}
 
 
 class _Refused(Exception):
@@ -281,6 +284,15 @@ def _media_meta(key: str, source: str, root: str, uri: str, kind: str, ext: str,
     return meta
 
 
+def _add(out: UnitOutput, key: str, meta: dict[str, Any], data: bytes | None) -> None:
+    """Write one raw sample: images and video references go to shards of their own (``part``), so every
+    sample of a shard has the same members (``json`` and, for an image, ``image``)."""
+    sample = {"__key__": key, "json": meta_bytes(meta)}
+    if data is not None:
+        sample[pixels.IMAGE_MEMBER] = data
+    out.add(sample, part=meta["kind"])
+
+
 def _process_entries(cfg: IngestConfig, unit: WorkUnit, out: UnitOutput) -> None:
     accepted = {e.lower() for e in cfg.extensions}
     root = unit.payload["root"]
@@ -303,12 +315,10 @@ def _process_entries(cfg: IngestConfig, unit: WorkUnit, out: UnitOutput) -> None
             out.quarantine(key, entry.id, str(why))
             continue
         caption, origin = (entry.caption, entry.caption_origin) if entry.caption else sidecar_caption(entry.sidecars)
-        ext = MEDIA_EXTENSIONS[suffix]
-        meta = _media_meta(key, entry.id, root, entry.uri, kind, ext, header, caption, origin)
-        sample = {"__key__": key, "json": json_bytes(meta)}
-        if data is not None:
-            sample[ext] = data
-        out.add(sample)
+        meta = _media_meta(key, entry.id, root, entry.uri, kind, MEDIA_EXTENSIONS[suffix], header, caption, origin)
+        if caption is None and entry.sidecars:
+            meta["sidecar_problem"] = sidecar_problem(entry.sidecars)
+        _add(out, key, meta, data)
 
 
 def _process_shard(cfg: IngestConfig, unit: WorkUnit, out: UnitOutput) -> None:
@@ -319,7 +329,10 @@ def _process_shard(cfg: IngestConfig, unit: WorkUnit, out: UnitOutput) -> None:
     for sample in iter_shard_samples(shard):
         count += 1
         exts = [e for e in sample["__members__"] if "." + e in MEDIA_EXTENSIONS and "." + e in accepted]
-        ext = next((e for e in exts if "." + e in IMAGE_EXTENSIONS), exts[0] if exts else None)
+        if pixels.IMAGE_MEMBER in sample["__members__"] and accepted & IMAGE_EXTENSIONS.keys():
+            exts.insert(0, pixels.IMAGE_MEMBER)  # a shard latentmill wrote: the one image member
+        ext = next((e for e in exts if e == pixels.IMAGE_MEMBER or "." + e in IMAGE_EXTENSIONS),
+                   exts[0] if exts else None)
         source = f"{name}/{sample['__key__']}" + (f".{ext}" if ext else "")
         key = sha256_bytes(source.encode())[:16]
         if ext is None:
@@ -328,6 +341,7 @@ def _process_shard(cfg: IngestConfig, unit: WorkUnit, out: UnitOutput) -> None:
             continue
         data = sample[ext]
         kind = "video" if "." + ext in VIDEO_EXTENSIONS else "image"
+        store_ext = pixels.IMAGE_MEMBER if kind == "image" else MEDIA_EXTENSIONS["." + ext]
         uri = shard_member_uri(shard, sample["__members__"][ext])
         try:
             _check_size(len(data), kind, cfg)
@@ -336,13 +350,9 @@ def _process_shard(cfg: IngestConfig, unit: WorkUnit, out: UnitOutput) -> None:
             out.quarantine(key, source, str(why))
             continue
         caption, origin = shard_sample_caption(sample)
-        store_ext = MEDIA_EXTENSIONS["." + ext]
         meta = _media_meta(key, source, shard, uri, kind, store_ext,
                            {"sha256": sha256_bytes(data), "bytes": len(data), **header}, caption, origin)
-        raw = {"__key__": key, "json": json_bytes(meta)}
-        if kind == "image":
-            raw[store_ext] = data
-        out.add(raw)
+        _add(out, key, meta, data if kind == "image" else None)
     unit.samples_in = count  # plan cannot count a remote shard's samples without reading it
 
 

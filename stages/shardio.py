@@ -218,6 +218,23 @@ def json_bytes(obj: Any) -> bytes:
     return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode()
 
 
+def _without_nulls(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: _without_nulls(v) for k, v in value.items() if v is not None}
+    if isinstance(value, list):
+        return [_without_nulls(v) for v in value]
+    return value
+
+
+def meta_bytes(meta: dict[str, Any]) -> bytes:
+    """A sample's ``json`` member: canonical JSON without null fields (an absent field reads as None).
+
+    Hugging Face ``datasets`` types each field from a shard's first samples: a field that is null there and
+    a string later fails to load, one that is absent there is only left out.
+    """
+    return json_bytes(_without_nulls(meta))
+
+
 def _write_json_atomic(path: Path, obj: Any) -> None:
     tmp = path.with_name(path.name + ".tmp")
     with open(tmp, "wb") as fh:

@@ -356,6 +356,23 @@ def sidecar_caption(sidecars: tuple[str, ...] | list[str]) -> tuple[str | None, 
     return None, None
 
 
+def sidecar_problem(sidecars: tuple[str, ...] | list[str]) -> str:
+    """Why the sidecars beside a file gave no caption, naming each: empty, no caption field, unreadable."""
+    problems = []
+    for path in sidecars:
+        name = Path(path).name
+        text = Path(path).read_text(encoding="utf-8", errors="replace")
+        if not text.strip():
+            problems.append(f"{name} is empty")
+        elif path.endswith(".json"):
+            try:
+                json.loads(text)
+                problems.append(f"{name} has no non-empty caption field")
+            except ValueError:
+                problems.append(f"{name} is not valid JSON")
+    return "; ".join(problems)
+
+
 def _open_tar(uri: str) -> tarfile.TarFile:
     if is_remote(uri):
         return tarfile.open(fileobj=io.BytesIO(read_bytes(uri)), mode="r")

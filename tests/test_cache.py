@@ -82,7 +82,7 @@ def test_latents_match_a_direct_vae_encode(cached):
     src_dir = StageDir(sd.root.parent / "bucket", "bucket")
     raw = next(s for b in src_dir.read_manifest()["shards"] for s in read_shard(src_dir.root / b["path"])
                if s["__key__"] == sample["__key__"])
-    image = raw.get("jpg") or raw.get("png")
+    image = raw["image"]
     vae = AutoencoderKL.from_pretrained(model.pretrained, subfolder="vae")
     with torch.no_grad():
         mean = vae.encode(load_pixels(image, meta["crop"], meta["bucket"])[None]).latent_dist.mean[0]
@@ -244,8 +244,8 @@ def test_verify_catches_a_flipped_byte(cached, tmp_path, capsys):
 def test_units_spread_evenly_over_gpus():
     from collections import Counter
 
-    from stages.workers import unit_gpu as pick_gpu
     from stages.shardio import stable_hash
+    from stages.workers import unit_gpu as pick_gpu
 
     counts = Counter(pick_gpu(stable_hash(i), 4) for i in range(4000))
     assert set(counts) == {0, 1, 2, 3} and min(counts.values()) > 900
@@ -274,9 +274,9 @@ def test_component_keys_record_the_dtype_the_encoders_ran_in(tiny_flux, tiny_wan
 def test_a_numbered_worker_process_keeps_to_one_gpu(monkeypatch):
     """A process-pool worker loads its encoders (and captioning model) on one GPU whatever its units, or
     8 workers on 8 GPUs would hold up to 8 copies per GPU."""
-    from stages.workers import unit_gpu as pick_gpu
     from stages.shardio import stable_hash
     from stages.workers import WORKER_INDEX_ENV, worker_gpu
+    from stages.workers import unit_gpu as pick_gpu
 
     assert worker_gpu(4) is None  # the test process is not a numbered worker
     monkeypatch.setenv(WORKER_INDEX_ENV, "5")

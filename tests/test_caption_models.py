@@ -123,7 +123,7 @@ def test_captions_images_with_provenance_and_batch_size(tiny_blip, few_images, t
     for meta in metas.values():
         assert len(meta["captions"]) == len(meta["caption_provenance"]) >= 1
         assert all(c.strip() for c in meta["captions"])
-        prompts = [p["prompt"] for p in meta["caption_provenance"]]
+        prompts = [p.get("prompt") for p in meta["caption_provenance"]]
         assert set(prompts) <= {None, "a picture of"} and len(set(meta["captions"])) == len(meta["captions"])
         for prov in meta["caption_provenance"]:
             assert prov["captioner"] == "transformers" and prov["model"] == str(tiny_blip)
@@ -154,7 +154,7 @@ def test_policies_with_a_model(tiny_blip, few_images, tmp_path):
     _, append, _ = _caption(_blip_cfg(tiny_blip, policy="append", separator=" | "), upstream, tmp_path / "append")
     _, extend, _ = _caption(_blip_cfg(tiny_blip, policy="extend"), upstream, tmp_path / "extend")
     for name, meta in keep.items():
-        sidecar = meta["sidecar_caption"]
+        sidecar = meta.get("sidecar_caption")
         generated = replace[name]["caption"]
         if name == "img_004.jpg":  # the one sample without a caption file gets a model caption
             assert sidecar is None and keep[name]["captions"] == [generated] == append[name]["captions"]

@@ -184,7 +184,7 @@ def test_rerun_reuses_and_records_time_outside_the_shards(ingested, tmp_path):
 
 @pytest.mark.parametrize("data, message", [
     ({"captioner": "blip"}, "caption.captioner: 'blip' is not one of 'sidecar', 'transformers', 'template'"),
-    ({"policy": "merge"}, "caption.policy: 'merge' is not one of 'keep', 'replace', 'append', 'extend'"),
+    ({"policy": "merge"}, "caption.policy: 'merge' is not one of 'auto', 'keep', 'replace', 'append', 'extend'"),
     ({"captioner": "transformers"}, "caption.model: must be set when caption.captioner is 'transformers'"),
     ({"captioner": "template"}, "caption.template: must be set"),
     ({"captioner": "template", "template": "{a.b}"}, "caption.template: '{a.b}': field {a.b} must be a plain"),
@@ -212,3 +212,72 @@ def test_frame_indices_cover_the_clip_window():
     assert frame_indices(3, 0, None, 5) == [0, 0, 1, 2, 2]  # more frames asked than there are
     with pytest.raises(ValueError, match="start_frame 30 is outside"):
         frame_indices(24, 30, None, 4)
+
+
+def test_template_formats_existing_captions_by_default_and_an_explicit_keep_is_reported(ingested, tmp_path):
+    images, upstream = ingested
+    # The trap a user met: template + sidecar captions under policy keep changed nothing, silently.
+    cfg = CaptionConfig(captioner="template", template="trtcrd, {caption}")
+    assert cfg.policy == "auto" and cfg.resolved_policy == "replace"
+    records, metas = _run(cfg, upstream, tmp_path / "auto")
+    sidecar = (images / "style" / "img_001.txt").read_text().strip()
+    assert metas["style/img_001.jpg"]["captions"] == [f"trtcrd, {sidecar}"]
+    assert all(m["caption"].startswith("trtcrd") for m in metas.values())
+    report = caption.report(cfg, records)
+    assert report == {"changed": 25, "sent_to_captioner": 25}  # every caption changed, no warning
+
+    keep = CaptionConfig(captioner="template", template="trtcrd, {caption}", policy="keep")
+    records, metas = _run(keep, upstream, tmp_path / "keep")
+    report = caption.report(keep, records)
+    # img_004 (no sidecar) is the only one the captioner saw and changed: nothing to warn about.
+    assert report == {"changed": 1, "sent_to_captioner": 1}
+    (images / "img_004.txt").write_text("a caption for img_004\n")
+    _, upstream2 = _reingest(images, tmp_path / "ingest2")
+    records, metas = _run(keep, upstream2, tmp_path / "keep2")
+    assert all(not m["caption"].startswith("trtcrd") for m in metas.values())
+    report = caption.report(keep, records)
+    assert report["changed"] == 0 and report["sent_to_captioner"] == 0
+    assert report["warning"] == (
+        "captioner 'template' changed 0 of 25 captions: caption.policy is 'keep' and every sample already had a "
+        "caption; set caption.policy=replace (or append, extend) to caption them with it")
+    # The sidecar captioner is what keeps captions: it never warns.
+    records, _ = _run(CaptionConfig(), upstream2, tmp_path / "sidecar")
+    assert "warning" not in caption.report(CaptionConfig(), records)
+
+
+def _reingest(images, root):
+    cfg = IngestConfig(source=str(images), shard_size=8)
+    sd = StageDir(root, "ingest").ensure()
+    records = [sd.run_unit(u, lambda unit, out: ingest.process(cfg, unit, out)) for u in ingest.plan(cfg)]
+    sd.write_manifest(records, {"fingerprint": "test"})
+    return records, sd
+
+
+def test_append_of_a_template_that_uses_the_caption_is_refused():
+    with pytest.raises(ConfigError, match=r"caption.policy: 'append' with a caption.template that uses \{caption\}"):
+        from_dict(CaptionConfig, {"captioner": "template", "template": "x, {caption}", "policy": "append"},
+                  prefix="caption")
+    assert CaptionConfig(captioner="transformers", model="m").resolved_policy == "keep"
+    assert CaptionConfig(captioner="template", template="{name}", policy="extend").resolved_policy == "extend"
+
+
+def test_the_run_summary_prints_the_warning(capsys):
+    from latentmill.cli import _print_summary
+
+    row = {"in": 3, "out": 3, "quarantined": 0, "processed": 3, "reused": 0, "seconds": 0.1}
+    _print_summary({"stages": {"caption": {**row, "warning": "captioner 'template' changed 0 of 3 captions: x"}}},
+                   None)
+    assert "WARNING caption: captioner 'template' changed 0 of 3 captions: x" in capsys.readouterr().out
+
+
+def test_an_empty_sidecar_is_named_in_the_reason(ingested, tmp_path):
+    images, _ = ingested
+    (images / "img_004.txt").write_text("  \n")
+    (images / "img_006.json").write_text('{"tags": ["x"]}')
+    (images / "img_006.txt").unlink()
+    _, upstream = _reingest(images, tmp_path / "ingest2")
+    records, _ = _run(CaptionConfig(), upstream, tmp_path / "c")
+    reasons = {q["source"]: q["reason"] for r in records for q in r.quarantined}
+    assert reasons["img_004.jpg"].startswith(
+        "no caption from captioner 'sidecar': its caption sidecar gave no caption: img_004.txt is empty")
+    assert "img_006.json has no non-empty caption field" in reasons["img_006.png"]

@@ -74,7 +74,7 @@ def test_folder_with_videos_stores_references(media, tmp_path):
     assert (b["sidecar_caption"], b["caption_origin"]) == ("clip b", "sidecar:b.json")
 
     img = samples["img_001.jpg"]
-    assert img["jpg"] == (media / "img_001.jpg").read_bytes()  # images keep their bytes
+    assert img["image"] == (media / "img_001.jpg").read_bytes()  # images keep their bytes
     assert _meta(img)["kind"] == "image" and _meta(img)["source_uri"] == str((media / "img_001.jpg").resolve())
     assert sum(r.samples_in for r in records) == 6
 
@@ -170,7 +170,7 @@ def test_webdataset_shards_in_brace_notation(media, tmp_path):
     assert len(records) == 2 and sum(r.samples_in for r in records) == 4
     assert reasons == {"train-001.tar/odd": "no media member with an accepted extension (members: npy)"}
     s0 = samples["train-000.tar/s0.png"]
-    assert s0["png"] == png and _meta(s0)["sidecar_caption"] == "caption zero"
+    assert s0["image"] == png and _meta(s0)["sidecar_caption"] == "caption zero"
     assert _meta(samples["train-000.tar/s1.jpg"])["sidecar_caption"] == "caption one"
     v0 = _meta(samples["train-001.tar/v0.mp4"])
     assert v0["kind"] == "video" and v0["frames"] == 24 and v0["sha256"] == hashlib.sha256(video).hexdigest()
@@ -210,7 +210,7 @@ def test_manifest_of_http_urls(media, http_root, tmp_path):
                         + json.dumps({"url": f"{base}/missing.jpg"}) + "\n")
     cfg = IngestConfig(source=f"{base}/list.jsonl")
     _, samples, reasons = _ingest(cfg, tmp_path / "ingest")
-    assert samples[f"{base}/img_001.jpg"]["jpg"] == (media / "img_001.jpg").read_bytes()
+    assert samples[f"{base}/img_001.jpg"]["image"] == (media / "img_001.jpg").read_bytes()
     clip = _meta(samples["a.mp4"])  # relative to the manifest's URL
     assert clip["source_uri"] == f"{base}/a.mp4" and clip["frames"] == 24 and clip["fps"] == 12.0
     assert clip["sidecar_caption"] == "a video over http"

@@ -55,8 +55,9 @@ def test_ingest_reads_headers_and_quarantines_bad_files(demo_images, tmp_path):
     assert meta["sha256"] == hashlib.sha256(data).hexdigest()
     assert (meta["width"], meta["height"]) == Image.open(demo_images / "img_001.jpg").size == (200, 120)
     assert meta["sidecar_caption"] == (demo_images / "img_001.txt").read_text().strip()
-    assert samples["img_001.jpg"]["jpg"] == data
-    assert "png" in samples["img_000.png"]
+    assert samples["img_001.jpg"]["image"] == data
+    png = samples["img_000.png"]
+    assert png["image"] == (demo_images / "img_000.png").read_bytes() and json.loads(png["json"])["format"] == "png"
 
 
 def test_ingest_is_content_addressed(demo_images, tmp_path):

@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from latentmill.models import ComponentSource, component_fingerprint
+from stages import pixels
 from stages.captioners import CaptionItem, CaptionResult
 from stages.captioners.media import load_media
 from stages.shardio import stable_hash
@@ -185,8 +186,10 @@ class TransformersCaptioner:
     def __init__(self, model: str, *, revision: str | None = None, prompts: list[str | None] | None = None,
                  max_new_tokens: int = 64, min_new_tokens: int = 0, num_beams: int = 1,
                  generate_kwargs: dict[str, Any] | None = None, batch_size: int = 8, dtype: str = "auto",
-                 device: str = "auto", frames: int = 8, trust_remote_code: bool = False):
+                 device: str = "auto", frames: int = 8, trust_remote_code: bool = False,
+                 background: tuple[int, int, int] = (255, 255, 255)):
         self.model_id = model
+        self.background = tuple(background)
         self.revision = revision
         self.prompts = list(prompts) if prompts else [None]
         self.generation = {"max_new_tokens": max_new_tokens, "min_new_tokens": min_new_tokens,
@@ -207,7 +210,8 @@ class TransformersCaptioner:
         return {"captioner": self.name, "version": 1,
                 "model_fingerprint": model_fingerprint(self.model_id, self.revision), "prompts": self.prompts,
                 "generation": self.generation, "dtype": self.dtype, "frames": self.frames,
-                "trust_remote_code": self.trust_remote_code}
+                "trust_remote_code": self.trust_remote_code,
+                "pixels": {"rules": pixels.RULES_VERSION, "background": list(self.background)}}
 
     def stats(self) -> dict[str, Any]:
         loaded = self._loaded
@@ -246,7 +250,8 @@ class TransformersCaptioner:
         requests: list[_Request] = []
         for i, item in enumerate(items):
             try:
-                kind, images, indices = load_media(item.sample, item.meta, self.frames, loaded.max_side)
+                kind, images, indices = load_media(item.sample, item.meta, self.frames, loaded.max_side,
+                                                     self.background)
             except Exception as err:  # any decoder error: this sample's media is unusable, not the model
                 results[i].error = f"cannot decode media: {type(err).__name__}: {err}"
                 continue

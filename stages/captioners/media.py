@@ -10,13 +10,13 @@ bounded by K small frames whatever the video's resolution or length.
 
 from __future__ import annotations
 
-import io
 import os
 from typing import Any, Literal
 
 from PIL import Image
 
-IMAGE_MEMBERS = ("jpg", "jpeg", "png", "webp", "bmp")
+from stages import pixels
+
 VIDEO_MEMBERS = ("mp4", "webm", "mkv", "mov")
 
 VideoSource = bytes | str | os.PathLike
@@ -26,13 +26,13 @@ def media_member(sample: dict[str, Any], meta: dict[str, Any]) -> tuple[str, str
     """``(kind, member)`` of a sample: ``("image", "jpg")``, ``("video", "mp4")``, or ``("video", None)`` for a
     video that ingest keeps as a reference (``source_uri``); ValueError when there is nothing to look at."""
     video = next((m for m in VIDEO_MEMBERS if m in sample), None)
-    image = next((m for m in IMAGE_MEMBERS if m in sample), None)
+    image = pixels.image_member(sample)
     if meta.get("kind") == "video" or (video and not image):
         if video is None and not meta.get("source_uri"):
             raise ValueError(f"video sample has no video member ({', '.join(VIDEO_MEMBERS)}) and no source_uri")
         return "video", video
     if image is None:
-        raise ValueError(f"sample has no image member ({', '.join(IMAGE_MEMBERS)}) or video member")
+        raise ValueError(f"sample has no image member ({pixels.IMAGE_MEMBER!r}) or video member")
     return "image", image
 
 
@@ -46,13 +46,11 @@ def fit_within(img: Image.Image, max_side: int | None) -> Image.Image:
     return img
 
 
-def load_image(data: bytes, max_side: int | None = None) -> Image.Image:
-    """Decode an image (JPEGs at reduced scale when that is enough) and fit it within ``max_side``."""
-    with Image.open(io.BytesIO(data)) as img:
-        if max_side:
-            img.draft("RGB", (max_side, max_side))  # JPEG: decode at 1/2, 1/4, 1/8 scale when large enough
-        img.load()
-        return fit_within(img, max_side)
+def load_image(data: bytes, max_side: int | None = None,
+               background: tuple[int, int, int] = (255, 255, 255)) -> Image.Image:
+    """Decode an image by the decoding rules (:mod:`stages.pixels`; JPEGs at reduced scale when that is
+    enough) and fit it within ``max_side``."""
+    return fit_within(pixels.decode_rgb(data, background, draft=max_side), max_side)
 
 
 def frame_indices(total: int, start_frame: int = 0, num_frames: int | None = None, k: int = 8) -> list[int]:
@@ -111,12 +109,13 @@ def sample_frames(
     return sample_frames_with_indices(video, start_frame, num_frames, k, max_side, backend)[0]
 
 
-def load_media(sample: dict[str, Any], meta: dict[str, Any], frames: int,
-               max_side: int | None) -> tuple[str, list[Image.Image], list[int] | None]:
-    """``("image", [img], None)`` or ``("video", K frames, their indices)`` for one sample."""
+def load_media(sample: dict[str, Any], meta: dict[str, Any], frames: int, max_side: int | None,
+               background: tuple[int, int, int] = (255, 255, 255)) -> tuple[str, list[Image.Image], list[int] | None]:
+    """``("image", [img], None)`` or ``("video", K frames, their indices)`` for one sample; transparent
+    pixels of an image are composited over ``background`` (``cache.alpha_background``)."""
     kind, member = media_member(sample, meta)
     if kind == "image":
-        return kind, [load_image(sample[member], max_side)], None
+        return kind, [load_image(sample[member], max_side, background)], None
     clip = meta.get("clip") or {}
     source = sample[member] if member else meta["source_uri"]
     # What ingest probed (the frame count, in read_frames' numbering, and the display rotation) saves

@@ -29,7 +29,9 @@ class SidecarCaptioner:
         for item in items:
             text = item.meta.get("sidecar_caption")
             if text is None or not text.strip():
-                results.append(CaptionResult(error="ingest found no caption for it (no sidecar file, column or member)"))
+                problem = item.meta.get("sidecar_problem")
+                results.append(CaptionResult(error=f"its caption sidecar gave no caption: {problem}" if problem else
+                                             "ingest found no caption for it (no sidecar file, column or member)"))
             else:
                 results.append(CaptionResult([text], [sidecar_provenance(item.meta)]))
         return results
