@@ -2,7 +2,7 @@
 #
 #   make demo        create .venv, install, build the tiny models, run prep-then-train on the demo data
 #   make test        the whole test suite
-#   make serve       local Prefect server + process worker + deployments (127.0.0.1:4200)
+#   make serve       local Prefect server and UI (http://127.0.0.1:4200) + process worker + deployments
 #   make serve-stop  stop what `make serve` started
 #
 # torch: the pinned CPU build is installed first unless the venv already has a torch (install your

@@ -10,6 +10,7 @@ import dataclasses
 import json
 import subprocess
 import sys
+from pathlib import Path
 from typing import Any
 
 from prefect import flow, task
@@ -19,13 +20,30 @@ from latentmill.config import ConfigError
 from latentmill.recipe import Recipe, load_recipe, recipe_from_dict
 from pipelines.launch import train_recipe
 from pipelines.prep import prep, release_prep_models, run_prep
+from pipelines.report import TrainProgress
 from pipelines.snapshot import resolve_snapshot
 
 
-@task(name="train-model", cache_policy=NONE)
+def _train_run_name(parameters: dict[str, Any]) -> str:
+    """A training task run's name in the UI: ``train · 200 steps · lora`` (``torchrun 2×1 · ...``)."""
+    trainer = parameters["recipe_data"]["trainer"]
+    launch = parameters.get("launch")
+    how = f"torchrun {launch.nproc}×{launch.nnodes}" if launch is not None else "train"
+    return f"{how} · {trainer['max_steps']} steps · {trainer['mode']}"
+
+
+@task(name="train-model", task_run_name=_train_run_name, cache_policy=NONE)
 def train_task(recipe_data: dict) -> dict[str, Any]:
-    """Train on the recipe's latent cache in this process and export the result."""
-    return train_recipe(recipe_from_dict(recipe_data))
+    """Train on the recipe's latent cache in this process and export the result.
+
+    Progress (a log line and a progress artifact every 5% and 5 s at most) and the final metrics (table
+    ``train-metrics``) go on the flow run this task belongs to: the run the user started.
+    """
+    recipe = recipe_from_dict(recipe_data)
+    progress = TrainProgress(recipe.trainer.max_steps)
+    summary = train_recipe(recipe, on_step=progress)
+    progress.finish(summary)
+    return summary
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,9 +62,44 @@ class Launch:
                 f"--rdzv-endpoint={self.rdzv_endpoint}", f"--rdzv-id={self.rdzv_id}"]
 
 
-@task(name="train-torchrun", cache_policy=NONE)
-def torchrun_task(recipe_data: dict, launch: Launch) -> dict[str, Any]:
-    """Train with the processes torchrun starts on this node; return the summary (rank 0's node only)."""
+class MetricsFollower:
+    """The last record rank 0 has appended to ``metrics.jsonl``, read from the file's tail: nothing until the
+    file has changed since the follower started (what was there is the previous run's)."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self.before = self._stat()
+
+    def _stat(self) -> tuple[int, int, int] | None:
+        try:
+            stat = self.path.stat()
+        except FileNotFoundError:
+            return None
+        return stat.st_ino, stat.st_size, stat.st_mtime_ns
+
+    def last_record(self) -> dict[str, Any] | None:
+        stat = self._stat()
+        if stat is None or stat == self.before:
+            return None
+        self.before = None  # changed: from now on every look counts
+        with open(self.path, "rb") as fh:
+            fh.seek(max(0, stat[1] - 4096))  # a record is a few hundred bytes
+            tail = fh.read()
+        for line in reversed(tail[: tail.rfind(b"\n") + 1].splitlines()):  # whole lines only
+            try:
+                return json.loads(line)
+            except ValueError:
+                continue
+        return None
+
+
+@task(name="train-torchrun", task_run_name=_train_run_name, cache_policy=NONE)
+def torchrun_task(recipe_data: dict, launch: Launch, poll_s: float = 5.0) -> dict[str, Any]:
+    """Train with the processes torchrun starts on this node; return the summary (rank 0's node only).
+
+    While they train, this task follows rank 0's ``metrics.jsonl`` every ``poll_s`` seconds and reports
+    progress on the run as ``train_task`` does; the final metrics follow.
+    """
     recipe = recipe_from_dict(recipe_data)
     recipe.train_dir.mkdir(parents=True, exist_ok=True)
     recipe_json, summary_json = recipe.train_dir / "launch-recipe.json", recipe.train_dir / "launch-summary.json"
@@ -54,12 +107,30 @@ def torchrun_task(recipe_data: dict, launch: Launch) -> dict[str, Any]:
     summary_json.unlink(missing_ok=True)
     cmd = [sys.executable, "-m", "torch.distributed.run", *launch.torchrun_args(),
            "-m", "pipelines.launch", str(recipe_json), str(summary_json)]
-    done = subprocess.run(cmd)
-    if done.returncode != 0:
-        raise RuntimeError(f"torchrun exited with status {done.returncode}; see the rank logs above")
-    if not summary_json.is_file():  # another node holds global rank 0
-        return {"steps": None, "note": "the summary is written on the node that holds global rank 0"}
-    return json.loads(summary_json.read_text())
+    progress = TrainProgress(recipe.trainer.max_steps, interval_s=poll_s)
+    follower = MetricsFollower(recipe.train_dir / "metrics.jsonl")
+    with subprocess.Popen(cmd) as proc:
+        try:
+            while True:
+                try:
+                    returncode = proc.wait(timeout=poll_s)
+                    break
+                except subprocess.TimeoutExpired:
+                    if (record := follower.last_record()) is not None:
+                        progress(record)
+        except BaseException:  # cancelled or interrupted: torchrun stops its ranks on SIGTERM
+            proc.terminate()
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+            raise
+    if returncode != 0:
+        raise RuntimeError(f"torchrun exited with status {returncode}; see the rank logs above")
+    summary = (json.loads(summary_json.read_text()) if summary_json.is_file()  # else another node has rank 0
+               else {"steps": None, "note": "the summary is written on the node that holds global rank 0"})
+    progress.finish(summary)
+    return summary
 
 
 def check_launch(recipe: Recipe, launch: Launch) -> None:

@@ -11,14 +11,18 @@ import json
 import os
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from latentmill.models import check_cache_compatible
 from latentmill.recipe import Recipe, recipe_from_dict
 
 
-def train_recipe(recipe: Recipe, progress: bool = True) -> dict[str, Any]:
-    """Train on the recipe's dataset snapshot (refusing one made by other models) and export."""
+def train_recipe(recipe: Recipe, progress: bool = True,
+                 on_step: Callable[[dict], None] | None = None) -> dict[str, Any]:
+    """Train on the recipe's dataset snapshot (refusing one made by other models) and export.
+
+    ``on_step(record)``: called with each step's metrics record on rank 0 (see ``trainer.train``).
+    """
     from pipelines.snapshot import resolve_snapshot
     from trainer import train
 
@@ -32,6 +36,7 @@ def train_recipe(recipe: Recipe, progress: bool = True) -> dict[str, Any]:
         parallel=recipe.parallel,
         progress=progress,
         check_cache=lambda manifest: check_cache_compatible(manifest, recipe.model),
+        on_step=on_step,
     )
 
 

@@ -17,7 +17,7 @@ from prefect.utilities.annotations import unmapped
 from tqdm.auto import tqdm
 
 from latentmill.recipe import Recipe, RunnerConfig, load_recipe, recipe_from_dict
-from pipelines.report import StageProgress, publish_prep_artifacts
+from pipelines.report import RunLog, StageProgress, current_run_id, publish_prep_artifacts, stage_line
 from pipelines.snapshot import publish as publish_snapshot
 from stages import bucket, cache, caption, ingest
 from stages.shardio import (
@@ -40,13 +40,18 @@ def _stage_dir(recipe: Recipe, stage: str) -> StageDir:
     return StageDir(recipe.stage_dir(stage), stage)
 
 
+def _captioner(recipe: Recipe):
+    """The recipe's captioner; a model sees transparent pixels over ``cache.alpha_background``, as cached."""
+    return caption.build_captioner(recipe.caption, recipe.cache.background)
+
+
 def plan_stage(stage: str, recipe: Recipe) -> list[WorkUnit]:
     """The work units of ``stage`` given the upstream stage's committed manifest."""
     if stage == "ingest":
         return ingest.plan(recipe.ingest, _stage_dir(recipe, "ingest"))
     upstream = _stage_dir(recipe, STAGES[STAGES.index(stage) - 1])
     if stage == "caption":
-        return caption.plan(recipe.caption, upstream)
+        return caption.plan(recipe.caption, upstream, _captioner(recipe))
     if stage == "bucket":
         return bucket.plan(recipe.bucket, upstream)
     return cache.plan(recipe.cache, recipe.model, upstream)
@@ -56,7 +61,7 @@ def stage_processor(stage: str, recipe: Recipe) -> Callable[[WorkUnit, UnitOutpu
     """The function that turns one unit of ``stage`` into output shards."""
     return {
         "ingest": lambda unit, out: ingest.process(recipe.ingest, unit, out),
-        "caption": lambda unit, out: caption.process(recipe.caption, unit, out),
+        "caption": lambda unit, out: caption.process(recipe.caption, unit, out, _captioner(recipe)),
         "bucket": lambda unit, out: bucket.process(recipe.bucket, unit, out),
         "cache": lambda unit, out: cache.process(recipe.cache, recipe.model, unit, out),
     }[stage]
@@ -68,7 +73,7 @@ def manifest_header(stage: str, recipe: Recipe) -> dict[str, Any]:
         return {"fingerprint": stable_hash(ingest.fingerprint(recipe.ingest)), "source": recipe.ingest.source,
                 "shard_size": recipe.ingest.shard_size}
     if stage == "caption":
-        return caption.manifest_header(recipe.caption)
+        return caption.manifest_header(recipe.caption, _captioner(recipe))
     if stage == "bucket":
         return {"fingerprint": stable_hash(bucket.fingerprint(recipe.bucket))}
     return cache.manifest_header(recipe.cache, recipe.model, _stage_dir(recipe, stage))
@@ -90,7 +95,15 @@ def run_stages_in_process(recipe: Recipe) -> dict[str, tuple[StageDir, dict[str,
     return result
 
 
-@task(name="run-units", cache_policy=NONE, retries=1, retry_delay_seconds=1)
+def units_run_name(parameters: dict[str, Any]) -> str:
+    """A task run's name in the UI says what it does: ``cache · 3 units · 24 samples``."""
+    units = parameters["units"]
+    count = len(units)
+    return (f"{parameters['stage']} · {count} unit{'s' if count != 1 else ''} · "
+            f"{sum(u.samples_in for u in units)} samples")
+
+
+@task(name="run-units", task_run_name=units_run_name, cache_policy=NONE, retries=1, retry_delay_seconds=1)
 def run_units(stage: str, recipe_data: dict, units: list[WorkUnit]) -> list[UnitRecord]:
     """Run a few work units one after another (a unit committed before a retry is reused, not redone)."""
     recipe = recipe_from_dict(recipe_data)
@@ -180,11 +193,16 @@ def ensure_models(recipe: Recipe) -> None:
 
 
 @flow(name="prep-stages")
-def prep_stages(recipe_data: dict) -> dict[str, Any]:
-    """Run ingest → caption → bucket → cache, publish the snapshot; return counts and the snapshot."""
+def prep_stages(recipe_data: dict, started_run: str | None = None) -> dict[str, Any]:
+    """Run ingest → caption → bucket → cache, publish the snapshot; return counts and the snapshot.
+
+    ``started_run``: the id of the flow run the user started (``prep``, ``prep-then-train``, ``refresh``),
+    which shows the stage progress, one log line per stage and the artifacts too (see ``pipelines.report``).
+    """
     recipe = recipe_from_dict(recipe_data)
     ensure_models(recipe)
     tune_allocator()
+    run_log = RunLog(also=started_run)
     report: dict[str, Any] = {}
     for stage in STAGES:
         start = time.perf_counter()
@@ -200,7 +218,8 @@ def prep_stages(recipe_data: dict) -> dict[str, Any]:
         total = sum(u.samples_in for u in units)
         # The UI's progress artifact follows the work to do; none when every unit is reused or the work is
         # one task run (it would only jump from 0 to 100%, for two API calls: a refresh's new data).
-        progress = StageProgress(stage, sum(u.samples_in for u in pending)) if len(chunks) > 1 else None
+        progress = (StageProgress(stage, sum(u.samples_in for u in pending), flow_run_id=started_run)
+                    if len(chunks) > 1 else None)
         with tqdm(total=total, desc=f"{stage:>8}", unit="sample") as bar:
             bar.update(sum(r.samples_in for r in records))
             for future in futures:
@@ -212,19 +231,28 @@ def prep_stages(recipe_data: dict) -> dict[str, Any]:
                     progress.update(samples)
         manifest = stage_dir.write_manifest(records, manifest_header(stage, recipe))
         report[stage] = stage_report(stage, records, time.perf_counter() - start)
+        if stage == "caption":
+            report[stage].update(caption.report(recipe.caption, records))
+            if "warning" in report[stage]:
+                run_log.warning(f"caption: {report[stage]['warning']}")
         if stage == "bucket":
             report[stage]["buckets"] = bucket.histogram(manifest)
         if stage == "cache":
             report[stage].update(cache.component_report(records))
             report[stage]["manifest"] = str(stage_dir.manifest_path)
-    publish_prep_artifacts(report, recipe.prep_dir)
+        run_log.info(stage_line(stage, report[stage]))
+    publish_prep_artifacts(report, recipe.prep_dir, also=[started_run] if started_run else [])
     return {"stages": report, "snapshot": publish_snapshot(recipe.output_dir, recipe.stage_dir("cache"))}
 
 
 def run_prep(recipe: Recipe) -> dict[str, Any]:
-    """Run the prep stages with the task runner the recipe asks for."""
+    """Run the prep stages with the task runner the recipe asks for.
+
+    Called inside a flow run (``prep``, ``prep-then-train``, ``refresh``), that run also gets the progress,
+    stage lines and artifacts of the ``prep-stages`` subflow.
+    """
     runner_flow = prep_stages.with_options(task_runner=task_runner(recipe.runner))
-    return runner_flow(recipe.to_dict())
+    return runner_flow(recipe.to_dict(), started_run=current_run_id())
 
 
 @flow(name="prep")

@@ -4,7 +4,10 @@
     python -m pipelines.serve stop  [--home .prefect]                  (what `make serve-stop` runs)
 
 Everything listens on 127.0.0.1 and keeps its state (SQLite, logs, PIDs) under ``--home``, which becomes
-``PREFECT_HOME``. The tests use the same functions with a temporary home and a free port.
+``PREFECT_HOME``. The server also serves the Prefect UI at ``http://127.0.0.1:PORT`` (the assets ship in the
+installed ``prefect`` package): each run's Artifacts tab holds the prep counts, bucket histogram, quarantine
+reasons and training metrics, its Logs tab one line per stage. The tests use the same functions with a
+temporary home and a free port.
 """
 
 from __future__ import annotations
@@ -28,18 +31,41 @@ def _prefect() -> list[str]:
     return [exe] if exe else [sys.executable, "-m", "prefect"]
 
 
+def ui_url(port: int) -> str:
+    """Where the local server serves the Prefect UI."""
+    return f"http://127.0.0.1:{port}"
+
+
+def ui_assets() -> Path:
+    """The UI's built assets in the installed ``prefect`` package, or an error that says how to get them."""
+    import prefect
+
+    index = Path(prefect.__ui_static_path__) / "index.html"
+    if not index.is_file():
+        raise FileNotFoundError(f"the Prefect UI assets are missing ({index}): the installed package has no UI "
+                                "(prefect-client?); install the full `prefect` package into the venv")
+    return index.parent
+
+
 def server_env(home: Path, port: int) -> dict[str, str]:
     """Environment that points Prefect clients, server, worker and flow runs at this local server."""
     env = dict(os.environ)
     env.update({
         "PREFECT_HOME": str(home),
-        "PREFECT_API_URL": f"http://127.0.0.1:{port}/api",
+        "PREFECT_API_URL": f"{ui_url(port)}/api",
+        "PREFECT_UI_URL": ui_url(port),  # the links Prefect prints and logs ("View at ...")
         "PREFECT_SERVER_API_HOST": "127.0.0.1",
         "PREFECT_SERVER_API_PORT": str(port),
-        "PREFECT_UI_ENABLED": "false",
+        "PREFECT_UI_ENABLED": "true",
         "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
         "LATENTMILL_ROOT": str(REPO_ROOT),  # prefect.yaml's pull step runs flows from here
     })
+    import prefect
+
+    # The server copies the UI assets (~17 MB) once per prefect version next to the package; where that
+    # folder cannot be written (a read-only install), it copies them into the Prefect home instead.
+    if not os.access(Path(prefect.__ui_static_subpath__).parent, os.W_OK):
+        env.setdefault("PREFECT_UI_STATIC_DIRECTORY", str(home / "ui"))
     return env
 
 
@@ -71,6 +97,7 @@ def start(home: Path, port: int = 4200) -> dict[str, int]:
     """Start server, work pool, deployments and worker; return their PIDs."""
     home = home.resolve()
     home.mkdir(parents=True, exist_ok=True)
+    ui_assets()
     env = server_env(home, port)
     pids = {"server": _spawn("server", [*_prefect(), "server", "start", "--host", "127.0.0.1",
                                         "--port", str(port)], home, env)}
@@ -130,9 +157,11 @@ def main(argv: list[str] | None = None) -> int:
         print("stopped " + (", ".join(stopped) if stopped else "nothing (no PID files)"))
         return 0
     pids = start(args.home, args.port)
-    print(f"Prefect server on http://127.0.0.1:{args.port} (PID {pids['server']}), worker on pool {POOL} "
-          f"(PID {pids['worker']}), deployments from prefect.yaml registered; state in {args.home}")
-    print(f"  export PREFECT_API_URL=http://127.0.0.1:{args.port}/api")
+    print(f"Prefect UI: {ui_url(args.port)}   (runs: Artifacts tab = counts, buckets, quarantine, training "
+          "metrics; Logs tab = one line per stage)")
+    print(f"Prefect server PID {pids['server']}, worker PID {pids['worker']} on pool {POOL}, deployments from "
+          f"prefect.yaml registered; state in {args.home}")
+    print(f"  export PREFECT_API_URL={ui_url(args.port)}/api")
     print("  prefect deployment run 'prep-then-train/demo' --watch")
     return 0
 

@@ -191,3 +191,162 @@ def test_progress_artifacts_follow_stages_with_several_task_runs(tiny_flux, demo
     grown = run_prep(recipe)
     assert _processed(grown)["cache"][0] == 1  # one new sample, encoded in one task run
     assert progress_since(start) == []
+
+
+def _poll(read, done, timeout=60.0):
+    """``read()`` again until ``done(value)``: task runs arrive as events and logs in batches."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    while True:
+        value = read()
+        if done(value) or time.monotonic() > deadline:
+            return value
+        time.sleep(0.5)
+
+
+@pytest.fixture()
+def run_logs_at_info():
+    """Send INFO lines of flow and task runs to the API (conftest sets PREFECT_LOGGING_LEVEL=WARNING)."""
+    import logging
+
+    loggers = [logging.getLogger(name) for name in ("prefect.flow_runs", "prefect.task_runs")]
+    levels = [logger.level for logger in loggers]
+    for logger in loggers:
+        logger.setLevel(logging.INFO)
+    yield
+    for logger, level in zip(loggers, levels):
+        logger.setLevel(level)
+
+
+def test_started_run_tells_the_story(tiny_flux, demo_images, tmp_path, run_logs_at_info):
+    """The run the user starts (here prep-then-train) carries the prep artifacts, one log line per stage and
+    the training metrics; the inner prep-stages run has the artifacts and lines too; task runs are named by
+    what they do."""
+    import functools
+
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import (
+        ArtifactFilter,
+        ArtifactFilterFlowRunId,
+        FlowRunFilter,
+        FlowRunFilterId,
+        FlowRunFilterParentFlowRunId,
+        LogFilter,
+        LogFilterFlowRunId,
+    )
+
+    from pipelines.flows import prep_then_train
+    from pipelines.prep import STAGES, plan_stage, task_chunks, units_run_name
+
+    out = tmp_path / "out"
+    overrides = [f"output_dir={out}", f"model.pretrained={tiny_flux}", f"ingest.source={demo_images}",
+                 "trainer.max_steps=2", "trainer.save_every=0"]
+    state = prep_then_train(str(DEMO_CONFIG), overrides, return_state=True)
+    assert state.is_completed()
+    started, result = state.state_details.flow_run_id, state.result()
+    with get_client(sync_client=True) as client:
+        inner = client.read_flow_runs(flow_run_filter=FlowRunFilter(
+            parent_flow_run_id=FlowRunFilterParentFlowRunId(any_=[started])))
+        assert [run.flow_id for run in inner] == [client.read_flow_by_name("prep-stages").id]
+        inner_id = inner[0].id
+
+        def artifacts(run_id):
+            found = client.read_artifacts(artifact_filter=ArtifactFilter(
+                flow_run_id=ArtifactFilterFlowRunId(any_=[run_id])))
+            return {a.key: json.loads(a.data) if a.type == "table" else a.data for a in found}
+
+        def lines(run_id):
+            return [log.message for log in client.read_logs(log_filter=LogFilter(
+                flow_run_id=LogFilterFlowRunId(any_=[run_id])))]
+
+        def task_run_names():
+            runs = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[started, inner_id])))
+            return {run.name for run in runs}
+
+        recipe = _recipe(tiny_flux, demo_images, out)
+        expected = {units_run_name({"stage": stage, "units": chunk})
+                    for stage in STAGES for chunk in task_chunks(plan_stage(stage, recipe), recipe.runner)}
+        expected.add("train · 2 steps · full")
+        names = _poll(task_run_names, lambda names: expected <= names)
+        assert expected <= names, names
+        assert any(n.startswith("ingest · ") and n.endswith(" units · 26 samples") for n in names), names
+        assert not any(n.startswith("run-units") or n.startswith("train-model") for n in names)
+
+        stage_lines = [f"{stage}: {s['in']} in → {s['out']} out, {s['quarantined']} quarantined; "
+                       f"{s['processed']} processed, {s['reused']} reused" for stage, s in result["stages"].items()]
+        assert stage_lines[-1].startswith("cache: 25 in → 24 out, 1 quarantined; 25 processed, 0 reused")
+        for run_id in (started, inner_id):
+            logged = _poll(functools.partial(lines, run_id),
+                           lambda got: all(any(m.startswith(s) for m in got) for s in stage_lines))
+            for line in stage_lines:
+                assert sum(m.startswith(line) for m in logged) == 1, (line, logged)
+
+            found = artifacts(run_id)
+            assert [row["stage"] for row in found["prep-counts"]] == list(STAGES)
+            assert found["prep-counts"][3]["out"] == 24
+            assert "128x128x1" in found["prep-buckets"]
+            assert {row["stage"] for row in found["prep-quarantine"]} == {"ingest", "cache"}
+
+        metrics = artifacts(started)["train-metrics"]
+        assert metrics == [{k: result["train"][k] for k in ("steps", "final_loss", "samples_per_s",
+                                                             "data_wait_fraction", "peak_rss_mb", "export_dir")}]
+        assert metrics[0]["steps"] == 2 and metrics[0]["export_dir"] == str(out / "export")
+        assert "train-metrics" not in artifacts(inner_id)
+        def trained(got):
+            return any(m.startswith("train: 2 steps, final loss ") for m in got)
+
+        assert trained(_poll(functools.partial(lines, started), trained))
+
+
+def test_training_progress_reports_sparsely(monkeypatch):
+    """Training progress costs a few API calls per run, not one per step: the progress artifact moves at most
+    every 5% and every interval, the last step is reported by finish() with the metrics table."""
+    from prefect import flow
+
+    import pipelines.report as report
+
+    calls = []
+    monkeypatch.setattr(report, "create_progress_artifact", lambda p, **kw: calls.append(("create", p)) or "id")
+    monkeypatch.setattr(report, "update_progress_artifact", lambda i, p: calls.append(("update", p)))
+    monkeypatch.setattr(report, "create_table_artifact", lambda rows, **kw: calls.append(("table", rows)))
+
+    @flow
+    def training(max_steps: int, seconds_per_step: int) -> None:
+        now = [0.0]
+        progress = report.TrainProgress(max_steps, interval_s=5.0, clock=lambda: now[0])
+        for step in range(1, max_steps + 1):
+            now[0] = step * seconds_per_step
+            progress({"step": step, "loss": 0.5, "samples_per_s": 10.0})
+        progress.finish({"steps": max_steps, "final_loss": 0.5, "samples_per_s": 10.0, "data_wait_fraction": 0.01,
+                         "peak_rss_mb": 100.0, "export_dir": "/x/export"})
+
+    training(1000, 1)  # 1 s a step: every 5% (50 steps) is the binding limit
+    assert calls[0] == ("create", 5.0) and calls[-2] == ("update", 100.0)
+    assert [p for _, p in calls[1:-2]] == [5.0 * i for i in range(2, 20)]
+    assert calls[-1] == ("table", [{"steps": 1000, "final_loss": 0.5, "samples_per_s": 10.0,
+                                     "data_wait_fraction": 0.01, "peak_rss_mb": 100.0, "export_dir": "/x/export"}])
+    calls.clear()
+    training(20, 1)  # a short run (20 s): updates every 5 s at the most, 25% apart
+    assert [p for _, p in calls[:-1]] == [25.0, 50.0, 75.0, 100.0]
+    calls.clear()
+    training(3, 1)  # shorter than the interval: no progress artifact, only the metrics
+    assert [kind for kind, _ in calls] == ["table"]
+
+
+def test_metrics_follower_reads_the_last_whole_line_of_this_run(tmp_path):
+    import os
+
+    from pipelines.flows import MetricsFollower
+
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"step": 7}\n')  # a previous run's line: not this run's progress
+    follower = MetricsFollower(path)
+    assert follower.last_record() is None
+    os.replace(path, tmp_path / "metrics.previous.jsonl")  # what a fresh start does
+    assert follower.last_record() is None
+    path.write_text('{"step": 1}\n{"step": 2}\n{"st')  # a line half written
+    assert follower.last_record() == {"step": 2}
+    with open(path, "a") as fh:
+        fh.write('ep": 3}\n')
+    assert follower.last_record() == {"step": 3}

@@ -1,8 +1,9 @@
 """The served path: a real Prefect server, a process worker, the deployments of prefect.yaml.
 
 Starts everything on 127.0.0.1 with a free port and a temporary PREFECT_HOME, runs
-`prefect deployment run 'prep-then-train/demo'`, waits for COMPLETED, checks the outputs, and stops the
-worker and the server by PID.
+`prefect deployment run 'prep-then-train/demo'`, waits for COMPLETED, checks the outputs, that the UI answers
+at `/` and that the started run carries the artifacts and the per-stage log lines, and stops the worker and
+the server by PID.
 """
 
 from __future__ import annotations
@@ -11,6 +12,8 @@ import json
 import os
 import socket
 import subprocess
+import time
+import urllib.request
 
 import pytest
 
@@ -25,8 +28,19 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
+def _api(port: int, path: str, body: dict | None = None):
+    """GET (or POST ``body`` to) the served REST API and decode its JSON answer."""
+    data = json.dumps(body).encode() if body is not None else None
+    request = urllib.request.Request(f"http://127.0.0.1:{port}/api/{path}", data=data,
+                                     headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=30) as resp:
+        return json.loads(resp.read())
+
+
 @pytest.fixture()
-def served(tmp_path):
+def served(tmp_path, monkeypatch):
+    # the flow runs' INFO lines (one per stage, training) reach the API; conftest sets WARNING for this process
+    monkeypatch.setenv("PREFECT_LOGGING_LEVEL", "INFO")
     home, port = tmp_path / "prefect-home", _free_port()
     pids = serve.start(home, port)
     try:
@@ -61,3 +75,34 @@ def test_prep_then_train_deployment_completes(served, tiny_flux, tmp_path):
     assert steps == [1, 2, 3]
     assert (out / "export" / "model_index.json").is_file()
     assert (out / "train" / "checkpoints" / "step-000003").is_dir()
+
+    # The UI answers at / (as a browser asks for it), and the run the user started carries the artifacts
+    # and the story of its stages and training.
+    request = urllib.request.Request(serve.ui_url(port) + "/", headers={"Accept": "text/html"})
+    with urllib.request.urlopen(request, timeout=30) as resp:
+        assert resp.status == 200 and resp.headers["content-type"].startswith("text/html")
+        page = resp.read().decode()
+    assert "<title>Prefect Server</title>" in page and ('id="root"' in page or 'id="app"' in page)
+
+    deployment = _api(port, "deployments/name/prep-then-train/demo")
+    runs = _api(port, "flow_runs/filter", {"flow_runs": {"deployment_id": {"any_": [deployment["id"]]}}})
+    assert [run["state_type"] for run in runs] == ["COMPLETED"]
+    run_id = runs[0]["id"]
+    artifacts = {a["key"]: a for a in _api(port, "artifacts/filter",
+                                           {"artifacts": {"flow_run_id": {"any_": [run_id]}}}) if a["key"]}
+    assert {"prep-counts", "prep-buckets", "prep-quarantine", "train-metrics"} <= set(artifacts)
+    counts = json.loads(artifacts["prep-counts"]["data"])
+    assert [(r["stage"], r["in"], r["out"]) for r in counts][-1] == ("cache", 25, 24)
+    assert "128x128x1" in artifacts["prep-buckets"]["data"]
+    metrics = json.loads(artifacts["train-metrics"]["data"])
+    assert metrics[0]["steps"] == 3 and metrics[0]["export_dir"] == str(out / "export")
+
+    wanted = ("ingest: 26 in → 25 out", "cache: 25 in → 24 out, 1 quarantined", "train: 3 steps, final loss")
+    deadline = time.monotonic() + 60  # the flow run's last log batch may land just after its final state
+    while True:
+        lines = [log["message"] for log in _api(port, "logs/filter", {"logs": {"flow_run_id": {"any_": [run_id]}}})]
+        if all(any(m.startswith(w) for m in lines) for w in wanted) or time.monotonic() > deadline:
+            break
+        time.sleep(1)
+    for w in wanted:
+        assert any(m.startswith(w) for m in lines), (w, lines)

@@ -158,11 +158,14 @@ def train(
     parallel: ParallelConfig | None = None,
     progress: bool = True,
     check_cache: Callable[[dict], None] | None = None,
+    on_step: Callable[[dict], None] | None = None,
 ) -> dict[str, Any]:
     """Train on the latents in ``cache_dir``, starting from the Diffusers pipeline ``pretrained``.
 
     The cache manifest's ``family`` picks the adapter (``flux`` when absent). ``check_cache(manifest)``
-    (optional) raises if the cached latents were made by other encoders than the recipe's. ``export_dir``
+    (optional) raises if the cached latents were made by other encoders than the recipe's. ``on_step(record)``
+    (optional) is called on rank 0 with each step's metrics record, after it is written (a flow's progress
+    report; keep it cheap). ``export_dir``
     defaults to ``<train_dir>/export`` (used when ``cfg.export``). Returns a summary: ``steps``,
     ``steps_this_run``, ``final_loss``, ``samples_per_s``, ``data_wait_fraction``, ``peak_rss_mb``,
     ``peak_mem_mb``, ``export_dir``, ``resumed_from``, ``world_size``, ``epochs`` (epochs of data this rank
@@ -175,7 +178,7 @@ def train(
     ctx = init_distributed(parallel)
     try:
         return _train(cfg, ctx, parallel, Path(cache_dir), pretrained, Path(train_dir), seed, export_dir,
-                      progress=progress, check_cache=check_cache)  # fmt: skip
+                      progress=progress, check_cache=check_cache, on_step=on_step)  # fmt: skip
     finally:
         shutdown(ctx)
 
@@ -192,6 +195,7 @@ def _train(
     *,
     progress: bool,
     check_cache: Callable[[dict], None] | None,
+    on_step: Callable[[dict], None] | None = None,
 ) -> dict[str, Any]:
     """The body of ``train`` for one process (rank ``ctx.rank`` of ``ctx.world_size``)."""
     # ---------------------------------------------------------------- setup
@@ -390,6 +394,8 @@ def _train(
                         "peak_mem_mb",
                     ):
                         tb.add_scalar(f"train/{name}", record[name], step)
+                if on_step is not None:
+                    on_step(record)
             bar.update(1)
             if step % cfg.log_every == 0 or step == cfg.max_steps:
                 bar.set_postfix(loss=f"{last_loss:.4f}", lr=f"{lr:.2e}")
