@@ -8,6 +8,7 @@ and the allowed values, e.g. ``trainer.mode: 'ful' is not one of 'full', 'lora'`
 from __future__ import annotations
 
 import dataclasses
+import re
 import types
 import typing
 from pathlib import Path
@@ -18,6 +19,10 @@ import yaml
 
 class ConfigError(ValueError):
     """A recipe key is unknown, missing or has a value outside what it allows."""
+
+
+# YAML 1.1 (PyYAML) reads ``1e-4`` and ``1E5`` as strings: it wants a dot and a signed exponent.
+_NUMBER = re.compile(r"[-+]?(\d+(\.\d*)?|\.\d+)([eE][-+]?\d+)?")
 
 
 def _describe(tp: Any) -> str:
@@ -88,6 +93,8 @@ def _coerce(tp: Any, value: Any, key: str) -> Any:
             raise ConfigError(f"{key}: expected an integer, got {value!r}")
         return value
     if tp is float:
+        if isinstance(value, str) and _NUMBER.fullmatch(value.strip()):
+            return float(value)
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ConfigError(f"{key}: expected a number, got {value!r}")
         return float(value)
@@ -146,7 +153,19 @@ def parse_override(text: str) -> tuple[list[str], Any]:
     key = key.strip()
     if not key or any(not part for part in key.split(".")):
         raise ConfigError(f"override {text!r}: empty key")
-    return key.split("."), yaml.safe_load(raw) if raw.strip() else None
+    if not raw.strip():
+        return key.split("."), None
+    try:
+        return key.split("."), yaml.safe_load(raw)
+    except yaml.YAMLError as err:
+        raise ConfigError(f"override {text!r}: cannot parse the value as YAML ({_yaml_problem(err)})") from None
+
+
+def _yaml_problem(err: yaml.YAMLError) -> str:
+    """One line out of PyYAML's multi-line message."""
+    problem = getattr(err, "problem", None) or str(err).splitlines()[0]
+    context = getattr(err, "context", None)
+    return f"{context}, {problem}" if context else problem
 
 
 def apply_overrides(data: dict, overrides: list[str]) -> dict:
@@ -174,7 +193,12 @@ def load_yaml(path: str | Path) -> dict:
     if not path.is_file():
         raise ConfigError(f"recipe {path} does not exist")
     with open(path) as fh:
-        data = yaml.safe_load(fh) or {}
+        try:
+            data = yaml.safe_load(fh) or {}
+        except yaml.YAMLError as err:
+            mark = getattr(err, "problem_mark", None)
+            where = f" line {mark.line + 1}" if mark is not None else ""
+            raise ConfigError(f"recipe {path}{where}: not valid YAML ({_yaml_problem(err)})") from None
     if not isinstance(data, dict):
         raise ConfigError(f"recipe {path}: top level must be a mapping")
     return data

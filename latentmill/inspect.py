@@ -6,17 +6,44 @@ import json
 from collections import Counter
 from pathlib import Path
 
+from pipelines.snapshot import LATEST, resolve_snapshot
 from stages.shardio import sha256_file
+
+# Pipeline order, as ``pipelines.prep.STAGES`` (not imported: it would start Prefect for a read-only command).
+STAGE_ORDER = ("ingest", "caption", "bucket", "cache")
+
+
+def _existing(path: Path) -> Path:
+    """``path`` as a folder to read, or an error that says what is wrong with it.
+
+    ``snapshots/LATEST`` is a file naming the newest snapshot: it is followed to that snapshot's folder.
+    """
+    if not path.exists():
+        raise FileNotFoundError(f"{path} does not exist")
+    if path.is_file():
+        if path.name == LATEST and path.parent.name == "snapshots":
+            folder = resolve_snapshot(path.parent.parent, "latest")
+            print(f"{path} names the latest snapshot: reading {folder}")
+            return folder
+        raise FileNotFoundError(
+            f"{path} is a file; pass a recipe (.yaml), an output_dir, a snapshot folder or a stage folder"
+        )
+    return path
 
 
 def _stage_dirs(path: Path) -> list[Path]:
-    """``path`` itself if it holds a manifest, else every stage folder below it that does."""
+    """``path`` itself if it holds a manifest, else every stage folder below it that does, in pipeline order."""
     if (path / "manifest.json").is_file():
         return [path]
-    found = sorted(p.parent for p in path.rglob("manifest.json") if (p.parent / "shards").is_dir())
+    found = [p.parent for p in path.rglob("manifest.json") if (p.parent / "shards").is_dir()]
     if not found:
         raise FileNotFoundError(f"no stage manifest under {path}; run `latentmill prep` first")
-    return found
+
+    def order(folder: Path) -> tuple[int, str]:
+        stage = folder.name
+        return (STAGE_ORDER.index(stage) if stage in STAGE_ORDER else len(STAGE_ORDER), str(folder))
+
+    return sorted(found, key=order)
 
 
 def _print_snapshot(folder: Path, manifest: dict) -> None:
@@ -44,8 +71,9 @@ def inspect_recipe(path: Path) -> int:
 
 def inspect_path(path: Path) -> int:
     """Print a recipe, a snapshot's report, or each stage's counts, buckets, models and quarantine reasons."""
-    if path.is_file() and path.suffix in (".yaml", ".yml"):
-        return inspect_recipe(path)
+    if path.suffix in (".yaml", ".yml") and not path.is_dir():
+        return inspect_recipe(path)  # a missing recipe is named as such by load_yaml
+    path = _existing(path)
     if (path / "manifest.json").is_file() and "snapshot" in json.loads((path / "manifest.json").read_text()):
         _print_snapshot(path, json.loads((path / "manifest.json").read_text()))
         return 0
@@ -76,8 +104,10 @@ def inspect_path(path: Path) -> int:
 
 def verify_path(path: Path) -> int:
     """Re-hash every shard listed in the manifests; print each mismatch and return 1 if any."""
+    if path.is_file() and path.suffix in (".yaml", ".yml"):
+        raise FileNotFoundError(f"{path} is a recipe; verify reads an output_dir, a snapshot or a stage folder")
     bad = checked = 0
-    for stage_dir in _stage_dirs(path):
+    for stage_dir in _stage_dirs(_existing(path)):
         manifest = json.loads((stage_dir / "manifest.json").read_text())
         for shard in manifest["shards"]:
             checked += 1

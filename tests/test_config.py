@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
-import pytest
+import dataclasses
 
-from latentmill.config import ConfigError, apply_overrides, parse_override
+import pytest
+import yaml
+
+from latentmill.config import ConfigError, apply_overrides, from_dict, parse_override
 from latentmill.recipe import Recipe, load_recipe, recipe_from_dict
 from tests.conftest import DEMO_CONFIG
 
@@ -122,3 +125,56 @@ def test_units_travel_a_few_per_task_run():
     assert [u.unit_id for c in chunks for u in c] == [u.unit_id for u in units(15)]  # every unit, once, in order
     with pytest.raises(ConfigError, match="runner.units_per_task: must be >= 0"):
         RunnerConfig(units_per_task=-1).validate()
+
+
+def test_a_malformed_override_is_named_in_one_line():
+    with pytest.raises(ConfigError) as err:
+        parse_override("bucket.aspect_ratios=[0.75,1.0")
+    assert str(err.value).startswith("override 'bucket.aspect_ratios=[0.75,1.0': cannot parse the value")
+    assert "\n" not in str(err.value)
+
+
+def test_a_malformed_recipe_is_named_with_its_line(tmp_path):
+    path = tmp_path / "bad.yaml"
+    path.write_text("trainer:\n  max_steps: [1, 2\n")
+    with pytest.raises(ConfigError, match=r"recipe .*bad.yaml line \d+: not valid YAML") as err:
+        load_recipe(path)
+    assert "\n" not in str(err.value)
+
+
+@dataclasses.dataclass
+class _Numbers:
+    rate: float = 0.0
+    maybe: float | None = None
+    name: str = ""
+
+
+@pytest.mark.parametrize("text, value", [("1e-4", 1e-4), ("1E5", 1e5), ("-2.5e-3", -2.5e-3), ("+3e2", 300.0)])
+def test_float_keys_take_scientific_notation(text, value):
+    # PyYAML (YAML 1.1) reads all but -2.5e-3 as strings; float-typed keys must still take them as numbers
+    raw = yaml.safe_load(f"{{rate: {text}, maybe: {text}, name: '{text}'}}")
+    numbers = from_dict(_Numbers, raw)
+    assert numbers.rate == value and isinstance(numbers.rate, float)
+    assert numbers.maybe == value and numbers.name == text
+
+
+def test_learning_rate_override_takes_scientific_notation():
+    recipe = load_recipe(DEMO_CONFIG, ["trainer.learning_rate=1e-4", "trainer.adam_eps=1E-8"])
+    assert recipe.trainer.learning_rate == 1e-4 and isinstance(recipe.trainer.learning_rate, float)
+    assert recipe.trainer.adam_eps == 1e-8
+
+
+def test_float_keys_take_scientific_notation_in_recipes(tmp_path):
+    text = DEMO_CONFIG.read_text()
+    assert "learning_rate: 3.0e-4" in text
+    path = tmp_path / "recipe.yaml"
+    path.write_text(text.replace("learning_rate: 3.0e-4", "learning_rate: 3e-4\n  adam_eps: 1E-8"))
+    recipe = load_recipe(path)
+    assert recipe.trainer.learning_rate == 3e-4 and recipe.trainer.adam_eps == 1e-8
+
+
+def test_numeric_looking_strings_stay_strings_for_string_keys():
+    recipe = load_recipe(DEMO_CONFIG, ["ingest.source=1e5"])
+    assert recipe.ingest.source == "1e5"
+    with pytest.raises(ConfigError, match="trainer.learning_rate: expected a number, got 'fast'"):
+        load_recipe(DEMO_CONFIG, ["trainer.learning_rate=fast"])

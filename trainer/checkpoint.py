@@ -169,12 +169,19 @@ def prune_checkpoints(ckpt_dir: str | Path, keep_latest_k: int) -> list[Path]:
     return doomed
 
 
-def resolve_resume(resume: str | None, ckpt_dir: str | Path) -> Path | None:
-    """Turn ``trainer.resume`` into a checkpoint folder: None, ``latest`` (None if there is none yet) or a path."""
+def resolve_resume(resume: str | None, ckpt_dir: str | Path, *, announce: bool = True) -> Path | None:
+    """Turn ``trainer.resume`` into a checkpoint folder: None, ``latest`` (None if there is none yet) or a path.
+
+    ``latest`` with no checkpoint yet starts from step 0 (a requeued job's first attempt), saying so in one
+    log line when ``announce`` (rank 0 only, so a multi-process run prints it once).
+    """
     if resume is None:
         return None
     if resume == "latest":
-        return latest_checkpoint(ckpt_dir)
+        found = latest_checkpoint(ckpt_dir)
+        if found is None and announce:
+            log.warning("trainer.resume=latest: no checkpoint found under %s, starting from step 0", ckpt_dir)
+        return found
     path = Path(resume)
     if not (path / STATE_FILE).is_file():
         raise FileNotFoundError(

@@ -273,7 +273,7 @@ def _train(
     sampling_gen = torch.Generator().manual_seed(derive_seed(seed, f"sampling:{ctx.rank}"))
 
     # ---------------------------------------------------------------- resume
-    resume_path = resolve_resume(cfg.resume, ckpt_dir)
+    resume_path = resolve_resume(cfg.resume, ckpt_dir, announce=ctx.is_main)
     start_step, last_loss = 0, float("nan")
     if resume_path is not None:
         state = load_checkpoint(
