@@ -1,7 +1,7 @@
 # latentmill — one command sets up and runs the demo, one runs the tests.
 #
-#   make demo        create .venv, install, build the tiny models, run prep-then-train on the demo data
-#   make test        the whole test suite
+#   make demo        create .venv, install the package, build the tiny models, run prep-then-train on the demo
+#   make test        add the dev tools to .venv and run the whole test suite
 #   make serve       local Prefect server and UI (http://127.0.0.1:4200) + process worker + deployments
 #   make serve-stop  stop what `make serve` started
 #
@@ -15,23 +15,30 @@ TORCH_SPEC ?= torch==2.13.0
 PORT   ?= 4200
 PREFECT_HOME_DIR ?= $(CURDIR)/.prefect
 
-.PHONY: venv demo test lint serve serve-stop clean
+.PHONY: venv dev demo test lint serve serve-stop clean
 
+# The demo needs the package alone; tests, lint and benchmarks add the dev tools (pytest, ruff, Dask, Ray...).
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install --quiet "$(TORCH_SPEC)"
+	$(PY) -m pip install --quiet -e .
+	touch $@
+
+$(VENV)/.installed-dev: $(VENV)/.installed
 	$(PY) -m pip install --quiet -e ".[dev]"
 	touch $@
 
 venv: $(VENV)/.installed
 
+dev: $(VENV)/.installed-dev
+
 demo: venv
 	$(VENV)/bin/latentmill demo --summary-json outputs/demo/summary.json
 
-test: venv
+test: dev
 	$(VENV)/bin/python -m pytest -q
 
-lint: venv
+lint: dev
 	$(VENV)/bin/ruff check .
 
 serve: venv
@@ -45,5 +52,5 @@ clean:
 
 # Benchmarks (bench/README.md): writes bench/results.json and bench/RESULTS.md; BENCH_ARGS=--quick for a smoke run
 .PHONY: bench
-bench: venv
+bench: dev
 	$(PY) -m bench.run $(BENCH_ARGS)

@@ -3,7 +3,8 @@
     latentmill prep CONFIG [key.path=value ...] [--summary-json PATH]
     latentmill train CONFIG [key.path=value ...] [--nproc N] [--nnodes M --rdzv-endpoint HOST:PORT]
                      [--summary-json PATH]
-    latentmill run CONFIG [key.path=value ...] [--nproc N] [--summary-json PATH]
+    latentmill run CONFIG [key.path=value ...] [--nproc N] [--nnodes M --rdzv-endpoint HOST:PORT]
+                   [--summary-json PATH]
     latentmill demo [key.path=value ...] [--summary-json PATH]
     latentmill inspect PATH        (a recipe with its defaults, an output_dir, a snapshot or a stage)
     latentmill verify PATH         (re-hash shards against their manifests; exit 1 on any mismatch)
@@ -34,7 +35,7 @@ def _parser() -> argparse.ArgumentParser:
         p.add_argument("--summary-json", type=Path, help="write the run summary here as JSON")
         if name in ("train", "run"):
             p.add_argument("--nproc", type=int, default=1, help="processes on this node (torchrun when > 1)")
-        if name == "train":
+        if name in ("train", "run"):
             p.add_argument("--nnodes", type=int, default=1, help="nodes (each runs this same command)")
             p.add_argument("--rdzv-endpoint", help="HOST:PORT of the first node, for --nnodes > 1")
     for name, text in [("inspect", "show a recipe with its defaults, or a snapshot's or stages' report"),
@@ -64,27 +65,44 @@ def _print_summary(summary: dict[str, Any], recipe_output: str | None) -> None:
     if train and train.get("steps") is None:
         print(f"train: {train.get('note', 'no summary on this node')}")
     elif train:
+        again = " (already trained on this snapshot with this recipe: nothing redone)" if train.get(
+            "already_trained") else ""
         print(f"train: {train['steps']} steps, final loss {train['final_loss']:.4f}, "
               f"{train['samples_per_s']:.1f} samples/s, data wait {100 * train['data_wait_fraction']:.1f}%, "
-              f"peak RSS {train['peak_rss_mb']:.0f} MB")
+              f"peak RSS {train['peak_rss_mb']:.0f} MB{again}")
+        if train.get("run_dir"):
+            print(f"training run: {train['run_dir']} (snapshot {train.get('snapshot', '?')})")
         if train.get("export_dir"):
-            print(f"exported pipeline: {train['export_dir']}")
+            what = "LoRA adapter" if train.get("mode") == "lora" else "pipeline"
+            print(f"exported {what}: {train['export_dir']}")
     if summary.get("sample"):
         print(f"sample image: {summary['sample']}")
     if recipe_output:
         print(f"outputs under: {recipe_output}")
 
 
-def _sample_image(export_dir: Path, path: Path) -> Path:
-    """Generate one image with the exported pipeline, exactly as a user would load it."""
+def _sample_image(train: dict[str, Any], output_dir: Path) -> Path:
+    """One image from the run's export, loaded as a user would (a pipeline, or the base pipeline with the LoRA
+    adapter); saved in the run's folder, ``<output_dir>/sample.png`` links to it."""
     import torch
     from diffusers import DiffusionPipeline
 
-    pipe = DiffusionPipeline.from_pretrained(export_dir)
-    image = pipe("a red circle on a blue background", height=128, width=128, num_inference_steps=8,
-                 generator=torch.Generator().manual_seed(0), max_sequence_length=32).images[0]
-    image.save(path)
-    return path
+    from pipelines.runs import _relink
+
+    path = Path(train["run_dir"]) / "sample.png"
+    if not path.is_file():  # a run trained before: its sample is there already
+        export = Path(train["export_dir"])
+        if (export / "model_index.json").is_file():
+            pipe = DiffusionPipeline.from_pretrained(export)
+        else:
+            base = json.loads((Path(train["run_dir"]) / "run.json").read_text())["summary"]["pretrained"]
+            pipe = DiffusionPipeline.from_pretrained(base)
+            pipe.load_lora_weights(export)
+        image = pipe("a red circle on a blue background", height=128, width=128, num_inference_steps=8,
+                     generator=torch.Generator().manual_seed(0), max_sequence_length=32).images[0]
+        image.save(path)
+    _relink(output_dir / "sample.png", path)
+    return output_dir / "sample.png"
 
 
 def _run_flow(command: str, config: Path, overrides: list[str], nproc: int, nnodes: int = 1,
@@ -92,14 +110,18 @@ def _run_flow(command: str, config: Path, overrides: list[str], nproc: int, nnod
     from latentmill.recipe import load_recipe
 
     recipe = load_recipe(config, overrides)  # validate before Prefect starts anything
+    if command in ("prep", "run"):
+        recipe.ingest.require_source()
+    from latentmill.prefect_env import start_ephemeral_api
     from pipelines.flows import prep, prep_then_train, train
 
+    start_ephemeral_api()  # Prefect's temporary API server ends with this process, even when it is killed
     if command == "prep":
         summary = prep(str(config), overrides)
     elif command == "train":
         summary = train(str(config), overrides, nproc, nnodes, rdzv_endpoint)
     else:
-        summary = prep_then_train(str(config), overrides, nproc)
+        summary = prep_then_train(str(config), overrides, nproc, nnodes, rdzv_endpoint)
     return summary, recipe.output_dir
 
 
@@ -122,6 +144,7 @@ def main(argv: list[str] | None = None) -> int:
         args.summary_json = args.summary_json.resolve()
     from latentmill.config import ConfigError
     from latentmill.models import CacheMismatchError
+    from pipelines.snapshot import EmptySnapshotError
 
     try:
         if args.command in ("inspect", "verify"):
@@ -131,13 +154,12 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "demo":
             os.chdir(REPO_ROOT)  # the demo recipe's paths are relative to the repository
             summary, out = _run_flow("run", DEMO_CONFIG, args.overrides, 1)
-            export = summary["train"].get("export_dir")
-            if export:
-                summary["sample"] = str(_sample_image(Path(export), Path(out) / "sample.png"))
+            if summary["train"].get("export_dir"):
+                summary["sample"] = str(_sample_image(summary["train"], Path(out)))
         else:
             summary, out = _run_flow(args.command, args.config, args.overrides, getattr(args, "nproc", 1),
                                      getattr(args, "nnodes", 1), getattr(args, "rdzv_endpoint", None))
-    except (ConfigError, CacheMismatchError, FileNotFoundError) as err:
+    except (ConfigError, CacheMismatchError, FileNotFoundError, EmptySnapshotError) as err:
         print(f"latentmill: error: {err}", file=sys.stderr)
         return 2
     _print_summary(summary, out)

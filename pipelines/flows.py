@@ -21,6 +21,7 @@ from latentmill.recipe import Recipe, load_recipe, recipe_from_dict
 from pipelines.launch import train_recipe
 from pipelines.prep import prep, release_prep_models, run_prep
 from pipelines.report import TrainProgress
+from pipelines.runs import RunPlan, finish_run, plan_run
 from pipelines.snapshot import resolve_snapshot
 
 
@@ -33,15 +34,15 @@ def _train_run_name(parameters: dict[str, Any]) -> str:
 
 
 @task(name="train-model", task_run_name=_train_run_name, cache_policy=NONE)
-def train_task(recipe_data: dict) -> dict[str, Any]:
-    """Train on the recipe's latent cache in this process and export the result.
+def train_task(recipe_data: dict, run_dir: str, run_key: str) -> dict[str, Any]:
+    """Train on the recipe's latent cache in this process, in the run folder ``run_dir``, and export.
 
     Progress (a log line and a progress artifact every 5% and 5 s at most) and the final metrics (table
     ``train-metrics``) go on the flow run this task belongs to: the run the user started.
     """
     recipe = recipe_from_dict(recipe_data)
     progress = TrainProgress(recipe.trainer.max_steps)
-    summary = train_recipe(recipe, on_step=progress)
+    summary = finish_run(recipe, RunPlan(Path(run_dir), run_key), train_recipe(recipe, run_dir, on_step=progress))
     progress.finish(summary)
     return summary
 
@@ -94,21 +95,23 @@ class MetricsFollower:
 
 
 @task(name="train-torchrun", task_run_name=_train_run_name, cache_policy=NONE)
-def torchrun_task(recipe_data: dict, launch: Launch, poll_s: float = 5.0) -> dict[str, Any]:
-    """Train with the processes torchrun starts on this node; return the summary (rank 0's node only).
+def torchrun_task(recipe_data: dict, launch: Launch, run_dir: str, run_key: str,
+                  poll_s: float = 5.0) -> dict[str, Any]:
+    """Train with the processes torchrun starts on this node, in the run folder ``run_dir``; return the
+    summary (rank 0's node only).
 
     While they train, this task follows rank 0's ``metrics.jsonl`` every ``poll_s`` seconds and reports
     progress on the run as ``train_task`` does; the final metrics follow.
     """
     recipe = recipe_from_dict(recipe_data)
-    recipe.train_dir.mkdir(parents=True, exist_ok=True)
-    recipe_json, summary_json = recipe.train_dir / "launch-recipe.json", recipe.train_dir / "launch-summary.json"
+    folder = Path(run_dir)
+    recipe_json, summary_json = folder / "launch-recipe.json", folder / "launch-summary.json"
     recipe_json.write_text(json.dumps(recipe_data))
     summary_json.unlink(missing_ok=True)
     cmd = [sys.executable, "-m", "torch.distributed.run", *launch.torchrun_args(),
-           "-m", "pipelines.launch", str(recipe_json), str(summary_json)]
+           "-m", "pipelines.launch", str(recipe_json), str(summary_json), str(folder)]
     progress = TrainProgress(recipe.trainer.max_steps, interval_s=poll_s)
-    follower = MetricsFollower(recipe.train_dir / "metrics.jsonl")
+    follower = MetricsFollower(folder / "metrics.jsonl")
     with subprocess.Popen(cmd) as proc:
         try:
             while True:
@@ -129,6 +132,8 @@ def torchrun_task(recipe_data: dict, launch: Launch, poll_s: float = 5.0) -> dic
         raise RuntimeError(f"torchrun exited with status {returncode}; see the rank logs above")
     summary = (json.loads(summary_json.read_text()) if summary_json.is_file()  # else another node has rank 0
                else {"steps": None, "note": "the summary is written on the node that holds global rank 0"})
+    if summary.get("steps") is not None:
+        summary = finish_run(recipe, RunPlan(folder, run_key), summary)
     progress.finish(summary)
     return summary
 
@@ -160,12 +165,30 @@ def check_gpus_per_node(nproc: int, gpus: int) -> None:
 
 
 def run_train(recipe: Recipe, launch: Launch = Launch()) -> dict[str, Any]:
-    """Train on the recipe's snapshot, in this process or under torchrun."""
+    """Train on the recipe's snapshot, in this process or under torchrun, in the run folder
+    ``pipelines.runs.plan_run`` chooses; a finished run of the same recipe and snapshot is not redone."""
     check_launch(recipe, launch)
-    resolve_snapshot(recipe.output_dir, recipe.snapshot)  # clear error if prep has not run
+    snapshot = resolve_snapshot(recipe.output_dir, recipe.snapshot)  # clear error if prep has not run
+    plan = plan_run(recipe, snapshot.name, launch.nproc * launch.nnodes)
+    if plan.done is not None:
+        print(f"train: already trained on snapshot {snapshot.name} with this recipe, in {plan.folder} "
+              "(nothing to redo; change the recipe or the data to train again)")
+        return plan.done
     if launch.nproc * launch.nnodes == 1:
-        return train_task(recipe.to_dict())
-    return torchrun_task(recipe.to_dict(), launch)
+        return train_task(recipe.to_dict(), str(plan.folder), plan.key)
+    return torchrun_task(recipe.to_dict(), launch, str(plan.folder), plan.key)
+
+
+def run_prep_then_train(recipe: Recipe, launch: Launch = Launch()) -> dict[str, Any]:
+    """Prepare the latent cache, then train on its snapshot: ``{"stages", "snapshot", "train"}``.
+
+    On several nodes (each runs this), the nodes take turns at prep (``pipelines.prep.run_prep`` holds the
+    output_dir's writer lock): the first does the work, the others find it committed.
+    """
+    check_launch(recipe, launch)
+    prepared = run_prep(recipe)
+    release_prep_models()  # the encoders are done: training gets the GPUs whole
+    return {**prepared, "train": run_train(recipe, launch)}
 
 
 @flow(name="train")
@@ -178,13 +201,24 @@ def train(config: str = "configs/demo.yaml", overrides: list[str] | None = None,
 
 @flow(name="prep-then-train")
 def prep_then_train(config: str = "configs/demo.yaml", overrides: list[str] | None = None,
-                    nproc: int = 1) -> dict[str, Any]:
+                    nproc: int = 1, nnodes: int = 1, rdzv_endpoint: str | None = None) -> dict[str, Any]:
     """Prepare the latent cache, then train on its snapshot: ``{"stages", "snapshot", "train"}``."""
-    recipe = load_recipe(config, overrides)
-    check_launch(recipe, Launch(nproc))
-    prepared = run_prep(recipe)
-    release_prep_models()  # the encoders are done: training gets the GPUs whole
-    return {**prepared, "train": run_train(recipe, Launch(nproc))}
+    return run_prep_then_train(load_recipe(config, overrides), Launch(nproc, nnodes, rdzv_endpoint))
+
+
+# The same flows for a Recipe built in Python (``latentmill.api``): the flow run records the whole recipe.
+@flow(name="prep-then-train")
+def prep_then_train_recipe(recipe: dict, nproc: int = 1, nnodes: int = 1,
+                           rdzv_endpoint: str | None = None) -> dict[str, Any]:
+    """``prep-then-train`` of a recipe given as a dict (``Recipe.to_dict()``)."""
+    return run_prep_then_train(recipe_from_dict(recipe), Launch(nproc, nnodes, rdzv_endpoint))
+
+
+@flow(name="train")
+def train_recipe_flow(recipe: dict, nproc: int = 1, nnodes: int = 1,
+                      rdzv_endpoint: str | None = None) -> dict[str, Any]:
+    """``train`` of a recipe given as a dict (``Recipe.to_dict()``)."""
+    return {"train": run_train(recipe_from_dict(recipe), Launch(nproc, nnodes, rdzv_endpoint))}
 
 
 @flow(name="refresh")

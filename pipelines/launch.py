@@ -1,8 +1,8 @@
-"""Entry point of one training process under torchrun: ``python -m pipelines.launch RECIPE_JSON SUMMARY_JSON``.
+"""Entry point of one training process under torchrun: ``python -m pipelines.launch RECIPE_JSON SUMMARY_JSON RUN_DIR``.
 
 `latentmill train CONFIG --nproc N` writes the validated recipe to JSON and starts
-``torchrun --standalone --nproc-per-node N -m pipelines.launch ...``; every rank trains, rank 0 writes the
-summary.
+``torchrun --standalone --nproc-per-node N -m pipelines.launch RECIPE_JSON SUMMARY_JSON RUN_DIR``; every rank
+trains in the run folder, rank 0 writes the summary.
 """
 
 from __future__ import annotations
@@ -17,34 +17,41 @@ from latentmill.models import check_cache_compatible
 from latentmill.recipe import Recipe, recipe_from_dict
 
 
-def train_recipe(recipe: Recipe, progress: bool = True,
+def train_recipe(recipe: Recipe, run_dir: str | Path, progress: bool = True,
                  on_step: Callable[[dict], None] | None = None) -> dict[str, Any]:
-    """Train on the recipe's dataset snapshot (refusing one made by other models) and export.
+    """Train on the recipe's dataset snapshot (refusing one made by other models) in the run folder
+    ``run_dir`` (``pipelines.runs.plan_run`` chose it) and export into ``<run_dir>/export``.
 
     ``on_step(record)``: called with each step's metrics record on rank 0 (see ``trainer.train``).
     """
     from pipelines.snapshot import resolve_snapshot
     from trainer import train
 
+    cache_dir = resolve_snapshot(recipe.output_dir, recipe.snapshot)
+    manifest = json.loads((cache_dir / "manifest.json").read_text())
+    run_dir = Path(run_dir)
     return train(
         recipe.trainer,
-        cache_dir=resolve_snapshot(recipe.output_dir, recipe.snapshot),
+        cache_dir=cache_dir,
         pretrained=recipe.model.pretrained,
-        train_dir=recipe.train_dir,
+        train_dir=run_dir,
         seed=recipe.seed,
-        export_dir=recipe.export_dir,
+        export_dir=run_dir / "export",
         parallel=recipe.parallel,
         progress=progress,
         check_cache=lambda manifest: check_cache_compatible(manifest, recipe.model),
         on_step=on_step,
+        provenance={"snapshot": cache_dir.name, "snapshot_content_id": manifest["snapshot"]["content_id"],
+                    "run": run_dir.name, "output_dir": str(recipe.output_dir),
+                    "pretrained": recipe.model.pretrained, "mode": recipe.trainer.mode},
     )
 
 
 def main(argv: list[str] | None = None) -> int:
-    recipe_json, summary_json = (argv if argv is not None else sys.argv[1:])[:2]
+    recipe_json, summary_json, run_dir = (argv if argv is not None else sys.argv[1:])[:3]
     recipe = recipe_from_dict(json.loads(Path(recipe_json).read_text()))
     rank = int(os.environ.get("RANK", "0"))
-    summary = train_recipe(recipe, progress=rank == 0)
+    summary = train_recipe(recipe, run_dir, progress=rank == 0)
     if rank == 0:
         Path(summary_json).write_text(json.dumps(summary, indent=2))
     return 0

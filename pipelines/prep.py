@@ -7,7 +7,12 @@ a unit whose record exists on disk is reused without a task run.
 
 from __future__ import annotations
 
+import fcntl
+import os
+import socket
 import time
+from contextlib import contextmanager
+from pathlib import Path
 from typing import Any, Callable
 
 from prefect import flow, task
@@ -245,17 +250,49 @@ def prep_stages(recipe_data: dict, started_run: str | None = None) -> dict[str, 
     return {"stages": report, "snapshot": publish_snapshot(recipe.output_dir, recipe.stage_dir("cache"))}
 
 
+@contextmanager
+def writer_lock(output_dir: str | Path):
+    """Hold ``<output_dir>/.writer.lock``: one prep writes an output_dir at a time; another waits its turn
+    (and then finds the work committed: several nodes of ``latentmill run --nnodes`` prep in turn)."""
+    path = Path(output_dir) / ".writer.lock"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a+") as fh:
+        try:
+            fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            fh.seek(0)
+            holder = fh.read().strip() or "?"
+            print(f"prep: waiting for another prep writing to {output_dir} (held by {holder})", flush=True)
+            fcntl.flock(fh, fcntl.LOCK_EX)
+        fh.seek(0)
+        fh.truncate()
+        fh.write(f"PID {os.getpid()} on {socket.gethostname()}\n")
+        fh.flush()
+        try:
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
+
+
 def run_prep(recipe: Recipe) -> dict[str, Any]:
-    """Run the prep stages with the task runner the recipe asks for.
+    """Run the prep stages with the task runner the recipe asks for, holding the output_dir's writer lock.
 
     Called inside a flow run (``prep``, ``prep-then-train``, ``refresh``), that run also gets the progress,
     stage lines and artifacts of the ``prep-stages`` subflow.
     """
+    recipe.ingest.require_source()  # before the lock, the models, the task runner
     runner_flow = prep_stages.with_options(task_runner=task_runner(recipe.runner))
-    return runner_flow(recipe.to_dict(), started_run=current_run_id())
+    with writer_lock(recipe.output_dir):
+        return runner_flow(recipe.to_dict(), started_run=current_run_id())
 
 
 @flow(name="prep")
 def prep(config: str = "configs/demo.yaml", overrides: list[str] | None = None) -> dict[str, Any]:
     """Prepare a latent cache and publish its snapshot: ``{"stages": {...}, "snapshot": {...}}``."""
     return run_prep(load_recipe(config, overrides))
+
+
+@flow(name="prep")
+def prep_recipe(recipe: dict) -> dict[str, Any]:
+    """``prep`` of a recipe given as a dict (``Recipe.to_dict()``; see ``latentmill.api``)."""
+    return run_prep(recipe_from_dict(recipe))

@@ -4,7 +4,9 @@ Each prep run publishes ``<output_dir>/snapshots/<NNNN>-<hash>/manifest.json``: 
 (the trainer reads it like ``prep/cache/manifest.json``) whose shard paths point into ``prep/cache``, plus
 the parent snapshot, the bucket histogram, bytes and the quarantine tally. Shards are content-addressed and
 never rewritten, so a snapshot stays valid while newer ones are published. ``snapshots/LATEST`` names the
-newest. A prep run whose cache is unchanged publishes nothing new: its snapshot is the current one.
+newest. A prep run whose cache is unchanged publishes nothing new: its snapshot is the current one. A prep
+run whose inputs all ended in quarantine publishes nothing and fails (:class:`EmptySnapshotError`): an empty
+snapshot is never the one training reads.
 """
 
 from __future__ import annotations
@@ -19,6 +21,10 @@ from typing import Any
 from stages.shardio import StageDir, stable_hash
 
 LATEST = "LATEST"
+
+
+class EmptySnapshotError(RuntimeError):
+    """A prep whose inputs all ended in quarantine: nothing to publish, nothing to train on."""
 
 
 def snapshots_dir(output_dir: str | Path) -> Path:
@@ -60,6 +66,15 @@ def publish(output_dir: str | Path, cache_dir: str | Path) -> dict[str, Any]:
     """Publish the cache's current manifest as a snapshot (or return the current one if identical)."""
     cache = StageDir(cache_dir, "cache")
     manifest = cache.read_manifest()
+    if not manifest["counts"]["out"]:
+        tally = _quarantine_tally(cache.root.parent)
+        reasons = "; ".join(f"{stage}: " + ", ".join(f"{n}× {why}" for why, n in sorted(c.items(), key=lambda x: -x[1]))
+                            for stage, c in tally.items()) or "no input found"
+        latest = latest_name(output_dir)
+        raise EmptySnapshotError(
+            f"every input ended in quarantine ({reasons}); no snapshot was published"
+            + (f" (LATEST still names {latest})" if latest else "")
+            + f". `latentmill inspect {output_dir}` lists each file with its reason")
     root = snapshots_dir(output_dir)
     root.mkdir(parents=True, exist_ok=True)
     # The data identity: everything but bookkeeping that changes between identical runs.

@@ -63,7 +63,7 @@ MEDIA_EXTENSIONS = {**IMAGE_EXTENSIONS, **VIDEO_EXTENSIONS}
 class IngestConfig:
     """Where raw media comes from and how it is grouped into shards."""
 
-    source: str = "data/demo/images"  # folder, file list, manifest, or webdataset shards (stages.sources)
+    source: Optional[str] = None  # folder, file list, manifest, or webdataset shards (stages.sources); required by prep
     shard_size: int = 64  # at most this many samples per raw shard (= one work unit)
     max_bytes: int = 64 << 20  # larger images are quarantined instead of read (their bytes go into shards)
     max_video_bytes: int = 16 << 30  # larger videos are quarantined (videos are referenced, not copied)
@@ -71,6 +71,15 @@ class IngestConfig:
     extensions: list[str] = field(default_factory=lambda: sorted(MEDIA_EXTENSIONS))
     path_column: Optional[str] = None  # manifest column with the media path or URL (default: path, url)
     caption_column: Optional[str] = "caption"  # manifest column with a caption (absent column: none)
+
+    def require_source(self) -> str:
+        """``source``, or a ConfigError that says what to set (prep needs it; training alone does not)."""
+        from latentmill.config import ConfigError
+
+        if not self.source:
+            raise ConfigError("ingest.source: not set; name the media to prepare: a folder, a .txt file list, a "
+                              ".csv/.jsonl/.parquet manifest or webdataset shards (e.g. ingest.source=/data/photos)")
+        return self.source
 
     def validate(self) -> None:
         from latentmill.config import ConfigError
@@ -162,7 +171,7 @@ def plan(cfg: IngestConfig, stage_dir: StageDir | None = None) -> list[WorkUnit]
     With ``stage_dir`` (the ingest stage's folder) planning keeps the last run's grouping and remembers file
     digests in ``<stage_dir>/file-hashes.sqlite``, so an unchanged file is not read again.
     """
-    source = list_source(cfg.source, cfg.path_column, cfg.caption_column)
+    source = list_source(cfg.require_source(), cfg.path_column, cfg.caption_column)
     fp = fingerprint(cfg)
     if source.kind == "webdataset":
         units = []

@@ -20,6 +20,7 @@ memory once per call.
 
 from __future__ import annotations
 
+import functools
 import io
 import math
 from dataclasses import dataclass, replace
@@ -76,7 +77,16 @@ def _open_arg(src: str | bytes) -> Any:
 def _decord_reader(src: str | bytes):
     import decord
 
+    _quiet_decord()
     return decord.VideoReader(_open_arg(src), ctx=decord.cpu(0), num_threads=1)
+
+
+@functools.lru_cache(maxsize=1)
+def _quiet_decord() -> None:
+    """No FFmpeg chatter from decord's own FFmpeg: a file it cannot read falls back to PyAV, which says why."""
+    import decord.logging
+
+    decord.logging.set_level(decord.logging.QUIET)
 
 
 def probe_video(uri: str | bytes) -> dict[str, Any]:
@@ -89,13 +99,8 @@ def probe_video(uri: str | bytes) -> dict[str, Any]:
     src = _source(uri)
     frames = fps = None
     times: list[float] | None = None
-    try:
-        reader = _decord_reader(src)
-        frames, fps = len(reader), float(reader.get_avg_fps())
-        times = [float(t) for t in reader.get_frame_timestamp(range(frames))[:, 0]] if frames else None
-        del reader
-    except Exception:  # decord raises RuntimeError / DECORDError / AssertionError: PyAV decides below
-        pass
+    # PyAV first: a file it cannot open is not a video, and is quarantined without decord ever seeing it
+    # (decord prints an ERROR line of its own for every file it cannot open).
     try:
         with av.open(_open_arg(src)) as container:
             if not container.streams.video:
@@ -104,13 +109,24 @@ def probe_video(uri: str | bytes) -> dict[str, Any]:
             width, height = stream.codec_context.width, stream.codec_context.height
             codec = stream.codec_context.name
             rotation = _first_frame_rotation(container)
-            if frames is None:
-                container.seek(0)
+    except av.FFmpegError as err:
+        raise ValueError(f"not a readable video: {err}") from None
+    try:
+        reader = _decord_reader(src)
+        frames, fps = len(reader), float(reader.get_avg_fps())
+        times = [float(t) for t in reader.get_frame_timestamp(range(frames))[:, 0]] if frames else None
+        del reader
+    except Exception:  # decord raises RuntimeError / DECORDError / AssertionError: PyAV counts below
+        pass
+    if frames is None:
+        try:
+            with av.open(_open_arg(src)) as container:
+                stream = container.streams.video[0]
                 rate = stream.average_rate or stream.guessed_rate
                 fps = float(rate) if rate else 0.0
                 frames = stream.frames or sum(1 for p in container.demux(stream) if p.size)
-    except av.FFmpegError as err:
-        raise ValueError(f"not a readable video: {err}") from None
+        except av.FFmpegError as err:
+            raise ValueError(f"not a readable video: {err}") from None
     if not frames or frames < 1:
         raise ValueError("video has no frames")
     if not fps or fps <= 0 or not math.isfinite(fps):
@@ -480,7 +496,7 @@ def detect_cuts(uri: str | bytes, threshold: float = 27.0) -> list[int]:
     from scenedetect.backends.pyav import VideoStreamAv
 
     log = logging.getLogger("pyscenedetect")
-    if log.level == logging.NOTSET:  # its INFO line per video would interleave with the progress bars
+    if log.level <= logging.INFO:  # scenedetect sets INFO itself; its line per video would drown progress bars
         log.setLevel(logging.WARNING)
     src = _source(uri)
     video = VideoStreamAv(_open_arg(src), name="video")

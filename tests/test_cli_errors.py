@@ -108,3 +108,14 @@ def test_resume_latest_without_a_checkpoint_says_so_on_rank_0(tmp_path, caplog):
         assert resolve_resume("latest", ckpt_dir, announce=False) is None  # other ranks stay quiet
         assert resolve_resume(None, ckpt_dir) is None  # a fresh start is not a failed resume
     assert caplog.records == []
+
+
+def test_a_recipe_must_name_its_source_for_prep(tmp_path):
+    recipe = tmp_path / "mine.yaml"
+    recipe.write_text(f"output_dir: {tmp_path / 'out'}\nmodel:\n  pretrained: {tmp_path / 'model'}\n")
+    result = _cli("prep", str(recipe))
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == [
+        "latentmill: error: ingest.source: not set; name the media to prepare: a folder, a .txt file list, a "
+        ".csv/.jsonl/.parquet manifest or webdataset shards (e.g. ingest.source=/data/photos)"]
+    assert not (tmp_path / "out").exists()

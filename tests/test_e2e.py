@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -47,9 +48,55 @@ def test_outputs_on_disk(demo_run):
     metrics = [json.loads(line) for line in (out / "train" / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in metrics] == list(range(1, 9))
     assert metrics[-1]["loss"] == pytest.approx(summary["train"]["final_loss"])
-    assert sorted(p.name for p in (out / "train" / "checkpoints").iterdir()) == ["step-000004", "step-000008"]
+    run = out / "train" / "runs" / (out / "train" / "LATEST").read_text().strip()
+    assert summary["train"]["run_dir"] == str(run)
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step-000004", "step-000008"]
+    assert (out / "train" / "metrics.jsonl").resolve() == (run / "metrics.jsonl").resolve()
+    assert (out / "export").resolve() == (run / "export").resolve()
     for stage in ("ingest", "caption", "bucket", "cache"):
         assert (out / "prep" / stage / "manifest.json").is_file()
+
+
+def test_every_model_traces_back_to_its_snapshot(demo_run):
+    out, summary, _ = demo_run
+    snapshot = (out / "snapshots" / "LATEST").read_text().strip()
+    assert summary["train"]["snapshot"] == snapshot == summary["snapshot"]["name"]
+    run = Path(summary["train"]["run_dir"])
+    state = json.loads((run / "checkpoints" / "step-000008" / "trainer_state.json").read_text())
+    assert state["provenance"]["snapshot"] == snapshot
+    info = json.loads((out / "export" / "latentmill.json").read_text())
+    assert (info["snapshot"], info["steps"], info["mode"]) == (snapshot, 8, "full")
+    assert info["final_loss"] == pytest.approx(summary["train"]["final_loss"])
+    assert (out / "export" / "model_index.json").is_file()
+
+
+def test_checkpoints_and_exports_are_written_with_the_usual_modes(demo_run):
+    import os
+    import stat
+
+    out, summary, _ = demo_run
+    umask = os.umask(0)
+    os.umask(umask)
+    run = Path(summary["train"]["run_dir"])
+    files = [*(run / "checkpoints" / "step-000008").iterdir(), *(out / "export").resolve().rglob("*.safetensors")]
+    assert any(f.suffix == ".safetensors" for f in files)
+    for path in files:  # safetensors writes 0600; a shared cluster's readers need the umask's modes
+        assert stat.S_IMODE(path.stat().st_mode) == (0o777 if path.is_dir() else 0o666) & ~umask, path
+
+
+def test_the_same_recipe_on_the_same_snapshot_is_not_trained_again(demo_run, capsys):
+    out, first, args = demo_run
+    runs = sorted(p.name for p in (out / "train" / "runs").iterdir())
+    metrics = (out / "train" / "metrics.jsonl").read_text()
+    summary_path = out / "again.json"
+    again = [*args[: args.index("--summary-json")], "--summary-json", str(summary_path)]
+    assert main(again) == 0
+    train = json.loads(summary_path.read_text())["train"]
+    assert train["already_trained"] is True and train["steps"] == 8
+    assert train["final_loss"] == first["train"]["final_loss"]
+    assert "nothing redone" in capsys.readouterr().out
+    assert sorted(p.name for p in (out / "train" / "runs").iterdir()) == runs
+    assert (out / "train" / "metrics.jsonl").read_text() == metrics
 
 
 def test_export_loads_and_generates_requested_size(demo_run):
@@ -121,3 +168,51 @@ def test_demo_command_runs_the_embedded_default_and_samples(tiny_flux, tmp_path,
     with Image.open(summary["sample"]) as image:
         assert image.size == (128, 128)
     assert summary["sample"] == str(out / "sample.png")
+
+
+def test_lora_and_full_exports_never_overwrite_each_other(demo_run, tmp_path):
+    out, _, args = demo_run
+    full_export = (out / "export").resolve()
+    base = [a for a in args if not a.startswith(("trainer.", "--summary-json")) and a != str(out / "summary.json")]
+    summary_path = tmp_path / "lora.json"
+    assert main(["train", *base[1:], "trainer.mode=lora", "trainer.max_steps=2", "trainer.save_every=0",
+                 "--summary-json", str(summary_path)]) == 0
+    lora = json.loads(summary_path.read_text())["train"]
+    assert lora["export_dir"] == str(out / "export-lora")
+    assert (out / "export").resolve() == full_export and (full_export / "model_index.json").is_file()
+    assert not (out / "export-lora" / "model_index.json").exists()
+    assert list((out / "export-lora").glob("*.safetensors"))
+    info = json.loads((out / "export-lora" / "latentmill.json").read_text())
+    assert info["mode"] == "lora" and info["snapshot"] == lora["snapshot"]
+    assert Path(lora["run_dir"]) != full_export.parent
+
+
+def test_a_prep_whose_inputs_all_fail_publishes_no_snapshot(tiny_flux, tmp_path, capsys):
+    src = tmp_path / "bad"
+    src.mkdir()
+    (src / "a.jpg").write_bytes(b"not an image")
+    (src / "b.png").write_bytes(b"")
+    out = tmp_path / "out"
+    assert main(["prep", str(DEMO_CONFIG), f"output_dir={out}", f"model.pretrained={tiny_flux}",
+                 f"ingest.source={src}"]) == 2
+    err = capsys.readouterr().err
+    assert "latentmill: error: every input ended in quarantine (ingest: 1× empty file, 1× not a readable image)" in err
+    assert f"latentmill inspect {out}" in err
+    assert not (out / "snapshots" / "LATEST").exists()
+
+
+def test_the_python_api_runs_a_recipe_as_the_readme_shows(tiny_flux, tmp_path, monkeypatch):
+    import re
+
+    readme = (DEMO_CONFIG.parents[1] / "README.md").read_text()
+    snippet = re.search(r"```python\n(from latentmill.api import run\n.*?)```", readme, re.S).group(1)
+    monkeypatch.chdir(DEMO_CONFIG.parents[1])
+    namespace: dict = {}
+    # The README's snippet, on this test's output folder and tiny models.
+    snippet = snippet.replace('["trainer.max_steps=50"]', f'["trainer.max_steps=2", "output_dir={tmp_path}", '
+                              f'"model.pretrained={tiny_flux}"]')
+    exec(compile(snippet, "README.md", "exec"), namespace)
+    summary = namespace["summary"]
+    assert summary["train"]["steps"] == 2 and summary["stages"]["cache"]["out"] == 24
+    assert summary["train"]["export_dir"] == str(tmp_path / "export")
+    assert (tmp_path / "export" / "model_index.json").is_file()

@@ -22,6 +22,8 @@ RUNNER = """
 import importlib, json, os, signal, sys
 from latentmill.recipe import recipe_from_dict
 from pipelines.launch import train_recipe
+from pipelines.runs import plan_run
+from pipelines.snapshot import resolve_snapshot
 
 loop = importlib.import_module("trainer.train")  # the module (the package exports a function `train`)
 recipe_json, kill_at = sys.argv[1], int(sys.argv[2])
@@ -35,7 +37,9 @@ if kill_at:
         return real(*args, **kwargs)
 
     loop.flow_matching_loss = loss
-train_recipe(recipe_from_dict(json.load(open(recipe_json))), progress=False)
+recipe = recipe_from_dict(json.load(open(recipe_json)))
+plan = plan_run(recipe, resolve_snapshot(recipe.output_dir, recipe.snapshot).name)  # resume: latest finds the run
+train_recipe(recipe, plan.folder, progress=False)
 """
 
 

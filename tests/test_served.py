@@ -1,9 +1,11 @@
 """The served path: a real Prefect server, a process worker, the deployments of prefect.yaml.
 
-Starts everything on 127.0.0.1 with a free port and a temporary PREFECT_HOME, runs
+Starts everything once on 127.0.0.1 with a free port and a temporary PREFECT_HOME, runs
 `prefect deployment run 'prep-then-train/demo'`, waits for COMPLETED, checks the outputs, that the UI answers
-at `/` and that the started run carries the artifacts and the per-stage log lines, and stops the worker and
-the server by PID.
+at `/` and that the started run carries the artifacts and the per-stage log lines; that a failed run says why
+under `--watch`; that a second `serve start` reuses the running server and worker (or refuses another port);
+and that `serve stop` stops everything, a running flow run included (the last test). The fixture checks that
+no process started from the home remains.
 """
 
 from __future__ import annotations
@@ -12,9 +14,12 @@ import json
 import os
 import socket
 import subprocess
+import sys
 import time
 import urllib.request
+from pathlib import Path
 
+import psutil
 import pytest
 
 from pipelines import serve
@@ -37,20 +42,41 @@ def _api(port: int, path: str, body: dict | None = None):
         return json.loads(resp.read())
 
 
-@pytest.fixture()
-def served(tmp_path, monkeypatch):
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
     # the flow runs' INFO lines (one per stage, training) reach the API; conftest sets WARNING for this process
-    monkeypatch.setenv("PREFECT_LOGGING_LEVEL", "INFO")
-    home, port = tmp_path / "prefect-home", _free_port()
-    pids = serve.start(home, port)
-    try:
-        yield home, port, pids
-    finally:
-        stopped = serve.stop(home)
-        assert stopped == ["worker", "server"]
-        for pid in pids.values():
-            with pytest.raises(ProcessLookupError):
-                os.kill(pid, 0)
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        monkeypatch.setenv("PREFECT_LOGGING_LEVEL", "INFO")
+        home, port = tmp_path_factory.mktemp("served") / "prefect-home", _free_port()
+        services = serve.start(home, port)
+        pids = services.pids()
+        try:
+            yield home, port, pids
+        finally:
+            serve.stop(home)
+            assert serve.from_home(home) == []
+            for pid in pids.values():  # our children: reap them (a `serve stop` in a subprocess cannot)
+                with pytest.raises(psutil.NoSuchProcess):
+                    psutil.Process(pid).wait(timeout=10)
+                    psutil.Process(pid)
+
+
+def _serve_cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "pipelines.serve", *args], cwd=serve.REPO_ROOT,
+                          capture_output=True, text=True, timeout=300)
+
+
+def _deployment_run(home, port, name: str, overrides: list[str], *watch: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [*serve._prefect(), "deployment", "run", name, "--params", json.dumps({"overrides": overrides}), *watch],
+        cwd=serve.REPO_ROOT, env=serve.server_env(home, port), capture_output=True, text=True, timeout=480,
+    )
+
+
+def _runs(port: int, deployment: str) -> list[dict]:
+    deployment_id = _api(port, f"deployments/name/{deployment}")["id"]
+    return _api(port, "flow_runs/filter", {"flow_runs": {"deployment_id": {"any_": [deployment_id]}},
+                                           "sort": "EXPECTED_START_TIME_ASC"})
 
 
 def test_prep_then_train_deployment_completes(served, tiny_flux, tmp_path):
@@ -58,12 +84,7 @@ def test_prep_then_train_deployment_completes(served, tiny_flux, tmp_path):
     out = tmp_path / "run"
     overrides = [f"output_dir={out}", f"model.pretrained={tiny_flux}", "trainer.max_steps=3",
                  "trainer.save_every=3"]
-    env = serve.server_env(home, port)
-    result = subprocess.run(
-        [*serve._prefect(), "deployment", "run", "prep-then-train/demo",
-         "--params", json.dumps({"overrides": overrides}), "--watch", "--watch-timeout", "400"],
-        cwd=serve.REPO_ROOT, env=env, capture_output=True, text=True, timeout=480,
-    )
+    result = _deployment_run(home, port, "prep-then-train/demo", overrides, "--watch", "--watch-timeout", "400")
     log = result.stdout + result.stderr
     worker_log = (home / "worker.log").read_text(errors="replace")[-4000:]
     assert result.returncode == 0, log + worker_log
@@ -74,7 +95,7 @@ def test_prep_then_train_deployment_completes(served, tiny_flux, tmp_path):
     steps = [json.loads(line)["step"] for line in (out / "train" / "metrics.jsonl").read_text().splitlines()]
     assert steps == [1, 2, 3]
     assert (out / "export" / "model_index.json").is_file()
-    assert (out / "train" / "checkpoints" / "step-000003").is_dir()
+    assert list((out / "train").glob("**/checkpoints/step-000003"))  # train/ or its run folder
 
     # The UI answers at / (as a browser asks for it), and the run the user started carries the artifacts
     # and the story of its stages and training.
@@ -84,8 +105,7 @@ def test_prep_then_train_deployment_completes(served, tiny_flux, tmp_path):
         page = resp.read().decode()
     assert "<title>Prefect Server</title>" in page and ('id="root"' in page or 'id="app"' in page)
 
-    deployment = _api(port, "deployments/name/prep-then-train/demo")
-    runs = _api(port, "flow_runs/filter", {"flow_runs": {"deployment_id": {"any_": [deployment["id"]]}}})
+    runs = _runs(port, "prep-then-train/demo")
     assert [run["state_type"] for run in runs] == ["COMPLETED"]
     run_id = runs[0]["id"]
     artifacts = {a["key"]: a for a in _api(port, "artifacts/filter",
@@ -95,7 +115,8 @@ def test_prep_then_train_deployment_completes(served, tiny_flux, tmp_path):
     assert [(r["stage"], r["in"], r["out"]) for r in counts][-1] == ("cache", 25, 24)
     assert "128x128x1" in artifacts["prep-buckets"]["data"]
     metrics = json.loads(artifacts["train-metrics"]["data"])
-    assert metrics[0]["steps"] == 3 and metrics[0]["export_dir"] == str(out / "export")
+    assert metrics[0]["steps"] == 3 and (Path(metrics[0]["export_dir"]) / "model_index.json").is_file()
+    assert Path(metrics[0]["export_dir"]).is_relative_to(out)
 
     wanted = ("ingest: 26 in → 25 out", "cache: 25 in → 24 out, 1 quarantined", "train: 3 steps, final loss")
     deadline = time.monotonic() + 60  # the flow run's last log batch may land just after its final state
@@ -106,3 +127,54 @@ def test_prep_then_train_deployment_completes(served, tiny_flux, tmp_path):
         time.sleep(1)
     for w in wanted:
         assert any(m.startswith(w) for m in lines), (w, lines)
+
+
+def test_failed_run_says_why(served, tmp_path):
+    """A deployment run that fails on a bad override shows the one-line reason under `--watch`, and its state
+    message carries it (what the UI shows); before, the watch ended "finished in state 'Failed'." alone."""
+    home, port, _ = served
+    result = _deployment_run(home, port, "train/demo", [f"output_dir={tmp_path / 'run'}", "trainer.mode=ful"],
+                             "--watch", "--watch-timeout", "300")
+    reason = "trainer.mode: 'ful' is not one of 'full', 'lora'"
+    log = result.stdout + result.stderr
+    assert result.returncode == 1 and "Failed" in log, log
+    assert reason in " ".join(log.split()), log  # rich wraps long lines
+    [run] = _runs(port, "train/demo")
+    assert run["state"]["type"] == "FAILED" and reason in run["state"]["message"], run["state"]
+
+
+def test_second_start_reuses_and_stop_stops_everything(served, tiny_flux, tmp_path):
+    """`make serve` twice keeps one server and one worker (same PIDs) and says so; another port is refused;
+    `make serve-stop` stops the worker, the server and a running flow run (its own process group)."""
+    home, port, pids = served
+    again = _serve_cli("start", "--home", str(home), "--port", str(port))
+    assert again.returncode == 0, again.stdout + again.stderr
+    assert "Already running" in again.stdout and f"server PID {pids['server']}" in again.stdout, again.stdout
+    assert serve.running(home) == pids
+    commands = [" ".join(p.cmdline()) for p in serve.from_home(home)]
+    assert sum("server start" in c for c in commands) == 1 and sum("worker start" in c for c in commands) == 1
+
+    other = _serve_cli("start", "--home", str(home), "--port", str(_free_port()))
+    assert other.returncode == 1 and f"already runs a server (PID {pids['server']}) on port {port}" in other.stderr
+    assert serve.running(home) == pids
+
+    # a long flow run, stopped while it works
+    overrides = [f"output_dir={tmp_path / 'long'}", f"model.pretrained={tiny_flux}", "trainer.max_steps=100000"]
+    started = _deployment_run(home, port, "prep-then-train/demo", overrides)
+    assert started.returncode == 0, started.stdout + started.stderr
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        flow_runs = [p for p in serve.from_home(home) if p.pid not in pids.values()
+                     and "prefect" in " ".join(p.cmdline()) and os.getpgid(p.pid) not in pids.values()]
+        if flow_runs and (tmp_path / "long" / "prep").exists():
+            break
+        time.sleep(1)
+    else:
+        pytest.fail("the flow run did not start: " + (home / "worker.log").read_text(errors="replace")[-3000:])
+    stop = _serve_cli("stop", "--home", str(home))
+    assert stop.returncode == 0, stop.stderr
+    assert f"worker (PID {pids['worker']})" in stop.stdout and f"server (PID {pids['server']})" in stop.stdout
+    assert all(f"PID {p.pid}" in stop.stdout for p in flow_runs), stop.stdout
+    assert serve.from_home(home) == []
+    gone, alive = psutil.wait_procs(flow_runs, timeout=1)
+    assert not alive

@@ -117,10 +117,15 @@ def test_fresh_run_sets_the_previous_run_aside(setup, tmp_path):
     second = _run(setup, tmp_path, max_steps=2, save_every=2)  # resume: null in a used train_dir
     assert second["resumed_from"] is None and second["steps"] == 2
     assert [s for s, _ in list_checkpoints(tmp_path / "checkpoints")] == [2]  # not the old step 4
-    assert [s for s, _ in list_checkpoints(tmp_path / "checkpoints.previous")] == [2, 4]
+    assert [s for s, _ in list_checkpoints(tmp_path / "checkpoints.previous-1")] == [2, 4]
     assert [r["step"] for r in read_metrics(tmp_path)] == [1, 2]
-    previous = (tmp_path / "metrics.previous.jsonl").read_text().splitlines()
+    previous = (tmp_path / "metrics.previous-1.jsonl").read_text().splitlines()
     assert json.loads(previous[-1])["loss"] == first["final_loss"]
+    third = _run(setup, tmp_path, max_steps=1, save_every=1)  # every earlier run is kept, none replaced
+    assert third["steps"] == 1
+    assert [s for s, _ in list_checkpoints(tmp_path / "checkpoints.previous-1")] == [2, 4]
+    assert [s for s, _ in list_checkpoints(tmp_path / "checkpoints.previous-2")] == [2]
+    assert len((tmp_path / "metrics.previous-2.jsonl").read_text().splitlines()) == 2
     summary = _run(setup, tmp_path / "new", max_steps=1, resume="latest")  # nothing to resume: fresh start
     assert summary["resumed_from"] is None and summary["steps"] == 1
 

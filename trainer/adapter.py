@@ -25,6 +25,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from latentmill.tinyio import apply_umask
+
 # Files that mark a folder as an earlier export (safe to replace).
 EXPORT_MARKERS = ("model_index.json", "pytorch_lora_weights.safetensors")
 DEFAULT_LORA_TARGETS = ("to_k", "to_q", "to_v", "to_out.0")
@@ -112,6 +114,7 @@ def export_pipeline(
         )
     else:
         raise ValueError(f"unknown trainer mode {mode!r}")
+    apply_umask(tmp)  # safetensors writes 0600: the export gets the modes of every other file
     return _replace_export(tmp, export_dir)
 
 

@@ -34,6 +34,8 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from latentmill.tinyio import apply_umask
+
 log = logging.getLogger(__name__)
 
 STEP_DIR = re.compile(r"^step-(\d+)$")
@@ -143,6 +145,7 @@ def save_checkpoint(
     barrier()
 
     if rank == 0:
+        apply_umask(tmp)  # safetensors writes 0600: give checkpoints the modes of every other file
         if final.exists():  # re-saving a step (e.g. after resuming from an older one)
             shutil.rmtree(final)
         os.replace(tmp, final)

@@ -16,7 +16,6 @@ import logging
 import math
 import os
 import resource
-import shutil
 import sys
 import time
 from contextlib import nullcontext
@@ -129,14 +128,14 @@ def _rewind_metrics(path: Path, upto_step: int) -> None:
 def _set_aside_previous_run(train_dir: Path, ckpt_dir: Path, metrics_path: Path) -> None:
     """A fresh start in a used ``train_dir``: keep the previous run's checkpoints and metrics one level back.
 
-    Its checkpoints must leave ``checkpoints/`` (a later ``resume: latest`` would pick them up), but deleting
-    a run because ``resume`` was forgotten would be unkind: they move to ``checkpoints.previous/`` (replacing
-    an older one) and the metrics to ``metrics.previous.jsonl``.
+    Its checkpoints must leave ``checkpoints/`` (a later ``resume: latest`` would pick them up), but nothing
+    is deleted: they move to ``checkpoints.previous-N/`` and the metrics to ``metrics.previous-N.jsonl``
+    (N = 1, 2, ...: every earlier run is kept).
     """
+    number = 1 + max((int(p.name.rsplit("-", 1)[1].split(".")[0]) for p in train_dir.glob("*.previous-*")
+                      if p.name.rsplit("-", 1)[1].split(".")[0].isdigit()), default=0)
     if list_checkpoints(ckpt_dir) or any(ckpt_dir.glob("step-*")):
-        previous = train_dir / "checkpoints.previous"
-        if previous.exists():
-            shutil.rmtree(previous)
+        previous = train_dir / f"checkpoints.previous-{number}"
         os.replace(ckpt_dir, previous)
         log.warning(
             "trainer.resume is null: starting from scratch; the previous run's checkpoints are in %s "
@@ -144,7 +143,7 @@ def _set_aside_previous_run(train_dir: Path, ckpt_dir: Path, metrics_path: Path)
             previous,
         )
     if metrics_path.exists() and metrics_path.stat().st_size:
-        os.replace(metrics_path, train_dir / "metrics.previous.jsonl")
+        os.replace(metrics_path, train_dir / f"metrics.previous-{number}.jsonl")
 
 
 def train(
@@ -159,13 +158,16 @@ def train(
     progress: bool = True,
     check_cache: Callable[[dict], None] | None = None,
     on_step: Callable[[dict], None] | None = None,
+    provenance: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Train on the latents in ``cache_dir``, starting from the Diffusers pipeline ``pretrained``.
 
     The cache manifest's ``family`` picks the adapter (``flux`` when absent). ``check_cache(manifest)``
     (optional) raises if the cached latents were made by other encoders than the recipe's. ``on_step(record)``
     (optional) is called on rank 0 with each step's metrics record, after it is written (a flow's progress
-    report; keep it cheap). ``export_dir``
+    report; keep it cheap). ``provenance`` (optional: the dataset snapshot's name and id, the run) goes into
+    every checkpoint's trainer state, the summary, and ``latentmill.json`` beside the export, so every model
+    traces back to its data. ``export_dir``
     defaults to ``<train_dir>/export`` (used when ``cfg.export``). Returns a summary: ``steps``,
     ``steps_this_run``, ``final_loss``, ``samples_per_s``, ``data_wait_fraction``, ``peak_rss_mb``,
     ``peak_mem_mb``, ``export_dir``, ``resumed_from``, ``world_size``, ``epochs`` (epochs of data this rank
@@ -178,7 +180,8 @@ def train(
     ctx = init_distributed(parallel)
     try:
         return _train(cfg, ctx, parallel, Path(cache_dir), pretrained, Path(train_dir), seed, export_dir,
-                      progress=progress, check_cache=check_cache, on_step=on_step)  # fmt: skip
+                      progress=progress, check_cache=check_cache, on_step=on_step,
+                      provenance=provenance or {})  # fmt: skip
     finally:
         shutdown(ctx)
 
@@ -196,6 +199,7 @@ def _train(
     progress: bool,
     check_cache: Callable[[dict], None] | None,
     on_step: Callable[[dict], None] | None = None,
+    provenance: dict[str, Any],
 ) -> dict[str, Any]:
     """The body of ``train`` for one process (rank ``ctx.rank`` of ``ctx.world_size``)."""
     # ---------------------------------------------------------------- setup
@@ -430,6 +434,7 @@ def _train(
                     "strategy": parallel.strategy,
                     "config": to_dict(cfg),
                     "manifest_fingerprint": manifest.get("fingerprint"),
+                    "provenance": provenance,
                 }
                 save_checkpoint(
                     ckpt_dir,
@@ -458,6 +463,7 @@ def _train(
                 pretrained=pretrained,
                 export_dir=export_dir if export_dir is not None else train_dir / "export",
             )
+            _write_provenance(Path(exported), provenance, cfg, step, last_loss, manifest)
             log.info("exported %s weights to %s", cfg.mode, exported)
     ctx.barrier()
 
@@ -475,7 +481,17 @@ def _train(
         "epochs": loader.epoch + loader.batch_index / max(1, len(loader)),  # position of this rank's data
         "family": adapter.family,
         "validation": validations,
+        **provenance,
     }
+
+
+def _write_provenance(exported: Path, provenance: dict[str, Any], cfg: TrainerConfig, step: int, loss: float,
+                      manifest: dict) -> None:
+    """``latentmill.json`` beside an export: which data (snapshot) and settings made these weights."""
+    folder = exported if exported.is_dir() else exported.parent
+    info = {**provenance, "mode": cfg.mode, "steps": step, "final_loss": loss,
+            "cache_fingerprint": manifest.get("fingerprint"), "trainer": to_dict(cfg)}
+    (folder / "latentmill.json").write_text(json.dumps(info, indent=1, sort_keys=True, default=str))
 
 
 def _follow_current_schedule(scheduler: torch.optim.lr_scheduler.LambdaLR, learning_rate: float) -> None:

@@ -1,0 +1,182 @@
+"""Training runs: each in a folder of its own, found again by its recipe and snapshot; nothing is deleted.
+
+::
+
+    <output_dir>/train/runs/<key>/      run.json, metrics.jsonl, checkpoints/, tb/, validation/, export/,
+                                        sample.png (the demo)
+    <output_dir>/train/LATEST           the name of the run started last
+    <output_dir>/train/metrics.jsonl    -> runs/<LATEST>/metrics.jsonl
+    <output_dir>/export                 -> train/runs/<newest full fine-tune>/export   (a Diffusers pipeline)
+    <output_dir>/export-lora            -> train/runs/<newest LoRA run>/export         (a LoRA adapter)
+
+A run's ``<key>`` is a hash of what decides its weights: the snapshot it reads, the trainer and parallel
+settings (all of them but ``trainer.resume``), the model, the seed and the world size. The rules:
+
+* ``trainer.resume: null`` with the key of a finished run: nothing is trained again; the summary of that run
+  is returned (``already_trained``). Change the recipe, or train on a new snapshot, to train again.
+* ``trainer.resume: null`` otherwise: the run's folder (a fresh one, or the same key's unfinished one,
+  whose checkpoints are set aside as ``checkpoints.previous-N``, never deleted).
+* ``trainer.resume: latest``: the latest checkpoint of the run started last (``LATEST``), whatever its key (a
+  requeued job, a longer schedule); with no checkpoint anywhere, a fresh run from step 0, said in one line.
+* ``trainer.resume: <checkpoint path>``: in the folder of the run that checkpoint belongs to.
+
+Full and LoRA exports live in their runs' folders and never overwrite each other; the two links name the
+newest of each. Outputs of the layout before runs (``train/checkpoints``, ``train/metrics.jsonl``,
+``export/``) move once into ``train/runs/0000-legacy/``, where ``resume: latest`` finds them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from latentmill.config import to_dict
+from latentmill.recipe import Recipe
+from stages.shardio import stable_hash
+
+LATEST = "LATEST"
+LEGACY = "0000-legacy"
+RUN_FILE = "run.json"
+
+
+@dataclass
+class RunPlan:
+    """Where a training run writes, and the summary of the finished run when there is nothing to do."""
+
+    folder: Path
+    key: str
+    done: dict[str, Any] | None = None
+
+
+def runs_dir(recipe: Recipe) -> Path:
+    return recipe.train_dir / "runs"
+
+
+def run_key(recipe: Recipe, snapshot: str, world_size: int) -> str:
+    """What decides a run's weights: snapshot, trainer settings but ``resume``, parallel, model, seed, world."""
+    trainer = {k: v for k, v in to_dict(recipe.trainer).items() if k != "resume"}
+    return stable_hash({"snapshot": snapshot, "trainer": trainer, "parallel": to_dict(recipe.parallel),
+                        "model": to_dict(recipe.model), "seed": recipe.seed, "world_size": world_size})
+
+
+def read_run(folder: Path) -> dict[str, Any]:
+    """A run's ``run.json`` (empty for a legacy run)."""
+    path = folder / RUN_FILE
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+
+def latest_run(recipe: Recipe) -> Path | None:
+    """The folder of the run started last, or None."""
+    pointer = recipe.train_dir / LATEST
+    if not pointer.is_file():
+        return None
+    folder = runs_dir(recipe) / pointer.read_text().strip()
+    return folder if folder.is_dir() else None
+
+
+def _relink(link: Path, target: Path) -> None:
+    """Point ``link`` at ``target`` (a relative symlink, replaced atomically)."""
+    tmp = link.with_name(f".{link.name}.tmp")
+    tmp.unlink(missing_ok=True)
+    os.symlink(os.path.relpath(target, link.parent), tmp)
+    os.replace(tmp, link)
+
+
+def _write_json(path: Path, data: dict[str, Any]) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(data, indent=1, sort_keys=True))
+    os.replace(tmp, path)
+
+
+def migrate_legacy(recipe: Recipe) -> None:
+    """Move outputs of the layout before runs into ``train/runs/0000-legacy`` (nothing is deleted)."""
+    train, out = recipe.train_dir, Path(recipe.output_dir)
+    legacy = runs_dir(recipe) / LEGACY
+    names = ["checkpoints", "metrics.jsonl", "tb", "validation", "metrics.previous.jsonl", "checkpoints.previous"]
+    found = [train / n for n in names if (train / n).exists() and not (train / n).is_symlink()]
+    export = out / "export"
+    old_export = export.is_dir() and not export.is_symlink()
+    if not found and not old_export:
+        return
+    legacy.mkdir(parents=True, exist_ok=True)
+    for path in found:
+        os.replace(path, legacy / path.name)
+    if old_export:
+        os.replace(export, legacy / "export")
+        _relink(export, legacy / "export")
+    (train / LATEST).write_text(LEGACY + "\n")
+    if (legacy / "metrics.jsonl").exists():
+        _relink(train / "metrics.jsonl", legacy / "metrics.jsonl")
+    print(f"train: moved the outputs of an earlier layout into {legacy}")
+
+
+def _start(recipe: Recipe, folder: Path, key: str, snapshot: str) -> RunPlan:
+    """Make ``folder`` the run started last: its ``run.json``, ``LATEST`` and the metrics link."""
+    folder.mkdir(parents=True, exist_ok=True)
+    record = read_run(folder)
+    if not record or record.get("key") != key:
+        _write_json(folder / RUN_FILE, {"key": key, "snapshot": snapshot, "mode": recipe.trainer.mode,
+                                        "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                                        "finished": False, **({"resumed_from": record} if record else {})})
+    pointer = recipe.train_dir / LATEST
+    tmp = pointer.with_name(f".{LATEST}.tmp")
+    tmp.write_text(folder.name + "\n")
+    os.replace(tmp, pointer)
+    _relink(recipe.train_dir / "metrics.jsonl", folder / "metrics.jsonl")
+    return RunPlan(folder, key)
+
+
+def _has_checkpoint(folder: Path) -> bool:
+    return any((folder / "checkpoints").glob("step-*"))
+
+
+def plan_run(recipe: Recipe, snapshot: str, world_size: int = 1) -> RunPlan:
+    """Decide where this training run writes, or find that it already ran (see the module docstring)."""
+    recipe.train_dir.mkdir(parents=True, exist_ok=True)
+    migrate_legacy(recipe)
+    key = run_key(recipe, snapshot, world_size)
+    resume = recipe.trainer.resume
+    if resume == "latest":
+        latest = latest_run(recipe)
+        if latest is not None and _has_checkpoint(latest):
+            return _start(recipe, latest, key, snapshot)
+        # else: a fresh run; the trainer says in one line that it found no checkpoint
+    elif resume:
+        checkpoint = Path(resume).resolve()
+        for folder in (checkpoint.parent.parent, checkpoint.parent.parent.parent):
+            if folder.parent == runs_dir(recipe).resolve():  # .../runs/<run>/checkpoints/step-N[/...]
+                return _start(recipe, folder, key, snapshot)
+    else:
+        folder = runs_dir(recipe) / key[:16]
+        record = read_run(folder)
+        if record.get("finished") and record.get("key") == key:
+            return RunPlan(folder, key, done={**record["summary"], "already_trained": True})
+    return _start(recipe, runs_dir(recipe) / key[:16], key, snapshot)
+
+
+def export_link(recipe: Recipe, mode: str) -> Path:
+    """The stable path of the newest export of ``mode``: ``<output_dir>/export`` or ``export-lora``."""
+    return Path(recipe.output_dir) / ("export-lora" if mode == "lora" else "export")
+
+
+def finish_run(recipe: Recipe, plan: RunPlan, summary: dict[str, Any]) -> dict[str, Any]:
+    """Record a finished run; point the export link of its mode at its export. Returns the summary with
+    ``run_dir`` and ``export_dir`` (the link)."""
+    summary = {**summary, "run_dir": str(plan.folder)}
+    exported = summary.get("export_dir")
+    if exported:
+        link = export_link(recipe, recipe.trainer.mode)
+        if link.is_dir() and not link.is_symlink():  # a folder the user made there: never replaced
+            print(f"train: {link} is a folder, not a link; the export stays in {exported}")
+        else:
+            _relink(link, Path(exported))
+            summary["export_dir"] = str(link)
+    record = read_run(plan.folder)
+    _write_json(plan.folder / RUN_FILE, {**record, "key": plan.key, "finished": True,
+                                         "finished_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                                         "summary": summary})
+    return summary

@@ -1,0 +1,79 @@
+"""A killed command-line run leaves no Prefect API server behind.
+
+With no ``PREFECT_API_URL`` Prefect starts a temporary ``uvicorn prefect.server.api.server`` subprocess and
+stops it at exit; a ``kill`` or ``kill -9`` skips that, and the server stayed alive under PID 1.
+``latentmill.prefect_env`` starts it with a parent-death signal. Real processes: ``latentmill run`` in a
+subprocess, killed once its server answers and its prep has started.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+
+import psutil
+import pytest
+
+from tests.conftest import DEMO_CONFIG, DEMO_IMAGES
+
+pytestmark = pytest.mark.slow
+
+SERVER_MODULE = "prefect.server.api.server"
+
+
+def _ephemeral_servers(proc: psutil.Process) -> list[psutil.Process]:
+    try:
+        children = proc.children(recursive=True)
+    except psutil.NoSuchProcess:
+        return []
+    return [c for c in children if SERVER_MODULE in " ".join(c.cmdline())]
+
+
+def _healthy(server: psutil.Process) -> bool:
+    cmdline = server.cmdline()
+    port = cmdline[cmdline.index("--port") + 1]
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/api/health", timeout=2) as resp:
+            return resp.status == 200
+    except OSError:
+        return False
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL], ids=["SIGTERM", "SIGKILL"])
+def test_killed_run_leaves_no_api_server(sig, tiny_flux, tmp_path):
+    out = tmp_path / "run"
+    env = {**os.environ, "PREFECT_HOME": str(tmp_path / "prefect-home")}
+    env.pop("PREFECT_API_URL", None)
+    cmd = [sys.executable, "-m", "latentmill.cli", "run", str(DEMO_CONFIG), f"output_dir={out}",
+           f"model.pretrained={tiny_flux}", f"ingest.source={DEMO_IMAGES}", "trainer.max_steps=100000"]
+    cli = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                           start_new_session=True)
+    server = None
+    try:
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline and cli.poll() is None:
+            found = _ephemeral_servers(psutil.Process(cli.pid))
+            if found and _healthy(found[0]) and (out / "prep").exists():  # serving, and the run is at work
+                server = found[0]
+                break
+            time.sleep(0.5)
+        assert cli.poll() is None, cli.stderr.read()[-3000:]
+        assert server is not None, "no temporary Prefect API server started under the CLI"
+        cli.send_signal(sig)
+        cli.wait(timeout=30)
+        gone, alive = psutil.wait_procs([server], timeout=10)
+        assert not alive, f"Prefect's API server (PID {server.pid}) outlived the run killed with {sig.name}"
+    finally:  # stop what this test started, by PID, whatever happened
+        for proc in ([server] if server is not None else []):
+            try:
+                proc.kill()
+            except psutil.NoSuchProcess:
+                pass
+        if cli.poll() is None:
+            cli.kill()
+            cli.wait()
+        cli.stderr.close()
