@@ -64,5 +64,13 @@ else
     endpoint=${RDZV_ENDPOINT:-${MASTER_ADDR:-localhost}:${MASTER_PORT:-29500}}
     args+=(--rdzv-backend=c10d --rdzv-endpoint="$endpoint" --rdzv-id="$RDZV_ID")
 fi
-echo "[latentmill] $(hostname): torchrun ${args[*]} -m pipelines.launch $WORK/recipe.json" >&2
-exec "$PYTHON" -m torch.distributed.run "${args[@]}" -m pipelines.launch "$WORK/recipe.json" "$WORK/summary.json"
+# The run's folder (train/runs/<key>, the same on every node); exit 3: this recipe already trained on this
+# snapshot, nothing to redo.
+set +e
+RUN_DIR=$("$PYTHON" -m pipelines.runs "$WORK/recipe.json" $((NNODES * NPROC_PER_NODE)))
+status=$?
+set -e
+if [[ $status -eq 3 ]]; then exit 0; elif [[ $status -ne 0 ]]; then exit $status; fi
+echo "[latentmill] $(hostname): torchrun ${args[*]} -m pipelines.launch $WORK/recipe.json in $RUN_DIR" >&2
+exec "$PYTHON" -m torch.distributed.run "${args[@]}" -m pipelines.launch "$WORK/recipe.json" "$WORK/summary.json" \
+    "$RUN_DIR"

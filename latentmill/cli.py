@@ -16,6 +16,7 @@ import argparse
 import json
 import os
 import sys
+import traceback
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +43,9 @@ def _parser() -> argparse.ArgumentParser:
                        ("verify", "re-hash shards against their manifests")]:
         p = sub.add_parser(name, help=text)
         p.add_argument("path", type=Path, help="a recipe (.yaml), an output_dir, a snapshot or stage folder")
+    for p in sub.choices.values():
+        p.add_argument("--debug", action="store_true",
+                       help="on an error, show the traceback and Prefect's log (also: LATENTMILL_DEBUG=1)")
     return parser
 
 
@@ -107,14 +111,16 @@ def _sample_image(train: dict[str, Any], output_dir: Path) -> Path:
 
 def _run_flow(command: str, config: Path, overrides: list[str], nproc: int, nnodes: int = 1,
               rdzv_endpoint: str | None = None) -> tuple[dict, str]:
+    from latentmill.preflight import check_recipe
     from latentmill.recipe import load_recipe
 
     recipe = load_recipe(config, overrides)  # validate before Prefect starts anything
-    if command in ("prep", "run"):
-        recipe.ingest.require_source()
+    check_recipe(recipe, command)  # paths, models, source, snapshot: before any stage or server
     from latentmill.prefect_env import start_ephemeral_api
-    from pipelines.flows import prep, prep_then_train, train
+    from pipelines.flows import Launch, check_launch, prep, prep_then_train, train
 
+    if command != "prep":
+        check_launch(recipe, Launch(nproc, nnodes, rdzv_endpoint))
     start_ephemeral_api()  # Prefect's temporary API server ends with this process, even when it is killed
     if command == "prep":
         summary = prep(str(config), overrides)
@@ -127,11 +133,6 @@ def _run_flow(command: str, config: Path, overrides: list[str], nproc: int, nnod
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``latentmill`` console script."""
-    # Progress bars and the summary are the CLI's output; Prefect's per-task INFO lines would drown them.
-    os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
-    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
-    # A loaded machine can take longer than the default 20 s to start the temporary local API.
-    os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180")
     parser = _parser()
     # Overrides may come after options (`run cfg --nproc 1 trainer.max_steps=5`): collect them all.
     args, extra = parser.parse_known_args(argv)
@@ -140,6 +141,13 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"unrecognized arguments: {' '.join(stray)}")
     if extra:
         args.overrides = [*args.overrides, *extra]
+    debug = args.debug or os.environ.get("LATENTMILL_DEBUG", "") not in ("", "0")
+    # Progress bars, the summary and one error line are the CLI's output: Prefect's INFO lines would drown
+    # them, and its ERROR lines repeat a failure's traceback (shown with --debug).
+    os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING" if debug else "CRITICAL")
+    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+    # A loaded machine can take longer than the default 20 s to start the temporary local API.
+    os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180")
     if getattr(args, "summary_json", None):
         args.summary_json = args.summary_json.resolve()
     from latentmill.config import ConfigError
@@ -160,8 +168,16 @@ def main(argv: list[str] | None = None) -> int:
             summary, out = _run_flow(args.command, args.config, args.overrides, getattr(args, "nproc", 1),
                                      getattr(args, "nnodes", 1), getattr(args, "rdzv_endpoint", None))
     except (ConfigError, CacheMismatchError, FileNotFoundError, EmptySnapshotError) as err:
+        if debug:
+            traceback.print_exc()
         print(f"latentmill: error: {err}", file=sys.stderr)
         return 2
+    except Exception as err:  # a failure we did not foresee: one line, the traceback on request
+        if debug:
+            raise
+        print(f"latentmill: error: {type(err).__name__}: {err} (run again with --debug, or LATENTMILL_DEBUG=1, "
+              "for the traceback)", file=sys.stderr)
+        return 1
     _print_summary(summary, out)
     if args.summary_json:
         args.summary_json.parent.mkdir(parents=True, exist_ok=True)

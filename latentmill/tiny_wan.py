@@ -141,6 +141,44 @@ def load_recipe(recipe: str | os.PathLike[str] = DEFAULT_RECIPE_PATH) -> dict[st
     return data
 
 
+def synthetic_clips(generator: Any, n: int, size: int = 32, frames: int = 5) -> Any:
+    """``n`` still clips ``[n, 3, frames, size, size]`` in [-1, 1]: a solid shape on a solid background.
+
+    The shape (rectangle, disc, stripes or triangle), its place, size and both colours are drawn from
+    ``generator`` (a ``torch.Generator``), so the clips are a pure function of its seed.
+    """
+    import torch
+
+    yy, xx = torch.meshgrid((torch.arange(size) + 0.5) / size, (torch.arange(size) + 0.5) / size, indexing="ij")
+    background, foreground = torch.rand(n, 3, 1, 1, generator=generator), torch.rand(n, 3, 1, 1, generator=generator)
+    p = torch.rand(n, 6, 1, 1, generator=generator)
+    kind = torch.randint(0, 4, (n,), generator=generator)
+    cx, cy, r = p[:, 0], p[:, 1], 0.15 + 0.3 * p[:, 2]
+    rect = ((xx - cx).abs() < r) & ((yy - cy).abs() < r * (0.5 + p[:, 3]))
+    disc = (xx - cx) ** 2 + (yy - cy) ** 2 < r**2
+    stripes = torch.where(p[:, 5] < 0.5, xx, yy) / (0.15 + 0.35 * p[:, 4]) % 1 < 0.5
+    triangle = (yy > cy - r) & (yy < cy + r) & ((xx - cx).abs() < (yy - cy + r) * 0.6)
+    mask = torch.stack([rect, disc, stripes, triangle], 1)[torch.arange(n), kind]
+    images = torch.where(mask[:, None], foreground, background) * 2 - 1
+    return images[:, :, None].expand(n, 3, frames, size, size).contiguous()
+
+
+def measure_latent_stats(vae: Any, samples: int = 32, seed: int = 0) -> tuple[list[float], list[float]]:
+    """Per-channel mean and standard deviation of ``vae``'s latent means over ``synthetic_clips``.
+
+    This is how the recipe's ``vae.latents_mean`` / ``vae.latents_std`` are set (rounded to 4 decimals, for the
+    VAE of seed 0): the pipeline normalises latents to ``(z - mean) / std``, and Wan2.1's own statistics would
+    squash the tiny random VAE's latents (raw std ~0.1) to a near-constant that hides what an image shows.
+    """
+    import torch
+
+    with torch.no_grad():
+        clips = synthetic_clips(torch.Generator().manual_seed(seed), samples)
+        z = vae.encode(clips).latent_dist.mean
+    dims = (0, 2, 3, 4)
+    return z.mean(dims).tolist(), z.std(dims).tolist()
+
+
 def _build_pipeline(data: dict[str, Any], seed: int) -> Any:
     import torch
     from diffusers import AutoencoderKLWan, UniPCMultistepScheduler, WanPipeline, WanTransformer3DModel

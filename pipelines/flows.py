@@ -95,8 +95,7 @@ class MetricsFollower:
 
 
 @task(name="train-torchrun", task_run_name=_train_run_name, cache_policy=NONE)
-def torchrun_task(recipe_data: dict, launch: Launch, run_dir: str, run_key: str,
-                  poll_s: float = 5.0) -> dict[str, Any]:
+def torchrun_task(recipe_data: dict, launch: Launch, run_dir: str, poll_s: float = 5.0) -> dict[str, Any]:
     """Train with the processes torchrun starts on this node, in the run folder ``run_dir``; return the
     summary (rank 0's node only).
 
@@ -132,9 +131,7 @@ def torchrun_task(recipe_data: dict, launch: Launch, run_dir: str, run_key: str,
         raise RuntimeError(f"torchrun exited with status {returncode}; see the rank logs above")
     summary = (json.loads(summary_json.read_text()) if summary_json.is_file()  # else another node has rank 0
                else {"steps": None, "note": "the summary is written on the node that holds global rank 0"})
-    if summary.get("steps") is not None:
-        summary = finish_run(recipe, RunPlan(folder, run_key), summary)
-    progress.finish(summary)
+    progress.finish(summary)  # rank 0 finished the run (pipelines.launch): run.json, the export link
     return summary
 
 
@@ -176,7 +173,7 @@ def run_train(recipe: Recipe, launch: Launch = Launch()) -> dict[str, Any]:
         return plan.done
     if launch.nproc * launch.nnodes == 1:
         return train_task(recipe.to_dict(), str(plan.folder), plan.key)
-    return torchrun_task(recipe.to_dict(), launch, str(plan.folder), plan.key)
+    return torchrun_task(recipe.to_dict(), launch, str(plan.folder))
 
 
 def run_prep_then_train(recipe: Recipe, launch: Launch = Launch()) -> dict[str, Any]:

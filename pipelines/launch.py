@@ -48,11 +48,19 @@ def train_recipe(recipe: Recipe, run_dir: str | Path, progress: bool = True,
 
 
 def main(argv: list[str] | None = None) -> int:
-    recipe_json, summary_json, run_dir = (argv if argv is not None else sys.argv[1:])[:3]
+    args = argv if argv is not None else sys.argv[1:]
+    if len(args) < 3:
+        sys.exit("usage: python -m pipelines.launch RECIPE_JSON SUMMARY_JSON RUN_DIR (RUN_DIR: "
+                 "`python -m pipelines.runs RECIPE_JSON WORLD_SIZE` plans it)")
+    recipe_json, summary_json, run_dir = args[:3]
     recipe = recipe_from_dict(json.loads(Path(recipe_json).read_text()))
     rank = int(os.environ.get("RANK", "0"))
     summary = train_recipe(recipe, run_dir, progress=rank == 0)
-    if rank == 0:
+    if rank == 0:  # the run is finished: record it, link its export
+        from pipelines.runs import RunPlan, finish_run, run_key
+
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        summary = finish_run(recipe, RunPlan(Path(run_dir), run_key(recipe, summary["snapshot"], world)), summary)
         Path(summary_json).write_text(json.dumps(summary, indent=2))
     return 0
 

@@ -184,11 +184,16 @@ def release_prep_models() -> int:
 
 
 def ensure_models(recipe: Recipe) -> None:
-    """Build the tiny demo models when the recipe names a tiny recipe and the folder is missing."""
+    """Build the tiny demo models when the recipe names a tiny recipe and its folder (``data/tiny-flux.yaml``
+    builds ``data/models/tiny-flux``) is missing."""
     from pathlib import Path
 
     if recipe.model.tiny_recipe and not (Path(recipe.model.pretrained) / "model_index.json").is_file():
+        from latentmill.preflight import check_model_ref
         from latentmill.tiny import ensure_tiny_flux
+
+        # only into the tiny recipe's own folder: a typo in model.pretrained is an error, not a new model
+        check_model_ref("model.pretrained", recipe.model.pretrained, recipe.model.tiny_recipe)
         from latentmill.tiny_wan import ensure_tiny_wan
 
         # The folder does not exist yet, so its family cannot be read from it: the recipe says it.
@@ -280,7 +285,9 @@ def run_prep(recipe: Recipe) -> dict[str, Any]:
     Called inside a flow run (``prep``, ``prep-then-train``, ``refresh``), that run also gets the progress,
     stage lines and artifacts of the ``prep-stages`` subflow.
     """
-    recipe.ingest.require_source()  # before the lock, the models, the task runner
+    from latentmill.preflight import check_recipe
+
+    check_recipe(recipe, "prep")  # before the lock, the models, the task runner
     runner_flow = prep_stages.with_options(task_runner=task_runner(recipe.runner))
     with writer_lock(recipe.output_dir):
         return runner_flow(recipe.to_dict(), started_run=current_run_id())

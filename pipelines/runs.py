@@ -29,6 +29,8 @@ from __future__ import annotations
 
 import json
 import os
+import socket
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -78,16 +80,21 @@ def latest_run(recipe: Recipe) -> Path | None:
     return folder if folder.is_dir() else None
 
 
+def _tmp(path: Path) -> Path:
+    # unique per process: the nodes of a multi-node launch plan the same run at the same time
+    return path.with_name(f".{path.name}.{socket.gethostname()}.{os.getpid()}.tmp")
+
+
 def _relink(link: Path, target: Path) -> None:
     """Point ``link`` at ``target`` (a relative symlink, replaced atomically)."""
-    tmp = link.with_name(f".{link.name}.tmp")
+    tmp = _tmp(link)
     tmp.unlink(missing_ok=True)
     os.symlink(os.path.relpath(target, link.parent), tmp)
     os.replace(tmp, link)
 
 
 def _write_json(path: Path, data: dict[str, Any]) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
+    tmp = _tmp(path)
     tmp.write_text(json.dumps(data, indent=1, sort_keys=True))
     os.replace(tmp, path)
 
@@ -123,7 +130,7 @@ def _start(recipe: Recipe, folder: Path, key: str, snapshot: str) -> RunPlan:
                                         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                                         "finished": False, **({"resumed_from": record} if record else {})})
     pointer = recipe.train_dir / LATEST
-    tmp = pointer.with_name(f".{LATEST}.tmp")
+    tmp = _tmp(pointer)
     tmp.write_text(folder.name + "\n")
     os.replace(tmp, pointer)
     _relink(recipe.train_dir / "metrics.jsonl", folder / "metrics.jsonl")
@@ -180,3 +187,23 @@ def finish_run(recipe: Recipe, plan: RunPlan, summary: dict[str, Any]) -> dict[s
                                          "finished_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                                          "summary": summary})
     return summary
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m pipelines.runs RECIPE_JSON WORLD_SIZE``: plan a run for a launcher (``deploy/launch.sh``);
+    prints its folder, or nothing (exit 3) when the same recipe already trained on the same snapshot."""
+    from latentmill.recipe import recipe_from_dict
+    from pipelines.snapshot import resolve_snapshot
+
+    recipe_json, world_size = (argv if argv is not None else sys.argv[1:])[:2]
+    recipe = recipe_from_dict(json.loads(Path(recipe_json).read_text()))
+    plan = plan_run(recipe, resolve_snapshot(recipe.output_dir, recipe.snapshot).name, int(world_size))
+    if plan.done is not None:
+        print(f"already trained on this snapshot with this recipe, in {plan.folder}", file=sys.stderr)
+        return 3
+    print(plan.folder)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -21,6 +21,7 @@ STAGES = ("ingest", "caption", "bucket", "cache")
 
 def _cli(*args: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
+    env.pop("PREFECT_LOGGING_LEVEL", None)  # as in a user's shell: the CLI chooses it (conftest sets one)
     return subprocess.run([sys.executable, "-m", "latentmill.cli", *args], cwd=REPO_ROOT, env=env,
                           capture_output=True, text=True, timeout=300)
 
@@ -112,6 +113,7 @@ def test_resume_latest_without_a_checkpoint_says_so_on_rank_0(tmp_path, caplog):
 
 def test_a_recipe_must_name_its_source_for_prep(tmp_path):
     recipe = tmp_path / "mine.yaml"
+    (tmp_path / "model").mkdir()
     recipe.write_text(f"output_dir: {tmp_path / 'out'}\nmodel:\n  pretrained: {tmp_path / 'model'}\n")
     result = _cli("prep", str(recipe))
     assert result.returncode == 2
@@ -119,3 +121,95 @@ def test_a_recipe_must_name_its_source_for_prep(tmp_path):
         "latentmill: error: ingest.source: not set; name the media to prepare: a folder, a .txt file list, a "
         ".csv/.jsonl/.parquet manifest or webdataset shards (e.g. ingest.source=/data/photos)"]
     assert not (tmp_path / "out").exists()
+
+
+# --------------------------------------------------------------------------------------------------------
+# Paths are checked before any stage or Prefect start-up (issue 14, item 4)
+
+
+def test_a_typo_in_the_tiny_model_folder_is_an_error_not_a_new_model(tmp_path):
+    out = tmp_path / "out"
+    line = _one_error_line(_cli("run", "configs/demo.yaml", f"output_dir={out}",
+                                "model.pretrained=data/models/tiny-flx"))
+    assert line == ("latentmill: error: model.pretrained: data/models/tiny-flx does not exist; the tiny recipe "
+                    "data/tiny-flux.yaml builds only into data/models/tiny-flux (set model.pretrained to that, "
+                    "to an existing folder, or to a hub id)")
+    assert not out.exists() and not (REPO_ROOT / "data" / "models" / "tiny-flx").exists()
+
+
+@pytest.mark.parametrize("override, message", [
+    ("model.pretrained=/nope/model", "model.pretrained: /nope/model does not exist, and is not a Hugging Face id"),
+    ("model.vae=./vae-folder", "model.vae: ./vae-folder does not exist, and is not a Hugging Face id"),
+])
+def test_a_missing_model_folder_fails_before_any_stage(tmp_path, override, message):
+    out = tmp_path / "out"
+    (tmp_path / "pipeline").mkdir()
+    line = _one_error_line(_cli("run", "configs/demo.yaml", f"output_dir={out}", "model.tiny_recipe=null",
+                                f"model.pretrained={tmp_path / 'pipeline'}", override))
+    assert line == f"latentmill: error: {message} (owner/name)"
+    assert not out.exists()
+
+
+def test_a_wrong_source_leaves_no_folders(tmp_path):
+    out = tmp_path / "out"
+    line = _one_error_line(_cli("prep", "configs/demo.yaml", f"output_dir={out}",
+                                f"ingest.source={tmp_path / 'no-such-folder'}"))
+    assert line == f"latentmill: error: ingest.source: {tmp_path / 'no-such-folder'} does not exist"
+    assert not out.exists()
+
+
+def test_train_before_prep_and_nproc_without_ddp_say_so_in_one_line(tmp_path):
+    line = _one_error_line(_cli("train", "configs/demo.yaml", f"output_dir={tmp_path / 'new'}"))
+    assert line.startswith(f"latentmill: error: no snapshot published under {tmp_path / 'new' / 'snapshots'}")
+    line = _one_error_line(_cli("train", "configs/demo.yaml", f"output_dir={_fake_output_dir(tmp_path / 'o')}",
+                                "--nproc", "2"))
+    assert "2 processes need parallel.strategy 'ddp' or 'fsdp2'" in line
+
+
+def test_an_unforeseen_failure_is_one_line_and_debug_shows_the_traceback(tmp_path):
+    # An existing folder that is no pipeline passes the path checks and fails when the cache stage loads it.
+    empty = tmp_path / "not-a-pipeline"
+    empty.mkdir()
+    (empty / "model_index.json").write_text("{ not json")
+    args = ("prep", "configs/demo.yaml", f"output_dir={tmp_path / 'out'}", f"model.pretrained={empty}",
+            "model.tiny_recipe=null")
+    quiet = _cli(*args)
+    assert quiet.returncode == 1 and "Traceback" not in quiet.stderr
+    errors = [line for line in quiet.stderr.splitlines() if line.startswith("latentmill: error: ")]
+    assert len(errors) == 1 and errors[0].endswith("(run again with --debug, or LATENTMILL_DEBUG=1, for the traceback)")
+    loud = _cli(*args, "--debug")
+    assert loud.returncode == 1 and "Traceback (most recent call last)" in loud.stderr
+
+
+def test_run_takes_the_launch_options_of_train(tmp_path):
+    line = _one_error_line(_cli("run", "configs/demo.yaml", f"output_dir={tmp_path / 'o'}", "parallel.strategy=ddp",
+                                "--nnodes", "2"))
+    assert line == "latentmill: error: --nnodes > 1 needs --rdzv-endpoint HOST:PORT (the first node's address)"
+    assert not (tmp_path / "o").exists()
+
+
+def test_preps_of_one_output_dir_take_turns(tmp_path, capsys):
+    import threading
+    import time
+
+    from pipelines.prep import writer_lock
+
+    order = []
+
+    def second():
+        with writer_lock(tmp_path):
+            order.append("second")
+
+    printed = ""
+    with writer_lock(tmp_path):
+        thread = threading.Thread(target=second)
+        thread.start()
+        for _ in range(600):  # until the second says it waits
+            printed += capsys.readouterr().out
+            if "waiting" in printed:
+                break
+            time.sleep(0.05)
+        order.append("first")  # the second waits for the first to let go
+    thread.join(timeout=30)
+    assert order == ["first", "second"]
+    assert f"prep: waiting for another prep writing to {tmp_path} (held by PID {os.getpid()}" in printed

@@ -68,7 +68,7 @@ def test_inspect_prints_the_full_recipe_which_loads_back(capsys):
     full = load_recipe(DEMO_CONFIG)
     assert printed == full.to_dict()
     assert recipe_from_dict(printed).to_dict() == full.to_dict()
-    assert printed["trainer"]["max_steps"] == 200 and "lora_rank" in printed["trainer"]
+    assert printed["trainer"]["max_steps"] == 400 and "lora_rank" in printed["trainer"]
 
 
 def test_launch_layouts_and_their_errors():
@@ -166,11 +166,11 @@ def test_learning_rate_override_takes_scientific_notation():
 
 def test_float_keys_take_scientific_notation_in_recipes(tmp_path):
     text = DEMO_CONFIG.read_text()
-    assert "learning_rate: 3.0e-4" in text
+    assert "learning_rate: 1.0e-3" in text
     path = tmp_path / "recipe.yaml"
-    path.write_text(text.replace("learning_rate: 3.0e-4", "learning_rate: 3e-4\n  adam_eps: 1E-8"))
+    path.write_text(text.replace("learning_rate: 1.0e-3", "learning_rate: 1e-3\n  adam_eps: 1E-8"))
     recipe = load_recipe(path)
-    assert recipe.trainer.learning_rate == 3e-4 and recipe.trainer.adam_eps == 1e-8
+    assert recipe.trainer.learning_rate == 1e-3 and recipe.trainer.adam_eps == 1e-8
 
 
 def test_numeric_looking_strings_stay_strings_for_string_keys():

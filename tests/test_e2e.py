@@ -216,3 +216,31 @@ def test_the_python_api_runs_a_recipe_as_the_readme_shows(tiny_flux, tmp_path, m
     assert summary["train"]["steps"] == 2 and summary["stages"]["cache"]["out"] == 24
     assert summary["train"]["export_dir"] == str(tmp_path / "export")
     assert (tmp_path / "export" / "model_index.json").is_file()
+
+
+def test_the_cluster_launch_script_plans_finishes_and_does_not_redo_a_run(demo_run, tmp_path):
+    import os
+    import socket
+    import subprocess
+    import sys
+
+    out, _, args = demo_run
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    env = {**os.environ, "PYTHON": sys.executable, "LATENTMILL_LAUNCH_DIR": str(tmp_path), "NPROC_PER_NODE": "2",
+           "NNODES": "1", "RDZV_ENDPOINT": f"127.0.0.1:{port}", "RDZV_ID": "launch-test"}
+    overrides = [a for a in args[2:] if not a.startswith(("trainer.", "--summary-json")) and a != str(out / "summary.json")]
+    command = ["bash", "deploy/launch.sh", str(DEMO_CONFIG), *overrides, "parallel.strategy=ddp",
+               "trainer.max_steps=2", "trainer.batch_size=2", "trainer.save_every=0"]
+    repo = DEMO_CONFIG.parents[1]
+    first = subprocess.run(command, cwd=repo, env=env, capture_output=True, text=True, timeout=600)
+    assert first.returncode == 0, first.stderr[-3000:]
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["world_size"] == 2 and summary["steps"] == 2
+    run = Path(summary["run_dir"])
+    assert json.loads((run / "run.json").read_text())["finished"] is True
+    assert summary["export_dir"] == str(out / "export") and (out / "export").resolve() == (run / "export").resolve()
+    again = subprocess.run(command, cwd=repo, env=env, capture_output=True, text=True, timeout=600)
+    assert again.returncode == 0 and "already trained on this snapshot with this recipe" in again.stderr
+    assert "torchrun" not in again.stderr

@@ -61,7 +61,7 @@ def test_folder_layout_and_size(tiny_dir: Path) -> None:
     ]
     assert not list(tiny_dir.rglob("*.bin"))
     total = sum(p.stat().st_size for p in tiny_dir.rglob("*") if p.is_file())
-    assert total < 5 * 1024 * 1024
+    assert total < 10 * 1024 * 1024  # 8.3 MB, 7.4 of them the transformer (width 128, 2 + 2 blocks)
     # the temporary build folder was renamed into place, nothing left beside it
     assert [p.name for p in tiny_dir.parent.iterdir()] == [tiny_dir.name]
 
@@ -93,7 +93,9 @@ def test_flux_pipeline_from_pretrained_wires_the_components(tiny_dir: Path) -> N
     tr = pipe.transformer.config
     assert tr.in_channels == 4 * pipe.vae.config.latent_channels == 64
     assert tr.patch_size == 1
-    assert (tr.num_layers, tr.num_single_layers) == (1, 1)
+    assert (tr.num_layers, tr.num_single_layers) == (2, 2)
+    # wider than the 64 packed input channels (at 2 x 16 = 32 the demo could not learn: tests/test_learns.py)
+    assert tr.num_attention_heads * tr.attention_head_dim == 128 > tr.in_channels
     assert tr.guidance_embeds is True
     assert tr.joint_attention_dim == pipe.text_encoder_2.config.d_model == 32
     assert tr.pooled_projection_dim == pipe.text_encoder.config.hidden_size == 32

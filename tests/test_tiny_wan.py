@@ -9,7 +9,14 @@ import pytest
 import torch
 
 from latentmill.config import ConfigError
-from latentmill.tiny_wan import DEFAULT_RECIPE_PATH, build_tiny_wan, ensure_tiny_wan, load_recipe, main
+from latentmill.tiny_wan import (
+    DEFAULT_RECIPE_PATH,
+    build_tiny_wan,
+    ensure_tiny_wan,
+    load_recipe,
+    main,
+    measure_latent_stats,
+)
 
 
 def _hashes(folder: Path, pattern: str = "*.safetensors") -> dict[str, str]:
@@ -69,7 +76,8 @@ def test_components_match_the_wan21_structure(pipe) -> None:
     assert (tr.in_channels, tr.out_channels, vae.z_dim) == (16, 16, 16)
     assert tuple(tr.patch_size) == (1, 2, 2)
     assert tr.text_dim == te.d_model == 32
-    assert tr.num_layers == 1
+    assert tr.num_layers == 2
+    assert tr.num_attention_heads * tr.attention_head_dim == 128 and tr.ffn_dim == 256
     assert len(vae.latents_mean) == len(vae.latents_std) == 16
     assert (pipe.vae_scale_factor_spatial, pipe.vae_scale_factor_temporal) == (8, 4)
     sched = pipe.scheduler.config
@@ -85,6 +93,21 @@ def test_vae_compresses_8x_space_4x_time(pipe) -> None:
         dist = pipe.vae.encode(torch.rand(1, 3, 9, 32, 48) * 2 - 1).latent_dist
         assert dist.mean.shape == (1, 16, 3, 4, 6)
         assert pipe.vae.decode(dist.mean).sample.shape == (1, 3, 9, 32, 48)
+
+
+def test_latent_statistics_are_the_vaes_own(pipe) -> None:
+    """The recipe's latents_mean/std are what this VAE (seed 0) produces, so normalised latents keep the image."""
+    torch.set_num_threads(1)
+    mean, std = measure_latent_stats(pipe.vae)
+    assert pipe.vae.config.latents_mean == pytest.approx(mean, abs=2e-3)
+    assert pipe.vae.config.latents_std == pytest.approx(std, rel=2e-2)
+    # normalised, two solid colours lie far apart (with Wan2.1's statistics: 0.0004 in mean square)
+    mu = torch.tensor(mean).view(1, -1, 1, 1, 1)
+    sigma = torch.tensor(std).view(1, -1, 1, 1, 1)
+    red_blue = torch.tensor([[0.73, -0.69, -0.69], [-0.69, -0.37, 0.73]]).view(2, 3, 1, 1, 1).expand(2, 3, 5, 32, 32)
+    with torch.no_grad():
+        z = (pipe.vae.encode(red_blue).latent_dist.mean - mu) / sigma
+    assert ((z[0] - z[1]) ** 2).mean().item() > 0.1
 
 
 def test_same_seed_same_bytes_other_seed_other_weights(wan_dir: Path, tmp_path: Path) -> None:
