@@ -42,10 +42,10 @@ lint: dev
 	$(VENV)/bin/ruff check .
 
 serve: venv
-	$(PY) -m pipelines.serve start --home $(PREFECT_HOME_DIR) --port $(PORT)
+	$(VENV)/bin/latentmill serve start --home $(PREFECT_HOME_DIR) --port $(PORT)
 
 serve-stop:
-	$(PY) -m pipelines.serve stop --home $(PREFECT_HOME_DIR)
+	$(PY) -m latentmill.cli serve stop --home $(PREFECT_HOME_DIR)
 
 clean:
 	rm -rf outputs .prefect

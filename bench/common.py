@@ -300,9 +300,9 @@ def rss_mb() -> float:
 
 
 def peak_rss_mb() -> float:
-    """Peak resident set of this process in MiB (``trainer.train.peak_rss_mb``: VmHWM on Linux, which
+    """Peak resident set of this process in MiB (``latentmill.trainer.train.peak_rss_mb``: VmHWM on Linux, which
     ``execve`` resets, unlike ``ru_maxrss``, which would floor a child at its parent's size)."""
-    from trainer.train import peak_rss_mb as peak
+    from latentmill.trainer.train import peak_rss_mb as peak
 
     return peak()
 
@@ -336,9 +336,15 @@ def write_latent_cache(root: Path, num_samples: int, spec: dict[str, Any] = FLUX
     Returns the manifest.
     """
     import torch
+    from latentmill.stages.shardio import (
+        StageDir,
+        UnitOutput,
+        WorkUnit,
+        json_bytes,
+        sha256_bytes,
+        stable_hash,
+    )
     from safetensors.torch import save as st_save
-
-    from stages.shardio import StageDir, UnitOutput, WorkUnit, json_bytes, sha256_bytes, stable_hash
 
     dtype = getattr(torch, dtype_name)
     stage_dir = StageDir(root, "cache").ensure()
@@ -472,8 +478,8 @@ def reset_process_caches() -> list[str]:
     import importlib
 
     cleared = []
-    for module, name in (("stages.families", "_encoders"), ("stages.cache", "_plans"),
-                         ("stages.cache", "_indexes"), ("latentmill.models", "_memo")):
+    for module, name in (("latentmill.stages.families", "_encoders"), ("latentmill.stages.cache", "_plans"),
+                         ("latentmill.stages.cache", "_indexes"), ("latentmill.models", "_memo")):
         memo = getattr(importlib.import_module(module), name, None)
         if isinstance(memo, dict):
             memo.clear()

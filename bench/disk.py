@@ -42,12 +42,12 @@ PAD_TO = 512
 
 
 def run(args) -> list:
+    from latentmill.stages.cache import component_report
+    from latentmill.stages.shardio import StageDir
     from transformers import AutoTokenizer
 
     from bench.onthefly import prep_with_stages
     from bench.prep import recipe_for
-    from stages.cache import component_report
-    from stages.shardio import StageDir
 
     num = 32 if args.quick else 256
     work = fresh_dir("disk")

@@ -6,7 +6,7 @@ one per bucket shard), plus the very same tensors as one safetensors file per sa
 
 Contenders, each reading every sample once per epoch, batch size ``B``:
 
-* ours: ``trainer.loader.LatentLoader`` with its defaults (index of tar headers; per batch, each member's
+* ours: ``latentmill.trainer.loader.LatentLoader`` with its defaults (index of tar headers; per batch, each member's
   safetensors header checked and its tensors read with ``os.preadv`` straight into the batch tensors, on
   ``io_threads=2`` threads for batches over 1 MiB; ``prefetch`` on, which in a tight loop like this one
   reads in the caller's thread), one loader per measurement as a training run has one for all its epochs,
@@ -52,9 +52,8 @@ PASSES = 4  # epochs per timed measurement (full size); each repetition pairs on
 
 def write_per_file(root, cache_dir, manifest) -> list:
     """The same tensors as the latent shards, one safetensors file per sample."""
+    from latentmill.stages.shardio import read_shard
     from safetensors.torch import load, save_file
-
-    from stages.shardio import read_shard
 
     root.mkdir(parents=True, exist_ok=True)
     paths = []
@@ -70,10 +69,10 @@ def write_per_file(root, cache_dir, manifest) -> list:
 def run(args) -> list:
     import torch
     import webdataset as wds
+    from latentmill.trainer.loader import LatentLoader
     from safetensors.torch import load, load_file
 
     from bench.common import drop_cache, warm_cache
-    from trainer.loader import LatentLoader
 
     reps = reps_of(args, full=5, quick=2)
     num = 128 if args.quick else 1024

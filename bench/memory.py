@@ -4,7 +4,7 @@ Each configuration runs in a fresh child process (``python -m bench.memory --chi
 ``resource.getrusage(RUSAGE_SELF).ru_maxrss`` when it is done, plus its resident set right after the
 imports (``details``: the increment over that floor, whose ratio is the harsher reading).
 
-* prep: ``pipelines.prep.run_prep`` (Prefect flow, 2 threads, all four stages, tiny Flux set, one bucket
+* prep: ``latentmill.pipelines.prep.run_prep`` (Prefect flow, 2 threads, all four stages, tiny Flux set, one bucket
   256², bf16, 512 T5 tokens, cache batch 8, ingest shard size 16) on N and 10·N generated JPEGs. One
   bucket and small units, so that the 1× run already has two units in flight with whole cache batches (a
   tiny dataset with five buckets and 64-image units has one unit and small bucket shards, hence small
@@ -14,7 +14,7 @@ imports (``details``: the increment over that floor, whose ratio is the harsher 
 * loader: ``LatentLoader(dtype=float32, batch 8)`` over the first shards of one generated Flux-class 512²
   latent cache (~750 KB a sample, 64 samples a shard), reading one full epoch; 1× = M samples, 10× = 10·M.
 
-* clip: one Wan-class clip through the cache stage's encoder call (``stages.families.get_encoders`` for
+* clip: one Wan-class clip through the cache stage's encoder call (``latentmill.stages.families.get_encoders`` for
   the tiny Wan set with ``model.vae`` pointing at a VAE of Wan2.1's real size: base_dim 96, 2 res blocks,
   127 M parameters, random weights, seed 0) at 96×96 pixels, 81 frames against 17 (WanPipeline's default
   clip length against a short one: 4.8x the pixels). The Wan VAE encodes causally, 4 frames at a time
@@ -69,8 +69,7 @@ def child_prep(images: str, out: str) -> dict:
 
 def child_loader(cache: str, shards: int) -> dict:
     import torch
-
-    from trainer.loader import LatentLoader, read_manifest
+    from latentmill.trainer.loader import LatentLoader, read_manifest
 
     floor = rss_mb()
     manifest = read_manifest(cache)
@@ -105,9 +104,9 @@ def wan_models() -> tuple:
 
 def child_clip(frames: str, size: str) -> dict:
     import torch
+    from latentmill.stages.families import get_encoders
 
     from latentmill.models import ModelConfig
-    from stages.families import get_encoders
 
     pipeline, vae_dir = wan_models()
     encoders = get_encoders(ModelConfig(pretrained=str(pipeline), vae=str(vae_dir)), "wan", torch.device("cpu"))

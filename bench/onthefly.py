@@ -1,6 +1,6 @@
 """Figure 7: training from cached latents against encoding every batch on the fly.
 
-Ours: ``trainer.train.train`` on the latent cache that the real stages (``pipelines.prep.plan_stage`` /
+Ours: ``latentmill.trainer.train.train`` on the latent cache that the real stages (``latentmill.pipelines.prep.plan_stage`` /
 ``stage_processor``, no Prefect) made from the images. Baseline: what the Diffusers example scripts do
 without their cache flag: every step decodes, resizes and crops the batch's images (held in memory as
 JPEG bytes, so no file I/O is counted), runs the VAE (``latent_dist.sample()``) and CLIP + T5, then the
@@ -26,6 +26,8 @@ import shutil
 import statistics
 import time
 
+from latentmill.stages.pixels import image_member
+
 from bench.common import (
     SMALL_RECIPE,
     TINY_RECIPE,
@@ -40,7 +42,6 @@ from bench.common import (
     setup_env,
     sync,
 )
-from stages.pixels import image_member
 
 setup_env()
 
@@ -49,7 +50,7 @@ RESOLUTION, TOKENS, BATCH, WARMUP = 256, 128, 4, 3
 
 def prep_with_stages(recipe) -> None:
     """Run ingest → caption → bucket → cache with the stage functions, in this thread (no Prefect)."""
-    from pipelines.prep import run_stages_in_process
+    from latentmill.pipelines.prep import run_stages_in_process
 
     run_stages_in_process(recipe)
 

@@ -4,7 +4,7 @@ Inputs: generated photo-like JPEGs (640×480, 512², 768×432... with sidecar ca
 ``bench.common.make_images``), the tiny Flux model set (``data/tiny-flux.yaml``), bucket resolution 256
 (five aspect ratios), cache dtype bf16, 512 T5 tokens (the cache's default, FLUX.1-dev's
 ``max_sequence_length``), cache batch 8, ingest shard size 64, runner: 2 threads. Ours always runs the real
-path, ``pipelines.prep.run_prep`` (Prefect flow, thread task runner); before each timed prep the process
+path, ``latentmill.pipelines.prep.run_prep`` (Prefect flow, thread task runner); before each timed prep the process
 forgets its loaded encoders and weight fingerprints (``bench.common.reset_process_caches``), so that every
 run pays what a fresh ``latentmill prep`` pays, bar the imports and the Prefect server start-up (paid once,
 untimed).
@@ -26,6 +26,8 @@ import os
 import shutil
 import time
 
+from latentmill.stages.pixels import image_member
+
 from bench.common import (
     TINY_RECIPE,
     figure,
@@ -40,7 +42,6 @@ from bench.common import (
     setup_env,
     sync,
 )
-from stages.pixels import image_member
 
 setup_env()
 
@@ -65,7 +66,7 @@ def quiet_prep(recipe) -> dict:
     import contextlib
     import io
 
-    from pipelines.prep import run_prep
+    from latentmill.pipelines.prep import run_prep
 
     with contextlib.redirect_stderr(io.StringIO()):
         return run_prep(recipe)

@@ -1,6 +1,6 @@
 """Figures 3 and 6: how long the trainer waits on data, and its step time against a bare training loop.
 
-Ours: ``trainer.train.train`` (full fine-tune, AdamW, batch 4, no checkpoints/export/TensorBoard) on a
+Ours: ``latentmill.trainer.train.train`` (full fine-tune, AdamW, batch 4, no checkpoints/export/TensorBoard) on a
 latent cache written with the cache stage's shard writer; step times and data waits are the trainer's
 own per-step ``step_time_s`` and ``data_wait_s`` from ``metrics.jsonl``.
 Baseline (figure 6): ``bench.bare.BareStep`` on the same transformer (loaded the same way) and the very
@@ -53,9 +53,9 @@ CONFIGS = {
 
 
 def train_run(cache_dir, pretrained, train_dir, steps: int, batch: int) -> list[dict]:
-    """One ``trainer.train.train`` run; returns its metrics.jsonl records."""
-    from trainer.config import TrainerConfig
-    from trainer.train import train
+    """One ``latentmill.trainer.train.train`` run; returns its metrics.jsonl records."""
+    from latentmill.trainer.config import TrainerConfig
+    from latentmill.trainer.train import train
 
     if train_dir.exists():
         shutil.rmtree(train_dir)
@@ -82,8 +82,7 @@ def bare_run(batches, pretrained, steps: int, device: str = "cpu") -> list[float
 def run_config(name: str, conf: dict, args, reps: int, work) -> list:
     """Figures 3 (tiny only) and 6 for one model configuration."""
     import torch
-
-    from trainer.loader import LatentLoader
+    from latentmill.trainer.loader import LatentLoader
 
     batch = 4
     figures = []

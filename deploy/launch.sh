@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One node's share of a (multi-node) training run: validate the recipe, then torchrun -m pipelines.launch.
+# One node's share of a (multi-node) training run: validate the recipe, then torchrun -m latentmill.pipelines.launch.
 #
 #   deploy/launch.sh CONFIG [key.path=value ...]
 #
@@ -67,10 +67,10 @@ fi
 # The run's folder (train/runs/<key>, the same on every node); exit 3: this recipe already trained on this
 # snapshot, nothing to redo.
 set +e
-RUN_DIR=$("$PYTHON" -m pipelines.runs "$WORK/recipe.json" $((NNODES * NPROC_PER_NODE)))
+RUN_DIR=$("$PYTHON" -m latentmill.pipelines.runs "$WORK/recipe.json" $((NNODES * NPROC_PER_NODE)))
 status=$?
 set -e
 if [[ $status -eq 3 ]]; then exit 0; elif [[ $status -ne 0 ]]; then exit $status; fi
-echo "[latentmill] $(hostname): torchrun ${args[*]} -m pipelines.launch $WORK/recipe.json in $RUN_DIR" >&2
-exec "$PYTHON" -m torch.distributed.run "${args[@]}" -m pipelines.launch "$WORK/recipe.json" "$WORK/summary.json" \
+echo "[latentmill] $(hostname): torchrun ${args[*]} -m latentmill.pipelines.launch $WORK/recipe.json in $RUN_DIR" >&2
+exec "$PYTHON" -m torch.distributed.run "${args[@]}" -m latentmill.pipelines.launch "$WORK/recipe.json" "$WORK/summary.json" \
     "$RUN_DIR"

@@ -1,6 +1,17 @@
-"""latentmill: sharded data prep and latent caching on Prefect, a distributed flow-matching trainer."""
+"""latentmill: sharded data prep and latent caching on Prefect, a distributed flow-matching trainer.
+
+One import namespace: ``latentmill.stages``, ``latentmill.trainer``, ``latentmill.pipelines`` and the glue in
+``latentmill.*``. A wheel installs them inside ``latentmill/``. A repository checkout keeps them as the
+top-level folders ``stages/``, ``trainer/``, ``pipelines/`` (and ``configs/``, ``data/``): the checkout's
+root joins this package's search path, so the same names import from there, with or without an install.
+"""
 
 import logging
+from pathlib import Path
+
+_CHECKOUT = Path(__file__).resolve().parent.parent
+if (_CHECKOUT / "pyproject.toml").is_file() and (_CHECKOUT / "stages" / "__init__.py").is_file():
+    __path__.append(str(_CHECKOUT))  # noqa: F821 (a package's __path__)
 
 
 class _ExpectedNoise(logging.Filter):

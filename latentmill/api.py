@@ -29,21 +29,21 @@ def _checked(recipe: Recipe) -> dict:
 
 def prep(recipe: Recipe) -> dict[str, Any]:
     """Prepare the latent cache and publish its snapshot: ``{"stages": {...}, "snapshot": {...}}``."""
-    from pipelines.prep import prep_recipe
+    from latentmill.pipelines.prep import prep_recipe
 
     return prep_recipe(_checked(recipe))
 
 
 def train(recipe: Recipe, nproc: int = 1, nnodes: int = 1, rdzv_endpoint: str | None = None) -> dict[str, Any]:
     """Train on the recipe's snapshot (``nproc`` > 1: under torchrun): ``{"train": {...}}``."""
-    from pipelines.flows import train_recipe_flow
+    from latentmill.pipelines.flows import train_recipe_flow
 
     return train_recipe_flow(_checked(recipe), nproc, nnodes, rdzv_endpoint)
 
 
 def run(recipe: Recipe, nproc: int = 1, nnodes: int = 1, rdzv_endpoint: str | None = None) -> dict[str, Any]:
     """Prep, then train on the new snapshot: ``{"stages": {...}, "snapshot": {...}, "train": {...}}``."""
-    from pipelines.flows import prep_then_train_recipe
+    from latentmill.pipelines.flows import prep_then_train_recipe
 
     return prep_then_train_recipe(_checked(recipe), nproc, nnodes, rdzv_endpoint)
 

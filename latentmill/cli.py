@@ -1,4 +1,4 @@
-"""The ``latentmill`` command: demo, prep, train, run, inspect, verify.
+"""The ``latentmill`` command: demo, prep, train, run, inspect, verify, init, serve.
 
     latentmill prep CONFIG [key.path=value ...] [--summary-json PATH]
     latentmill train CONFIG [key.path=value ...] [--nproc N] [--nnodes M --rdzv-endpoint HOST:PORT]
@@ -8,6 +8,10 @@
     latentmill demo [key.path=value ...] [--summary-json PATH]
     latentmill inspect PATH        (a recipe with its defaults, an output_dir, a snapshot or a stage)
     latentmill verify PATH         (re-hash shards against their manifests; exit 1 on any mismatch)
+    latentmill init DIR            (copy the example recipes, tiny-model recipes and demo data into DIR)
+    latentmill serve start|stop [--port N] [--home DIR]   (local Prefect server + UI, worker, deployments)
+
+CONFIG is a recipe file, or the name of a shipped example recipe (``demo``, ``demo-video``, ...).
 """
 
 from __future__ import annotations
@@ -20,8 +24,7 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
-DEMO_CONFIG = REPO_ROOT / "configs" / "demo.yaml"
+DEMO_CONFIG = "demo"  # the shipped example recipe (latentmill.resources): writes ./outputs/demo
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -43,6 +46,12 @@ def _parser() -> argparse.ArgumentParser:
                        ("verify", "re-hash shards against their manifests")]:
         p = sub.add_parser(name, help=text)
         p.add_argument("path", type=Path, help="a recipe (.yaml), an output_dir, a snapshot or stage folder")
+    p = sub.add_parser("init", help="copy the example recipes and the demo data into a folder")
+    p.add_argument("folder", type=Path, help="where to copy them (made if missing; no file is overwritten)")
+    p = sub.add_parser("serve", help="a local Prefect server and UI, a process worker and the deployments")
+    p.add_argument("action", choices=["start", "stop"])
+    p.add_argument("--port", type=int, help="API and UI port on 127.0.0.1 (default 4200)")
+    p.add_argument("--home", type=Path, help="PREFECT_HOME: the server's state, logs and PIDs (default ./.prefect)")
     for p in sub.choices.values():
         p.add_argument("--debug", action="store_true",
                        help="on an error, show the traceback and Prefect's log (also: LATENTMILL_DEBUG=1)")
@@ -91,7 +100,7 @@ def _sample_image(train: dict[str, Any], output_dir: Path) -> Path:
     import torch
     from diffusers import DiffusionPipeline
 
-    from pipelines.runs import _relink
+    from latentmill.pipelines.runs import _relink
 
     path = Path(train["run_dir"]) / "sample.png"
     if not path.is_file():  # a run trained before: its sample is there already
@@ -116,8 +125,8 @@ def _run_flow(command: str, config: Path, overrides: list[str], nproc: int, nnod
 
     recipe = load_recipe(config, overrides)  # validate before Prefect starts anything
     check_recipe(recipe, command)  # paths, models, source, snapshot: before any stage or server
+    from latentmill.pipelines.flows import Launch, check_launch, prep, prep_then_train, train
     from latentmill.prefect_env import start_ephemeral_api
-    from pipelines.flows import Launch, check_launch, prep, prep_then_train, train
 
     if command != "prep":
         check_launch(recipe, Launch(nproc, nnodes, rdzv_endpoint))
@@ -152,15 +161,26 @@ def main(argv: list[str] | None = None) -> int:
         args.summary_json = args.summary_json.resolve()
     from latentmill.config import ConfigError
     from latentmill.models import CacheMismatchError
-    from pipelines.snapshot import EmptySnapshotError
+    from latentmill.pipelines.snapshot import EmptySnapshotError
 
     try:
         if args.command in ("inspect", "verify"):
             from latentmill.inspect import inspect_path, verify_path
 
             return inspect_path(args.path) if args.command == "inspect" else verify_path(args.path)
+        if args.command == "init":
+            from latentmill.resources import init_folder
+
+            copied = init_folder(args.folder)
+            print(f"copied {len(copied)} files into {args.folder} (example recipes in configs/, tiny-model recipes "
+                  f"and demo data in data/); from there: latentmill run configs/demo.yaml")
+            return 0
+        if args.command == "serve":
+            from latentmill.pipelines.serve import main as serve_main
+
+            return serve_main([args.action, *(["--port", str(args.port)] if args.port else []),
+                               *(["--home", str(args.home)] if args.home else [])])
         if args.command == "demo":
-            os.chdir(REPO_ROOT)  # the demo recipe's paths are relative to the repository
             summary, out = _run_flow("run", DEMO_CONFIG, args.overrides, 1)
             if summary["train"].get("export_dir"):
                 summary["sample"] = str(_sample_image(summary["train"], Path(out)))

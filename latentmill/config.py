@@ -1,6 +1,6 @@
 """Typed config objects from YAML and dotted overrides, validated before any work starts.
 
-Every room owns small dataclasses (``stages.ingest.IngestConfig``, ``trainer.config.TrainerConfig``...).
+Every room owns small dataclasses (``latentmill.stages.ingest.IngestConfig``, ``latentmill.trainer.config.TrainerConfig``...).
 This module turns nested dicts into those dataclasses and fails early with an error that names the key
 and the allowed values, e.g. ``trainer.mode: 'ful' is not one of 'full', 'lora'``.
 """

@@ -6,10 +6,10 @@ import json
 from collections import Counter
 from pathlib import Path
 
-from pipelines.snapshot import LATEST, resolve_snapshot
-from stages.shardio import sha256_file
+from latentmill.pipelines.snapshot import LATEST, resolve_snapshot
+from latentmill.stages.shardio import sha256_file
 
-# Pipeline order, as ``pipelines.prep.STAGES`` (not imported: it would start Prefect for a read-only command).
+# Pipeline order, as ``latentmill.pipelines.prep.STAGES`` (not imported: it would start Prefect for a read-only command).
 STAGE_ORDER = ("ingest", "caption", "bucket", "cache")
 
 

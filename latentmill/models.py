@@ -96,7 +96,7 @@ def _file_sha(path: Path, store=None) -> str:
         if key in _memo:
             return _memo[key]
     if store is None:
-        from stages.shardio import sha256_file
+        from latentmill.stages.shardio import sha256_file
 
         digest = sha256_file(path, chunk=1 << 22)
     else:
@@ -113,7 +113,7 @@ def component_fingerprint(src: ComponentSource) -> str:
         raise FileNotFoundError(f"model component folder {root} does not exist")
     # Digests of unchanged weight files are remembered on disk (hash_store_path): a FLUX.1-dev-sized
     # set is ~30 GB, which a prep would otherwise read in full on every run just to fingerprint it.
-    from stages.shardio import FileHashes
+    from latentmill.stages.shardio import FileHashes
 
     store = FileHashes(hash_store_path())
     entries = []

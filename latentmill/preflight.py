@@ -67,6 +67,6 @@ def check_recipe(recipe: Recipe, command: str) -> None:
         if recipe.caption.captioner == "transformers":
             check_model_ref("caption.model", recipe.caption.model)
     if command == "train":
-        from pipelines.snapshot import resolve_snapshot
+        from latentmill.pipelines.snapshot import resolve_snapshot
 
         resolve_snapshot(recipe.output_dir, recipe.snapshot)

@@ -13,11 +13,11 @@ from typing import Literal, Optional
 
 from latentmill.config import ConfigError, apply_overrides, from_dict, load_yaml, to_dict
 from latentmill.models import ModelConfig
-from stages.bucket import BucketConfig
-from stages.cache import CacheConfig
-from stages.caption import CaptionConfig
-from stages.ingest import IngestConfig
-from trainer.config import ParallelConfig, TrainerConfig
+from latentmill.stages.bucket import BucketConfig
+from latentmill.stages.cache import CacheConfig
+from latentmill.stages.caption import CaptionConfig
+from latentmill.stages.ingest import IngestConfig
+from latentmill.trainer.config import ParallelConfig, TrainerConfig
 
 
 @dataclass
@@ -82,5 +82,13 @@ def recipe_from_dict(data: dict) -> Recipe:
 
 
 def load_recipe(path: str | Path, overrides: list[str] | None = None) -> Recipe:
-    """Read a YAML recipe, apply ``key.path=value`` overrides, validate. Relative paths are CWD-relative."""
-    return recipe_from_dict(apply_overrides(load_yaml(path), overrides or []))
+    """Read a YAML recipe (a file, or the name of a shipped example: ``demo``), apply ``key.path=value``
+    overrides, validate. Relative paths are CWD-relative, except an example recipe's ``data/...`` paths,
+    which name the shipped data (:mod:`latentmill.resources`)."""
+    from latentmill.resources import anchor_data_paths, find_recipe
+
+    found, example = find_recipe(path)
+    data = load_yaml(found)
+    if example:
+        data = anchor_data_paths(data)
+    return recipe_from_dict(apply_overrides(data, overrides or []))

@@ -13,16 +13,16 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from latentmill.pipelines.launch import train_recipe
+from latentmill.pipelines.prep import prep, release_prep_models, run_prep
+from latentmill.pipelines.report import TrainProgress
+from latentmill.pipelines.runs import RunPlan, finish_run, plan_run
+from latentmill.pipelines.snapshot import resolve_snapshot
 from prefect import flow, task
 from prefect.cache_policies import NONE
 
 from latentmill.config import ConfigError
 from latentmill.recipe import Recipe, load_recipe, recipe_from_dict
-from pipelines.launch import train_recipe
-from pipelines.prep import prep, release_prep_models, run_prep
-from pipelines.report import TrainProgress
-from pipelines.runs import RunPlan, finish_run, plan_run
-from pipelines.snapshot import resolve_snapshot
 
 
 def _train_run_name(parameters: dict[str, Any]) -> str:
@@ -108,7 +108,7 @@ def torchrun_task(recipe_data: dict, launch: Launch, run_dir: str, poll_s: float
     recipe_json.write_text(json.dumps(recipe_data))
     summary_json.unlink(missing_ok=True)
     cmd = [sys.executable, "-m", "torch.distributed.run", *launch.torchrun_args(),
-           "-m", "pipelines.launch", str(recipe_json), str(summary_json), str(folder)]
+           "-m", "latentmill.pipelines.launch", str(recipe_json), str(summary_json), str(folder)]
     progress = TrainProgress(recipe.trainer.max_steps, interval_s=poll_s)
     follower = MetricsFollower(folder / "metrics.jsonl")
     with subprocess.Popen(cmd) as proc:
@@ -163,7 +163,7 @@ def check_gpus_per_node(nproc: int, gpus: int) -> None:
 
 def run_train(recipe: Recipe, launch: Launch = Launch()) -> dict[str, Any]:
     """Train on the recipe's snapshot, in this process or under torchrun, in the run folder
-    ``pipelines.runs.plan_run`` chooses; a finished run of the same recipe and snapshot is not redone."""
+    ``latentmill.pipelines.runs.plan_run`` chooses; a finished run of the same recipe and snapshot is not redone."""
     check_launch(recipe, launch)
     snapshot = resolve_snapshot(recipe.output_dir, recipe.snapshot)  # clear error if prep has not run
     plan = plan_run(recipe, snapshot.name, launch.nproc * launch.nnodes)
@@ -179,7 +179,7 @@ def run_train(recipe: Recipe, launch: Launch = Launch()) -> dict[str, Any]:
 def run_prep_then_train(recipe: Recipe, launch: Launch = Launch()) -> dict[str, Any]:
     """Prepare the latent cache, then train on its snapshot: ``{"stages", "snapshot", "train"}``.
 
-    On several nodes (each runs this), the nodes take turns at prep (``pipelines.prep.run_prep`` holds the
+    On several nodes (each runs this), the nodes take turns at prep (``latentmill.pipelines.prep.run_prep`` holds the
     output_dir's writer lock): the first does the work, the others find it committed.
     """
     check_launch(recipe, launch)

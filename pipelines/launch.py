@@ -1,7 +1,7 @@
-"""Entry point of one training process under torchrun: ``python -m pipelines.launch RECIPE_JSON SUMMARY_JSON RUN_DIR``.
+"""Entry point of one training process under torchrun: ``python -m latentmill.pipelines.launch RECIPE_JSON SUMMARY_JSON RUN_DIR``.
 
 `latentmill train CONFIG --nproc N` writes the validated recipe to JSON and starts
-``torchrun --standalone --nproc-per-node N -m pipelines.launch RECIPE_JSON SUMMARY_JSON RUN_DIR``; every rank
+``torchrun --standalone --nproc-per-node N -m latentmill.pipelines.launch RECIPE_JSON SUMMARY_JSON RUN_DIR``; every rank
 trains in the run folder, rank 0 writes the summary.
 """
 
@@ -20,12 +20,12 @@ from latentmill.recipe import Recipe, recipe_from_dict
 def train_recipe(recipe: Recipe, run_dir: str | Path, progress: bool = True,
                  on_step: Callable[[dict], None] | None = None) -> dict[str, Any]:
     """Train on the recipe's dataset snapshot (refusing one made by other models) in the run folder
-    ``run_dir`` (``pipelines.runs.plan_run`` chose it) and export into ``<run_dir>/export``.
+    ``run_dir`` (``latentmill.pipelines.runs.plan_run`` chose it) and export into ``<run_dir>/export``.
 
-    ``on_step(record)``: called with each step's metrics record on rank 0 (see ``trainer.train``).
+    ``on_step(record)``: called with each step's metrics record on rank 0 (see ``latentmill.trainer.train``).
     """
-    from pipelines.snapshot import resolve_snapshot
-    from trainer import train
+    from latentmill.pipelines.snapshot import resolve_snapshot
+    from latentmill.trainer import train
 
     cache_dir = resolve_snapshot(recipe.output_dir, recipe.snapshot)
     manifest = json.loads((cache_dir / "manifest.json").read_text())
@@ -50,14 +50,14 @@ def train_recipe(recipe: Recipe, run_dir: str | Path, progress: bool = True,
 def main(argv: list[str] | None = None) -> int:
     args = argv if argv is not None else sys.argv[1:]
     if len(args) < 3:
-        sys.exit("usage: python -m pipelines.launch RECIPE_JSON SUMMARY_JSON RUN_DIR (RUN_DIR: "
-                 "`python -m pipelines.runs RECIPE_JSON WORLD_SIZE` plans it)")
+        sys.exit("usage: python -m latentmill.pipelines.launch RECIPE_JSON SUMMARY_JSON RUN_DIR (RUN_DIR: "
+                 "`python -m latentmill.pipelines.runs RECIPE_JSON WORLD_SIZE` plans it)")
     recipe_json, summary_json, run_dir = args[:3]
     recipe = recipe_from_dict(json.loads(Path(recipe_json).read_text()))
     rank = int(os.environ.get("RANK", "0"))
     summary = train_recipe(recipe, run_dir, progress=rank == 0)
     if rank == 0:  # the run is finished: record it, link its export
-        from pipelines.runs import RunPlan, finish_run, run_key
+        from latentmill.pipelines.runs import RunPlan, finish_run, run_key
 
         world = int(os.environ.get("WORLD_SIZE", "1"))
         summary = finish_run(recipe, RunPlan(Path(run_dir), run_key(recipe, summary["snapshot"], world)), summary)

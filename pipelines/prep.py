@@ -15,17 +15,16 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Callable
 
-from prefect import flow, task
-from prefect.cache_policies import NONE
-from prefect.task_runners import ProcessPoolTaskRunner, ThreadPoolTaskRunner
-from prefect.utilities.annotations import unmapped
-from tqdm.auto import tqdm
-
-from latentmill.recipe import Recipe, RunnerConfig, load_recipe, recipe_from_dict
-from pipelines.report import RunLog, StageProgress, current_run_id, publish_prep_artifacts, stage_line
-from pipelines.snapshot import publish as publish_snapshot
-from stages import bucket, cache, caption, ingest
-from stages.shardio import (
+from latentmill.pipelines.report import (
+    RunLog,
+    StageProgress,
+    current_run_id,
+    publish_prep_artifacts,
+    stage_line,
+)
+from latentmill.pipelines.snapshot import publish as publish_snapshot
+from latentmill.stages import bucket, cache, caption, ingest
+from latentmill.stages.shardio import (
     StageDir,
     UnitOutput,
     UnitRecord,
@@ -34,7 +33,14 @@ from stages.shardio import (
     stage_report,
     tune_allocator,
 )
-from stages.workers import number_worker
+from latentmill.stages.workers import number_worker
+from prefect import flow, task
+from prefect.cache_policies import NONE
+from prefect.task_runners import ProcessPoolTaskRunner, ThreadPoolTaskRunner
+from prefect.utilities.annotations import unmapped
+from tqdm.auto import tqdm
+
+from latentmill.recipe import Recipe, RunnerConfig, load_recipe, recipe_from_dict
 
 STAGES = ("ingest", "caption", "bucket", "cache")
 MAX_UNITS_PER_TASK = 16
@@ -172,9 +178,8 @@ def release_prep_models() -> int:
     import gc
 
     import torch
-
-    from stages.captioners.hf import release_models
-    from stages.families import release_encoders
+    from latentmill.stages.captioners.hf import release_models
+    from latentmill.stages.families import release_encoders
 
     count = release_encoders() + release_models()
     gc.collect()
@@ -207,7 +212,7 @@ def prep_stages(recipe_data: dict, started_run: str | None = None) -> dict[str, 
     """Run ingest → caption → bucket → cache, publish the snapshot; return counts and the snapshot.
 
     ``started_run``: the id of the flow run the user started (``prep``, ``prep-then-train``, ``refresh``),
-    which shows the stage progress, one log line per stage and the artifacts too (see ``pipelines.report``).
+    which shows the stage progress, one log line per stage and the artifacts too (see ``latentmill.pipelines.report``).
     """
     recipe = recipe_from_dict(recipe_data)
     ensure_models(recipe)

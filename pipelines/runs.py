@@ -36,9 +36,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from latentmill.stages.shardio import stable_hash
+
 from latentmill.config import to_dict
 from latentmill.recipe import Recipe
-from stages.shardio import stable_hash
 
 LATEST = "LATEST"
 LEGACY = "0000-legacy"
@@ -190,10 +191,11 @@ def finish_run(recipe: Recipe, plan: RunPlan, summary: dict[str, Any]) -> dict[s
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m pipelines.runs RECIPE_JSON WORLD_SIZE``: plan a run for a launcher (``deploy/launch.sh``);
+    """``python -m latentmill.pipelines.runs RECIPE_JSON WORLD_SIZE``: plan a run for a launcher (``deploy/launch.sh``);
     prints its folder, or nothing (exit 3) when the same recipe already trained on the same snapshot."""
+    from latentmill.pipelines.snapshot import resolve_snapshot
+
     from latentmill.recipe import recipe_from_dict
-    from pipelines.snapshot import resolve_snapshot
 
     recipe_json, world_size = (argv if argv is not None else sys.argv[1:])[:2]
     recipe = recipe_from_dict(json.loads(Path(recipe_json).read_text()))

@@ -1,7 +1,10 @@
 """Start and stop a local Prefect server, a process work pool and worker, and the deployments.
 
-    python -m pipelines.serve start [--port 4200] [--home .prefect]    (what `make serve` runs)
-    python -m pipelines.serve stop  [--home .prefect]                  (what `make serve-stop` runs)
+    latentmill serve start [--port 4200] [--home .prefect]    (what `make serve` runs)
+    latentmill serve stop  [--home .prefect]                  (what `make serve-stop` runs)
+
+The deployments are those of the package's ``prefect.yaml`` (module-path entrypoints: a worker needs the
+installed package, not a checkout); flow runs execute in the folder ``start`` was run from.
 
 Everything listens on 127.0.0.1 and keeps its state (SQLite, logs, PIDs, port) under ``--home``, which
 becomes ``PREFECT_HOME``. The server also serves the Prefect UI at ``http://127.0.0.1:PORT`` (the assets ship
@@ -31,7 +34,7 @@ from pathlib import Path
 
 import psutil
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+DEPLOYMENTS = Path(__file__).resolve().parent / "prefect.yaml"  # shipped with the package
 POOL = "latentmill-process"
 HOME_MARKER = "LATENTMILL_SERVE_HOME"  # in the environment of every process started from a home
 SERVICES = ("worker", "server")  # stopped in this order: the worker may still report its runs to the server
@@ -90,7 +93,7 @@ def server_env(home: Path, port: int) -> dict[str, str]:
         # default): without it a failed run ended "Flow run finished in state 'Failed'." and nothing more
         "PREFECT_SERVER_LOGS_STREAM_OUT_ENABLED": "true",
         "PREFECT_SERVER_LOGS_STREAM_PUBLISHING_ENABLED": "true",
-        "LATENTMILL_ROOT": str(REPO_ROOT),  # prefect.yaml's pull step runs flows from here
+        "LATENTMILL_ROOT": str(Path.cwd()),  # prefect.yaml's pull step runs flows from here
         HOME_MARKER: str(home.resolve()),
     })
     import prefect
@@ -104,7 +107,7 @@ def server_env(home: Path, port: int) -> dict[str, str]:
 
 def _spawn(name: str, args: list[str], home: Path, env: dict[str, str]) -> int:
     with open(home / f"{name}.log", "ab") as log:
-        proc = subprocess.Popen(args, cwd=REPO_ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
+        proc = subprocess.Popen(args, cwd=Path.cwd(), env=env, stdout=log, stderr=subprocess.STDOUT,
                                 stdin=subprocess.DEVNULL, start_new_session=True)
     (home / f"{name}.pid").write_text(str(proc.pid))
     return proc.pid
@@ -217,9 +220,9 @@ def start(home: Path, port: int = 4200) -> Services:
             (home / "server.port").write_text(str(port))
             wait_healthy(port, pid=alive["server"])
         # (re)register the pool and prefect.yaml's deployments: a second start picks up an edited prefect.yaml
-        run = {"cwd": REPO_ROOT, "env": env, "check": True, "capture_output": True, "text": True}
+        run = {"cwd": Path.cwd(), "env": env, "check": True, "capture_output": True, "text": True}
         subprocess.run([*_prefect(), "work-pool", "create", POOL, "--type", "process", "--overwrite"], **run)
-        subprocess.run([*_prefect(), "--no-prompt", "deploy", "--all"], **run)
+        subprocess.run([*_prefect(), "--no-prompt", "deploy", "--all", "--prefect-file", str(DEPLOYMENTS)], **run)
         if "worker" not in alive:
             alive["worker"] = _spawn("worker", [*_prefect(), "worker", "start", "--pool", POOL], home, env)
     except BaseException:
@@ -281,9 +284,9 @@ def stop(home: Path, grace: float = 10.0) -> list[tuple[str, int]]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m pipelines.serve")
+    parser = argparse.ArgumentParser(prog="latentmill serve")
     parser.add_argument("action", choices=["start", "stop"])
-    parser.add_argument("--home", type=Path, default=REPO_ROOT / ".prefect")
+    parser.add_argument("--home", type=Path, default=Path(".prefect"))
     parser.add_argument("--port", type=int, default=4200)
     args = parser.parse_args(argv)
     if args.action == "stop":

@@ -18,7 +18,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from stages.shardio import StageDir, stable_hash
+from latentmill.stages.shardio import StageDir, stable_hash
 
 LATEST = "LATEST"
 

@@ -7,12 +7,12 @@ video). A sample goes to the tier nearest its own pixel count, or with ``no_upsc
 whose bucket fits inside it (it is then never enlarged; a sample smaller than every bucket is
 quarantined). The crop (``center``, or ``random`` with ``bucket.seed``) is recorded per sample.
 
-A video becomes clips (:func:`stages.video.plan_clips`; by frame time, :func:`stages.video.plan_clips_timed`,
+A video becomes clips (:func:`latentmill.stages.video.plan_clips`; by frame time, :func:`latentmill.stages.video.plan_clips_timed`,
 for a variable-frame-rate video): windows resampled to ``target_fps`` whose frame
 count is an admissible one (``frame_step·k+1``), placed by ``clip_strategy``, never across a scene cut
 when ``scene_split`` is on. Clip ``j`` of video ``k`` is written as sample ``k-c<j>`` with
 ``meta["clip"] = {start_frame, num_frames, fps, frame_indices}`` and bucket ``[W, H, num_frames]``: a
-reference into the source, decoded by the cache stage (:func:`stages.video.read_clip`); with
+reference into the source, decoded by the cache stage (:func:`latentmill.stages.video.read_clip`); with
 ``reencode`` the clip's frames are also stored as a short H.264 ``mp4`` member. A video with no clip is
 quarantined with the reason. The unit record counts ``videos``, ``clips`` (planned) and ``expanded``
 (clips beyond one per video), so ``in + expanded = out + quarantined``.
@@ -29,7 +29,7 @@ import random
 from dataclasses import dataclass, field
 from typing import Any, Literal, Optional
 
-from stages.shardio import (
+from latentmill.stages.shardio import (
     StageDir,
     UnitOutput,
     WorkUnit,
@@ -39,7 +39,7 @@ from stages.shardio import (
     stable_hash,
     units_per_shard,
 )
-from stages.video import (
+from latentmill.stages.video import (
     CLIP_MEMBER,
     ClipPolicy,
     admissible_frame_counts,

@@ -23,19 +23,15 @@ from pathlib import Path
 from typing import Any, Literal, Union
 
 import torch
-from PIL import Image
-from safetensors.torch import save as safetensors_save
-
-from latentmill.models import ModelConfig, cached_model_fingerprints
-from stages import pixels
-from stages.families import (
+from latentmill.stages import pixels
+from latentmill.stages.families import (
     compute_dtypes,
     describe_components,
     detect_family,
     family_components,
     get_encoders,
 )
-from stages.shardio import (
+from latentmill.stages.shardio import (
     StageDir,
     UnitOutput,
     UnitRecord,
@@ -47,7 +43,11 @@ from stages.shardio import (
     stable_hash,
     units_per_shard,
 )
-from stages.workers import unit_gpu
+from latentmill.stages.workers import unit_gpu
+from PIL import Image
+from safetensors.torch import save as safetensors_save
+
+from latentmill.models import ModelConfig, cached_model_fingerprints
 
 STAGE = "cache"
 FORMAT_VERSION = 2
@@ -303,14 +303,14 @@ def _resize_crop(img: Image.Image, crop: dict[str, int], width: int, height: int
 
 def load_pixels(data: bytes, crop: dict[str, int], bucket: list[int],
                 background: tuple[int, int, int] = (255, 255, 255)) -> torch.Tensor:
-    """Decode an image by the decoding rules (:mod:`stages.pixels`: shown orientation, 8-bit sRGB, alpha over
+    """Decode an image by the decoding rules (:mod:`latentmill.stages.pixels`: shown orientation, 8-bit sRGB, alpha over
     ``background``), resize to cover, crop to the bucket: a [3, H, W] tensor in [-1, 1]."""
     return _resize_crop(pixels.decode_rgb(data, background), crop, bucket[0], bucket[1])
 
 
 def load_clip_pixels(meta: dict[str, Any], sample: dict[str, Any]) -> torch.Tensor:
     """Decode a clip's frames, resize and crop each like an image: a [3, F, H, W] tensor in [-1, 1]."""
-    from stages.video import read_clip
+    from latentmill.stages.video import read_clip
 
     frames_FHWC = read_clip(meta, sample)
     width, height = meta["bucket"][0], meta["bucket"][1]

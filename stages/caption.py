@@ -12,7 +12,7 @@ member; or captions of an upstream caption pass):
   ``caption.separator`` (e.g. tags or a trigger token after a human caption);
 * ``extend``  — every sample is captioned and the new captions join the existing ones as alternatives.
 
-Every caption then goes through the post-processing rules (:mod:`stages.captioners.postprocess`). A
+Every caption then goes through the post-processing rules (:mod:`latentmill.stages.captioners.postprocess`). A
 sample is written with ``meta["captions"]`` (all captions, primary first; the trainer picks one per step),
 ``meta["caption"]`` and the ``.txt`` member (the primary caption, what the cache stage encodes) and
 ``meta["caption_provenance"]`` (one dict per caption: captioner, model id and fingerprint, prompt,
@@ -32,12 +32,12 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Literal, Optional, Union
 
-from stages.captioners import Captioner, CaptionItem, CaptionResult
-from stages.captioners.hf import TransformersCaptioner
-from stages.captioners.postprocess import DEFAULT_STRIP_PREFIXES, CaptionRules
-from stages.captioners.sidecar import SidecarCaptioner, sidecar_provenance
-from stages.captioners.template import TemplateCaptioner, template_fields
-from stages.shardio import (
+from latentmill.stages.captioners import Captioner, CaptionItem, CaptionResult
+from latentmill.stages.captioners.hf import TransformersCaptioner
+from latentmill.stages.captioners.postprocess import DEFAULT_STRIP_PREFIXES, CaptionRules
+from latentmill.stages.captioners.sidecar import SidecarCaptioner, sidecar_provenance
+from latentmill.stages.captioners.template import TemplateCaptioner, template_fields
+from latentmill.stages.shardio import (
     StageDir,
     UnitOutput,
     WorkUnit,
@@ -169,7 +169,7 @@ def fingerprint(cfg: CaptionConfig, captioner: Captioner | None = None) -> dict[
 
 def manifest_header(cfg: CaptionConfig, captioner: Captioner | None = None) -> dict[str, Any]:
     """The stage fingerprint and the captioner's settings, for the caption manifest."""
-    from stages.shardio import stable_hash
+    from latentmill.stages.shardio import stable_hash
 
     fp = fingerprint(cfg, captioner)
     described = dict(fp["captioner"])

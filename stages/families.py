@@ -48,7 +48,7 @@ def detect_family(model: ModelConfig) -> str:
 def compute_dtypes(family: str, device: torch.device) -> dict[str, torch.dtype]:
     """The dtype the ``vae`` and the ``text`` encoders of ``family`` run in on ``device``: bf16 on GPU,
     float32 on CPU (CPU bf16 matmuls are slow and less exact); the Wan VAE in float32 everywhere (its
-    causal 3-D convs are sensitive to bf16). Part of the cache's component keys (``stages.cache``)."""
+    causal 3-D convs are sensitive to bf16). Part of the cache's component keys (``latentmill.stages.cache``)."""
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     return {"vae": torch.float32 if family == "wan" else dtype, "text": dtype}
 

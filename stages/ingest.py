@@ -6,10 +6,10 @@ Ingest reads headers, not pixels (pixels are decoded once, in the cache stage). 
 ``caption_origin``), and for a video ``fps, frames, duration, codec``. An image keeps its bytes in the
 raw shard; a video is a reference: its bytes stay where they are and later stages open ``source_uri``.
 Files that are not readable media, or that the recipe does not accept, go to the quarantine list with a
-reason. See :mod:`stages.sources` for what ``ingest.source`` may name.
+reason. See :mod:`latentmill.stages.sources` for what ``ingest.source`` may name.
 
 Work units: at most ``shard_size`` entries each. A first run groups entries by a hash of their id
-(:func:`stages.sources.hash_groups`); later runs keep each entry in the unit it had and put new entries in
+(:func:`latentmill.stages.sources.hash_groups`); later runs keep each entry in the unit it had and put new entries in
 new units (:func:`layout`), so a refresh re-runs only the units of new or changed files. Webdataset
 sources are one unit per input shard.
 """
@@ -21,10 +21,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
-from PIL import Image, UnidentifiedImageError
-
-from stages import pixels
-from stages.shardio import (
+from latentmill.stages import pixels
+from latentmill.stages.shardio import (
     FileHashes,
     StageDir,
     UnitOutput,
@@ -34,7 +32,7 @@ from stages.shardio import (
     sha256_file,
     stable_hash,
 )
-from stages.sources import (
+from latentmill.stages.sources import (
     Entry,
     content_identity,
     count_shard_samples,
@@ -49,7 +47,8 @@ from stages.sources import (
     sidecar_caption,
     sidecar_problem,
 )
-from stages.video import VIDEO_EXTENSIONS, probe_video
+from latentmill.stages.video import VIDEO_EXTENSIONS, probe_video
+from PIL import Image, UnidentifiedImageError
 
 STAGE = "ingest"
 FORMAT_VERSION = 4  # 2: sources, video references, source_uri, caption_origin, hash-grouped units; 3: video
@@ -146,7 +145,7 @@ def layout(ids: list[str], previous: list[list[str]], max_size: int) -> list[lis
     Entries keep the unit they had in the ``previous`` run (an entry that is gone leaves its unit one
     smaller), and entries new to this run go into new units of their own, split evenly by id hash: a refresh
     that adds files re-runs only units of new files. With no previous run every entry is grouped by
-    :func:`stages.sources.hash_groups`, so two clean runs of the same input make the same units.
+    :func:`latentmill.stages.sources.hash_groups`, so two clean runs of the same input make the same units.
     """
     where = {i: n for n, i in enumerate(ids)}
     groups, placed = [], set()

@@ -4,7 +4,7 @@ A file's bytes become 8-bit sRGB pixels in the orientation a viewer shows:
 
 * **Formats.** Every still format in :data:`IMAGE_EXTENSIONS` (Pillow's own decoders, HEIC/HEIF through
   ``pillow-heif``). A multi-page file (TIFF) gives its first page; an animated GIF, WebP or PNG gives its
-  first frame, as a still (ingest records ``pages``, the count of pages or frames). Videos are read by :mod:`stages.video`.
+  first frame, as a still (ingest records ``pages``, the count of pages or frames). Videos are read by :mod:`latentmill.stages.video`.
 * **Orientation.** The EXIF orientation tag (1–8) is applied: a phone photo stored 600×200 with tag 6 is
   200×600 everywhere (ingest's ``width``/``height``, the bucket, the pixels).
 * **Bit depth.** 16-bit samples are scaled to 8 bits (``value / 257``, rounded), never clipped; 32-bit

@@ -17,7 +17,7 @@ Lists, manifests, shards and the paths inside them are read through fsspec: loca
 An entry's id is what it is called in the source (the path relative to the folder or list, the URL, or
 ``<shard>/<key>.<ext>``). A first ingest run groups entries into work units by a hash of that id
 (:func:`hash_groups`); later runs keep each entry in its unit and put new entries into new units
-(:func:`stages.ingest.layout`), so every unchanged unit keeps its id (contract 1).
+(:func:`latentmill.stages.ingest.layout`), so every unchanged unit keeps its id (contract 1).
 """
 
 from __future__ import annotations
@@ -32,8 +32,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Iterator, Literal
 
-from stages.shardio import FileHashes, sha256_bytes, sha256_file, stable_hash
-from stages.video import local_path
+from latentmill.stages.shardio import FileHashes, sha256_bytes, sha256_file, stable_hash
+from latentmill.stages.video import local_path
 
 SIDECAR_EXTENSIONS = (".txt", ".json")
 LIST_SUFFIXES = (".txt", ".lst")

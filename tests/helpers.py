@@ -2,4 +2,4 @@
 
 from __future__ import annotations
 
-from pipelines.prep import run_stages_in_process as prep_in_process  # noqa: F401  (the stages, no Prefect)
+from latentmill.pipelines.prep import run_stages_in_process as prep_in_process  # noqa: F401  (the stages, no Prefect)

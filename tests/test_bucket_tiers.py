@@ -5,11 +5,11 @@ from __future__ import annotations
 import json
 
 import pytest
+from latentmill.stages import bucket
+from latentmill.stages.bucket import BucketConfig, TooSmall, bucket_for, crop_for
+from latentmill.stages.shardio import StageDir, UnitOutput, WorkUnit, json_bytes, read_shard, stage_report
 
 from latentmill.config import ConfigError, from_dict
-from stages import bucket
-from stages.bucket import BucketConfig, TooSmall, bucket_for, crop_for
-from stages.shardio import StageDir, UnitOutput, WorkUnit, json_bytes, read_shard, stage_report
 
 
 @pytest.mark.parametrize("size, nearest, no_upscale", [

@@ -10,13 +10,14 @@ import pytest
 
 pytest.importorskip("av")
 
+from latentmill.stages import bucket, caption, ingest  # noqa: E402
+from latentmill.stages.bucket import BucketConfig  # noqa: E402
+from latentmill.stages.caption import CaptionConfig  # noqa: E402
+from latentmill.stages.ingest import IngestConfig  # noqa: E402
+from latentmill.stages.shardio import StageDir, read_shard, stage_report  # noqa: E402
+from latentmill.stages.video import probe_video  # noqa: E402
+
 from latentmill.recipe import load_recipe  # noqa: E402
-from stages import bucket, caption, ingest  # noqa: E402
-from stages.bucket import BucketConfig  # noqa: E402
-from stages.caption import CaptionConfig  # noqa: E402
-from stages.ingest import IngestConfig  # noqa: E402
-from stages.shardio import StageDir, read_shard, stage_report  # noqa: E402
-from stages.video import probe_video  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 DEMO_VIDEOS = REPO / "data" / "demo" / "videos"
@@ -133,8 +134,7 @@ def test_reencoded_clips_hold_exactly_their_frames(captioned):
     import io
 
     import decord
-
-    from stages.video import read_clip
+    from latentmill.stages.video import read_clip
 
     sd, records, metas = _bucket(captioned, "reencode", clip_strategy="head", reencode=True,
                                  reencode_keyframe_interval=1)
@@ -184,6 +184,6 @@ def test_demo_videos_match_their_recipe(tmp_path):
 def test_demo_video_recipe_loads():
     pytest.importorskip("scenedetect")  # the demo splits scenes; without the package the recipe is refused
     recipe = load_recipe(DEMO_VIDEO_CONFIG)
-    assert recipe.ingest.source == "data/demo/videos"
+    assert recipe.ingest.source == str(REPO / "data" / "demo" / "videos")  # the shipped data, from any folder
     assert recipe.bucket.frame_count_list() == [5, 9, 17] and recipe.bucket.target_fps == 8.0
-    assert recipe.bucket.scene_split and recipe.model.pretrained == "data/models/tiny-wan"
+    assert recipe.bucket.scene_split and recipe.model.pretrained == str(REPO / "data" / "models" / "tiny-wan")

@@ -6,6 +6,12 @@ import json
 
 import pytest
 import torch
+from latentmill.stages import cache
+from latentmill.stages.bucket import BucketConfig
+from latentmill.stages.cache import CacheConfig, load_pixels
+from latentmill.stages.families import get_encoders
+from latentmill.stages.ingest import IngestConfig
+from latentmill.stages.shardio import StageDir, read_shard
 from safetensors.torch import load as load_tensors
 
 from latentmill.models import (
@@ -15,12 +21,6 @@ from latentmill.models import (
     check_cache_compatible,
 )
 from latentmill.recipe import Recipe
-from stages import cache
-from stages.bucket import BucketConfig
-from stages.cache import CacheConfig, load_pixels
-from stages.families import get_encoders
-from stages.ingest import IngestConfig
-from stages.shardio import StageDir, read_shard
 from tests.helpers import prep_in_process
 
 
@@ -244,8 +244,8 @@ def test_verify_catches_a_flipped_byte(cached, tmp_path, capsys):
 def test_units_spread_evenly_over_gpus():
     from collections import Counter
 
-    from stages.shardio import stable_hash
-    from stages.workers import unit_gpu as pick_gpu
+    from latentmill.stages.shardio import stable_hash
+    from latentmill.stages.workers import unit_gpu as pick_gpu
 
     counts = Counter(pick_gpu(stable_hash(i), 4) for i in range(4000))
     assert set(counts) == {0, 1, 2, 3} and min(counts.values()) > 900
@@ -256,8 +256,8 @@ def test_component_keys_record_the_dtype_the_encoders_ran_in(tiny_flux, tiny_wan
     """On a GPU the encoders run in bf16 (the Wan VAE in float32 everywhere): those latents and embeddings
     are not the CPU's bytes, so their keys differ; the CPU keys stay what they were before (float32 is
     not written into them)."""
-    from stages.cache import CachePlan
-    from stages.shardio import stable_hash
+    from latentmill.stages.cache import CachePlan
+    from latentmill.stages.shardio import stable_hash
 
     flux = ModelConfig(pretrained=str(tiny_flux))
     cpu, gpu = CachePlan.of(CacheConfig(device="cpu"), flux), CachePlan.of(CacheConfig(device="cuda"), flux)
@@ -274,9 +274,9 @@ def test_component_keys_record_the_dtype_the_encoders_ran_in(tiny_flux, tiny_wan
 def test_a_numbered_worker_process_keeps_to_one_gpu(monkeypatch):
     """A process-pool worker loads its encoders (and captioning model) on one GPU whatever its units, or
     8 workers on 8 GPUs would hold up to 8 copies per GPU."""
-    from stages.shardio import stable_hash
-    from stages.workers import WORKER_INDEX_ENV, worker_gpu
-    from stages.workers import unit_gpu as pick_gpu
+    from latentmill.stages.shardio import stable_hash
+    from latentmill.stages.workers import WORKER_INDEX_ENV, worker_gpu
+    from latentmill.stages.workers import unit_gpu as pick_gpu
 
     assert worker_gpu(4) is None  # the test process is not a numbered worker
     monkeypatch.setenv(WORKER_INDEX_ENV, "5")
@@ -292,9 +292,10 @@ def test_family_mismatch_is_refused(cached):
 
 
 def test_every_caption_is_cached_and_the_loader_picks_one_per_epoch(tiny_flux, tmp_path):
-    from stages.caption import CaptionConfig
+    from latentmill.stages.caption import CaptionConfig
+    from latentmill.trainer.loader import LatentLoader, caption_choice
+
     from tests.conftest import DEMO_IMAGES
-    from trainer.loader import LatentLoader, caption_choice
 
     recipe = Recipe(output_dir=str(tmp_path), model=ModelConfig(pretrained=str(tiny_flux)),
                     ingest=IngestConfig(source=str(DEMO_IMAGES), shard_size=8),
@@ -334,8 +335,9 @@ def test_weight_digests_are_remembered_across_processes(tiny_flux, tmp_path, mon
     import shutil
     import sqlite3
 
+    from latentmill.stages.shardio import sha256_file
+
     from latentmill import models
-    from stages.shardio import sha256_file
 
     store = tmp_path / "weights.sqlite"
     monkeypatch.setenv("LATENTMILL_HASH_STORE", str(store))

@@ -6,11 +6,11 @@ import json
 
 import pytest
 import torch
+from latentmill.stages.cache import load_clip_pixels
+from latentmill.stages.shardio import read_shard
 from safetensors.torch import load as load_tensors
 
 from latentmill.recipe import load_recipe
-from stages.cache import load_clip_pixels
-from stages.shardio import read_shard
 from tests.conftest import REPO_ROOT
 from tests.helpers import prep_in_process
 

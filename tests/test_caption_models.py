@@ -10,17 +10,17 @@ import shutil
 
 import numpy as np
 import pytest
+from latentmill.pipelines.prep import STAGES
+from latentmill.stages import cache, caption, ingest
+from latentmill.stages.bucket import BucketConfig
+from latentmill.stages.cache import CacheConfig
+from latentmill.stages.caption import CaptionConfig
+from latentmill.stages.captioners.media import sample_frames, sample_frames_with_indices
+from latentmill.stages.ingest import IngestConfig
+from latentmill.stages.shardio import StageDir, WorkUnit, json_bytes, read_shard, stage_report
 
 from latentmill.models import ComponentSource, ModelConfig, component_fingerprint
 from latentmill.recipe import Recipe
-from pipelines.prep import STAGES
-from stages import cache, caption, ingest
-from stages.bucket import BucketConfig
-from stages.cache import CacheConfig
-from stages.caption import CaptionConfig
-from stages.captioners.media import sample_frames, sample_frames_with_indices
-from stages.ingest import IngestConfig
-from stages.shardio import StageDir, WorkUnit, json_bytes, read_shard, stage_report
 from tests.helpers import prep_in_process
 
 N_IMAGES = 6
@@ -70,10 +70,10 @@ def few_images(tmp_path_factory):
 
 
 def test_tiny_blip_is_reproducible_and_loads_like_a_hub_model(tiny_blip, tmp_path):
+    from latentmill.stages.captioners.hf import model_class
     from transformers import AutoConfig, AutoProcessor, BlipForConditionalGeneration, BlipProcessor
 
     from latentmill.tiny_captioner import build_tiny_captioner
-    from stages.captioners.hf import model_class
 
     again = build_tiny_captioner(tmp_path / "again", seed=0)
     files = sorted(p.name for p in tiny_blip.iterdir())
@@ -298,7 +298,7 @@ class _FakeVideoVLM:
 
 
 def test_video_vlms_get_the_frames_as_one_video(tiny_blip, tmp_path, monkeypatch):
-    from stages.captioners import hf
+    from latentmill.stages.captioners import hf
 
     fake = _FakeVideoVLM()
     monkeypatch.setattr(hf, "get_model", lambda *args: fake)
@@ -326,9 +326,8 @@ def tiny_llava(tmp_path_factory):
 
 
 def test_chat_vlm_captions_through_its_chat_template(tiny_llava, few_images, tmp_path):
+    from latentmill.stages.captioners.hf import TransformersCaptioner
     from transformers import AutoProcessor, LlavaForConditionalGeneration
-
-    from stages.captioners.hf import TransformersCaptioner
 
     _, upstream = few_images
     cfg = _blip_cfg(tiny_llava, prompt="Describe the image.", max_new_tokens=8, min_new_tokens=4)
@@ -346,7 +345,7 @@ def test_chat_vlm_captions_through_its_chat_template(tiny_llava, few_images, tmp
     model = LlavaForConditionalGeneration.from_pretrained(tiny_llava).eval()
     chat = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "Describe the image."}]}]
     text = processor.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
-    from stages.captioners.media import load_image
+    from latentmill.stages.captioners.media import load_image
 
     src, _ = few_images
     inputs = processor(text=[text], images=[load_image((src / "img_001.jpg").read_bytes(), 32)],

@@ -5,16 +5,16 @@ from __future__ import annotations
 import json
 
 import pytest
+from latentmill.stages import caption, ingest
+from latentmill.stages.caption import CaptionConfig, combine
+from latentmill.stages.captioners import CaptionItem
+from latentmill.stages.captioners.media import frame_indices
+from latentmill.stages.captioners.postprocess import CaptionRules
+from latentmill.stages.captioners.template import TemplateCaptioner
+from latentmill.stages.ingest import IngestConfig
+from latentmill.stages.shardio import StageDir, read_shard
 
 from latentmill.config import ConfigError, from_dict
-from stages import caption, ingest
-from stages.caption import CaptionConfig, combine
-from stages.captioners import CaptionItem
-from stages.captioners.media import frame_indices
-from stages.captioners.postprocess import CaptionRules
-from stages.captioners.template import TemplateCaptioner
-from stages.ingest import IngestConfig
-from stages.shardio import StageDir, read_shard
 
 
 def _run(cfg, upstream, root):

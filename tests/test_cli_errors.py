@@ -10,11 +10,11 @@ import sys
 from pathlib import Path
 
 import pytest
+from latentmill.stages.shardio import sha256_file
+from latentmill.trainer.checkpoint import resolve_resume
 
 from latentmill.inspect import inspect_path
-from stages.shardio import sha256_file
 from tests.conftest import REPO_ROOT
-from trainer.checkpoint import resolve_resume
 
 STAGES = ("ingest", "caption", "bucket", "cache")
 
@@ -99,13 +99,13 @@ def test_inspect_lists_stages_in_pipeline_order(tmp_path, capsys):
 
 def test_resume_latest_without_a_checkpoint_says_so_on_rank_0(tmp_path, caplog):
     ckpt_dir = tmp_path / "checkpoints"
-    with caplog.at_level(logging.INFO, logger="trainer.checkpoint"):
+    with caplog.at_level(logging.INFO, logger="latentmill.trainer.checkpoint"):
         assert resolve_resume("latest", ckpt_dir) is None
     assert [r.getMessage() for r in caplog.records] == [
         f"trainer.resume=latest: no checkpoint found under {ckpt_dir}, starting from step 0"
     ]
     caplog.clear()
-    with caplog.at_level(logging.INFO, logger="trainer.checkpoint"):
+    with caplog.at_level(logging.INFO, logger="latentmill.trainer.checkpoint"):
         assert resolve_resume("latest", ckpt_dir, announce=False) is None  # other ranks stay quiet
         assert resolve_resume(None, ckpt_dir) is None  # a fresh start is not a failed resume
     assert caplog.records == []
@@ -131,9 +131,10 @@ def test_a_typo_in_the_tiny_model_folder_is_an_error_not_a_new_model(tmp_path):
     out = tmp_path / "out"
     line = _one_error_line(_cli("run", "configs/demo.yaml", f"output_dir={out}",
                                 "model.pretrained=data/models/tiny-flx"))
-    assert line == ("latentmill: error: model.pretrained: data/models/tiny-flx does not exist; the tiny recipe "
-                    "data/tiny-flux.yaml builds only into data/models/tiny-flux (set model.pretrained to that, "
-                    "to an existing folder, or to a hub id)")
+    data = REPO_ROOT / "data"
+    assert line == (f"latentmill: error: model.pretrained: data/models/tiny-flx does not exist; the tiny recipe "
+                    f"{data / 'tiny-flux.yaml'} builds only into {data / 'models' / 'tiny-flux'} (set "
+                    "model.pretrained to that, to an existing folder, or to a hub id)")
     assert not out.exists() and not (REPO_ROOT / "data" / "models" / "tiny-flx").exists()
 
 
@@ -192,7 +193,7 @@ def test_preps_of_one_output_dir_take_turns(tmp_path, capsys):
     import threading
     import time
 
-    from pipelines.prep import writer_lock
+    from latentmill.pipelines.prep import writer_lock
 
     order = []
 

@@ -19,8 +19,11 @@ def test_demo_recipe_loads_with_overrides():
     assert recipe.ingest.source == "/x"
     assert recipe.cache.dtype == "bfloat16"
     assert recipe.bucket.resolution == 128
-    assert recipe.model.pretrained == "data/models/tiny-flux"
-    assert str(recipe.train_dir).endswith("outputs/demo/train")
+    # an example recipe's data paths name the shipped data; its output_dir stays relative to the caller
+    assert recipe.model.pretrained == str(DEMO_CONFIG.parents[1] / "data" / "models" / "tiny-flux")
+    assert recipe.model.tiny_recipe == str(DEMO_CONFIG.parents[1] / "data" / "tiny-flux.yaml")
+    assert recipe.output_dir == "outputs/demo" and str(recipe.train_dir) == "outputs/demo/train"
+    assert load_recipe("demo").to_dict() == load_recipe(DEMO_CONFIG).to_dict()  # by name, from any folder
 
 
 def test_override_values_parse_as_yaml():
@@ -72,7 +75,7 @@ def test_inspect_prints_the_full_recipe_which_loads_back(capsys):
 
 
 def test_launch_layouts_and_their_errors():
-    from pipelines.flows import Launch, check_launch
+    from latentmill.pipelines.flows import Launch, check_launch
 
     recipe = load_recipe(DEMO_CONFIG, ["parallel.strategy=fsdp2"])
     assert Launch(4).torchrun_args() == ["--standalone", "--nproc-per-node=4"]
@@ -89,8 +92,8 @@ def test_launch_layouts_and_their_errors():
 def test_each_rank_trains_on_a_gpu_of_its_own():
     """A rank's GPU is its local rank among the GPUs it sees (0 when a launcher gave it one); a node with
     GPUs refuses more processes than GPUs before any work (NCCL refuses two ranks on one GPU)."""
-    from pipelines.flows import check_gpus_per_node
-    from trainer.parallel import local_gpu
+    from latentmill.pipelines.flows import check_gpus_per_node
+    from latentmill.trainer.parallel import local_gpu
 
     assert [local_gpu(rank, 8) for rank in range(8)] == list(range(8))
     assert [local_gpu(rank, 1) for rank in range(4)] == [0, 0, 0, 0]  # CUDA_VISIBLE_DEVICES: one per rank
@@ -103,9 +106,10 @@ def test_each_rank_trains_on_a_gpu_of_its_own():
 
 
 def test_units_travel_a_few_per_task_run():
+    from latentmill.pipelines.prep import MAX_UNITS_PER_TASK, MIN_TASK_SAMPLES, task_chunks
+    from latentmill.stages.shardio import WorkUnit
+
     from latentmill.recipe import RunnerConfig
-    from pipelines.prep import MAX_UNITS_PER_TASK, MIN_TASK_SAMPLES, task_chunks
-    from stages.shardio import WorkUnit
 
     def units(n, samples=MIN_TASK_SAMPLES):
         return [WorkUnit(f"u{i:04d}", [], {}, samples) for i in range(n)]

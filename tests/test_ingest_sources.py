@@ -15,12 +15,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from latentmill.stages import ingest
+from latentmill.stages.ingest import IngestConfig
+from latentmill.stages.shardio import StageDir, read_shard
+from latentmill.stages.sources import hash_groups, list_source, source_kind
+from latentmill.stages.video import read_frames
 
-from stages import ingest
-from stages.ingest import IngestConfig
-from stages.shardio import StageDir, read_shard
-from stages.sources import hash_groups, list_source, source_kind
-from stages.video import read_frames
 from tests.test_video import write_video
 
 
@@ -299,7 +299,7 @@ def test_file_hashes_are_remembered_while_the_file_is_unchanged(tmp_path):
     import os
     import sqlite3
 
-    from stages.shardio import FileHashes, sha256_file
+    from latentmill.stages.shardio import FileHashes, sha256_file
 
     path, store = tmp_path / "a.bin", tmp_path / "hashes.sqlite"
     path.write_bytes(b"x" * 1000)

@@ -79,8 +79,7 @@ def test_flux_generates_the_colour_it_was_shown(tiny_flux, tmp_path):
     reference = _cached_latents(out / "prep" / "cache")
     assert sorted(reference) == sorted(f"a {c} square" for c in COLORS)
     from diffusers import DiffusionPipeline, FluxPipeline
-
-    from trainer.flux import unpack_latents
+    from latentmill.trainer.flux import unpack_latents
 
     pipe = DiffusionPipeline.from_pretrained(out / "export")
     assert isinstance(pipe, FluxPipeline)

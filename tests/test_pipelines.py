@@ -6,13 +6,13 @@ import json
 import shutil
 
 import pytest
+from latentmill.pipelines.flows import refresh
+from latentmill.pipelines.prep import run_prep
+from latentmill.pipelines.snapshot import latest_name, resolve_snapshot
 from prefect import flow, task
 
 from latentmill.inspect import verify_path
 from latentmill.recipe import load_recipe
-from pipelines.flows import refresh
-from pipelines.prep import run_prep
-from pipelines.snapshot import latest_name, resolve_snapshot
 from tests.conftest import DEMO_CONFIG
 
 pytestmark = pytest.mark.slow
@@ -89,7 +89,7 @@ def test_refresh_trains_only_on_a_new_snapshot(tiny_flux, demo_images, tmp_path)
         s: unchanged["stages"][s]["units"] + 1 for s in ("ingest", "cache")}
     assert grown["train"]["steps"] == 2
     assert latest_name(out) == grown["snapshot"]["name"]
-    from stages.families import _encoders
+    from latentmill.stages.families import _encoders
 
     assert not _encoders  # prep's encoders were let go before training in this process
 
@@ -135,8 +135,9 @@ def _worker_number(_: int) -> tuple[int, str | None]:
 
 def test_process_workers_are_numbered_once_each():
     """The processes runner numbers its worker processes 0, 1, ... (one GPU each, stages.workers)."""
+    from latentmill.pipelines.prep import task_runner
+
     from latentmill.recipe import RunnerConfig
-    from pipelines.prep import task_runner
 
     @flow(task_runner=task_runner(RunnerConfig(kind="processes", workers=2)))
     def numbered() -> list[tuple[int, str | None]]:
@@ -165,10 +166,9 @@ def test_progress_artifacts_follow_stages_with_several_task_runs(tiny_flux, demo
     refresh whose new data is one task run per stage creates none (two API calls per stage saved)."""
     import datetime
 
+    from latentmill.pipelines.prep import plan_stage, task_chunks
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterType
-
-    from pipelines.prep import plan_stage, task_chunks
 
     def progress_since(start):
         with get_client(sync_client=True) as client:
@@ -225,6 +225,8 @@ def test_started_run_tells_the_story(tiny_flux, demo_images, tmp_path, run_logs_
     what they do."""
     import functools
 
+    from latentmill.pipelines.flows import prep_then_train
+    from latentmill.pipelines.prep import STAGES, plan_stage, task_chunks, units_run_name
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import (
         ArtifactFilter,
@@ -235,9 +237,6 @@ def test_started_run_tells_the_story(tiny_flux, demo_images, tmp_path, run_logs_
         LogFilter,
         LogFilterFlowRunId,
     )
-
-    from pipelines.flows import prep_then_train
-    from pipelines.prep import STAGES, plan_stage, task_chunks, units_run_name
 
     out = tmp_path / "out"
     overrides = [f"output_dir={out}", f"model.pretrained={tiny_flux}", f"ingest.source={demo_images}",
@@ -302,9 +301,8 @@ def test_started_run_tells_the_story(tiny_flux, demo_images, tmp_path, run_logs_
 def test_training_progress_reports_sparsely(monkeypatch):
     """Training progress costs a few API calls per run, not one per step: the progress artifact moves at most
     every 5% and every interval, the last step is reported by finish() with the metrics table."""
+    import latentmill.pipelines.report as report
     from prefect import flow
-
-    import pipelines.report as report
 
     calls = []
     monkeypatch.setattr(report, "create_progress_artifact", lambda p, **kw: calls.append(("create", p)) or "id")
@@ -337,7 +335,7 @@ def test_training_progress_reports_sparsely(monkeypatch):
 def test_metrics_follower_reads_the_last_whole_line_of_this_run(tmp_path):
     import os
 
-    from pipelines.flows import MetricsFollower
+    from latentmill.pipelines.flows import MetricsFollower
 
     path = tmp_path / "metrics.jsonl"
     path.write_text('{"step": 7}\n')  # a previous run's line: not this run's progress

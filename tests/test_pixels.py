@@ -15,13 +15,13 @@ import zlib
 import numpy as np
 import pytest
 import torch
+from latentmill.stages import bucket, ingest, pixels
+from latentmill.stages.bucket import BucketConfig
+from latentmill.stages.cache import CacheConfig, CachePlan, decode_sample, load_pixels
+from latentmill.stages.ingest import IngestConfig
+from latentmill.stages.shardio import StageDir, read_shard, stable_hash
 from PIL import Image
 
-from stages import bucket, ingest, pixels
-from stages.bucket import BucketConfig
-from stages.cache import CacheConfig, CachePlan, decode_sample, load_pixels
-from stages.ingest import IngestConfig
-from stages.shardio import StageDir, read_shard, stable_hash
 from tests import icc
 
 

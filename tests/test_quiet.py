@@ -36,7 +36,7 @@ def test_no_torchvision_fallback_warnings_from_image_processors():
 
 def test_scene_detection_logs_no_line_per_video(caplog):
     pytest.importorskip("scenedetect")
-    from stages.video import detect_cuts
+    from latentmill.stages.video import detect_cuts
 
     with caplog.at_level(logging.INFO):
         assert detect_cuts(str(VIDEOS / "cut_64x48_12fps.mp4")) == [18]

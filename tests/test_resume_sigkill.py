@@ -8,9 +8,9 @@ import subprocess
 import sys
 
 import pytest
+from latentmill.pipelines.snapshot import publish
 
 from latentmill.recipe import load_recipe
-from pipelines.snapshot import publish
 from tests.conftest import DEMO_CONFIG, DEMO_IMAGES
 from tests.helpers import prep_in_process
 
@@ -21,11 +21,11 @@ pytestmark = pytest.mark.slow
 RUNNER = """
 import importlib, json, os, signal, sys
 from latentmill.recipe import recipe_from_dict
-from pipelines.launch import train_recipe
-from pipelines.runs import plan_run
-from pipelines.snapshot import resolve_snapshot
+from latentmill.pipelines.launch import train_recipe
+from latentmill.pipelines.runs import plan_run
+from latentmill.pipelines.snapshot import resolve_snapshot
 
-loop = importlib.import_module("trainer.train")  # the module (the package exports a function `train`)
+loop = importlib.import_module("latentmill.trainer.train")  # the module (the package exports a function `train`)
 recipe_json, kill_at = sys.argv[1], int(sys.argv[2])
 if kill_at:
     real, calls = loop.flow_matching_loss, [0]

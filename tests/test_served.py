@@ -21,8 +21,9 @@ from pathlib import Path
 
 import psutil
 import pytest
+from latentmill.pipelines import serve
 
-from pipelines import serve
+from tests.conftest import REPO_ROOT
 
 pytestmark = [pytest.mark.slow, pytest.mark.served]
 
@@ -62,14 +63,14 @@ def served(tmp_path_factory):
 
 
 def _serve_cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "pipelines.serve", *args], cwd=serve.REPO_ROOT,
+    return subprocess.run([sys.executable, "-m", "latentmill.pipelines.serve", *args], cwd=REPO_ROOT,
                           capture_output=True, text=True, timeout=300)
 
 
 def _deployment_run(home, port, name: str, overrides: list[str], *watch: str) -> subprocess.CompletedProcess:
     return subprocess.run(
         [*serve._prefect(), "deployment", "run", name, "--params", json.dumps({"overrides": overrides}), *watch],
-        cwd=serve.REPO_ROOT, env=serve.server_env(home, port), capture_output=True, text=True, timeout=480,
+        cwd=REPO_ROOT, env=serve.server_env(home, port), capture_output=True, text=True, timeout=480,
     )
 
 

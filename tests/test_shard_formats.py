@@ -13,12 +13,12 @@ from pathlib import Path
 
 import pytest
 import webdataset as wds
+from latentmill.stages.bucket import BucketConfig
+from latentmill.stages.cache import CacheConfig
+from latentmill.stages.ingest import IngestConfig
 
 from latentmill.models import ModelConfig
 from latentmill.recipe import Recipe
-from stages.bucket import BucketConfig
-from stages.cache import CacheConfig
-from stages.ingest import IngestConfig
 from tests.helpers import prep_in_process
 
 datasets = pytest.importorskip("datasets")
@@ -39,7 +39,7 @@ def _load_with_both(stage_dir, manifest: dict, cache_dir: Path) -> "datasets.Dat
 
 def _first_three_stages(recipe: Recipe):
     """Ingest, caption and bucket, as the flow runs them (the tiny Flux VAE cannot encode videos)."""
-    from pipelines.prep import STAGES, _stage_dir, manifest_header, plan_stage, stage_processor
+    from latentmill.pipelines.prep import STAGES, _stage_dir, manifest_header, plan_stage, stage_processor
 
     result = {}
     for stage in STAGES[:3]:
@@ -90,8 +90,8 @@ def test_a_field_null_in_the_first_samples_and_set_later_loads(demo_images, tmp_
     # ("Couldn't cast array of type string to null"). Null fields are left out of the JSON instead.
     import json
 
-    from stages import ingest
-    from stages.shardio import StageDir, read_shard
+    from latentmill.stages import ingest
+    from latentmill.stages.shardio import StageDir, read_shard
 
     for sidecar in demo_images.glob("*.txt"):
         sidecar.unlink()

@@ -6,8 +6,7 @@ import json
 
 import pytest
 import webdataset as wds
-
-from stages.shardio import StageDir, WorkUnit, read_shard, sha256_file, stage_report
+from latentmill.stages.shardio import StageDir, WorkUnit, read_shard, sha256_file, stage_report
 
 
 def _samples(n):
@@ -92,7 +91,7 @@ def test_manifest_counts_conserve_and_parts_split(tmp_path):
 def test_allocator_controls_are_found_on_linux():
     import sys
 
-    from stages import shardio
+    from latentmill.stages import shardio
 
     if sys.platform.startswith("linux"):
         # otherwise prep's heap would silently never be trimmed nor its arenas capped

@@ -6,13 +6,12 @@ import hashlib
 import json
 
 import pytest
+from latentmill.stages import bucket, caption, ingest
+from latentmill.stages.bucket import BucketConfig, bucket_for, crop_for
+from latentmill.stages.caption import CaptionConfig
+from latentmill.stages.ingest import IngestConfig
+from latentmill.stages.shardio import StageDir, read_shard
 from PIL import Image
-
-from stages import bucket, caption, ingest
-from stages.bucket import BucketConfig, bucket_for, crop_for
-from stages.caption import CaptionConfig
-from stages.ingest import IngestConfig
-from stages.shardio import StageDir, read_shard
 
 
 def _run(stage_mod, cfg, stage_dir, units):

@@ -5,9 +5,7 @@ import os
 
 import pytest
 import torch
-from safetensors.torch import load_file
-
-from trainer.checkpoint import (
+from latentmill.trainer.checkpoint import (
     MODEL_FILE,
     latest_checkpoint,
     list_checkpoints,
@@ -15,6 +13,7 @@ from trainer.checkpoint import (
     resolve_resume,
     save_checkpoint,
 )
+from safetensors.torch import load_file
 
 
 def _parts(seed=0):
@@ -141,8 +140,9 @@ def test_loading_into_another_mode_is_refused(tmp_path):
 
 def test_sharded_checkpoint_resumes_in_another_strategy(tmp_path):
     """FSDP2 in one process (a group of one) writes DCP shards; a plain run resumes from them."""
+    from latentmill.trainer import ParallelConfig, TrainerConfig, train
+
     from tests.trainer_helpers import build_tiny_transformer, read_metrics, torch_threads, write_fake_cache
-    from trainer import ParallelConfig, TrainerConfig, train
 
     pretrained = build_tiny_transformer(tmp_path / "pretrained")
     write_fake_cache(tmp_path / "cache", {(32, 32, 1): 4}, smooth=True)

@@ -7,9 +7,9 @@ import sys
 from pathlib import Path
 
 import pytest
+from latentmill.trainer.checkpoint import list_checkpoints
 
 from tests.trainer_helpers import build_tiny_transformer, read_metrics, write_fake_cache
-from trainer.checkpoint import list_checkpoints
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.slow  # each torchrun launch starts two interpreters (~10 s on 2 cores)
@@ -18,7 +18,7 @@ WORKER = """
 import json, os, sys
 from pathlib import Path
 import torch
-from trainer import ParallelConfig, TrainerConfig, train
+from latentmill.trainer import ParallelConfig, TrainerConfig, train
 
 torch.set_num_threads(1)
 args = json.loads(sys.argv[1])

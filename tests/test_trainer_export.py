@@ -2,10 +2,10 @@
 
 import pytest
 import torch
+from latentmill.trainer import TrainerConfig, train
 from safetensors.torch import load_file
 
 from tests.trainer_helpers import torch_threads, write_fake_cache
-from trainer import TrainerConfig, train
 
 
 @pytest.fixture(scope="module")

@@ -3,9 +3,7 @@
 import pytest
 import torch
 from diffusers import FluxPipeline, FluxTransformer2DModel
-
-from tests.trainer_helpers import TINY_TRANSFORMER, build_tiny_transformer
-from trainer.flux import (
+from latentmill.trainer.flux import (
     check_batch_fits,
     flux_forward,
     latent_image_ids,
@@ -14,6 +12,8 @@ from trainer.flux import (
     text_ids,
     unpack_latents,
 )
+
+from tests.trainer_helpers import TINY_TRANSFORMER, build_tiny_transformer
 
 
 @pytest.mark.parametrize("shape", [(2, 16, 8, 6), (1, 16, 4, 8), (3, 4, 2, 2)])

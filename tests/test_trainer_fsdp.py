@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from latentmill.trainer.checkpoint import list_checkpoints
 
 from tests.trainer_helpers import read_metrics, write_fake_cache
-from trainer.checkpoint import list_checkpoints
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.slow  # each torchrun launch starts two interpreters (~10 s on 2 cores)
@@ -23,7 +23,7 @@ import json, os, sys
 from pathlib import Path
 import torch
 import torch.distributed as dist
-from trainer import ParallelConfig, TrainerConfig, train
+from latentmill.trainer import ParallelConfig, TrainerConfig, train
 
 torch.set_num_threads(1)
 dist.init_process_group("gloo")  # one group for all jobs (train() uses it and leaves it open)

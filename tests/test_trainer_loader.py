@@ -6,9 +6,9 @@ import json
 
 import pytest
 import torch
+from latentmill.trainer.loader import LatentLoader, read_manifest
 
 from tests.trainer_helpers import write_fake_cache
-from trainer.loader import LatentLoader, read_manifest
 
 BUCKETS = {(48, 64, 1): 5, (64, 32, 1): 3, (32, 32, 1): 7}  # [width, height, frames] -> samples
 
@@ -177,7 +177,7 @@ def test_trimmed_prompt_embeds_are_zero_padded_to_pad_to(tmp_path):
 
 
 def test_pad_tokens_refuses_more_tokens_than_pad_to():
-    from trainer.loader import pad_tokens
+    from latentmill.trainer.loader import pad_tokens
 
     assert pad_tokens(torch.ones(3, 2), 5).tolist() == [[1, 1]] * 3 + [[0, 0]] * 2
     with pytest.raises(ValueError, match="more than the manifest's text.pad_to"):
@@ -267,9 +267,8 @@ def _add_second_captions(cache_dir, seed=1):
 
 def _reference_batch(loader, batch, seed, dropout, empty):
     """The batch as the loader built it before: safetensors ``load`` per member, pad, ``torch.stack``."""
+    from latentmill.trainer.loader import caption_choice, caption_dropped, pad_tokens
     from safetensors.torch import load as load_st
-
-    from trainer.loader import caption_choice, caption_dropped, pad_tokens
 
     refs = {ref.key: ref for refs in loader.buckets.values() for ref in refs}
     columns = {}
@@ -295,9 +294,8 @@ def _reference_batch(loader, batch, seed, dropout, empty):
 def test_direct_read_equals_a_reference_decode(tmp_path, monkeypatch, dtype, empty_dtype):
     import hashlib
 
+    import latentmill.trainer.batch_reader as batch_reader
     from safetensors.torch import load_file, save_file
-
-    import trainer.batch_reader as batch_reader
 
     buckets = {(32, 16, 1): 11, (16, 16, 1): 6}
     write_fake_cache(tmp_path, buckets, trimmed=True, seq_len=9, latents="distribution", shards_per_bucket=2)
@@ -339,10 +337,10 @@ def test_batches_of_samples_with_one_header_are_read_by_a_plan_and_equal_the_ref
     general path."""
     import hashlib
 
+    from latentmill.trainer.batch_reader import ShardReader
     from safetensors.torch import load_file, save_file
 
     from tests.trainer_helpers import SEQ_LEN
-    from trainer.batch_reader import ShardReader
 
     buckets = {(32, 16, 1): 9, (16, 16, 1): 5}
     if trimmed:  # 2 or 3 real tokens padded to 3, second captions of 1 to 3: many batches share headers
@@ -381,7 +379,7 @@ def test_batches_of_samples_with_one_header_are_read_by_a_plan_and_equal_the_ref
 
 def _member_header(path, key, ext):
     """(file offset, bytes) of the JSON header of a safetensors member in a shard."""
-    from trainer.shard_index import index_shard
+    from latentmill.trainer.shard_index import index_shard
 
     offset, _ = dict(index_shard(path))[key][ext]
     data = path.read_bytes()
@@ -430,7 +428,7 @@ def test_fast_tar_index_equals_tarfile(tmp_path):
     import io
     import tarfile
 
-    from trainer.shard_index import _index_shard_tarfile, index_shard
+    from latentmill.trainer.shard_index import _index_shard_tarfile, index_shard
 
     manifest = write_fake_cache(tmp_path, {(16, 16, 1): 5, (32, 16, 1): 3})
     for entry in manifest["shards"]:
@@ -464,7 +462,7 @@ def test_read_ahead_in_a_thread_changes_neither_batches_nor_position(cache, monk
     """A consumer slow enough for the read-ahead thread (forced here) gets what a plain loader gives."""
     import threading
 
-    import trainer.loader as loader_module
+    import latentmill.trainer.loader as loader_module
 
     monkeypatch.setattr(loader_module, "PREFETCH_MIN_CONSUMER_S", 0.0)
     monkeypatch.setattr(loader_module, "PREFETCH_DELAY_SHARE", 1.0)  # and the delayed start
@@ -492,7 +490,7 @@ def test_the_read_ahead_thread_runs_no_dtype_conversion(cache, monkeypatch):
     consumer's thread, when the batch is handed out."""
     import threading
 
-    import trainer.loader as loader_module
+    import latentmill.trainer.loader as loader_module
 
     monkeypatch.setattr(loader_module, "PREFETCH_MIN_CONSUMER_S", 0.0)
     converted_in = []
@@ -530,7 +528,7 @@ def _advice_spy(monkeypatch):
 
 def _members_read(loader, batch, seed):
     """What a batch reads: (shard path, offset, size) of its VAE member and its caption's text member."""
-    import trainer.loader as loader_module
+    import latentmill.trainer.loader as loader_module
 
     out = []
     for key, dropped in zip(batch["keys"], batch["caption_dropped"].tolist()):
@@ -547,7 +545,7 @@ def test_samples_on_disk_get_the_next_batches_advised_and_the_same_batches(tmp_p
     VAE member and the caption that epoch reads, nothing for a dropped caption). Batches are unchanged."""
     import collections
 
-    import trainer.loader as loader_module
+    import latentmill.trainer.loader as loader_module
 
     buckets = {(32, 16, 1): 11, (16, 16, 1): 6}
     write_fake_cache(tmp_path, buckets, trimmed=True, seq_len=9, shards_per_bucket=2)

@@ -4,9 +4,8 @@ import math
 
 import pytest
 import torch
-
-from trainer.config import TrainerConfig
-from trainer.objective import (
+from latentmill.trainer.config import TrainerConfig
+from latentmill.trainer.objective import (
     flow_matching_loss,
     interpolate,
     loss_weights,
@@ -16,7 +15,7 @@ from trainer.objective import (
     shift_sigmas,
     velocity_target,
 )
-from trainer.train import lr_lambda
+from latentmill.trainer.train import lr_lambda
 
 
 def _data(shape=(3, 16, 4, 6)):

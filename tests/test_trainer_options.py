@@ -3,6 +3,7 @@ cache-format-2 inputs (posterior sampling, caption dropout) under an exact resum
 
 import pytest
 import torch
+from latentmill.trainer.checkpoint import list_checkpoints
 
 from tests.trainer_helpers import (
     build_tiny_transformer,
@@ -11,7 +12,6 @@ from tests.trainer_helpers import (
     torch_threads,
     write_fake_cache,
 )
-from trainer.checkpoint import list_checkpoints
 
 
 @pytest.fixture(scope="module")
@@ -104,7 +104,7 @@ def test_gradient_accumulation_averages_micro_batch_gradients(setup, tmp_path, m
 
 
 def test_activation_checkpointing_gives_the_same_losses(setup, tmp_path, monkeypatch):
-    import trainer.parallel as parallel_mod
+    import latentmill.trainer.parallel as parallel_mod
 
     calls = []
     real = parallel_mod.apply_activation_checkpointing
@@ -117,7 +117,7 @@ def test_activation_checkpointing_gives_the_same_losses(setup, tmp_path, monkeyp
 
 
 def test_compile_flag_compiles_each_block(setup, tmp_path, monkeypatch):
-    import trainer.parallel as parallel_mod
+    import latentmill.trainer.parallel as parallel_mod
 
     compiled = []
     monkeypatch.setattr(

@@ -6,6 +6,8 @@ import statistics
 
 import pytest
 import torch
+from latentmill.trainer import ParallelConfig, TrainerConfig, train
+from latentmill.trainer.checkpoint import list_checkpoints
 from safetensors.torch import load_file
 
 from latentmill.config import ConfigError, from_dict, to_dict
@@ -16,8 +18,6 @@ from tests.trainer_helpers import (
     torch_threads,
     write_fake_cache,
 )
-from trainer import ParallelConfig, TrainerConfig, train
-from trainer.checkpoint import list_checkpoints
 
 
 @pytest.fixture(scope="module")
@@ -204,7 +204,7 @@ def test_peak_rss_of_a_child_is_its_own_not_its_parents():
     import sys
     from pathlib import Path
 
-    from trainer.train import peak_rss_mb
+    from latentmill.trainer.train import peak_rss_mb
 
     ballast = b"\x01" * (1536 << 20)  # 1.5 GiB, every page touched
     assert peak_rss_mb() > 1536

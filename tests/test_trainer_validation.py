@@ -3,11 +3,11 @@
 import numpy as np
 import pytest
 import torch
+from latentmill.trainer import TrainerConfig, train
+from latentmill.trainer.validation import image_grid
 from PIL import Image
 
 from tests.trainer_helpers import read_metrics, torch_threads, write_fake_cache
-from trainer import TrainerConfig, train
-from trainer.validation import image_grid
 
 PROMPTS = ["a red square", "a blue circle"]
 

@@ -5,6 +5,10 @@ import statistics
 import pytest
 import torch
 from diffusers import UniPCMultistepScheduler, WanTransformer3DModel
+from latentmill.trainer import TrainerConfig, train
+from latentmill.trainer.adapters import ADAPTERS, get_adapter
+from latentmill.trainer.objective import interpolate, velocity_target
+from latentmill.trainer.wan import WanAdapter, check_video_batch_fits, wan_forward
 
 from tests.trainer_helpers import (
     TINY_WAN_TRANSFORMER,
@@ -13,10 +17,6 @@ from tests.trainer_helpers import (
     torch_threads,
     write_fake_cache,
 )
-from trainer import TrainerConfig, train
-from trainer.adapters import ADAPTERS, get_adapter
-from trainer.objective import interpolate, velocity_target
-from trainer.wan import WanAdapter, check_video_batch_fits, wan_forward
 
 
 @pytest.fixture(autouse=True)

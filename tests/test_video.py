@@ -12,7 +12,7 @@ import torch
 
 av = pytest.importorskip("av")
 
-from stages.video import (  # noqa: E402
+from latentmill.stages.video import (  # noqa: E402
     ClipPolicy,
     admissible_frame_counts,
     detect_cuts,
@@ -101,7 +101,7 @@ def test_read_frames_returns_requested_frames_in_order(tmp_path):
 
 
 def test_read_frames_falls_back_to_pyav_when_decord_cannot_open(tmp_path, monkeypatch):
-    import stages.video as video
+    import latentmill.stages.video as video
 
     path = write_video(tmp_path / "v.mp4", 10, 8)
 
@@ -198,8 +198,7 @@ def test_file_urls_read_like_paths(tmp_path):
 @pytest.mark.parametrize("rotation", [-90, 90, 180])
 def test_a_rotated_phone_video_is_probed_and_read_upright(tmp_path, rotation):
     import numpy as np
-
-    from stages.video import probe_video, read_frames, video_rotation
+    from latentmill.stages.video import probe_video, read_frames, video_rotation
 
     path = write_video(tmp_path / "phone.mp4", 6, 12, width=64, height=48, rotation=rotation, halves=True)
     meta = probe_video(str(path))
@@ -223,10 +222,10 @@ def test_a_rotated_phone_video_is_probed_and_read_upright(tmp_path, rotation):
 
 
 def test_ingest_records_rotation_and_clips_decode_upright(tmp_path):
-    from stages import ingest
-    from stages.ingest import IngestConfig
-    from stages.shardio import StageDir, read_shard
-    from stages.video import read_clip
+    from latentmill.stages import ingest
+    from latentmill.stages.ingest import IngestConfig
+    from latentmill.stages.shardio import StageDir, read_shard
+    from latentmill.stages.video import read_clip
 
     src = tmp_path / "videos"
     src.mkdir()
@@ -269,7 +268,7 @@ GAPS_MS = [100] * 10 + [40] * 20 + [200] * 5  # 10 fps, then 25 fps, then 5 fps
 
 
 def test_a_variable_frame_rate_video_is_cut_evenly_in_time(tmp_path):
-    from stages.video import ClipPolicy, frame_times, plan_clips_timed, probe_video
+    from latentmill.stages.video import ClipPolicy, frame_times, plan_clips_timed, probe_video
 
     path = write_vfr_video(tmp_path / "vfr.mp4", GAPS_MS)
     meta = probe_video(str(path))
@@ -299,11 +298,11 @@ def test_a_variable_frame_rate_video_is_cut_evenly_in_time(tmp_path):
 
 
 def test_the_bucket_stage_places_clips_of_a_vfr_video_by_time(tmp_path):
-    from stages import bucket, ingest
-    from stages.bucket import BucketConfig
-    from stages.ingest import IngestConfig
-    from stages.shardio import StageDir, read_shard
-    from stages.video import frame_times, plan_clips_timed
+    from latentmill.stages import bucket, ingest
+    from latentmill.stages.bucket import BucketConfig
+    from latentmill.stages.ingest import IngestConfig
+    from latentmill.stages.shardio import StageDir, read_shard
+    from latentmill.stages.video import frame_times, plan_clips_timed
 
     src = tmp_path / "videos"
     src.mkdir()
@@ -324,9 +323,9 @@ def test_the_bucket_stage_places_clips_of_a_vfr_video_by_time(tmp_path):
 
 
 def test_captioners_see_a_rotated_video_upright_with_the_probed_rotation(tmp_path, monkeypatch):
-    from stages import video as video_module
-    from stages.captioners.media import load_media
-    from stages.video import probe_video
+    from latentmill.stages import video as video_module
+    from latentmill.stages.captioners.media import load_media
+    from latentmill.stages.video import probe_video
 
     path = write_video(tmp_path / "phone.mp4", 12, 12, width=64, height=48, rotation=-90, halves=True)
     meta = {"kind": "video", "source_uri": str(path), **probe_video(str(path))}
@@ -340,7 +339,7 @@ def test_captioners_see_a_rotated_video_upright_with_the_probed_rotation(tmp_pat
 
 
 def test_probe_without_decord_counts_frames_after_reading_the_rotation(tmp_path, monkeypatch):
-    from stages import video as video_module
+    from latentmill.stages import video as video_module
 
     path = write_video(tmp_path / "phone.mp4", 24, 12, rotation=90)
     with_decord = probe_video(str(path))

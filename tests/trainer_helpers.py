@@ -214,9 +214,9 @@ def torch_threads(n: int = 1) -> Iterator[None]:
 
 
 def run_train(setup: tuple[str, Path], train_dir: Path, max_steps: int, batch_size: int, **overrides):
-    """``trainer.train`` on ``setup`` = (pretrained folder, cache folder): lr 3e-3, no checkpoints, no export,
+    """``latentmill.trainer.train`` on ``setup`` = (pretrained folder, cache folder): lr 3e-3, no checkpoints, no export,
     seed 0, no progress bar; ``overrides`` are further ``TrainerConfig`` fields."""
-    from trainer import TrainerConfig, train
+    from latentmill.trainer import TrainerConfig, train
 
     pretrained, cache = setup
     cfg = TrainerConfig(**{"max_steps": max_steps, "batch_size": batch_size, "learning_rate": 3e-3,

@@ -2,7 +2,7 @@
 
 Public API::
 
-    from trainer import TrainerConfig, ParallelConfig, train
+    from latentmill.trainer import TrainerConfig, ParallelConfig, train
     summary = train(TrainerConfig(max_steps=200), cache_dir=..., pretrained=..., train_dir=..., seed=0)
 
 Modules: ``config`` (typed recipe sections), ``objective`` (flow matching: timestep sampling, shift,
@@ -12,11 +12,16 @@ interpolation, target, loss weighting), ``adapter`` / ``adapters`` (the per-fami
 activation checkpointing, compile), ``validation`` (sample grids), ``train`` (the loop).
 """
 
-from trainer.adapter import ModelAdapter
-from trainer.adapters import ADAPTERS, get_adapter
-from trainer.checkpoint import latest_checkpoint, list_checkpoints, load_checkpoint, save_checkpoint
-from trainer.config import ParallelConfig, TrainerConfig
-from trainer.flux import (
+from latentmill.trainer.adapter import ModelAdapter
+from latentmill.trainer.adapters import ADAPTERS, get_adapter
+from latentmill.trainer.checkpoint import (
+    latest_checkpoint,
+    list_checkpoints,
+    load_checkpoint,
+    save_checkpoint,
+)
+from latentmill.trainer.config import ParallelConfig, TrainerConfig
+from latentmill.trainer.flux import (
     FluxAdapter,
     export_flux,
     flux_forward,
@@ -25,8 +30,8 @@ from trainer.flux import (
     pack_latents,
     unpack_latents,
 )
-from trainer.loader import LatentLoader, read_manifest
-from trainer.objective import (
+from latentmill.trainer.loader import LatentLoader, read_manifest
+from latentmill.trainer.objective import (
     flow_matching_loss,
     interpolate,
     loss_weights,
@@ -35,8 +40,8 @@ from trainer.objective import (
     shift_sigmas,
     velocity_target,
 )
-from trainer.train import train
-from trainer.wan import WanAdapter, wan_forward
+from latentmill.trainer.train import train
+from latentmill.trainer.wan import WanAdapter, wan_forward
 
 __all__ = [
     "ADAPTERS",

@@ -11,7 +11,7 @@ An adapter stands between cached latents and an unmodified Diffusers transformer
 * ``validation_images(pipe, ...)``     sample the assembled pipeline for the validation grid.
 
 A new family (SD3, HunyuanVideo, LTX...) is one module with a subclass and one line in
-``trainer.adapters.ADAPTERS``; the loop does not change.
+``latentmill.trainer.adapters.ADAPTERS``; the loop does not change.
 """
 
 from __future__ import annotations

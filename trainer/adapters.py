@@ -1,14 +1,14 @@
 """The model families the trainer knows, by the ``family`` name of the cache manifest.
 
-Adding a family (SD3, HunyuanVideo, LTX...) is one module with a ``trainer.adapter.ModelAdapter`` subclass
+Adding a family (SD3, HunyuanVideo, LTX...) is one module with a ``latentmill.trainer.adapter.ModelAdapter`` subclass
 and one line here; the training loop does not change.
 """
 
 from __future__ import annotations
 
-from trainer.adapter import ModelAdapter
-from trainer.flux import FluxAdapter
-from trainer.wan import WanAdapter
+from latentmill.trainer.adapter import ModelAdapter
+from latentmill.trainer.flux import FluxAdapter
+from latentmill.trainer.wan import WanAdapter
 
 ADAPTERS: dict[str, type[ModelAdapter]] = {"flux": FluxAdapter, "wan": WanAdapter}
 

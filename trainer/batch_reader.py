@@ -1,4 +1,4 @@
-"""Batch assembly for ``trainer.loader.LatentLoader``: one copy per tensor, from shard files to batch.
+"""Batch assembly for ``latentmill.trainer.loader.LatentLoader``: one copy per tensor, from shard files to batch.
 
 ``ShardReader`` holds the open shard files of a latent cache. For a batch it checks each member's
 safetensors header (8-byte little-endian length + JSON with dtype, shape and ``data_offsets``; from the
@@ -19,8 +19,7 @@ from pathlib import Path
 from typing import Any, Union
 
 import torch
-
-from trainer.shard_index import (
+from latentmill.trainer.shard_index import (
     HEADER_READ,
     MAX_HEADER,
     HeaderError,

@@ -4,7 +4,7 @@ The transformer sees what ``FluxPipeline`` gives it at inference time: 2x2-packe
 ids for image and text tokens, ``timestep = sigma`` and (for guidance-distilled models) the guidance scale.
 Packing and ids reproduce ``FluxPipeline._pack_latents`` / ``_unpack_latents`` /
 ``_prepare_latent_image_ids`` so that a model trained here samples correctly in the stock pipeline.
-``FluxAdapter`` is what the training loop uses (see ``trainer.adapter``); ``load_flux_transformer`` and
+``FluxAdapter`` is what the training loop uses (see ``latentmill.trainer.adapter``); ``load_flux_transformer`` and
 ``export_flux`` load the model for training and write the Diffusers artefact.
 
 Shape legend: B batch, C latent channels (16), H/W latent height/width (pixels / 8), N = (H/2)*(W/2) image
@@ -16,9 +16,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
+from latentmill.trainer.adapter import EXPORT_MARKERS, ModelAdapter  # noqa: F401  (EXPORT_MARKERS: public name)
 from torch import nn
-
-from trainer.adapter import EXPORT_MARKERS, ModelAdapter  # noqa: F401  (EXPORT_MARKERS: public name)
 
 
 def pack_latents(latents_BCHW: torch.Tensor) -> torch.Tensor:

@@ -16,9 +16,9 @@ Design choices:
   dataset size, and each member is read exactly once per epoch. This needs local, uncompressed tars (what
   the cache stage writes); remote (fsspec) caches are not supported yet.
 * One copy per tensor: a member's safetensors header (8-byte little-endian length + JSON with dtype, shape
-  and ``data_offsets``) is read and checked first (:mod:`trainer.shard_index`, which also indexes the
+  and ``data_offsets``) is read and checked first (:mod:`latentmill.trainer.shard_index`, which also indexes the
   tars), then ``os.preadv`` reads each tensor's payload straight into its row of a preallocated batch
-  tensor (``[B, ...]``, the stored dtype; :mod:`trainer.batch_reader`). No per-sample decode, no
+  tensor (``[B, ...]``, the stored dtype; :mod:`latentmill.trainer.batch_reader`). No per-sample decode, no
   ``torch.stack``; a different output ``dtype`` is one conversion per batch column.
 * Shards on disk: the kernel is asked (``POSIX_FADV_WILLNEED``) for the members of the next
   ``ADVISE_AHEAD_BATCHES`` batches before a batch is read, so reads of a shuffled epoch overlap (cold
@@ -45,10 +45,9 @@ from pathlib import Path
 from typing import Any, Iterator
 
 import torch
+from latentmill.trainer.batch_reader import META_MEMBER, TEXT_MEMBER, VAE_MEMBER, SampleRef, ShardReader
+from latentmill.trainer.shard_index import index_shard
 from safetensors.torch import load as load_safetensors
-
-from trainer.batch_reader import META_MEMBER, TEXT_MEMBER, VAE_MEMBER, SampleRef, ShardReader
-from trainer.shard_index import index_shard
 
 log = logging.getLogger(__name__)
 

@@ -10,7 +10,7 @@ checkpoint weights and the export; every rank writes its own RNG state.
 (FSDP2): one FSDP unit per transformer block, then the root, on a 1-D ``DeviceMesh`` over all ranks, or a
 2-D (replicate x shard) mesh for HSDP when ``parallel.hsdp_replicate`` > 1. On CUDA the mixed-precision
 policy computes in bfloat16 and reduces gradients in float32. Checkpoints are then sharded
-(``torch.distributed.checkpoint``, see ``trainer.checkpoint``) and the export gathers a full state dict.
+(``torch.distributed.checkpoint``, see ``latentmill.trainer.checkpoint``) and the export gathers a full state dict.
 The same code runs on CPU with gloo (torch >= 2.6), which is how the tests exercise it.
 
 Order, as in torchtitan: activation checkpointing, then compile (per block), then FSDP2/DDP.
@@ -25,10 +25,10 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from latentmill.trainer.config import ParallelConfig
 from torch import nn
 
 from latentmill.config import ConfigError
-from trainer.config import ParallelConfig
 
 log = logging.getLogger(__name__)
 

@@ -2,7 +2,7 @@
 
 ``index_shard`` lists each sample's members (byte offset and size) of an uncompressed tar from its
 headers alone; ``parse_safetensors_header`` checks a member's JSON header (dtypes, shapes, byte ranges) and
-says where each tensor's payload lies, so that ``trainer.loader.LatentLoader`` can read payloads straight
+says where each tensor's payload lies, so that ``latentmill.trainer.loader.LatentLoader`` can read payloads straight
 into batch tensors. No tensor data is read here.
 """
 

@@ -1,7 +1,7 @@
 """The training entry point: ``train(cfg, cache_dir=..., pretrained=..., train_dir=..., seed=...)``.
 
 Reads ONLY the cache stage's latent shards, trains the transformer of the cache's model family (the
-manifest's ``family``: Flux-class images, Wan-class videos; see ``trainer.adapters``) with flow matching,
+manifest's ``family``: Flux-class images, Wan-class videos; see ``latentmill.trainer.adapters``) with flow matching,
 writes ``<train_dir>/metrics.jsonl`` (one JSON object per optimizer step; TensorBoard scalars in
 ``<train_dir>/tb`` when ``tensorboard`` is installed), checkpoints under ``<train_dir>/checkpoints/``,
 validation grids under ``<train_dir>/validation/`` and, at the end, a Diffusers export. CUDA if available
@@ -23,15 +23,12 @@ from pathlib import Path
 from typing import Any, Callable
 
 import torch
-from tqdm.auto import tqdm
-
-from latentmill.config import to_dict
-from trainer.adapter import ModelAdapter
-from trainer.adapters import get_adapter
-from trainer.checkpoint import list_checkpoints, load_checkpoint, resolve_resume, save_checkpoint
-from trainer.config import ParallelConfig, TrainerConfig
-from trainer.loader import LatentLoader, manifest_family, read_manifest
-from trainer.objective import (
+from latentmill.trainer.adapter import ModelAdapter
+from latentmill.trainer.adapters import get_adapter
+from latentmill.trainer.checkpoint import list_checkpoints, load_checkpoint, resolve_resume, save_checkpoint
+from latentmill.trainer.config import ParallelConfig, TrainerConfig
+from latentmill.trainer.loader import LatentLoader, manifest_family, read_manifest
+from latentmill.trainer.objective import (
     flow_matching_loss,
     interpolate,
     loss_weights,
@@ -39,8 +36,11 @@ from trainer.objective import (
     shift_for,
     velocity_target,
 )
-from trainer.parallel import DistContext, init_distributed, parallelize, shutdown
-from trainer.validation import run_validation
+from latentmill.trainer.parallel import DistContext, init_distributed, parallelize, shutdown
+from latentmill.trainer.validation import run_validation
+from tqdm.auto import tqdm
+
+from latentmill.config import to_dict
 
 log = logging.getLogger(__name__)
 

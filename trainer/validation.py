@@ -17,9 +17,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from latentmill.trainer.adapter import ModelAdapter
 from torch import nn
-
-from trainer.adapter import ModelAdapter
 
 log = logging.getLogger(__name__)
 

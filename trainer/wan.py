@@ -19,9 +19,8 @@ height/width (pixels / 8), L text tokens, D text width (UMT5 d_model).
 from __future__ import annotations
 
 import torch
+from latentmill.trainer.adapter import ModelAdapter
 from torch import nn
-
-from trainer.adapter import ModelAdapter
 
 
 def wan_forward(

@@ -7,9 +7,9 @@ caption (the policy), post-processing, provenance, quarantine.
 
 Implementations:
 
-* ``sidecar`` (:mod:`stages.captioners.sidecar`): the caption ingest found next to the media file;
-* ``template`` (:mod:`stages.captioners.template`): a Python format string over the sample's metadata;
-* ``transformers`` (:mod:`stages.captioners.hf`): any Hugging Face image-to-text / image-text-to-text
+* ``sidecar`` (:mod:`latentmill.stages.captioners.sidecar`): the caption ingest found next to the media file;
+* ``template`` (:mod:`latentmill.stages.captioners.template`): a Python format string over the sample's metadata;
+* ``transformers`` (:mod:`latentmill.stages.captioners.hf`): any Hugging Face image-to-text / image-text-to-text
   model (BLIP, BLIP-2, Florence-2, Qwen2-VL class), loaded once per worker with ``from_pretrained``.
 """
 

@@ -26,11 +26,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from latentmill.stages import pixels
+from latentmill.stages.captioners import CaptionItem, CaptionResult
+from latentmill.stages.captioners.media import load_media
+from latentmill.stages.shardio import stable_hash
+
 from latentmill.models import ComponentSource, component_fingerprint
-from stages import pixels
-from stages.captioners import CaptionItem, CaptionResult
-from stages.captioners.media import load_media
-from stages.shardio import stable_hash
 
 DEFAULT_INSTRUCTION = "Describe this {media} in one or two sentences."
 # Prompts for models that need one and are given none: Florence-2 only captions when asked with a task token.
@@ -67,11 +68,10 @@ def model_fingerprint(model: str, revision: str | None = None) -> str:
 
 def resolve_device(device: str) -> str:
     """``caption.device`` made concrete: ``auto`` is ``cuda`` when a GPU is visible, else ``cpu``; ``cuda``
-    in a numbered process-pool worker is that worker's own GPU (``stages.workers``), not every worker's
+    in a numbered process-pool worker is that worker's own GPU (``latentmill.stages.workers``), not every worker's
     ``cuda:0``."""
     import torch
-
-    from stages.workers import worker_gpu
+    from latentmill.stages.workers import worker_gpu
 
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"

@@ -3,7 +3,7 @@
 A sample is a video when its JSON says ``"kind": "video"`` or it has a video member (``mp4``, ``webm``,
 ``mkv``, ``mov``); without a member, the video is read from its ``source_uri`` (ingest keeps videos as
 references). Its optional clip window ``"clip": {"start_frame": S, "num_frames": N}`` limits where frames
-are taken from (the whole video when absent). Frames are decoded by :func:`stages.video.read_frames`
+are taken from (the whole video when absent). Frames are decoded by :func:`latentmill.stages.video.read_frames`
 (decord, PyAV fallback) and shrunk to the model's input size right away, so memory per sample stays
 bounded by K small frames whatever the video's resolution or length.
 """
@@ -13,9 +13,8 @@ from __future__ import annotations
 import os
 from typing import Any, Literal
 
+from latentmill.stages import pixels
 from PIL import Image
-
-from stages import pixels
 
 VIDEO_MEMBERS = ("mp4", "webm", "mkv", "mov")
 
@@ -48,7 +47,7 @@ def fit_within(img: Image.Image, max_side: int | None) -> Image.Image:
 
 def load_image(data: bytes, max_side: int | None = None,
                background: tuple[int, int, int] = (255, 255, 255)) -> Image.Image:
-    """Decode an image by the decoding rules (:mod:`stages.pixels`; JPEGs at reduced scale when that is
+    """Decode an image by the decoding rules (:mod:`latentmill.stages.pixels`; JPEGs at reduced scale when that is
     enough) and fit it within ``max_side``."""
     return fit_within(pixels.decode_rgb(data, background, draft=max_side), max_side)
 
@@ -79,7 +78,7 @@ def sample_frames_with_indices(
 ) -> tuple[list[Image.Image], list[int]]:
     """Like :func:`sample_frames`, also returning the frame index of each frame. ``total_frames`` and
     ``rotation``, when ingest probed them, save opening the video again to find them."""
-    from stages.video import probe_video, read_frames
+    from latentmill.stages.video import probe_video, read_frames
 
     src = bytes(video) if isinstance(video, (bytes, bytearray)) else str(video)
     total = total_frames or probe_video(src)["frames"]
@@ -94,12 +93,12 @@ def sample_frames(
 ) -> list[Image.Image]:
     """``k`` RGB frames sampled uniformly from the clip window of a video (bytes, path or URI).
 
-    Decoding is :func:`stages.video.read_frames` (decord, PyAV fallback), the one video reader of the
+    Decoding is :func:`latentmill.stages.video.read_frames` (decord, PyAV fallback), the one video reader of the
     repository, so a captioner sees the frames the cache stage will encode.
 
     Args:
         video: The encoded video (bytes of an mp4/webm/mkv/mov file), a path, or any URI
-            :mod:`stages.video` opens (``file://``, fsspec URLs, ``tar://member::shard.tar``).
+            :mod:`latentmill.stages.video` opens (``file://``, fsspec URLs, ``tar://member::shard.tar``).
         start_frame: First frame of the clip window.
         num_frames: Length of the clip window in frames; None means up to the end of the video.
         k: How many frames to return (see :func:`frame_indices` for where they sit).

@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from stages.captioners import CaptionItem, CaptionResult
+from latentmill.stages.captioners import CaptionItem, CaptionResult
 
 
 def sidecar_provenance(meta: dict[str, Any]) -> dict[str, Any]:

@@ -17,7 +17,7 @@ import string
 from pathlib import PurePosixPath
 from typing import Any
 
-from stages.captioners import CaptionItem, CaptionResult
+from latentmill.stages.captioners import CaptionItem, CaptionResult
 
 DERIVED_FIELDS = ("caption", "name", "filename", "ext", "path", "folder", "folders", "tags")
 

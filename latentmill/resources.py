@@ -1,0 +1,73 @@
+"""Where the example recipes, the demo data and the tiny-model recipes are, in a checkout and in a wheel.
+
+A checkout keeps them in the top-level folders ``configs/`` and ``data/``; a wheel installs the same files
+as ``latentmill/configs/`` and ``latentmill/data/``. :func:`resource_root` is the folder that holds both.
+
+A recipe argument (``latentmill run CONFIG``, a deployment's ``config`` parameter) is a YAML file, or the
+name of an example recipe shipped with the package (``demo``, ``demo-video``, ``flux-dev-lora``, ...). An
+example recipe's relative paths into ``data/`` point at the shipped data; its ``output_dir`` stays relative
+to the folder you run from, so ``latentmill run demo`` (or ``latentmill demo``) writes ``./outputs/demo``.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+_PACKAGE = Path(__file__).resolve().parent
+# Recipe keys that may name shipped data (relative to the resource root in an example recipe).
+DATA_KEYS = (("ingest", "source"), ("model", "pretrained"), ("model", "tiny_recipe"), ("model", "vae"),
+             ("model", "text_encoder"), ("model", "text_encoder_2"), ("caption", "model"))
+
+
+def resource_root() -> Path:
+    """The folder holding ``configs/`` and ``data/``: the wheel's package folder, or the checkout's root."""
+    return _PACKAGE if (_PACKAGE / "configs").is_dir() else _PACKAGE.parent
+
+
+def example_recipes() -> dict[str, Path]:
+    """The shipped example recipes by name (``demo`` -> ``.../configs/demo.yaml``)."""
+    return {p.stem: p for p in sorted((resource_root() / "configs").glob("*.yaml"))}
+
+
+def find_recipe(config: str | Path) -> tuple[Path, bool]:
+    """``(path, is_example)``: the file ``config`` names, else the example recipe of that name.
+
+    A path that exists always wins; otherwise a bare name (no folder, with or without ``.yaml``) that names
+    an example recipe is that recipe. Anything else is returned as given (loading it then says it is missing).
+    """
+    path = Path(config)
+    if path.is_file():
+        return path, path.resolve().parent == (resource_root() / "configs").resolve()
+    examples = example_recipes()
+    name = path.name[:-5] if path.name.endswith(".yaml") else path.name
+    if path.parent == Path(".") and name in examples:
+        return examples[name], True
+    return path, False
+
+
+def anchor_data_paths(data: dict) -> dict:
+    """An example recipe's relative ``data/...`` values made absolute under :func:`resource_root`."""
+    root = resource_root()
+    for section, key in DATA_KEYS:
+        value = (data.get(section) or {}).get(key)
+        if isinstance(value, str) and value.startswith("data/"):
+            data[section][key] = str(root / value)
+    return data
+
+
+def init_folder(folder: str | Path) -> list[Path]:
+    """Copy the example recipes, the tiny-model recipes and the demo data into ``folder`` (a starting point
+    for your own recipes: run ``latentmill run configs/demo.yaml`` from there). Never overwrites a file."""
+    root, folder = resource_root(), Path(folder)
+    copied = []
+    sources = [*sorted((root / "configs").glob("*.yaml")), *sorted((root / "data").glob("tiny-*.yaml")),
+               *sorted(p for p in (root / "data" / "demo").rglob("*") if p.is_file())]
+    for src in sources:
+        dst = folder / src.relative_to(root)
+        if dst.exists():
+            continue
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(src, dst)
+        copied.append(dst)
+    return copied
