@@ -88,3 +88,38 @@ def test_the_console_script_runs_the_demo_from_an_empty_folder(installed, tmp_pa
     assert subprocess.run([str(target / "bin" / "latentmill"), "init", "mine"], cwd=work, env=_env(target),
                           capture_output=True, text=True, check=True).returncode == 0
     assert (work / "mine" / "configs" / "demo.yaml").is_file() and (work / "mine" / "data" / "demo" / "images").is_dir()
+
+
+@pytest.mark.served
+def test_a_wheel_install_serves_and_runs_the_demo_deployment_without_a_checkout(installed, tmp_path):
+    import socket
+
+    import psutil
+
+    _, target = installed
+    work = tmp_path / "served"
+    work.mkdir()
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    env = _env(target)
+    cli = [str(target / "bin" / "latentmill"), "serve"]
+    started = subprocess.run([*cli, "start", "--port", str(port), "--home", "home"], cwd=work, env=env,
+                             capture_output=True, text=True, timeout=300)
+    try:
+        assert started.returncode == 0, started.stderr[-3000:]
+        prefect = Path(sys.executable).parent / "prefect"
+        run = subprocess.run([str(prefect), "deployment", "run", "prep-then-train/demo", "--params",
+                              json.dumps({"overrides": ["trainer.max_steps=2"]}), "--watch", "--watch-timeout", "400"],
+                             cwd=tmp_path, env={**env, "PREFECT_API_URL": f"http://127.0.0.1:{port}/api"},
+                             capture_output=True, text=True, timeout=480)
+        assert run.returncode == 0 and "Completed" in run.stdout, run.stdout[-3000:] + run.stderr[-2000:]
+        # the flow run worked in the folder `serve start` ran from, on the data shipped in the wheel
+        assert (work / "outputs" / "demo" / "export" / "model_index.json").is_file()
+        worker = [p for p in psutil.process_iter(["environ"]) if (p.info["environ"] or {}).get(
+            "LATENTMILL_SERVE_HOME", "").startswith(str(work))]
+        assert worker  # the server and worker carry their home; none runs from the checkout
+    finally:
+        stopped = subprocess.run([*cli, "stop", "--home", "home"], cwd=work, env=env, capture_output=True,
+                                 text=True, timeout=120)
+    assert stopped.returncode == 0 and "server (PID" in stopped.stdout
