@@ -30,6 +30,9 @@ class TrainerConfig:
     lr_schedule: Literal["constant", "cosine", "linear"] = "constant"  # after warmup, until max_steps
     min_lr_ratio: float = 0.0  # cosine/linear end at learning_rate * min_lr_ratio
     grad_clip: float = 1.0  # max global grad norm; 0 disables clipping (the norm is still logged)
+    # A step whose loss or gradient norm is not finite is skipped (no weight changes, counted as
+    # skipped_steps); more than this many in a row stop the run with an error.
+    max_skipped_steps: int = 10
     # --- checkpointing ---
     save_every: int = 50  # also saves at the final step; 0 disables checkpoints
     keep_latest_k: int = 3  # 0 keeps all
@@ -96,6 +99,7 @@ class TrainerConfig:
             "weight_decay": self.weight_decay,
             "grad_clip": self.grad_clip,
             "validate_every": self.validate_every,
+            "max_skipped_steps": self.max_skipped_steps,
         }
         for key, value in non_negative.items():
             if value < 0:

@@ -18,6 +18,7 @@ import os
 import resource
 import sys
 import time
+import warnings
 from contextlib import nullcontext
 from pathlib import Path
 from typing import Any, Callable
@@ -278,7 +279,7 @@ def _train(
 
     # ---------------------------------------------------------------- resume
     resume_path = resolve_resume(cfg.resume, ckpt_dir, announce=ctx.is_main)
-    start_step, last_loss = 0, float("nan")
+    start_step, last_loss, skipped, skipped_in_row = 0, float("nan"), 0, 0
     if resume_path is not None:
         state = load_checkpoint(
             resume_path,
@@ -291,6 +292,7 @@ def _train(
         loader.load_state_dict(state["loader"])
         _follow_current_schedule(scheduler, cfg.learning_rate)
         start_step, last_loss = int(state["step"]), float(state.get("loss", float("nan")))
+        skipped, skipped_in_row = int(state.get("skipped_steps", 0)), int(state.get("skipped_in_row", 0))
         if ctx.is_main:
             _rewind_metrics(metrics_path, start_step)
         log.info("resumed from %s at step %d", resume_path, start_step)
@@ -341,25 +343,41 @@ def _train(
                 target = velocity_target(latents, noise)
                 weights = loss_weights(sigmas, cfg.loss_weighting) if cfg.loss_weighting != "none" else None
 
-                # --- forward and backward; gradients are reduced across ranks on the last micro-batch only
+                # --- forward and backward; DDP reduces gradients on the last micro-batch only, FSDP2 keeps them
+                # sharded (reduce-scatter) on every one
                 last_micro = micro == accum - 1
-                with _grad_sync(model, last_micro):
+                with _grad_sync(model, last_micro, hsdp=parallel.hsdp_replicate > 1):
                     with autocast:
                         pred = adapter.forward(model, noisy, sigmas, inputs, cfg)
                     loss = flow_matching_loss(pred, target, weights)
                     (loss / accum).backward()
                 micro_losses.append(loss.detach())  # read once per step: no host sync per micro-batch
 
-            # --- clip, step
+            # --- clip, step; a step with a non-finite loss or gradient changes no weight (every rank sees the
+            # same reduced norm and loss, so all skip together)
             grad_norm = torch.nn.utils.clip_grad_norm_(trainable, grad_clip)  # of the rank-averaged grads
             if hasattr(grad_norm, "full_tensor"):  # FSDP2: a DTensor
                 grad_norm = grad_norm.full_tensor()
             last_loss = ctx.mean(sum(torch.stack(micro_losses).tolist()) / accum)  # of the global batch
-            if not math.isfinite(last_loss):
-                raise FloatingPointError(f"loss is {last_loss} at step {step + 1} (batch {batch['keys']})")
             lr = scheduler.get_last_lr()[0]
-            optimizer.step()
-            scheduler.step()
+            skip = not (math.isfinite(last_loss) and math.isfinite(float(grad_norm)))
+            if skip:
+                optimizer.zero_grad(set_to_none=True)
+                skipped, skipped_in_row = skipped + 1, skipped_in_row + 1
+                log.warning("step %d: loss %s, gradient norm %s: step skipped (%d in a row)", step + 1, last_loss,
+                            float(grad_norm), skipped_in_row)
+                if skipped_in_row > cfg.max_skipped_steps:
+                    raise FloatingPointError(
+                        f"{skipped_in_row} steps in a row had a non-finite loss or gradient (up to step {step + 1}, "
+                        f"trainer.max_skipped_steps={cfg.max_skipped_steps}); the weights are still finite and the "
+                        "last checkpoint holds them: lower trainer.learning_rate, check the data, or use bf16 "
+                        "autocast and gradient clipping")
+            else:
+                optimizer.step()
+                skipped_in_row = 0
+            with warnings.catch_warnings():  # a skipped first step: the schedule follows steps, not updates
+                warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler\.step\(\)` before")
+                scheduler.step()
             step += 1
             global_batch = ctx.sum(step_samples)
             if device.type == "cuda":  # the step's time includes the clip and optimizer kernels it queued
@@ -381,6 +399,8 @@ def _train(
                 "data_wait_s": t_data,
                 "data_wait_fraction": t_data / t_step if t_step else 0.0,
                 "step_time_s": t_step,
+                "skipped": skip,
+                "skipped_steps": skipped,
                 "peak_mem_mb": peak_mem_mb(device),
                 "epoch": batch["epoch"],
                 "bucket": batch["bucket"],
@@ -424,9 +444,12 @@ def _train(
 
             # --- checkpoint
             if cfg.save_every and (step % cfg.save_every == 0 or step == cfg.max_steps):
+                _check_finite_weights(trainable, ctx, step)  # never a checkpoint with a non-finite weight
                 trainer_state = {
                     "loader": loader.state_dict(),
                     "loss": last_loss,
+                    "skipped_steps": skipped,
+                    "skipped_in_row": skipped_in_row,
                     "seed": seed,
                     "world_size": ctx.world_size,
                     "mode": cfg.mode,
@@ -507,32 +530,52 @@ def _follow_current_schedule(scheduler: torch.optim.lr_scheduler.LambdaLR, learn
     scheduler._last_lr = lrs
 
 
+def _check_finite_weights(params: list[torch.nn.Parameter], ctx: DistContext, step: int) -> None:
+    """Raise before a checkpoint could store a non-finite weight (each rank checks its shard; all agree)."""
+    bad = 0
+    with torch.no_grad():
+        for p in params:
+            local = p.to_local() if hasattr(p, "to_local") else p
+            bad += int(not bool(torch.isfinite(local).all()))
+    if ctx.sum(bad):
+        raise FloatingPointError(f"step {step}: a trainable weight is not finite; no checkpoint is written "
+                                 "(the previous one is intact: resume from it with a lower learning rate)")
+
+
 def _text_length(manifest: dict) -> int:
     """Token count the cached prompt embeddings were made with (the pipeline's ``max_sequence_length``)."""
     text = manifest.get("text") or {}
     return int(text.get("pad_to") or manifest.get("max_sequence_length") or 512)
 
 
-def _grad_sync(model: torch.nn.Module, sync: bool):
-    """Context for one micro-batch: skip the cross-rank gradient reduction unless ``sync`` (last micro-batch)."""
+def _grad_sync(model: torch.nn.Module, sync: bool, hsdp: bool = False):
+    """Context for one micro-batch: which cross-rank gradient reduction to skip before the last (``sync``).
+
+    DDP skips its all-reduce (replicated gradients stay the size of the model anyway). FSDP2 reduce-scatters
+    on every micro-batch: skipping it (``set_requires_gradient_sync(False)``) would keep every gradient
+    unsharded in float32 until the last micro-batch, the whole model's size on every rank (+48 GB per GPU
+    for FLUX.1-dev). Under HSDP only the all-reduce across replicas waits for the last micro-batch.
+    """
     if sync:
         return nullcontext()
     if isinstance(model, torch.nn.parallel.DistributedDataParallel):
         return model.no_sync()
-    if hasattr(model, "set_requires_gradient_sync"):  # FSDP2: re-enabled before the last micro-batch
-        return _FSDPNoSync(model)
+    if hsdp and hasattr(model, "set_requires_all_reduce"):
+        return _FSDPNoAllReduce(model)
     return nullcontext()
 
 
-class _FSDPNoSync:
+class _FSDPNoAllReduce:
+    """HSDP: reduce-scatter within a replica every micro-batch, all-reduce across replicas on the last."""
+
     def __init__(self, model: torch.nn.Module) -> None:
         self.model = model
 
     def __enter__(self) -> None:
-        self.model.set_requires_gradient_sync(False)
+        self.model.set_requires_all_reduce(False)
 
     def __exit__(self, *exc: object) -> None:
-        self.model.set_requires_gradient_sync(True)
+        self.model.set_requires_all_reduce(True)
 
 
 def _unsharded_copy(
