@@ -50,7 +50,10 @@ def test_killed_run_leaves_no_api_server(sig, tiny_flux, tmp_path):
     env.pop("PREFECT_API_URL", None)
     cmd = [sys.executable, "-m", "latentmill.cli", "run", str(DEMO_CONFIG), f"output_dir={out}",
            f"model.pretrained={tiny_flux}", f"ingest.source={DEMO_IMAGES}", "trainer.max_steps=100000"]
-    cli = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+    # stderr to a file, not a pipe: a run's progress bars and crash report would fill an unread pipe's 64 KB,
+    # and a child blocked on a full pipe never exits
+    stderr = open(tmp_path / "stderr.log", "w")
+    cli = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=stderr, text=True,
                            start_new_session=True)
     server = None
     try:
@@ -61,7 +64,7 @@ def test_killed_run_leaves_no_api_server(sig, tiny_flux, tmp_path):
                 server = found[0]
                 break
             time.sleep(0.5)
-        assert cli.poll() is None, cli.stderr.read()[-3000:]
+        assert cli.poll() is None, (tmp_path / "stderr.log").read_text()[-3000:]
         assert server is not None, "no temporary Prefect API server started under the CLI"
         cli.send_signal(sig)
         cli.wait(timeout=30)
@@ -76,4 +79,4 @@ def test_killed_run_leaves_no_api_server(sig, tiny_flux, tmp_path):
         if cli.poll() is None:
             cli.kill()
             cli.wait()
-        cli.stderr.close()
+        stderr.close()
