@@ -100,7 +100,7 @@ def _sample_image(train: dict[str, Any], output_dir: Path) -> Path:
     import torch
     from diffusers import DiffusionPipeline
 
-    from latentmill.pipelines.runs import _relink
+    from latentmill.pipelines.runs import relink
 
     path = Path(train["run_dir"]) / "sample.png"
     if not path.is_file():  # a run trained before: its sample is there already
@@ -114,7 +114,7 @@ def _sample_image(train: dict[str, Any], output_dir: Path) -> Path:
         image = pipe("a red circle on a blue background", height=128, width=128, num_inference_steps=8,
                      generator=torch.Generator().manual_seed(0), max_sequence_length=32).images[0]
         image.save(path)
-    _relink(output_dir / "sample.png", path)
+    relink(output_dir / "sample.png", path)
     return output_dir / "sample.png"
 
 

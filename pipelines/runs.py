@@ -86,8 +86,8 @@ def _tmp(path: Path) -> Path:
     return path.with_name(f".{path.name}.{socket.gethostname()}.{os.getpid()}.tmp")
 
 
-def _relink(link: Path, target: Path) -> None:
-    """Point ``link`` at ``target`` (a relative symlink, replaced atomically)."""
+def relink(link: Path, target: Path) -> None:
+    """Point ``link`` at ``target`` (a relative symlink, replaced atomically; a stable path to the newest)."""
     tmp = _tmp(link)
     tmp.unlink(missing_ok=True)
     os.symlink(os.path.relpath(target, link.parent), tmp)
@@ -115,10 +115,10 @@ def migrate_legacy(recipe: Recipe) -> None:
         os.replace(path, legacy / path.name)
     if old_export:
         os.replace(export, legacy / "export")
-        _relink(export, legacy / "export")
+        relink(export, legacy / "export")
     (train / LATEST).write_text(LEGACY + "\n")
     if (legacy / "metrics.jsonl").exists():
-        _relink(train / "metrics.jsonl", legacy / "metrics.jsonl")
+        relink(train / "metrics.jsonl", legacy / "metrics.jsonl")
     print(f"train: moved the outputs of an earlier layout into {legacy}")
 
 
@@ -134,7 +134,7 @@ def _start(recipe: Recipe, folder: Path, key: str, snapshot: str) -> RunPlan:
     tmp = _tmp(pointer)
     tmp.write_text(folder.name + "\n")
     os.replace(tmp, pointer)
-    _relink(recipe.train_dir / "metrics.jsonl", folder / "metrics.jsonl")
+    relink(recipe.train_dir / "metrics.jsonl", folder / "metrics.jsonl")
     return RunPlan(folder, key)
 
 
@@ -181,7 +181,7 @@ def finish_run(recipe: Recipe, plan: RunPlan, summary: dict[str, Any]) -> dict[s
         if link.is_dir() and not link.is_symlink():  # a folder the user made there: never replaced
             print(f"train: {link} is a folder, not a link; the export stays in {exported}")
         else:
-            _relink(link, Path(exported))
+            relink(link, Path(exported))
             summary["export_dir"] = str(link)
     record = read_run(plan.folder)
     _write_json(plan.folder / RUN_FILE, {**record, "key": plan.key, "finished": True,

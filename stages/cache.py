@@ -143,7 +143,7 @@ class CachePlan:
     prints: dict[str, str]  # component -> weights fingerprint
     vae_fp: str
     text_fp: str
-    background: tuple[int, int, int] = (255, 255, 255)  # cache.alpha_background
+    background: tuple[int, int, int] = pixels.WHITE  # cache.alpha_background
 
     @classmethod
     def of(cls, cfg: CacheConfig, model: ModelConfig) -> CachePlan:
@@ -302,7 +302,7 @@ def _resize_crop(img: Image.Image, crop: dict[str, int], width: int, height: int
 
 
 def load_pixels(data: bytes, crop: dict[str, int], bucket: list[int],
-                background: tuple[int, int, int] = (255, 255, 255)) -> torch.Tensor:
+                background: tuple[int, int, int] = pixels.WHITE) -> torch.Tensor:
     """Decode an image by the decoding rules (:mod:`latentmill.stages.pixels`: shown orientation, 8-bit sRGB, alpha over
     ``background``), resize to cover, crop to the bucket: a [3, H, W] tensor in [-1, 1]."""
     return _resize_crop(pixels.decode_rgb(data, background), crop, bucket[0], bucket[1])
@@ -319,7 +319,7 @@ def load_clip_pixels(meta: dict[str, Any], sample: dict[str, Any]) -> torch.Tens
 
 
 def decode_sample(sample: dict[str, Any], meta: dict[str, Any],
-                  background: tuple[int, int, int] = (255, 255, 255)) -> torch.Tensor:
+                  background: tuple[int, int, int] = pixels.WHITE) -> torch.Tensor:
     """The pixels of one image or clip, as the bucket stage sized and cropped it."""
     if meta.get("kind") == "video":
         return load_clip_pixels(meta, sample)

@@ -32,6 +32,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Literal, Optional, Union
 
+from latentmill.stages import pixels
 from latentmill.stages.captioners import Captioner, CaptionItem, CaptionResult
 from latentmill.stages.captioners.hf import TransformersCaptioner
 from latentmill.stages.captioners.postprocess import DEFAULT_STRIP_PREFIXES, CaptionRules
@@ -137,10 +138,7 @@ class CaptionConfig:
                             self.max_chars, self.min_chars)
 
 
-WHITE = (255, 255, 255)
-
-
-def build_captioner(cfg: CaptionConfig, background: tuple[int, int, int] = WHITE) -> Captioner:
+def build_captioner(cfg: CaptionConfig, background: tuple[int, int, int] = pixels.WHITE) -> Captioner:
     """The captioner named by ``caption.captioner`` (cheap: models load on first use, once per process).
 
     ``background`` is ``cache.alpha_background``: a model sees transparent pixels composited over it, as the

@@ -31,6 +31,7 @@ import numpy as np
 from PIL import Image, ImageColor, ImageOps
 
 RULES_VERSION = 1
+WHITE = (255, 255, 255)  # cache.alpha_background's default
 # Every still format accepted by ingest: extension -> Pillow format (all decodable here; tests check it).
 IMAGE_EXTENSIONS = {
     ".jpg": "JPEG", ".jpeg": "JPEG", ".jpe": "JPEG", ".jfif": "JPEG",
@@ -198,7 +199,7 @@ def _to_srgb(img: Image.Image, icc: bytes | None) -> Image.Image:
     return img if img.mode == "RGB" else img.convert("RGB")
 
 
-def to_rgb(img: Image.Image, background: tuple[int, int, int] = (255, 255, 255)) -> Image.Image:
+def to_rgb(img: Image.Image, background: tuple[int, int, int] = WHITE) -> Image.Image:
     """``img`` as 8-bit sRGB RGB in its shown orientation, transparency composited over ``background``."""
     icc = img.info.get("icc_profile")
     if orientation(img) != 1:
@@ -221,7 +222,7 @@ def to_rgb(img: Image.Image, background: tuple[int, int, int] = (255, 255, 255))
     return rgb
 
 
-def decode_rgb(data: bytes, background: tuple[int, int, int] = (255, 255, 255),
+def decode_rgb(data: bytes, background: tuple[int, int, int] = WHITE,
                draft: int | None = None) -> Image.Image:
     """Decode a still image's bytes by these rules; ``draft``: let JPEGs decode at 1/2–1/8 scale when their
     longer side stays at least this large (a captioner's small input)."""

@@ -187,7 +187,7 @@ class TransformersCaptioner:
                  max_new_tokens: int = 64, min_new_tokens: int = 0, num_beams: int = 1,
                  generate_kwargs: dict[str, Any] | None = None, batch_size: int = 8, dtype: str = "auto",
                  device: str = "auto", frames: int = 8, trust_remote_code: bool = False,
-                 background: tuple[int, int, int] = (255, 255, 255)):
+                 background: tuple[int, int, int] = pixels.WHITE):
         self.model_id = model
         self.background = tuple(background)
         self.revision = revision

@@ -46,7 +46,7 @@ def fit_within(img: Image.Image, max_side: int | None) -> Image.Image:
 
 
 def load_image(data: bytes, max_side: int | None = None,
-               background: tuple[int, int, int] = (255, 255, 255)) -> Image.Image:
+               background: tuple[int, int, int] = pixels.WHITE) -> Image.Image:
     """Decode an image by the decoding rules (:mod:`latentmill.stages.pixels`; JPEGs at reduced scale when that is
     enough) and fit it within ``max_side``."""
     return fit_within(pixels.decode_rgb(data, background, draft=max_side), max_side)
@@ -109,7 +109,7 @@ def sample_frames(
 
 
 def load_media(sample: dict[str, Any], meta: dict[str, Any], frames: int, max_side: int | None,
-               background: tuple[int, int, int] = (255, 255, 255)) -> tuple[str, list[Image.Image], list[int] | None]:
+               background: tuple[int, int, int] = pixels.WHITE) -> tuple[str, list[Image.Image], list[int] | None]:
     """``("image", [img], None)`` or ``("video", K frames, their indices)`` for one sample; transparent
     pixels of an image are composited over ``background`` (``cache.alpha_background``)."""
     kind, member = media_member(sample, meta)
