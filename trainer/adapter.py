@@ -58,6 +58,26 @@ def load_transformer(
     # torch_dtype only when not the default (diffusers 0.42 deprecates the name, older releases lack `dtype`)
     extra = {"torch_dtype": base_dtype} if base_dtype != torch.float32 else {}
     transformer = transformer_cls.from_pretrained(pretrained, subfolder="transformer", **extra)
+    return make_trainable(
+        transformer, mode=mode, lora_rank=lora_rank, lora_alpha=lora_alpha, lora_target_modules=lora_target_modules
+    ).to(device)
+
+
+def make_trainable(
+    transformer: nn.Module,
+    *,
+    mode: str = "full",
+    lora_rank: int = 16,
+    lora_alpha: float = 16.0,
+    lora_target_modules: list[str] | None = None,
+) -> nn.Module:
+    """Mark what trains: ``full`` every parameter; ``lora`` a PEFT LoRA adapter (float32) on a frozen base.
+
+    The one place that adds the adapter, for a loaded model and for one built on the meta device
+    (``latentmill.trainer.model_load.meta_transformer``) alike, so both have the same parameter names.
+    LoRA weights are drawn from the global RNG (``init_lora_weights="gaussian"``). Returns the model in
+    train mode.
+    """
     if mode == "lora":
         from peft import LoraConfig
 
@@ -73,9 +93,11 @@ def load_transformer(
         for param in transformer.parameters():
             if param.requires_grad:
                 param.data = param.data.float()  # trainable weights stay float32 even on a bf16 base
-    else:
+    elif mode == "full":
         transformer.requires_grad_(True)
-    return transformer.to(device).train()
+    else:
+        raise ValueError(f"unknown trainer mode {mode!r}")
+    return transformer.train()
 
 
 def _replace_export(tmp: Path, export_dir: Path) -> Path:
