@@ -83,14 +83,13 @@ def test_gradient_accumulation_averages_micro_batch_gradients(setup, tmp_path, m
     order (micro-batch 1, then 2) either way, so the two plain steps see exactly the accumulated inputs.
     """
     seen = []
-    real_clip = torch.nn.utils.clip_grad_norm_
+    real_step = torch.optim.AdamW.step
 
-    def spy(params, max_norm):
-        params = list(params)
-        seen.append([p.grad.clone() for p in params])
-        return real_clip(params, max_norm)
+    def spy(self, *args, **kwargs):  # the gradients the optimizer steps on
+        seen.append([p.grad.clone() for group in self.param_groups for p in group["params"] if p.grad is not None])
+        return real_step(self, *args, **kwargs)
 
-    monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_", spy)
+    monkeypatch.setattr(torch.optim.AdamW, "step", spy)
     _run(setup, tmp_path / "accum", max_steps=1, grad_accum_steps=2, learning_rate=1e-30, grad_clip=0.0)
     (accumulated,) = seen
     _run(setup, tmp_path / "plain", max_steps=2, grad_accum_steps=1, learning_rate=1e-30, grad_clip=0.0)

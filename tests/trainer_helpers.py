@@ -89,6 +89,7 @@ def write_fake_cache(
     format_version: int = 2,
     trimmed: bool = False,
     latents: str = "mean",
+    same: bool = False,
 ) -> dict:
     """Write a cache-stage output: ``buckets`` maps [width, height, frames] -> sample count. Returns the manifest.
 
@@ -98,7 +99,8 @@ def write_fake_cache(
     Text embeddings are random normal; ``trimmed``: each sample holds 2..seq_len real tokens and the
     manifest says ``text: {trimmed: true, pad_to: seq_len}``. ``empty_prompt.safetensors`` holds the empty
     caption's tensors (one token). Keys ``s00000``... are unique over the whole cache. ``format_version=1``
-    writes the older manifest (no family/latents/text/empty_prompt).
+    writes the older manifest (no family/latents/text/empty_prompt). ``same``: every sample of a bucket
+    holds the same tensors (its first sample's), so any batching of the bucket has the same content.
     """
     cache_dir = Path(cache_dir)
     (cache_dir / "shards").mkdir(parents=True, exist_ok=True)
@@ -106,12 +108,15 @@ def write_fake_cache(
     shards, n = [], 0
     for bucket, count in buckets.items():
         width, height, frames = bucket
+        bucket_start = gen.get_state()
         per_shard = -(-count // shards_per_bucket)
         for start in range(0, count, per_shard):
             buf = io.BytesIO()
             writer = wds.TarWriter(buf, mtime=0, encoder=False)
             in_shard = min(per_shard, count - start)
             for _ in range(in_shard):
+                if same:
+                    gen.set_state(bucket_start)
                 key = f"s{n:05d}"
                 space = (height // 8, width // 8)
                 if family == "wan":

@@ -129,6 +129,57 @@ def _sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
+def _verify_group(world_size: int) -> tuple[int, int]:
+    """(rank, size) among the processes that share the shard check: the default process group when one is
+    initialised and the loader was told it is one of its ``world_size`` ranks (every rank builds a loader,
+    so every rank reaches the collective), else (0, 1): this process checks every shard."""
+    import torch.distributed as dist
+
+    if world_size > 1 and dist.is_available() and dist.is_initialized() and dist.get_world_size() == world_size:
+        return dist.get_rank(), world_size
+    return 0, 1
+
+
+def verify_shards(cache_dir: Path, entries: list[dict], world_size: int = 1) -> list[int]:
+    """Check the cache shards' sha256 against the manifest ``entries``; raise ``ValueError`` naming every bad
+    shard (path, expected and actual sha256). Returns the indices of the shards this process hashed.
+
+    Under a process group of ``world_size`` ranks, rank r hashes shards r, r + N, ... (shards are sized by
+    bytes, so the shares are balanced) and the bad shards every rank found are gathered, so every rank
+    raises the same error: hashing a large cache costs each rank 1/N of it, not all of it. The gather is one
+    ``all_gather_object`` at start-up (on NCCL it uses the current CUDA device, which ``parallel`` sets).
+    An unreadable shard counts as bad (a rank that raised alone would leave the others waiting).
+    """
+    rank, size = _verify_group(world_size)
+    hashed: list[int] = []
+    bad: list[tuple[int, str]] = []
+    for index in range(rank, len(entries), size):
+        expected = entries[index].get("sha256")
+        if not expected:
+            continue
+        path = cache_dir / entries[index]["path"]
+        try:
+            actual = _sha256(path)
+        except OSError as exc:
+            actual = f"unreadable ({exc.strerror or exc})"
+        hashed.append(index)
+        if actual != expected:
+            bad.append((index, f"{path}: expected sha256 {expected}, actual {actual}"))
+    if size > 1:
+        import torch.distributed as dist
+
+        gathered: list[list[tuple[int, str]] | None] = [None] * size
+        dist.all_gather_object(gathered, bad)
+        bad = sorted(found for part in gathered for found in part or [])
+    if bad:
+        lines = "\n  ".join(message for _, message in bad)
+        raise ValueError(
+            f"{len(bad)} of {len(entries)} cache shards: sha256 differs from the manifest (corrupt or replaced "
+            f"shard):\n  {lines}"
+        )
+    return hashed
+
+
 def _epoch_generator(seed: int, epoch: int) -> torch.Generator:
     """A generator seeded from (seed, epoch) alone, stable across processes and platforms."""
     digest = hashlib.sha256(f"latentmill-loader:{seed}:{epoch}".encode()).digest()
@@ -146,6 +197,8 @@ class LatentLoader:
 
     ``prefetch``: read the next batch in a background thread while the consumer works on this one (see
     ``__iter__``); ``io_threads``: threads that copy the members of one batch (``ShardReader``).
+    ``verify``: check each shard's sha256 against the manifest first (``verify_shards``: under a process
+    group each rank hashes its share, and every rank raises when any rank found a bad shard).
     """
 
     def __init__(
@@ -198,9 +251,9 @@ class LatentLoader:
             path = self.cache_dir / entry["path"]
             if path.suffix != ".tar":
                 raise ValueError(f"{path}: only uncompressed .tar shards are supported")
-            if verify and entry.get("sha256") and _sha256(path) != entry["sha256"]:
-                raise ValueError(f"{path}: sha256 differs from the manifest (corrupt or replaced shard)")
             self.shard_paths.append(path)
+        # the shards this rank hashed (its share under a process group, see verify_shards)
+        self.verified_shards = verify_shards(self.cache_dir, self.manifest["shards"], world_size) if verify else []
         by_bucket: dict[tuple[int, ...], list[SampleRef]] = {}
         indexed = zip(self.manifest["shards"], self._index_shards())
         for shard_id, (entry, (samples, headers)) in enumerate(indexed):

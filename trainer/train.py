@@ -38,7 +38,7 @@ from latentmill.trainer.objective import (
     velocity_target,
 )
 from latentmill.trainer.parallel import DistContext, init_distributed, parallelize, shutdown
-from latentmill.trainer.validation import run_validation
+from latentmill.trainer.validation import Validator
 from tqdm.auto import tqdm
 
 from latentmill.config import to_dict
@@ -202,310 +202,355 @@ def _train(
     on_step: Callable[[dict], None] | None = None,
     provenance: dict[str, Any],
 ) -> dict[str, Any]:
-    """The body of ``train`` for one process (rank ``ctx.rank`` of ``ctx.world_size``)."""
-    # ---------------------------------------------------------------- setup
-    ckpt_dir, metrics_path = train_dir / "checkpoints", train_dir / "metrics.jsonl"
-    if ctx.is_main:
-        train_dir.mkdir(parents=True, exist_ok=True)
-    device = ctx.device
-    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else nullcontext()
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-
-    # ---------------------------------------------------------------- data: manifest and loader
-    manifest = read_manifest(cache_dir)
-    if check_cache is not None:
-        check_cache(manifest)
-    adapter = get_adapter(manifest_family(manifest))
-    loader = LatentLoader(
-        cache_dir,
-        cfg.batch_size,
-        seed,
-        dtype=torch.float32,
-        drop_last=cfg.drop_last,
-        verify=cfg.verify_shards,
-        manifest=manifest,
-        rank=ctx.rank,
-        world_size=ctx.world_size,
-        caption_dropout=cfg.caption_dropout,
-    )
-    log.info(
-        "%s cache %s: %d samples in %d buckets, %d batches per epoch and rank",
-        adapter.family,
-        cache_dir,
-        loader.num_samples,
-        len(loader.buckets),
-        len(loader),
-    )
-
-    # ---------------------------------------------------------------- model
-    torch.manual_seed(derive_seed(seed, "init"))  # LoRA init draws from the global RNG: same on every rank
-    transformer = adapter.load(
-        pretrained,
-        mode=cfg.mode,
-        # FSDP2 shards from CPU onto the device (no full copy per GPU) and keeps float32 masters; its
-        # mixed-precision policy does the bf16 compute
-        device="cpu" if ctx.sharded else device,
-        lora_rank=cfg.lora_rank,
-        lora_alpha=cfg.lora_alpha,
-        lora_target_modules=cfg.lora_target_modules,
-        base_dtype=torch.float32 if ctx.sharded else None,
-    )
-    # forward through `model`; save/export `transformer` (the same module under FSDP2, sharded in place)
-    model = parallelize(
-        transformer,
-        parallel,
-        ctx,
-        blocks=adapter.blocks(transformer),
-        activation_checkpointing=cfg.activation_checkpointing,
-        compile=cfg.compile,
-    )
-    trainable = [p for p in transformer.parameters() if p.requires_grad]
-    log.info("%s mode: %d trainable parameters", cfg.mode, sum(p.numel() for p in trainable))
-
-    # ---------------------------------------------------------------- optimizer, LR schedule, noise RNG
-    optimizer = torch.optim.AdamW(
-        trainable,
-        lr=cfg.learning_rate,
-        betas=tuple(cfg.adam_betas),
-        eps=cfg.adam_eps,
-        weight_decay=cfg.weight_decay,
-    )
-    scheduler = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lr_lambda(cfg.warmup_steps, cfg.max_steps, cfg.lr_schedule, cfg.min_lr_ratio)
-    )
-    # sigmas, noise and posterior samples come from this CPU generator only; each rank draws its own
-    sampling_gen = torch.Generator().manual_seed(derive_seed(seed, f"sampling:{ctx.rank}"))
-
-    # ---------------------------------------------------------------- resume
-    resume_path = resolve_resume(cfg.resume, ckpt_dir, announce=ctx.is_main)
-    start_step, last_loss, skipped, skipped_in_row = 0, float("nan"), 0, 0
-    if resume_path is not None:
-        state = load_checkpoint(
-            resume_path,
-            model=transformer,
-            optimizer=optimizer,
-            scheduler=scheduler,
-            sampling_generator=sampling_gen,
-            rank=ctx.rank,
-        )
-        loader.load_state_dict(state["loader"])
-        _follow_current_schedule(scheduler, cfg.learning_rate)
-        start_step, last_loss = int(state["step"]), float(state.get("loss", float("nan")))
-        skipped, skipped_in_row = int(state.get("skipped_steps", 0)), int(state.get("skipped_in_row", 0))
-        if ctx.is_main:
-            _rewind_metrics(metrics_path, start_step)
-        log.info("resumed from %s at step %d", resume_path, start_step)
-    elif ctx.is_main:
-        _set_aside_previous_run(train_dir, ckpt_dir, metrics_path)
-        metrics_path.write_text("")
-    ctx.barrier()  # every rank has decided where to start before rank 0 writes anything new
-
-    # ---------------------------------------------------------------- training loop
-    grad_clip = cfg.grad_clip if cfg.grad_clip > 0 else math.inf
-    accum = cfg.grad_accum_steps
-    text_len = _text_length(manifest)
-    step, samples_seen, train_time, data_time = start_step, 0, 0.0, 0.0
-    validations: list[str] = []
-    batches = iter(loader)
-    bar = tqdm(total=cfg.max_steps, initial=start_step, disable=not (progress and ctx.is_main), unit="step")
-    metrics_file = open(metrics_path, "a") if ctx.is_main else nullcontext()
+    """The body of ``train`` for one process (rank ``ctx.rank`` of ``ctx.world_size``): set up, loop, export."""
+    run = _Run(cfg, ctx, parallel, cache_dir, pretrained, train_dir, seed, check_cache, provenance)
+    run.resume()
+    batches = iter(run.loader)
+    bar = tqdm(total=cfg.max_steps, initial=run.start_step, disable=not (progress and ctx.is_main), unit="step")
+    metrics_file = open(run.metrics_path, "a") if ctx.is_main else nullcontext()
     tb = tensorboard_writer(train_dir / "tb") if (ctx.is_main and cfg.tensorboard) else None
-    with bar, loader, metrics_file:
-        while step < cfg.max_steps:
-            t_start = time.perf_counter()
-            t_data, step_samples, micro_losses = 0.0, 0, []
-            optimizer.zero_grad(set_to_none=True)
-            for micro in range(accum):
-                # --- data (this rank's micro-batch)
-                t_fetch = time.perf_counter()
-                batch = next(batches)
-                inputs = {
-                    k: v.to(device, non_blocking=True)
-                    for k, v in batch.items()
-                    if isinstance(v, torch.Tensor)
-                }
-                t_data += time.perf_counter() - t_fetch
-                if step == start_step and micro == 0:
-                    adapter.check_batch(transformer, inputs)
-                latents = inputs["latents"]
-                batch_size = latents.shape[0]
-                step_samples += batch_size
-
-                # --- flow matching: all randomness from one generator, in a fixed order
-                if "latents_std" in inputs:  # a fresh draw from the cached posterior each time
-                    eps = torch.randn(latents.shape, generator=sampling_gen, dtype=torch.float32).to(device)
-                    latents = latents + inputs["latents_std"] * eps
-                shift = shift_for(cfg, adapter.seq_len(latents))
-                sigmas = sample_sigmas(batch_size, cfg, sampling_gen, shift=shift).to(device)
-                noise = torch.randn(latents.shape, generator=sampling_gen, dtype=torch.float32).to(device)
-                noisy = interpolate(latents, noise, sigmas)
-                target = velocity_target(latents, noise)
-                weights = loss_weights(sigmas, cfg.loss_weighting) if cfg.loss_weighting != "none" else None
-
-                # --- forward and backward; DDP reduces gradients on the last micro-batch only, FSDP2 keeps them
-                # sharded (reduce-scatter) on every one
-                last_micro = micro == accum - 1
-                with _grad_sync(model, last_micro, hsdp=parallel.hsdp_replicate > 1):
-                    with autocast:
-                        pred = adapter.forward(model, noisy, sigmas, inputs, cfg)
-                    loss = flow_matching_loss(pred, target, weights)
-                    (loss / accum).backward()
-                micro_losses.append(loss.detach())  # read once per step: no host sync per micro-batch
-
-            # --- clip, step; a step with a non-finite loss or gradient changes no weight (every rank sees the
-            # same reduced norm and loss, so all skip together)
-            grad_norm = torch.nn.utils.clip_grad_norm_(trainable, grad_clip)  # of the rank-averaged grads
-            if hasattr(grad_norm, "full_tensor"):  # FSDP2: a DTensor
-                grad_norm = grad_norm.full_tensor()
-            last_loss = ctx.mean(sum(torch.stack(micro_losses).tolist()) / accum)  # of the global batch
-            lr = scheduler.get_last_lr()[0]
-            skip = not (math.isfinite(last_loss) and math.isfinite(float(grad_norm)))
-            if skip:
-                optimizer.zero_grad(set_to_none=True)
-                skipped, skipped_in_row = skipped + 1, skipped_in_row + 1
-                log.warning("step %d: loss %s, gradient norm %s: step skipped (%d in a row)", step + 1, last_loss,
-                            float(grad_norm), skipped_in_row)
-                if skipped_in_row > cfg.max_skipped_steps:
-                    raise FloatingPointError(
-                        f"{skipped_in_row} steps in a row had a non-finite loss or gradient (up to step {step + 1}, "
-                        f"trainer.max_skipped_steps={cfg.max_skipped_steps}); the weights are still finite and the "
-                        "last checkpoint holds them: lower trainer.learning_rate, check the data, or use bf16 "
-                        "autocast and gradient clipping")
-            else:
-                optimizer.step()
-                skipped_in_row = 0
-            with warnings.catch_warnings():  # a skipped first step: the schedule follows steps, not updates
-                warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler\.step\(\)` before")
-                scheduler.step()
-            step += 1
-            global_batch = ctx.sum(step_samples)
-            if device.type == "cuda":  # the step's time includes the clip and optimizer kernels it queued
-                torch.cuda.synchronize(device)
-            t_step = time.perf_counter() - t_start
-            samples_seen, train_time, data_time = (
-                samples_seen + global_batch,
-                train_time + t_step,
-                data_time + t_data,
-            )
-
-            # --- metrics: one line per optimizer step
-            record = {
-                "step": step,
-                "loss": last_loss,
-                "lr": lr,
-                "grad_norm": float(grad_norm),
-                "samples_per_s": global_batch / t_step,
-                "data_wait_s": t_data,
-                "data_wait_fraction": t_data / t_step if t_step else 0.0,
-                "step_time_s": t_step,
-                "skipped": skip,
-                "skipped_steps": skipped,
-                "peak_mem_mb": peak_mem_mb(device),
-                "epoch": batch["epoch"],
-                "bucket": batch["bucket"],
-            }
+    validations: list[str] = []
+    with bar, run.loader, metrics_file:
+        while run.step < cfg.max_steps:
+            record = run.train_step(batches)
             if ctx.is_main:
-                metrics_file.write(json.dumps(record) + "\n")
-                metrics_file.flush()
-                if tb is not None:
-                    for name in (
-                        "loss",
-                        "lr",
-                        "grad_norm",
-                        "samples_per_s",
-                        "data_wait_fraction",
-                        "peak_mem_mb",
-                    ):
-                        tb.add_scalar(f"train/{name}", record[name], step)
-                if on_step is not None:
-                    on_step(record)
+                _log_record(record, metrics_file, tb, on_step)
             bar.update(1)
-            if step % cfg.log_every == 0 or step == cfg.max_steps:
-                bar.set_postfix(loss=f"{last_loss:.4f}", lr=f"{lr:.2e}")
-                log.info("step %d loss %.5f lr %.3g grad_norm %.3g", step, last_loss, lr, float(grad_norm))
-
-            # --- validation samples (every rank takes part: an FSDP2 forward is collective)
-            if cfg.validate_every and (step % cfg.validate_every == 0 or step == cfg.max_steps):
-                path = run_validation(
-                    adapter,
-                    transformer,
-                    pretrained=pretrained,
-                    cfg=cfg,
-                    step=step,
-                    train_dir=train_dir,
-                    device=device,
-                    max_sequence_length=text_len,
-                    is_main=ctx.is_main,
-                    tb_writer=tb,
-                )
+            if run.step % cfg.log_every == 0 or run.step == cfg.max_steps:
+                bar.set_postfix(loss=f"{record['loss']:.4f}", lr=f"{record['lr']:.2e}")
+                log.info("step %d loss %.5f lr %.3g grad_norm %.3g", run.step, record["loss"], record["lr"],
+                         record["grad_norm"])
+            if cfg.validate_every and (run.step % cfg.validate_every == 0 or run.step == cfg.max_steps):
+                path = run.validate(tb)  # every rank takes part: an FSDP2 forward is collective
                 if path is not None:
                     validations.append(str(path))
-
-            # --- checkpoint
-            if cfg.save_every and (step % cfg.save_every == 0 or step == cfg.max_steps):
-                _check_finite_weights(trainable, ctx, step)  # never a checkpoint with a non-finite weight
-                trainer_state = {
-                    "loader": loader.state_dict(),
-                    "loss": last_loss,
-                    "skipped_steps": skipped,
-                    "skipped_in_row": skipped_in_row,
-                    "seed": seed,
-                    "world_size": ctx.world_size,
-                    "mode": cfg.mode,
-                    "family": adapter.family,
-                    "strategy": parallel.strategy,
-                    "config": to_dict(cfg),
-                    "manifest_fingerprint": manifest.get("fingerprint"),
-                    "provenance": provenance,
-                }
-                save_checkpoint(
-                    ckpt_dir,
-                    step,
-                    model=transformer,
-                    optimizer=optimizer,
-                    scheduler=scheduler,
-                    sampling_generator=sampling_gen,
-                    trainer_state=trainer_state,
-                    keep_latest_k=cfg.keep_latest_k,
-                    rank=ctx.rank,
-                    barrier=ctx.barrier,
-                    sharded=ctx.sharded,
-                )
+            if cfg.save_every and (run.step % cfg.save_every == 0 or run.step == cfg.max_steps):
+                run.save()
     if tb is not None:
         tb.close()
+    if run.validator is not None:
+        run.validator.close()
+    exported = run.export(export_dir if export_dir is not None else train_dir / "export") if cfg.export else None
+    return run.summary(exported, validations)
 
-    # ---------------------------------------------------------------- export
-    exported = None
-    if cfg.export:
-        full = _unsharded_copy(adapter, transformer, cfg, pretrained, ctx) if ctx.sharded else transformer
+
+def _log_record(record: dict, metrics_file: Any, tb: Any, on_step: Callable[[dict], None] | None) -> None:
+    """Rank 0: one metrics line per optimizer step, TensorBoard scalars, the caller's progress hook."""
+    metrics_file.write(json.dumps(record) + "\n")
+    metrics_file.flush()
+    if tb is not None:
+        for name in ("loss", "lr", "grad_norm", "samples_per_s", "data_wait_fraction", "peak_mem_mb"):
+            tb.add_scalar(f"train/{name}", record[name], record["step"])
+    if on_step is not None:
+        on_step(record)
+
+
+class _Run:
+    """One process's training run: data, model, optimizer and their state, and the steps that change them.
+
+    Split the way torchtitan splits its trainer: ``__init__`` builds (data, model, optimizer), ``resume``
+    restores, ``forward_backward`` is one micro-batch, ``train_step`` one optimizer step (micro-batches,
+    one reduction of the step's statistics, clip, step or skip), ``save``, ``validate`` and ``export`` the
+    periodic and final work. ``_train`` is the loop around them.
+    """
+
+    def __init__(self, cfg: TrainerConfig, ctx: DistContext, parallel: ParallelConfig, cache_dir: Path,
+                 pretrained: str, train_dir: Path, seed: int, check_cache: Callable[[dict], None] | None,
+                 provenance: dict[str, Any]) -> None:
+        self.cfg, self.ctx, self.parallel, self.pretrained, self.seed = cfg, ctx, parallel, pretrained, seed
+        self.train_dir, self.provenance = train_dir, provenance
+        self.ckpt_dir, self.metrics_path = train_dir / "checkpoints", train_dir / "metrics.jsonl"
         if ctx.is_main:
-            exported = adapter.export(
-                full.to("cpu"),
-                mode=cfg.mode,
-                pretrained=pretrained,
-                export_dir=export_dir if export_dir is not None else train_dir / "export",
-            )
-            _write_provenance(Path(exported), provenance, cfg, step, last_loss, manifest)
-            log.info("exported %s weights to %s", cfg.mode, exported)
-    ctx.barrier()
+            train_dir.mkdir(parents=True, exist_ok=True)
+        self.device = ctx.device
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+        self._build_data(cache_dir, check_cache)
+        self._build_model()
+        self._build_optimizer()
+        self.start_step = self.step = 0
+        self.last_loss, self.skipped, self.skipped_in_row = float("nan"), 0, 0
+        self.samples_seen, self.train_time, self.data_time = 0, 0.0, 0.0
+        self.resume_path: Path | None = None
+        # the VAE and text encoders of validation: loaded at the first validation, kept on the CPU in between
+        self.validator = Validator(self.adapter, pretrained, self.device) if cfg.validate_every else None
 
-    return {
-        "steps": step,
-        "steps_this_run": step - start_step,
-        "final_loss": last_loss,
-        "samples_per_s": samples_seen / train_time if train_time else 0.0,
-        "data_wait_fraction": data_time / train_time if train_time else 0.0,
-        "peak_rss_mb": peak_rss_mb(),
-        "peak_mem_mb": peak_mem_mb(device),
-        "export_dir": str(exported) if exported is not None else None,
-        "resumed_from": str(resume_path) if resume_path is not None else None,
-        "world_size": ctx.world_size,
-        "epochs": loader.epoch + loader.batch_index / max(1, len(loader)),  # position of this rank's data
-        "family": adapter.family,
-        "validation": validations,
-        **provenance,
-    }
+    # ---------------------------------------------------------------- building
+    def _build_data(self, cache_dir: Path, check_cache: Callable[[dict], None] | None) -> None:
+        """The cache manifest, the family's adapter, and this rank's loader."""
+        cfg, ctx = self.cfg, self.ctx
+        self.manifest = read_manifest(cache_dir)
+        if check_cache is not None:
+            check_cache(self.manifest)
+        self.adapter = get_adapter(manifest_family(self.manifest))
+        self.loader = LatentLoader(
+            cache_dir, cfg.batch_size, self.seed, dtype=torch.float32, drop_last=cfg.drop_last,
+            verify=cfg.verify_shards, manifest=self.manifest, rank=ctx.rank, world_size=ctx.world_size,
+            caption_dropout=cfg.caption_dropout,
+        )
+        self.text_len = _text_length(self.manifest)
+        log.info("%s cache %s: %d samples in %d buckets, %d batches per epoch and rank", self.adapter.family,
+                 cache_dir, self.loader.num_samples, len(self.loader.buckets), len(self.loader))
+
+    def _build_model(self) -> None:
+        """The transformer (``self.transformer``: save and export it) and what forward runs on (``self.model``)."""
+        cfg, ctx = self.cfg, self.ctx
+        torch.manual_seed(derive_seed(self.seed, "init"))  # LoRA init draws from the global RNG: same on every rank
+        self.transformer = self.adapter.load(
+            self.pretrained,
+            mode=cfg.mode,
+            # FSDP2 shards from CPU onto the device (no full copy per GPU) and keeps float32 masters; its
+            # mixed-precision policy does the bf16 compute
+            device="cpu" if ctx.sharded else self.device,
+            lora_rank=cfg.lora_rank,
+            lora_alpha=cfg.lora_alpha,
+            lora_target_modules=cfg.lora_target_modules,
+            base_dtype=torch.float32 if ctx.sharded else None,
+        )
+        # the same module under FSDP2 (sharded in place); a wrapper under DDP
+        self.model = parallelize(self.transformer, self.parallel, ctx, blocks=self.adapter.blocks(self.transformer),
+                                 activation_checkpointing=cfg.activation_checkpointing, compile=cfg.compile)
+        self.trainable = [p for p in self.transformer.parameters() if p.requires_grad]
+        # how many ranks hold each gradient element: all (DDP), one (FSDP2), the replicas (HSDP)
+        self.grad_replicas = (self.parallel.hsdp_replicate if ctx.sharded else ctx.world_size) if ctx.initialized \
+            else 1
+        log.info("%s mode: %d trainable parameters", cfg.mode, sum(p.numel() for p in self.trainable))
+
+    def _build_optimizer(self) -> None:
+        """AdamW, the LR schedule, and the CPU generator of every sigma, noise and posterior draw of this rank."""
+        cfg = self.cfg
+        self.optimizer = torch.optim.AdamW(self.trainable, lr=cfg.learning_rate, betas=tuple(cfg.adam_betas),
+                                           eps=cfg.adam_eps, weight_decay=cfg.weight_decay)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, lr_lambda(cfg.warmup_steps, cfg.max_steps, cfg.lr_schedule, cfg.min_lr_ratio))
+        self.sampling_gen = torch.Generator().manual_seed(derive_seed(self.seed, f"sampling:{self.ctx.rank}"))
+
+    def resume(self) -> None:
+        """Restore the latest (or the named) checkpoint, or set a previous run aside for a fresh start."""
+        ctx = self.ctx
+        self.resume_path = resolve_resume(self.cfg.resume, self.ckpt_dir, announce=ctx.is_main)
+        if self.resume_path is not None:
+            state = load_checkpoint(self.resume_path, model=self.transformer, optimizer=self.optimizer,
+                                    scheduler=self.scheduler, sampling_generator=self.sampling_gen, rank=ctx.rank)
+            self.loader.load_state_dict(state["loader"])
+            _follow_current_schedule(self.scheduler, self.cfg.learning_rate)
+            self.start_step = self.step = int(state["step"])
+            self.last_loss = float(state.get("loss", float("nan")))
+            self.skipped = int(state.get("skipped_steps", 0))
+            self.skipped_in_row = int(state.get("skipped_in_row", 0))
+            if ctx.is_main:
+                _rewind_metrics(self.metrics_path, self.start_step)
+            log.info("resumed from %s at step %d", self.resume_path, self.start_step)
+        elif ctx.is_main:
+            _set_aside_previous_run(self.train_dir, self.ckpt_dir, self.metrics_path)
+            self.metrics_path.write_text("")
+        ctx.barrier()  # every rank has decided where to start before rank 0 writes anything new
+
+    # ---------------------------------------------------------------- one step
+    def forward_backward(self, batch: dict[str, Any], *, last_micro: bool) -> torch.Tensor:
+        """Flow-matching loss of one micro-batch, backpropagated (scaled by 1/accum); returns it detached.
+
+        All randomness comes from ``self.sampling_gen`` in a fixed order. DDP reduces gradients on the last
+        micro-batch only; FSDP2 reduce-scatters on every one (gradients stay sharded).
+        """
+        cfg, device, adapter = self.cfg, self.device, self.adapter
+        inputs = {k: v.to(device, non_blocking=True) for k, v in batch.items() if isinstance(v, torch.Tensor)}
+        latents = inputs["latents"]
+        eps, sigmas, noise = self._draw(latents.shape, posterior="latents_std" in inputs,
+                                        shift=shift_for(cfg, adapter.seq_len(latents)))
+        if eps is not None:  # a fresh draw from the cached posterior each time
+            latents = latents + inputs["latents_std"] * eps
+        noisy = interpolate(latents, noise, sigmas)
+        target = velocity_target(latents, noise)
+        weights = loss_weights(sigmas, cfg.loss_weighting) if cfg.loss_weighting != "none" else None
+        autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else nullcontext()
+        with _grad_sync(self.model, last_micro, hsdp=self.parallel.hsdp_replicate > 1):
+            with autocast:
+                pred = adapter.forward(self.model, noisy, sigmas, inputs, cfg)
+            loss = flow_matching_loss(pred, target, weights)
+            (loss / cfg.grad_accum_steps).backward()
+        return loss.detach()
+
+    def _draw(self, shape: torch.Size, *, posterior: bool,
+              shift: float) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor]:
+        """(posterior eps or None, sigmas [B], noise) of one micro-batch, drawn sample by sample.
+
+        Per sample, in order: its posterior eps, its sigma, its noise, all from ``self.sampling_gen``. A
+        sample's draws depend only on its place in this rank's stream, not on how the stream is cut into
+        micro-batches: accumulation 2 at batch B sees the same noise as accumulation 1 at batch 2B.
+        """
+        eps, sigmas, noise = [], [], []
+        for _ in range(shape[0]):
+            if posterior:
+                eps.append(torch.randn(shape[1:], generator=self.sampling_gen, dtype=torch.float32))
+            sigmas.append(sample_sigmas(1, self.cfg, self.sampling_gen, shift=shift))
+            noise.append(torch.randn(shape[1:], generator=self.sampling_gen, dtype=torch.float32))
+        to = self.device
+        return (torch.stack(eps).to(to) if posterior else None, torch.cat(sigmas).to(to), torch.stack(noise).to(to))
+
+    def train_step(self, batches: Any) -> dict[str, Any]:
+        """One optimizer step over ``grad_accum_steps`` micro-batches; returns its metrics record.
+
+        One all-reduce of one small tensor (this rank's loss sum, sample count and non-finite flag, and the
+        gradient norm) and one host read of it per step: the skip decision, the logged loss and the global
+        batch all come from that read. A step with a non-finite loss or gradient changes no weight; every
+        rank reads the same reduced values, so all skip together.
+        """
+        cfg, ctx = self.cfg, self.ctx
+        accum = cfg.grad_accum_steps
+        t_start = time.perf_counter()
+        t_data, step_samples, loss_sum = 0.0, 0, None
+        self.optimizer.zero_grad(set_to_none=True)
+        for micro in range(accum):
+            t_fetch = time.perf_counter()
+            batch = next(batches)
+            t_data += time.perf_counter() - t_fetch
+            if self.step == self.start_step and micro == 0:
+                self.adapter.check_batch(self.transformer, {k: v for k, v in batch.items()
+                                                            if isinstance(v, torch.Tensor)})
+            step_samples += int(batch["latents"].shape[0])
+            loss = self.forward_backward(batch, last_micro=micro == accum - 1)
+            loss_sum = loss if loss_sum is None else loss_sum + loss  # on the device: no read per micro-batch
+        grads = [p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
+                 for p in self.trainable if p.grad is not None]  # this rank's (shards of the) averaged grads
+        loss_sum_all, global_batch, nonfinite, norm = _reduce_step_stats(
+            ctx, loss_sum, step_samples, grads, grad_replicas=self.grad_replicas)
+        self.last_loss = loss_sum_all / (accum * ctx.world_size)  # the mean loss of the global batch
+        lr = self.scheduler.get_last_lr()[0]
+        skip = nonfinite or not (math.isfinite(self.last_loss) and math.isfinite(norm))
+        if skip:
+            self._skip(norm)
+        else:
+            if cfg.grad_clip > 0 and norm > cfg.grad_clip:  # clip_grad_norm_'s rule, with the norm already read
+                torch._foreach_mul_(grads, cfg.grad_clip / (norm + 1e-6))
+            self.optimizer.step()
+            self.skipped_in_row = 0
+        with warnings.catch_warnings():  # a skipped first step: the schedule follows steps, not updates
+            warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler\.step\(\)` before")
+            self.scheduler.step()
+        self.step += 1
+        # no device synchronize for the timing: the next step's read waits for this step's optimizer kernels,
+        # so step times add up to the run's wall time
+        t_step = time.perf_counter() - t_start
+        self.samples_seen += global_batch
+        self.train_time += t_step
+        self.data_time += t_data
+        return {
+            "step": self.step,
+            "loss": self.last_loss,
+            "lr": lr,
+            "grad_norm": norm,
+            "samples_per_s": global_batch / t_step,
+            "data_wait_s": t_data,
+            "data_wait_fraction": t_data / t_step if t_step else 0.0,
+            "step_time_s": t_step,
+            "skipped": skip,
+            "skipped_steps": self.skipped,
+            "peak_mem_mb": peak_mem_mb(self.device),
+            "epoch": batch["epoch"],
+            "bucket": batch["bucket"],
+        }
+
+    def _skip(self, norm: float) -> None:
+        """Count a skipped step (its gradients are dropped); stop after ``max_skipped_steps`` in a row."""
+        self.optimizer.zero_grad(set_to_none=True)
+        self.skipped, self.skipped_in_row = self.skipped + 1, self.skipped_in_row + 1
+        log.warning("step %d: loss %s, gradient norm %s: step skipped (%d in a row)", self.step + 1,
+                    self.last_loss, norm, self.skipped_in_row)
+        if self.skipped_in_row > self.cfg.max_skipped_steps:
+            raise FloatingPointError(
+                f"{self.skipped_in_row} steps in a row had a non-finite loss or gradient (up to step "
+                f"{self.step + 1}, trainer.max_skipped_steps={self.cfg.max_skipped_steps}); the weights are still "
+                "finite and the last checkpoint holds them: lower trainer.learning_rate, check the data, or use "
+                "bf16 autocast and gradient clipping")
+
+    # ---------------------------------------------------------------- periodic and final work
+    def validate(self, tb: Any) -> Path | None:
+        """Validation samples of the current weights (every rank takes part); the grid path on rank 0."""
+        return self.validator.run(self.transformer, cfg=self.cfg, step=self.step, train_dir=self.train_dir,
+                                  max_sequence_length=self.text_len, is_main=self.ctx.is_main, tb_writer=tb)
+
+    def save(self) -> None:
+        """A checkpoint of everything an exact resume needs (never one that holds a non-finite weight)."""
+        _check_finite_weights(self.trainable, self.ctx, self.step)
+        trainer_state = {
+            "loader": self.loader.state_dict(),
+            "loss": self.last_loss,
+            "skipped_steps": self.skipped,
+            "skipped_in_row": self.skipped_in_row,
+            "seed": self.seed,
+            "world_size": self.ctx.world_size,
+            "mode": self.cfg.mode,
+            "family": self.adapter.family,
+            "strategy": self.parallel.strategy,
+            "config": to_dict(self.cfg),
+            "manifest_fingerprint": self.manifest.get("fingerprint"),
+            "provenance": self.provenance,
+        }
+        save_checkpoint(self.ckpt_dir, self.step, model=self.transformer, optimizer=self.optimizer,
+                        scheduler=self.scheduler, sampling_generator=self.sampling_gen, trainer_state=trainer_state,
+                        keep_latest_k=self.cfg.keep_latest_k, rank=self.ctx.rank, barrier=self.ctx.barrier,
+                        sharded=self.ctx.sharded)
+
+    def export(self, export_dir: str | Path) -> Path | None:
+        """The Diffusers artefact of the trained transformer (rank 0 writes it; the path on rank 0)."""
+        cfg, ctx = self.cfg, self.ctx
+        exported = None
+        full = _unsharded_copy(self.adapter, self.transformer, cfg, self.pretrained, ctx) if ctx.sharded \
+            else self.transformer
+        if ctx.is_main:
+            exported = Path(self.adapter.export(full.to("cpu"), mode=cfg.mode, pretrained=self.pretrained,
+                                                export_dir=export_dir))
+            _write_provenance(exported, self.provenance, cfg, self.step, self.last_loss, self.manifest)
+            log.info("exported %s weights to %s", cfg.mode, exported)
+        ctx.barrier()
+        return exported
+
+    def summary(self, exported: Path | None, validations: list[str]) -> dict[str, Any]:
+        """What ``train`` returns (see its docstring)."""
+        loader = self.loader
+        return {
+            "steps": self.step,
+            "steps_this_run": self.step - self.start_step,
+            "final_loss": self.last_loss,
+            "samples_per_s": self.samples_seen / self.train_time if self.train_time else 0.0,
+            "data_wait_fraction": self.data_time / self.train_time if self.train_time else 0.0,
+            "peak_rss_mb": peak_rss_mb(),
+            "peak_mem_mb": peak_mem_mb(self.device),
+            "export_dir": str(exported) if exported is not None else None,
+            "resumed_from": str(self.resume_path) if self.resume_path is not None else None,
+            "world_size": self.ctx.world_size,
+            "epochs": loader.epoch + loader.batch_index / max(1, len(loader)),  # position of this rank's data
+            "family": self.adapter.family,
+            "validation": validations,
+            **self.provenance,
+        }
+
+
+def _reduce_step_stats(ctx: DistContext, loss_sum: torch.Tensor, samples: int, grads: list[torch.Tensor], *,
+                       grad_replicas: int) -> tuple[float, int, bool, float]:
+    """One all-reduce (sum) of [loss sum, samples, non-finite flag, squared gradient norm], one host read.
+
+    ``grads`` are this rank's gradients (local shards under FSDP2). Returns (loss sum over ranks, samples
+    over ranks, any rank's loss was not finite, the global gradient norm). Each gradient element is held by
+    ``grad_replicas`` ranks (all of them under DDP, one under FSDP2, the replicas of HSDP), so the summed
+    squares are divided by it.
+    """
+    device = loss_sum.device
+    loss_sum = loss_sum.detach().to(torch.float64).reshape(())
+    if grads:
+        norms = torch._foreach_norm(grads)  # one kernel per dtype and device, no read
+        squares = torch.stack([n.to(device=device, dtype=torch.float64) for n in norms]).square().sum()
+    else:
+        squares = torch.zeros((), dtype=torch.float64, device=device)
+    flag = (~torch.isfinite(loss_sum)).to(torch.float64)
+    stats = torch.stack([torch.nan_to_num(loss_sum, nan=0.0, posinf=0.0, neginf=0.0),
+                         torch.tensor(float(samples), dtype=torch.float64, device=device), flag, squares])
+    if ctx.initialized:
+        torch.distributed.all_reduce(stats)
+    total_loss, total_samples, nonfinite, squares_sum = stats.tolist()
+    norm = math.sqrt(squares_sum / grad_replicas) if math.isfinite(squares_sum) else float("nan")
+    return (float("nan") if nonfinite else total_loss), int(total_samples), nonfinite > 0, norm
 
 
 def _write_provenance(exported: Path, provenance: dict[str, Any], cfg: TrainerConfig, step: int, loss: float,

@@ -1,14 +1,22 @@
 """Validation samples during training: the stock Diffusers pipeline around the in-training transformer.
 
-The VAE and text encoders are not part of training (the loop reads cached latents only); they are loaded
-from ``pretrained`` for the duration of one validation and freed afterwards. Sampling uses a fixed seed, so
-two validations differ only by the weights, and it runs inside ``torch.random.fork_rng`` so the training
-RNG streams (and with them an exact resume) do not depend on whether or when validation ran. Under FSDP2
-every rank runs the pipeline (the sharded transformer's forward is collective); rank 0 writes the grid.
+The VAE, text encoders, tokenizers and scheduler are not part of training (the loop reads cached latents
+only). A ``Validator``, created once per run, loads them from ``pretrained`` at its first validation and
+keeps them in host memory between validations; a validation moves them to the device, samples, and moves
+them back (the GPU holds them only while it samples). Sampling uses a fixed seed, so two validations differ
+only by the weights, and it runs inside ``torch.random.fork_rng`` so the training RNG streams (and with them
+an exact resume) do not depend on whether or when validation ran. Under FSDP2 every rank runs the pipeline
+(the sharded transformer's forward is collective); rank 0 writes the grid.
+
+Dtypes on CUDA (``component_dtypes``): the VAE and text encoders in the dtypes the cache stage encoded with
+(``latentmill.stages.families.compute_dtypes``: the Wan VAE in float32, the rest bf16), the transformer's
+forward under bf16 autocast; the VAE decodes outside autocast, in its own dtype. On CPU everything is
+float32 and nothing is autocast.
 """
 
 from __future__ import annotations
 
+import functools
 import gc
 import logging
 import os
@@ -17,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from latentmill.stages.families import compute_dtypes
 from latentmill.trainer.adapter import ModelAdapter
 from torch import nn
 
@@ -36,6 +45,136 @@ def image_grid(rows: list[list[Any]]) -> Any:
     return grid
 
 
+def component_dtypes(family: str, device: torch.device | str) -> dict[str, torch.dtype]:
+    """The dtype of each part of a validation pipeline of ``family`` on ``device``: ``vae`` and ``text`` (every
+    other loaded component: text encoders) as the cache stage ran them (``compute_dtypes``), ``transformer``
+    the autocast dtype of the in-training transformer's forward (float32: no autocast)."""
+    device = torch.device(device)
+    dtypes = compute_dtypes(family, device)
+    return {
+        "vae": dtypes["vae"],
+        "text": dtypes["text"],
+        "transformer": torch.bfloat16 if device.type == "cuda" else torch.float32,
+    }
+
+
+def _decode_in_own_dtype(vae: nn.Module) -> None:
+    """Make ``vae.decode`` run outside autocast, on latents cast to the VAE's dtype.
+
+    The pipelines call ``self.vae.decode`` inside the caller's bf16 autocast (there for the transformer),
+    which would run the VAE's convolutions in bf16 whatever its weights' dtype: the Wan VAE must decode in
+    float32, the dtype the cache encoded with. The ``Validator`` owns this VAE, so the override is its own.
+    """
+    decode = vae.decode
+
+    @functools.wraps(decode)
+    def decode_in_own_dtype(z: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        with torch.autocast(z.device.type, enabled=False):
+            return decode(z.to(vae.dtype), *args, **kwargs)
+
+    vae.decode = decode_in_own_dtype
+
+
+class Validator:
+    """Validation grids of one training run; the pipeline's other components loaded once.
+
+    ``run`` samples ``cfg.validation_prompts`` with the in-training transformer. The first call loads the
+    VAE, text encoders, tokenizers and scheduler with ``pipeline_cls.from_pretrained(pretrained,
+    transformer=...)`` (the user's loading path) in ``component_dtypes``; between calls they stay on the CPU.
+    """
+
+    def __init__(self, adapter: ModelAdapter, pretrained: str, device: torch.device | str) -> None:
+        self.adapter, self.pretrained, self.device = adapter, pretrained, torch.device(device)
+        self.dtypes = component_dtypes(adapter.family, self.device)
+        self.pipe: Any = None  # loaded by the first run
+
+    def _pipeline(self, transformer: nn.Module) -> Any:
+        """The pipeline around ``transformer``; its other components loaded on first use, on the CPU."""
+        if self.pipe is None:
+            pipeline_cls = self.adapter.diffusers_class(self.adapter.pipeline_class)
+            vae, text = self.dtypes["vae"], self.dtypes["text"]
+            # torch_dtype only when not the default (diffusers 0.42 deprecates the name, older releases lack
+            # `dtype`); a dict: the VAE in its own dtype, every other loaded component in the text encoders'
+            extra = {"torch_dtype": {"vae": vae, "default": text}} if (vae, text) != (torch.float32,) * 2 else {}
+            self.pipe = pipeline_cls.from_pretrained(self.pretrained, transformer=transformer, **extra)
+            self.pipe.set_progress_bar_config(disable=True)
+            for component in self._components():
+                component.eval()
+            if getattr(self.pipe, "vae", None) is not None:
+                _decode_in_own_dtype(self.pipe.vae)
+        else:
+            self.pipe.register_modules(transformer=transformer)
+        return self.pipe
+
+    def _components(self) -> list[nn.Module]:
+        """The pipeline's modules other than the transformer (VAE, text encoders)."""
+        return [c for name, c in self.pipe.components.items() if isinstance(c, nn.Module) and name != "transformer"]
+
+    def _move(self, device: torch.device) -> None:
+        for component in self._components():
+            component.to(device)
+
+    def run(
+        self,
+        transformer: nn.Module,
+        *,
+        cfg: Any,
+        step: int,
+        train_dir: Path,
+        max_sequence_length: int,
+        is_main: bool = True,
+        tb_writer: Any = None,
+    ) -> Path | None:
+        """Generate ``cfg.validation_prompts`` with ``transformer``; save ``<train_dir>/validation/step-N.png``.
+
+        Returns the PNG path on the main rank (None elsewhere). Every rank calls it (FSDP2: collective).
+        """
+        device, cuda = self.device, self.device.type == "cuda"
+        pipe = self._pipeline(transformer)
+        was_training = transformer.training
+        transformer.eval()
+        autocast = torch.autocast("cuda", dtype=self.dtypes["transformer"]) if cuda else nullcontext()
+        try:
+            self._move(device)
+            with torch.random.fork_rng(devices=[device] if cuda else []), torch.no_grad(), autocast:
+                rows = self.adapter.validation_images(
+                    pipe,
+                    list(cfg.validation_prompts),
+                    size=list(cfg.validation_size),
+                    steps=cfg.validation_steps,
+                    generator=torch.Generator("cpu").manual_seed(cfg.validation_seed),
+                    max_sequence_length=max_sequence_length,
+                    guidance_scale=cfg.guidance_scale,
+                )
+        finally:
+            transformer.train(was_training)
+            self._move(torch.device("cpu"))
+            pipe.register_modules(transformer=None)  # the pipeline does not keep the training model alive
+            gc.collect()
+            if cuda:
+                torch.cuda.empty_cache()
+        if not is_main:
+            return None
+        grid = image_grid(rows)
+        out_dir = train_dir / "validation"
+        out_dir.mkdir(parents=True, exist_ok=True)
+        path = out_dir / f"step-{step:06d}.png"
+        tmp = path.with_suffix(".png.tmp")
+        grid.save(tmp, format="PNG")
+        os.replace(tmp, path)
+        if tb_writer is not None:
+            import numpy as np
+
+            tb_writer.add_image("validation", np.asarray(grid), step, dataformats="HWC")
+        log.info("validation samples at step %d: %s", step, path)
+        return path
+
+    def close(self) -> None:
+        """Free the loaded components (host memory)."""
+        self.pipe = None
+        gc.collect()
+
+
 def run_validation(
     adapter: ModelAdapter,
     transformer: nn.Module,
@@ -49,52 +188,18 @@ def run_validation(
     is_main: bool = True,
     tb_writer: Any = None,
 ) -> Path | None:
-    """Generate ``cfg.validation_prompts`` with the in-training ``transformer``; save ``validation/step-N.png``.
-
-    Returns the PNG path on the main rank (None elsewhere).
-    """
-    pipeline_cls = adapter.diffusers_class(adapter.pipeline_class)
-    cuda = device.type == "cuda"
-    dtype = torch.bfloat16 if cuda else torch.float32
-    # torch_dtype only when not the default (diffusers 0.42 deprecates the name, older releases lack `dtype`)
-    extra = {"torch_dtype": dtype} if dtype != torch.float32 else {}
-    pipe = pipeline_cls.from_pretrained(pretrained, transformer=transformer, **extra)
-    for component in pipe.components.values():
-        if isinstance(component, nn.Module) and component is not transformer:
-            component.to(device).eval()
-    pipe.set_progress_bar_config(disable=True)
-    was_training = transformer.training
-    transformer.eval()
-    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if cuda else nullcontext()
+    """One validation with a one-off ``Validator`` (loads the components from disk each call: a training
+    run keeps one ``Validator`` instead). Returns the PNG path on the main rank (None elsewhere)."""
+    validator = Validator(adapter, pretrained, device)
     try:
-        with torch.random.fork_rng(devices=[device] if cuda else []), torch.no_grad(), autocast:
-            rows = adapter.validation_images(
-                pipe,
-                list(cfg.validation_prompts),
-                size=list(cfg.validation_size),
-                steps=cfg.validation_steps,
-                generator=torch.Generator("cpu").manual_seed(cfg.validation_seed),
-                max_sequence_length=max_sequence_length,
-                guidance_scale=cfg.guidance_scale,
-            )
+        return validator.run(
+            transformer,
+            cfg=cfg,
+            step=step,
+            train_dir=train_dir,
+            max_sequence_length=max_sequence_length,
+            is_main=is_main,
+            tb_writer=tb_writer,
+        )
     finally:
-        transformer.train(was_training)
-        del pipe
-        gc.collect()
-        if cuda:
-            torch.cuda.empty_cache()
-    if not is_main:
-        return None
-    grid = image_grid(rows)
-    out_dir = train_dir / "validation"
-    out_dir.mkdir(parents=True, exist_ok=True)
-    path = out_dir / f"step-{step:06d}.png"
-    tmp = path.with_suffix(".png.tmp")
-    grid.save(tmp, format="PNG")
-    os.replace(tmp, path)
-    if tb_writer is not None:
-        import numpy as np
-
-        tb_writer.add_image("validation", np.asarray(grid), step, dataformats="HWC")
-    log.info("validation samples at step %d: %s", step, path)
-    return path
+        validator.close()
