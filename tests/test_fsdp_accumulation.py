@@ -72,3 +72,94 @@ def test_a_non_final_micro_batch_leaves_sharded_gradients(tmp_path):
         # half the model per rank (FSDP2 shards each weight's first dim), not the whole of it
         assert result["held_bytes"] == result["model_bytes"] // 2, result
         assert result["finite"]
+
+
+# A Flux-class transformer of ~37 MB (float32), built from config, sharded by the trainer's own `parallelize`;
+# out_channels 67 makes proj_out's first dim split unevenly (34 + 33 rows on 2 ranks, 17+17+17+16 on 4).
+FLUX_CLASS = dict(patch_size=1, in_channels=64, out_channels=67, num_layers=2, num_single_layers=4,
+                  attention_head_dim=64, num_attention_heads=4, joint_attention_dim=256,
+                  pooled_projection_dim=128, axes_dims_rope=(16, 24, 24), guidance_embeds=True)  # fmt: skip
+
+FLUX_WORKER = """
+import json, math, os, sys
+import torch
+import torch.distributed as dist
+from diffusers import FluxTransformer2DModel
+from latentmill.trainer.config import ParallelConfig
+from latentmill.trainer.flux import FluxAdapter, latent_image_ids, text_ids
+from latentmill.trainer.parallel import DistContext, parallelize
+from latentmill.trainer.train import _grad_sync
+
+torch.set_num_threads(1)
+dist.init_process_group("gloo")
+rank, world = dist.get_rank(), dist.get_world_size()
+ctx = DistContext(rank, world, rank, torch.device("cpu"), initialized=True, strategy="fsdp2")
+out = {}
+for mixed_precision in (False, True):
+    torch.manual_seed(0)
+    model = FluxTransformer2DModel(**json.loads(sys.argv[2]))
+    shapes = [tuple(p.shape) for p in model.parameters()]
+    model_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    # FSDP2 splits dim 0 like torch.chunk (rows ceil(d0 / N) per rank, the last ranks fewer or none)
+    rows = lambda d0: max(0, min(math.ceil(d0 / world), d0 - rank * math.ceil(d0 / world)))
+    expected = sum(rows(s[0]) * math.prod(s[1:]) * 4 for s in shapes)
+    padded = sum(math.ceil(s[0] / world) * math.prod(s[1:]) * 4 for s in shapes)
+    model = parallelize(model, ParallelConfig(strategy="fsdp2"), ctx, blocks=FluxAdapter().blocks(model),
+                        mixed_precision=mixed_precision)
+    gen = torch.Generator().manual_seed(rank)
+    # a 16x16 latent packed to 64 tokens, 8 text tokens: called as flux_forward calls it
+    batch = lambda: dict(hidden_states=torch.randn(1, 64, 64, generator=gen),
+                         timestep=torch.rand(1, generator=gen), guidance=torch.full((1,), 3.5),
+                         encoder_hidden_states=torch.randn(1, 8, 256, generator=gen),
+                         pooled_projections=torch.randn(1, 128, generator=gen),
+                         img_ids=latent_image_ids(16, 16), txt_ids=text_ids(8), return_dict=False)
+    autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=mixed_precision)
+    with _grad_sync(model, sync=False, hsdp=False), autocast:  # a micro-batch before the last
+        model(**batch())[0].float().square().mean().backward()
+    held = 0
+    for p in model.parameters():
+        if p.grad is not None:
+            local = p.grad.to_local()
+            held += local.numel() * local.element_size()
+    for module in model.modules():
+        group = module._get_fsdp_state()._fsdp_param_group if hasattr(module, "_get_fsdp_state") else None
+        for fsdp_param in group.fsdp_params if group is not None else []:
+            unsharded_param = getattr(fsdp_param, "_unsharded_param", None)  # its gradient, not reduced yet
+            for unsharded in (fsdp_param.unsharded_accumulated_grad,
+                              unsharded_param.grad if unsharded_param is not None else None):
+                held += 0 if unsharded is None else unsharded.numel() * unsharded.element_size()
+    with _grad_sync(model, sync=True), autocast:  # the last micro-batch
+        model(**batch())[0].float().square().mean().backward()
+    finite = all(bool(torch.isfinite(p.grad.to_local()).all()) for p in model.parameters())
+    out[f"mp_{mixed_precision}"] = {"model_bytes": model_bytes, "held_bytes": held, "finite": finite,
+                                    "expected_bytes": expected, "padded_bytes": padded}
+open(sys.argv[1] + f"-{rank}.json", "w").write(json.dumps(out))
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_a_flux_class_model_holds_one_nth_of_its_gradient_bytes(tmp_path, world):
+    """After a non-final micro-batch, each of N ranks holds the gradients of its own shard of a Flux-class
+    ``FluxTransformer2DModel`` sharded by ``parallelize`` (float32, and with bf16 mixed precision): exactly
+    its ``torch.chunk`` share of every parameter's first dim, within 1% of model bytes / N."""
+    (tmp_path / "worker.py").write_text(FLUX_WORKER)
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "OMP_NUM_THREADS": "1"}
+    with open(tmp_path / "stderr.txt", "w") as stderr:
+        done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                               f"--nproc-per-node={world}", str(tmp_path / "worker.py"),
+                               str(tmp_path / "out"), json.dumps(FLUX_CLASS)],
+                              cwd=REPO_ROOT, env=env, stdout=subprocess.DEVNULL, stderr=stderr, timeout=300)
+    assert done.returncode == 0, (tmp_path / "stderr.txt").read_text()[-3000:]
+    results = [json.loads((tmp_path / f"out-{rank}.json").read_text()) for rank in range(world)]
+    for mixed_precision in (False, True):
+        per_rank = [r[f"mp_{mixed_precision}"] for r in results]
+        model_bytes = per_rank[0]["model_bytes"]
+        assert 30e6 < model_bytes < 60e6, model_bytes
+        assert sum(r["held_bytes"] for r in per_rank) == model_bytes  # every gradient byte, once
+        assert world * per_rank[0]["padded_bytes"] > model_bytes  # the uneven split is padded (proj_out)
+        for r in per_rank:
+            assert r["held_bytes"] == r["expected_bytes"], r  # its own shard, nothing unsharded left over
+            assert abs(r["held_bytes"] - model_bytes / world) <= 0.01 * model_bytes / world, r
+            assert r["expected_bytes"] <= r["padded_bytes"] <= 1.01 * model_bytes / world, r  # padding < 1%
+            assert r["finite"], r

@@ -78,6 +78,9 @@ class TrainerConfig:
     log_every: int = 10  # progress-bar / log line cadence; metrics.jsonl gets every step regardless
     tensorboard: bool = True  # also write <train_dir>/tb when the tensorboard package is installed
     export: bool = True
+    # dtype of a full export's transformer weights (the model's storage dtype; bf16 halves the files and the
+    # gather against the float32 training copy). A LoRA export keeps its float32 weights.
+    export_dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
 
     def validate(self) -> None:
         """Reject values that type-check but cannot work, naming the key."""
@@ -146,9 +149,15 @@ class ParallelConfig:
     # with e.g. 2 on 2 nodes x 8 GPUs: shard within a node, replicate across nodes)
     hsdp_replicate: int = 1
     mixed_precision: bool = True  # fsdp2 on CUDA: bf16 params/compute, fp32 gradient reduction
+    # how long a collective (barrier, all-reduce, gather) may wait for the other ranks before the job fails;
+    # generous, because one rank may be saving a checkpoint of tens of GB to a slow shared disk meanwhile
+    # (NCCL's own default is 10 minutes)
+    timeout_minutes: int = 120
 
     def validate(self) -> None:
         """Check the options that only make sense together."""
+        if self.timeout_minutes < 1:
+            raise ConfigError(f"parallel.timeout_minutes: must be >= 1, got {self.timeout_minutes}")
         if self.hsdp_replicate < 1:
             raise ConfigError(f"parallel.hsdp_replicate: must be >= 1, got {self.hsdp_replicate}")
         if self.hsdp_replicate > 1 and self.strategy != "fsdp2":

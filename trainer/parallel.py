@@ -18,6 +18,7 @@ Order, as in torchtitan: activation checkpointing, then compile (per block), the
 
 from __future__ import annotations
 
+import datetime
 import logging
 import os
 import warnings
@@ -118,10 +119,11 @@ def _start_group(parallel: ParallelConfig, rank: int, local_rank: int, cuda: boo
     owns_group = not dist.is_initialized()
     if owns_group:
         backend = "nccl" if cuda else "gloo"
+        timeout = datetime.timedelta(minutes=parallel.timeout_minutes)  # not NCCL's default 10 minutes
         if store is None:
-            dist.init_process_group(backend=backend)
+            dist.init_process_group(backend=backend, timeout=timeout)
         else:
-            dist.init_process_group(backend=backend, store=store, rank=0, world_size=1)
+            dist.init_process_group(backend=backend, store=store, rank=0, world_size=1, timeout=timeout)
     world = dist.get_world_size()
     if parallel.strategy == "fsdp2" and world % parallel.hsdp_replicate:
         raise ConfigError(
@@ -157,23 +159,133 @@ def build_mesh(parallel: ParallelConfig, ctx: DistContext):
     return init_device_mesh(device_type, (ctx.world_size,), mesh_dim_names=("shard",))
 
 
+@dataclass
+class FSDPUnit:
+    """One ``fully_shard`` call: its module, or modules grouped into one all-gather, and its compute dtype."""
+
+    name: str  # dotted path in the model ("" = the root; a group: its paths joined by ",")
+    modules: list[nn.Module]
+    param_dtype: torch.dtype | None  # the gathered parameters' dtype (None: as stored, no mixed precision)
+    reshard_after_forward: bool | None = None  # None: FSDP2's default (True; the root False)
+
+
+def _keep_in_fp32(model: nn.Module) -> tuple[str, ...]:
+    """The model class's ``_keep_in_fp32_modules`` (Wan: rope, time_embedder, scale_shift_table, norm1-3)."""
+    return tuple(getattr(model, "_keep_in_fp32_modules", None) or ())
+
+
+def _kept_modules(owner: nn.Module, keep: tuple[str, ...], skip: set[int]) -> list[tuple[str, nn.Module]]:
+    """The outermost submodules of ``owner`` that Diffusers keeps in float32, with their paths in ``owner``.
+
+    Diffusers' rule (``load_model_dict_into_meta``): a name is kept when one of its dot-separated components
+    is in ``keep``; walking down, the first such component names the kept module. Subtrees of the modules in
+    ``skip`` (the blocks, when ``owner`` is the root) are their own scopes.
+    """
+    found: list[tuple[str, nn.Module]] = []
+
+    def walk(module: nn.Module, prefix: str) -> None:
+        for name, child in module.named_children():
+            path = f"{prefix}.{name}" if prefix else name
+            if id(child) in skip:
+                continue
+            if name in keep:
+                found.append((path, child))
+            else:
+                walk(child, path)
+
+    walk(owner, "")
+    return found
+
+
+def fsdp_units(model: nn.Module, blocks: list[nn.Module], mixed_precision: bool) -> list[FSDPUnit]:
+    """The FSDP2 units of ``model`` in the order ``fully_shard`` needs (bottom-up, the root last).
+
+    Without mixed precision: one unit per block, then the root. With it, units compute in bfloat16 except
+    what the model class keeps in float32 (``_keep_in_fp32_modules``), as its Diffusers pipeline does:
+
+    * a kept module that owns parameters (Wan's ``condition_embedder.time_embedder``) is a float32 unit;
+    * a kept *parameter* held directly by a block or the root (Wan's ``scale_shift_table``) cannot be a unit
+      of its own, and an FSDP2 unit has one compute dtype. So its owner becomes the float32 unit (holding
+      the kept parameter and the owner's kept children, e.g. a block's ``norm2``), and the owner's other
+      children with parameters (``attn1``, ``attn2``, ``ffn``) are one bfloat16 unit, grouped with
+      ``fully_shard([attn1, attn2, ffn])``: the bulk of a block is still one bf16 all-gather, the float32
+      one is a few kB. (The alternatives: a bf16 ``scale_shift_table`` rounds every block's modulation;
+      ``ignored_params`` would leave its gradient unreduced; a float32 block doubles the all-gather.)
+    * a kept module without parameters (Wan's ``rope``, float64 buffers) needs nothing: FSDP2 leaves buffers
+      alone, and with ``cast_forward_inputs=False`` its output reaches the blocks as computed.
+    """
+    bf16 = torch.bfloat16 if mixed_precision else None
+    keep = _keep_in_fp32(model) if mixed_precision else ()
+    assigned: set[int] = set()  # ids of the parameters already in a unit
+    units: list[FSDPUnit] = []
+
+    def unassigned(module: nn.Module) -> bool:
+        return any(id(p) not in assigned for p in module.parameters())
+
+    def add(name: str, modules: list[nn.Module], dtype: torch.dtype | None, reshard: bool | None) -> None:
+        units.append(FSDPUnit(name, modules, dtype, reshard))
+        assigned.update(id(p) for m in modules for p in m.parameters())
+
+    def scope(owner: nn.Module, prefix: str, reshard: bool | None, skip: set[int]) -> None:
+        def path(name: str) -> str:
+            return f"{prefix}.{name}" if prefix else name
+
+        owns_kept = any(n in keep for n, _ in owner.named_parameters(recurse=False))
+        for name, module in _kept_modules(owner, keep, skip):
+            if unassigned(module) and not (owns_kept and "." not in name):  # a direct child joins the owner
+                add(path(name), [module], torch.float32, reshard)
+        if owns_kept:
+            rest = [(n, m) for n, m in owner.named_children()
+                    if id(m) not in skip and n not in keep and unassigned(m)]
+            if rest:  # gathered with the owner (root: for the whole step, as FSDP2 keeps the root)
+                add(",".join(path(n) for n, _ in rest), [m for _, m in rest], bf16,
+                    False if reshard is None else reshard)
+            add(prefix, [owner], torch.float32, reshard)
+        else:
+            add(prefix, [owner], bf16, reshard)
+
+    names = {id(m): n for n, m in model.named_modules()}
+    for i, block in enumerate(blocks):
+        # the last block's parameters are needed again right away by the root: keep them gathered
+        scope(block, names.get(id(block), f"blocks[{i}]"), i < len(blocks) - 1, set())
+    scope(model, "", None, {id(b) for b in blocks})
+    return units
+
+
 def apply_fsdp2(
-    model: nn.Module, blocks: list[nn.Module], parallel: ParallelConfig, ctx: DistContext
+    model: nn.Module,
+    blocks: list[nn.Module],
+    parallel: ParallelConfig,
+    ctx: DistContext,
+    *,
+    mixed_precision: bool | None = None,
 ) -> nn.Module:
-    """``fully_shard`` each block, then the root, on the mesh; bf16 mixed precision on CUDA."""
+    """``fully_shard`` the units of ``fsdp_units`` (each block, then the root) on the mesh.
+
+    ``mixed_precision``: None = ``parallel.mixed_precision`` on CUDA only (CPU trains in float32); True
+    forces it (the CPU tests). Mixed precision gathers parameters in bfloat16 and reduce-scatters gradients
+    in float32, and does not cast forward inputs (``cast_forward_inputs=False``): the training loop's bf16
+    autocast decides what computes in bf16, exactly as under DDP, so what a Diffusers model keeps in float32
+    (Flux's and Wan's rotary embeddings, Wan's timestep 949.7 on its way to ``time_embedder``, which a cast
+    makes 948.0) stays float32. It therefore needs autocast around the forward, as on CUDA.
+    """
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     # Flux blocks return views (splits of one tensor); the adapters never modify a model output in place,
     # which is the case this warning is about, so it is noise here.
     warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module \(.*\) returned a view tensor")
+    if mixed_precision is None:
+        mixed_precision = parallel.mixed_precision and ctx.device.type == "cuda"
     mesh = build_mesh(parallel, ctx)
-    kwargs = {"mesh": mesh}
-    if ctx.device.type == "cuda" and parallel.mixed_precision:
-        kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    for i, block in enumerate(blocks):
-        # the last block's parameters are needed again right away by the root: keep them gathered
-        fully_shard(block, reshard_after_forward=i < len(blocks) - 1, **kwargs)
-    fully_shard(model, **kwargs)
+    for unit in fsdp_units(model, blocks, mixed_precision):
+        kwargs = {}
+        if unit.param_dtype is not None:
+            kwargs["mp_policy"] = MixedPrecisionPolicy(
+                param_dtype=unit.param_dtype, reduce_dtype=torch.float32, cast_forward_inputs=False
+            )
+        if unit.reshard_after_forward is not None:
+            kwargs["reshard_after_forward"] = unit.reshard_after_forward
+        fully_shard(unit.modules if len(unit.modules) > 1 else unit.modules[0], mesh=mesh, **kwargs)
     return model
 
 
@@ -185,11 +297,14 @@ def parallelize(
     blocks: list[nn.Module] | None = None,
     activation_checkpointing: bool = False,
     compile: bool = False,
+    mixed_precision: bool | None = None,
 ) -> nn.Module:
     """Apply activation checkpointing, compile and the strategy to ``model``; return what to call forward on.
 
     DDP returns a wrapper (save and export the unwrapped ``model``); FSDP2 shards ``model`` in place and
     returns it. ``blocks`` are the repeated transformer blocks (FSDP2 units and compile units).
+    ``mixed_precision`` (FSDP2): None = bf16 on CUDA when ``parallel.mixed_precision``; True/False force it
+    (see ``apply_fsdp2``).
     """
     blocks = list(blocks or [])
     if activation_checkpointing:
@@ -197,7 +312,7 @@ def parallelize(
     if compile:
         apply_compile(blocks)
     if parallel.strategy == "fsdp2" and ctx.initialized:
-        return apply_fsdp2(model, blocks, parallel, ctx)
+        return apply_fsdp2(model, blocks, parallel, ctx, mixed_precision=mixed_precision)
     if parallel.strategy == "ddp" and ctx.initialized:
         device_ids = [ctx.device.index] if ctx.device.type == "cuda" else None
         return nn.parallel.DistributedDataParallel(model, device_ids=device_ids)
