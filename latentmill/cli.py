@@ -1,4 +1,4 @@
-"""The ``latentmill`` command: demo, prep, train, run, inspect, verify, init, serve.
+"""The ``latentmill`` command: demo, prep, train, run, inspect, verify, plan, init, serve.
 
     latentmill prep CONFIG [key.path=value ...] [--summary-json PATH]
     latentmill train CONFIG [key.path=value ...] [--nproc N] [--nnodes M --rdzv-endpoint HOST:PORT]
@@ -8,6 +8,8 @@
     latentmill demo [key.path=value ...] [--summary-json PATH]
     latentmill inspect PATH        (a recipe with its defaults, an output_dir, a snapshot or a stage)
     latentmill verify PATH         (re-hash shards against their manifests; exit 1 on any mismatch)
+    latentmill plan CONFIG [key.path=value ...] [--nproc N] [--nnodes M] [--gpu-memory GiB] [--json PATH]
+                   (per-rank memory of the run, from its config files on the meta device)
     latentmill init DIR            (copy the example recipes, tiny-model recipes and demo data into DIR)
     latentmill serve start|stop [--port N] [--home DIR]   (local Prefect server + UI, worker, deployments)
 
@@ -46,6 +48,13 @@ def _parser() -> argparse.ArgumentParser:
                        ("verify", "re-hash shards against their manifests")]:
         p = sub.add_parser(name, help=text)
         p.add_argument("path", type=Path, help="a recipe (.yaml), an output_dir, a snapshot or stage folder")
+    p = sub.add_parser("plan", help="per-rank memory of a run from its config files (meta device, fake ranks)")
+    p.add_argument("config", help="YAML recipe, e.g. configs/flux-dev-full.yaml")
+    p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. parallel.hsdp_replicate=1")
+    p.add_argument("--nproc", type=int, help="processes (GPUs) per node (default: 8; 1 for strategy none)")
+    p.add_argument("--nnodes", type=int, help="nodes (default: parallel.hsdp_replicate for HSDP, else 1)")
+    p.add_argument("--gpu-memory", type=float, default=80.0, help="GiB per GPU for the fits check (default 80)")
+    p.add_argument("--json", type=Path, help="write the plan here as JSON")
     p = sub.add_parser("init", help="copy the example recipes and the demo data into a folder")
     p.add_argument("folder", type=Path, help="where to copy them (made if missing; no file is overwritten)")
     p = sub.add_parser("serve", help="a local Prefect server and UI, a process worker and the deployments")
@@ -168,6 +177,16 @@ def main(argv: list[str] | None = None) -> int:
             from latentmill.inspect import inspect_path, verify_path
 
             return inspect_path(args.path) if args.command == "inspect" else verify_path(args.path)
+        if args.command == "plan":
+            from latentmill.plan import format_plan, plan_config
+
+            result = plan_config(args.config, args.overrides, nproc=args.nproc, nnodes=args.nnodes,
+                                 gpu_memory_gib=args.gpu_memory)
+            print(format_plan(result))
+            if args.json:
+                args.json.parent.mkdir(parents=True, exist_ok=True)
+                args.json.write_text(json.dumps(result, indent=2))
+            return 0
         if args.command == "init":
             from latentmill.resources import init_folder
 

@@ -1,0 +1,462 @@
+"""``latentmill plan``: per-rank memory of a real-size run, from its config files alone.
+
+    latentmill plan configs/flux-dev-full.yaml --nproc 8 --nnodes 1 --gpu-memory 80 --json plan.json
+
+The recipe's transformer is built on the meta device from ``model_index.json`` and
+``transformer/config.json`` (:func:`latentmill.trainer.model_load.meta_transformer`: no weights, no bytes),
+made trainable by the recipe's own LoRA code, and then given to the recipe's own ``parallelize`` under a
+*fake* process group of the run's world size (``torch.testing._internal.distributed.fake_pg``: collectives
+return at once, nothing is sent). FSDP2 then shards the meta parameters exactly as it does on the GPUs, and
+the plan reads rank 0's local shards (``DTensor.to_local()``), so the numbers come from the sharding code
+path, not from a formula. Rank 0 holds the largest shards (FSDP2 pads dim 0 to the shard count).
+
+What is counted per rank: parameters (local shards; DDP and none: the full replica), gradients (trainable
+local shards in float32, kept sharded across accumulation micro-batches; DDP adds its bucket buffers),
+AdamW state (read from a real ``torch.optim.AdamW`` stepped once over the meta parameters), the transient
+gathered parameters of FSDP2 (the root unit plus two block units, current and prefetched, in the compute
+dtype), and host RAM at load and at export. Activations are not counted: they depend on the batch and the
+bucket, and activation checkpointing keeps them to one block's worth plus the block inputs.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import struct
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from latentmill.config import ConfigError
+from latentmill.recipe import Recipe, load_recipe
+
+GIB = 1024**3
+GPUS_PER_NODE = 8  # the default --nproc: recipes describe nodes of 8 GPUs (H100/H200/A100 nodes)
+DEFAULT_MAX_SHARD_BYTES = 5 * GIB  # the streaming export's shard size when trainer/export.py does not say
+
+# Hub ids whose published config files ship with latentmill (configs/models/<folder>), with the dtype of
+# the published transformer weights (the host bytes of loading them). FLUX.1-dev is published in bfloat16;
+# the Wan2.1 Diffusers transformers in float32 (the 1.3B file is 5.68 GB = 1.42B x 4 bytes).
+SHIPPED_CONFIGS: dict[str, tuple[str, torch.dtype]] = {
+    "black-forest-labs/FLUX.1-dev": ("FLUX.1-dev", torch.bfloat16),
+    "Wan-AI/Wan2.1-T2V-14B-Diffusers": ("Wan2.1-T2V-14B-Diffusers", torch.float32),
+    "Wan-AI/Wan2.1-T2V-1.3B-Diffusers": ("Wan2.1-T2V-1.3B-Diffusers", torch.float32),
+}
+# safetensors header dtype names
+_ST_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "F64": torch.float64}
+
+
+@dataclass
+class ModelSource:
+    """Where the config files come from, and the dtype of the checkpoint's transformer weights."""
+
+    path: Path
+    note: str  # a line for the output: which folder, and whether shipped configs stood in for the hub
+    shipped: bool
+    checkpoint_dtype: torch.dtype
+    dtype_note: str
+
+
+@dataclass
+class Layout:
+    """The process layout of the planned run."""
+
+    nproc: int
+    nnodes: int
+    note: str
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def world_size(self) -> int:
+        return self.nproc * self.nnodes
+
+
+def shipped_models_dir() -> Path:
+    """``configs/models`` of the checkout, or ``latentmill/configs/models`` of a wheel."""
+    from latentmill.resources import resource_root
+
+    return resource_root() / "configs" / "models"
+
+
+def _header_dtype(folder: Path) -> torch.dtype | None:
+    """The floating dtype of the first tensor in ``folder``'s first safetensors file (header only)."""
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        return None
+    with open(files[0], "rb") as fh:
+        (length,) = struct.unpack("<Q", fh.read(8))
+        header = json.loads(fh.read(length))
+    for key, entry in header.items():
+        if key != "__metadata__" and entry.get("dtype") in _ST_DTYPES:
+            return _ST_DTYPES[entry["dtype"]]
+    return None
+
+
+def _checkpoint_dtype(folder: Path, pretrained: str) -> tuple[torch.dtype, str]:
+    """The transformer weights' dtype: from the safetensors headers when the weights are there, else the
+    config's ``torch_dtype``, else the published dtype of a known hub id, else bfloat16 (the hub default of
+    12-14B diffusion transformers)."""
+    found = _header_dtype(folder / "transformer")
+    if found is not None:
+        return found, "read from the safetensors headers"
+    config = json.loads((folder / "transformer" / "config.json").read_text())
+    if isinstance(config.get("torch_dtype"), str) and hasattr(torch, config["torch_dtype"]):
+        return getattr(torch, config["torch_dtype"]), "transformer/config.json torch_dtype"
+    if pretrained in SHIPPED_CONFIGS:
+        return SHIPPED_CONFIGS[pretrained][1], f"the published weights of {pretrained}"
+    return torch.bfloat16, "assumed (no weights and no torch_dtype in the config)"
+
+
+def resolve_model(pretrained: str) -> ModelSource:
+    """The folder holding ``model_index.json`` and ``transformer/config.json`` for ``model.pretrained``.
+
+    A local folder (configs alone are enough); else the local Hugging Face cache; else, for the hub ids of
+    :data:`SHIPPED_CONFIGS`, the published configs shipped with latentmill. Nothing is downloaded.
+    """
+    path = Path(pretrained).expanduser()
+    if path.is_dir():
+        if not (path / "transformer" / "config.json").is_file():
+            raise ConfigError(f"model.pretrained: {pretrained} has no transformer/config.json (plan needs "
+                              "model_index.json and transformer/config.json; weights are not needed)")
+        return ModelSource(path, f"configs from {path}", False, *_checkpoint_dtype(path, pretrained))
+    if path.exists():
+        raise ConfigError(f"model.pretrained: {pretrained} is a file; name a Diffusers pipeline folder or a hub id")
+    from latentmill.preflight import HUB_ID
+
+    if pretrained.startswith((".", "/", "~")) or not HUB_ID.match(pretrained):
+        hint = " (a tiny-model recipe builds it on the first prep or run)" if "tiny" in pretrained else ""
+        raise ConfigError(f"model.pretrained: {pretrained} does not exist, and is not a Hugging Face id{hint}")
+    try:
+        from huggingface_hub import try_to_load_from_cache
+
+        cached = [try_to_load_from_cache(pretrained, name) for name in ("model_index.json", "transformer/config.json")]
+    except Exception:  # not a valid repo id, or no cache: fall through to the shipped configs
+        cached = [None, None]
+    if all(isinstance(c, str) for c in cached):
+        root = Path(cached[0]).parent
+        return ModelSource(root, f"configs of {pretrained} from the local Hugging Face cache", False,
+                           *_checkpoint_dtype(root, pretrained))
+    if pretrained in SHIPPED_CONFIGS:
+        root = shipped_models_dir() / SHIPPED_CONFIGS[pretrained][0]
+        return ModelSource(root, f"{pretrained} is not available locally: used the published configs shipped "
+                           f"with latentmill ({root})", True, *_checkpoint_dtype(root, pretrained))
+    raise ConfigError(f"model.pretrained: {pretrained} is neither a local folder nor in the local Hugging Face "
+                      f"cache, and plan ships configs only for {', '.join(SHIPPED_CONFIGS)}; give a folder "
+                      "with model_index.json and transformer/config.json")
+
+
+def _family(recipe: Recipe, folder: Path) -> str:
+    if recipe.model.family != "auto":
+        return recipe.model.family
+    from latentmill.stages.families import PIPELINE_FAMILIES
+
+    name = json.loads((folder / "model_index.json").read_text()).get("_class_name", "")
+    if name not in PIPELINE_FAMILIES:
+        raise ConfigError(f"model.family: cannot tell the family of a {name or 'unknown'} pipeline; set "
+                          f"model.family to one of {', '.join(sorted(set(PIPELINE_FAMILIES.values())))}")
+    return PIPELINE_FAMILIES[name]
+
+
+def layout(recipe: Recipe, nproc: int | None, nnodes: int | None) -> Layout:
+    """The run's process layout: ``--nproc``/``--nnodes``, else the recipe's.
+
+    A recipe states its layout through ``parallel``: ``strategy: none`` is one process; ``ddp``/``fsdp2``
+    run on nodes of 8 GPUs, and an HSDP recipe's ``hsdp_replicate`` is its number of nodes (shard within a
+    node, replicate across nodes).
+    """
+    parallel = recipe.parallel
+    if parallel.strategy == "none":
+        note = "parallel.strategy none: one process"
+        nproc, nnodes = nproc or 1, nnodes or 1
+    else:
+        hsdp = parallel.strategy == "fsdp2" and parallel.hsdp_replicate > 1
+        note = (f"--nproc {nproc}" if nproc else f"{GPUS_PER_NODE} GPUs per node (default)") + ", " + (
+            f"--nnodes {nnodes}" if nnodes else
+            (f"{parallel.hsdp_replicate} nodes (= parallel.hsdp_replicate)" if hsdp else "1 node (default)"))
+        nproc = nproc or GPUS_PER_NODE
+        nnodes = nnodes or (parallel.hsdp_replicate if hsdp else 1)
+    if nproc < 1 or nnodes < 1:
+        raise ConfigError(f"--nproc and --nnodes: must be >= 1, got {nproc} and {nnodes}")
+    world = nproc * nnodes
+    if parallel.strategy == "none" and world > 1:
+        raise ConfigError(f"parallel.strategy: 'none' but {world} processes were asked for; use 'ddp' or 'fsdp2'")
+    if parallel.strategy == "fsdp2" and world % parallel.hsdp_replicate:
+        raise ConfigError(f"parallel.hsdp_replicate: {parallel.hsdp_replicate} does not divide the {world} "
+                          "processes of the plan")
+    return Layout(nproc, nnodes, note)
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a parameter: the local shard of a DTensor, else the tensor itself."""
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+@dataclass
+class Unit:
+    """One FSDP2 unit as ``fully_shard`` built it: what one all-gather brings to the GPU."""
+
+    name: str
+    gathered_bytes: int  # full parameters in the unit's compute dtype (mixed precision: its param_dtype)
+    block: int | None  # the transformer block it belongs to; None: a root-level unit
+
+
+def fsdp_units(model: nn.Module, blocks: list[nn.Module]) -> list[Unit]:
+    """The FSDP2 units of a sharded ``model``, read from FSDP2's own parameter groups (modules sharded
+    together with ``fully_shard([a, b])`` share one group, hence one all-gather), with their gathered size."""
+    from torch.distributed.fsdp import FSDPModule
+
+    block_of = {id(m): i for i, block in enumerate(blocks) for m in block.modules()}
+    units: dict[int, Unit] = {}
+    for name, module in model.named_modules():
+        if not isinstance(module, FSDPModule):
+            continue
+        state = module._get_fsdp_state()
+        group = state._fsdp_param_group
+        if id(state) in units or group is None:
+            continue
+        dtype = group.mp_policy.param_dtype
+        gathered = sum(fp._orig_size.numel() * (dtype or fp.sharded_param.dtype).itemsize
+                       for fp in group.fsdp_params)
+        units[id(state)] = Unit(name, gathered, block_of.get(id(module)))
+    return list(units.values())
+
+
+def _optimizer_state_bytes(trainable: list[nn.Parameter], recipe: Recipe) -> int:
+    """Bytes of AdamW state per rank, from a real ``torch.optim.AdamW`` stepped once over the meta
+    parameters (its state tensors are then meta DTensor shards too): ``exp_avg`` and ``exp_avg_sq``. The
+    0-dim ``step`` counters live on the host and are left out."""
+    cfg = recipe.trainer
+    optimizer = torch.optim.AdamW(trainable, lr=cfg.learning_rate, betas=tuple(cfg.adam_betas), eps=cfg.adam_eps,
+                                  weight_decay=cfg.weight_decay, foreach=False)
+    for p in trainable:
+        p.grad = torch.zeros_like(p)
+    optimizer.step()
+    total = sum(_nbytes(_local(v)) for state in optimizer.state.values() for v in state.values()
+                if torch.is_tensor(v) and v.dim() > 0)
+    for p in trainable:
+        p.grad = None
+    return total
+
+
+def _ddp_bucket_bytes(trainable: list[nn.Parameter]) -> tuple[int, int]:
+    """``(buckets, bytes)`` of DDP's gradient buckets: torch's own bucket assignment (first bucket 1 MiB,
+    then 25 MiB), each bucket a flat buffer of its parameters' gradients. ``DistributedDataParallel`` itself
+    cannot be built on meta tensors (it verifies shapes across ranks with ``.item()``)."""
+    import torch.distributed as dist
+
+    if not trainable:
+        return 0, 0
+    buckets, _ = dist._compute_bucket_assignment_by_size(
+        trainable, [dist._DEFAULT_FIRST_BUCKET_BYTES, 25 * 1024 * 1024], [False] * len(trainable))
+    return len(buckets), sum(_nbytes(trainable[i]) for bucket in buckets for i in bucket)
+
+
+def _max_shard_bytes() -> int:
+    try:
+        from latentmill.trainer.export import MAX_SHARD_BYTES
+
+        return int(MAX_SHARD_BYTES)
+    except ImportError:  # a build without the streaming export: its documented default
+        return DEFAULT_MAX_SHARD_BYTES
+
+
+def _is_lora(name: str) -> bool:
+    return "lora_" in name
+
+
+def plan(recipe: Recipe, *, nproc: int | None = None, nnodes: int | None = None,
+         gpu_memory_gib: float = 80.0) -> dict[str, Any]:
+    """Per-rank memory of ``recipe`` at ``nproc`` x ``nnodes`` processes, from the real sharding path on
+    the meta device under a fake process group. Returns the JSON-shaped plan (see the module docstring)."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from latentmill.trainer.adapters import get_adapter
+    from latentmill.trainer.model_load import meta_transformer
+    from latentmill.trainer.parallel import DistContext, build_mesh, parallelize
+
+    cfg, parallel = recipe.trainer, recipe.parallel
+    lay = layout(recipe, nproc, nnodes)
+    source = resolve_model(recipe.model.pretrained)
+    family = _family(recipe, source.path)
+    try:
+        adapter = get_adapter(family)
+    except ValueError as err:
+        raise ConfigError(f"model.family: {err}") from None
+    world = lay.world_size
+    sharded = parallel.strategy == "fsdp2"
+    # what the trainer loads: FSDP2 keeps float32 masters; LoRA on one GPU / DDP: a bfloat16 base on CUDA
+    base_dtype = torch.bfloat16 if (cfg.mode == "lora" and not sharded) else torch.float32
+    notes: list[str] = []
+    if cfg.compile:
+        notes.append("trainer.compile: not applied on meta (torch.compile does not change parameter memory)")
+    notes.append("activations are not counted (they depend on batch and bucket; activation checkpointing: "
+                 f"{'on' if cfg.activation_checkpointing else 'off'})")
+
+    model = meta_transformer(adapter, str(source.path), mode=cfg.mode, lora_rank=cfg.lora_rank,
+                             lora_alpha=cfg.lora_alpha, lora_target_modules=cfg.lora_target_modules,
+                             base_dtype=base_dtype)
+    total_params = sum(p.numel() for p in model.parameters())
+    trainable_params = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    largest_fp32 = max(p.numel() for p in model.parameters()) * 4
+    base_params = sum(p.numel() for n, p in model.named_parameters() if not _is_lora(n))
+    lora_bytes = sum(_nbytes(p) for n, p in model.named_parameters() if _is_lora(n))
+
+    started = False
+    if sharded or (parallel.strategy == "ddp" and world > 1):  # as init_distributed starts a group
+        if dist.is_initialized():
+            raise RuntimeError("latentmill plan needs its own (fake) process group; one is already running")
+        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
+        started = True
+    try:
+        ctx = DistContext(0, world, 0, torch.device("cpu"), initialized=started, owns_group=started,
+                          strategy=parallel.strategy)
+        blocks = adapter.blocks(model)
+        mesh_shape = [world]
+        if sharded:
+            # the units and dtypes of a CUDA run: bf16 compute where mixed precision applies, float32 where
+            # the model class keeps modules in float32
+            model = parallelize(model, parallel, ctx, blocks=blocks,
+                                activation_checkpointing=cfg.activation_checkpointing, compile=False,
+                                mixed_precision=parallel.mixed_precision)
+            mesh_shape = list(build_mesh(parallel, ctx).shape)
+        else:  # DDP cannot wrap meta tensors (see _ddp_bucket_bytes): the rest of parallelize, ungrouped
+            parallelize(model, parallel, DistContext(), blocks=blocks,
+                        activation_checkpointing=cfg.activation_checkpointing, compile=False)
+        named = list(model.named_parameters())  # after fully_shard: DTensor parameters, the same names
+        params = [p for _, p in named]
+        trainable = [p for p in params if p.requires_grad]
+        params_bytes = sum(_nbytes(_local(p)) for p in params)
+        buffers_bytes = sum(_nbytes(b) for b in model.buffers())
+        # FSDP2 reduce-scatters into float32 sharded gradients (reduce_dtype) that stay sharded across the
+        # accumulation micro-batches; unsharded runs keep one gradient per trainable parameter (its dtype)
+        grads_bytes = sum(_local(p).numel() * 4 for p in trainable)
+        if parallel.strategy == "ddp" and started:
+            buckets, bucket_bytes = _ddp_bucket_bytes(trainable)
+            grads_bytes += bucket_bytes
+            notes.append(f"DDP: full replica per rank; gradients = .grad ({_gib(grads_bytes - bucket_bytes)}) "
+                         f"+ {buckets} reducer buckets ({_gib(bucket_bytes)}, torch's bucket assignment)")
+        optimizer_bytes = _optimizer_state_bytes(trainable, recipe)
+        if sharded:
+            # root-level units stay gathered through the step; blocks are gathered one at a time, the
+            # next one prefetched while the current one computes
+            units = fsdp_units(model, blocks)
+            root = sum(u.gathered_bytes for u in units if u.block is None)
+            per_block: dict[int, int] = {}
+            for u in units:
+                if u.block is not None:
+                    per_block[u.block] = per_block.get(u.block, 0) + u.gathered_bytes
+            largest_block = max(per_block.values(), default=0)
+            gathered_bytes = root + 2 * largest_block
+            notes.append(f"gathered: {len(units)} FSDP2 units; root-level {_gib(root)} + 2 x the largest block "
+                         f"{_gib(largest_block)} (current + prefetch), in each unit's compute dtype")
+        else:
+            gathered_bytes = 0
+            if lay.nproc > 1:
+                notes.append(f"host RAM at load is per rank: {lay.nproc} ranks on a node load "
+                             f"{_gib(lay.nproc * (base_params * torch.finfo(base_dtype).bits // 8 + lora_bytes))}")
+    finally:
+        if started and dist.is_initialized():
+            dist.destroy_process_group()
+
+    # host RAM at load: a sharded load reads each rank's own rows of each tensor from the safetensors files
+    # (worst case: the whole local shard in the file's dtype at once); unsharded: the whole model on the
+    # host in the dtype the trainer loads it in before moving it to the GPU
+    ck_bytes = torch.finfo(source.checkpoint_dtype).bits // 8
+    if sharded:
+        local_base = sum(_local(p).numel() for n, p in named if not _is_lora(n))
+        host_load = local_base * ck_bytes
+        notes.append("host RAM at load: the worst case, rank 0's whole shard in the checkpoint dtype (the "
+                     "sharded loader reads one tensor's rows at a time)")
+    else:
+        host_load = base_params * torch.finfo(base_dtype).bits // 8 + lora_bytes
+    # host RAM at export, rank 0: tensor by tensor, cast to export_dtype, flushed every MAX_SHARD_BYTES
+    export_dtype_name = str(getattr(cfg, "export_dtype", "bfloat16"))
+    export_dtype = getattr(torch, export_dtype_name, torch.bfloat16)
+    if cfg.mode == "lora":
+        host_export = lora_bytes
+    else:
+        model_export = total_params * torch.finfo(export_dtype).bits // 8
+        host_export = min(_max_shard_bytes(), model_export) + largest_fp32
+    static = params_bytes + buffers_bytes + grads_bytes + optimizer_bytes + gathered_bytes
+    gpu_bytes = int(gpu_memory_gib * GIB)
+    return {
+        "config": {"pretrained": recipe.model.pretrained, "family": family, "mode": cfg.mode,
+                   "strategy": parallel.strategy, "hsdp_replicate": parallel.hsdp_replicate,
+                   "mixed_precision": parallel.mixed_precision, "grad_accum_steps": cfg.grad_accum_steps,
+                   "batch_size": cfg.batch_size, "configs_from": str(source.path),
+                   "shipped_configs": source.shipped},
+        "total_params": total_params,
+        "trainable_params": trainable_params,
+        "world_size": world,
+        "nproc": lay.nproc,
+        "nnodes": lay.nnodes,
+        "mesh": mesh_shape if started else [1],
+        "checkpoint_dtype": str(source.checkpoint_dtype).removeprefix("torch."),
+        "per_rank": {
+            "params_bytes": params_bytes,
+            "buffers_bytes": buffers_bytes,
+            "grads_bytes": grads_bytes,
+            "optimizer_bytes": optimizer_bytes,
+            "gathered_bytes": gathered_bytes,
+            "static_bytes": static,
+            "host_load_peak_bytes": host_load,
+            "host_export_peak_bytes": host_export,
+        },
+        "gpu_memory_bytes": gpu_bytes,
+        "fits": static <= gpu_bytes,
+        "margin_bytes": gpu_bytes - static,
+        "notes": [source.note, f"layout: {lay.note}",
+                  f"checkpoint dtype {str(source.checkpoint_dtype).removeprefix('torch.')}: {source.dtype_note}",
+                  *notes],
+    }
+
+
+def _gib(n: int) -> str:
+    return f"{n / GIB:.2f} GiB"
+
+
+def format_plan(result: dict[str, Any]) -> str:
+    """The plan as text: one table for rank 0 (the largest shards), the fits line, then the notes."""
+    c, r = result["config"], result["per_rank"]
+    global_batch = c["batch_size"] * c["grad_accum_steps"] * result["world_size"]
+    lines = [
+        f"plan: {c['pretrained']} ({c['family']}), {c['mode']} fine-tune, {c['strategy']} on "
+        f"{result['nnodes']} x {result['nproc']} = {result['world_size']} ranks (mesh {result['mesh']}), "
+        f"global batch {c['batch_size']} x {c['grad_accum_steps']} accum x {result['world_size']} = {global_batch}",
+        f"parameters: {result['total_params']:,} total, {result['trainable_params']:,} trainable",
+        "",
+        f"{'per rank (rank 0: the largest shards)' if c['strategy'] == 'fsdp2' else 'per rank':<47}GiB",
+    ]
+    rows = [("parameters (local shards)" if c["strategy"] == "fsdp2" else "parameters (full replica)",
+             r["params_bytes"]), ("buffers", r["buffers_bytes"]),
+            (f"gradients (float32, {c['grad_accum_steps']} accum steps)", r["grads_bytes"]),
+            ("AdamW state (exp_avg + exp_avg_sq)", r["optimizer_bytes"]),
+            ("gathered FSDP units (transient)", r["gathered_bytes"])]
+    lines += [f"  {name:<42} {value / GIB:>8.2f}" for name, value in rows]
+    lines += [f"  {'static GPU total':<42} {r['static_bytes'] / GIB:>8.2f}",
+              f"  {'host RAM peak at load':<42} {r['host_load_peak_bytes'] / GIB:>8.2f}",
+              f"  {'host RAM peak at export (rank 0)':<42} {r['host_export_peak_bytes'] / GIB:>8.2f}", ""]
+    gpu = result["gpu_memory_bytes"] / GIB
+    margin = result["margin_bytes"] / GIB
+    if result["fits"]:
+        lines.append(f"fits: yes, the static part fits {gpu:g} GiB with {margin:.2f} GiB left for activations")
+    else:
+        lines.append(f"fits: NO, the static part exceeds {gpu:g} GiB by {-margin:.2f} GiB")
+    lines += [f"note: {n}" for n in result["notes"]]
+    return "\n".join(lines)
+
+
+def plan_config(config: str | Path, overrides: list[str] | None = None, *, nproc: int | None = None,
+                nnodes: int | None = None, gpu_memory_gib: float = 80.0) -> dict[str, Any]:
+    """:func:`plan` of a recipe file (or shipped recipe name) with dotted overrides."""
+    if not math.isfinite(gpu_memory_gib) or gpu_memory_gib <= 0:
+        raise ConfigError(f"--gpu-memory: must be a positive number of GiB, got {gpu_memory_gib}")
+    return plan(load_recipe(config, overrides), nproc=nproc, nnodes=nnodes, gpu_memory_gib=gpu_memory_gib)

@@ -1,0 +1,178 @@
+"""``latentmill plan``: per-rank memory of real-size runs from config files, on meta tensors, fake ranks.
+
+The expected per-rank bytes are computed here independently of FSDP2, from the parameter shapes of an
+unsharded meta model and the dim-0 chunking rule of ``Shard(0)`` (rank 0 gets ``ceil(dim0 / shards)`` rows),
+so a plan that counted ``total / world`` (a formula) instead of the real local shards would fail the
+uneven-shard and HSDP tests.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from latentmill.config import ConfigError
+from latentmill.plan import GIB, format_plan, plan_config, shipped_models_dir
+
+pytestmark = pytest.mark.slow
+
+REPO = Path(__file__).resolve().parents[1]
+FLUX_DEV_PARAMS = 11_901_408_320
+WAN_14B_PARAMS = 14_288_491_584
+NEMO_FLUX_PEAK_GIB = 63.9  # NeMo Automodel: FLUX.1-dev full fine-tune, 8 x H100, global batch 32 (peak)
+
+
+def _meta(family: str, folder: str) -> torch.nn.Module:
+    """The unmodified Diffusers transformer on meta, straight from the config (no latentmill code)."""
+    import diffusers
+
+    cls = {"flux": diffusers.FluxTransformer2DModel, "wan": diffusers.WanTransformer3DModel}[family]
+    with torch.device("meta"):
+        return cls.from_config(cls.load_config(str(shipped_models_dir() / folder), subfolder="transformer"))
+
+
+def _rank0_elements(model: torch.nn.Module, shards: int) -> int:
+    """Elements rank 0 holds when every parameter is chunked along dim 0 into ``shards`` pieces."""
+    return sum(math.ceil(p.shape[0] / shards) * (p.numel() // p.shape[0]) for p in model.parameters())
+
+
+@pytest.fixture(scope="module")
+def wan_small() -> torch.nn.Module:
+    return _meta("wan", "Wan2.1-T2V-1.3B-Diffusers")
+
+
+def test_flux_dev_full_on_8_ranks_counts_the_real_shards():
+    result = plan_config("configs/flux-dev-full.yaml", ["parallel.hsdp_replicate=1"], nproc=8, nnodes=1)
+    assert not dist.is_initialized()  # the fake group is gone: plan can run again in this process
+    r = result["per_rank"]
+    assert result["total_params"] == result["trainable_params"] == FLUX_DEV_PARAMS
+    assert (result["world_size"], result["mesh"]) == (8, [8])
+    model = _meta("flux", "FLUX.1-dev")
+    assert r["params_bytes"] == _rank0_elements(model, 8) * 4  # float32 masters
+    assert FLUX_DEV_PARAMS * 4 / 8 <= r["params_bytes"] < FLUX_DEV_PARAMS * 4 / 8 * 1.001
+    assert r["grads_bytes"] == r["params_bytes"]  # float32, sharded, whatever grad_accum_steps is
+    assert r["optimizer_bytes"] == 2 * r["params_bytes"]  # AdamW exp_avg + exp_avg_sq, from a real step
+    # root unit + 2 double-stream blocks (the largest units) in bf16
+    assert r["gathered_bytes"] == (64_124_992 + 2 * 339_831_296) * 2
+    assert r["static_bytes"] == sum(r[k] for k in ("params_bytes", "buffers_bytes", "grads_bytes",
+                                                   "optimizer_bytes", "gathered_bytes"))
+    assert r["static_bytes"] < 0.5 * NEMO_FLUX_PEAK_GIB * GIB  # the static part is well below the anchor
+    assert r["host_load_peak_bytes"] == r["params_bytes"] // 2  # bf16 checkpoint rows of rank 0's shards
+    largest = max(p.numel() for p in model.parameters())  # a norm's 3072 -> 6 x 3072 projection
+    assert largest == 3072 * 6 * 3072
+    assert r["host_export_peak_bytes"] == 5 * GIB + largest * 4  # one 5 GiB export shard + largest in fp32
+    assert result["fits"] and result["config"]["shipped_configs"]
+    text = format_plan(result)
+    assert "shipped with latentmill" in text and "activations are not counted" in text
+
+
+def test_flux_dev_lora_ddp_counts_the_real_lora_layers():
+    result = plan_config("configs/flux-dev-lora.yaml", nproc=8)
+    assert not dist.is_initialized()
+    model = _meta("flux", "FLUX.1-dev")
+    targets = ("to_k", "to_q", "to_v", "to_out.0")
+    lora = sum(32 * (m.in_features + m.out_features) for name, m in model.named_modules()
+               if isinstance(m, torch.nn.Linear) and name.endswith(targets))
+    assert result["trainable_params"] == lora == 37_355_520
+    assert result["total_params"] == FLUX_DEV_PARAMS + lora
+    r = result["per_rank"]
+    assert result["world_size"] == 8 and result["config"]["strategy"] == "ddp"
+    assert r["params_bytes"] == FLUX_DEV_PARAMS * 2 + lora * 4  # bf16 base replica + float32 LoRA
+    assert r["grads_bytes"] == 2 * lora * 4  # .grad + DDP's bucket buffers
+    assert r["optimizer_bytes"] == 2 * lora * 4
+    assert r["gathered_bytes"] == 0
+    assert r["host_export_peak_bytes"] == lora * 4  # a LoRA export holds only the LoRA weights
+
+
+def test_hsdp_replicate_and_uneven_ranks_follow_the_sharding(wan_small):
+    total = sum(p.numel() for p in wan_small.parameters())
+    flat = plan_config("configs/wan2.1-1.3b.yaml", nproc=8)
+    hsdp = plan_config("configs/wan2.1-1.3b.yaml", ["parallel.hsdp_replicate=2"], nproc=8, nnodes=1)
+    odd = plan_config("configs/wan2.1-1.3b.yaml", nproc=7)
+    assert (flat["mesh"], hsdp["mesh"], odd["mesh"]) == ([8], [2, 4], [7])
+    assert flat["per_rank"]["params_bytes"] == _rank0_elements(wan_small, 8) * 4
+    assert hsdp["per_rank"]["params_bytes"] == _rank0_elements(wan_small, 4) * 4  # sharded over 4, not 8
+    assert odd["per_rank"]["params_bytes"] == _rank0_elements(wan_small, 7) * 4
+    assert odd["per_rank"]["params_bytes"] > total * 4 / 7  # FSDP2 pads dim 0: rank 0 holds the most
+    assert flat["per_rank"]["host_load_peak_bytes"] == flat["per_rank"]["params_bytes"]  # fp32 checkpoint
+    # gathered: root-level units + 2 blocks, each parameter in bf16 except what Wan keeps in float32
+    keep = set(wan_small._keep_in_fp32_modules)
+
+    def gathered(module: torch.nn.Module, prefix: str, skip: str | None = None) -> int:
+        return sum(p.numel() * (4 if keep & set(f"{prefix}{n}".split(".")) else 2)
+                   for n, p in module.named_parameters() if not (skip and n.startswith(skip)))
+
+    root = gathered(wan_small, "", skip="blocks.")
+    block = gathered(wan_small.blocks[0], "blocks.0.")
+    assert flat["per_rank"]["gathered_bytes"] == root + 2 * block
+    assert root + 2 * block > (total - 28 * sum(p.numel() for p in wan_small.blocks[0].parameters())) * 2
+
+
+def test_a_config_only_folder_is_enough(tmp_path, wan_small):
+    folder = tmp_path / "wan-configs"
+    shutil.copytree(shipped_models_dir() / "Wan2.1-T2V-1.3B-Diffusers", folder)
+    config = json.loads((folder / "transformer" / "config.json").read_text())
+    (folder / "transformer" / "config.json").write_text(json.dumps({**config, "torch_dtype": "bfloat16"}))
+    result = plan_config("configs/wan2.1-1.3b.yaml", [f"model.pretrained={folder}", "model.family=auto"],
+                         nproc=8, gpu_memory_gib=2)
+    assert result["total_params"] == sum(p.numel() for p in wan_small.parameters()) == 1_418_996_800
+    assert result["config"]["shipped_configs"] is False and result["config"]["family"] == "wan"
+    r = result["per_rank"]
+    assert r["host_load_peak_bytes"] == r["params_bytes"] // 2  # the config's torch_dtype: bf16 rows
+    assert result["fits"] is False and result["margin_bytes"] == 2 * GIB - r["static_bytes"]
+
+
+def test_bad_keys_fail_naming_the_key(tmp_path, capsys):
+    from latentmill.cli import main
+
+    with pytest.raises(ConfigError, match=r"model\.pretrained"):
+        plan_config("configs/wan2.1-1.3b.yaml", ["model.pretrained=nobody/no-such-model"])
+    with pytest.raises(ConfigError, match=r"model\.pretrained"):
+        plan_config("configs/wan2.1-1.3b.yaml", [f"model.pretrained={tmp_path}"])  # no transformer/config.json
+    with pytest.raises(ConfigError, match=r"parallel\.hsdp_replicate"):
+        plan_config("configs/wan2.1-1.3b.yaml", ["parallel.hsdp_replicate=3"], nproc=8, nnodes=1)
+    assert main(["plan", "configs/wan2.1-1.3b.yaml", "trainer.no_such_key=1"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "no_such_key" in err and err.startswith("latentmill: error:")
+    assert not dist.is_initialized()
+
+
+def test_cli_plans_wan_14b_at_its_recipe_world_size(tmp_path, wan_small):
+    out = tmp_path / "plan.json"
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, "-m", "latentmill.cli", "plan", "configs/wan2.1-14b.yaml",
+                           "--gpu-memory", "10", "--json", str(out)], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert "fits: NO" in proc.stdout
+    result = json.loads(out.read_text())
+    assert {"total_params", "trainable_params", "world_size", "per_rank", "fits"} <= set(result)
+    assert {"params_bytes", "grads_bytes", "optimizer_bytes", "host_load_peak_bytes",
+            "host_export_peak_bytes"} <= set(result["per_rank"])
+    assert result["total_params"] == WAN_14B_PARAMS
+    assert (result["world_size"], result["nnodes"], result["mesh"]) == (32, 4, [4, 8])  # HSDP: 4 nodes x 8
+    assert result["per_rank"]["params_bytes"] == _rank0_elements(_meta("wan", "Wan2.1-T2V-14B-Diffusers"), 8) * 4
+    assert result["fits"] is False and result["per_rank"]["static_bytes"] > 10 * GIB
+
+
+def test_one_process_plan_of_a_folder_with_weights(tiny_flux):
+    from diffusers import FluxTransformer2DModel
+
+    model = FluxTransformer2DModel.from_pretrained(tiny_flux, subfolder="transformer")
+    result = plan_config("demo", [f"model.pretrained={tiny_flux}"])
+    n = sum(p.numel() for p in model.parameters())
+    assert (result["world_size"], result["total_params"], result["checkpoint_dtype"]) == (1, n, "float32")
+    assert "safetensors headers" in " ".join(result["notes"])  # the dtype came from the weights themselves
+    r = result["per_rank"]
+    assert r["params_bytes"] == r["grads_bytes"] == r["host_load_peak_bytes"] == n * 4
+    assert r["optimizer_bytes"] == 2 * n * 4 and r["gathered_bytes"] == 0
+    assert not dist.is_initialized()
