@@ -292,8 +292,9 @@ def plan(recipe: Recipe, *, nproc: int | None = None, nnodes: int | None = None,
         raise ConfigError(f"model.family: {err}") from None
     world = lay.world_size
     sharded = parallel.strategy == "fsdp2"
-    # what the trainer loads: FSDP2 keeps float32 masters; LoRA on one GPU / DDP: a bfloat16 base on CUDA
-    base_dtype = torch.bfloat16 if (cfg.mode == "lora" and not sharded) else torch.float32
+    # what the trainer loads on CUDA (latentmill.trainer.model_load.load_for_training): float32 masters in a
+    # full fine-tune; a bfloat16 frozen base under LoRA, sharded (FSDP2) or not
+    base_dtype = torch.bfloat16 if cfg.mode == "lora" else torch.float32
     notes: list[str] = []
     if cfg.compile:
         notes.append("trainer.compile: not applied on meta (torch.compile does not change parameter memory)")

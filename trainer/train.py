@@ -29,6 +29,7 @@ from latentmill.trainer.adapters import get_adapter
 from latentmill.trainer.checkpoint import list_checkpoints, load_checkpoint, resolve_resume, save_checkpoint
 from latentmill.trainer.config import ParallelConfig, TrainerConfig
 from latentmill.trainer.loader import LatentLoader, manifest_family, read_manifest
+from latentmill.trainer.model_load import load_for_training
 from latentmill.trainer.objective import (
     flow_matching_loss,
     interpolate,
@@ -37,7 +38,7 @@ from latentmill.trainer.objective import (
     shift_for,
     velocity_target,
 )
-from latentmill.trainer.parallel import DistContext, init_distributed, parallelize, shutdown
+from latentmill.trainer.parallel import DistContext, init_distributed, shutdown
 from latentmill.trainer.validation import Validator
 from tqdm.auto import tqdm
 
@@ -295,21 +296,11 @@ class _Run:
     def _build_model(self) -> None:
         """The transformer (``self.transformer``: save and export it) and what forward runs on (``self.model``)."""
         cfg, ctx = self.cfg, self.ctx
-        torch.manual_seed(derive_seed(self.seed, "init"))  # LoRA init draws from the global RNG: same on every rank
-        self.transformer = self.adapter.load(
-            self.pretrained,
-            mode=cfg.mode,
-            # FSDP2 shards from CPU onto the device (no full copy per GPU) and keeps float32 masters; its
-            # mixed-precision policy does the bf16 compute
-            device="cpu" if ctx.sharded else self.device,
-            lora_rank=cfg.lora_rank,
-            lora_alpha=cfg.lora_alpha,
-            lora_target_modules=cfg.lora_target_modules,
-            base_dtype=torch.float32 if ctx.sharded else None,
-        )
-        # the same module under FSDP2 (sharded in place); a wrapper under DDP
-        self.model = parallelize(self.transformer, self.parallel, ctx, blocks=self.adapter.blocks(self.transformer),
-                                 activation_checkpointing=cfg.activation_checkpointing, compile=cfg.compile)
+        # FSDP2: built on the meta device, sharded, and each rank reads only its own rows of the checkpoint;
+        # a LoRA run's frozen base is bf16 on CUDA (float32 LoRA weights and masters)
+        self.transformer, self.model = load_for_training(
+            self.adapter, self.pretrained, cfg=cfg, parallel=self.parallel, ctx=ctx,
+            init_seed=derive_seed(self.seed, "init"))
         self.trainable = [p for p in self.transformer.parameters() if p.requires_grad]
         # how many ranks hold each gradient element: all (DDP), one (FSDP2), the replicas (HSDP)
         self.grad_replicas = (self.parallel.hsdp_replicate if ctx.sharded else ctx.world_size) if ctx.initialized \
