@@ -40,8 +40,11 @@ def test_full_export_loads_and_generates(tiny_flux, cache, tmp_path):
     pipe = DiffusionPipeline.from_pretrained(summary["export_dir"])
     assert isinstance(pipe, FluxPipeline)
     trained = load_file(tmp_path / "train" / "checkpoints" / "step-000003" / "model.safetensors")
+    # stored in trainer.export_dtype (bfloat16 by default): the trained weights, rounded once
+    exported_file = load_file(tmp_path / "export" / "transformer" / "diffusion_pytorch_model.safetensors")
+    assert {v.dtype for v in exported_file.values()} == {torch.bfloat16}
     exported = pipe.transformer.state_dict()
-    assert all(torch.equal(exported[k], v) for k, v in trained.items())
+    assert all(torch.equal(exported[k], v.to(torch.bfloat16).to(exported[k].dtype)) for k, v in trained.items())
     base = FluxPipeline.from_pretrained(tiny_flux).transformer.state_dict()
     assert any(not torch.equal(base[k], exported[k]) for k in trained)
     image = pipe(

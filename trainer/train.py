@@ -24,10 +24,10 @@ from pathlib import Path
 from typing import Any, Callable
 
 import torch
-from latentmill.trainer.adapter import ModelAdapter
 from latentmill.trainer.adapters import get_adapter
 from latentmill.trainer.checkpoint import list_checkpoints, load_checkpoint, resolve_resume, save_checkpoint
 from latentmill.trainer.config import ParallelConfig, TrainerConfig
+from latentmill.trainer.export import export_trained
 from latentmill.trainer.loader import LatentLoader, manifest_family, read_manifest
 from latentmill.trainer.model_load import load_for_training
 from latentmill.trainer.objective import (
@@ -484,17 +484,18 @@ class _Run:
                         sharded=self.ctx.sharded)
 
     def export(self, export_dir: str | Path) -> Path | None:
-        """The Diffusers artefact of the trained transformer (rank 0 writes it; the path on rank 0)."""
-        cfg, ctx = self.cfg, self.ctx
-        exported = None
-        full = _unsharded_copy(self.adapter, self.transformer, cfg, self.pretrained, ctx) if ctx.sharded \
-            else self.transformer
-        if ctx.is_main:
-            exported = Path(self.adapter.export(full.to("cpu"), mode=cfg.mode, pretrained=self.pretrained,
-                                                export_dir=export_dir))
+        """The Diffusers artefact of the trained transformer; its path on rank 0, None elsewhere.
+
+        Every rank takes part in the gathers (a LoRA export gathers only the LoRA weights; a full export
+        streams the weights in ``trainer.export_dtype`` into safetensors files, no second model); ranks > 0
+        return when the gathers are done, so none waits on a collective while rank 0 writes.
+        """
+        cfg = self.cfg
+        exported = export_trained(self.adapter, self.transformer, mode=cfg.mode, pretrained=self.pretrained,
+                                  export_dir=export_dir, ctx=self.ctx, export_dtype=cfg.export_dtype)
+        if exported is not None:
             _write_provenance(exported, self.provenance, cfg, self.step, self.last_loss, self.manifest)
             log.info("exported %s weights to %s", cfg.mode, exported)
-        ctx.barrier()
         return exported
 
     def summary(self, exported: Path | None, validations: list[str]) -> dict[str, Any]:
@@ -612,27 +613,3 @@ class _FSDPNoAllReduce:
 
     def __exit__(self, *exc: object) -> None:
         self.model.set_requires_all_reduce(True)
-
-
-def _unsharded_copy(
-    adapter: ModelAdapter, transformer: torch.nn.Module, cfg: TrainerConfig, pretrained: str, ctx: DistContext
-) -> torch.nn.Module:
-    """Gather the FSDP2-sharded weights (collective) into a plain CPU model on rank 0 (other ranks: as is)."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
-    full_sd = get_model_state_dict(
-        transformer, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
-    )
-    if not ctx.is_main:
-        return transformer
-    copy = adapter.load(
-        pretrained,
-        mode=cfg.mode,
-        device="cpu",
-        lora_rank=cfg.lora_rank,
-        lora_alpha=cfg.lora_alpha,
-        lora_target_modules=cfg.lora_target_modules,
-        base_dtype=torch.float32,
-    )
-    copy.load_state_dict(full_sd)
-    return copy
