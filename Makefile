@@ -4,6 +4,7 @@
 #   make test        add the dev tools to .venv and run the whole test suite
 #   make serve       local Prefect server and UI (http://127.0.0.1:4200) + process worker + deployments
 #   make serve-stop  stop what `make serve` started
+#   make gpu-check   on a GPU machine: demo, quick bench, FSDP2, LoRA and full runs on CUDA -> gpu-check.json
 #
 # torch: the pinned CPU build is installed first unless the venv already has a torch (install your
 # own CUDA build into .venv before `make` on a GPU machine; see README).
@@ -54,3 +55,9 @@ clean:
 .PHONY: bench
 bench: dev
 	$(PY) -m bench.run $(BENCH_ARGS)
+
+# One GPU, under 10 minutes (bench/README.md): every phase on CUDA, each in its own process; exit 1 on a failure.
+# Its CPU dry run (python -m bench.gpu_check --dry-run) runs in `make test` (tests/test_gpu_check.py).
+.PHONY: gpu-check
+gpu-check: dev
+	$(PY) -m bench.gpu_check --device cuda --out gpu-check.json

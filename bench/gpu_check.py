@@ -1,0 +1,483 @@
+"""``make gpu-check``: the whole product on one GPU in under 10 minutes, written to ``gpu-check.json``.
+
+    python -m bench.gpu_check                              # on CUDA (refuses without a GPU)
+    python -m bench.gpu_check --dry-run                    # the same phases on the CPU, smallest sizes
+    python -m bench.gpu_check --dry-run --device cuda      # the smallest sizes on the GPU (a quick smoke run)
+
+Phases, each in its own child process (``python -m bench.gpu_check --child PHASE ...``), so that a failure,
+a CUDA out-of-memory or a hung collective ends that phase only; each child writes its result as JSON:
+
+``demo``
+    The embedded demo (the shipped ``demo`` recipe, prep then train, ``cache.device`` and the trainer on the
+    device) through ``latentmill.api``: the prep publishes the snapshot the later phases train on.
+``bench``
+    ``python -m bench.run --quick --device cuda`` (the dry run: ``--only loader --reps 1``); the figures'
+    ratios and any benchmark errors.
+``fsdp2``
+    A one-rank FSDP2 run (the in-process group of one that ``latentmill.trainer.parallel`` starts) with bf16
+    mixed precision on CUDA, ``grad_accum_steps`` 2 and activation checkpointing, on the demo's snapshot.
+    What it records comes from the run's last checkpoint (``trainer_state.json``: strategy, checkpoint
+    format, world size, the trainer config it ran with), not from this script's overrides.
+``lora`` / ``full``
+    A few steps in each mode on the demo's snapshot; the export is loaded as a user loads it
+    (``FluxPipeline.from_pretrained(pretrained).load_lora_weights(export)``, ``DiffusionPipeline
+    .from_pretrained(export)``) and generates one small image on the device.
+
+Every phase reports ``status`` (``ok`` / ``failed``), ``seconds``, ``peak_mem_mb`` and, when failed, the
+tail of its error. ``peak_mem_mb`` is ``torch.cuda.max_memory_allocated`` on CUDA (the maximum over the
+phase's parts: ``train()`` resets the counter when it starts) and the child's peak resident set (``VmHWM``)
+on the CPU; the bench phase, whose benchmarks run in processes of their own, reports the device memory in
+use above its start (``torch.cuda.mem_get_info``, sampled 5 times a second) on CUDA and its largest
+descendant's peak RSS on the CPU. The exit status is 1 when any phase failed, 2 when the check cannot start.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import resource
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+import traceback
+from pathlib import Path
+from typing import Any, Callable
+
+BENCH_DIR = Path(__file__).resolve().parent
+REPO_ROOT = BENCH_DIR.parent
+DEFAULT_WORK = BENCH_DIR / ".work" / "gpu-check"  # git-ignored; removed at the start of every check
+PHASES = ("demo", "bench", "fsdp2", "lora", "full")
+NEEDS_DEMO = ("fsdp2", "lora", "full")  # they train on the snapshot the demo phase's prep published
+MARKER = ".gpu-check-work"  # in a work folder this script made: only such a folder (or an empty one) is emptied
+PROMPT = "a red circle on a blue background"
+ERROR_TAIL = 3000  # characters of a failed phase's error (or log) kept in the JSON
+
+# Sizes: the GPU check runs the demo as `latentmill demo` does (400 steps) and a few dozen steps elsewhere;
+# the dry run only proves the same code paths still run end to end.
+SIZES: dict[str, dict[str, int]] = {
+    "full": {"demo_steps": 400, "steps": 20, "batch": 4, "image": 128, "denoise": 8, "lora_rank": 16},
+    "dry": {"demo_steps": 4, "steps": 2, "batch": 2, "image": 64, "denoise": 2, "lora_rank": 4},
+}
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Memory
+# ---------------------------------------------------------------------------------------------------------
+
+
+def peak_rss_mb() -> float:
+    """This process's peak resident set in MiB (``VmHWM``, see ``latentmill.trainer.train.peak_rss_mb``)."""
+    try:
+        with open("/proc/self/status", encoding="utf-8", errors="replace") as fh:
+            for line in fh:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+class PeakMemory:
+    """The peak memory of one phase, over parts that may reset CUDA's peak counter (``train()`` does).
+
+    ``mark(part)`` records the peak since the previous mark (CUDA: ``max_memory_allocated``, then a reset;
+    CPU: the process's ``VmHWM``, which only grows); ``peak_mb`` is the largest mark.
+    """
+
+    def __init__(self, device: str) -> None:
+        self.device = device
+        self.parts: dict[str, float] = {}
+        if device == "cuda":
+            import torch
+
+            torch.cuda.reset_peak_memory_stats()
+
+    def mark(self, part: str) -> float:
+        if self.device == "cuda":
+            import torch
+
+            torch.cuda.synchronize()
+            value = torch.cuda.max_memory_allocated() / 2**20
+            torch.cuda.reset_peak_memory_stats()
+        else:
+            value = peak_rss_mb()
+        self.parts[part] = round(value, 1)
+        return value
+
+    @property
+    def peak_mb(self) -> float:
+        return max(self.parts.values(), default=0.0)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The phases (run in the child process)
+# ---------------------------------------------------------------------------------------------------------
+
+
+def _recipe(work: Path, device: str, overrides: list[str]):
+    """The shipped demo recipe (its tiny models, built on first use as ``latentmill demo`` builds them),
+    writing under ``work``, with ``overrides``."""
+    from latentmill.recipe import load_recipe
+
+    return load_recipe("demo", [f"output_dir={work / 'demo'}", f"cache.device={device}", *overrides])
+
+
+def _finite(x: Any) -> bool:
+    return isinstance(x, (int, float)) and math.isfinite(x)
+
+
+def _train_fields(train: dict[str, Any]) -> dict[str, Any]:
+    """What every training phase records from its run summary."""
+    return {"steps": train.get("steps"), "steps_this_run": train.get("steps_this_run"),
+            "final_loss": train.get("final_loss"), "loss_finite": _finite(train.get("final_loss")),
+            "samples_per_s": train.get("samples_per_s"), "train_peak_mem_mb": train.get("peak_mem_mb"),
+            "world_size": train.get("world_size"), "run_dir": train.get("run_dir"),
+            "export_dir": train.get("export_dir")}
+
+
+def phase_demo(work: Path, device: str, sizes: dict[str, int], mem: PeakMemory) -> dict[str, Any]:
+    """Prep, then train, on the embedded demo (``latentmill demo``'s recipe) on ``device``."""
+    from latentmill.pipelines.prep import release_prep_models
+
+    from latentmill import api
+
+    recipe = _recipe(work, device, [f"trainer.max_steps={sizes['demo_steps']}"])
+    prepared = api.prep(recipe)
+    mem.mark("prep")
+    release_prep_models()  # as prep-then-train does: the encoders are done, training gets the GPU whole
+    train = api.train(recipe)["train"]
+    mem.mark("train")
+    stages = {name: {k: s[k] for k in ("in", "out", "quarantined")} for name, s in prepared["stages"].items()}
+    return {**_train_fields(train), "stages": stages, "snapshot": prepared["snapshot"]["name"]}
+
+
+def _bench_command(work: Path, device: str, dry: bool, timeout_s: float) -> list[str]:
+    cmd = [sys.executable, "-m", "bench.run", "--quick", "--device", device, "--out", str(work / "bench"),
+           "--timeout", str(max(60, int(timeout_s)))]
+    return cmd + ["--only", "loader", "--reps", "1"] if dry else cmd
+
+
+def phase_bench(work: Path, device: str, dry: bool, timeout_s: float, mem: PeakMemory) -> dict[str, Any]:
+    """``python -m bench.run --quick`` on the device; its figures' ratios and errors.
+
+    A benchmark error that only says the product code changed while it ran (someone edited the sources
+    meanwhile) is kept in ``notes`` and does not fail the phase: the figures are mixed, the code ran.
+    """
+    cmd = _bench_command(work, device, dry, timeout_s)
+    sampler = _DeviceMemorySampler() if device == "cuda" else None
+    log_path = work / "logs" / "bench.run.log"
+    with open(log_path, "w") as log, (sampler or _Null()):
+        done = subprocess.run(cmd, cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT,
+                              timeout=max(30.0, timeout_s - 15))  # before the parent's own timeout ends us
+    if sampler is not None:
+        mem.parts["bench"] = round(sampler.peak_mb, 1)
+    else:  # the largest descendant's peak RSS (ru_maxrss of the waited-for children)
+        mem.parts["bench"] = round(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024, 1)
+    results_path = work / "bench" / "results.json"
+    if not results_path.is_file():
+        raise RuntimeError(f"bench.run exited with status {done.returncode} and wrote no results.json:\n"
+                           + log_path.read_text()[-ERROR_TAIL:])
+    results = json.loads(results_path.read_text())
+    changed = [e for e in results["errors"] if "product code changed" in e["error"]]
+    errors = [e for e in results["errors"] if e not in changed]
+    figures = {f["name"]: {"ratio": f["ratio"], "goal": f["goal"], "meets": f["meets"]} for f in results["figures"]}
+    if errors or not figures:
+        raise RuntimeError(f"bench.run: {len(figures)} figures, errors {errors} (log: {log_path})")
+    return {"command": " ".join(["python", *cmd[1:]]), "returncode": done.returncode, "figures": figures,
+            "benchmarks": sorted(results["seconds_per_benchmark"]), "notes": changed,
+            "results": str(results_path)}
+
+
+def phase_fsdp2(work: Path, device: str, sizes: dict[str, int], mem: PeakMemory) -> dict[str, Any]:
+    """One-rank FSDP2 (bf16 mixed precision on CUDA), 2 micro-batches a step, activation checkpointing."""
+    from latentmill import api
+
+    steps = sizes["steps"]
+    recipe = _recipe(work, device, [
+        "parallel.strategy=fsdp2", "parallel.mixed_precision=true", "trainer.grad_accum_steps=2",
+        "trainer.activation_checkpointing=true", f"trainer.max_steps={steps}", f"trainer.save_every={steps}",
+        f"trainer.batch_size={sizes['batch']}", "trainer.drop_last=true"])  # full micro-batches only
+    train = api.train(recipe)["train"]
+    mem.mark("train")
+    run_dir = Path(train["run_dir"])
+    # what the run itself recorded: its last checkpoint's trainer state (written by the trainer from the
+    # process group it started and the config it trained with)
+    from latentmill.trainer.checkpoint import latest_checkpoint
+
+    ckpt = latest_checkpoint(run_dir / "checkpoints")
+    if ckpt is None:
+        raise RuntimeError(f"the FSDP2 run wrote no checkpoint under {run_dir / 'checkpoints'}")
+    state = json.loads((ckpt / "trainer_state.json").read_text())
+    metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return {**_train_fields(train), "strategy": state["strategy"], "checkpoint_format": state["format"],
+            "dcp_metadata": (ckpt / "dcp" / ".metadata").is_file(), "checkpoint_world_size": state["world_size"],
+            "checkpoint_step": state["step"], "grad_accum_steps": state["config"]["grad_accum_steps"],
+            "activation_checkpointing": state["config"]["activation_checkpointing"],
+            "batch_size": state["config"]["batch_size"],
+            "mixed_precision": recipe.parallel.mixed_precision and device == "cuda",
+            "samples_per_step": sorted({round(m["samples_per_s"] * m["step_time_s"]) for m in metrics}),
+            "losses_finite": all(_finite(m["loss"]) for m in metrics)}
+
+
+def _generate(pipe: Any, device: str, sizes: dict[str, int]) -> dict[str, Any]:
+    """One image of ``sizes['image']`` pixels square from ``pipe`` on ``device``; its shape and whether every
+    pixel is finite (``output_type="np"``: floats in [0, 1], NaN survives the clamp)."""
+    import numpy as np
+    import torch
+
+    pipe.to(device)
+    pipe.set_progress_bar_config(disable=True)
+    size = sizes["image"]
+    out = pipe(PROMPT, height=size, width=size, num_inference_steps=sizes["denoise"], max_sequence_length=32,
+               generator=torch.Generator(device=device).manual_seed(0), output_type="np").images
+    image = np.asarray(out, dtype=np.float32)
+    return {"image_shape": list(image.shape), "pixels_finite": bool(np.isfinite(image).all()),
+            "pixel_mean": round(float(image.mean()), 4), "pipeline": type(pipe).__name__,
+            "pipeline_device": str(pipe.transformer.device), "pipeline_dtype": str(pipe.transformer.dtype)}
+
+
+def _pipeline_dtype(device: str):
+    import torch
+
+    return torch.bfloat16 if device == "cuda" else torch.float32
+
+
+def phase_lora(work: Path, device: str, sizes: dict[str, int], mem: PeakMemory) -> dict[str, Any]:
+    """A LoRA run; its adapter loaded into the base pipeline (``load_lora_weights``) generates an image."""
+    from diffusers import FluxPipeline
+
+    from latentmill import api
+
+    recipe = _recipe(work, device, ["trainer.mode=lora", f"trainer.lora_rank={sizes['lora_rank']}",
+                                    f"trainer.max_steps={sizes['steps']}", "trainer.save_every=0",
+                                    f"trainer.batch_size={sizes['batch']}"])
+    train = api.train(recipe)["train"]
+    mem.mark("train")
+    pipe = FluxPipeline.from_pretrained(recipe.model.pretrained, torch_dtype=_pipeline_dtype(device))
+    pipe.load_lora_weights(train["export_dir"])
+    adapters = pipe.get_list_adapters().get("transformer", [])
+    result = _generate(pipe, device, sizes)
+    mem.mark("generate")
+    return {**_train_fields(train), "mode": train.get("mode"), "lora_adapters": adapters, **result}
+
+
+def phase_full(work: Path, device: str, sizes: dict[str, int], mem: PeakMemory) -> dict[str, Any]:
+    """A full fine-tune; its exported pipeline (``DiffusionPipeline.from_pretrained``) generates an image."""
+    from diffusers import DiffusionPipeline
+
+    from latentmill import api
+
+    # not the demo phase's recipe (another step count): a run of its own, not "already trained"
+    recipe = _recipe(work, device, ["trainer.mode=full", f"trainer.max_steps={sizes['steps'] + 1}",
+                                    "trainer.save_every=0", f"trainer.batch_size={sizes['batch']}"])
+    train = api.train(recipe)["train"]
+    mem.mark("train")
+    pipe = DiffusionPipeline.from_pretrained(train["export_dir"], torch_dtype=_pipeline_dtype(device))
+    result = _generate(pipe, device, sizes)
+    mem.mark("generate")
+    return {**_train_fields(train), "mode": train.get("mode"), **result}
+
+
+class _Null:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+
+class _DeviceMemorySampler:
+    """Device memory in use (``torch.cuda.mem_get_info``) above its value at start, sampled 5 times a second
+    in a thread: the bench phase's benchmarks are processes of their own, out of reach of the allocator."""
+
+    def __init__(self, interval_s: float = 0.2) -> None:
+        import torch
+
+        self._torch, self.interval_s, self.peak_mb = torch, interval_s, 0.0
+        self._base = self._used()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _used(self) -> float:
+        free, total = self._torch.cuda.mem_get_info()
+        return (total - free) / 2**20
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            self.peak_mb = max(self.peak_mb, self._used() - self._base)
+
+    def __enter__(self) -> _DeviceMemorySampler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+def run_child(phase: str, work: Path, device: str, dry: bool, timeout_s: float, result_path: Path) -> int:
+    """Run one phase in this process and write its result to ``result_path``; 0 when it passed."""
+    sizes = SIZES["dry" if dry else "full"]
+    mem = PeakMemory(device)
+    result: dict[str, Any]
+    try:
+        if phase == "bench":
+            result = phase_bench(work, device, dry, timeout_s, mem)
+        else:
+            from latentmill.prefect_env import start_ephemeral_api
+
+            start_ephemeral_api()  # when the parent gave no PREFECT_API_URL: a server that dies with us
+            fn: Callable[..., dict[str, Any]] = {"demo": phase_demo, "fsdp2": phase_fsdp2, "lora": phase_lora,
+                                                 "full": phase_full}[phase]
+            result = fn(work, device, sizes, mem)
+        result["status"] = "ok"
+    except BaseException as err:  # an OOM or any failure: reported, the check goes on with the next phase
+        result = {"status": "failed", "error": "".join(traceback.format_exception(err))[-ERROR_TAIL:]}
+    if phase != "bench":
+        mem.mark("end")
+    result.update(peak_mem_mb=round(mem.peak_mb, 1), peak_mem_parts_mb=mem.parts, peak_rss_mb=round(peak_rss_mb(), 1))
+    result_path.write_text(json.dumps(result, indent=1, default=str))
+    return 0 if result["status"] == "ok" else 1
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The parent: one child per phase, then gpu-check.json
+# ---------------------------------------------------------------------------------------------------------
+
+
+def child_env(work: Path, device: str, api_url: str | None) -> dict[str, str]:
+    """The children's environment: the CPU run hides GPUs (so every automatic device choice lands on the
+    CPU), a Prefect home and weight-digest store inside the work folder, offline Hugging Face."""
+    env = dict(os.environ)
+    if device == "cpu":
+        env["CUDA_VISIBLE_DEVICES"] = ""
+    env["PREFECT_HOME"] = str(work / "prefect-home")
+    env["LATENTMILL_HASH_STORE"] = str(work / "weight-hashes.sqlite")
+    env.pop("PREFECT_API_URL", None)
+    if api_url:
+        env["PREFECT_API_URL"] = api_url
+    env.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
+    env.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+    env.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180")
+    env.setdefault("HF_HUB_OFFLINE", "1")
+    env.setdefault("TOKENIZERS_PARALLELISM", "false")
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT), *filter(None, [env.get("PYTHONPATH")])])
+    return env
+
+
+def run_phase(phase: str, work: Path, device: str, dry: bool, timeout_s: float, env: dict[str, str]) -> dict:
+    """Run ``phase`` in a child process (its own session: a timeout ends its whole process tree)."""
+    result_path, log_path = work / "results" / f"{phase}.json", work / "logs" / f"{phase}.log"
+    cmd = [sys.executable, "-m", "bench.gpu_check", "--child", phase, "--work", str(work), "--device", device,
+           "--timeout-s", str(timeout_s), "--child-result", str(result_path), *(["--dry-run"] if dry else [])]
+    start = time.perf_counter()
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(cmd, cwd=REPO_ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+        try:
+            returncode: int | None = proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            returncode = None
+    seconds = round(time.perf_counter() - start, 1)
+    if result_path.is_file():
+        result = json.loads(result_path.read_text())
+    else:
+        why = (f"timed out after {timeout_s:g} s" if returncode is None
+               else f"killed by signal {-returncode}" if returncode < 0 else f"exit status {returncode}")
+        result = {"status": "failed", "error": f"{why}, no result; log tail:\n"
+                  + log_path.read_text(errors="replace")[-ERROR_TAIL:], "peak_mem_mb": None}
+    if returncode not in (0, None) and result.get("status") == "ok":  # it said ok, then died on the way out
+        result = {**result, "status": "failed", "error": f"exit status {returncode} after reporting ok"}
+    return {"status": result.pop("status"), "seconds": seconds, **result, "returncode": returncode,
+            "log": str(log_path)}
+
+
+def environment(device: str) -> dict[str, Any]:
+    import torch
+
+    info: dict[str, Any] = {"torch": torch.__version__, "python": platform.python_version(),
+                            "platform": platform.platform(), "cpu_count": os.cpu_count(), "cuda": None}
+    if device == "cuda":
+        props = torch.cuda.get_device_properties(0)
+        info["cuda"] = {"version": torch.version.cuda, "gpu": props.name, "gpu_count": torch.cuda.device_count(),
+                        "memory_mb": round(props.total_memory / 2**20), "bf16": torch.cuda.is_bf16_supported()}
+    return info
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.gpu_check", description=__doc__.splitlines()[0])
+    p.add_argument("--device", choices=["cuda", "cpu"], default=None,
+                   help="where the phases run (default: cuda; cpu with --dry-run)")
+    p.add_argument("--dry-run", action="store_true", help="smallest sizes (the same phases and code paths)")
+    p.add_argument("--out", type=Path, default=Path("gpu-check.json"), help="the JSON report (default gpu-check.json)")
+    p.add_argument("--timeout-s", type=float, default=360.0, help="seconds allowed per phase (default 360)")
+    p.add_argument("--work", type=Path, default=DEFAULT_WORK, help=f"scratch folder, emptied first ({DEFAULT_WORK})")
+    p.add_argument("--phases", nargs="+", choices=PHASES, default=list(PHASES), help="run only these phases (fsdp2, lora and full train on the demo phase's snapshot)")
+    p.add_argument("--child", choices=PHASES, help=argparse.SUPPRESS)
+    p.add_argument("--child-result", type=Path, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    device = args.device or ("cpu" if args.dry_run else "cuda")
+    work = args.work.resolve()
+    if args.child:
+        return run_child(args.child, work, device, args.dry_run, args.timeout_s, args.child_result)
+
+    import torch
+
+    if device == "cuda" and not torch.cuda.is_available():
+        print(f"gpu-check: --device cuda, but torch.cuda.is_available() is False (torch {torch.__version__}, "
+              f"CUDA build: {torch.version.cuda or 'none'}); install a CUDA build of torch into .venv on a GPU "
+              "machine, or run the CPU dry run: python -m bench.gpu_check --dry-run", file=sys.stderr)
+        return 2
+    if work.is_dir() and any(work.iterdir()) and not (work / MARKER).is_file():
+        print(f"gpu-check: --work {work} is a folder this check did not make (no {MARKER} in it); it empties its "
+              "work folder first, so name a new or empty one", file=sys.stderr)
+        return 2
+    shutil.rmtree(work, ignore_errors=True)
+    for sub in ("logs", "results"):
+        (work / sub).mkdir(parents=True, exist_ok=True)
+    (work / MARKER).write_text("made by python -m bench.gpu_check; emptied at the start of every check\n")
+    env = child_env(work, device, None)
+    # one Prefect API server for every phase (each child would otherwise start its own), ended with us
+    os.environ.update({k: env[k] for k in ("PREFECT_HOME", "PREFECT_LOGGING_LEVEL", "PREFECT_SERVER_ANALYTICS_ENABLED",
+                                           "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS")})
+    os.environ.pop("PREFECT_API_URL", None)
+    from latentmill.prefect_env import start_ephemeral_api
+
+    env = child_env(work, device, start_ephemeral_api())
+    report: dict[str, Any] = {"device": device, "dry_run": args.dry_run, **environment(device),
+                              "command": " ".join(["python -m bench.gpu_check", *(argv if argv is not None
+                                                                                 else sys.argv[1:])]),
+                              "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "work": str(work),
+                              "phases": {}}
+    start = time.perf_counter()
+    for phase in args.phases:
+        if phase in NEEDS_DEMO and report["phases"].get("demo", {}).get("status") == "failed":
+            report["phases"][phase] = {"status": "failed", "seconds": 0.0, "peak_mem_mb": None,
+                                       "error": "not run: the demo phase failed (this phase trains on its snapshot)"}
+        else:
+            print(f"[gpu-check] {phase} ...", file=sys.stderr, flush=True)
+            report["phases"][phase] = run_phase(phase, work, device, args.dry_run, args.timeout_s, env)
+        r = report["phases"][phase]
+        print(f"[gpu-check] {phase}: {r['status']} in {r['seconds']} s, peak {r.get('peak_mem_mb')} MiB",
+              file=sys.stderr, flush=True)
+        if r["status"] != "ok":
+            print(r.get("error", "")[-1500:], file=sys.stderr, flush=True)
+    report["seconds"] = round(time.perf_counter() - start, 1)
+    report["ok"] = all(r["status"] == "ok" for r in report["phases"].values())
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(report, indent=1, default=str) + "\n")
+    print(f"[gpu-check] {'ok' if report['ok'] else 'FAILED'} in {report['seconds']} s; wrote {args.out}",
+          file=sys.stderr, flush=True)
+    return 0 if report["ok"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

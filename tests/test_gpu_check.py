@@ -1,0 +1,170 @@
+"""`make gpu-check` (bench/gpu_check.py): its CPU dry run runs every phase here, so the check does not rot.
+
+The dry run is the real check at its smallest sizes, on the CPU: the demo (prep then train), a quick
+benchmark through ``bench.run``, a one-rank FSDP2 run with gradient accumulation and activation
+checkpointing, and a LoRA and a full run whose exports Diffusers loads and generates with. The assertions
+read what each phase's child process recorded from the runs themselves (summaries, the FSDP2 run's
+checkpoint state), not the script's own settings.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+PHASES = ["demo", "bench", "fsdp2", "lora", "full"]
+DRY_IMAGE = 64  # bench.gpu_check.SIZES["dry"]["image"]
+
+
+def _env() -> dict[str, str]:
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "OMP_NUM_THREADS": "1"}
+    env.pop("PREFECT_API_URL", None)
+    return env
+
+
+@pytest.fixture(scope="module")
+def dry_run(tmp_path_factory):
+    """``python -m bench.gpu_check --device cpu --dry-run`` once: (exit status, report, stderr path)."""
+    root = tmp_path_factory.mktemp("gpu-check")
+    out, stderr = root / "gpu-check.json", root / "stderr.txt"
+    with open(stderr, "w") as err:
+        done = subprocess.run([sys.executable, "-m", "bench.gpu_check", "--device", "cpu", "--dry-run",
+                               "--out", str(out), "--work", str(root / "work")],
+                              cwd=REPO_ROOT, env=_env(), stdout=err, stderr=err, timeout=1500)
+    report = json.loads(out.read_text()) if out.is_file() else None
+    return done.returncode, report, stderr
+
+
+@pytest.mark.slow
+def test_dry_run_passes_every_phase(dry_run):
+    code, report, stderr = dry_run
+    assert report is not None, stderr.read_text()[-3000:]
+    failed = {k: v.get("error") for k, v in report["phases"].items() if v["status"] != "ok"}
+    assert code == 0 and not failed, failed or stderr.read_text()[-3000:]
+    assert list(report["phases"]) == PHASES
+    assert report["ok"] is True
+    assert (report["device"], report["dry_run"], report["cuda"]) == ("cpu", True, None)
+    for name, phase in report["phases"].items():
+        assert phase["seconds"] > 0, name
+        assert phase["peak_mem_mb"] > 50, name  # the child's peak RSS (the bench phase: its largest child's)
+
+
+@pytest.mark.slow
+def test_training_phases_report_finite_losses(dry_run):
+    _, report, _ = dry_run
+    phases = report["phases"]
+    demo = phases["demo"]
+    assert demo["steps"] == demo["steps_this_run"] == 4
+    assert (demo["stages"]["ingest"]["out"], demo["stages"]["cache"]["out"]) == (25, 24)
+    assert demo["snapshot"].startswith("0001-")
+    for name in ("demo", "fsdp2", "lora", "full"):
+        assert math.isfinite(phases[name]["final_loss"]) and phases[name]["final_loss"] > 0, name
+        assert phases[name]["loss_finite"] is True, name
+        assert phases[name]["steps_this_run"] == phases[name]["steps"] > 0, name  # trained here, not reused
+    # each training phase trained a run of its own on the demo's snapshot
+    assert len({phases[n]["run_dir"] for n in ("demo", "fsdp2", "lora", "full")}) == 4
+
+
+@pytest.mark.slow
+def test_fsdp2_phase_ran_fsdp2_with_accumulation_and_checkpointing(dry_run):
+    _, report, _ = dry_run
+    fsdp2 = report["phases"]["fsdp2"]
+    # from the run's own checkpoint: "dcp" is written only when FSDP2 sharded the model
+    assert (fsdp2["strategy"], fsdp2["checkpoint_format"], fsdp2["dcp_metadata"]) == ("fsdp2", "dcp", True)
+    assert fsdp2["checkpoint_world_size"] == fsdp2["world_size"] == 1
+    assert fsdp2["checkpoint_step"] == fsdp2["steps"] == 2
+    assert (fsdp2["grad_accum_steps"], fsdp2["activation_checkpointing"]) == (2, True)
+    # every optimizer step took 2 full micro-batches (drop_last): batch 2 x 2 = 4 samples
+    assert fsdp2["samples_per_step"] == [2 * fsdp2["batch_size"]] == [4]
+    assert fsdp2["losses_finite"] is True
+    assert fsdp2["mixed_precision"] is False  # bf16 mixed precision applies on CUDA only
+
+
+@pytest.mark.slow
+def test_exports_load_in_diffusers_and_generate(dry_run):
+    _, report, _ = dry_run
+    lora, full = report["phases"]["lora"], report["phases"]["full"]
+    assert lora["mode"] == "lora" and lora["export_dir"].endswith("export-lora")
+    assert len(lora["lora_adapters"]) == 1  # load_lora_weights put one adapter on the transformer
+    assert full["mode"] == "full" and full["export_dir"].endswith("export")
+    for phase in (lora, full):
+        assert phase["pipeline"] == "FluxPipeline"
+        assert phase["image_shape"] == [1, DRY_IMAGE, DRY_IMAGE, 3]
+        assert phase["pixels_finite"] is True and 0.0 <= phase["pixel_mean"] <= 1.0
+        assert (phase["pipeline_device"], phase["pipeline_dtype"]) == ("cpu", "torch.float32")
+
+
+@pytest.mark.slow
+def test_bench_phase_ran_the_quick_benchmark(dry_run):
+    _, report, _ = dry_run
+    bench = report["phases"]["bench"]
+    assert bench["benchmarks"] == ["loader"] and "--quick" in bench["command"]
+    assert bench["figures"] and all(f["ratio"] > 0 for f in bench["figures"].values())
+
+
+def test_cuda_without_a_gpu_is_refused(tmp_path):
+    out = tmp_path / "gpu-check.json"
+    done = subprocess.run([sys.executable, "-m", "bench.gpu_check", "--device", "cuda", "--out", str(out),
+                           "--work", str(tmp_path / "work")], cwd=REPO_ROOT,
+                          env={**_env(), "CUDA_VISIBLE_DEVICES": ""}, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2
+    assert "--device cuda, but torch.cuda.is_available() is False" in done.stderr
+    assert "--dry-run" in done.stderr  # says what to run instead
+    assert not out.exists() and not (tmp_path / "work").exists()  # refused before any work
+
+
+@pytest.mark.skipif(shutil.which("make") is None, reason="needs make")
+def test_make_gpu_check_runs_the_cuda_check_with_the_dev_tools(tmp_path):
+    plan = subprocess.run(["make", "-n", "gpu-check", f"VENV={tmp_path / 'venv'}"], cwd=REPO_ROOT,
+                          capture_output=True, text=True, check=True).stdout
+    assert 'pip install --quiet -e ".[dev]"' in plan
+    assert "-m bench.gpu_check --device cuda --out gpu-check.json" in plan
+
+
+def _processes_naming(text: str) -> list[str]:
+    """Command lines of the live processes whose arguments contain ``text``."""
+    found = []
+    for proc in Path("/proc").iterdir():
+        try:
+            cmdline = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if proc.name.isdigit() and text in cmdline:
+            found.append(cmdline)
+    return found
+
+
+@pytest.mark.slow
+def test_a_failed_or_timed_out_phase_is_reported_and_the_check_goes_on(tmp_path):
+    # bench is given 5 s (its child runs bench.run, which runs bench.loader: a process tree); fsdp2 runs
+    # without the demo phase, in an empty work folder: no snapshot to train on
+    out, work = tmp_path / "gpu-check.json", tmp_path / "work"
+    with open(tmp_path / "stderr.txt", "w") as err:
+        done = subprocess.run([sys.executable, "-m", "bench.gpu_check", "--dry-run", "--phases", "bench", "fsdp2",
+                               "--timeout-s", "5", "--out", str(out), "--work", str(work)],
+                              cwd=REPO_ROOT, env=_env(), stdout=err, stderr=err, timeout=600)
+    assert done.returncode == 1
+    report = json.loads(out.read_text())
+    assert report["ok"] is False and list(report["phases"]) == ["bench", "fsdp2"]
+    bench, fsdp2 = report["phases"]["bench"], report["phases"]["fsdp2"]
+    assert bench["status"] == "failed" and bench["error"].startswith("timed out after 5 s")
+    assert bench["returncode"] is None and bench["seconds"] >= 5
+    assert fsdp2["status"] == "failed" and fsdp2["error"]  # ran after the bench phase failed
+    assert not _processes_naming(str(work)), "the timed-out phase's process tree was not ended"
+
+
+def test_a_work_folder_it_did_not_make_is_not_emptied(tmp_path):
+    (tmp_path / "mine.txt").write_text("keep")
+    done = subprocess.run([sys.executable, "-m", "bench.gpu_check", "--dry-run", "--work", str(tmp_path),
+                           "--out", str(tmp_path / "gpu-check.json")], cwd=REPO_ROOT, env=_env(),
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2 and "did not make" in done.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["mine.txt"]
