@@ -135,9 +135,10 @@ class WanEncoders(_Encoders):
         from diffusers import AutoencoderKLWan
         from transformers import UMT5EncoderModel
 
-        # The Wan VAE runs in float32 even on GPU: its causal 3-D convs are sensitive to bf16. Not tiled:
-        # its memory is already bounded by encoding 4 frames at a time (figure 8's clip row), and tiles
-        # blended at their seams would give other latents than the whole-frame encode everywhere else.
+        # The Wan VAE runs in float32 even on GPU: its causal 3-D convs are sensitive to bf16. It encodes
+        # 4 frames at a time with a feature cache, so a clip's activations do not grow with its length
+        # (figure 8's clip row), but they do grow with the batch: ``encode_pixels`` slices by sample.
+        # Not tiled: tiles blended at their seams would give other latents than the whole-frame encode.
         self.vae = AutoencoderKLWan.from_pretrained(
             component_source(model, "vae").path, **component_source(model, "vae").kwargs(),
             torch_dtype=compute_dtypes("wan", device)["vae"]).to(device).eval()
@@ -148,11 +149,24 @@ class WanEncoders(_Encoders):
 
     @torch.no_grad()
     def encode_pixels(self, pixels_BCFHW: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(mean, std) of the normalised latent distribution of clips in [-1, 1]."""
-        with self.lock:
-            dist = self.vae.encode(pixels_BCFHW.to(self.device, torch.float32)).latent_dist
-        mean = (dist.mean.float().cpu() - self.latents_mean) / self.latents_std
-        return mean, dist.std.float().cpu() / self.latents_std
+        """(mean, std) of the normalised latent distribution of clips in [-1, 1], encoded one clip at a time.
+
+        Sliced by sample: only one clip is on the device (in float32) and in the encoder at once, so the
+        peak memory is one clip's (its pixels and 4 frames of activations at a time), whatever
+        ``cache.batch_size``. A batch of 4 81-frame 720p clips in float32 alone is 3.6 GB, and the
+        activations and (on GPU) convolution workspaces of a batched encode grow with it. Diffusers'
+        ``enable_slicing()`` also loops over samples, but only after the whole batch was moved to the device.
+        Each clip's latents are those of encoding it alone, bit for bit (no tiles, no seams).
+        """
+        means, stds = [], []
+        for clip_1CFHW in pixels_BCFHW.split(1):
+            with self.lock:  # per clip: another thread's batch may take turns
+                dist = self.vae.encode(clip_1CFHW.to(self.device, torch.float32)).latent_dist
+            means.append(dist.mean.float().cpu())
+            stds.append(dist.std.float().cpu())
+            del dist  # this clip's device tensors go before the next clip is moved over
+        mean = (torch.cat(means) - self.latents_mean) / self.latents_std
+        return mean, torch.cat(stds) / self.latents_std
 
     @torch.no_grad()
     def encode_text(self, captions: list[str], max_sequence_length: int) -> dict[str, Any]:
