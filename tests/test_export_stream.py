@@ -247,16 +247,8 @@ for mode in ("lora", "full"):
     base = status("VmRSS")
     open("/proc/self/clear_refs", "w").write("5")  # VmHWM := VmRSS
     export_dir = f"{out}/{mode}-{path}"
-    if path == "new":
-        export_trained(adapter, model, mode=mode, pretrained=pretrained, export_dir=export_dir, ctx=ctx,
-                       export_dtype="bfloat16", max_shard_bytes=32 * 2**20)
-    else:
-        from latentmill.trainer.train import _unsharded_copy
-        cfg = TrainerConfig(mode=mode, lora_rank=4, lora_alpha=8.0)
-        full = _unsharded_copy(adapter, model, cfg, pretrained, ctx)
-        if ctx.is_main:
-            adapter.export(full, mode=mode, pretrained=pretrained, export_dir=export_dir)
-        del full
+    export_trained(adapter, model, mode=mode, pretrained=pretrained, export_dir=export_dir, ctx=ctx,
+                   export_dtype="bfloat16", max_shard_bytes=32 * 2**20)
     info["export_peak_increment"] = status("VmHWM") - base
     result[mode] = info
     del model
