@@ -1,0 +1,83 @@
+"""The trainer's parts on their own (``latentmill.trainer.train._Run``): draws, one micro-batch, one step,
+and the per-step reduction, without the loop around them."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from latentmill.trainer.config import ParallelConfig, TrainerConfig
+from latentmill.trainer.objective import flow_matching_loss, interpolate, velocity_target
+from latentmill.trainer.parallel import DistContext
+from latentmill.trainer.train import _reduce_step_stats, _Run
+
+from tests.trainer_helpers import build_tiny_transformer, torch_threads, write_fake_cache
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    root = tmp_path_factory.mktemp("steps")
+    build_tiny_transformer(root / "pretrained")
+    write_fake_cache(root / "cache", {(64, 48, 1): 8}, latents="distribution")
+    cfg = TrainerConfig(max_steps=3, batch_size=4, learning_rate=1e-3, save_every=0, export=False,
+                        grad_accum_steps=2)
+    with torch_threads(1):
+        yield _Run(cfg, DistContext(), ParallelConfig(), root / "cache", str(root / "pretrained"), root / "train",
+                   0, None, {})
+
+
+def test_draws_do_not_depend_on_how_the_stream_is_cut(run):
+    shape = torch.Size([4, 16, 6, 8])
+    state = run.sampling_gen.get_state()
+    eps4, sig4, noise4 = run._draw(shape, posterior=True, shift=1.0)
+    run.sampling_gen.set_state(state)
+    halves = [run._draw(torch.Size([2, *shape[1:]]), posterior=True, shift=1.0) for _ in range(2)]
+    assert torch.equal(eps4, torch.cat([h[0] for h in halves]))
+    assert torch.equal(sig4, torch.cat([h[1] for h in halves]))
+    assert torch.equal(noise4, torch.cat([h[2] for h in halves]))
+    assert sig4.shape == (4,) and bool(((sig4 > 0) & (sig4 < 1)).all())
+    assert run._draw(shape, posterior=False, shift=1.0)[0] is None
+
+
+def test_forward_backward_is_the_flow_matching_loss_of_its_draws(run):
+    batch = next(iter(run.loader))
+    run.optimizer.zero_grad(set_to_none=True)
+    state = run.sampling_gen.get_state()
+    loss = run.forward_backward(batch, last_micro=True)
+    run.sampling_gen.set_state(state)  # the same draws, recomputed by hand
+    latents = batch["latents"]
+    eps, sigmas, noise = run._draw(latents.shape, posterior=True, shift=1.0)
+    x0 = latents + batch["latents_std"] * eps
+    with torch.no_grad():
+        pred = run.adapter.forward(run.model, interpolate(x0, noise, sigmas), sigmas, batch, run.cfg)
+    expected = flow_matching_loss(pred, velocity_target(x0, noise), None)
+    assert float(loss) == pytest.approx(float(expected), rel=1e-5)
+    grads = [p.grad for p in run.trainable]
+    assert all(g is not None for g in grads) and all(bool(torch.isfinite(g).all()) for g in grads)
+
+
+def test_train_step_consumes_accum_batches_and_reports_the_read_values(run):
+    batches = iter(run.loader)
+    position = run.loader.epoch * len(run.loader) + run.loader.batch_index
+    before = [p.detach().clone() for p in run.trainable]
+    step_before = run.step
+    record = run.train_step(batches)
+    assert record["step"] == run.step == step_before + 1
+    assert record["skipped"] is False and math.isfinite(record["loss"]) and record["grad_norm"] > 0
+    assert record["samples_per_s"] > 0 and record["loss"] == run.last_loss
+    assert any(not torch.equal(a, p) for a, p in zip(before, run.trainable))  # the weights moved
+    # two micro-batches (grad_accum_steps 2) of the 2-batch epoch
+    assert run.loader.epoch * len(run.loader) + run.loader.batch_index == position + 2
+
+
+def test_reduce_step_stats_without_a_process_group():
+    g = [torch.tensor([3.0, 0.0]), torch.tensor([[4.0]])]
+    loss, samples, nonfinite, norm = _reduce_step_stats(DistContext(), torch.tensor(1.5), 6, g, grad_replicas=1)
+    assert (loss, samples, nonfinite, norm) == (1.5, 6, False, 5.0)  # the norm clip_grad_norm_ computes
+    assert float(torch.nn.utils.get_total_norm(g)) == norm
+    loss, _, nonfinite, norm = _reduce_step_stats(DistContext(), torch.tensor(float("nan")), 6, g, grad_replicas=1)
+    assert math.isnan(loss) and nonfinite and norm == 5.0
+    _, _, nonfinite, norm = _reduce_step_stats(DistContext(), torch.tensor(1.0), 6,
+                                               [torch.tensor([float("inf")])], grad_replicas=1)
+    assert not nonfinite and not math.isfinite(norm)  # the caller skips on either
