@@ -6,10 +6,11 @@ one per bucket shard), plus the very same tensors as one safetensors file per sa
 
 Contenders, each reading every sample once per epoch, batch size ``B``:
 
-* ours: ``latentmill.trainer.loader.LatentLoader`` with its defaults (index of tar headers; per batch, each member's
-  safetensors header checked and its tensors read with ``os.preadv`` straight into the batch tensors, on
-  ``io_threads=2`` threads for batches over 1 MiB; ``prefetch`` on, which in a tight loop like this one
-  reads in the caller's thread), one loader per measurement as a training run has one for all its epochs,
+* ours: ``latentmill.trainer.loader.LatentLoader`` with its defaults (start-up from the shard index beside
+  each tar, which the shard writer puts there; per batch, each member's safetensors header checked and
+  its tensors read with ``os.preadv`` straight into the batch tensors, on ``io_threads=2`` threads for
+  batches over 1 MiB; ``prefetch`` on, which in a tight loop like this one reads in the caller's thread),
+  one loader per measurement as a training run has one for all its epochs,
   constructed inside the first epoch's timing; output dtype bf16 (the storage dtype);
 * raw: a plain sequential read of the same shard files, 1 MiB at a time, bytes discarded;
 * webdataset: ``webdataset.WebDataset(shards).map(safetensors decode).to_tuple(...).batched(B)``;
@@ -177,7 +178,7 @@ def run(args) -> list:
                 results[(who, mode)][side + "_cpu"].append(cpu_rate)
                 log(f"loader rep {rep + 1}/{reps} {mode} {name}: {rate:.0f} samples/s")
 
-    construct = []  # how much of ours is the start-up index of tar headers (hot)
+    construct = []  # how much of ours is the start-up from the shard indexes (hot)
     for _ in range(3):
         start = time.perf_counter()
         LatentLoader(work / "cache", batch, seed=0, dtype=torch.bfloat16).close()
@@ -200,7 +201,7 @@ def run(args) -> list:
     raw_note = ("raw: the shard files read sequentially 1 MiB at a time by one thread, bytes discarded (hot, "
                 "a page-cache memcpy); the loader copies each tensor once (os.preadv from the page cache "
                 "into its row of the batch tensor; batches over 1 MiB on io_threads=2 threads: see "
-                "details.cpu_time_ratio) and parses tar headers at start-up (details.loader_construct_s_hot)")
+                "details.cpu_time_ratio) and reads the shard indexes at start-up (details.loader_construct_s_hot)")
     wds_note = ("WebDataset(shards, shardshuffle=False).map(safetensors load).to_tuple(...).batched(8), "
                 "no shuffle buffer")
     files_note = ("files: one safetensors file per sample (same tensors), load_file in a shuffled order, "

@@ -7,7 +7,7 @@ from collections import Counter
 from pathlib import Path
 
 from latentmill.pipelines.snapshot import LATEST, resolve_snapshot
-from latentmill.stages.shardio import sha256_file
+from latentmill.stages.shardio import sha256_file, verify_index
 
 # Pipeline order, as ``latentmill.pipelines.prep.STAGES`` (not imported: it would start Prefect for a read-only command).
 STAGE_ORDER = ("ingest", "caption", "bucket", "cache")
@@ -103,7 +103,7 @@ def inspect_path(path: Path) -> int:
 
 
 def verify_path(path: Path) -> int:
-    """Re-hash every shard listed in the manifests; print each mismatch and return 1 if any."""
+    """Re-hash every shard (and its index, format 3) listed in the manifests; print each mismatch, return 1 if any."""
     if path.is_file() and path.suffix in (".yaml", ".yml"):
         raise FileNotFoundError(f"{path} is a recipe; verify reads an output_dir, a snapshot or a stage folder")
     bad = checked = 0
@@ -117,6 +117,9 @@ def verify_path(path: Path) -> int:
                 bad += 1
             elif sha256_file(shard_path) != shard["sha256"]:
                 print(f"MISMATCH {shard_path}: sha256 differs from the manifest")
+                bad += 1
+            elif (problem := verify_index(shard_path, shard)) is not None:  # format 3: the index beside it
+                print(f"MISMATCH {problem}")
                 bad += 1
     print(f"verified {checked} shards: {checked - bad} ok, {bad} bad")
     return 1 if bad else 0

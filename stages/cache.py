@@ -50,7 +50,8 @@ from safetensors.torch import save as safetensors_save
 from latentmill.models import ModelConfig, cached_model_fingerprints
 
 STAGE = "cache"
-FORMAT_VERSION = 2
+FORMAT_VERSION = 2  # in the component keys: what decides a latent's bytes (unchanged by format 3)
+MANIFEST_VERSION = 3  # the cache format the manifest declares: 3 adds a shard index beside each tar
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 VAE_MEMBER, TEXT_MEMBER = "vae.safetensors", "text.safetensors"
 
@@ -312,10 +313,66 @@ def load_clip_pixels(meta: dict[str, Any], sample: dict[str, Any]) -> torch.Tens
     """Decode a clip's frames, resize and crop each like an image: a [3, F, H, W] tensor in [-1, 1]."""
     from latentmill.stages.video import read_clip
 
-    frames_FHWC = read_clip(meta, sample)
+    return clip_pixels(read_clip(meta, sample), meta)
+
+
+def clip_pixels(frames_FHWC: torch.Tensor, meta: dict[str, Any]) -> torch.Tensor:
+    """A clip's decoded ``uint8 [F, H, W, 3]`` frames resized and cropped to its bucket: [3, F, H, W] in [-1, 1]."""
     width, height = meta["bucket"][0], meta["bucket"][1]
     frames = [_resize_crop(Image.fromarray(f.numpy()), meta["crop"], width, height) for f in frames_FHWC]
     return torch.stack(frames, dim=1)
+
+
+def _source_clip(meta: dict[str, Any]) -> bool:
+    """Whether a sample is a clip read from its source video (not a re-encoded copy of its own)."""
+    return meta.get("kind") == "video" and "clip" in meta and not meta["clip"].get("reencoded")
+
+
+class SourcePasses:
+    """The frames of a unit's source clips, each source video decoded in one forward pass.
+
+    Clip by clip, every clip cost an open of its video and a seek-and-decode from the keyframe before it
+    (with PyAV, a decode from the first frame): 11× (decord) and 32× (PyAV) one sequential pass over a
+    minute of 480p. Here the clips of one video are read by one :func:`~latentmill.stages.video.read_clips`
+    generator: one open, frames held about one clip at a time, the same pixels.
+
+    Built from the (sample index, meta) of the clips the unit will decode, in the order it will ask for them;
+    :meth:`frames` must then be called once for each, in that order (the decode loop keeps the unit's sample
+    order, with or without prefetching).
+    """
+
+    def __init__(self, clips: list[tuple[int, dict[str, Any]]]):
+        from latentmill.stages.video import read_clips
+
+        groups: dict[tuple[str, int], list[dict[str, Any]]] = {}
+        self._group: dict[int, tuple[str, int]] = {}
+        for i, meta in clips:
+            key = (meta["source_uri"], meta.get("rotation", 0))
+            groups.setdefault(key, []).append(meta)
+            self._group[i] = key
+        self._left = {key: len(metas) for key, metas in groups.items()}
+        self._passes = {key: read_clips(key[0], [m["clip"]["frame_indices"] for m in metas], rotation=key[1])
+                        for key, metas in groups.items()}
+
+    def __contains__(self, i: int) -> bool:
+        return i in self._group
+
+    def frames(self, i: int) -> torch.Tensor:
+        """Sample ``i``'s ``uint8 [F, H, W, 3]`` frames; raises what reading them clip by clip would."""
+        key = self._group[i]
+        value = next(self._passes[key])
+        self._left[key] -= 1
+        if not self._left[key]:  # the video's last clip in this unit: release its decoder now
+            self._passes.pop(key).close()
+        if isinstance(value, Exception):
+            raise value
+        return value
+
+    def close(self) -> None:
+        """Release every decoder still open (a unit that stopped early)."""
+        for gen in self._passes.values():
+            gen.close()
+        self._passes.clear()
 
 
 def decode_sample(sample: dict[str, Any], meta: dict[str, Any],
@@ -387,12 +444,18 @@ def process(cfg: CacheConfig, model: ModelConfig, unit: WorkUnit, out: UnitOutpu
     sizes = {"vae": 0, "text": 0}
     components: dict[str, dict[str, str]] = {}
 
+    # the clips of one source video are decoded in one pass, in the order the loop below asks for them
+    passes = SourcePasses([(i, m) for i, m in enumerate(metas) if keys[i][0] not in old_vae and _source_clip(m)])
+
     def decode(batch: list[int]) -> dict[int, torch.Tensor | Exception]:
         decoded: dict[int, torch.Tensor | Exception] = {}
         for i in batch:
             if keys[i][0] not in old_vae:
                 try:
-                    decoded[i] = decode_sample(samples[i], metas[i], plan_.background)
+                    if i in passes:
+                        decoded[i] = clip_pixels(passes.frames(i), metas[i])
+                    else:
+                        decoded[i] = decode_sample(samples[i], metas[i], plan_.background)
                 except Exception as err:  # any undecodable input is quarantined, never fatal
                     decoded[i] = err
         return decoded
@@ -434,6 +497,7 @@ def process(cfg: CacheConfig, model: ModelConfig, unit: WorkUnit, out: UnitOutpu
             meta = {**metas[i], "components": components[key]}
             members = {text_member(j): data for j, data in enumerate(texts)}
             out.add({"__key__": key, VAE_MEMBER: vae, **members, "json": meta_bytes(meta)}, bucket=metas[i]["bucket"])
+    passes.close()  # (an exception above leaves them to the garbage collector, which closes them too)
     out.extra.update(components=components, counts=counts, bytes=sizes)
 
 
@@ -465,7 +529,7 @@ def manifest_header(cfg: CacheConfig, model: ModelConfig, stage_dir: StageDir) -
     for name, fp in plan_.prints.items():
         models[name]["fingerprint"] = fp
     return {
-        "format_version": FORMAT_VERSION,
+        "format_version": MANIFEST_VERSION,
         "family": plan_.family,
         "fingerprint": stable_hash(plan_.fingerprint()),
         "models": models,

@@ -22,6 +22,7 @@ import sys
 import tarfile
 import threading
 import time
+import zlib
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator
@@ -277,17 +278,22 @@ class _ShardSink:
         self._writer = wds.TarWriter(self._hashing, user=_TAR_USER, group=_TAR_USER, mtime=0, encoder=False,
                                      compress=False)
         self.count = 0
+        self.index: dict[str, Any] | None = None  # the index's manifest entry, set by ``commit``
 
     def write(self, sample: dict[str, Any]) -> None:
         self._writer.write(sample)
         self.count += 1
 
     def commit(self) -> str:
+        """Finish the tar, move it into place, write its index beside it (``write_index_file``: from the
+        tar's bytes, read back from the page cache); return the tar's sha256."""
         self._writer.close()  # ends the tar stream; the file object stays ours
         self._fh.flush()
         os.fsync(self._fh.fileno())
         self._fh.close()
+        data = index_tar(self.tmp)
         os.replace(self.tmp, self.path)
+        self.index = write_index_file(self.path, data)
         return self._hashing.sha.hexdigest()
 
     def abort(self) -> None:
@@ -321,6 +327,476 @@ def read_shard(path: str | Path) -> Iterator[dict[str, Any]]:
 
 
 # ---------------------------------------------------------------------------------------------------------
+# Tar header scan and safetensors headers (no tensor data is read)
+# ---------------------------------------------------------------------------------------------------------
+
+# safetensors dtype names -> bytes per element (the dtypes torch can hold; the cache stage writes BF16/F16/F32)
+SAFETENSORS_ITEMSIZE: dict[str, int] = {
+    "BOOL": 1, "U8": 1, "I8": 1, "I16": 2, "I32": 4, "I64": 8, "F16": 2, "BF16": 2, "F32": 4, "F64": 8,
+    "F8_E4M3": 1, "F8_E5M2": 1,
+}
+HEADER_READ = 4096  # bytes read at a member's start: its safetensors header (typically < 300 bytes) fits
+MAX_HEADER = 100_000_000  # the safetensors library's own limit on the JSON header
+_TAR_BLOCK = 512
+_TAR_CHUNK = 4096  # bytes read per tar index pread: small members' data and the next headers come along
+
+# One tensor of a safetensors member: (name, dtype name, shape, payload begin, end), bytes from the member's start
+TensorEntry = tuple[str, str, tuple[int, ...], int, int]
+# (key, {extension: (data offset, size)}) per sample of a tar, in tar order
+TarSamples = list[tuple[str, dict[str, tuple[int, int]]]]
+
+
+class HeaderError(ValueError):
+    """A safetensors header that does not describe a valid member (the caller adds shard and key)."""
+
+
+def safetensors_entries(header: bytes) -> tuple[list[TensorEntry], int]:
+    """Parse and check the JSON header of a safetensors member (the bytes after its 8-byte length).
+
+    Returns its tensors in header order, each with its payload's byte range from the member's start, and
+    the whole member's size (8 + header + payloads). Checks what ``safetensors.torch.load`` checks: known
+    dtypes, integer shapes, each tensor's byte range as long as its shape and dtype say, the ranges back to
+    back from 0 in offset order. Raises ``HeaderError``.
+    """
+    try:
+        entries = json.loads(header)
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise HeaderError(f"safetensors header is not JSON ({err})") from None
+    if not isinstance(entries, dict):
+        raise HeaderError("safetensors header is not a JSON object")
+    tensors: list[TensorEntry] = []
+    for name, entry in entries.items():
+        if name == "__metadata__":
+            continue
+        if not isinstance(entry, dict):
+            raise HeaderError(f"tensor {name!r}: entry is not an object")
+        itemsize = SAFETENSORS_ITEMSIZE.get(entry.get("dtype"))  # type: ignore[arg-type]
+        if itemsize is None:
+            raise HeaderError(f"tensor {name!r}: unknown dtype {entry.get('dtype')!r}")
+        shape, offsets = entry.get("shape"), entry.get("data_offsets")
+        if not (isinstance(shape, list) and all(type(d) is int and d >= 0 for d in shape)):
+            raise HeaderError(f"tensor {name!r}: invalid shape {shape!r}")
+        if not (isinstance(offsets, list) and len(offsets) == 2 and all(type(o) is int for o in offsets)):
+            raise HeaderError(f"tensor {name!r}: invalid data_offsets {offsets!r}")
+        numel = 1
+        for d in shape:
+            numel *= d
+        begin, end = offsets
+        if end - begin != numel * itemsize or begin < 0:
+            raise HeaderError(
+                f"tensor {name!r}: data_offsets {offsets} hold {end - begin} bytes, "
+                f"{entry['dtype']} {shape} needs {numel * itemsize}"
+            )
+        tensors.append((name, entry["dtype"], tuple(shape), begin, end))
+    position = 0
+    for name, _, _, begin, end in sorted(tensors, key=lambda t: (t[3], t[4])):
+        if begin != position:
+            raise HeaderError(f"tensor {name!r}: data_offsets start at {begin}, expected {position}")
+        position = end
+    start = 8 + len(header)
+    return [(name, dtype, shape, start + b, start + e) for name, dtype, shape, b, e in tensors], start + position
+
+
+def _tar_size(field: bytes) -> int | None:
+    """A ustar numeric field (octal ASCII); None for anything else (base-256, garbage)."""
+    if field[0] & 0x80:  # base-256: left to tarfile
+        return None
+    try:
+        return int(field.split(b"\0", 1)[0].strip() or b"0", 8)
+    except ValueError:
+        return None
+
+
+def _st_header(chunk: bytes, at: int, size: int) -> bytes | None:
+    """The JSON header of the safetensors member of ``size`` bytes at ``chunk[at:]``; None if cut off."""
+    if at + 8 > len(chunk):
+        return None
+    end = at + 8 + int.from_bytes(chunk[at : at + 8], "little")
+    return chunk[at + 8 : end] if end <= len(chunk) and end <= at + size else None
+
+
+def _index_shard_fast(fd: int, headers: dict[tuple[str, str], bytes] | None = None) -> TarSamples | None:
+    """``index_shard`` for plain ustar/v7 tars (what ``webdataset.TarWriter`` writes for short ASCII names).
+
+    Reads the header blocks with ``os.pread`` (``_TAR_CHUNK`` bytes at a time, so a small member's data
+    and the next header come with one read). Returns None on anything it does not parse itself (pax or GNU
+    long-name headers, base-256 sizes, non-ASCII names, bad checksums), so the caller can use ``tarfile``.
+    ``headers``: filled with (key, extension) -> the JSON header of each ``.safetensors`` member that came
+    with the read of its tar header (unchecked bytes).
+    """
+    samples: dict[str, dict[str, tuple[int, int]]] = {}
+    file_size = os.fstat(fd).st_size
+    chunk, chunk_start, offset = b"", 0, 0
+    while offset + _TAR_BLOCK <= file_size:
+        if not chunk_start <= offset <= chunk_start + len(chunk) - _TAR_BLOCK:
+            chunk, chunk_start = os.pread(fd, _TAR_CHUNK, offset), offset
+            if len(chunk) < _TAR_BLOCK:
+                return None
+        at = offset - chunk_start
+        block = chunk[at : at + _TAR_BLOCK]
+        if block.count(0) == _TAR_BLOCK:  # end-of-archive marker
+            break
+        try:  # what tarfile writes: zero-padded octal digits, then NUL (and a space after the checksum)
+            size, checksum = int(block[124:135], 8), int(block[148:154], 8)
+        except ValueError:
+            size, checksum = _tar_size(block[124:136]), _tar_size(block[148:156])  # type: ignore[assignment]
+        # the checksum is the byte sum with its own field as spaces (adler32 sums in C: compare modulo 65521)
+        if checksum is None:
+            return None
+        if (1 + checksum + sum(block[148:156]) - 8 * 0x20) % 65521 != zlib.adler32(block) & 0xFFFF:
+            return None
+        typeflag = block[156:157]
+        if size is None or typeflag not in (b"0", b"\0", b"5"):
+            return None
+        name = block[:100].split(b"\0", 1)[0]
+        if block[345]:  # a ustar name prefix (tarfile reads it whatever the magic says)
+            name = block[345:500].split(b"\0", 1)[0] + b"/" + name
+        if not name.isascii():
+            return None
+        data = offset + _TAR_BLOCK
+        if typeflag != b"5" and not name.endswith(b"/"):  # a v7 directory: a name ending in "/"
+            dirname, _, basename = name.decode().rpartition("/")
+            key, dot, ext = basename.partition(".")
+            if dot:
+                key = f"{dirname}/{key}" if dirname else key
+                samples.setdefault(key, {})[ext] = (data, size)
+                if headers is not None and ext.endswith(".safetensors") and size >= 8:
+                    header = _st_header(chunk, at + _TAR_BLOCK, size)
+                    if header is None and chunk_start != offset:  # cut by the chunk's end: read from here
+                        chunk, chunk_start = os.pread(fd, _TAR_CHUNK, offset), offset
+                        header = _st_header(chunk, _TAR_BLOCK, size)
+                    if header is not None:
+                        headers[key, ext] = header
+        offset = data + -(-size // _TAR_BLOCK) * _TAR_BLOCK
+    return list(samples.items())
+
+
+def _index_shard_tarfile(path: Path) -> TarSamples:
+    """``index_shard`` through ``tarfile``: every tar dialect it reads (pax, GNU long names, ...)."""
+    samples: dict[str, dict[str, tuple[int, int]]] = {}
+    with tarfile.open(path, mode="r:") as tar:
+        for member in tar:
+            if not member.isfile():
+                continue
+            dirname, _, basename = member.name.rpartition("/")
+            key, dot, ext = basename.partition(".")
+            if not dot:
+                continue
+            key = f"{dirname}/{key}" if dirname else key
+            samples.setdefault(key, {})[ext] = (member.offset_data, member.size)
+    return list(samples.items())
+
+
+def index_shard(path: Path, headers: dict[tuple[str, str], bytes] | None = None) -> TarSamples:
+    """List (key, {extension: (offset, size)}) per sample of an uncompressed tar, reading headers only.
+
+    Plain ustar headers are parsed directly from ``os.pread`` blocks; any other tar dialect goes through
+    ``tarfile`` (same result, slower). ``headers``: see ``_index_shard_fast`` (left empty by ``tarfile``).
+    """
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        samples = _index_shard_fast(fd, headers)
+    finally:
+        os.close(fd)
+    if samples is None:
+        if headers is not None:
+            headers.clear()
+        samples = _index_shard_tarfile(path)
+    return samples
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Shard indexes: ``<shard>.idx`` beside each tar (docs/cache-format.md, "Shard index")
+# ---------------------------------------------------------------------------------------------------------
+
+INDEX_SUFFIX = ".idx"
+INDEX_VERSION = 1
+INDEX_METADATA_KEY = "latentmill.shard_index"
+# The index's columns: name -> (safetensors dtype, numpy dtype), in the order their bytes are stored
+# (8-byte columns first, so every column starts aligned when the header is padded to 8 bytes).
+INDEX_COLUMNS: dict[str, tuple[str, str]] = {
+    "member_offset": ("I64", "<i8"),  # per member: byte offset of its data in the tar
+    "member_size": ("I64", "<i8"),  # per member: its size in bytes
+    "sample_member_end": ("I64", "<i8"),  # per sample: end of its members in the member columns (CSR)
+    "sample_key_end": ("I64", "<i8"),  # per sample: end of its key in ``keys`` (UTF-8, back to back)
+    "member_layout": ("I32", "<i4"),  # per member: its safetensors layout in ``layouts``; -1: none
+    "member_name": ("I32", "<i4"),  # per member: its extension in ``names``
+    "sample_bucket": ("I32", "<i4"),  # per sample: its bucket in ``buckets``; -1: none
+    "keys": ("U8", "u1"),
+}
+
+
+class ShardIndexError(ValueError):
+    """An index file that cannot be read or does not describe its tar."""
+
+
+def index_path(tar_path: str | Path) -> Path:
+    """Where the index of the shard at ``tar_path`` lives: beside it, ``<name>.idx`` for ``<name>.tar``."""
+    tar_path = Path(tar_path)
+    return tar_path.with_name(tar_path.name.removesuffix(".tar") + INDEX_SUFFIX)
+
+
+def _bucket_of(meta_bytes_: bytes) -> list[int] | None:
+    """The ``bucket`` of a sample's ``json`` member (a list of ints), or None."""
+    try:
+        bucket = json.loads(meta_bytes_).get("bucket")
+    except (ValueError, AttributeError):
+        return None
+    if isinstance(bucket, list) and bucket and all(type(d) is int for d in bucket):
+        return bucket
+    return None
+
+
+def build_shard_index(
+    tar_size: int,
+    samples: TarSamples,
+    headers: dict[tuple[str, str], bytes],
+    buckets: list[list[int] | None],
+) -> bytes:
+    """The bytes of a shard index (the index writer): a pure function of its arguments.
+
+    ``samples``: (key, {extension: (data offset, size)}) in tar order (``index_shard``); ``headers``: the
+    JSON header of each ``.safetensors`` member (a missing or invalid one gets no layout: the loader then
+    reads and checks that member's header itself, and names what is wrong with it); ``buckets``: per
+    sample, its bucket or None. Names, buckets and layouts are numbered in order of first appearance.
+    """
+    import numpy as np
+
+    if len(buckets) != len(samples):
+        raise ValueError(f"{len(buckets)} buckets for {len(samples)} samples")
+    names: dict[str, int] = {}
+    bucket_ids: dict[tuple[int, ...], int] = {}
+    layouts: dict[str, int] = {}  # canonical JSON of a layout -> its id
+    layout_sizes: list[int] = []  # per layout id: the member size it describes
+    by_header: dict[bytes, int] = {}  # a header's bytes -> its layout id (-1: invalid)
+    offsets, sizes, member_names, member_layouts, member_ends, key_ends, sample_buckets = ([] for _ in range(7))
+    keys = bytearray()
+    for (key, members), bucket in zip(samples, buckets):
+        for ext, (offset, size) in members.items():
+            offsets.append(offset)
+            sizes.append(size)
+            member_names.append(names.setdefault(ext, len(names)))
+            layout = -1
+            header = headers.get((key, ext)) if ext.endswith(".safetensors") else None
+            if header is not None:
+                layout = by_header.get(header, -2)
+                if layout == -2:
+                    try:
+                        tensors, total = safetensors_entries(header)
+                        text = json_bytes({"size": total, "tensors": [list(t) for t in tensors]}).decode()
+                        layout = layouts.setdefault(text, len(layouts))
+                        if layout == len(layout_sizes):
+                            layout_sizes.append(total)
+                    except HeaderError:
+                        layout = -1
+                    by_header[header] = layout
+                if layout >= 0 and layout_sizes[layout] != size:
+                    layout = -1  # the header describes another size: the loader checks it and says so
+            member_layouts.append(layout)
+        member_ends.append(len(offsets))
+        keys += key.encode()
+        key_ends.append(len(keys))
+        sample_buckets.append(-1 if bucket is None else bucket_ids.setdefault(tuple(bucket), len(bucket_ids)))
+    values = {
+        "member_offset": offsets, "member_size": sizes, "sample_member_end": member_ends,
+        "sample_key_end": key_ends, "member_layout": member_layouts, "member_name": member_names,
+        "sample_bucket": sample_buckets, "keys": keys,
+    }
+    tables = {
+        "version": INDEX_VERSION,
+        "tar_size": int(tar_size),
+        "samples": len(samples),
+        "members": len(offsets),
+        "names": list(names),
+        "buckets": [list(b) for b in bucket_ids],
+        "layouts": [json.loads(text) for text in layouts],
+    }
+    header: dict[str, Any] = {"__metadata__": {INDEX_METADATA_KEY: json_bytes(tables).decode()}}
+    blobs, position = [], 0
+    for name, (st_dtype, np_dtype) in INDEX_COLUMNS.items():
+        column = values[name]
+        blob = bytes(column) if name == "keys" else np.asarray(column, dtype=np_dtype).tobytes()
+        header[name] = {"dtype": st_dtype, "shape": [len(column)], "data_offsets": [position, position + len(blob)]}
+        blobs.append(blob)
+        position += len(blob)
+    head = json_bytes(header)
+    head += b" " * (-len(head) % 8)  # columns start 8-byte aligned
+    return len(head).to_bytes(8, "little") + head + b"".join(blobs)
+
+
+def index_tar(path: str | Path) -> bytes:
+    """The index of the tar at ``path``, from its bytes alone: the tar's headers, the safetensors headers of
+    its ``.safetensors`` members and the ``bucket`` field of each sample's ``json`` member."""
+    path = Path(path)
+    headers: dict[tuple[str, str], bytes] = {}
+    samples = index_shard(path, headers)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        tar_size = os.fstat(fd).st_size
+        buckets: list[list[int] | None] = []
+        for key, members in samples:
+            for ext, (offset, size) in members.items():
+                if ext.endswith(".safetensors") and (key, ext) not in headers and size >= 8:
+                    length = int.from_bytes(os.pread(fd, 8, offset), "little")
+                    if 8 + length <= size and length <= MAX_HEADER:
+                        headers[key, ext] = os.pread(fd, length, offset + 8)
+            meta = members.get("json")
+            buckets.append(_bucket_of(os.pread(fd, meta[1], meta[0])) if meta is not None else None)
+    finally:
+        os.close(fd)
+    return build_shard_index(tar_size, samples, headers, buckets)
+
+
+def write_index_file(tar_path: str | Path, data: bytes | None = None) -> dict[str, Any]:
+    """Write the index of the tar at ``tar_path`` beside it, atomically (``index_tar`` unless ``data`` is
+    given); return its manifest entry ``{"name", "size", "sha256"}``."""
+    path = index_path(tar_path)
+    data = index_tar(tar_path) if data is None else data
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+    with open(tmp, "wb") as fh:
+        fh.write(data)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
+    return {"name": path.name, "size": len(data), "sha256": sha256_bytes(data)}
+
+
+@dataclass
+class ShardIndex:
+    """A parsed shard index: its columns (numpy arrays over the file's bytes) and tables."""
+
+    tar_size: int
+    names: list[str]
+    buckets: list[list[int]]
+    layouts: list[dict[str, Any]]  # {"size": member bytes, "tensors": [[name, dtype, shape, begin, end]]}
+    columns: dict[str, Any]
+
+    @property
+    def num_samples(self) -> int:
+        return len(self.columns["sample_key_end"])
+
+    def key(self, i: int) -> str:
+        ends = self.columns["sample_key_end"]
+        return self.columns["keys"][ends[i - 1] if i else 0 : ends[i]].tobytes().decode()
+
+    def members(self, i: int) -> dict[str, tuple[int, int]]:
+        """Extension -> (data offset, size) of sample ``i``'s members, in tar order."""
+        c = self.columns
+        start = int(c["sample_member_end"][i - 1]) if i else 0
+        end = int(c["sample_member_end"][i])
+        names, offsets, sizes = c["member_name"], c["member_offset"], c["member_size"]
+        return {self.names[names[m]]: (int(offsets[m]), int(sizes[m])) for m in range(start, end)}
+
+    def samples(self) -> TarSamples:
+        """(key, members) of every sample, as ``index_shard`` lists them."""
+        return [(self.key(i), self.members(i)) for i in range(self.num_samples)]
+
+
+def read_shard_index(data: bytes, where: str = "index") -> ShardIndex:
+    """Parse and check the bytes of a shard index (``where`` names it in errors: ``ShardIndexError``).
+
+    Checks what a reader relies on, vectorised (no per-sample Python): the columns' dtypes and lengths,
+    monotone CSR ends, table ids in range, every member inside the tar, each layout's size equal to its
+    member's size.
+    """
+    import numpy as np
+
+    def fail(why: str) -> ShardIndexError:
+        return ShardIndexError(f"{where}: {why}")
+
+    if len(data) < 8:
+        raise fail(f"{len(data)} bytes, too short for an index")
+    n = int.from_bytes(data[:8], "little")
+    if n > len(data) - 8:
+        raise fail(f"header length {n} runs past the file's {len(data)} bytes")
+    try:
+        header = json.loads(data[8 : 8 + n])
+        tables = json.loads(header["__metadata__"][INDEX_METADATA_KEY])
+        if tables["version"] != INDEX_VERSION:
+            raise fail(f"index version {tables['version']!r}, this reader reads {INDEX_VERSION}")
+        samples, members = int(tables["samples"]), int(tables["members"])
+        names, buckets, layouts = list(tables["names"]), list(tables["buckets"]), list(tables["layouts"])
+        tar_size = int(tables["tar_size"])
+    except ShardIndexError:
+        raise
+    except (ValueError, KeyError, TypeError) as err:
+        raise fail(f"not a shard index ({type(err).__name__}: {err})") from None
+    body = memoryview(data)[8 + n :]
+    columns: dict[str, Any] = {}
+    expected = {"member": members, "sample": samples}
+    for name, (st_dtype, np_dtype) in INDEX_COLUMNS.items():
+        entry = header.get(name)
+        if not isinstance(entry, dict) or entry.get("dtype") != st_dtype:
+            raise fail(f"column {name!r} missing or not {st_dtype}")
+        begin, end = entry["data_offsets"]
+        itemsize = np.dtype(np_dtype).itemsize
+        if not 0 <= begin <= end <= len(body) or (end - begin) % itemsize:
+            raise fail(f"column {name!r}: byte range {begin}..{end} outside the file")
+        column = np.frombuffer(body[begin:end], dtype=np_dtype)
+        want = expected.get(name.split("_", 1)[0])
+        if want is not None and len(column) != want:
+            raise fail(f"column {name!r} holds {len(column)} values, expected {want}")
+        columns[name] = column
+    c = columns
+    for ends, total, what in ((c["sample_member_end"], members, "member"), (c["sample_key_end"], len(c["keys"]), "key")):
+        # every sample holds a member and a key: strictly increasing ends
+        if samples and (ends[0] <= 0 or ends[-1] != total or (samples > 1 and bool((ends[1:] <= ends[:-1]).any()))):
+            raise fail(f"sample {what} ends are not increasing up to {total}")
+    if not samples and members:
+        raise fail(f"{members} members and no sample")
+    if members:
+        if c["member_name"].min() < 0 or c["member_name"].max() >= len(names):
+            raise fail("a member name id is out of range")
+        if c["member_layout"].min() < -1 or c["member_layout"].max() >= len(layouts):
+            raise fail("a member layout id is out of range")
+        ends = c["member_offset"] + c["member_size"]
+        if c["member_offset"].min() < 0 or c["member_size"].min() < 0 or ends.max() > tar_size:
+            raise fail(f"a member lies outside the tar's {tar_size} bytes")
+        has = c["member_layout"] >= 0
+        if has.any():
+            layout_sizes = np.array([int(entry["size"]) for entry in layouts], dtype=np.int64)
+            if bool((layout_sizes[c["member_layout"][has]] != c["member_size"][has]).any()):
+                raise fail("a safetensors layout's size differs from its member's size")
+    if samples and (c["sample_bucket"].min() < -1 or c["sample_bucket"].max() >= len(buckets)):
+        raise fail("a sample bucket id is out of range")
+    return ShardIndex(tar_size, names, buckets, layouts, columns)
+
+
+def load_shard_index(tar_path: str | Path, entry: dict[str, Any] | None = None) -> ShardIndex:
+    """Read and check the index of the tar at ``tar_path``; with its manifest ``entry`` (``{"name", "size",
+    "sha256"}``) also its name and size (the sha256 is checked by ``verify_index``). ``ShardIndexError``
+    names the shard and says what to do."""
+    path = index_path(tar_path) if entry is None else Path(tar_path).with_name(entry["name"])
+    fix = ("re-run the prep: it rewrites a missing or damaged index from its tar, without re-encoding "
+           "(or train on a manifest of format 2, which scans the tars)")
+    try:
+        data = path.read_bytes()
+    except OSError as err:
+        raise ShardIndexError(f"{tar_path}: its index {path} cannot be read ({err.strerror or err}); {fix}") from None
+    if entry is not None and entry.get("size") is not None and len(data) != entry["size"]:
+        raise ShardIndexError(
+            f"{tar_path}: its index {path} holds {len(data)} bytes, the manifest says {entry['size']}; {fix}")
+    try:
+        return read_shard_index(data, f"{tar_path}: its index {path}")
+    except ShardIndexError as err:
+        raise ShardIndexError(f"{err}; {fix}") from None
+
+
+def verify_index(tar_path: str | Path, entry: dict[str, Any]) -> str | None:
+    """What is wrong with the index of a shard against its manifest ``entry["index"]`` (name, size, sha256),
+    or None when it matches (also None for an entry without an index: format 2)."""
+    index = entry.get("index")
+    if not index:
+        return None
+    path = Path(tar_path).with_name(index["name"])
+    if not path.is_file():
+        return f"{tar_path}: its index {path} is missing"
+    if sha256_file(path) != index["sha256"]:
+        return f"{tar_path}: its index {path}: sha256 differs from the manifest"
+    return None
+
+
+# ---------------------------------------------------------------------------------------------------------
 # Work units
 # ---------------------------------------------------------------------------------------------------------
 
@@ -334,6 +810,7 @@ class ShardInfo:
     sha256: str
     samples: int
     bucket: list[int] | None = None
+    index: dict[str, Any] | None = None  # the shard index beside the tar: {"name", "size", "sha256"}
 
 
 @dataclass
@@ -412,6 +889,7 @@ class UnitOutput:
                     sha256=digest,
                     samples=sink.count,
                     bucket=self._buckets[part],
+                    index=sink.index,
                 )
             )
         record = UnitRecord(
@@ -462,8 +940,33 @@ class StageDir:
             return None
         if any(not (self.root / s.path).is_file() for s in record.shards):
             return None
+        if not self._ensure_indexes(record):
+            return None
         record.reused = True
         return record
+
+    def _ensure_indexes(self, record: UnitRecord) -> bool:
+        """Give every shard of a committed unit its index: a unit committed before indexes existed (cache
+        format 2), or one whose index file is missing or damaged, gets it written from its tar (a header scan,
+        nothing re-encoded) and its record rewritten. False when the rebuilt index differs from the one the
+        record names: the tar changed since it was committed, and the unit must run again."""
+        changed = False
+        for shard in record.shards:
+            tar = self.root / shard.path
+            if shard.index is not None:
+                path = tar.with_name(shard.index["name"])
+                try:
+                    if path.stat().st_size == shard.index["size"] and sha256_file(path) == shard.index["sha256"]:
+                        continue
+                except OSError:
+                    pass
+            entry = write_index_file(tar)
+            if shard.index is not None and entry != shard.index:
+                return False
+            shard.index, changed = entry, True
+        if changed:
+            _write_json_atomic(self.unit_path(record.unit_id), record.to_json())
+        return True
 
     def run_unit(self, unit: WorkUnit, process: Callable[[WorkUnit, UnitOutput], None]) -> UnitRecord:
         """Run ``process`` on ``unit`` unless an identical unit already committed; return its record."""
@@ -486,7 +989,8 @@ class StageDir:
         """Write the stage manifest (last, atomically) and the quarantine list; return the manifest."""
         self.ensure()
         records = sorted(records, key=lambda r: r.unit_id)
-        shards = [asdict(s) for r in records for s in r.shards]
+        shards = [{k: v for k, v in asdict(s).items() if k != "index" or v is not None}
+                  for r in records for s in r.shards]
         quarantined = [q for r in records for q in r.quarantined]
         expanded = sum(int(r.extra.get("expanded", 0)) for r in records)
         manifest = {

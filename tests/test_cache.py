@@ -46,7 +46,7 @@ def test_latent_and_text_shapes_and_dtypes(cached):
     model, cfg, sd, manifest, _ = cached
     assert manifest["counts"] == {"in": 25, "out": 24, "quarantined": 1}
     assert manifest["dtype"] == "bfloat16" and manifest["max_sequence_length"] == 16
-    assert (manifest["format_version"], manifest["family"], manifest["latents"]) == (2, "flux", "mean")
+    assert (manifest["format_version"], manifest["family"], manifest["latents"]) == (3, "flux", "mean")
     assert manifest["text"] == {"trimmed": False, "pad_to": 16}
     n = 0
     for shard in manifest["shards"]:

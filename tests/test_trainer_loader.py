@@ -153,9 +153,9 @@ def test_format_1_and_2_are_read_and_family_defaults_to_flux(tmp_path):
     write_fake_cache(tmp_path / "v2", {(16, 16, 9): 2}, family="wan")
     assert LatentLoader(tmp_path / "v2", batch_size=2).family == "wan"
     manifest = json.loads((tmp_path / "v2" / "manifest.json").read_text())
-    manifest["format_version"] = 3
+    manifest["format_version"] = 4
     (tmp_path / "v2" / "manifest.json").write_text(json.dumps(manifest))
-    with pytest.raises(ValueError, match="format_version 3, this trainer reads 1 and 2"):
+    with pytest.raises(ValueError, match="format_version 4, this trainer reads 1, 2 and 3"):
         read_manifest(tmp_path / "v2")
 
 

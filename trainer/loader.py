@@ -1,8 +1,9 @@
 """``LatentLoader``: batches of cached latents and text embeddings from the cache stage's shards.
 
 Contract read (``<cache_dir>/manifest.json``, written by the cache stage; docs/cache-format.md, format
-versions 1 and 2): a list of uncompressed webdataset tar shards, each holding ONE bucket
-``[width, height, frames]``; per sample ``k.vae.safetensors`` (``latents``, and ``latents_std`` when the
+versions 1, 2 and 3): a list of uncompressed webdataset tar shards (format 3: each with an index file beside
+it, named in its manifest entry, that gives every sample's key, bucket and members; formats 1 and 2: each
+shard holds ONE bucket ``[width, height, frames]``, its entry's); per sample ``k.vae.safetensors`` (``latents``, and ``latents_std`` when the
 manifest says ``"latents": "distribution"``), ``k.text.safetensors`` (``prompt_embeds``, and
 ``pooled_prompt_embeds`` for Flux) and ``k.json``; ``empty_prompt.safetensors`` holds the text tensors of
 the empty caption.
@@ -11,10 +12,15 @@ Design choices:
 
 * One bucket per batch, never mixed shapes. The order is a pure function of (seed, epoch, manifest): shuffle
   each bucket's samples, chunk them into batches of ``batch_size``, shuffle the list of batches.
-* Memory: at start-up only tar *headers* are read (an index of byte ranges per sample member, one ``pread``
-  per header block). A batch reads its members from the shard files, so RAM holds one batch, whatever the
-  dataset size, and each member is read exactly once per epoch. This needs local, uncompressed tars (what
-  the cache stage writes); remote (fsspec) caches are not supported yet.
+* Start-up: format 3 reads the shard indexes, each whole and in order, and no tar (samples are grouped by
+  bucket with numpy over the index columns; a sample's ``SampleRef`` is built when a batch needs it), so it
+  costs about the time to read the index files (~100 bytes per sample; every rank reads all of them).
+  Formats 1 and 2 read the tar *headers* instead (one ``pread`` per header block, 25-50 s per million
+  samples, hot). The epoch's order is kept as arrays (``BatchPlan``), not a list per batch.
+* Memory: the index columns (or the scanned byte ranges) per sample member. A batch reads its members from
+  the shard files, so RAM holds one batch, whatever the dataset size, and each member is read exactly once
+  per epoch. This needs local, uncompressed tars (what the cache stage writes); remote (fsspec) caches are
+  not supported yet.
 * One copy per tensor: a member's safetensors header (8-byte little-endian length + JSON with dtype, shape
   and ``data_offsets``) is read and checked first (:mod:`latentmill.trainer.shard_index`, which also indexes the
   tars), then ``os.preadv`` reads each tensor's payload straight into its row of a preallocated batch
@@ -34,6 +40,7 @@ Design choices:
 
 from __future__ import annotations
 
+import bisect
 import hashlib
 import json
 import logging
@@ -42,22 +49,33 @@ import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterator, Sequence
 
 import torch
 from latentmill.trainer.batch_reader import META_MEMBER, TEXT_MEMBER, VAE_MEMBER, SampleRef, ShardReader
-from latentmill.trainer.shard_index import index_shard
+from latentmill.trainer.shard_index import (
+    MemberLayout,
+    ShardIndex,
+    ShardIndexError,
+    index_shard,
+    layout_from_index,
+    load_shard_index,
+    verify_index,
+)
 from safetensors.torch import load as load_safetensors
 
 log = logging.getLogger(__name__)
 
-FORMAT_VERSIONS = (1, 2)
+FORMAT_VERSIONS = (1, 2, 3)
+INDEXED_FORMAT = 3  # from this format on every shard has an index (docs/cache-format.md, "Shard index")
 
 PREFETCH_MIN_CONSUMER_S = 200e-6  # read ahead only for a consumer this slow per batch (a hand-off: ~50-100µs)
 PREFETCH_DELAY_SHARE = 0.1  # the read-ahead starts this share of the consumer's time per batch later...
 PREFETCH_DELAY_MAX_S = 0.001  # ...and at most this much later
 INDEX_COLD_S_PER_SAMPLE = 75e-6  # the first shard indexed slower than this per sample: shards are on disk,
 INDEX_THREADS = 8  # so index the others with this many threads (reads in flight)
+INDEX_FILE_COLD_S = 0.002  # the first index file read slower than this (+ INDEX_FILE_COLD_S_PER_BYTE per
+INDEX_FILE_COLD_S_PER_BYTE = 2e-9  # byte): shards are on disk (see _on_disk_now)
 ADVISE_AHEAD_BATCHES = 2  # shards on disk: the kernel is asked to read this many batches ahead (WILLNEED)
 
 
@@ -74,7 +92,7 @@ def read_manifest(cache_dir: str | Path) -> dict:
     if manifest.get("format_version") not in FORMAT_VERSIONS:
         raise ValueError(
             f"{path}: format_version {manifest.get('format_version')!r}, this trainer reads "
-            f"{' and '.join(map(str, FORMAT_VERSIONS))}"
+            f"{', '.join(map(str, FORMAT_VERSIONS[:-1]))} and {FORMAT_VERSIONS[-1]}"
         )
     if not manifest.get("shards"):
         raise ValueError(f"{path} lists no shards: nothing to train on")
@@ -165,6 +183,9 @@ def verify_shards(cache_dir: Path, entries: list[dict], world_size: int = 1) -> 
         hashed.append(index)
         if actual != expected:
             bad.append((index, f"{path}: expected sha256 {expected}, actual {actual}"))
+        problem = verify_index(path, entries[index])
+        if problem is not None:
+            bad.append((index, problem))
     if size > 1:
         import torch.distributed as dist
 
@@ -178,6 +199,50 @@ def verify_shards(cache_dir: Path, entries: list[dict], world_size: int = 1) -> 
             f"shard):\n  {lines}"
         )
     return hashed
+
+
+class _IndexedRefs(Sequence[SampleRef]):
+    """One bucket's samples of an indexed cache: global sample ids, each turned into its ``SampleRef`` when
+    asked for (a batch, ``read_metadata``), so start-up builds no Python object per sample."""
+
+    def __init__(self, loader: "LatentLoader", samples: Any) -> None:
+        self._loader, self.samples = loader, samples  # global sample ids: an int64 numpy array or a range
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    def __getitem__(self, i):  # type: ignore[override]
+        if isinstance(i, slice):
+            return [self._loader._indexed_ref(int(s)) for s in self.samples[i]]
+        return self._loader._indexed_ref(int(self.samples[i]))
+
+
+class BatchPlan(Sequence[tuple[tuple[int, ...], list[int]]]):
+    """An epoch's batches, (bucket, sample indices within the bucket) each, held as arrays: per bucket its
+    shuffled samples, per batch its bucket's number and its first position in that shuffle. Indexing gives
+    the batch (indices as a list); slicing gives a ``BatchPlan``; equal to any sequence of the same batches.
+    """
+
+    def __init__(self, buckets: list[tuple[int, ...]], perms: list[Any], batch_size: int, which: Any,
+                 starts: Any) -> None:
+        self.buckets, self.perms, self.batch_size = buckets, perms, batch_size
+        self.which, self.starts = which, starts  # numpy int64 arrays, one value per batch
+
+    def __len__(self) -> int:
+        return len(self.which)
+
+    def __getitem__(self, i):  # type: ignore[override]
+        if isinstance(i, slice):
+            return BatchPlan(self.buckets, self.perms, self.batch_size, self.which[i], self.starts[i])
+        number, start = int(self.which[i]), int(self.starts[i])
+        return self.buckets[number], self.perms[number][start : start + self.batch_size].tolist()
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Sequence):
+            return NotImplemented
+        return len(self) == len(other) and all(a == b for a, b in zip(self, other))
+
+    __hash__ = None  # type: ignore[assignment]
 
 
 def _epoch_generator(seed: int, epoch: int) -> torch.Generator:
@@ -254,8 +319,38 @@ class LatentLoader:
             self.shard_paths.append(path)
         # the shards this rank hashed (its share under a process group, see verify_shards)
         self.verified_shards = verify_shards(self.cache_dir, self.manifest["shards"], world_size) if verify else []
+        entries = self.manifest["shards"]
+        indexed = all(e.get("index") for e in entries)
+        if self.manifest.get("format_version", 1) >= INDEXED_FORMAT and not indexed:
+            missing = next(self.cache_dir / e["path"] for e in entries if not e.get("index"))
+            raise ValueError(
+                f"{missing}: the cache manifest (format {self.manifest['format_version']}) names no index for "
+                "this shard; re-run the prep: it writes missing indexes from the tars, without re-encoding"
+            )
+        self.indexed = indexed  # start-up from the shard indexes (else: a scan of every tar's headers)
+        self._indexes: list[ShardIndex] = []
+        self._shard_layouts: list[list[MemberLayout]] = []  # per shard: its index's layouts table
+        self._shard_base: list[int] = []  # per shard: the global id of its first sample
+        if indexed:
+            self.buckets = self._buckets_from_indexes(entries)
+        else:
+            log.info(
+                "%s: no shard indexes (cache format %s): scanning every tar's headers at start-up (about a "
+                "minute per million samples); re-run the prep to add indexes, nothing is re-encoded",
+                self.cache_dir, self.manifest.get("format_version", 1),
+            )
+            self.buckets = self._buckets_from_tars(entries)
+        self.num_samples = sum(len(refs) for refs in self.buckets.values())
+
+        self.epoch, self.batch_index = 0, 0
+        self._order_epoch: int | None = None
+        self._order: BatchPlan | list = []
+
+    def _buckets_from_tars(self, entries: list[dict]) -> dict[tuple[int, ...], list[SampleRef]]:
+        """Format 1 and 2 (no index): every shard's tar headers scanned, samples grouped by their shard's
+        bucket (manifest order, then tar order)."""
         by_bucket: dict[tuple[int, ...], list[SampleRef]] = {}
-        indexed = zip(self.manifest["shards"], self._index_shards())
+        indexed = zip(entries, self._index_shards())
         for shard_id, (entry, (samples, headers)) in enumerate(indexed):
             path = self.shard_paths[shard_id]
             if "samples" in entry and entry["samples"] != len(samples):
@@ -278,12 +373,110 @@ class LatentLoader:
                 texts = tuple(text_members(members)) if others else (TEXT_MEMBER,)
                 ref = SampleRef(shard_id, key, members, texts, layouts, largest[1] + largest[0] // 2)
                 by_bucket.setdefault(tuple(entry["bucket"]), []).append(ref)
-        self.buckets = {b: by_bucket[b] for b in sorted(by_bucket)}
-        self.num_samples = sum(len(refs) for refs in self.buckets.values())
+        return {b: by_bucket[b] for b in sorted(by_bucket)}
 
-        self.epoch, self.batch_index = 0, 0
-        self._order_epoch: int | None = None
-        self._order: list[tuple[tuple[int, ...], list[int]]] = []
+    def _buckets_from_indexes(self, entries: list[dict]) -> dict[tuple[int, ...], "_IndexedRefs"]:
+        """Format 3: every shard's index read whole, in manifest order, and no tar opened; samples grouped by
+        their own bucket (the index's; the entry's for a sample without one), manifest order then tar order
+        within a bucket, as the tar scan groups them. Checked here, vectorised: each index against its
+        manifest entry and its tar's size (``os.stat``), every sample holding a VAE and a text member."""
+        import numpy as np
+
+        interned: dict[str, MemberLayout] = {}  # equal layouts share one object (batch plans go by identity)
+        bucket_ids: dict[tuple[int, ...], int] = {}
+        segments: dict[int, list[Any]] = {}  # global bucket id -> arrays of global sample ids
+        base = 0
+        for shard_id, entry in enumerate(entries):
+            path = self.shard_paths[shard_id]
+            start = time.perf_counter()
+            index = load_shard_index(path, entry["index"])
+            if shard_id == 0:
+                elapsed = time.perf_counter() - start
+                self._on_disk = elapsed > INDEX_FILE_COLD_S + INDEX_FILE_COLD_S_PER_BYTE * entry["index"]["size"]
+            where = f"{path} (index {entry['index']['name']})"
+            try:
+                tar_size = os.stat(path).st_size
+            except OSError as err:
+                raise ValueError(f"{path}: cannot read the shard ({err.strerror or err})") from None
+            if tar_size != index.tar_size:
+                raise ValueError(
+                    f"{where}: the tar holds {tar_size} bytes, its index describes one of {index.tar_size} "
+                    "(a replaced or truncated shard); re-run the prep, or `latentmill verify` the cache"
+                )
+            n, c = index.num_samples, index.columns
+            if "samples" in entry and entry["samples"] != n:
+                raise ValueError(f"{where}: manifest says {entry['samples']} samples, the index holds {n}")
+            for member in (VAE_MEMBER, TEXT_MEMBER):  # a sample's extensions are distinct: a count will do
+                wanted = index.names.index(member) if member in index.names else -1
+                if n and int(np.count_nonzero(c["member_name"] == wanted)) != n:
+                    starts = np.concatenate(([0], c["sample_member_end"][:-1]))
+                    has = np.add.reduceat(c["member_name"] == wanted, starts, dtype=np.int64)
+                    key = index.key(int(np.argmin(has))) if not has.all() else "?"
+                    raise ValueError(f"{where}: sample {key!r} lacks {member} (or holds it twice)")
+            try:
+                layouts = []
+                for table in index.layouts:
+                    text = json.dumps(table, sort_keys=True)
+                    if text not in interned:
+                        interned[text] = layout_from_index(table)
+                    layouts.append(interned[text])
+            except (KeyError, TypeError, ValueError) as err:
+                raise ShardIndexError(f"{where}: a layout of the index is invalid ({err!r})") from None
+            fallback = tuple(entry["bucket"]) if entry.get("bucket") else None
+            lut = [bucket_ids.setdefault(tuple(b), len(bucket_ids)) for b in index.buckets]
+            lut.append(-1 if fallback is None else bucket_ids.setdefault(fallback, len(bucket_ids)))
+            buckets_of = np.asarray(lut, dtype=np.int64)[c["sample_bucket"]]  # -1 (no bucket) -> the last
+            if n and int(buckets_of.min()) < 0:
+                key = index.key(int(np.argmin(buckets_of)))
+                raise ValueError(f"{where}: sample {key!r} has no bucket (neither in the index nor the manifest)")
+            if n and int(buckets_of.min()) == int(buckets_of.max()):  # a single-bucket shard: a range
+                parts = segments.setdefault(int(buckets_of[0]), [])
+                if parts and isinstance(parts[-1], range) and parts[-1].stop == base:
+                    parts[-1] = range(parts[-1].start, base + n)  # follows the bucket's previous shard
+                else:
+                    parts.append(range(base, base + n))
+            elif n:
+                order = np.argsort(buckets_of, kind="stable")
+                sorted_ids = buckets_of[order]
+                cuts = np.flatnonzero(np.diff(sorted_ids)) + 1
+                for part in np.split(order, cuts):
+                    segments.setdefault(int(buckets_of[part[0]]), []).append(part + base)
+            self._indexes.append(index)
+            self._shard_layouts.append(layouts)
+            self._shard_base.append(base)
+            base += n
+        def ids(parts: list) -> Any:  # one range stays a range (no array per sample)
+            if len(parts) == 1 and isinstance(parts[0], range):
+                return parts[0]
+            return np.concatenate([np.arange(p.start, p.stop, dtype=np.int64) if isinstance(p, range) else p
+                                   for p in parts])
+
+        by_tuple = {bucket: gid for bucket, gid in bucket_ids.items() if gid in segments}
+        return {bucket: _IndexedRefs(self, ids(segments[by_tuple[bucket]])) for bucket in sorted(by_tuple)}
+
+    def _indexed_ref(self, sample: int) -> SampleRef:
+        """The ``SampleRef`` of global sample ``sample`` of an indexed cache, from its shard's index columns."""
+        shard = bisect.bisect_right(self._shard_base, sample) - 1
+        local = sample - self._shard_base[shard]
+        index, layouts = self._indexes[shard], self._shard_layouts[shard]
+        c = index.columns
+        start = int(c["sample_member_end"][local - 1]) if local else 0
+        end = int(c["sample_member_end"][local])
+        names = c["member_name"][start:end].tolist()
+        offsets = c["member_offset"][start:end].tolist()
+        sizes = c["member_size"][start:end].tolist()
+        layout_ids = c["member_layout"][start:end].tolist()
+        members, found = {}, {}
+        largest = (0, 0)  # (size, offset) of the largest member
+        for name, offset, size, layout in zip(names, offsets, sizes, layout_ids):
+            ext = index.names[name]
+            members[ext] = (offset, size)
+            largest = max(largest, (size, offset))
+            if layout >= 0:
+                found[ext] = layouts[layout]
+        others = len(members) - 2 - (META_MEMBER in members)  # members beside vae, text and json
+        texts = tuple(text_members(members)) if others else (TEXT_MEMBER,)
+        return SampleRef(shard, index.key(local), members, texts, found, largest[1] + largest[0] // 2)
 
     def _index_shards(self) -> Iterator[tuple[list[tuple[str, dict[str, tuple[int, int]]]], dict]]:
         """(``index_shard`` result, safetensors headers it read) of every shard, in order.
@@ -325,20 +518,29 @@ class LatentLoader:
         return load_safetensors(data)
 
     # --- order: a pure function of (seed, epoch, manifest) ---
-    def global_batches(self, epoch: int) -> list[tuple[tuple[int, ...], list[int]]]:
-        """All ranks' batches of ``epoch`` as (bucket, sample indices within that bucket), in order."""
-        gen = _epoch_generator(self.seed, epoch)
-        batches = []
-        for bucket, refs in self.buckets.items():
-            perm = torch.randperm(len(refs), generator=gen).tolist()
-            for start in range(0, len(perm), self.batch_size):
-                chunk = perm[start : start + self.batch_size]
-                if self.drop_last and len(chunk) < self.batch_size:
-                    continue
-                batches.append((bucket, chunk))
-        return [batches[i] for i in torch.randperm(len(batches), generator=gen).tolist()]
+    def global_batches(self, epoch: int) -> "BatchPlan":
+        """All ranks' batches of ``epoch`` as (bucket, sample indices within that bucket), in order.
 
-    def epoch_batches(self, epoch: int) -> list[tuple[tuple[int, ...], list[int]]]:
+        Shuffle each bucket's samples (``torch.randperm``, buckets in order), chunk them into batches of
+        ``batch_size``, shuffle the list of batches (one more ``randperm``). Kept as arrays (``BatchPlan``:
+        a batch's indices become a list when it is asked for), so a million samples cost milliseconds."""
+        import numpy as np
+
+        gen = _epoch_generator(self.seed, epoch)
+        buckets, perms, which, starts = list(self.buckets), [], [], []
+        for number, bucket in enumerate(buckets):
+            n = len(self.buckets[bucket])
+            perms.append(torch.randperm(n, generator=gen).numpy())
+            first = np.arange(0, n, self.batch_size, dtype=np.int64)
+            if self.drop_last:
+                first = first[first + self.batch_size <= n]
+            which.append(np.full(len(first), number, dtype=np.int64))
+            starts.append(first)
+        which_, starts_ = (np.concatenate(a) if a else np.zeros(0, np.int64) for a in (which, starts))
+        order = torch.randperm(len(which_), generator=gen).numpy()
+        return BatchPlan(buckets, perms, self.batch_size, which_[order], starts_[order])
+
+    def epoch_batches(self, epoch: int) -> "BatchPlan":
         """This rank's batches of ``epoch``: every ``world_size``-th global batch.
 
         Every rank gets the same count; the last ``len % world_size`` global batches of the epoch are skipped.
