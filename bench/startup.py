@@ -269,7 +269,7 @@ def _measure(args, work: Path, num: int, reps: int) -> list:
                "tar_scan_s_per_million_extrapolated": round(scan_s * 1e6 / scanned, 2),
                "tar_scan_samples": scanned}
     figures = [
-        figure("17. loader start-up per million samples vs reading the index files (hot)",
+        figure("11. loader start-up per million samples vs reading the index files (hot)",
                [o * per_million for o in ours], [f * per_million for f in floor], "s per million samples",
                "<= 1.5", inputs,
                "ours: LatentLoader construction (manifest, every shard index read and checked, samples grouped "
@@ -280,11 +280,11 @@ def _measure(args, work: Path, num: int, reps: int) -> list:
                "dropped at once: details.index_read_discarding_s_per_million); "
                "details.construct_vs_index_read: the constructor alone. The machine is shared: see ratio_min",
                details=details),
-        figure("17. loader start-up per million samples vs the 3 s goal (hot)",
+        figure("11. loader start-up per million samples vs the 3 s goal (hot)",
                [o * per_million for o in ours], [GOAL_S_PER_MILLION] * len(ours), "s per million samples",
                "< 1.0", inputs, "ratio: seconds per million samples / 3 s (the issue's goal: under 3 s)",
                details=details),
-        figure("17. format 2 tar-scan start-up vs index start-up, per million samples (hot)",
+        figure("11. format 2 tar-scan start-up vs index start-up, per million samples (hot)",
                [scan_s * 1e6 / scanned] * len(ours), [o * per_million for o in ours], "s per million samples",
                None, inputs | {"tar_scan_samples": scanned},
                f"informational: the old start-up (every tar header read) timed once on the first {scanned} "

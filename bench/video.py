@@ -147,7 +147,7 @@ def run(args) -> list:
               "clips": {"count": len(clips), "frames": CLIP_FRAMES, "fps": TARGET_FPS, "strategy": "slide",
                         "source_frames_needed": needed}}
     figures = []
-    for backend, label in (("decord", "10"), ("pyav", "10b")):
+    for backend, label in (("decord", "12"), ("pyav", "12b")):
         assert cache_path(path, clips[:3], backend) == 3 * CLIP_FRAMES
         ours, base = interleave(reps, _timer(lambda b=backend: cache_path(path, clips, b)),
                                 _timer(lambda b=backend: sequential(path, clips, b)), f"video {backend}")
