@@ -10,7 +10,13 @@
     latentmill verify PATH         (re-hash shards against their manifests; exit 1 on any mismatch)
     latentmill plan CONFIG [key.path=value ...] [--nproc N] [--nnodes M] [--gpu-memory GiB] [--json PATH]
                    (per-rank memory of the run, from its config files on the meta device)
+    latentmill gc OUTPUT --keep N [--dry-run] [--json PATH]
+                   (remove what neither the newest N snapshots nor a pinned one references)
+    latentmill pin OUTPUT [SNAPSHOT] / latentmill unpin OUTPUT SNAPSHOT   (gc keeps a pinned snapshot)
     latentmill init DIR            (copy the example recipes, tiny-model recipes and demo data into DIR)
+    latentmill doctor [CONFIG] [--device auto|cuda|cpu] [--json PATH]   (exit 0 good, 1 blocking, 2 warnings)
+    latentmill sample EXPORT_OR_CHECKPOINT --prompt TEXT [--prompts FILE] [--batch N] [--steps S]
+                   [--size WxH[xF]] [--repeat K] [--compile] [--base PIPELINE] [--out DIR]
     latentmill serve start|stop [--port N] [--home DIR]   (local Prefect server + UI, worker, deployments)
 
 CONFIG is a recipe file, or the name of a shipped example recipe (``demo``, ``demo-video``, ...).
@@ -55,6 +61,37 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--nnodes", type=int, help="nodes (default: parallel.hsdp_replicate for HSDP, else 1)")
     p.add_argument("--gpu-memory", type=float, default=80.0, help="GiB per GPU for the fits check (default 80)")
     p.add_argument("--json", type=Path, help="write the plan here as JSON")
+    p = sub.add_parser("gc", help="remove snapshots, unit records and shards no kept or pinned snapshot uses")
+    p.add_argument("output", type=Path, help="an output_dir")
+    p.add_argument("--keep", type=int, required=True, help="keep the newest N snapshots (and pinned ones)")
+    p.add_argument("--dry-run", action="store_true", help="report what would be freed; delete nothing")
+    p.add_argument("--json", type=Path, help="write the report here as JSON")
+    for name, text in [("pin", "keep a snapshot through every gc (no SNAPSHOT: list the pins)"),
+                       ("unpin", "let gc remove a snapshot again")]:
+        p = sub.add_parser(name, help=text)
+        p.add_argument("output", type=Path, help="an output_dir")
+        p.add_argument("snapshot", nargs="?" if name == "pin" else None, help="a snapshot name, or latest")
+    p = sub.add_parser("doctor", help="check this machine for a run: torch/CUDA/driver, GPUs, disk, decoders, APIs")
+    p.add_argument("config", nargs="?", help="a recipe: also check disk and volume at its output_dir")
+    p.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto",
+                   help="auto: CUDA is requested when nvidia-smi shows a GPU (default)")
+    p.add_argument("--json", type=Path, help="write every check here as JSON")
+    p = sub.add_parser("sample", help="generate from an export or a training checkpoint, timed honestly")
+    p.add_argument("source", type=Path, help="a pipeline export, a LoRA export, or a checkpoint <run>/checkpoints/step-N")
+    p.add_argument("--prompt", action="append", help="a prompt (repeatable)")
+    p.add_argument("--prompts", type=Path, help="a file of prompts, one per line")
+    p.add_argument("--base", help="the base pipeline (folder or hub id) of a LoRA export or checkpoint")
+    p.add_argument("--batch", type=int, help="images per pipeline call (default: the number of prompts)")
+    p.add_argument("--steps", type=int, default=8, help="denoising steps (default 8)")
+    p.add_argument("--size", help="WxH, or WxHxF for video (default 512x512; video 512x512x33)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the first call; call c uses seed + c")
+    p.add_argument("--repeat", type=int, default=3, help="timed calls after the warm-up call (default 3)")
+    p.add_argument("--compile", action="store_true", help="torch.compile the transformer; report compile time")
+    p.add_argument("--compile-backend", default="inductor", help="torch.compile backend (default inductor)")
+    p.add_argument("--device", default="auto", help="cuda, cuda:1, cpu (default: cuda when available)")
+    p.add_argument("--max-sequence-length", type=int, help="text tokens (default: the pipeline's)")
+    p.add_argument("--guidance-scale", type=float, help="guidance (default: the pipeline's)")
+    p.add_argument("--out", type=Path, default=Path("samples"), help="output folder (default ./samples)")
     p = sub.add_parser("init", help="copy the example recipes and the demo data into a folder")
     p.add_argument("folder", type=Path, help="where to copy them (made if missing; no file is overwritten)")
     p = sub.add_parser("serve", help="a local Prefect server and UI, a process worker and the deployments")
@@ -139,6 +176,10 @@ def _run_flow(command: str, config: Path, overrides: list[str], nproc: int, nnod
 
     if command != "prep":
         check_launch(recipe, Launch(nproc, nnodes, rdzv_endpoint))
+    if command != "train" and recipe.prep.on_busy == "fail":  # fail before Prefect starts, naming the writer
+        from latentmill.pipelines.retention import check_not_busy
+
+        check_not_busy(recipe.output_dir)
     start_ephemeral_api()  # Prefect's temporary API server ends with this process, even when it is killed
     if command == "prep":
         summary = prep(str(config), overrides)
@@ -147,6 +188,39 @@ def _run_flow(command: str, config: Path, overrides: list[str], nproc: int, nnod
     else:
         summary = prep_then_train(str(config), overrides, nproc, nnodes, rdzv_endpoint)
     return summary, recipe.output_dir
+
+
+def _retention_command(args: argparse.Namespace) -> int:
+    """``gc``, ``pin`` and ``unpin`` (``latentmill.pipelines.retention``): no Prefect, no models."""
+    from latentmill.config import ConfigError
+    from latentmill.pipelines import retention
+
+    if not args.output.is_dir():
+        raise FileNotFoundError(f"{args.output} does not exist")
+    if args.command == "gc":
+        if args.keep < 1:
+            raise ConfigError(f"--keep: must be >= 1 (the newest snapshot is always kept), got {args.keep}")
+        report = retention.gc(args.output, args.keep, dry_run=args.dry_run)
+        print(retention.format_report(report))
+        if args.json:
+            args.json.parent.mkdir(parents=True, exist_ok=True)
+            args.json.write_text(json.dumps(report, indent=2))
+    elif args.command == "pin" and args.snapshot is None:
+        pins = retention.list_pins(args.output)
+        for name, holders in sorted(pins.items()):
+            print(f"{name}: " + ", ".join("pinned by user" if h.get("pid") is None
+                                          else f"training PID {h['pid']} on {h['host']}" for h in holders))
+        if not pins:
+            print(f"no pinned snapshot in {args.output}")
+    elif args.command == "pin":
+        name = retention.pin(args.output, args.snapshot)
+        print(f"pinned {name}: gc keeps it until `latentmill unpin {args.output} {name}`")
+    elif retention.unpin(args.output, args.snapshot):
+        print(f"unpinned {args.snapshot}: the next gc may remove it unless it is among the newest kept")
+    else:
+        raise FileNotFoundError(f"{args.snapshot} is not pinned in {args.output} (`latentmill pin "
+                                f"{args.output}` lists the pins)")
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -170,6 +244,7 @@ def main(argv: list[str] | None = None) -> int:
         args.summary_json = args.summary_json.resolve()
     from latentmill.config import ConfigError
     from latentmill.models import CacheMismatchError
+    from latentmill.pipelines.retention import OutputBusyError
     from latentmill.pipelines.snapshot import EmptySnapshotError
 
     try:
@@ -186,6 +261,22 @@ def main(argv: list[str] | None = None) -> int:
             if args.json:
                 args.json.parent.mkdir(parents=True, exist_ok=True)
                 args.json.write_text(json.dumps(result, indent=2))
+            return 0
+        if args.command in ("gc", "pin", "unpin"):
+            return _retention_command(args)
+        if args.command == "doctor":
+            from latentmill.doctor import doctor
+
+            return doctor(args.config, getattr(args, "overrides", None), device=args.device, json_path=args.json)
+        if args.command == "sample":
+            from latentmill.sample import format_report, parse_size, read_prompts, sample
+
+            report = sample(args.source, read_prompts(args.prompt, args.prompts), out=args.out, base=args.base,
+                            batch=args.batch, steps=args.steps, size=parse_size(args.size) if args.size else None,
+                            seed=args.seed, repeat=args.repeat, compile=args.compile,
+                            compile_backend=args.compile_backend, device=args.device,
+                            max_sequence_length=args.max_sequence_length, guidance_scale=args.guidance_scale)
+            print(format_report(report))
             return 0
         if args.command == "init":
             from latentmill.resources import init_folder
@@ -211,6 +302,9 @@ def main(argv: list[str] | None = None) -> int:
             traceback.print_exc()
         print(f"latentmill: error: {err}", file=sys.stderr)
         return 2
+    except OutputBusyError as err:  # another prep, gc or compaction writes the output_dir (prep.on_busy=fail)
+        print(f"latentmill: error: {err}", file=sys.stderr)
+        return 1
     except Exception as err:  # a failure we did not foresee: one line, the traceback on request
         if debug:
             raise

@@ -41,6 +41,28 @@ class RunnerConfig:
 
 
 @dataclass
+class PrepConfig:
+    """How a prep behaves around others on the same output_dir."""
+
+    # When another prep, gc or compaction holds the output_dir's writer lock: ``wait`` for it (saying so)
+    # or ``fail`` at once with a message naming it. ``wait`` by default: the nodes of a multi-node
+    # ``latentmill run`` prep in turn through this lock, and a nightly refresh that starts while a manual
+    # prep runs should queue behind it, not be lost.
+    on_busy: Literal["wait", "fail"] = "wait"
+
+
+@dataclass
+class RetentionConfig:
+    """What the ``refresh`` flow keeps after publishing (``latentmill gc`` with the same rule)."""
+
+    keep_snapshots: Optional[int] = None  # newest N snapshots (plus pinned ones); null: keep everything
+
+    def validate(self) -> None:
+        if self.keep_snapshots is not None and self.keep_snapshots < 1:
+            raise ConfigError(f"retention.keep_snapshots: must be >= 1 or null (keep all), got {self.keep_snapshots}")
+
+
+@dataclass
 class Recipe:
     """Everything one prep + train run needs."""
 
@@ -55,6 +77,8 @@ class Recipe:
     cache: CacheConfig = field(default_factory=CacheConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    prep: PrepConfig = field(default_factory=PrepConfig)
+    retention: RetentionConfig = field(default_factory=RetentionConfig)
 
     # Where each room writes, under output_dir.
     @property

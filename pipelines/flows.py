@@ -221,11 +221,17 @@ def train_recipe_flow(recipe: dict, nproc: int = 1, nnodes: int = 1,
 @flow(name="refresh")
 def refresh(config: str = "configs/demo.yaml", overrides: list[str] | None = None, train: bool = False,
             nproc: int = 1) -> dict[str, Any]:
-    """Prep incrementally (only new or changed inputs cost work); train on the snapshot if it is new."""
+    """Prep incrementally (only new or changed inputs cost work); with ``retention.keep_snapshots`` set,
+    remove what no kept or pinned snapshot references (``latentmill gc``; the report is ``result["gc"]``);
+    train on the snapshot if it is new."""
     recipe = load_recipe(config, overrides)
     check_launch(recipe, Launch(nproc))
     prepared = run_prep(recipe)
     result = dict(prepared)
+    if recipe.retention.keep_snapshots is not None:
+        from latentmill.pipelines.retention import apply_retention
+
+        result["gc"] = apply_retention(recipe.output_dir, recipe.retention.keep_snapshots, recipe.prep.on_busy)
     if train and prepared["snapshot"]["new"]:
         snapshot = dataclasses.replace(recipe, snapshot=prepared["snapshot"]["name"])
         release_prep_models()  # the encoders are done: training gets the GPUs whole

@@ -24,27 +24,28 @@ def train_recipe(recipe: Recipe, run_dir: str | Path, progress: bool = True,
 
     ``on_step(record)``: called with each step's metrics record on rank 0 (see ``latentmill.trainer.train``).
     """
-    from latentmill.pipelines.snapshot import resolve_snapshot
+    from latentmill.pipelines.retention import pinned_for_training
     from latentmill.trainer import train
 
-    cache_dir = resolve_snapshot(recipe.output_dir, recipe.snapshot)
-    manifest = json.loads((cache_dir / "manifest.json").read_text())
-    run_dir = Path(run_dir)
-    return train(
-        recipe.trainer,
-        cache_dir=cache_dir,
-        pretrained=recipe.model.pretrained,
-        train_dir=run_dir,
-        seed=recipe.seed,
-        export_dir=run_dir / "export",
-        parallel=recipe.parallel,
-        progress=progress,
-        check_cache=lambda manifest: check_cache_compatible(manifest, recipe.model),
-        on_step=on_step,
-        provenance={"snapshot": cache_dir.name, "snapshot_content_id": manifest["snapshot"]["content_id"],
-                    "run": run_dir.name, "output_dir": str(recipe.output_dir),
-                    "pretrained": recipe.model.pretrained, "mode": recipe.trainer.mode},
-    )
+    # The snapshot stays pinned while this process reads it: a gc meanwhile keeps it (pipelines.retention).
+    with pinned_for_training(recipe.output_dir, recipe.snapshot) as cache_dir:
+        manifest = json.loads((cache_dir / "manifest.json").read_text())
+        run_dir = Path(run_dir)
+        return train(
+            recipe.trainer,
+            cache_dir=cache_dir,
+            pretrained=recipe.model.pretrained,
+            train_dir=run_dir,
+            seed=recipe.seed,
+            export_dir=run_dir / "export",
+            parallel=recipe.parallel,
+            progress=progress,
+            check_cache=lambda manifest: check_cache_compatible(manifest, recipe.model),
+            on_step=on_step,
+            provenance={"snapshot": cache_dir.name, "snapshot_content_id": manifest["snapshot"]["content_id"],
+                        "run": run_dir.name, "output_dir": str(recipe.output_dir),
+                        "pretrained": recipe.model.pretrained, "mode": recipe.trainer.mode},
+        )
 
 
 def main(argv: list[str] | None = None) -> int:

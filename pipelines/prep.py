@@ -7,12 +7,7 @@ a unit whose record exists on disk is reused without a task run.
 
 from __future__ import annotations
 
-import fcntl
-import os
-import socket
 import time
-from contextlib import contextmanager
-from pathlib import Path
 from typing import Any, Callable
 
 from latentmill.pipelines.report import (
@@ -22,6 +17,7 @@ from latentmill.pipelines.report import (
     publish_prep_artifacts,
     stage_line,
 )
+from latentmill.pipelines.retention import OutputBusyError, writer_lock  # noqa: F401 (re-exported)
 from latentmill.pipelines.snapshot import publish as publish_snapshot
 from latentmill.stages import bucket, cache, caption, ingest
 from latentmill.stages.shardio import (
@@ -260,32 +256,9 @@ def prep_stages(recipe_data: dict, started_run: str | None = None) -> dict[str, 
     return {"stages": report, "snapshot": publish_snapshot(recipe.output_dir, recipe.stage_dir("cache"))}
 
 
-@contextmanager
-def writer_lock(output_dir: str | Path):
-    """Hold ``<output_dir>/.writer.lock``: one prep writes an output_dir at a time; another waits its turn
-    (and then finds the work committed: several nodes of ``latentmill run --nnodes`` prep in turn)."""
-    path = Path(output_dir) / ".writer.lock"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "a+") as fh:
-        try:
-            fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            fh.seek(0)
-            holder = fh.read().strip() or "?"
-            print(f"prep: waiting for another prep writing to {output_dir} (held by {holder})", flush=True)
-            fcntl.flock(fh, fcntl.LOCK_EX)
-        fh.seek(0)
-        fh.truncate()
-        fh.write(f"PID {os.getpid()} on {socket.gethostname()}\n")
-        fh.flush()
-        try:
-            yield
-        finally:
-            fcntl.flock(fh, fcntl.LOCK_UN)
-
-
 def run_prep(recipe: Recipe) -> dict[str, Any]:
-    """Run the prep stages with the task runner the recipe asks for, holding the output_dir's writer lock.
+    """Run the prep stages with the task runner the recipe asks for, holding the output_dir's writer lock
+    (``prep.on_busy``: wait for another writer, or fail naming it; see ``latentmill.pipelines.retention``).
 
     Called inside a flow run (``prep``, ``prep-then-train``, ``refresh``), that run also gets the progress,
     stage lines and artifacts of the ``prep-stages`` subflow.
@@ -294,7 +267,8 @@ def run_prep(recipe: Recipe) -> dict[str, Any]:
 
     check_recipe(recipe, "prep")  # before the lock, the models, the task runner
     runner_flow = prep_stages.with_options(task_runner=task_runner(recipe.runner))
-    with writer_lock(recipe.output_dir):
+    # One writer per output_dir: the CLI, a deployment run and the nodes of a multi-node run all pass here.
+    with writer_lock(recipe.output_dir, "prep", on_busy=recipe.prep.on_busy):
         return runner_flow(recipe.to_dict(), started_run=current_run_id())
 
 

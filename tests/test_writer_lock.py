@@ -1,0 +1,119 @@
+"""One writer per output_dir: the writer lock that prep, gc and compaction hold, with real processes.
+
+Two ``latentmill prep`` processes started together on one output_dir; a prep with ``prep.on_busy=fail``
+while a gc holds the lock; a prep killed with SIGKILL while it holds the lock, then the next writer. Output
+of every child goes to a file, never to an unread pipe.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from latentmill.pipelines.retention import LOCK_FILE, OutputBusyError, published, writer_lock
+from latentmill.pipelines.snapshot import latest_name
+
+from latentmill.inspect import verify_path
+from tests.conftest import DEMO_CONFIG, REPO_ROOT
+from tests.test_retention import IMAGES, _fill, _gc_process, _recipe, _wait_for
+
+pytestmark = pytest.mark.slow
+
+
+_HOLD_LOCK = """
+import sys, time
+from latentmill.pipelines.retention import writer_lock
+with writer_lock(sys.argv[1], "prep"):
+    print("held", flush=True)
+    time.sleep(3600)
+"""
+
+
+def test_writer_lock_fails_naming_the_holder_and_a_killed_holder_never_blocks(tmp_path, capsys):
+    out = tmp_path / "out"
+    log = tmp_path / "hold.log"
+    proc = subprocess.Popen([sys.executable, "-c", _HOLD_LOCK, str(out)], stdout=open(log, "w"),
+                            stderr=subprocess.STDOUT, env={**os.environ, "PYTHONPATH": str(REPO_ROOT)})
+    try:
+        _wait_for(log, "held", proc)
+        with pytest.raises(OutputBusyError, match=f"a prep is writing it \\(PID {proc.pid} on "):
+            with writer_lock(out, "gc", on_busy="fail"):
+                pass
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=30)
+    with writer_lock(out, "gc", on_busy="fail"):
+        assert "gc since" in (out / LOCK_FILE).read_text()
+    assert f"gc: taking over the writer lock of {out} left by PID {proc.pid} on" in capsys.readouterr().out
+    assert (out / LOCK_FILE).read_text() == ""  # released cleanly: the next one takes it without a word
+    with writer_lock(out, "prep"):
+        pass
+    assert "taking over" not in capsys.readouterr().out
+
+
+def _prep_process(out: Path, tiny_flux: Path, source: Path, log: Path, home: Path, *overrides: str):
+    env = {**os.environ, "PREFECT_HOME": str(home), "PYTHONPATH": str(REPO_ROOT)}
+    env.pop("PREFECT_API_URL", None)
+    cmd = [sys.executable, "-m", "latentmill.cli", "prep", str(DEMO_CONFIG), f"output_dir={out}",
+           f"model.pretrained={tiny_flux}", f"ingest.source={source}", *overrides]
+    return subprocess.Popen(cmd, env=env, stdout=open(log, "w"), stderr=subprocess.STDOUT, cwd=REPO_ROOT,
+                            start_new_session=True)
+
+
+def test_two_preps_started_together_end_with_one_verified_snapshot(tiny_flux, tmp_path):
+    out, source = tmp_path / "out", tmp_path / "images"
+    _fill(source, IMAGES[:8])
+    logs = [tmp_path / "a.log", tmp_path / "b.log"]
+    procs = [_prep_process(out, tiny_flux, source, log, tmp_path / f"home-{i}") for i, log in enumerate(logs)]
+    codes = [p.wait(timeout=400) for p in procs]
+    texts = [log.read_text() for log in logs]
+    assert codes == [0, 0], texts
+    assert sum("prep: waiting for another prep writing to" in t for t in texts) == 1  # one queued behind
+    assert len(published(out)) == 1
+    assert all(f"snapshot: {latest_name(out)}" in t for t in texts)
+    assert verify_path(out) == 0 and verify_path(out / "snapshots" / latest_name(out)) == 0
+
+
+def test_prep_on_busy_fail_names_the_running_writer(tiny_flux, tmp_path):
+    out, source = tmp_path / "out", tmp_path / "images"
+    _fill(source, IMAGES[:2])
+    (out / "prep" / "cache" / "units").mkdir(parents=True)
+    (out / "prep" / "cache" / "units" / "left-by-a-killed-prep.json.tmp").write_text("{")
+    gc_log = tmp_path / "gc.log"
+    holder = _gc_process(out, 1, gc_log)  # a real gc, stopped after its first removal, holding the lock
+    try:
+        _wait_for(gc_log, "paused after 1 removals", holder)
+        log = tmp_path / "prep.log"
+        prep = _prep_process(out, tiny_flux, source, log, tmp_path / "home", "prep.on_busy=fail")
+        assert prep.wait(timeout=300) == 1
+        errors = [line for line in log.read_text().splitlines() if line.startswith("latentmill: error:")]
+        assert len(errors) == 1 and f"a gc is writing it (PID {holder.pid} on " in errors[0], log.read_text()
+    finally:
+        holder.send_signal(signal.SIGKILL)
+        holder.wait(timeout=30)
+
+
+def test_a_prep_killed_while_it_holds_the_lock_never_blocks_the_next(tiny_flux, tmp_path, capsys):
+    from latentmill.pipelines.prep import run_stages_in_process
+    from latentmill.pipelines.snapshot import publish
+
+    out, source = tmp_path / "out", tmp_path / "images"
+    _fill(source, IMAGES[:8])
+    first = _prep_process(out, tiny_flux, source, tmp_path / "first.log", tmp_path / "home")
+    deadline = time.monotonic() + 300
+    while f"PID {first.pid} " not in ((out / LOCK_FILE).read_text() if (out / LOCK_FILE).is_file() else ""):
+        assert first.poll() is None and time.monotonic() < deadline, (tmp_path / "first.log").read_text()
+        time.sleep(0.05)
+    os.killpg(first.pid, signal.SIGKILL)  # the prep and its Prefect server
+    first.wait(timeout=30)
+    recipe = _recipe(out, source, tiny_flux)
+    with writer_lock(out, "prep", on_busy="fail"):  # not busy: the kernel dropped the dead prep's lock
+        run_stages_in_process(recipe)
+        name = publish(out, recipe.stage_dir("cache"))["name"]
+    assert f"prep: taking over the writer lock of {out} left by PID {first.pid} on" in capsys.readouterr().out
+    assert published(out) == [name] and verify_path(out) == 0
