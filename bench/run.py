@@ -26,7 +26,7 @@ from bench.common import BENCH_DIR, REPO_ROOT, WORK, log, machine_info, setup_en
 
 setup_env()
 
-BENCHMARKS = ("loader", "trainer", "prep", "onthefly", "memory", "disk", "ranks", "video", "startup")
+BENCHMARKS = ("loader", "trainer", "prep", "onthefly", "memory", "disk", "ranks", "video", "startup", "files")
 PRODUCT_CODE = ("latentmill", "stages", "pipelines", "trainer")
 
 

@@ -7,7 +7,7 @@ from collections import Counter
 from pathlib import Path
 
 from latentmill.pipelines.snapshot import LATEST, resolve_snapshot
-from latentmill.stages.shardio import sha256_file, verify_index
+from latentmill.stages.shardio import sha256_file, shard_buckets, verify_index
 
 # Pipeline order, as ``latentmill.pipelines.prep.STAGES`` (not imported: it would start Prefect for a read-only command).
 STAGE_ORDER = ("ingest", "caption", "bucket", "cache")
@@ -88,8 +88,7 @@ def inspect_path(path: Path) -> int:
               f"out {counts['out']}, quarantined {counts['quarantined']}")
         buckets = Counter()
         for shard in manifest["shards"]:
-            if shard.get("bucket"):
-                buckets["x".join(map(str, shard["bucket"]))] += shard["samples"]
+            buckets.update(shard_buckets(shard))  # one bucket, or several (layout 2)
         if buckets:
             print("  buckets: " + ", ".join(f"{k}: {v}" for k, v in sorted(buckets.items())))
         for name, model in (manifest.get("models") or {}).items():

@@ -18,7 +18,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from latentmill.stages.shardio import StageDir, stable_hash
+from latentmill.stages.shardio import StageDir, shard_buckets, stable_hash
 
 LATEST = "LATEST"
 
@@ -91,7 +91,7 @@ def publish(output_dir: str | Path, cache_dir: str | Path) -> dict[str, Any]:
     shards = [{**s, "path": f"{rel}/{s['path']}"} for s in manifest["shards"]]
     buckets = Counter()
     for shard in manifest["shards"]:
-        buckets["x".join(map(str, shard["bucket"]))] += shard["samples"]
+        buckets.update(shard_buckets(shard))  # one bucket, or several (layout 2)
     snapshot = {
         **manifest,
         "shards": shards,

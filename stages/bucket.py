@@ -33,11 +33,15 @@ from latentmill.stages.shardio import (
     StageDir,
     UnitOutput,
     WorkUnit,
+    check_shard_bytes,
+    copy_estimate,
+    iter_unit_samples,
     meta_bytes,
-    read_shard,
     sample_json,
+    shard_buckets,
+    sibling_stage,
     stable_hash,
-    units_per_shard,
+    units_by_bytes,
 )
 from latentmill.stages.video import (
     CLIP_MEMBER,
@@ -84,9 +88,13 @@ class BucketConfig:
     reencode: bool = False  # store each clip as its own short H.264 member instead of a reference
     reencode_keyframe_interval: int = 8  # frames between keyframes of a re-encoded clip (1: all-intra)
     reencode_crf: int = 17  # x264 quality of a re-encoded clip (lower is better, 0 lossless)
+    # target size of a bucket shard: upstream shards are grouped into units up to this many bytes
+    shard_bytes: int = 256 << 20
 
     def validate(self) -> None:
         from latentmill.config import ConfigError
+
+        check_shard_bytes(self.shard_bytes, "bucket.shard_bytes")
 
         if self.step < 1 or self.step % 16:
             raise ConfigError(f"bucket.step: must be a positive multiple of 16, got {self.step}")
@@ -239,13 +247,14 @@ def fingerprint(cfg: BucketConfig) -> dict[str, Any]:
     return fp
 
 
-def plan(cfg: BucketConfig, upstream: StageDir) -> list[WorkUnit]:
-    """One unit per upstream shard; each unit writes one shard per bucket it meets."""
-    return units_per_shard(upstream, fingerprint(cfg))
-
-
-def _part(bucket: tuple[int, int, int] | list[int]) -> str:
-    return "x".join(map(str, bucket))
+def plan(cfg: BucketConfig, upstream: StageDir, stage_dir: StageDir | None = None) -> list[WorkUnit]:
+    """Units of upstream shards grouped up to ``shard_bytes`` (their tar sizes); each unit writes one shard
+    holding every bucket it meets (one per kind: images, video clips), each sample's bucket in its ``json``
+    and in the shard index. ``stage_dir`` (by default the bucket folder beside ``upstream``) keeps the last
+    run's groups."""
+    return units_by_bytes(upstream, fingerprint(cfg), cfg.shard_bytes,
+                          stage_dir if stage_dir is not None else sibling_stage(upstream, STAGE),
+                          copy_estimate(512))
 
 
 def _crop(cfg: BucketConfig, meta: dict[str, Any], bucket: tuple[int, int, int], key: str) -> dict[str, Any]:
@@ -306,7 +315,7 @@ def _video_clips(cfg: BucketConfig, sample: dict[str, Any], meta: dict[str, Any]
             clip_meta["clip"]["reencoded"] = {"member": CLIP_MEMBER, "codec": "h264",
                                               "keyframe_interval": cfg.reencode_keyframe_interval,
                                               "crf": cfg.reencode_crf}
-        out.add({"__key__": clip_key, **clip_members, "json": meta_bytes(clip_meta)}, part=_part(bucket),
+        out.add({"__key__": clip_key, **clip_members, "json": meta_bytes(clip_meta)}, part="video",
                 bucket=list(bucket))
     return len(clips)
 
@@ -314,7 +323,7 @@ def _video_clips(cfg: BucketConfig, sample: dict[str, Any], meta: dict[str, Any]
 def process(cfg: BucketConfig, unit: WorkUnit, out: UnitOutput) -> None:
     """Assign each sample its bucket and crop (each video its clips), writing it to that bucket's shard."""
     videos = clips = expanded = 0
-    for sample in read_shard(unit.payload["shard"]):
+    for sample in iter_unit_samples(unit):
         meta = sample_json(sample)
         if meta.get("kind") == "video":
             videos += 1
@@ -329,7 +338,7 @@ def process(cfg: BucketConfig, unit: WorkUnit, out: UnitOutput) -> None:
             continue
         meta["bucket"] = list(bucket)
         meta["crop"] = _crop(cfg, meta, bucket, sample["__key__"])
-        out.add({**sample, "json": meta_bytes(meta)}, part=_part(bucket), bucket=list(bucket))
+        out.add({**sample, "json": meta_bytes(meta)}, part="image", bucket=list(bucket))
     out.extra.update(videos=videos, clips=clips, expanded=expanded)
 
 
@@ -337,6 +346,6 @@ def histogram(manifest: dict[str, Any]) -> dict[str, int]:
     """Samples per bucket (``"WxHxF"``) in a bucket or cache manifest."""
     counts: dict[str, int] = {}
     for shard in manifest["shards"]:
-        key = "x".join(map(str, shard["bucket"]))
-        counts[key] = counts.get(key, 0) + shard["samples"]
+        for key, n in shard_buckets(shard).items():
+            counts[key] = counts.get(key, 0) + n
     return dict(sorted(counts.items()))

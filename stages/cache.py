@@ -20,7 +20,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal, Union
+from typing import Any, Callable, Literal, Union
 
 import torch
 from latentmill.stages import pixels
@@ -32,22 +32,29 @@ from latentmill.stages.families import (
     get_encoders,
 )
 from latentmill.stages.shardio import (
+    _TAR_BLOCK,
+    DEFAULT_SHARD_BYTES,
     StageDir,
     UnitOutput,
     UnitRecord,
     WorkUnit,
+    check_shard_bytes,
+    iter_unit_samples,
+    load_shard_index,
     meta_bytes,
     read_shard,
     sample_json,
     sha256_bytes,
+    shard_buckets,
+    sibling_stage,
     stable_hash,
-    units_per_shard,
+    units_by_bytes,
 )
 from latentmill.stages.workers import unit_gpu
 from PIL import Image
 from safetensors.torch import save as safetensors_save
 
-from latentmill.models import ModelConfig, cached_model_fingerprints
+from latentmill.models import ModelConfig, cached_model_fingerprints, component_source, read_component_config
 
 STAGE = "cache"
 FORMAT_VERSION = 2  # in the component keys: what decides a latent's bytes (unchanged by format 3)
@@ -81,6 +88,9 @@ class CacheConfig:
     threads: int = 0  # 0: all cores of the machine
     # What transparent pixels are composited over (a colour name or #rrggbb), here and in captioning.
     alpha_background: str = "white"
+    # Target size of a cache shard: bucket shards are grouped into units whose estimated output (latents +
+    # text embeddings, see docs/cache-format.md) stays within it; each unit writes one shard of all its buckets.
+    shard_bytes: int = DEFAULT_SHARD_BYTES
 
     @property
     def background(self) -> tuple[int, int, int]:
@@ -101,6 +111,7 @@ class CacheConfig:
             raise ConfigError(f"cache.max_sequence_length: must be >= 1, got {self.max_sequence_length}")
         if self.threads < 0:
             raise ConfigError(f"cache.threads: must be >= 0 (0 = all cores), got {self.threads}")
+        check_shard_bytes(self.shard_bytes, "cache.shard_bytes")
 
 
 def _on_gpu(cfg: CacheConfig) -> bool:
@@ -189,14 +200,71 @@ def cache_plan(cfg: CacheConfig, model: ModelConfig) -> CachePlan:
         return _plans[key]
 
 
-def plan(cfg: CacheConfig, model: ModelConfig, upstream: StageDir) -> list[WorkUnit]:
-    """One unit per bucket shard, keyed by the shard's hash and the cache fingerprint.
+def _config(model: ModelConfig, name: str) -> dict[str, Any]:
+    """A component's config.json, or {} when it is not on this machine (the estimate then uses defaults)."""
+    try:
+        return read_component_config(component_source(model, name))
+    except Exception:  # a hub id not in the local cache, a missing folder: only an estimate is at stake
+        return {}
+
+
+def sample_bytes_estimate(cfg: CacheConfig, model: ModelConfig, family: str) -> Callable[[list[int]], int]:
+    """Bytes one cached sample of a bucket ``[W, H, F]`` takes in a shard, estimated before encoding.
+
+    Exact for the latents (shape from the VAE config, ``cache.dtype``, ``latents: distribution`` doubles
+    them); the text embeddings are counted at ``max_sequence_length`` tokens of one caption (exact for
+    untrimmed text, an upper bound for trimmed text and low for samples with several captions); plus the
+    json member and tar headers. Used only to group units: the shard bytes themselves never depend on it.
+    """
+    itemsize = DTYPES[cfg.dtype].itemsize
+    vae = _config(model, "vae")
+    if family == "wan":
+        channels = int(vae.get("z_dim", 16))
+        spatial = 2 ** (len(vae.get("dim_mult", [1, 2, 4, 4])) - 1)
+        temporal = 2 ** sum(bool(t) for t in vae.get("temperal_downsample", [False, True, True]))
+        dim, pooled = int(_config(model, "text_encoder").get("d_model", 4096)), 0
+    else:
+        channels = int(vae.get("latent_channels", 16))
+        spatial, temporal = 2 ** (len(vae.get("block_out_channels", [1, 2, 3, 4])) - 1), 0
+        dim = int(_config(model, "text_encoder_2").get("d_model", 4096))
+        pooled = int(_config(model, "text_encoder").get("hidden_size", 768))
+    copies = 2 if cfg.latents == "distribution" else 1
+    text = (cfg.max_sequence_length * dim + pooled) * itemsize + 256 + 3 * _TAR_BLOCK  # + header, tar blocks
+    overhead = 1024 + 2 * _TAR_BLOCK  # the json member, the VAE member's tar header
+
+    def estimate(bucket: list[int]) -> int:
+        width, height = int(bucket[0]), int(bucket[1])
+        frames = (int(bucket[2]) - 1) // temporal + 1 if temporal and len(bucket) > 2 else 1
+        latent = channels * frames * (height // spatial) * (width // spatial) * itemsize * copies + 256
+        return latent + text + overhead
+
+    return estimate
+
+
+def plan(cfg: CacheConfig, model: ModelConfig, upstream: StageDir, stage_dir: StageDir | None = None) -> list[WorkUnit]:
+    """Bucket shards grouped into units of about ``shard_bytes`` of estimated cache output
+    (:func:`sample_bytes_estimate` per sample, each sample's bucket from its shard's index), keyed by
+    their hashes and the cache fingerprint; ``stage_dir`` (by default the cache folder beside ``upstream``)
+    keeps the last run's groups. Each unit writes one shard holding all of its buckets.
 
     Units reuse only components committed before this plan: what a unit encodes then never depends on
     which other units of the same run happened to finish first (encoders are not bit-exact across batch
     compositions), so a run's bytes are a pure function of its inputs and of the cache it started from.
     """
-    units = units_per_shard(upstream, cache_plan(cfg, model).fingerprint())
+    plan_ = cache_plan(cfg, model)
+    per_sample = sample_bytes_estimate(cfg, model, plan_.family)
+
+    def estimate(upstream: StageDir, entry: dict[str, Any]) -> int:
+        counts = shard_buckets(entry)
+        if not counts:  # a bucket shard written before per-shard bucket counts: its index has them
+            index = load_shard_index(upstream.root / entry["path"], entry.get("index"))
+            for b in index.columns["sample_bucket"].tolist():
+                name = "x".join(map(str, index.buckets[b])) if b >= 0 else "0x0x1"
+                counts[name] = counts.get(name, 0) + 1
+        return sum(n * per_sample([int(d) for d in name.split("x")]) for name, n in counts.items())
+
+    units = units_by_bytes(upstream, plan_.fingerprint(), cfg.shard_bytes,
+                           stage_dir if stage_dir is not None else sibling_stage(upstream, STAGE), estimate)
     cutoff = time.time_ns()
     for unit in units:
         unit.payload["reuse_before_ns"] = cutoff
@@ -427,12 +495,20 @@ def _latent_tensors(mean: torch.Tensor, std: torch.Tensor, cfg: CacheConfig, key
 
 
 def process(cfg: CacheConfig, model: ModelConfig, unit: WorkUnit, out: UnitOutput) -> None:
-    """Encode (or copy already-encoded components of) every sample of one bucket shard."""
+    """Encode (or copy already-encoded components of) every sample of a unit's bucket shards.
+
+    The unit's samples are taken in the order (bucket, key), so its shard lists them so whichever shards
+    they came from and whichever runner ran it, and every encoder batch holds one bucket (a VAE batch
+    cannot mix shapes): ``batch_size`` samples at a time, a bucket's last batch possibly shorter.
+    """
     plan_ = cache_plan(cfg, model)
     dtype, trim = DTYPES[cfg.dtype], trims_text(cfg, plan_.family)
     index = component_index(out.stage_dir.root)
-    samples = list(read_shard(unit.payload["shard"]))
-    metas = [sample_json(s) for s in samples]
+    loaded = [(sample_json(s), s) for s in iter_unit_samples(unit)]
+    loaded.sort(key=lambda ms: (list(ms[0]["bucket"]), ms[1]["__key__"]))
+    metas = [m for m, _ in loaded]
+    samples = [s for _, s in loaded]
+    del loaded
     # Every caption of a sample is encoded (the trainer picks one per step); the first is the primary.
     captions = [m.get("captions") or [m["caption"]] for m in metas]
     keys = [(plan_.vae_key(m), [plan_.text_key(c) for c in caps]) for m, caps in zip(metas, captions)]
@@ -460,7 +536,12 @@ def process(cfg: CacheConfig, model: ModelConfig, unit: WorkUnit, out: UnitOutpu
                     decoded[i] = err
         return decoded
 
-    batches = [list(range(s, min(s + cfg.batch_size, len(samples)))) for s in range(0, len(samples), cfg.batch_size)]
+    batches: list[list[int]] = []
+    for i, meta in enumerate(metas):  # runs of one bucket, cut every batch_size samples
+        if batches and len(batches[-1]) < cfg.batch_size and metas[batches[-1][0]]["bucket"] == meta["bucket"]:
+            batches[-1].append(i)
+        else:
+            batches.append([i])
     prefetch = cfg.prefetch if cfg.prefetch != "auto" else _on_gpu(cfg)
     for batch, decoded in zip(batches, _prefetched(decode, batches, prefetch)):
         for i, value in list(decoded.items()):

@@ -42,10 +42,13 @@ from latentmill.stages.shardio import (
     StageDir,
     UnitOutput,
     WorkUnit,
+    check_shard_bytes,
+    copy_estimate,
+    iter_unit_samples,
     meta_bytes,
-    read_shard,
     sample_json,
-    units_per_shard,
+    sibling_stage,
+    units_by_bytes,
 )
 
 STAGE = "caption"
@@ -82,9 +85,13 @@ class CaptionConfig:
     reject: list[str] = field(default_factory=list)  # a caption containing one of these is dropped
     max_chars: int = 1000  # longer captions are cut at a word boundary
     min_chars: int = 1
+    # target size of a caption shard: upstream shards are grouped into units up to this many bytes
+    shard_bytes: int = 256 << 20
 
     def validate(self) -> None:
         from latentmill.config import ConfigError
+
+        check_shard_bytes(self.shard_bytes, "caption.shard_bytes")
 
         for key in ("batch_size", "frames", "max_new_tokens", "num_beams"):
             if getattr(self, key) < 1:
@@ -176,9 +183,14 @@ def manifest_header(cfg: CaptionConfig, captioner: Captioner | None = None) -> d
     return {"fingerprint": stable_hash(fp), "captioner": described, "policy": cfg.resolved_policy}
 
 
-def plan(cfg: CaptionConfig, upstream: StageDir, captioner: Captioner | None = None) -> list[WorkUnit]:
-    """One unit per upstream shard, keyed by the shard's hash and the captioning fingerprint."""
-    return units_per_shard(upstream, fingerprint(cfg, captioner))
+def plan(cfg: CaptionConfig, upstream: StageDir, captioner: Captioner | None = None,
+         stage_dir: StageDir | None = None) -> list[WorkUnit]:
+    """Units of upstream shards grouped up to ``shard_bytes`` (their tar sizes: a caption shard is its
+    input's samples plus captions), keyed by their hashes and the captioning fingerprint; ``stage_dir`` (by
+    default the caption folder beside ``upstream``) keeps the last run's groups."""
+    return units_by_bytes(upstream, fingerprint(cfg, captioner), cfg.shard_bytes,
+                          stage_dir if stage_dir is not None else sibling_stage(upstream, STAGE),
+                          copy_estimate(2 * 512))
 
 
 def report(cfg: CaptionConfig, records: list) -> dict[str, Any]:
@@ -285,7 +297,7 @@ def process(cfg: CaptionConfig, unit: WorkUnit, out: UnitOutput, captioner: Capt
             counts["changed"] += _finish(cfg, rules, captioner.name, p, by_id.get(id(p)), out)
         pending.clear()
 
-    for sample in read_shard(unit.payload["shard"]):
+    for sample in iter_unit_samples(unit):
         meta = sample_json(sample)
         reasons: list[str] = []
         existing = _clean(rules, existing_captions(sample, meta), reasons)
@@ -295,8 +307,8 @@ def process(cfg: CaptionConfig, unit: WorkUnit, out: UnitOutput, captioner: Capt
         if sum(p.needs_captioner for p in pending) >= cfg.batch_size or len(pending) >= 8 * cfg.batch_size:
             flush()
     flush()
-    out.extra = {"captioner": captioner.name, **counts, **getattr(captioner, "stats", dict)(),
-                 "captioned_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    out.extra.update({"captioner": captioner.name, **counts, **getattr(captioner, "stats", dict)(),  # (keeps
+                      "captioned_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())})  # the upstream)
 
 
 def _finish(cfg: CaptionConfig, rules: CaptionRules, name: str, p: _Pending, result: CaptionResult | None,
@@ -324,5 +336,7 @@ def _finish(cfg: CaptionConfig, rules: CaptionRules, name: str, p: _Pending, res
     meta["captions"] = [text for text, _ in final]
     meta["caption"] = final[0][0]
     meta["caption_provenance"] = [prov for _, prov in final]
-    out.add({**p.sample, "txt": final[0][0].encode("utf-8"), "json": meta_bytes(meta)})
+    # images and video references stay in shards of their own (every sample of a shard has the same members)
+    out.add({**p.sample, "txt": final[0][0].encode("utf-8"), "json": meta_bytes(meta)},
+            part=meta.get("kind") or "image")
     return meta["captions"] != [text for text, _ in p.existing]

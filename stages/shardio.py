@@ -278,11 +278,13 @@ class _ShardSink:
         self._writer = wds.TarWriter(self._hashing, user=_TAR_USER, group=_TAR_USER, mtime=0, encoder=False,
                                      compress=False)
         self.count = 0
+        self.size = 2 * _TAR_BLOCK  # the tar's bytes once closed (before its last record is padded)
         self.index: dict[str, Any] | None = None  # the index's manifest entry, set by ``commit``
 
     def write(self, sample: dict[str, Any]) -> None:
         self._writer.write(sample)
         self.count += 1
+        self.size += _tar_bytes(sample)
 
     def commit(self) -> str:
         """Finish the tar, move it into place, write its index beside it (``write_index_file``: from the
@@ -809,8 +811,9 @@ class ShardInfo:
     path: str  # relative to the stage directory
     sha256: str
     samples: int
-    bucket: list[int] | None = None
+    bucket: list[int] | None = None  # the bucket of every sample; null for a shard of several buckets
     index: dict[str, Any] | None = None  # the shard index beside the tar: {"name", "size", "sha256"}
+    buckets: dict[str, int] | None = None  # samples per bucket ("WxHxF"), for a shard of several buckets
 
 
 @dataclass
@@ -853,24 +856,54 @@ class WorkUnit:
     samples_in: int
 
 
+_MIXED = "mixed"  # a shard's bucket once two samples of different buckets went into it
+
+
 class UnitOutput:
-    """Collects one unit's samples into shards (one per ``part``) and its quarantine entries."""
+    """Collects one unit's samples into shards (one per ``part``) and its quarantine entries.
+
+    A unit planned by :func:`units_by_bytes` writes one shard per part, holding every bucket it meets (each
+    sample's bucket is in its ``json`` and in the shard index; the shard's ``bucket`` is null when it holds
+    several). A unit whose estimated output passes its byte target (one upstream shard larger than the
+    target) gets ``payload["roll_bytes"]``: a part then continues in a new shard (``<part>-1``,
+    ``<part>-2``...) before a sample that would take the current one past that many bytes (before the tar's
+    last record is padded to 10 KiB). Where the cut falls
+    depends only on the samples' bytes and order, so it is the same whichever runner wrote the unit.
+    """
 
     def __init__(self, stage_dir: "StageDir", unit: WorkUnit):
         self.stage_dir = stage_dir
         self.unit = unit
-        self._sinks: dict[str, _ShardSink] = {}
-        self._buckets: dict[str, list[int] | None] = {}
+        self._sinks: dict[tuple[str, int], _ShardSink] = {}
+        self._open: dict[str, int] = {}  # part -> the number of its shard now written
+        self._buckets: dict[tuple[str, int], Any] = {}
+        self._counts: dict[tuple[str, int], dict[str, int]] = {}
+        self.roll_bytes: int | None = unit.payload.get("roll_bytes")
         self.quarantined: list[dict[str, Any]] = []
         self.extra: dict[str, Any] = {}
+        if "upstream" in unit.payload:
+            self.extra[GROUP_KEY] = list(unit.payload["upstream"])
 
     def add(self, sample: dict[str, Any], part: str = "0", bucket: list[int] | None = None) -> None:
-        """Append ``sample`` to the shard ``part`` of this unit (e.g. one part per bucket)."""
-        sink = self._sinks.get(part)
+        """Append ``sample`` to the shard ``part`` of this unit (e.g. one part per kind of sample)."""
+        seq = self._open.get(part, 0)
+        sink = self._sinks.get((part, seq))
+        if sink is not None and self.roll_bytes and sink.count and \
+                sink.size + _tar_bytes(sample) > self.roll_bytes:
+            seq = self._open[part] = seq + 1
+            sink = None
         if sink is None:
-            name = f"{self.stage_dir.stage}-{self.unit.unit_id[:16]}-{part}.tar"
-            sink = self._sinks[part] = _ShardSink(self.stage_dir.shard_dir / name)
-            self._buckets[part] = bucket
+            suffix = part if seq == 0 else f"{part}-{seq}"
+            name = f"{self.stage_dir.stage}-{self.unit.unit_id[:16]}-{suffix}.tar"
+            sink = self._sinks[(part, seq)] = _ShardSink(self.stage_dir.shard_dir / name)
+            self._buckets[(part, seq)] = bucket
+            self._open[part] = seq
+        elif self._buckets[(part, seq)] != bucket:
+            self._buckets[(part, seq)] = _MIXED
+        if bucket is not None:
+            counts = self._counts.setdefault((part, seq), {})
+            name = "x".join(map(str, bucket))
+            counts[name] = counts.get(name, 0) + 1
         sink.write(sample)
 
     def quarantine(self, key: str, source: str, reason: str) -> None:
@@ -882,14 +915,16 @@ class UnitOutput:
         for part in sorted(self._sinks):
             sink = self._sinks[part]
             digest = sink.commit()
+            bucket = self._buckets[part]
             shards.append(
                 ShardInfo(
                     name=sink.path.name,
                     path=f"shards/{sink.path.name}",
                     sha256=digest,
                     samples=sink.count,
-                    bucket=self._buckets[part],
+                    bucket=None if bucket is _MIXED else bucket,
                     index=sink.index,
+                    buckets=dict(sorted(self._counts[part].items())) if bucket is _MIXED else None,
                 )
             )
         record = UnitRecord(
@@ -989,7 +1024,7 @@ class StageDir:
         """Write the stage manifest (last, atomically) and the quarantine list; return the manifest."""
         self.ensure()
         records = sorted(records, key=lambda r: r.unit_id)
-        shards = [{k: v for k, v in asdict(s).items() if k != "index" or v is not None}
+        shards = [{k: v for k, v in asdict(s).items() if k not in ("index", "buckets") or v is not None}
                   for r in records for s in r.shards]
         quarantined = [q for r in records for q in r.quarantined]
         expanded = sum(int(r.extra.get("expanded", 0)) for r in records)
@@ -1057,6 +1092,149 @@ def iter_samples(stage_root: Path, shards: Iterable[dict[str, Any]]) -> Iterator
     """Yield every sample of the listed shards (manifest entries), in order."""
     for shard in shards:
         yield from read_shard(stage_root / shard["path"])
+
+
+def _tar_bytes(sample: dict[str, Any]) -> int:
+    """The bytes ``sample`` takes in a tar: a 512-byte header per member and its data padded to 512."""
+    return sum(_TAR_BLOCK + -(-len(v) // _TAR_BLOCK) * _TAR_BLOCK for k, v in sample.items()
+               if not k.startswith("__") and isinstance(v, (bytes, bytearray, memoryview)))
+
+
+# Shard layout of the caption, bucket and cache stages (it joins their unit ids). 1: one unit per upstream
+# shard, one shard per (unit x bucket). 2: upstream shards grouped up to a byte target, one shard per unit
+# (per kind of sample: image or video) holding every bucket it meets (see docs/cache-format.md).
+LAYOUT_VERSION = 2
+DEFAULT_SHARD_BYTES = 1 << 30  # cache.shard_bytes
+# A unit estimated at E > target bytes cuts its shards at min(target, S * E / n + one sample) with
+# n = ceil(S * E / target), S = ROLL_SLACK / 100: n shards of about equal size, each at most the target, with
+# room for an estimate up to 10% low (and for whole samples) before an (n+1)th small one is cut.
+ROLL_SLACK = 110
+GROUP_KEY = "upstream"  # a unit record's extra: the names of the upstream shards the unit read, in order
+
+
+def group_by_bytes(items: list[tuple[str, int]], previous: list[list[str]], target: int) -> list[list[str]]:
+    """Group ``items`` (name, estimated output bytes), in the given order, into groups of at most ``target``
+    bytes (a single item larger than the target makes a group of its own).
+
+    Stable across refreshes: each group of ``previous`` (the last run's units) keeps those of its members
+    that are still listed, in its order, and only the items no previous group holds are packed into new
+    groups (next fit, in the order of ``items``). A refresh therefore never regroups old inputs: its new
+    inputs form new units, and a removed input changes only the unit that held it.
+    """
+    listed = dict(items)
+    groups: list[list[str]] = []
+    placed: set[str] = set()
+    for group in previous:
+        members = [name for name in group if name in listed and name not in placed]
+        placed.update(members)
+        if members:
+            groups.append(members)
+    current: list[str] = []
+    size = 0
+    for name, nbytes in items:
+        if name in placed:
+            continue
+        if current and size + nbytes > target:
+            groups.append(current)
+            current, size = [], 0
+        current.append(name)
+        size += nbytes
+    if current:
+        groups.append(current)
+    return groups
+
+
+def previous_unit_groups(stage_dir: StageDir | None) -> list[list[str]]:
+    """The upstream shard names of each unit of the stage's last committed manifest (empty without one, or
+    for units of layout 1, whose records do not name them)."""
+    if stage_dir is None or not stage_dir.manifest_path.is_file():
+        return []
+    try:
+        unit_ids = json.loads(stage_dir.manifest_path.read_text()).get("units") or []
+    except (OSError, ValueError):
+        return []
+    groups = []
+    for unit_id in unit_ids:
+        try:
+            names = json.loads(stage_dir.unit_path(unit_id).read_text()).get("extra", {}).get(GROUP_KEY)
+        except (OSError, ValueError, AttributeError):
+            continue
+        if names:
+            groups.append(list(names))
+    return groups
+
+
+def shard_tar_bytes(upstream: StageDir, entry: dict[str, Any], per_sample: int = 0) -> int:
+    """An upstream shard's size on disk, plus ``per_sample`` bytes a sample: what a stage that copies its
+    samples and adds a little to each (a caption, a bucket and crop in its json) writes."""
+    return (upstream.root / entry["path"]).stat().st_size + per_sample * int(entry["samples"])
+
+
+def copy_estimate(per_sample: int) -> Callable[[StageDir, dict[str, Any]], int]:
+    """``shard_tar_bytes`` with ``per_sample`` bytes added to each sample (an estimate for ``units_by_bytes``)."""
+    return lambda upstream, entry: shard_tar_bytes(upstream, entry, per_sample)
+
+
+def units_by_bytes(upstream: StageDir, fingerprint: dict[str, Any], target: int,
+                   stage_dir: StageDir | None = None,
+                   estimate: Callable[[StageDir, dict[str, Any]], int] = shard_tar_bytes) -> list[WorkUnit]:
+    """Work units that each read several upstream shards, up to ``target`` estimated output bytes.
+
+    ``estimate(upstream, entry)`` is the output one upstream shard will make. Grouping follows
+    :func:`group_by_bytes` (upstream shards in manifest order, i.e. by name; ``stage_dir``'s last manifest
+    keeps old groups), so it is deterministic and a refresh adds units only for new upstream shards. A unit's
+    id is the hash of its inputs' sha256s (in order), the stage fingerprint and ``LAYOUT_VERSION``. A unit
+    whose estimate passes ``target`` (one upstream shard larger than it) cuts its output into shards of about
+    equal size, each at most ``target`` bytes (``payload["roll_bytes"]``, see :class:`UnitOutput`).
+    """
+    entries = {e["name"]: e for e in upstream.read_manifest()["shards"]}
+    sizes = {name: int(estimate(upstream, e)) for name, e in entries.items()}
+    units = []
+    for group in group_by_bytes(list(sizes.items()), previous_unit_groups(stage_dir), target):
+        members = [entries[name] for name in group]
+        inputs = [e["sha256"] for e in members]
+        unit_id = stable_hash({"fingerprint": fingerprint, "layout": LAYOUT_VERSION, "inputs": inputs})
+        estimated = sum(sizes[name] for name in group)
+        payload = {"shards": [str(upstream.root / e["path"]) for e in members], GROUP_KEY: list(group),
+                   "estimated_bytes": estimated}
+        if estimated > target:  # cut into n shards of about equal size, each at most the target
+            n = -(-estimated * ROLL_SLACK // (100 * target))
+            per_sample = estimated // max(1, sum(e["samples"] for e in members))
+            payload["roll_bytes"] = min(target, -(-estimated * ROLL_SLACK // (100 * n)) + per_sample)
+        units.append(WorkUnit(unit_id, inputs, payload, sum(e["samples"] for e in members)))
+    return units
+
+
+def sibling_stage(upstream: StageDir, stage: str) -> StageDir:
+    """The folder of ``stage`` beside its upstream stage's (``<output_dir>/prep/<stage>``)."""
+    return StageDir(upstream.root.parent / stage, stage)
+
+
+def check_shard_bytes(value: int, key: str) -> None:
+    """Refuse a byte target below 1 (a ``ConfigError`` naming the key)."""
+    from latentmill.config import ConfigError
+
+    if not isinstance(value, int) or value < 1:
+        raise ConfigError(f"{key}: the target size of a shard in bytes, must be >= 1, got {value!r}")
+
+
+def unit_input_shards(unit: WorkUnit) -> list[str]:
+    """The upstream shard paths a unit reads (``shards``; ``shard`` in units planned before layout 2)."""
+    return list(unit.payload["shards"]) if "shards" in unit.payload else [unit.payload["shard"]]
+
+
+def iter_unit_samples(unit: WorkUnit) -> Iterator[dict[str, Any]]:
+    """Every sample of a unit's upstream shards, shard after shard, in file order."""
+    for path in unit_input_shards(unit):
+        yield from read_shard(path)
+
+
+def shard_buckets(entry: dict[str, Any]) -> dict[str, int]:
+    """Samples per bucket (``"WxHxF"``) of one manifest shard entry: its ``bucket`` when it holds one bucket,
+    its ``buckets`` when it holds several (layout 2); empty for a shard without buckets (ingest, caption)."""
+    if entry.get("bucket"):
+        return {"x".join(map(str, entry["bucket"])): int(entry["samples"])}
+    return dict(entry.get("buckets") or {})
 
 
 def units_per_shard(upstream: StageDir, fingerprint: dict[str, Any]) -> list[WorkUnit]:

@@ -37,7 +37,7 @@ def cached(tiny_flux, tmp_path_factory):
 
     model = ModelConfig(pretrained=str(tiny_flux))
     root = tmp_path_factory.mktemp("prep")
-    cfg = CacheConfig(dtype="bfloat16", batch_size=3, max_sequence_length=16)
+    cfg = CacheConfig(dtype="bfloat16", batch_size=3, max_sequence_length=16, shard_bytes=65536)  # several shards
     sd, manifest, records = _prep(DEMO_IMAGES, root, model, cfg)
     return model, cfg, sd, manifest, records
 
@@ -49,9 +49,9 @@ def test_latent_and_text_shapes_and_dtypes(cached):
     assert (manifest["format_version"], manifest["family"], manifest["latents"]) == (3, "flux", "mean")
     assert manifest["text"] == {"trimmed": False, "pad_to": 16}
     n = 0
-    for shard in manifest["shards"]:
-        width, height, frames = shard["bucket"]
+    for shard in manifest["shards"]:  # shards hold several buckets (layout 2): each sample's is in its json
         for sample in read_shard(sd.root / shard["path"]):
+            width, height, frames = json.loads(sample["json"])["bucket"]
             assert set(sample) == {"__key__", "vae.safetensors", "text.safetensors", "json"}
             assert set(load_tensors(sample["vae.safetensors"])) == {"latents"}
             latents = load_tensors(sample["vae.safetensors"])["latents"]

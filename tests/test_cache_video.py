@@ -37,8 +37,8 @@ def test_clip_latents_have_the_wan_shapes(video_cache):
     assert manifest["text"] == {"trimmed": True, "pad_to": 32}
     assert len(manifest["models"]["vae"]["latents_mean"]) == 16
     n = 0
-    for shard, sample in _samples(sd, manifest):
-        width, height, frames = shard["bucket"]
+    for _shard, sample in _samples(sd, manifest):  # shards hold several buckets: each clip's is in its json
+        width, height, frames = json.loads(sample["json"])["bucket"]
         latents = load_tensors(sample["vae.safetensors"])["latents"]
         assert latents.shape == (16, (frames - 1) // 4 + 1, height // 8, width // 8)
         embeds = load_tensors(sample["text.safetensors"])["prompt_embeds"]

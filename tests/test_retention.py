@@ -237,7 +237,7 @@ def test_sigkill_in_the_middle_of_gc_loses_nothing(output, tmp_path):
         return len(plan.snapshots_removed) + sum(len(v) for v in plan.remove.values()), records
 
     removals, records = remaining()
-    assert removals > 20 and records > 5
+    assert removals > 12 and records >= 4  # room for three distinct pause points
     expected = _expected(out, manifests, [names[-1]])
     # stopped after the first snapshot is out of sight; then among the unit records; then among the shards
     for i, pause in enumerate((lambda n, r: 1, lambda n, r: r // 2, lambda n, r: n - 2)):

@@ -10,7 +10,7 @@ from latentmill.stages import bucket, caption, ingest
 from latentmill.stages.bucket import BucketConfig, bucket_for, crop_for
 from latentmill.stages.caption import CaptionConfig
 from latentmill.stages.ingest import IngestConfig
-from latentmill.stages.shardio import StageDir, read_shard
+from latentmill.stages.shardio import StageDir, read_shard, shard_buckets
 from PIL import Image
 
 
@@ -104,7 +104,8 @@ def test_buckets_are_multiples_of_step_within_budget():
             assert crop["left"] + bw <= crop["resize_width"] and crop["top"] + bh <= crop["resize_height"]
 
 
-def test_bucket_stage_writes_one_bucket_per_shard(demo_images, tmp_path):
+def test_bucket_stage_shards_hold_several_buckets_with_their_counts(demo_images, tmp_path):
+    # (layout 2: a unit writes one shard of every bucket it meets; it was one shard per bucket before)
     _, ing, _ = _ingest(demo_images, tmp_path)
     ccfg = CaptionConfig()
     cap = StageDir(tmp_path / "caption", "caption").ensure()
@@ -116,8 +117,13 @@ def test_bucket_stage_writes_one_bucket_per_shard(demo_images, tmp_path):
     assert manifest["counts"] == {"in": 25, "out": 25, "quarantined": 0}
     for shard in manifest["shards"]:
         metas = [json.loads(s["json"]) for s in read_shard(sd.root / shard["path"])]
-        assert {tuple(m["bucket"]) for m in metas} == {tuple(shard["bucket"])}
+        counts: dict[str, int] = {}
+        for m in metas:
+            counts["x".join(map(str, m["bucket"]))] = counts.get("x".join(map(str, m["bucket"])), 0) + 1
+        assert shard_buckets(shard) == counts and len(metas) == shard["samples"]
+        assert shard["bucket"] is None if len(counts) > 1 else shard["bucket"] == metas[0]["bucket"]
         for m in metas:
             assert tuple(m["bucket"]) == bucket_for(m["width"], m["height"], cfg)
+    assert any(shard["bucket"] is None for shard in manifest["shards"])  # default 256 MiB: one unit, 5 buckets
     assert sum(bucket.histogram(manifest).values()) == 25
     assert set(bucket.histogram(manifest)) == {"128x128x1", "112x144x1", "144x112x1", "96x176x1", "176x96x1"}
