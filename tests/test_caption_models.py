@@ -380,9 +380,11 @@ def test_changed_prompt_recaptions_and_rerun_reuses(tiny_flux, tiny_blip, few_im
     def recipe(prompt):
         return Recipe(output_dir=str(tmp_path / "out"), model=ModelConfig(pretrained=str(tiny_flux)),
                       ingest=IngestConfig(source=str(src), shard_size=4),
-                      caption=_blip_cfg(tiny_blip, policy="keep", prompt=prompt),
-                      bucket=BucketConfig(resolution=64, aspect_ratios=[0.75, 1.0, 1.3333]),
-                      cache=CacheConfig(dtype="float32", batch_size=4, max_sequence_length=16))
+                      # byte targets of 1: every shard its own unit and every sample its own downstream shard,
+                      # so that a changed caption can be seen to re-run only the cache unit that holds it
+                      caption=_blip_cfg(tiny_blip, policy="keep", prompt=prompt, shard_bytes=1),
+                      bucket=BucketConfig(resolution=64, aspect_ratios=[0.75, 1.0, 1.3333], shard_bytes=1),
+                      cache=CacheConfig(dtype="float32", batch_size=4, max_sequence_length=16, shard_bytes=1))
 
     first, units_a = _prep(recipe("a picture of"))
     # truncated.jpg has no caption file: the model is asked, cannot decode it, and it is quarantined.
