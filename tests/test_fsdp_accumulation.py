@@ -19,7 +19,26 @@ import pytest
 REPO_ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.slow
 
-WORKER = """
+# Run in each worker: the gradient bytes a rank holds, sharded (``.grad``) and not yet reduced (FSDP2's
+# unsharded accumulated gradients and its unsharded parameters' ``.grad``).
+HELD_BYTES = """
+def held_gradient_bytes(model):
+    held = 0
+    for p in model.parameters():
+        if p.grad is not None:
+            local = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
+            held += local.numel() * local.element_size()
+    for module in model.modules():
+        group = module._get_fsdp_state()._fsdp_param_group if hasattr(module, "_get_fsdp_state") else None
+        for fsdp_param in group.fsdp_params if group is not None else []:
+            unsharded_param = getattr(fsdp_param, "_unsharded_param", None)
+            for unsharded in (fsdp_param.unsharded_accumulated_grad,
+                              unsharded_param.grad if unsharded_param is not None else None):
+                held += 0 if unsharded is None else unsharded.numel() * unsharded.element_size()
+    return held
+"""
+
+WORKER = HELD_BYTES + """
 import json, os, sys
 import torch
 import torch.distributed as dist
@@ -38,18 +57,7 @@ for layer in model:
 fully_shard(model, mesh=mesh)
 with _grad_sync(model, sync=False, hsdp=False):  # a micro-batch before the last
     model(torch.randn(8, 256)).square().mean().backward()
-held = 0
-for p in model.parameters():
-    if p.grad is not None:
-        local = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
-        held += local.numel() * local.element_size()
-for module in model.modules():
-    group = module._get_fsdp_state()._fsdp_param_group if hasattr(module, "_get_fsdp_state") else None
-    for fsdp_param in group.fsdp_params if group is not None else []:
-        unsharded_param = getattr(fsdp_param, "_unsharded_param", None)  # its gradient, not reduced yet
-        for unsharded in (fsdp_param.unsharded_accumulated_grad,
-                          unsharded_param.grad if unsharded_param is not None else None):
-            held += 0 if unsharded is None else unsharded.numel() * unsharded.element_size()
+held = held_gradient_bytes(model)
 with _grad_sync(model, sync=True):  # the last micro-batch
     model(torch.randn(8, 256)).square().mean().backward()
 grads = [p.grad.to_local() for p in model.parameters()]
@@ -80,7 +88,7 @@ FLUX_CLASS = dict(patch_size=1, in_channels=64, out_channels=67, num_layers=2, n
                   attention_head_dim=64, num_attention_heads=4, joint_attention_dim=256,
                   pooled_projection_dim=128, axes_dims_rope=(16, 24, 24), guidance_embeds=True)  # fmt: skip
 
-FLUX_WORKER = """
+FLUX_WORKER = HELD_BYTES + """
 import json, math, os, sys
 import torch
 import torch.distributed as dist
@@ -116,18 +124,7 @@ for mixed_precision in (False, True):
     autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=mixed_precision)
     with _grad_sync(model, sync=False, hsdp=False), autocast:  # a micro-batch before the last
         model(**batch())[0].float().square().mean().backward()
-    held = 0
-    for p in model.parameters():
-        if p.grad is not None:
-            local = p.grad.to_local()
-            held += local.numel() * local.element_size()
-    for module in model.modules():
-        group = module._get_fsdp_state()._fsdp_param_group if hasattr(module, "_get_fsdp_state") else None
-        for fsdp_param in group.fsdp_params if group is not None else []:
-            unsharded_param = getattr(fsdp_param, "_unsharded_param", None)  # its gradient, not reduced yet
-            for unsharded in (fsdp_param.unsharded_accumulated_grad,
-                              unsharded_param.grad if unsharded_param is not None else None):
-                held += 0 if unsharded is None else unsharded.numel() * unsharded.element_size()
+    held = held_gradient_bytes(model)
     with _grad_sync(model, sync=True), autocast:  # the last micro-batch
         model(**batch())[0].float().square().mean().backward()
     finite = all(bool(torch.isfinite(p.grad.to_local()).all()) for p in model.parameters())

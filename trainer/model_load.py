@@ -39,37 +39,11 @@ def meta_transformer(
     """The adapter's transformer class on the meta device, in ``base_dtype``, made trainable like a loaded one.
 
     Every parameter and buffer is on ``meta``: shapes and dtypes only. LoRA layers (mode ``lora``) are float32
-    on a ``base_dtype`` frozen base; in ``full`` mode every parameter is float32 (the masters).
+    on a ``base_dtype`` frozen base; in ``full`` mode every parameter is float32 (the masters). The model
+    training builds (``trainable_skeleton``), without the initial values it fills in.
     """
-    cls = adapter.diffusers_class(adapter.transformer_class)
-    config = transformer_config(adapter, pretrained)
-    with torch.device("meta"):
-        transformer = cls.from_config(config)
-    if mode == "lora" and base_dtype != torch.float32:
-        cast_keeping_fp32_modules(transformer, base_dtype)
-    with torch.device("meta"):
-        return make_trainable(
-            transformer, mode=mode, lora_rank=lora_rank, lora_alpha=lora_alpha,
-            lora_target_modules=lora_target_modules,
-        )
-
-
-def cast_keeping_fp32_modules(transformer: nn.Module, dtype: torch.dtype) -> nn.Module:
-    """Cast floating parameters and buffers to ``dtype`` except in the class's ``_keep_in_fp32_modules``.
-
-    What ``from_pretrained(..., torch_dtype=dtype)`` does (Wan keeps its rotary embedding, time embedder and
-    norms in float32); a plain ``.to(dtype)`` would cast those too.
-    """
-    for name, module in transformer.named_modules():
-        for key, tensor in list(module.named_parameters(recurse=False)) + list(module.named_buffers(recurse=False)):
-            if keeps_fp32(transformer, f"{name}.{key}"):
-                continue
-            if tensor is not None and tensor.is_floating_point():
-                if isinstance(tensor, nn.Parameter):
-                    tensor.data = tensor.data.to(dtype)
-                else:
-                    setattr(module, key, tensor.to(dtype))
-    return transformer
+    return trainable_skeleton(adapter, pretrained, mode=mode, lora_rank=lora_rank, lora_alpha=lora_alpha,
+                              lora_target_modules=lora_target_modules, base_dtype=base_dtype)[0]
 
 
 def keeps_fp32(transformer: nn.Module, name: str) -> bool:
