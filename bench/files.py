@@ -15,8 +15,9 @@ too, so each shard holds as many samples as at full size (to within 512 bytes a 
 writes 1/32 of the 76 GB a full-size cache of 100,000 samples takes (this disk has less free). Real sizes: a
 raw image of 100 KB (a 512-px JPEG) with a 1 KB ``json`` in ingest, caption (+ a ``txt`` member) and
 bucket; a cached sample of 16x64x64 bf16 latents + 77x4096 T5 + 768 CLIP bf16 embeddings + 1 KB ``json``
-(~762 KB, FLUX_512 in ``bench/common.py``). Ingest groups by count (``ingest.shard_size``, 256 as in
-``configs/flux-dev-*.yaml``): it has no byte target.
+(~762 KB, FLUX_512 in ``bench/common.py``). Ingest groups by bytes with its own planner's grouping
+(``stages.ingest.hash_byte_groups`` with ``stages.ingest.entry_bytes``'s estimate of a 100 KB local image,
+``ingest.shard_bytes`` 256 MiB and ``ingest.shard_size`` 10,000, the defaults).
 
 Run alone: ``python -m bench.files --quick`` (20,000 samples; the full run 100,000).
 """
@@ -36,7 +37,7 @@ SCALE = 32
 BLOCK = 512
 IMAGE_BYTES = 100_000
 JSON_BYTES = 1_000
-INGEST_SHARD_SIZE = 256
+INGEST_SHARD_SIZE = 10_000  # the default upper bound on entries per ingest unit
 
 
 def _tar_bytes(sizes: list[int]) -> int:
@@ -78,6 +79,8 @@ def _count(root: Path, stage: str, num: int) -> dict[str, Any]:
 
 def run(args) -> list:
     from latentmill.stages.cache import CacheConfig, sample_bytes_estimate
+    from latentmill.stages.ingest import DEFAULT_SHARD_BYTES as INGEST_SHARD_BYTES
+    from latentmill.stages.ingest import JSON_TAR_BYTES, TAR_BLOCK, hash_byte_groups
     from latentmill.stages.shardio import (
         DEFAULT_SHARD_BYTES,
         StageDir,
@@ -96,11 +99,15 @@ def run(args) -> list:
     cache_bytes = DEFAULT_SHARD_BYTES // SCALE
     image = [IMAGE_BYTES, JSON_BYTES]
     try:
-        # ingest: units of ingest.shard_size entries (a count), as ingest.layout groups a first run
-        ingest_units = [WorkUnit(stable_hash(["ingest", s]), [str(s)], {"start": s}, min(INGEST_SHARD_SIZE, num - s))
-                        for s in range(0, num, INGEST_SHARD_SIZE)]
+        # ingest: units grouped as ingest.plan groups a first run, by the entries' estimated bytes (entry_bytes
+        # of a 100 KB local image), up to ingest.shard_bytes and ingest.shard_size, at real sizes (as planned)
+        ids = [f"img/{i:07d}.jpg" for i in range(num)]
+        entry = JSON_TAR_BYTES + TAR_BLOCK + -(-IMAGE_BYTES // TAR_BLOCK) * TAR_BLOCK
+        groups = hash_byte_groups(ids, [entry] * num, INGEST_SHARD_SIZE, INGEST_SHARD_BYTES)
+        ingest_units = [WorkUnit(stable_hash(["ingest", g]), [str(g[0])], {"members": sorted(g)}, len(g))
+                        for g in groups]
         _commit_stage(work, "ingest", ingest_units, lambda u: (
-            _sample(f"k{i:07d}", image, None) for i in range(u.payload["start"], u.payload["start"] + u.samples_in)))
+            _sample(f"k{i:07d}", image, None) for i in u.payload["members"]))
         log("ingest written")
 
         def copy(extra_sizes: list[int], bucket: list[int] | None):
@@ -147,6 +154,7 @@ def run(args) -> list:
         shutil.rmtree(work, ignore_errors=True)
     inputs = {"samples": num, "scale": SCALE, "cache_shard_bytes": DEFAULT_SHARD_BYTES,
               "caption_bucket_shard_bytes": 256 << 20, "ingest_shard_size": INGEST_SHARD_SIZE,
+              "ingest_shard_bytes": INGEST_SHARD_BYTES, "ingest_units": len(ingest_units),
               "cache_sample_bytes": _tar_bytes(real_cache), "image_sample_bytes": _tar_bytes(image)}
     figures = []
     for stage, c in counts.items():

@@ -123,17 +123,50 @@ def _sidecars(path: Path) -> tuple[str, ...]:
     return tuple(str(p) for ext in SIDECAR_EXTENSIONS if (p := path.with_suffix(ext)).is_file())
 
 
+def _split_suffix(name: str) -> tuple[str, str]:
+    """``(stem, suffix)`` of a file name as ``pathlib`` splits it (``"a.tar.gz"``: ``("a.tar", ".gz")``;
+    ``"a."`` and ``".a"``: no suffix), without building a path object."""
+    i = name.rfind(".")
+    if 0 < i < len(name) - 1:
+        return name[:i], name[i:]
+    return name, ""
+
+
+def _walk(folder: str, rel: tuple[str, ...], out: list[tuple[tuple[str, ...], str, bool, set[str]]]) -> None:
+    """Every visible file below ``folder``: ``(parts relative to the root, path, is a symlink, the names of
+    the files beside it)``. One ``scandir`` per folder (no ``stat`` per file where the file system reports
+    types), hidden names skipped, symlinked folders not followed (as ``Path.rglob``)."""
+    files, dirs = [], []
+    with os.scandir(folder) as it:
+        for entry in it:
+            if entry.name.startswith("."):
+                continue
+            if entry.is_dir(follow_symlinks=False):
+                dirs.append(entry)
+            elif entry.is_file():  # a file, or a symlink to one
+                files.append(entry)
+    names = {e.name for e in files}
+    out.extend(((*rel, e.name), e.path, e.is_symlink(), names) for e in files)
+    for entry in dirs:
+        _walk(entry.path, (*rel, entry.name), out)
+
+
 def _list_folder(root: Path) -> list[Entry]:
+    """Every visible non-sidecar file below ``root``, in path order, with its sidecars. A refresh lists the
+    whole folder again, so this costs one ``scandir`` per folder, not a ``stat`` (or three) per file."""
     if not root.is_dir():
         raise FileNotFoundError(f"ingest.source {root} is not a folder")
+    found: list[tuple[tuple[str, ...], str, bool, set[str]]] = []
+    _walk(str(root), (), found)
+    found.sort(key=lambda f: f[0])
     entries = []
-    for path in sorted(root.rglob("*")):
-        rel = path.relative_to(root)
-        if not path.is_file() or any(part.startswith(".") for part in rel.parts):
+    for parts, path, link, names in found:
+        stem, suffix = _split_suffix(parts[-1])
+        if suffix.lower() in SIDECAR_EXTENSIONS:
             continue
-        if path.suffix.lower() in SIDECAR_EXTENSIONS:
-            continue
-        entries.append(Entry(rel.as_posix(), str(path.resolve()), sidecars=_sidecars(path)))
+        folder = os.path.dirname(path)
+        sidecars = tuple(os.path.join(folder, stem + ext) for ext in SIDECAR_EXTENSIONS if stem + ext in names)
+        entries.append(Entry("/".join(parts), os.path.realpath(path) if link else path, sidecars=sidecars))
     return entries
 
 
@@ -275,12 +308,11 @@ def content_identity(entry: Entry, hashes: FileHashes | None = None) -> str:
     if is_remote(entry.uri):
         data_id = entry.sha256 or remote_identity(entry.uri)
     else:
-        path = Path(entry.uri)
-        if path.is_file():
-            data_id = entry.digest = file_sha(path)
-        else:
+        try:  # one stat (the store's), not a second one to ask whether it is a file
+            data_id = entry.digest = file_sha(entry.uri)
+        except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
             data_id = "missing"
-    sidecars = {Path(p).suffix: file_sha(p) for p in entry.sidecars}
+    sidecars = {os.path.splitext(p)[1]: file_sha(p) for p in entry.sidecars}
     return stable_hash([entry.id, data_id, sidecars, entry.caption])
 
 

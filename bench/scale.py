@@ -1,0 +1,202 @@
+"""Prep at scale (issue 17): per-sample wall time and peak RSS at 10x the inputs, and a 1% refresh as a user
+runs it.
+
+Figures (ours: the large run; baseline: the small one, or the full prep):
+
+1. prep wall time per sample at ``N`` inputs vs ``N / 10`` (100,000 vs 10,000; ``--quick`` 20,000 vs 2,000):
+   the summed ``seconds`` of the four stages in the run summary, per input sample (process start-up, a
+   constant, is left out here; figure 3 has it). Goal <= 1.1 (cost grows linearly).
+2. peak RSS (VmHWM, which ``execve`` resets) of the ``latentmill prep`` process and of a loader process
+   (``LatentLoader(cache, 64, seed=0, dtype=bfloat16)``, one whole epoch read) at ``N`` vs ``N / 10``.
+   Goal <= 1.2 each.
+3. a refresh that adds 1% new inputs to the ``N`` prepared inputs vs the full prep of those ``N``: wall time
+   of ``latentmill prep RECIPE`` in a fresh process, as a user runs it (imports, Prefect's temporary API,
+   listing and planning every input, the new samples' work, the snapshot). Goal <= 0.03.
+
+How, and what is real: every prep is the real CLI (``latentmill.cli.main``, the console script's entry
+point, run in a child Python process that writes its VmHWM on exit), on the real Prefect flow with the
+thread runner (2 workers), the stage defaults for shard sizes (ingest 256 MiB, caption and bucket 256 MiB,
+cache 1 GiB). What is small on purpose is the work per sample, so that overhead is what is measured: 64x64
+noise JPEGs (~3 KB) with sidecar captions, one bucket (64x64, aspect 1.0), the tiny Flux model set
+(``data/tiny-flux.yaml``) with 16 T5 tokens, cache batch 64, bf16. ``LATENTMILL_SCALE_SIZES=N,M`` overrides
+the sizes (a run that fits the time at hand; the figure's inputs say what ran).
+
+Run alone: ``python -m bench.scale --quick``.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from bench.common import REPO_ROOT, TINY_RECIPE, figure, fresh_dir, log, model_dir, run_benchmark, setup_env
+
+setup_env()
+
+IMAGE_SIDE = 64
+TOKENS = 16
+CACHE_BATCH = 64
+LOADER_BATCH = 64
+REFRESH_FRACTION = 100  # 1 new input per 100
+
+# The child that runs the CLI: its VmHWM (peak RSS since exec) written to argv[1] at exit.
+_CLI_CHILD = """
+import atexit, sys
+def _peak():
+    for line in open('/proc/self/status'):
+        if line.startswith('VmHWM:'):
+            open(sys.argv[1], 'w').write(str(int(line.split()[1]) / 1024))
+atexit.register(_peak)
+from latentmill.cli import main
+sys.exit(main(sys.argv[2:]))
+"""
+
+_LOADER_CHILD = """
+import json, sys, time
+import torch
+from latentmill.trainer.loader import LatentLoader
+start = time.perf_counter()
+count = 0
+with LatentLoader(sys.argv[1], int(sys.argv[2]), seed=0, dtype=torch.bfloat16) as loader:
+    it = iter(loader)
+    for _ in range(len(loader)):
+        count += len(next(it)["keys"])
+    it.close()
+seconds = time.perf_counter() - start
+peak = next(int(l.split()[1]) / 1024 for l in open('/proc/self/status') if l.startswith('VmHWM:'))
+print(json.dumps({"samples": count, "seconds": seconds, "peak_rss_mb": peak}))
+"""
+
+
+def make_images(folder: Path, start: int, count: int) -> None:
+    """``count`` 64x64 noise JPEGs ``img<i>.jpg`` (i from ``start``) with a sidecar caption each; image ``i``
+    depends only on ``i``."""
+    import numpy as np
+    from PIL import Image
+
+    folder.mkdir(parents=True, exist_ok=True)
+    for i in range(start, start + count):
+        rng = np.random.default_rng(i)
+        buf = io.BytesIO()
+        Image.fromarray(rng.integers(0, 255, (IMAGE_SIDE, IMAGE_SIDE, 3), dtype=np.uint8)).save(
+            buf, format="JPEG", quality=80)
+        (folder / f"img{i:07d}.jpg").write_bytes(buf.getvalue())
+        (folder / f"img{i:07d}.txt").write_text(f"a photo number {i} of a small noisy thing\n")
+
+
+def write_recipe(path: Path, source: Path, output_dir: Path, pretrained: Path) -> Path:
+    import yaml
+
+    path.write_text(yaml.safe_dump({
+        "output_dir": str(output_dir), "seed": 0, "model": {"pretrained": str(pretrained)},
+        "runner": {"kind": "threads", "workers": 2},
+        "ingest": {"source": str(source)},
+        "caption": {"captioner": "sidecar"},
+        "bucket": {"resolution": IMAGE_SIDE, "aspect_ratios": [1.0]},
+        "cache": {"dtype": "bfloat16", "batch_size": CACHE_BATCH, "max_sequence_length": TOKENS},
+    }))
+    return path
+
+
+def cli_prep(recipe: Path, work: Path, tag: str) -> dict[str, Any]:
+    """``latentmill prep RECIPE --summary-json`` in a fresh process: wall time, run summary, VmHWM."""
+    peak_file, summary_file, log_file = (work / f"{tag}.{ext}" for ext in ("peak", "summary.json", "log"))
+    cmd = [sys.executable, "-c", _CLI_CHILD, str(peak_file), "prep", str(recipe), "--summary-json", str(summary_file)]
+    start = time.perf_counter()
+    with open(log_file, "wb") as fh:
+        done = subprocess.run(cmd, cwd=REPO_ROOT, stdout=fh, stderr=subprocess.STDOUT)
+    wall = time.perf_counter() - start
+    if done.returncode != 0:
+        raise RuntimeError(f"latentmill prep failed ({done.returncode}); see {log_file}")
+    summary = json.loads(summary_file.read_text())
+    stages = summary["stages"]
+    result = {"wall_s": round(wall, 2), "peak_rss_mb": round(float(peak_file.read_text()), 1),
+              "stage_seconds": {k: v["seconds"] for k, v in stages.items()},
+              "stage_processed": {k: v["processed"] for k, v in stages.items()},
+              "samples_out": stages["cache"]["out"]}
+    result["stages_s"] = round(sum(result["stage_seconds"].values()), 2)
+    log(f"{tag}: {result}")
+    return result
+
+
+def loader_epoch(cache_dir: Path) -> dict[str, Any]:
+    """One epoch of ``LatentLoader`` over the cache in a fresh process: samples, seconds, VmHWM."""
+    done = subprocess.run([sys.executable, "-c", _LOADER_CHILD, str(cache_dir), str(LOADER_BATCH)], cwd=REPO_ROOT,
+                          stdout=subprocess.PIPE, check=True)
+    result = json.loads(done.stdout.decode().strip().splitlines()[-1])
+    log(f"loader {cache_dir}: {result}")
+    return result
+
+
+def sizes(args) -> tuple[int, int]:
+    override = os.environ.get("LATENTMILL_SCALE_SIZES")
+    if override:
+        big, small = (int(x) for x in override.split(","))
+        return big, small
+    return (20_000, 2_000) if args.quick else (100_000, 10_000)
+
+
+def run(args) -> list:
+    big, small = sizes(args)
+    pretrained = model_dir(TINY_RECIPE)
+    work = fresh_dir("scale")
+    t0 = time.perf_counter()
+    images = work / "images"
+    make_images(images, 0, big)
+    small_images = work / "images-small"
+    small_images.mkdir()
+    for i in range(small):  # the first `small` inputs, hard-linked
+        for ext in (".jpg", ".txt"):
+            os.link(images / f"img{i:07d}{ext}", small_images / f"img{i:07d}{ext}")
+    log(f"generated {big} images in {time.perf_counter() - t0:.0f} s")
+    try:
+        runs = {}
+        for name, n, source in (("small", small, small_images), ("big", big, images)):
+            recipe = write_recipe(work / f"{name}.yaml", source, work / f"out-{name}", pretrained)
+            runs[name] = cli_prep(recipe, work, f"prep-{name}")
+            runs[name]["loader"] = loader_epoch(work / f"out-{name}" / "prep" / "cache")
+            if runs[name]["samples_out"] != n or runs[name]["loader"]["samples"] != n:
+                raise RuntimeError(f"{name}: {n} inputs, {runs[name]['samples_out']} cached, "
+                                   f"{runs[name]['loader']['samples']} loaded")
+        new = big // REFRESH_FRACTION
+        make_images(images, big, new)
+        refresh = cli_prep(work / "big.yaml", work, "refresh")
+        if refresh["stage_processed"]["cache"] != new:
+            raise RuntimeError(f"refresh processed {refresh['stage_processed']['cache']} samples, not {new}")
+    finally:
+        if not args.keep:
+            shutil.rmtree(work, ignore_errors=True)
+    inputs = {"inputs_big": big, "inputs_small": small, "image": f"{IMAGE_SIDE}x{IMAGE_SIDE} JPEG + sidecar",
+              "model": "tiny-flux", "max_sequence_length": TOKENS, "cache_batch": CACHE_BATCH,
+              "runner": "threads x2", "shard_bytes": "stage defaults", "refresh_new": big // REFRESH_FRACTION}
+    b, s = runs["big"], runs["small"]
+    per_big, per_small = b["stages_s"] / big * 1000, s["stages_s"] / small * 1000
+    return [
+        figure("prep time per sample, 10x the inputs", [per_big], [per_small], "ms/sample", "<= 1.1", inputs,
+               notes=f"summed stage seconds per sample at {big} vs {small} inputs (CLI prep, start-up excluded)",
+               details={"big": b, "small": s, "wall_per_sample_ms": {
+                   "big": round(b["wall_s"] / big * 1000, 3), "small": round(s["wall_s"] / small * 1000, 3)}}),
+        figure("prep peak RSS, 10x the inputs", [b["peak_rss_mb"]], [s["peak_rss_mb"]], "MiB", "<= 1.2", inputs,
+               notes="VmHWM of the latentmill prep process"),
+        figure("loader peak RSS, 10x the samples", [b["loader"]["peak_rss_mb"]], [s["loader"]["peak_rss_mb"]], "MiB",
+               "<= 1.2", inputs, notes="VmHWM of a process that reads one epoch with LatentLoader (batch 64)",
+               details={"big": b["loader"], "small": s["loader"]}),
+        figure("refresh with 1% new inputs vs full prep (CLI wall)", [refresh["wall_s"]], [b["wall_s"]], "s",
+               "<= 0.03", inputs, notes=f"latentmill prep wall time, {big // REFRESH_FRACTION} new inputs added to "
+               f"{big} prepared, vs the full prep of the {big}", details={"refresh": refresh, "full": b}),
+    ]
+
+
+def main(argv=None) -> None:
+    run_benchmark("scale", __doc__, run, argv)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,230 @@
+"""Ingest units cut by bytes (issue 17): ``ingest.shard_bytes`` is the target size of a raw shard, with
+``ingest.shard_size`` an upper bound on entries. A refresh keeps old raw shards byte for byte and adds units
+for new files only; a removed file re-runs only its unit; a killed run resumes to the same bytes; a bad key
+is a ConfigError that names it."""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import random
+from pathlib import Path
+
+import pytest
+from latentmill.stages import ingest
+from latentmill.stages.ingest import IngestConfig
+from latentmill.stages.shardio import StageDir, read_shard
+from PIL import Image
+
+from latentmill.config import ConfigError
+from latentmill.recipe import load_recipe
+from tests.conftest import DEMO_CONFIG
+
+TARGET = 48 * 1024
+
+
+def _noise_jpeg(path: Path, side: int, seed: int) -> None:
+    """A JPEG of random pixels: its file size grows with ``side`` (~1.5 KB at 24 px, ~25 KB at 96 px)."""
+    rng = random.Random(seed)
+    img = Image.frombytes("RGB", (side, side), bytes(rng.getrandbits(8) for _ in range(side * side * 3)))
+    buf = io.BytesIO()
+    img.save(buf, format="JPEG", quality=90)
+    path.write_bytes(buf.getvalue())
+
+
+@pytest.fixture()
+def photos(tmp_path) -> Path:
+    """40 noise JPEGs of 24..96 px (1.5 to 25 KB), each with a caption sidecar."""
+    src = tmp_path / "photos"
+    src.mkdir()
+    for i in range(40):
+        _noise_jpeg(src / f"p{i:03d}.jpg", 24 + (i * 37) % 73, seed=i)
+        (src / f"p{i:03d}.txt").write_text(f"photo number {i}\n")
+    return src
+
+
+def _estimate(path: Path) -> int:
+    """What the test expects ingest to estimate for a local image: 2 KB of json + a header + the file in
+    512-byte blocks."""
+    return 2048 + 512 + -(-path.stat().st_size // 512) * 512
+
+
+def _run(cfg: IngestConfig, sd: StageDir, units=None):
+    """One ingest run as ``prep`` does it: plan against the stage folder, run units, manifest last."""
+    units = ingest.plan(cfg, sd) if units is None else units
+    records = [sd.run_unit(u, lambda unit, out: ingest.process(cfg, unit, out)) for u in units]
+    sd.write_manifest(records, {"shard_size": cfg.shard_size})
+    return units, records
+
+
+def _shards(sd: StageDir) -> dict[str, str]:
+    """name -> sha256 of the file on disk, for every shard of the stage's manifest."""
+    out = {}
+    for s in sd.read_manifest()["shards"]:
+        digest = hashlib.sha256((sd.root / s["path"]).read_bytes()).hexdigest()
+        assert digest == s["sha256"]
+        out[s["name"]] = digest
+    return out
+
+
+def _ids(unit) -> list[str]:
+    return sorted(item["id"] for item in unit.payload["items"])
+
+
+def test_units_follow_the_byte_target(photos, tmp_path):
+    cfg = IngestConfig(source=str(photos), shard_bytes=TARGET)
+    sd = StageDir(tmp_path / "ingest", "ingest").ensure()
+    units, records = _run(cfg, sd)
+    expected = {p.name: _estimate(p) for p in photos.glob("*.jpg")}
+    total = sum(expected.values())
+    assert total > 4 * TARGET  # several units' worth
+    assert sorted(i for u in units for i in _ids(u)) == sorted(expected)
+    for unit in units:
+        assert unit.payload["estimated_bytes"] == sum(expected[i] for i in _ids(unit))
+        assert unit.payload["estimated_bytes"] <= TARGET
+        assert unit.payload["cut"] == [TARGET, 10_000]
+    # hash ranges are halved only while over the target: on average well over half full
+    assert total / len(units) >= 0.5 * TARGET
+    assert -(-total // TARGET) <= len(units) <= 2 * -(-total // TARGET)
+    # one image shard per unit, its bytes close to the estimate (the json's real size differs a little)
+    manifest = sd.read_manifest()
+    assert len(manifest["shards"]) == len(units) and manifest["counts"]["out"] == 40
+    for record, unit in zip(sorted(records, key=lambda r: r.unit_id), sorted(units, key=lambda u: u.unit_id)):
+        (shard,) = record.shards
+        size = (sd.root / shard.path).stat().st_size
+        assert 0.8 * unit.payload["estimated_bytes"] <= size <= unit.payload["estimated_bytes"] + 10240
+        assert record.extra["cut"] == [TARGET, 10_000]
+    # shard_size stays an upper bound on entries; a file larger than the target makes a unit alone
+    few = ingest.plan(IngestConfig(source=str(photos), shard_bytes=TARGET, shard_size=3))
+    assert max(u.samples_in for u in few) <= 3 and sum(u.samples_in for u in few) == 40
+    tiny = ingest.plan(IngestConfig(source=str(photos), shard_bytes=4096))
+    assert len(tiny) == 40 and all(u.samples_in == 1 for u in tiny)
+    # the default target (256 MiB) puts these 40 photos in one unit
+    assert len(ingest.plan(IngestConfig(source=str(photos)))) == 1
+
+
+def test_a_refresh_keeps_old_shards_and_adds_units_for_new_files_only(photos, tmp_path):
+    cfg = IngestConfig(source=str(photos), shard_bytes=TARGET)
+    sd = StageDir(tmp_path / "ingest", "ingest").ensure()
+    first_units, first = _run(cfg, sd)
+    before = _shards(sd)
+    new = []
+    for i in range(40, 46):
+        _noise_jpeg(photos / f"p{i:03d}.jpg", 60 + i, seed=i)
+        new.append(f"p{i:03d}.jpg")
+    units, second = _run(cfg, sd)
+    after = _shards(sd)
+    # every old shard: same name, same sha256; every old unit reused
+    assert {name: after[name] for name in before} == before
+    assert {r.unit_id for r in second if r.reused} == {r.unit_id for r in first}
+    fresh = [u for u, r in zip(units, second) if not r.reused]
+    assert sorted(i for u in fresh for i in _ids(u)) == sorted(new)
+    new_bytes = sum(_estimate(photos / n) for n in new)
+    assert len(fresh) == -(-new_bytes // TARGET) and all(u.payload["estimated_bytes"] <= TARGET for u in fresh)
+    assert len(after) == len(before) + len(fresh)
+
+    # a removed file re-runs only the unit that held it, which now holds the rest of its files
+    gone = _ids(first_units[1])[0]
+    (photos / gone).unlink()
+    units, third = _run(cfg, sd)
+    rerun = [u for u, r in zip(units, third) if not r.reused]
+    assert len(rerun) == 1 and _ids(rerun[0]) == [i for i in _ids(first_units[1]) if i != gone]
+    final = _shards(sd)
+    assert len(final) == len(after) and len(set(final) - set(after)) == 1
+    assert sum(u.samples_in for u in units) == 45
+
+
+def test_a_killed_run_resumes_to_the_bytes_of_a_straight_run(photos, tmp_path):
+    cfg = IngestConfig(source=str(photos), shard_bytes=TARGET)
+    straight = StageDir(tmp_path / "straight", "ingest").ensure()
+    _run(cfg, straight)
+    killed = StageDir(tmp_path / "killed", "ingest").ensure()
+    units = ingest.plan(cfg, killed)
+    for unit in units[:2]:  # two units committed, then the process died: no manifest
+        killed.run_unit(unit, lambda u, out: ingest.process(cfg, u, out))
+    again, records = _run(cfg, killed)
+    assert [u.unit_id for u in again] == [u.unit_id for u in units]
+    assert sum(r.reused for r in records) == 2
+    assert _shards(killed) == _shards(straight)
+    samples = [json.loads(s["json"])["source"] for n in _shards(killed)
+               for s in read_shard(killed.shard_dir / n)]
+    assert sorted(samples) == sorted(p.name for p in photos.glob("*.jpg"))
+
+
+def test_a_new_byte_target_regroups_as_a_clean_run_does(photos, tmp_path):
+    sd = StageDir(tmp_path / "ingest", "ingest").ensure()
+    _run(IngestConfig(source=str(photos), shard_bytes=TARGET), sd)
+    half = IngestConfig(source=str(photos), shard_bytes=TARGET // 2)
+    units, records = _run(half, sd)
+    assert not any(r.reused for r in records)
+    assert max(u.payload["estimated_bytes"] for u in units) <= TARGET // 2
+    assert [u.unit_id for u in units] == [u.unit_id for u in ingest.plan(half)]
+
+
+@pytest.mark.parametrize("override, message", [
+    ("ingest.shard_bytes=0", "ingest.shard_bytes: the target size of a shard in bytes, must be >= 1, got 0"),
+    ("ingest.shard_bytes=-1", "ingest.shard_bytes: the target size of a shard in bytes, must be >= 1, got -1"),
+    ("ingest.shard_bytes=lots", "ingest.shard_bytes: expected an integer, got 'lots'"),
+    ("ingest.shard_size=0", "ingest.shard_size: at most this many entries per unit, must be >= 1, got 0"),
+])
+def test_a_bad_key_is_a_config_error_naming_it(override, message, tmp_path):
+    with pytest.raises(ConfigError) as err:
+        load_recipe(DEMO_CONFIG, [f"output_dir={tmp_path}", override])
+    assert str(err.value) == message
+
+
+def _reference_listing(root: Path) -> list[tuple[str, str, tuple[str, ...]]]:
+    """What a folder source lists, by its definition in pathlib terms (the listing before it was made to cost
+    one scandir per folder): visible files below ``root`` in path order, sidecars excluded, symlinks
+    resolved, symlinked folders not followed, each with the ``.txt`` / ``.json`` beside it."""
+    out = []
+    for path in sorted(root.rglob("*")):
+        rel = path.relative_to(root)
+        if not path.is_file() or any(part.startswith(".") for part in rel.parts):
+            continue
+        if path.suffix.lower() in (".txt", ".json"):
+            continue
+        sidecars = tuple(str(p) for ext in (".txt", ".json") if (p := path.with_suffix(ext)).is_file())
+        out.append((rel.as_posix(), str(path.resolve()), sidecars))
+    return out
+
+
+def test_a_folder_is_listed_with_one_scandir_per_folder_and_no_stat_per_file(tmp_path, monkeypatch):
+    import os
+
+    from latentmill.stages.sources import list_source
+
+    src, other = tmp_path / "src", tmp_path / "other"
+    for folder in (src / "sub" / "deeper", src / ".hidden", other):
+        folder.mkdir(parents=True)
+    names = ["a.jpg", "a.txt", "a.json", "b.png", "b.JSON", "c.tar.gz", "c.tar.txt", "d.", "d..txt", "noext",
+             "noext.txt", ".dot.jpg", ".hidden/x.jpg", "sub/z.jpg", "sub/z.json", "sub/deeper/y.mp4",
+             "sub/deeper/Y.mp4", "sub-a.jpg"] + [f"sub/many{i:03d}.jpg" for i in range(200)]
+    for name in names:
+        (src / name).write_bytes(b"x")
+    (other / "t.jpg").write_bytes(b"t")
+    (other / "t.txt").write_text("t")
+    (src / "linked-folder").symlink_to(other)
+    (src / "linked.jpg").symlink_to(other / "t.jpg")
+    (src / "linked.txt").symlink_to(other / "t.txt")
+    (src / "broken.jpg").symlink_to(tmp_path / "nowhere")
+    expected = _reference_listing(src.resolve())
+    assert len(expected) == 210
+    calls = {"stat": 0}
+    real_stat, real_lstat = os.stat, os.lstat
+
+    def counting(real):
+        def stat(*args, **kwargs):
+            calls["stat"] += 1
+            return real(*args, **kwargs)
+        return stat
+
+    monkeypatch.setattr(os, "stat", counting(real_stat))
+    monkeypatch.setattr(os, "lstat", counting(real_lstat))
+    listed = list_source(str(src)).entries
+    monkeypatch.undo()
+    assert [(e.id, e.uri, e.sidecars) for e in listed] == expected
+    # a few per path component of the root (its checks, its resolution) and of the one symlinked file (its
+    # resolution), none per plain file: 20 here; the pathlib listing made about 4 per file (over 800)
+    assert calls["stat"] <= 40, calls
