@@ -4,7 +4,8 @@
 #   make test        add the dev tools to .venv and run the whole test suite
 #   make serve       local Prefect server and UI (http://127.0.0.1:4200) + process worker + deployments
 #   make serve-stop  stop what `make serve` started
-#   make gpu-check   on a GPU machine: demo, quick bench, FSDP2, LoRA and full runs on CUDA -> gpu-check.json
+#   make gpu-check   on a GPU machine: doctor, demo, quick bench, FSDP2, LoRA and full runs, sample (--compile),
+#                    the cache stage twice with equal bytes, all on CUDA -> gpu-check.json (docs/gpu-pods.md)
 #
 # torch: the pinned CPU build is installed first unless the venv already has a torch (install your
 # own CUDA build into .venv before `make` on a GPU machine; see README).
@@ -14,7 +15,13 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
 PORT   ?= 4200
-PREFECT_HOME_DIR ?= $(CURDIR)/.prefect
+# A GPU pod's persistent volume (docs/gpu-pods.md): with LATENTMILL_VOLUME set, the demo's outputs and
+# summary and `make serve`'s Prefect home go under it, and the CLI puts HF_HOME and the weight-hash store
+# there too. Explicit settings win (PREFECT_HOME, PREFECT_HOME_DIR, HF_HOME, LATENTMILL_HASH_STORE).
+LATENTMILL_VOLUME ?=
+export LATENTMILL_VOLUME
+DEMO_DIR := $(if $(LATENTMILL_VOLUME),$(LATENTMILL_VOLUME)/outputs/demo,outputs/demo)
+PREFECT_HOME_DIR ?= $(or $(PREFECT_HOME),$(if $(LATENTMILL_VOLUME),$(LATENTMILL_VOLUME)/prefect,$(CURDIR)/.prefect))
 
 .PHONY: venv dev demo test lint serve serve-stop clean
 
@@ -34,7 +41,7 @@ venv: $(VENV)/.installed
 dev: $(VENV)/.installed-dev
 
 demo: venv
-	$(VENV)/bin/latentmill demo --summary-json outputs/demo/summary.json
+	$(VENV)/bin/latentmill demo --summary-json $(DEMO_DIR)/summary.json
 
 test: dev
 	$(VENV)/bin/python -m pytest -q

@@ -7,6 +7,9 @@
 Phases, each in its own child process (``python -m bench.gpu_check --child PHASE ...``), so that a failure,
 a CUDA out-of-memory or a hung collective ends that phase only; each child writes its result as JSON:
 
+``doctor``
+    ``nvidia-smi`` (CUDA), the torch build check and ``latentmill doctor --device DEVICE --json``, as
+    docs/gpu-pods.md runs them; failed when doctor exits 1 (a blocking problem).
 ``demo``
     The embedded demo (the shipped ``demo`` recipe, prep then train, ``cache.device`` and the trainer on the
     device) through ``latentmill.api``: the prep publishes the snapshot the later phases train on.
@@ -22,6 +25,16 @@ a CUDA out-of-memory or a hung collective ends that phase only; each child write
     A few steps in each mode on the demo's snapshot; the export is loaded as a user loads it
     (``FluxPipeline.from_pretrained(pretrained).load_lora_weights(export)``, ``DiffusionPipeline
     .from_pretrained(export)``) and generates one small image on the device.
+``sample``
+    ``latentmill sample`` on the demo's export, without and with ``--compile`` (inductor; ``aot_eager`` in the
+    dry run): the first call apart, then the median of ``--repeat`` calls (``latentmill.timing.steady_state``,
+    the rule ``make bench`` uses too), images/s and the compile speed-up.
+``cache_repro``
+    The cache stage three times in deterministic mode (``cache.deterministic=true``) and three times without
+    (twice each in the dry run), each on a fresh copy of the demo's bucket stage: the deterministic runs must
+    write the same bytes (failed otherwise); the median of the runs after the first gives the mode's cost.
+
+``DOC_COMMANDS`` lists the GPU-only commands of docs/gpu-pods.md and the phase that runs each.
 
 Every phase reports ``status`` (``ok`` / ``failed``), ``seconds``, ``peak_mem_mb`` and, when failed, the
 tail of its error. ``peak_mem_mb`` is ``torch.cuda.max_memory_allocated`` on CUDA (the maximum over the
@@ -52,8 +65,8 @@ from typing import Any, Callable
 BENCH_DIR = Path(__file__).resolve().parent
 REPO_ROOT = BENCH_DIR.parent
 DEFAULT_WORK = BENCH_DIR / ".work" / "gpu-check"  # git-ignored; removed at the start of every check
-PHASES = ("demo", "bench", "fsdp2", "lora", "full")
-NEEDS_DEMO = ("fsdp2", "lora", "full")  # they train on the snapshot the demo phase's prep published
+PHASES = ("doctor", "demo", "bench", "fsdp2", "lora", "full", "sample", "cache_repro")
+NEEDS_DEMO = ("fsdp2", "lora", "full", "sample")  # they use the snapshot (or export) the demo phase made
 MARKER = ".gpu-check-work"  # in a work folder this script made: only such a folder (or an empty one) is emptied
 PROMPT = "a red circle on a blue background"
 ERROR_TAIL = 3000  # characters of a failed phase's error (or log) kept in the JSON
@@ -61,8 +74,29 @@ ERROR_TAIL = 3000  # characters of a failed phase's error (or log) kept in the J
 # Sizes: the GPU check runs the demo as `latentmill demo` does (400 steps) and a few dozen steps elsewhere;
 # the dry run only proves the same code paths still run end to end.
 SIZES: dict[str, dict[str, int]] = {
-    "full": {"demo_steps": 400, "steps": 20, "batch": 4, "image": 128, "denoise": 8, "lora_rank": 16},
-    "dry": {"demo_steps": 4, "steps": 2, "batch": 2, "image": 64, "denoise": 2, "lora_rank": 4},
+    "full": {"demo_steps": 400, "steps": 20, "batch": 4, "image": 128, "denoise": 8, "lora_rank": 16,
+             "repeat": 5, "cache_repeat": 2},
+    "dry": {"demo_steps": 4, "steps": 2, "batch": 2, "image": 64, "denoise": 2, "lora_rank": 4, "repeat": 2,
+            "cache_repeat": 1},
+}
+# `sample --compile`: inductor on the GPU; the dry run traces with dynamo but skips inductor's code generation
+# (minutes of C++ compiling on a small CPU), so it proves the same compile path, not its speed.
+COMPILE_BACKEND = {"full": "inductor", "dry": "aot_eager"}
+TORCH_CHECK = 'import torch; print(torch.__version__, torch.version.cuda, torch.cuda.is_available())'
+
+# The GPU-only commands of docs/gpu-pods.md (marked `# gpu-check` there) and the phase that runs each here;
+# tests/test_gpu_pods_doc.py asserts that every such command of the doc is in this plan.
+DOC_COMMANDS: dict[str, str] = {
+    "nvidia-smi": "doctor",
+    "latentmill doctor --device cuda --json $LATENTMILL_VOLUME/doctor.json": "doctor",
+    "make demo": "demo",
+    'latentmill sample $LATENTMILL_VOLUME/outputs/demo/export --prompt "a red circle on a blue background" '
+    "--batch 4 --steps 8 --size 128x128 --repeat 5 --device cuda --max-sequence-length 32 "
+    "--out $LATENTMILL_VOLUME/samples/eager": "sample",
+    'latentmill sample $LATENTMILL_VOLUME/outputs/demo/export --prompt "a red circle on a blue background" '
+    "--batch 4 --steps 8 --size 128x128 --repeat 5 --device cuda --max-sequence-length 32 --compile "
+    "--out $LATENTMILL_VOLUME/samples/compiled": "sample",
+    "make gpu-check": "all",
 }
 
 
@@ -284,6 +318,143 @@ def phase_full(work: Path, device: str, sizes: dict[str, int], mem: PeakMemory) 
     return {**_train_fields(train), "mode": train.get("mode"), **result}
 
 
+def _latentmill() -> list[str]:
+    """The ``latentmill`` command of this interpreter (``python -m latentmill.cli``: the console script's code)."""
+    return [sys.executable, "-m", "latentmill.cli"]
+
+
+def _run_logged(cmd: list[str], work: Path, name: str, timeout_s: float) -> subprocess.CompletedProcess:
+    """Run ``cmd`` from the repository (before the parent's own timeout ends us); its output also goes to
+    ``logs/<name>.log``."""
+    done = subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True, timeout=max(30.0, timeout_s - 15))
+    (work / "logs" / f"{name}.log").write_text(done.stdout + done.stderr)
+    return done
+
+
+def _subprocess_memory(device: str, mem: PeakMemory, part: str, sampler: _DeviceMemorySampler | None) -> None:
+    """A phase whose work runs in commands of its own: the device memory they used (CUDA), or the largest
+    one's peak RSS (CPU), as the bench phase reports it."""
+    if sampler is not None:
+        mem.parts[part] = round(sampler.peak_mb, 1)
+    else:
+        mem.parts[part] = round(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024, 1)
+
+
+def phase_doctor(work: Path, device: str, timeout_s: float, mem: PeakMemory) -> dict[str, Any]:
+    """``nvidia-smi`` (CUDA), the torch build check and ``latentmill doctor --device DEVICE --json``, as
+    docs/gpu-pods.md runs them. Fails when doctor finds a blocking problem (exit 1)."""
+    out: dict[str, Any] = {}
+    sampler = _DeviceMemorySampler() if device == "cuda" else None
+    with sampler or _Null():
+        if device == "cuda":
+            smi = _run_logged(["nvidia-smi"], work, "nvidia-smi", timeout_s)
+            out["nvidia_smi"] = {"returncode": smi.returncode, "head": smi.stdout.splitlines()[:12]}
+        torch_check = _run_logged([sys.executable, "-c", TORCH_CHECK], work, "torch-check", timeout_s)
+        out["torch_check"] = torch_check.stdout.strip()
+        json_path = work / "doctor.json"
+        cmd = [*_latentmill(), "doctor", "--device", device, "--json", str(json_path)]
+        done = _run_logged(cmd, work, "doctor", timeout_s)
+    _subprocess_memory(device, mem, "doctor", sampler)
+    if not json_path.is_file():
+        raise RuntimeError(f"latentmill doctor exited {done.returncode} without {json_path}:\n"
+                           + (done.stdout + done.stderr)[-ERROR_TAIL:])
+    report = json.loads(json_path.read_text())
+    statuses = {c["name"]: c["status"] for c in report["checks"]}
+    if done.returncode == 1:
+        raise RuntimeError("latentmill doctor found a blocking problem:\n" + done.stdout[-ERROR_TAIL:])
+    return {**out, "command": " ".join(["latentmill", *cmd[3:]]), "exit_code": done.returncode,
+            "statuses": statuses, "warnings": [c["message"] for c in report["checks"] if c["status"] == "warning"]}
+
+
+def phase_sample(work: Path, device: str, sizes: dict[str, int], dry: bool, timeout_s: float,
+                 mem: PeakMemory) -> dict[str, Any]:
+    """``latentmill sample`` on the demo phase's export, without and with ``--compile``: the first call and
+    the steady state (median of ``--repeat`` later calls, ``latentmill.timing.steady_state``) of each."""
+    demo = json.loads((work / "results" / "demo.json").read_text())
+    export = demo["export_dir"]
+    size = f"{sizes['image']}x{sizes['image']}"
+    runs: dict[str, Any] = {}
+    sampler = _DeviceMemorySampler() if device == "cuda" else None
+    with sampler or _Null():
+        backend = ["--compile-backend", COMPILE_BACKEND["dry"]] if dry else []  # inductor: the default
+        for name, extra in (("eager", []), ("compiled", ["--compile", *backend])):
+            out_dir = work / "samples" / name
+            # the commands of docs/gpu-pods.md (DOC_COMMANDS), on this check's export, sizes and device
+            cmd = [*_latentmill(), "sample", export, "--prompt", PROMPT, "--batch", str(sizes["batch"]),
+                   "--steps", str(sizes["denoise"]), "--size", size, "--repeat", str(sizes["repeat"]),
+                   "--device", device, "--max-sequence-length", "32", *extra, "--out", str(out_dir)]
+            done = _run_logged(cmd, work, f"sample-{name}", timeout_s)
+            timing = out_dir / "timing.json"
+            if done.returncode != 0 or not timing.is_file():
+                raise RuntimeError(f"latentmill sample ({name}) exited {done.returncode}:\n"
+                                   + (done.stdout + done.stderr)[-ERROR_TAIL:])
+            t = json.loads(timing.read_text())
+            runs[name] = {k: t.get(k) for k in ("first_call_s", "median_s", "iqr_s", "repeats", "images_per_s",
+                                                "s_per_step", "compile", "compiled", "compile_s", "device",
+                                                "batch", "steps", "size")}
+            runs[name]["command"] = " ".join(["latentmill", *cmd[3:]])
+            runs[name]["images"] = len(t.get("images") or [])
+    _subprocess_memory(device, mem, "sample", sampler)
+    eager, compiled = runs["eager"]["images_per_s"], runs["compiled"]["images_per_s"]
+    return {**runs, "export": export, "compile_speedup": round(compiled / eager, 3) if eager and compiled else None}
+
+
+def _cache_only(base: Path, target: Path, device: str, deterministic: bool) -> dict[str, str]:
+    """The cache stage alone on a copy of ``base``'s bucket stage, in ``target``; shard name -> sha256."""
+    from latentmill.pipelines.prep import manifest_header, plan_stage, stage_processor
+    from latentmill.stages.shardio import StageDir
+
+    shutil.rmtree(target, ignore_errors=True)
+    shutil.copytree(base / "prep" / "bucket", target / "prep" / "bucket")
+    recipe = _recipe(target.parent, device, [f"cache.deterministic={str(deterministic).lower()}"])
+    recipe.output_dir = str(target)
+    stage_dir = StageDir(recipe.stage_dir("cache"), "cache").ensure()
+    process = stage_processor("cache", recipe)
+    records = [stage_dir.run_unit(u, process) for u in plan_stage("cache", recipe)]
+    manifest = stage_dir.write_manifest(records, manifest_header("cache", recipe))
+    return {shard["name"]: shard["sha256"] for shard in manifest["shards"]}
+
+
+def phase_cache_repro(work: Path, device: str, sizes: dict[str, int], mem: PeakMemory) -> dict[str, Any]:
+    """The cache stage run 1 + ``cache_repeat`` times in deterministic mode and as often without, each on a
+    fresh copy of the demo's bucket stage, on one device: the deterministic runs must write the same bytes.
+    Timed with ``latentmill.timing.steady_state`` (the first run, which loads the encoders, apart; the median
+    of the others), so the figure is the deterministic mode's cost on this device."""
+    import torch
+    from latentmill.pipelines.prep import STAGES, ensure_models, manifest_header, plan_stage, stage_processor
+    from latentmill.stages.families import device_description, encoded_on_key
+    from latentmill.stages.shardio import StageDir
+
+    from latentmill.timing import steady_state
+
+    base = work / "cache-repro" / "base"
+    recipe = _recipe(work / "cache-repro", device, [])
+    recipe.output_dir = str(base)
+    ensure_models(recipe)
+    for stage in STAGES[:-1]:  # ingest, caption, bucket: once
+        stage_dir = StageDir(recipe.stage_dir(stage), stage).ensure()
+        records = [stage_dir.run_unit(u, stage_processor(stage, recipe)) for u in plan_stage(stage, recipe)]
+        bucketed = stage_dir.write_manifest(records, manifest_header(stage, recipe))["counts"]["out"]
+    sync = torch.cuda.synchronize if device == "cuda" else None
+    runs: dict[str, Any] = {}
+    for mode, deterministic in (("deterministic", True), ("default", False)):
+        stats = steady_state(lambda i, d=deterministic, m=mode: _cache_only(base, work / "cache-repro" / f"{m}-{i}",
+                                                                           device, d),
+                             sizes["cache_repeat"], sync=sync)
+        runs[mode] = {**stats.to_json(), "distinct_outputs": len({json.dumps(r, sort_keys=True) for r in stats.results}),
+                      "shards": stats.results[0]}
+    mem.mark("cache")
+    det, default = runs["deterministic"], runs["default"]
+    if det["distinct_outputs"] != 1:
+        raise RuntimeError(f"the deterministic cache runs wrote different bytes: {det}")
+    described = device_description(torch.device(device))
+    return {"runs": runs, "bytes_equal": det["distinct_outputs"] == 1,
+            "default_bytes_equal": default["distinct_outputs"] == 1,
+            "deterministic_vs_default_equal": det["shards"] == default["shards"],
+            "deterministic_cost": round(det["median_s"] / default["median_s"], 3) if default["median_s"] else None,
+            "encoded_on": encoded_on_key(described), "samples_in": bucketed}
+
+
 class _Null:
     def __enter__(self) -> None:
         return None
@@ -333,13 +504,18 @@ def run_child(phase: str, work: Path, device: str, dry: bool, timeout_s: float, 
             from latentmill.prefect_env import start_ephemeral_api
 
             start_ephemeral_api()  # when the parent gave no PREFECT_API_URL: a server that dies with us
-            fn: Callable[..., dict[str, Any]] = {"demo": phase_demo, "fsdp2": phase_fsdp2, "lora": phase_lora,
-                                                 "full": phase_full}[phase]
-            result = fn(work, device, sizes, mem)
+            if phase == "doctor":
+                result = phase_doctor(work, device, timeout_s, mem)
+            elif phase == "sample":
+                result = phase_sample(work, device, sizes, dry, timeout_s, mem)
+            else:
+                fn: Callable[..., dict[str, Any]] = {"demo": phase_demo, "fsdp2": phase_fsdp2, "lora": phase_lora,
+                                                     "full": phase_full, "cache_repro": phase_cache_repro}[phase]
+                result = fn(work, device, sizes, mem)
         result["status"] = "ok"
     except BaseException as err:  # an OOM or any failure: reported, the check goes on with the next phase
         result = {"status": "failed", "error": "".join(traceback.format_exception(err))[-ERROR_TAIL:]}
-    if phase != "bench":
+    if phase not in ("bench", "doctor", "sample"):  # those report what their commands used
         mem.mark("end")
     result.update(peak_mem_mb=round(mem.peak_mb, 1), peak_mem_parts_mb=mem.parts, peak_rss_mb=round(peak_rss_mb(), 1))
     result_path.write_text(json.dumps(result, indent=1, default=str))
@@ -402,9 +578,11 @@ def run_phase(phase: str, work: Path, device: str, dry: bool, timeout_s: float, 
 
 def environment(device: str) -> dict[str, Any]:
     import torch
+    from latentmill.stages.families import device_description
 
     info: dict[str, Any] = {"torch": torch.__version__, "python": platform.python_version(),
-                            "platform": platform.platform(), "cpu_count": os.cpu_count(), "cuda": None}
+                            "platform": platform.platform(), "cpu_count": os.cpu_count(), "cuda": None,
+                            "device_class": device_description(torch.device(device))["class"]}
     if device == "cuda":
         props = torch.cuda.get_device_properties(0)
         info["cuda"] = {"version": torch.version.cuda, "gpu": props.name, "gpu_count": torch.cuda.device_count(),

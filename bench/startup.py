@@ -267,7 +267,11 @@ def _measure(args, work: Path, num: int, reps: int) -> list:
                "construct_vs_index_read": median([c / f for c, f in zip(construct, floor)]),
                "epoch_order_s_per_million": median([p * per_million for p in plan]),
                "tar_scan_s_per_million_extrapolated": round(scan_s * 1e6 / scanned, 2),
-               "tar_scan_samples": scanned}
+               "tar_scan_samples": scanned,
+               # issue 17 item 3: the manifest every rank parses holds shard entries only (per-sample detail is
+               # in the indexes), so it grows with shards, not samples
+               "manifest_bytes": (cache / "manifest.json").stat().st_size,
+               "manifest_bytes_per_million_samples": round((cache / "manifest.json").stat().st_size * per_million)}
     figures = [
         figure("11. loader start-up per million samples vs reading the index files (hot)",
                [o * per_million for o in ours], [f * per_million for f in floor], "s per million samples",

@@ -13,6 +13,8 @@
     latentmill gc OUTPUT --keep N [--dry-run] [--json PATH]
                    (remove what neither the newest N snapshots nor a pinned one references)
     latentmill pin OUTPUT [SNAPSHOT] / latentmill unpin OUTPUT SNAPSHOT   (gc keeps a pinned snapshot)
+    latentmill compact OUTPUT [--small-below F] [--dry-run] [--json PATH]
+                   (merge the cache's small shards byte for byte, publish the result as a snapshot)
     latentmill init DIR            (copy the example recipes, tiny-model recipes and demo data into DIR)
     latentmill doctor [CONFIG] [--device auto|cuda|cpu] [--json PATH]   (exit 0 good, 1 blocking, 2 warnings)
     latentmill sample EXPORT_OR_CHECKPOINT --prompt TEXT [--prompts FILE] [--batch N] [--steps S]
@@ -66,6 +68,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--keep", type=int, required=True, help="keep the newest N snapshots (and pinned ones)")
     p.add_argument("--dry-run", action="store_true", help="report what would be freed; delete nothing")
     p.add_argument("--json", type=Path, help="write the report here as JSON")
+    p = sub.add_parser("compact", help="merge the cache's small shards into full-size ones (nothing re-encoded)")
+    p.add_argument("output", type=Path, help="an output_dir")
+    p.add_argument("--small-below", type=float, default=0.5,
+                   help="a unit is small under this fraction of cache.shard_bytes (default 0.5)")
+    p.add_argument("--dry-run", action="store_true", help="report what would be merged; write nothing")
+    p.add_argument("--json", type=Path, help="write the report here as JSON")
     for name, text in [("pin", "keep a snapshot through every gc (no SNAPSHOT: list the pins)"),
                        ("unpin", "let gc remove a snapshot again")]:
         p = sub.add_parser(name, help=text)
@@ -114,6 +122,10 @@ def _print_summary(summary: dict[str, Any], recipe_output: str | None) -> None:
         buckets = (stages.get("bucket") or {}).get("buckets")
         if buckets:
             print("buckets (WxHxF: samples): " + ", ".join(f"{k}: {v}" for k, v in buckets.items()))
+        merged = (stages.get("cache") or {}).get("compaction")
+        if merged:
+            print(f"compacted: {merged['merged_units']} small cache units ({merged['shards_before']} shards, "
+                  f"{merged['samples']} samples) into {merged['shards_after']} shards, byte for byte")
         for name, s in stages.items():
             if s.get("warning"):
                 print(f"WARNING {name}: {s['warning']}")
@@ -191,13 +203,24 @@ def _run_flow(command: str, config: Path, overrides: list[str], nproc: int, nnod
 
 
 def _retention_command(args: argparse.Namespace) -> int:
-    """``gc``, ``pin`` and ``unpin`` (``latentmill.pipelines.retention``): no Prefect, no models."""
+    """``compact``, ``gc``, ``pin`` and ``unpin`` (``latentmill.pipelines.retention``, ``.compaction``): no
+    Prefect, no models."""
     from latentmill.config import ConfigError
     from latentmill.pipelines import retention
 
     if not args.output.is_dir():
         raise FileNotFoundError(f"{args.output} does not exist")
-    if args.command == "gc":
+    if args.command == "compact":
+        from latentmill.pipelines import compaction
+
+        if not 0 < args.small_below <= 1:
+            raise ConfigError(f"--small-below: a fraction of cache.shard_bytes in (0, 1], got {args.small_below}")
+        report = compaction.compact(args.output, args.small_below, dry_run=args.dry_run)
+        print(compaction.format_report(report))
+        if args.json:
+            args.json.parent.mkdir(parents=True, exist_ok=True)
+            args.json.write_text(json.dumps(report, indent=2))
+    elif args.command == "gc":
         if args.keep < 1:
             raise ConfigError(f"--keep: must be >= 1 (the newest snapshot is always kept), got {args.keep}")
         report = retention.gc(args.output, args.keep, dry_run=args.dry_run)
@@ -234,6 +257,18 @@ def main(argv: list[str] | None = None) -> int:
     if extra:
         args.overrides = [*args.overrides, *extra]
     debug = args.debug or os.environ.get("LATENTMILL_DEBUG", "") not in ("", "0")
+    # The pod's persistent volume (recipe key `volume`, else $LATENTMILL_VOLUME): HF_HOME, the weight-hash
+    # store and PREFECT_HOME go under it before Hugging Face or Prefect reads them (latentmill.volume).
+    from latentmill.volume import apply_volume, peek_recipe_volume
+
+    config = DEMO_CONFIG if args.command == "demo" else getattr(args, "config", None)
+    try:
+        layout = apply_volume(peek_recipe_volume(config, getattr(args, "overrides", None)))
+    except Exception as err:  # a ConfigError naming the key or the variable
+        print(f"latentmill: error: {err}", file=sys.stderr)
+        return 2
+    if args.command == "serve" and args.home is None and layout.root is not None:
+        args.home = Path(os.environ["PREFECT_HOME"])
     # Progress bars, the summary and one error line are the CLI's output: Prefect's INFO lines would drown
     # them, and its ERROR lines repeat a failure's traceback (shown with --debug).
     os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING" if debug else "CRITICAL")
@@ -262,7 +297,7 @@ def main(argv: list[str] | None = None) -> int:
                 args.json.parent.mkdir(parents=True, exist_ok=True)
                 args.json.write_text(json.dumps(result, indent=2))
             return 0
-        if args.command in ("gc", "pin", "unpin"):
+        if args.command in ("compact", "gc", "pin", "unpin"):
             return _retention_command(args)
         if args.command == "doctor":
             from latentmill.doctor import doctor

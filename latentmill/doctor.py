@@ -226,6 +226,45 @@ def check_persistent(label: str, path: str | Path, env_var: str, env_value: str 
                  f"export {env_var}={workspace}/{'hf' if env_var == 'HF_HOME' else 'outputs'}", details)
 
 
+def check_volume_layout(root: str | None, source: str | None, places: dict[str, str],
+                        workspace: Path = WORKSPACE, writable: bool | None = None) -> Check:
+    """The persistent volume in force (``volume:`` recipe key or ``LATENTMILL_VOLUME``) and where it put the
+    Hugging Face cache, the weight-hash store, Prefect's home and ``output_dir`` (``places``: what -> path).
+
+    No volume on a machine with a ``workspace`` mount is a warning (everything would live on the container's
+    disk); a volume that is not a writable folder is blocking (every run would fail to write there).
+    """
+    details = {"volume": root, "source": source, "places": places, "writable": writable}
+    where = ", ".join(f"{k} {v}" for k, v in places.items())
+    if root is None:
+        if workspace.is_dir():
+            return Check("volume", WARNING, f"no persistent volume set, though {workspace} is mounted: {where}",
+                         f"export LATENTMILL_VOLUME={workspace} (or set `volume: {workspace}` in the recipe)",
+                         details)
+        return Check("volume", OK, f"no persistent volume set (LATENTMILL_VOLUME or recipe `volume:`): {where}",
+                     details=details)
+    origin = "recipe key volume" if source == "recipe" else "LATENTMILL_VOLUME"
+    if writable is False:
+        return Check("volume", BLOCKING, f"{origin}={root} is not a writable folder",
+                     f"mount the pod's volume at {root}, or point {origin} at it", details)
+    outside = [k for k, v in places.items() if "://" not in v and not _under(Path(v), Path(root))]
+    text = f"{origin}={root}: {where}"
+    if outside:
+        return Check("volume", OK, f"{text} ({', '.join(outside)} set explicitly, outside the volume)",
+                     details=details)
+    return Check("volume", OK, text, details=details)
+
+
+def _writable(path: Path) -> bool:
+    """Whether ``path`` is (or can be made as) a folder this process can write in."""
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=path, prefix=".doctor-"):
+            return True
+    except OSError:
+        return False
+
+
 def check_video_decoders(results: dict[str, str | None]) -> Check:
     """``results``: decoder name -> None when it decoded a frame, else the error. Video recipes need both
     decord (frame counts) and PyAV (headers, rotation, decoding)."""
@@ -346,13 +385,21 @@ def probe_jax() -> tuple[bool, list[str] | str | None]:
 
 def run_checks(output_dir: str | Path | None = None, *, device: str = "auto", workspace: Path = WORKSPACE,
                env: dict[str, str] | None = None, min_free_gib: float = MIN_FREE_GIB,
-               nvidia: Callable[[], NvidiaInfo | None] = probe_nvidia_smi) -> list[Check]:
+               nvidia: Callable[[], NvidiaInfo | None] = probe_nvidia_smi,
+               recipe_volume: str | None = None) -> list[Check]:
     """Probe this machine and run every check. ``device``: ``auto`` (CUDA requested when ``nvidia-smi`` shows
-    a GPU), ``cuda`` or ``cpu``. ``output_dir``: a recipe's, for its disk and volume checks."""
+    a GPU), ``cuda`` or ``cpu``. ``output_dir``: a recipe's, for its disk and volume checks. A persistent
+    volume in force (``recipe_volume``, else ``LATENTMILL_VOLUME`` in ``env``) replaces ``workspace``."""
     import torch
     from huggingface_hub import constants
 
     env = dict(os.environ) if env is None else env
+    from latentmill.volume import volume_root
+
+    volume, source = volume_root(recipe_volume, env)
+    writable = None
+    if volume is not None:
+        workspace, writable = Path(volume), _writable(Path(volume))  # (made when missing, as a run would)
     driver = nvidia()
     gpu_seen = bool(driver and driver.gpus)
     requested = device == "cuda" or (device == "auto" and gpu_seen)
@@ -381,6 +428,14 @@ def run_checks(output_dir: str | Path | None = None, *, device: str = "auto", wo
     hf_cache = Path(constants.HF_HUB_CACHE).expanduser()
     checks.append(check_disk("hf cache", hf_cache, *_disk_usage(hf_cache), min_free_gib=min_free_gib))
     checks.append(check_persistent("hf cache", hf_cache, "HF_HOME", env.get("HF_HOME"), workspace))
+    places = {"HF_HOME": env.get("HF_HOME") or str(Path(constants.HF_HOME).expanduser())}
+    from latentmill.models import hash_store_path
+
+    places["weight-hash store"] = env.get("LATENTMILL_HASH_STORE") or str(hash_store_path())
+    places["PREFECT_HOME"] = env.get("PREFECT_HOME") or str(Path("~/.prefect").expanduser())
+    if output_dir is not None:
+        places["output_dir"] = str(output_dir)
+    checks.append(check_volume_layout(volume, source, places, workspace, writable))
     checks.append(check_video_decoders(probe_video_decoders()))
     url = env.get("PREFECT_API_URL")
     checks.append(check_prefect(url, probe_prefect(url) if url else None))
@@ -411,12 +466,13 @@ def doctor(config: str | None = None, overrides: list[str] | None = None, *, dev
            json_path: Path | None = None) -> int:
     """Run the checks (``output_dir`` from the recipe ``config`` when given), print the table, return the exit
     code; write the report to ``json_path`` when given."""
-    output_dir = None
+    output_dir = recipe_volume = None
     if config is not None:
         from latentmill.recipe import load_recipe
 
-        output_dir = load_recipe(config, overrides or []).output_dir
-    checks = run_checks(output_dir, device=device)
+        recipe = load_recipe(config, overrides or [])
+        output_dir, recipe_volume = recipe.output_dir, recipe.volume
+    checks = run_checks(output_dir, device=device, recipe_volume=recipe_volume)
     print(format_checks(checks))
     if json_path is not None:
         json_path.parent.mkdir(parents=True, exist_ok=True)

@@ -46,6 +46,20 @@ def _stage_dirs(path: Path) -> list[Path]:
     return sorted(found, key=order)
 
 
+def _print_encoded_on(manifest: dict) -> None:
+    """Where a cache's components were encoded (device class, versions), and a warning when they mix."""
+    encoded_on = manifest.get("encoded_on")
+    if not encoded_on:
+        return
+    from latentmill.stages.cache import mixed_devices_warning
+
+    for where, counts in encoded_on.items():
+        print(f"  encoded on {where}: vae {counts.get('vae', 0)}, text {counts.get('text', 0)}")
+    warning = mixed_devices_warning(encoded_on)
+    if warning:
+        print(f"  WARNING {warning}")
+
+
 def _print_snapshot(folder: Path, manifest: dict) -> None:
     snap = manifest["snapshot"]
     print(f"snapshot {snap['name']} ({folder}): {snap['samples']} samples in {len(manifest['shards'])} shards, "
@@ -54,6 +68,7 @@ def _print_snapshot(folder: Path, manifest: dict) -> None:
     print("  buckets: " + ", ".join(f"{k}: {v}" for k, v in snap["buckets"].items()))
     for name, model in (manifest.get("models") or {}).items():
         print(f"  {name}: {model.get('class')} fingerprint {model.get('fingerprint', '')[:16]}")
+    _print_encoded_on(manifest)
     for stage, reasons in snap["quarantine"].items():
         for reason, count in reasons.items():
             print(f"  quarantined at {stage}: {count} × {reason}")
@@ -93,6 +108,7 @@ def inspect_path(path: Path) -> int:
             print("  buckets: " + ", ".join(f"{k}: {v}" for k, v in sorted(buckets.items())))
         for name, model in (manifest.get("models") or {}).items():
             print(f"  {name}: {model.get('class')} fingerprint {model.get('fingerprint', '')[:16]}")
+        _print_encoded_on(manifest)
         quarantine = stage_dir / "quarantine.jsonl"
         if quarantine.is_file():
             for line in quarantine.read_text().splitlines():

@@ -16,6 +16,7 @@ from latentmill.models import ModelConfig
 from latentmill.stages.bucket import BucketConfig
 from latentmill.stages.cache import CacheConfig
 from latentmill.stages.caption import CaptionConfig
+from latentmill.stages.compact import CompactionConfig
 from latentmill.stages.ingest import IngestConfig
 from latentmill.trainer.config import ParallelConfig, TrainerConfig
 
@@ -79,6 +80,18 @@ class Recipe:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     prep: PrepConfig = field(default_factory=PrepConfig)
     retention: RetentionConfig = field(default_factory=RetentionConfig)
+    # A pod's persistent volume (absolute path); else $LATENTMILL_VOLUME. A relative output_dir goes under it,
+    # and the CLI puts HF_HOME, the weight-hash store and PREFECT_HOME there (latentmill.volume).
+    volume: Optional[str] = None
+    compaction: CompactionConfig = field(default_factory=CompactionConfig)
+
+    def validate(self) -> None:
+        """Check ``volume`` and place a relative ``output_dir`` under the volume in force (recipe key, else
+        ``$LATENTMILL_VOLUME``); an absolute ``output_dir`` is explicit and wins."""
+        from latentmill.volume import check_volume, resolve_output_dir, volume_root
+
+        self.volume = check_volume(self.volume)
+        self.output_dir = resolve_output_dir(self.output_dir, volume_root(self.volume)[0])
 
     # Where each room writes, under output_dir.
     @property

@@ -20,6 +20,7 @@ from latentmill.pipelines.report import (
 from latentmill.pipelines.retention import OutputBusyError, writer_lock  # noqa: F401 (re-exported)
 from latentmill.pipelines.snapshot import publish as publish_snapshot
 from latentmill.stages import bucket, cache, caption, ingest
+from latentmill.stages.compact import compact_stage
 from latentmill.stages.shardio import (
     StageDir,
     UnitOutput,
@@ -86,6 +87,18 @@ def manifest_header(stage: str, recipe: Recipe) -> dict[str, Any]:
     return cache.manifest_header(recipe.cache, recipe.model, _stage_dir(recipe, stage))
 
 
+def auto_compact(recipe: Recipe, cache_dir: StageDir) -> dict[str, Any] | None:
+    """The end of a prep: merge the cache's small units when ``compaction.auto_after`` of them are there
+    (``latentmill.stages.compact``; the prep holds the writer lock already). What was merged, or None."""
+    if not recipe.compaction.auto_after:
+        return None
+    merged = compact_stage(cache_dir, recipe.compaction.small_below, recipe.compaction.auto_after)
+    if not merged["compacted"]:
+        return None
+    return {k: merged[k] for k in ("merged_units", "shards_before", "shards_after", "samples",
+                                   "member_bytes_copied", "seconds")}
+
+
 def run_stages_in_process(recipe: Recipe) -> dict[str, tuple[StageDir, dict[str, Any], list[UnitRecord]]]:
     """Run the four stages here, one unit after another, without Prefect (tests, benchmarks, debugging).
 
@@ -99,6 +112,10 @@ def run_stages_in_process(recipe: Recipe) -> dict[str, tuple[StageDir, dict[str,
         stage_dir = _stage_dir(recipe, stage).ensure()
         records = [stage_dir.run_unit(u, stage_processor(stage, recipe)) for u in plan_stage(stage, recipe)]
         result[stage] = (stage_dir, stage_dir.write_manifest(records, manifest_header(stage, recipe)), records)
+    if auto_compact(recipe, result["cache"][0]) is not None:  # as the flow does: the manifest names merged units
+        stage_dir = result["cache"][0]
+        manifest = stage_dir.read_manifest()
+        result["cache"] = (stage_dir, manifest, [stage_dir.load_record(u) for u in manifest["units"]])
     return result
 
 
@@ -251,6 +268,9 @@ def prep_stages(recipe_data: dict, started_run: str | None = None) -> dict[str, 
         if stage == "cache":
             report[stage].update(cache.component_report(records))
             report[stage]["manifest"] = str(stage_dir.manifest_path)
+            merged = auto_compact(recipe, stage_dir)
+            if merged is not None:
+                report[stage]["compaction"] = merged
         run_log.info(stage_line(stage, report[stage]))
     publish_prep_artifacts(report, recipe.prep_dir, also=[started_run] if started_run else [])
     return {"stages": report, "snapshot": publish_snapshot(recipe.output_dir, recipe.stage_dir("cache"))}

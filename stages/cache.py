@@ -28,18 +28,22 @@ from latentmill.stages.families import (
     compute_dtypes,
     describe_components,
     detect_family,
+    deterministic_encoding,
+    device_description,
+    encoded_on_key,
     family_components,
     get_encoders,
+    prepare_cublas_determinism,
 )
 from latentmill.stages.shardio import (
     _TAR_BLOCK,
     DEFAULT_SHARD_BYTES,
+    ShardIndexError,
     StageDir,
     UnitOutput,
     UnitRecord,
     WorkUnit,
     check_shard_bytes,
-    iter_unit_samples,
     load_shard_index,
     meta_bytes,
     read_shard,
@@ -48,6 +52,7 @@ from latentmill.stages.shardio import (
     shard_buckets,
     sibling_stage,
     stable_hash,
+    unit_input_shards,
     units_by_bytes,
 )
 from latentmill.stages.workers import unit_gpu
@@ -91,6 +96,9 @@ class CacheConfig:
     # Target size of a cache shard: bucket shards are grouped into units whose estimated output (latents +
     # text embeddings, see docs/cache-format.md) stays within it; each unit writes one shard of all its buckets.
     shard_bytes: int = DEFAULT_SHARD_BYTES
+    # Deterministic algorithms, cuDNN deterministic, no TF32 while encoding ("auto": on CUDA; see
+    # docs/cache-format.md, "Reproducible where"). Not part of the component keys.
+    deterministic: Union[bool, Literal["auto"]] = "auto"
 
     @property
     def background(self) -> tuple[int, int, int]:
@@ -129,6 +137,21 @@ def _compute(dtype: torch.dtype) -> dict[str, str]:
     """A component key's record of the dtype its encoder ran in: nothing for float32 (the keys of caches
     made on the CPU stay what they were), else its name."""
     return {} if dtype == torch.float32 else {"compute": str(dtype).removeprefix("torch.")}
+
+
+def _deterministic(cfg: CacheConfig) -> bool:
+    """Whether the encoders run in deterministic mode (``cache.deterministic``; ``auto``: on CUDA)."""
+    return cfg.deterministic is True or (cfg.deterministic == "auto" and _on_gpu(cfg))
+
+
+def _load_encoders(cfg: CacheConfig, model: ModelConfig, family: str, device: torch.device):
+    """The family's encoders on ``device`` (CUBLAS_WORKSPACE_CONFIG set first in deterministic mode: the move
+    to the GPU initialises CUDA), with the CPU thread count pinned."""
+    if _deterministic(cfg):
+        prepare_cublas_determinism()
+    encoders = get_encoders(model, family, device)
+    _pin_threads(cfg)
+    return encoders
 
 
 def _pin_threads(cfg: CacheConfig) -> None:
@@ -286,9 +309,11 @@ class ComponentIndex:
 
     def __init__(self, stage_root: Path):
         self.root = stage_root
-        # component key -> (shard, sample key, member, record mtime)
-        self.vae: dict[str, tuple[Path, str, str, int]] = {}
-        self.text: dict[str, tuple[Path, str, str, int]] = {}
+        # component key -> every (shards of the unit, sample key, member, record mtime) that holds it, oldest
+        # first: a compacted unit holds the same component as the small units it merged, and a gc may have
+        # removed the older ones' shards since
+        self.vae: dict[str, list[tuple[tuple[Path, ...], str, str, int]]] = {}
+        self.text: dict[str, list[tuple[tuple[Path, ...], str, str, int]]] = {}
         self._seen: set[str] = set()
         self._mtime = -1
 
@@ -309,23 +334,27 @@ class ComponentIndex:
                 continue
             if not record.shards:
                 continue
-            shard = self.root / record.shards[0].path
+            shards = tuple(self.root / shard.path for shard in record.shards)  # a rolled-over unit has several
             for sample_key, keys in record.extra.get("components", {}).items():
                 entries = [(self.vae, keys["vae"], VAE_MEMBER)]
                 texts = keys["text"] if isinstance(keys["text"], list) else [keys["text"]]
                 entries += [(self.text, tk, text_member(j)) for j, tk in enumerate(texts)]
                 for table, key, member in entries:
-                    if key not in table or committed < table[key][3]:
-                        table[key] = (shard, sample_key, member, committed)
+                    table.setdefault(key, []).append((shards, sample_key, member, committed))
+                    table[key].sort(key=lambda hit: hit[3])
         return self
 
-    def find(self, table: str, keys: list[str], before_ns: int) -> dict[str, tuple[Path, str, str]]:
-        """(shard, sample key, member) of each of the ``keys`` committed before ``before_ns``."""
+    def find(self, table: str, keys: list[str], before_ns: int) -> dict[str, tuple[tuple[Path, ...], str, str]]:
+        """(shards, sample key, member) of each of the ``keys`` committed before ``before_ns``: the oldest
+        whose shards are all still on disk."""
         found = {}
         for key in keys:
-            hit = getattr(self, table).get(key)
-            if hit is not None and hit[3] < before_ns:
-                found[key] = hit[:3]
+            for hit in getattr(self, table).get(key, ()):
+                if hit[3] >= before_ns:
+                    break
+                if all(shard.is_file() for shard in hit[0]):
+                    found[key] = hit[:3]
+                    break
         return found
 
 
@@ -342,19 +371,150 @@ def component_index(stage_root: Path) -> ComponentIndex:
         return _indexes[key].refresh()
 
 
-def _fetch(wanted: dict[str, tuple[Path, str, str]]) -> dict[str, bytes]:
-    """Read each wanted (shard, sample, member) once per shard; returns component key -> bytes."""
-    by_shard: dict[Path, dict[tuple[str, str], str]] = {}
-    for comp_key, (shard, sample_key, member) in wanted.items():
-        by_shard.setdefault(shard, {})[(sample_key, member)] = comp_key
+# ---------------------------------------------------------------------------------------------------------
+# Where components were encoded (device class and library versions, docs/cache-format.md)
+# ---------------------------------------------------------------------------------------------------------
+
+UNKNOWN_DEVICE = "unknown (encoded before device classes were recorded)"
+
+
+class OriginIndex:
+    """Component key -> the ``encoded_on`` key of the machine class that encoded it, from the unit records.
+
+    A record names its own device (``extra.device.key``) and, under ``extra.foreign``, the origin of every
+    component it copied from a unit encoded elsewhere; records older than this field count as unknown. Like
+    :meth:`ComponentIndex.find`, the oldest record whose shards are all still on disk gives the answer.
+    Refreshed incrementally when the ``units/`` folder changes.
+    """
+
+    def __init__(self, stage_root: Path):
+        self.root = stage_root
+        self.hits: dict[str, list[tuple[int, tuple[Path, ...], str]]] = {}
+        self._seen: set[str] = set()
+        self._mtime = -1
+
+    def refresh(self) -> OriginIndex:
+        units = self.root / "units"
+        mtime = units.stat().st_mtime_ns if units.is_dir() else -1
+        if mtime == self._mtime:
+            return self
+        self._mtime = mtime
+        for path in sorted(units.glob("*.json")) if units.is_dir() else []:
+            if path.name in self._seen:
+                continue
+            self._seen.add(path.name)
+            try:
+                extra = json.loads(path.read_text()).get("extra") or {}
+                shards = tuple(self.root / s["path"] for s in json.loads(path.read_text())["shards"])
+                committed = path.stat().st_mtime_ns
+            except (OSError, ValueError, TypeError, KeyError):
+                continue
+            here = (extra.get("device") or {}).get("key", UNKNOWN_DEVICE)
+            foreign = extra.get("foreign") or {}
+            for keys in (extra.get("components") or {}).values():
+                texts = keys["text"] if isinstance(keys["text"], list) else [keys["text"]]
+                for key in [keys["vae"], *texts]:
+                    hits = self.hits.setdefault(key, [])
+                    hits.append((committed, shards, foreign.get(key, here)))
+                    hits.sort(key=lambda hit: hit[0])
+        return self
+
+    def origin(self, key: str, before_ns: int) -> str:
+        """Where ``key`` was encoded, by the oldest record committed before ``before_ns`` still on disk."""
+        for committed, shards, where in self.hits.get(key, ()):
+            if committed >= before_ns:
+                break
+            if all(shard.is_file() for shard in shards):
+                return where
+        return UNKNOWN_DEVICE
+
+
+_origins: dict[str, OriginIndex] = {}
+
+
+def origin_index(stage_root: Path) -> OriginIndex:
+    """The up-to-date origin index of a cache folder (one per process)."""
+    with _indexes_lock:
+        key = str(stage_root.resolve())
+        if key not in _origins:
+            _origins[key] = OriginIndex(stage_root)
+        return _origins[key].refresh()
+
+
+def mixed_devices_warning(encoded_on: dict[str, dict[str, int]]) -> str | None:
+    """The warning for a cache whose components were encoded on more than one known device class (or
+    library version): their bytes are not what one machine would have made."""
+    known = {k: v for k, v in encoded_on.items() if k != UNKNOWN_DEVICE}
+    if len(known) < 2:
+        return None
+    parts = [f"{k} (vae {v.get('vae', 0)}, text {v.get('text', 0)})" for k, v in sorted(known.items())]
+    return ("mixed device classes: " + "; ".join(parts) + ". Components are reused across machine classes "
+            "(docs/cache-format.md, 'Reproducible where'); re-encode on one class for byte-identical caches")
+
+
+def merged_origins(records: list[UnitRecord]) -> dict[str, Any]:
+    """The ``device``, ``encoded_on`` and ``foreign`` fields of one record that holds the samples of
+    ``records`` (a compaction merging units): provenance survives the merge. Empty when none recorded it."""
+    base = next((r.extra["device"] for r in records if r.extra.get("device")), None)
+    if base is None:
+        return {}
+    foreign: dict[str, str] = {}
+    for record in records:
+        here = (record.extra.get("device") or {}).get("key", UNKNOWN_DEVICE)
+        theirs = record.extra.get("foreign") or {}
+        for keys in (record.extra.get("components") or {}).values():
+            texts = keys["text"] if isinstance(keys["text"], list) else [keys["text"]]
+            for key in [keys["vae"], *texts]:
+                where = theirs.get(key, here)
+                if where != base["key"]:
+                    foreign[key] = where
+    return {"device": base, "encoded_on": encoded_on_total(records), **({"foreign": foreign} if foreign else {})}
+
+
+def encoded_on_total(records: list[UnitRecord]) -> dict[str, dict[str, int]]:
+    """The ``encoded_on`` counts of the records, summed (units written before the field: unknown)."""
+    total: dict[str, dict[str, int]] = {}
+    for record in records:
+        counts = record.extra.get("encoded_on")
+        if counts is None:
+            done = record.extra.get("counts") or {}
+            counts = {UNKNOWN_DEVICE: {c: sum((done.get(c) or {}).values()) for c in ("vae", "text")}}
+        for where, n in counts.items():
+            tally = total.setdefault(where, {"vae": 0, "text": 0})
+            for comp in ("vae", "text"):
+                tally[comp] += int(n.get(comp, 0))
+    return dict(sorted(total.items()))
+
+
+def _fetch(wanted: dict[str, tuple[tuple[Path, ...], str, str]]) -> dict[str, bytes]:
+    """Read each wanted (shards, sample, member): the sample is found in its unit's shards through their
+    indexes and only its member is read (not the whole tar). Returns component key -> bytes; a component
+    whose shards are gone or unreadable is left out (it is encoded again)."""
+    by_unit: dict[tuple[Path, ...], dict[tuple[str, str], str]] = {}
+    for comp_key, (shards, sample_key, member) in wanted.items():
+        by_unit.setdefault(shards, {})[(sample_key, member)] = comp_key
     found = {}
-    for shard, members in by_shard.items():
-        if not shard.is_file():  # removed since it was indexed: those components are encoded again
-            continue
-        for sample in read_shard(shard):
-            for (sample_key, member), comp_key in members.items():
-                if sample_key == sample["__key__"] and member in sample:
-                    found[comp_key] = sample[member]
+    for shards, members in by_unit.items():
+        wanted_keys = {sample_key for sample_key, _ in members}
+        for shard in shards:
+            try:
+                index = load_shard_index(shard)
+                fd = os.open(shard, os.O_RDONLY)
+            except (OSError, ShardIndexError):
+                continue
+            try:
+                for i in range(index.num_samples):
+                    sample_key = index.key(i)
+                    if sample_key not in wanted_keys:
+                        continue
+                    for ext, (offset, size) in index.members(i).items():
+                        comp_key = members.get((sample_key, ext))
+                        if comp_key is not None:
+                            data = os.pread(fd, size, offset)
+                            if len(data) == size:
+                                found[comp_key] = data
+            finally:
+                os.close(fd)
     return found
 
 
@@ -494,6 +654,54 @@ def _latent_tensors(mean: torch.Tensor, std: torch.Tensor, cfg: CacheConfig, key
     return {"latents": mean}
 
 
+class UnitSamples:
+    """A cache unit's input samples in the unit's order (bucket, key), without their payloads in memory.
+
+    Each upstream (bucket) shard's index gives every sample's members; only the ``json`` members are read
+    here. :meth:`sample` reads one sample's members when its pixels are decoded, so the unit holds one
+    batch of raw images at a time, not the whole unit's (a unit reads up to ``cache.shard_bytes`` of
+    output's worth of bucket shards: hundreds of MB of images). A shard whose index cannot be read is read
+    whole, as before indexes.
+    """
+
+    def __init__(self, unit: WorkUnit):
+        rows: list[tuple[dict[str, Any], str, Any]] = []  # (meta, key, where: (path, members) or the sample)
+        for path in unit_input_shards(unit):
+            try:
+                shard_index = load_shard_index(path)
+            except ShardIndexError:
+                rows += [(sample_json(s), s["__key__"], s) for s in read_shard(path)]
+                continue
+            with open(path, "rb") as fh:
+                fd = fh.fileno()
+                for i in range(shard_index.num_samples):
+                    members = shard_index.members(i)
+                    offset, size = members["json"]
+                    rows.append((json.loads(os.pread(fd, size, offset)), shard_index.key(i), (Path(path), members)))
+        rows.sort(key=lambda row: (list(row[0]["bucket"]), row[1]))
+        self.metas = [row[0] for row in rows]
+        self.keys = [row[1] for row in rows]
+        self._where = [row[2] for row in rows]
+
+    def __len__(self) -> int:
+        return len(self.keys)
+
+    def sample(self, i: int) -> dict[str, Any]:
+        """Sample ``i`` as ``read_shard`` yields it: ``{"__key__": key, extension: bytes, ...}``."""
+        where = self._where[i]
+        if isinstance(where, dict):
+            return where
+        path, members = where
+        sample: dict[str, Any] = {"__key__": self.keys[i]}
+        with open(path, "rb") as fh:
+            for ext, (offset, size) in members.items():
+                data = os.pread(fh.fileno(), size, offset)
+                if len(data) != size:
+                    raise OSError(f"{path}: member {self.keys[i]}.{ext} ends past the file")
+                sample[ext] = data
+        return sample
+
+
 def process(cfg: CacheConfig, model: ModelConfig, unit: WorkUnit, out: UnitOutput) -> None:
     """Encode (or copy already-encoded components of) every sample of a unit's bucket shards.
 
@@ -504,11 +712,8 @@ def process(cfg: CacheConfig, model: ModelConfig, unit: WorkUnit, out: UnitOutpu
     plan_ = cache_plan(cfg, model)
     dtype, trim = DTYPES[cfg.dtype], trims_text(cfg, plan_.family)
     index = component_index(out.stage_dir.root)
-    loaded = [(sample_json(s), s) for s in iter_unit_samples(unit)]
-    loaded.sort(key=lambda ms: (list(ms[0]["bucket"]), ms[1]["__key__"]))
-    metas = [m for m, _ in loaded]
-    samples = [s for _, s in loaded]
-    del loaded
+    samples = UnitSamples(unit)  # metadata now; pixels when a batch needs them (memory: one batch)
+    metas = samples.metas
     # Every caption of a sample is encoded (the trainer picks one per step); the first is the primary.
     captions = [m.get("captions") or [m["caption"]] for m in metas]
     keys = [(plan_.vae_key(m), [plan_.text_key(c) for c in caps]) for m, caps in zip(metas, captions)]
@@ -516,6 +721,22 @@ def process(cfg: CacheConfig, model: ModelConfig, unit: WorkUnit, out: UnitOutpu
     old_vae = _fetch(index.find("vae", [vk for vk, _ in keys], before))
     old_text = _fetch(index.find("text", [tk for _, tks in keys for tk in tks], before))
     encoders = None
+    device = _device(cfg, unit.unit_id)
+    # where this unit encodes (device class, versions); reused components count where they were encoded
+    if _deterministic(cfg):
+        prepare_cublas_determinism()  # before device_description initialises CUDA
+    described = {**device_description(device), "deterministic": _deterministic(cfg)}
+    here = described["key"] = encoded_on_key(described)
+    origins = origin_index(out.stage_dir.root)
+    encoded_on: dict[str, dict[str, int]] = {}
+    foreign: dict[str, str] = {}  # reused component key -> where it was encoded, when not here
+
+    def count_origin(comp: str, key: str, reused: bool) -> None:
+        where = origins.origin(key, before) if reused else here
+        if where != here:
+            foreign[key] = where
+        encoded_on.setdefault(where, {"vae": 0, "text": 0})[comp] += 1
+
     counts = {"vae": {"encoded": 0, "reused": 0}, "text": {"encoded": 0, "reused": 0}}
     sizes = {"vae": 0, "text": 0}
     components: dict[str, dict[str, str]] = {}
@@ -531,7 +752,7 @@ def process(cfg: CacheConfig, model: ModelConfig, unit: WorkUnit, out: UnitOutpu
                     if i in passes:
                         decoded[i] = clip_pixels(passes.frames(i), metas[i])
                     else:
-                        decoded[i] = decode_sample(samples[i], metas[i], plan_.background)
+                        decoded[i] = decode_sample(samples.sample(i), metas[i], plan_.background)
                 except Exception as err:  # any undecodable input is quarantined, never fatal
                     decoded[i] = err
         return decoded
@@ -546,22 +767,23 @@ def process(cfg: CacheConfig, model: ModelConfig, unit: WorkUnit, out: UnitOutpu
     for batch, decoded in zip(batches, _prefetched(decode, batches, prefetch)):
         for i, value in list(decoded.items()):
             if isinstance(value, Exception):
-                out.quarantine(samples[i]["__key__"], metas[i].get("source", "?"), f"cannot decode pixels: {value}")
+                out.quarantine(samples.keys[i], metas[i].get("source", "?"), f"cannot decode pixels: {value}")
                 del decoded[i]
         keep = [i for i in batch if keys[i][0] in old_vae or i in decoded]
         need_vae = [i for i in keep if keys[i][0] not in old_vae]
         need_text = {tk: captions[i][j] for i in keep for j, tk in enumerate(keys[i][1]) if tk not in old_text}
         if (need_vae or need_text) and encoders is None:
-            encoders = get_encoders(model, plan_.family, _device(cfg, unit.unit_id))
-            _pin_threads(cfg)
+            encoders = _load_encoders(cfg, model, plan_.family, device)
         vae_bytes: dict[str, bytes] = {}
         if need_vae:
-            mean, std = encoders.encode_pixels(torch.stack([decoded[i] for i in need_vae]))
+            with deterministic_encoding(described["deterministic"]):
+                mean, std = encoders.encode_pixels(torch.stack([decoded[i] for i in need_vae]))
             for j, i in enumerate(need_vae):
                 vae_bytes[keys[i][0]] = _tensor_bytes(_latent_tensors(mean[j], std[j], cfg, keys[i][0]), dtype)
         text_bytes: dict[str, bytes] = {}
         if need_text:
-            encoded = encoders.encode_text(list(need_text.values()), cfg.max_sequence_length)
+            with deterministic_encoding(described["deterministic"]):
+                encoded = encoders.encode_text(list(need_text.values()), cfg.max_sequence_length)
             for j, tk in enumerate(need_text):
                 text_bytes[tk] = _tensor_bytes(_text_tensors(encoded, j, trim), dtype)
         for i in keep:
@@ -569,17 +791,20 @@ def process(cfg: CacheConfig, model: ModelConfig, unit: WorkUnit, out: UnitOutpu
             vae = old_vae.get(vk) or vae_bytes[vk]
             texts = [old_text.get(tk) or text_bytes[tk] for tk in tks]
             counts["vae"]["reused" if vk in old_vae else "encoded"] += 1
+            count_origin("vae", vk, vk in old_vae)
             for tk in tks:
                 counts["text"]["reused" if tk in old_text else "encoded"] += 1
+                count_origin("text", tk, tk in old_text)
             sizes["vae"] += len(vae)
             sizes["text"] += len(texts[0])
-            key = samples[i]["__key__"]
+            key = samples.keys[i]
             components[key] = {"vae": vk, "text": tks}
             meta = {**metas[i], "components": components[key]}
             members = {text_member(j): data for j, data in enumerate(texts)}
             out.add({"__key__": key, VAE_MEMBER: vae, **members, "json": meta_bytes(meta)}, bucket=metas[i]["bucket"])
     passes.close()  # (an exception above leaves them to the garbage collector, which closes them too)
-    out.extra.update(components=components, counts=counts, bytes=sizes)
+    out.extra.update(components=components, counts=counts, bytes=sizes, device=described,
+                     encoded_on=dict(sorted(encoded_on.items())), **({"foreign": foreign} if foreign else {}))
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -593,9 +818,9 @@ def ensure_empty_prompt(cfg: CacheConfig, model: ModelConfig, stage_dir: StageDi
     name = f"empty_prompt-{plan_.text_key('')[:16]}.safetensors"
     path = stage_dir.root / name
     if not path.is_file():
-        encoders = get_encoders(model, plan_.family, _device(cfg))
-        _pin_threads(cfg)
-        encoded = encoders.encode_text([""], cfg.max_sequence_length)
+        encoders = _load_encoders(cfg, model, plan_.family, _device(cfg))
+        with deterministic_encoding(_deterministic(cfg)):
+            encoded = encoders.encode_text([""], cfg.max_sequence_length)
         data = _tensor_bytes(_text_tensors(encoded, 0, trims_text(cfg, plan_.family)), DTYPES[cfg.dtype])
         tmp = path.with_name(name + ".tmp")
         tmp.write_bytes(data)
@@ -613,13 +838,35 @@ def manifest_header(cfg: CacheConfig, model: ModelConfig, stage_dir: StageDir) -
         "format_version": MANIFEST_VERSION,
         "family": plan_.family,
         "fingerprint": stable_hash(plan_.fingerprint()),
+        # what unit ids are made of, and the shard target: `latentmill compact OUTPUT` needs both
+        "stage_fingerprint": plan_.fingerprint(),
+        "shard_bytes": cfg.shard_bytes,
         "models": models,
         "dtype": cfg.dtype,
         "latents": cfg.latents,
         "max_sequence_length": cfg.max_sequence_length,
         "text": {"trimmed": trims_text(cfg, plan_.family), "pad_to": cfg.max_sequence_length},
         "empty_prompt": ensure_empty_prompt(cfg, model, stage_dir),
+        **_encoded_on_field(cfg, model, stage_dir),
     }
+
+
+def _encoded_on_field(cfg: CacheConfig, model: ModelConfig, stage_dir: StageDir) -> dict[str, Any]:
+    """``{"encoded_on": {"<device class> | torch ... [| cudnn ...]": {"vae": n, "text": n}}}`` over the units
+    of this cache (the current plan's committed records); nothing when none of them recorded it (a cache
+    written before the field keeps its manifest, and so its snapshot name)."""
+    upstream = StageDir(stage_dir.root.parent / "bucket", "bucket")
+    if not upstream.manifest_path.is_file():
+        return {}
+    records = []
+    for unit in plan(cfg, model, upstream, stage_dir):
+        try:
+            records.append(UnitRecord.from_json(json.loads(stage_dir.unit_path(unit.unit_id).read_text())))
+        except (OSError, ValueError, TypeError, KeyError):
+            continue
+    if not any("encoded_on" in r.extra for r in records):
+        return {}
+    return {"encoded_on": encoded_on_total(records)}
 
 
 def component_report(records: list[UnitRecord]) -> dict[str, Any]:
@@ -637,5 +884,11 @@ def component_report(records: list[UnitRecord]) -> dict[str, Any]:
             sizes[comp] += record.extra.get("bytes", {}).get(comp, 0)
     samples = sum(r.samples_out for r in records)
     per_sample = {k: round(v / samples) for k, v in sizes.items()} if samples else {"vae": 0, "text": 0}
-    return {"components": report, "bytes_per_sample": per_sample}
+    result: dict[str, Any] = {"components": report, "bytes_per_sample": per_sample}
+    if any("encoded_on" in r.extra for r in records):
+        result["encoded_on"] = encoded_on_total(records)
+        warning = mixed_devices_warning(result["encoded_on"])
+        if warning:
+            result["warning"] = warning
+    return result
 

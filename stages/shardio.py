@@ -1175,6 +1175,13 @@ def copy_estimate(per_sample: int) -> Callable[[StageDir, dict[str, Any]], int]:
     return lambda upstream, entry: shard_tar_bytes(upstream, entry, per_sample)
 
 
+def grouped_unit_id(fingerprint: dict[str, Any], inputs: list[str]) -> str:
+    """The id of a unit that reads the upstream shards of sha256 ``inputs`` (in order), for a stage of
+    ``fingerprint``: planning (:func:`units_by_bytes`) and compaction (``stages.compact``) agree on it, so a
+    compacted unit is the unit the next plan asks for."""
+    return stable_hash({"fingerprint": fingerprint, "layout": LAYOUT_VERSION, "inputs": list(inputs)})
+
+
 def units_by_bytes(upstream: StageDir, fingerprint: dict[str, Any], target: int,
                    stage_dir: StageDir | None = None,
                    estimate: Callable[[StageDir, dict[str, Any]], int] = shard_tar_bytes) -> list[WorkUnit]:
@@ -1193,7 +1200,7 @@ def units_by_bytes(upstream: StageDir, fingerprint: dict[str, Any], target: int,
     for group in group_by_bytes(list(sizes.items()), previous_unit_groups(stage_dir), target):
         members = [entries[name] for name in group]
         inputs = [e["sha256"] for e in members]
-        unit_id = stable_hash({"fingerprint": fingerprint, "layout": LAYOUT_VERSION, "inputs": inputs})
+        unit_id = grouped_unit_id(fingerprint, inputs)
         estimated = sum(sizes[name] for name in group)
         payload = {"shards": [str(upstream.root / e["path"]) for e in members], GROUP_KEY: list(group),
                    "estimated_bytes": estimated}

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-PHASES = ["demo", "bench", "fsdp2", "lora", "full"]
+PHASES = ["doctor", "demo", "bench", "fsdp2", "lora", "full", "sample", "cache_repro"]
 DRY_IMAGE = 64  # bench.gpu_check.SIZES["dry"]["image"]
 
 
@@ -100,6 +100,23 @@ def test_exports_load_in_diffusers_and_generate(dry_run):
         assert phase["image_shape"] == [1, DRY_IMAGE, DRY_IMAGE, 3]
         assert phase["pixels_finite"] is True and 0.0 <= phase["pixel_mean"] <= 1.0
         assert (phase["pipeline_device"], phase["pipeline_dtype"]) == ("cpu", "torch.float32")
+
+
+@pytest.mark.slow
+def test_doctor_sample_and_cache_repro_phases(dry_run):
+    # issue 19: the check runs doctor and sample --compile, and the cache stage twice with equal bytes
+    _, report, _ = dry_run
+    doctor, sample, repro = (report["phases"][k] for k in ("doctor", "sample", "cache_repro"))
+    assert doctor["exit_code"] in (0, 2) and doctor["statuses"]["cuda"] == "ok"
+    assert doctor["command"].startswith("latentmill doctor --device cpu --json")
+    assert sample["compiled"]["compile"] is True and sample["compiled"]["compiled"]
+    assert sample["eager"]["compile"] is False and "--compile" not in sample["eager"]["command"]
+    for run in (sample["eager"], sample["compiled"]):
+        assert run["repeats"] == 2 and run["median_s"] > 0 and run["first_call_s"] > 0
+        assert run["images"] == (1 + 2) * 2  # the warm-up call and 2 timed calls of batch 2
+    assert repro["bytes_equal"] is True and repro["runs"]["deterministic"]["distinct_outputs"] == 1
+    assert repro["runs"]["deterministic"]["repeats"] == 1 and repro["samples_in"] == 25  # the bucket stage's 25
+    assert repro["runs"]["deterministic"]["shards"] and repro["deterministic_cost"] > 0
 
 
 @pytest.mark.slow

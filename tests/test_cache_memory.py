@@ -1,0 +1,61 @@
+"""The cache stage holds one batch of raw images at a time, not its whole unit's.
+
+A cache unit reads bucket shards worth up to ``cache.shard_bytes`` of output: hundreds of MB of raw images
+at full size. It used to read every sample of the unit into memory (to sort them by bucket and key) before
+encoding the first batch, so a prep's peak memory grew with the unit. Here 24 noise PNGs of ~1 MB each
+(28 MiB of raw bytes in one unit) are cached with ``cache.batch_size`` 4: the Python heap's peak during the
+unit (``tracemalloc``: bytes objects, not torch tensors) must stay far below the unit's raw bytes.
+"""
+
+from __future__ import annotations
+
+import shutil
+import tracemalloc
+
+import numpy as np
+import pytest
+from latentmill.stages.shardio import StageDir, read_shard
+from PIL import Image
+
+from tests.conftest import DEMO_CONFIG
+
+pytestmark = pytest.mark.slow
+
+COUNT, SIDE = 24, 640  # 640x640 RGB noise: ~1.2 MB a PNG
+
+
+def test_a_cache_unit_holds_one_batch_of_images_not_the_unit(tmp_path, tiny_flux):
+    from latentmill.pipelines.prep import _stage_dir, plan_stage, run_stages_in_process, stage_processor
+
+    from latentmill.recipe import load_recipe
+
+    source = tmp_path / "images"
+    source.mkdir()
+    rng = np.random.default_rng(0)
+    for i in range(COUNT):
+        Image.fromarray(rng.integers(0, 256, (SIDE, SIDE, 3), dtype=np.uint8)).save(source / f"n{i:02d}.png")
+        (source / f"n{i:02d}.txt").write_text(f"noise {i}")
+    raw = sum(p.stat().st_size for p in source.glob("*.png"))
+    recipe = load_recipe(DEMO_CONFIG, [f"output_dir={tmp_path / 'out'}", f"model.pretrained={tiny_flux}",
+                                       f"ingest.source={source}", "ingest.shard_bytes=1000000000",
+                                       "caption.shard_bytes=1000000000", "bucket.shard_bytes=1000000000",
+                                       "cache.shard_bytes=1000000000", "cache.batch_size=4",
+                                       "cache.prefetch=false", "compaction.auto_after=0"])
+    run_stages_in_process(recipe)  # every stage once (models loaded, bucket shards written)
+    cache_root = recipe.stage_dir("cache")
+    expected = {s["__key__"]: s for s in read_shard(next((cache_root / "shards").glob("*.tar")))}
+    shutil.rmtree(cache_root)
+    (unit,) = plan_stage("cache", recipe)
+    stage = _stage_dir(recipe, "cache").ensure()
+    tracemalloc.start()
+    try:
+        record = stage.run_unit(unit, stage_processor("cache", recipe))
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert record.samples_out == COUNT and raw > 24 * 2**20
+    assert peak < raw / 4, f"peak Python heap {peak / 2**20:.1f} MiB for {raw / 2**20:.1f} MiB of images"
+    # the same bytes as the first run of the unit (reading members by offset changes nothing)
+    (shard,) = record.shards
+    got = {s["__key__"]: s for s in read_shard(StageDir(cache_root, "cache").root / shard.path)}
+    assert got == expected
