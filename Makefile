@@ -44,7 +44,7 @@ demo: venv
 	$(VENV)/bin/latentmill demo --summary-json $(DEMO_DIR)/summary.json
 
 test: dev
-	$(VENV)/bin/python -m pytest -q
+	$(VENV)/bin/python -m pytest -q --durations=25
 
 lint: dev
 	$(VENV)/bin/ruff check .
