@@ -27,6 +27,7 @@ CONFIG is a recipe file, or the name of a shipped example recipe (``demo``, ``de
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -177,7 +178,7 @@ def _sample_image(train: dict[str, Any], output_dir: Path) -> Path:
 
 
 def _run_flow(command: str, config: Path, overrides: list[str], nproc: int, nnodes: int = 1,
-              rdzv_endpoint: str | None = None) -> tuple[dict, str]:
+              rdzv_endpoint: str | None = None, early_api: Any = None) -> tuple[dict, str]:
     from latentmill.preflight import check_recipe
     from latentmill.recipe import load_recipe
 
@@ -192,13 +193,21 @@ def _run_flow(command: str, config: Path, overrides: list[str], nproc: int, nnod
         from latentmill.pipelines.retention import check_not_busy
 
         check_not_busy(recipe.output_dir)
-    start_ephemeral_api()  # Prefect's temporary API server ends with this process, even when it is killed
-    if command == "prep":
-        summary = prep(str(config), overrides)
-    elif command == "train":
-        summary = train(str(config), overrides, nproc, nnodes, rdzv_endpoint)
+    # Prefect's temporary API server ends with this process, even when it is killed; launched at the start of
+    # the command (early_api) it has booted during the imports and checks above
+    if early_api is not None:
+        early_api.ready(float(os.environ["PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS"]))
+        using = early_api.settings()
     else:
-        summary = prep_then_train(str(config), overrides, nproc, nnodes, rdzv_endpoint)
+        start_ephemeral_api()
+        using = contextlib.nullcontext()
+    with using:
+        if command == "prep":
+            summary = prep(str(config), overrides)
+        elif command == "train":
+            summary = train(str(config), overrides, nproc, nnodes, rdzv_endpoint)
+        else:
+            summary = prep_then_train(str(config), overrides, nproc, nnodes, rdzv_endpoint)
     return summary, recipe.output_dir
 
 
@@ -325,13 +334,18 @@ def main(argv: list[str] | None = None) -> int:
 
             return serve_main([args.action, *(["--port", str(args.port)] if args.port else []),
                                *(["--home", str(args.home)] if args.home else [])])
+        # flows ahead: Prefect's temporary API server boots while the flows are imported and the recipe checked
+        from latentmill.prefect_env import start_api_early
+
+        early_api = start_api_early()
         if args.command == "demo":
-            summary, out = _run_flow("run", DEMO_CONFIG, args.overrides, 1)
+            summary, out = _run_flow("run", DEMO_CONFIG, args.overrides, 1, early_api=early_api)
             if summary["train"].get("export_dir"):
                 summary["sample"] = str(_sample_image(summary["train"], Path(out)))
         else:
             summary, out = _run_flow(args.command, args.config, args.overrides, getattr(args, "nproc", 1),
-                                     getattr(args, "nnodes", 1), getattr(args, "rdzv_endpoint", None))
+                                     getattr(args, "nnodes", 1), getattr(args, "rdzv_endpoint", None),
+                                     early_api=early_api)
     except (ConfigError, CacheMismatchError, FileNotFoundError, EmptySnapshotError) as err:
         if debug:
             traceback.print_exc()

@@ -76,3 +76,83 @@ def start_ephemeral_api() -> str | None:
     server = server_module.SubprocessASGIServer()
     server.start()  # waits up to PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS, as Prefect's own start does
     return server.api_url
+
+
+class EarlyAPI:
+    """Prefect's temporary API server, started by the command line before its heavy imports.
+
+    A command-line run used to start the server when its first flow was about to run: ~4 s importing
+    ``prefect.server.api.server`` in the CLI process, then ~8 s waiting for the server to boot, after ~5 s of
+    importing the flows and checking the recipe. :func:`start_api_early` launches the same server command
+    (the one ``SubprocessASGIServer`` runs, same environment, same parent-death signal) at once, without
+    importing the server module here, and :meth:`ready` waits for it only when the first flow needs it, so
+    the boot overlaps the rest of the start-up. The flows reach it through ``PREFECT_API_URL`` set for this
+    process (:meth:`settings`); child processes keep their own settings, as before.
+    """
+
+    def __init__(self, process: subprocess.Popen, port: int):
+        self.process, self.port = process, port
+        self.api_url = f"http://127.0.0.1:{port}/api"
+
+    def ready(self, timeout: float) -> str:
+        """Wait until the server answers ``/health``; its API URL. A server that exits first is an error."""
+        import time
+        import urllib.request
+
+        deadline = time.monotonic() + timeout
+        while True:
+            code = self.process.poll()
+            if code is not None:
+                raise RuntimeError(f"Prefect's temporary API server exited with status {code} before it answered "
+                                   f"on port {self.port} (run with --debug for its log, or set PREFECT_API_URL)")
+            try:
+                with urllib.request.urlopen(f"{self.api_url}/health", timeout=2) as resp:
+                    if resp.status == 200:
+                        return self.api_url
+            except OSError:
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"Prefect's temporary API server did not answer on port {self.port} within "
+                                   f"{timeout:.0f} s (PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS)")
+            time.sleep(0.1)
+
+    def settings(self):
+        """A context in which this process's Prefect clients use this server."""
+        from prefect.settings import PREFECT_API_URL, temporary_settings
+
+        return temporary_settings({PREFECT_API_URL: self.api_url})
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+
+
+def start_api_early() -> EarlyAPI | None:
+    """Launch Prefect's temporary API server now, when the settings call for one (no ``PREFECT_API_URL``);
+    None otherwise, or where there is no ``prctl`` (Prefect then starts its own as usual). Main thread only."""
+    if _PRCTL is None or threading.current_thread() is not threading.main_thread() or not ephemeral_api_needed():
+        return None
+    import atexit
+    import os
+    import socket
+
+    import prefect
+    from prefect.settings import get_current_settings
+
+    with socket.socket() as sock:  # a free port; a race for it ends the server with status 3 (ready() says so)
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    env = {**os.environ, "PREFECT_UI_ENABLED": "0", "PREFECT__SERVER_EPHEMERAL": "1", "PREFECT__SERVER_FINAL": "1",
+           **get_current_settings().to_environment_variables(exclude_unset=True)}
+    process = subprocess.Popen(
+        [sys.executable, "-m", "uvicorn", "--app-dir", str(prefect.__module_path__.parent), "--factory",
+         "prefect.server.api.server:create_app", "--host", "127.0.0.1", "--port", str(port), "--log-level", "error",
+         "--lifespan", "on"], env=env, preexec_fn=_die_with_parent)
+    server = EarlyAPI(process, port)
+    atexit.register(server.stop)
+    return server
