@@ -138,10 +138,10 @@ def run(args) -> list:
                       details={"cpu_time_ratio": sorted(cpu_ratios)[len(cpu_ratios) // 2]})
 
     figures = [
-        fig("JAX loader vs torch loader, bf16 output (hot)", ("jax_bf16", "torch_bf16"), ">= 0.8",
+        fig("16. JAX loader vs torch loader, bf16 output (hot)", ("jax_bf16", "torch_bf16"), ">= 0.8",
             "NumPy batches (ml_dtypes.bfloat16, the stored dtype: what a JAX step on a GPU should take) vs "
             "the torch loader's bf16 tensors; the same plan, reads and bytes (tests/test_jax_loader.py)"),
-        fig("JAX loader vs torch loader, float32 output (hot)", ("jax_f32", "torch_f32"), ">= 0.8",
+        fig("16. JAX loader vs torch loader, float32 output (hot)", ("jax_f32", "torch_f32"), ">= 0.8",
             "both convert bf16 -> float32 on the host (torch's conversion, shared)"),
         fig("JAX loader with jax.device_put (CPU device) vs torch loader, bf16 (hot)",
             ("jax_device", "torch_bf16"), None,

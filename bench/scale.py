@@ -179,16 +179,16 @@ def run(args) -> list:
     b, s = runs["big"], runs["small"]
     per_big, per_small = b["stages_s"] / big * 1000, s["stages_s"] / small * 1000
     return [
-        figure("prep time per sample, 10x the inputs", [per_big], [per_small], "ms/sample", "<= 1.1", inputs,
+        figure("15. prep time per sample, 10x the inputs", [per_big], [per_small], "ms/sample", "<= 1.1", inputs,
                notes=f"summed stage seconds per sample at {big} vs {small} inputs (CLI prep, start-up excluded)",
                details={"big": b, "small": s, "wall_per_sample_ms": {
                    "big": round(b["wall_s"] / big * 1000, 3), "small": round(s["wall_s"] / small * 1000, 3)}}),
-        figure("prep peak RSS, 10x the inputs", [b["peak_rss_mb"]], [s["peak_rss_mb"]], "MiB", "<= 1.2", inputs,
+        figure("15. prep peak RSS, 10x the inputs", [b["peak_rss_mb"]], [s["peak_rss_mb"]], "MiB", "<= 1.2", inputs,
                notes="VmHWM of the latentmill prep process"),
-        figure("loader peak RSS, 10x the samples", [b["loader"]["peak_rss_mb"]], [s["loader"]["peak_rss_mb"]], "MiB",
+        figure("15. loader peak RSS, 10x the samples", [b["loader"]["peak_rss_mb"]], [s["loader"]["peak_rss_mb"]], "MiB",
                "<= 1.2", inputs, notes="VmHWM of a process that reads one epoch with LatentLoader (batch 64)",
                details={"big": b["loader"], "small": s["loader"]}),
-        figure("refresh with 1% new inputs vs full prep (CLI wall)", [refresh["wall_s"]], [b["wall_s"]], "s",
+        figure("15. refresh with 1% new inputs vs full prep (CLI wall)", [refresh["wall_s"]], [b["wall_s"]], "s",
                "<= 0.03", inputs, notes=f"latentmill prep wall time, {big // REFRESH_FRACTION} new inputs added to "
                f"{big} prepared, vs the full prep of the {big}", details={"refresh": refresh, "full": b}),
     ]
