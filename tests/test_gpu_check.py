@@ -44,6 +44,7 @@ def dry_run(tmp_path_factory):
 
 
 @pytest.mark.slow
+@pytest.mark.heavy
 def test_dry_run_passes_every_phase(dry_run):
     code, report, stderr = dry_run
     assert report is not None, stderr.read_text()[-3000:]
@@ -58,6 +59,7 @@ def test_dry_run_passes_every_phase(dry_run):
 
 
 @pytest.mark.slow
+@pytest.mark.heavy
 def test_training_phases_report_finite_losses(dry_run):
     _, report, _ = dry_run
     phases = report["phases"]
@@ -74,6 +76,7 @@ def test_training_phases_report_finite_losses(dry_run):
 
 
 @pytest.mark.slow
+@pytest.mark.heavy
 def test_fsdp2_phase_ran_fsdp2_with_accumulation_and_checkpointing(dry_run):
     _, report, _ = dry_run
     fsdp2 = report["phases"]["fsdp2"]
@@ -89,6 +92,7 @@ def test_fsdp2_phase_ran_fsdp2_with_accumulation_and_checkpointing(dry_run):
 
 
 @pytest.mark.slow
+@pytest.mark.heavy
 def test_exports_load_in_diffusers_and_generate(dry_run):
     _, report, _ = dry_run
     lora, full = report["phases"]["lora"], report["phases"]["full"]
@@ -103,6 +107,7 @@ def test_exports_load_in_diffusers_and_generate(dry_run):
 
 
 @pytest.mark.slow
+@pytest.mark.heavy
 def test_doctor_sample_and_cache_repro_phases(dry_run):
     # issue 19: the check runs doctor and sample --compile, and the cache stage twice with equal bytes
     _, report, _ = dry_run
@@ -120,6 +125,7 @@ def test_doctor_sample_and_cache_repro_phases(dry_run):
 
 
 @pytest.mark.slow
+@pytest.mark.heavy
 def test_bench_phase_ran_the_quick_benchmark(dry_run):
     _, report, _ = dry_run
     bench = report["phases"]["bench"]
@@ -160,6 +166,7 @@ def _processes_naming(text: str) -> list[str]:
 
 
 @pytest.mark.slow
+@pytest.mark.heavy
 def test_a_failed_or_timed_out_phase_is_reported_and_the_check_goes_on(tmp_path):
     # bench is given 5 s (its child runs bench.run, which runs bench.loader: a process tree); fsdp2 runs
     # without the demo phase, in an empty work folder: no snapshot to train on

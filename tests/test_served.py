@@ -144,6 +144,7 @@ def test_failed_run_says_why(served, tmp_path):
     assert run["state"]["type"] == "FAILED" and reason in run["state"]["message"], run["state"]
 
 
+@pytest.mark.heavy
 def test_second_start_reuses_and_stop_stops_everything(served, tiny_flux, tmp_path):
     """`make serve` twice keeps one server and one worker (same PIDs) and says so; another port is refused;
     `make serve-stop` stops the worker, the server and a running flow run (its own process group)."""
