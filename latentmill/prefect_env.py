@@ -132,11 +132,21 @@ class EarlyAPI:
                 self.process.wait()
 
 
+_early: EarlyAPI | None = None  # one per process: a second command run in the same process reuses it
+
+
 def start_api_early() -> EarlyAPI | None:
     """Launch Prefect's temporary API server now, when the settings call for one (no ``PREFECT_API_URL``);
-    None otherwise, or where there is no ``prctl`` (Prefect then starts its own as usual). Main thread only."""
+    None otherwise, or where there is no ``prctl`` (Prefect then starts its own as usual). Main thread only.
+
+    One server per process, as Prefect's own ephemeral server: ``latentmill.cli.main`` called several times
+    in one process (tests, notebooks) reuses the server while it runs, instead of starting one per call.
+    """
+    global _early
     if _PRCTL is None or threading.current_thread() is not threading.main_thread() or not ephemeral_api_needed():
         return None
+    if _early is not None and _early.process.poll() is None:
+        return _early
     import atexit
     import os
     import socket
@@ -153,6 +163,6 @@ def start_api_early() -> EarlyAPI | None:
         [sys.executable, "-m", "uvicorn", "--app-dir", str(prefect.__module_path__.parent), "--factory",
          "prefect.server.api.server:create_app", "--host", "127.0.0.1", "--port", str(port), "--log-level", "error",
          "--lifespan", "on"], env=env, preexec_fn=_die_with_parent)
-    server = EarlyAPI(process, port)
+    server = _early = EarlyAPI(process, port)
     atexit.register(server.stop)
     return server

@@ -80,3 +80,22 @@ def test_killed_run_leaves_no_api_server(sig, tiny_flux, tmp_path):
             cli.kill()
             cli.wait()
         stderr.close()
+
+
+def test_commands_run_in_one_process_share_one_api_server(tiny_flux, tmp_path):
+    """``latentmill.cli.main`` called twice in one process (tests, a notebook) reuses the temporary API server
+    it launched first: a server per call (~200 MB each) piled up until the process ended."""
+    script = f"""
+import psutil, sys
+from latentmill.cli import main
+for run in ("a", "b"):
+    assert main(["prep", {str(DEMO_CONFIG)!r}, "output_dir={tmp_path}/" + run, "model.pretrained={tiny_flux}",
+                 "ingest.source={DEMO_IMAGES}"]) == 0
+servers = [c for c in psutil.Process().children(recursive=True) if "{SERVER_MODULE}" in " ".join(c.cmdline())]
+print("SERVERS", len(servers))
+"""
+    env = {**os.environ, "PREFECT_HOME": str(tmp_path / "prefect-home")}
+    env.pop("PREFECT_API_URL", None)
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "SERVERS 1" in done.stdout, done.stdout[-2000:]
