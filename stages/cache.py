@@ -309,11 +309,11 @@ class ComponentIndex:
 
     def __init__(self, stage_root: Path):
         self.root = stage_root
-        # component key -> every (shards of the unit, sample key, member, record mtime) that holds it, oldest
-        # first: a compacted unit holds the same component as the small units it merged, and a gc may have
-        # removed the older ones' shards since
-        self.vae: dict[str, list[tuple[tuple[Path, ...], str, str, int]]] = {}
-        self.text: dict[str, list[tuple[tuple[Path, ...], str, str, int]]] = {}
+        # component key -> every (shards of the unit, sample key, member, record mtime, where it was encoded)
+        # that holds it, oldest first: a compacted unit holds the same component as the small units it merged,
+        # and a gc may have removed the older ones' shards since
+        self.vae: dict[str, list[tuple[tuple[Path, ...], str, str, int, str]]] = {}
+        self.text: dict[str, list[tuple[tuple[Path, ...], str, str, int, str]]] = {}
         self._seen: set[str] = set()
         self._mtime = -1
 
@@ -335,27 +335,42 @@ class ComponentIndex:
             if not record.shards:
                 continue
             shards = tuple(self.root / shard.path for shard in record.shards)  # a rolled-over unit has several
+            # where each component was encoded: the record's device, or under ``foreign`` the origin of one it
+            # copied from a unit encoded elsewhere; records older than the field count as unknown
+            here = (record.extra.get("device") or {}).get("key", UNKNOWN_DEVICE)
+            foreign = record.extra.get("foreign") or {}
             for sample_key, keys in record.extra.get("components", {}).items():
                 entries = [(self.vae, keys["vae"], VAE_MEMBER)]
                 texts = keys["text"] if isinstance(keys["text"], list) else [keys["text"]]
                 entries += [(self.text, tk, text_member(j)) for j, tk in enumerate(texts)]
                 for table, key, member in entries:
-                    table.setdefault(key, []).append((shards, sample_key, member, committed))
+                    table.setdefault(key, []).append((shards, sample_key, member, committed, foreign.get(key, here)))
                     table[key].sort(key=lambda hit: hit[3])
         return self
+
+    def _oldest(self, table: str, key: str, before_ns: int) -> tuple | None:
+        """The oldest record's hit for ``key`` committed before ``before_ns`` whose shards are all on disk."""
+        for hit in getattr(self, table).get(key, ()):
+            if hit[3] >= before_ns:
+                return None
+            if all(shard.is_file() for shard in hit[0]):
+                return hit
+        return None
 
     def find(self, table: str, keys: list[str], before_ns: int) -> dict[str, tuple[tuple[Path, ...], str, str]]:
         """(shards, sample key, member) of each of the ``keys`` committed before ``before_ns``: the oldest
         whose shards are all still on disk."""
         found = {}
         for key in keys:
-            for hit in getattr(self, table).get(key, ()):
-                if hit[3] >= before_ns:
-                    break
-                if all(shard.is_file() for shard in hit[0]):
-                    found[key] = hit[:3]
-                    break
+            hit = self._oldest(table, key, before_ns)
+            if hit is not None:
+                found[key] = hit[:3]
         return found
+
+    def origin(self, table: str, key: str, before_ns: int) -> str:
+        """Where ``key`` was encoded (an ``encoded_on`` key), by the same record :meth:`find` copies it from."""
+        hit = self._oldest(table, key, before_ns)
+        return UNKNOWN_DEVICE if hit is None else hit[4]
 
 
 _indexes: dict[str, ComponentIndex] = {}
@@ -376,69 +391,6 @@ def component_index(stage_root: Path) -> ComponentIndex:
 # ---------------------------------------------------------------------------------------------------------
 
 UNKNOWN_DEVICE = "unknown (encoded before device classes were recorded)"
-
-
-class OriginIndex:
-    """Component key -> the ``encoded_on`` key of the machine class that encoded it, from the unit records.
-
-    A record names its own device (``extra.device.key``) and, under ``extra.foreign``, the origin of every
-    component it copied from a unit encoded elsewhere; records older than this field count as unknown. Like
-    :meth:`ComponentIndex.find`, the oldest record whose shards are all still on disk gives the answer.
-    Refreshed incrementally when the ``units/`` folder changes.
-    """
-
-    def __init__(self, stage_root: Path):
-        self.root = stage_root
-        self.hits: dict[str, list[tuple[int, tuple[Path, ...], str]]] = {}
-        self._seen: set[str] = set()
-        self._mtime = -1
-
-    def refresh(self) -> OriginIndex:
-        units = self.root / "units"
-        mtime = units.stat().st_mtime_ns if units.is_dir() else -1
-        if mtime == self._mtime:
-            return self
-        self._mtime = mtime
-        for path in sorted(units.glob("*.json")) if units.is_dir() else []:
-            if path.name in self._seen:
-                continue
-            self._seen.add(path.name)
-            try:
-                extra = json.loads(path.read_text()).get("extra") or {}
-                shards = tuple(self.root / s["path"] for s in json.loads(path.read_text())["shards"])
-                committed = path.stat().st_mtime_ns
-            except (OSError, ValueError, TypeError, KeyError):
-                continue
-            here = (extra.get("device") or {}).get("key", UNKNOWN_DEVICE)
-            foreign = extra.get("foreign") or {}
-            for keys in (extra.get("components") or {}).values():
-                texts = keys["text"] if isinstance(keys["text"], list) else [keys["text"]]
-                for key in [keys["vae"], *texts]:
-                    hits = self.hits.setdefault(key, [])
-                    hits.append((committed, shards, foreign.get(key, here)))
-                    hits.sort(key=lambda hit: hit[0])
-        return self
-
-    def origin(self, key: str, before_ns: int) -> str:
-        """Where ``key`` was encoded, by the oldest record committed before ``before_ns`` still on disk."""
-        for committed, shards, where in self.hits.get(key, ()):
-            if committed >= before_ns:
-                break
-            if all(shard.is_file() for shard in shards):
-                return where
-        return UNKNOWN_DEVICE
-
-
-_origins: dict[str, OriginIndex] = {}
-
-
-def origin_index(stage_root: Path) -> OriginIndex:
-    """The up-to-date origin index of a cache folder (one per process)."""
-    with _indexes_lock:
-        key = str(stage_root.resolve())
-        if key not in _origins:
-            _origins[key] = OriginIndex(stage_root)
-        return _origins[key].refresh()
 
 
 def mixed_devices_warning(encoded_on: dict[str, dict[str, int]]) -> str | None:
@@ -727,12 +679,11 @@ def process(cfg: CacheConfig, model: ModelConfig, unit: WorkUnit, out: UnitOutpu
         prepare_cublas_determinism()  # before device_description initialises CUDA
     described = {**device_description(device), "deterministic": _deterministic(cfg)}
     here = described["key"] = encoded_on_key(described)
-    origins = origin_index(out.stage_dir.root)
     encoded_on: dict[str, dict[str, int]] = {}
     foreign: dict[str, str] = {}  # reused component key -> where it was encoded, when not here
 
     def count_origin(comp: str, key: str, reused: bool) -> None:
-        where = origins.origin(key, before) if reused else here
+        where = index.origin(comp, key, before) if reused else here
         if where != here:
             foreign[key] = where
         encoded_on.setdefault(where, {"vae": 0, "text": 0})[comp] += 1
