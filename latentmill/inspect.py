@@ -10,7 +10,7 @@ from latentmill.pipelines.snapshot import LATEST, resolve_snapshot
 from latentmill.stages.shardio import sha256_file, shard_buckets, verify_index
 
 # Pipeline order, as ``latentmill.pipelines.prep.STAGES`` (not imported: it would start Prefect for a read-only command).
-STAGE_ORDER = ("ingest", "caption", "bucket", "cache")
+STAGE_ORDER = ("ingest", "caption", "curate", "bucket", "cache")
 
 
 def _existing(path: Path) -> Path:
