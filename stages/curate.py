@@ -38,6 +38,7 @@ from typing import Any, Callable, Optional
 import numpy as np
 from latentmill.stages import pixels
 from latentmill.stages.shardio import (
+    ShardIndexError,
     StageDir,
     UnitOutput,
     UnitRecord,
@@ -45,6 +46,7 @@ from latentmill.stages.shardio import (
     check_shard_bytes,
     copy_estimate,
     iter_unit_samples,
+    load_shard_index,
     meta_bytes,
     read_shard,
     sample_json,
@@ -271,6 +273,22 @@ def manifest_header(cfg: CurateConfig, background: tuple[int, int, int] = pixels
             "thresholds": cfg.thresholds()}
 
 
+def sample_hashes(tar: Path, index_entry: dict[str, Any] | None = None) -> list[tuple[str, str | None]]:
+    """``(key, content sha256)`` of every sample of an upstream shard, in order: only the json members are
+    read, at the offsets of the shard index beside the tar (the whole tar when it has none)."""
+    try:
+        index = load_shard_index(tar, index_entry)
+    except ShardIndexError:
+        return [(s["__key__"], sample_json(s).get("sha256")) for s in read_shard(tar)]
+    found = []
+    with open(tar, "rb") as fh:
+        for i in range(index.num_samples):
+            offset, size = index.members(i)["json"]
+            fh.seek(offset)
+            found.append((index.key(i), json.loads(fh.read(size)).get("sha256")))
+    return found
+
+
 def plan(cfg: CurateConfig, upstream: StageDir, stage_dir: StageDir | None = None,
          background: tuple[int, int, int] = pixels.WHITE) -> list[WorkUnit]:
     """Units of upstream shards grouped up to ``shard_bytes``; each unit's payload names the duplicates among
@@ -283,8 +301,7 @@ def plan(cfg: CurateConfig, upstream: StageDir, stage_dir: StageDir | None = Non
     try:
         for entry in upstream.read_manifest()["shards"]:
             if not index.db.execute("SELECT 1 FROM scanned WHERE shard = ?", (entry["sha256"],)).fetchone():
-                samples = [(s["__key__"], sample_json(s).get("sha256")) for s in read_shard(upstream.root / entry["path"])]
-                index.scan(entry["sha256"], samples)
+                index.scan(entry["sha256"], sample_hashes(upstream.root / entry["path"], entry.get("index")))
         for unit in units:
             unit.payload["duplicates"] = index.duplicates(unit.inputs)
     finally:

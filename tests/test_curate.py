@@ -239,8 +239,8 @@ def test_exact_duplicates_within_a_run_and_across_a_refresh(tmp_path, tiny_flux,
     checkerboard(96, 6, ((10, 10, 10), (250, 250, 250))).save(images / "zz_new.png")
     (images / "zz_new.txt").write_text("a new picture\n")
     read = []
-    real_read = curate.read_shard
-    monkeypatch.setattr(curate, "read_shard", lambda path: (read.append(Path(path)), real_read(path))[1])
+    real_read = curate.sample_hashes
+    monkeypatch.setattr(curate, "sample_hashes", lambda tar, entry: (read.append(Path(tar)), real_read(tar, entry))[1])
     second = _prep(out, images, tiny_flux)
     assert read and not {p.relative_to(out / "prep" / "caption").as_posix() for p in read} & old_caption_shards
     refreshed = {Path(q["source"]).name: q for r in second["curate"][2] for q in r.quarantined}
