@@ -8,7 +8,8 @@ The output is deterministic (fixed seed, no timestamps in the files), so the com
 Mixed sizes and aspect ratios (portrait, landscape, square), JPEG and PNG. Two files are broken on
 purpose so the demo shows quarantine at work: ``broken.jpg`` is not an image at all (ingest quarantines
 it), ``truncated.jpg`` has a valid header but its pixel data is cut short (the cache stage, which is where
-pixels are decoded, quarantines it).
+pixels are decoded, quarantines it). Two more are over-exposed (``overexposed_0.png``, ``overexposed_1.jpg``,
+mostly pure white): the demo recipe's ``curate.max_exposure`` quarantines them.
 """
 
 from __future__ import annotations
@@ -87,10 +88,19 @@ def generate(out_dir: Path, count: int = 24, seed: int = 0) -> list[Path]:
     data = buf.getvalue()
     (out_dir / "truncated.jpg").write_bytes(data[: len(data) // 3])
     (out_dir / "truncated.txt").write_text("an image whose pixel data is cut short\n")
+    # Over-exposed on purpose: most pixels blown out to white (255). The demo recipe's curate.max_exposure
+    # quarantines exactly these two (the curate stage, "Curation" in docs/cache-format.md).
+    for i, (width, height) in enumerate([(160, 120), (120, 160)]):
+        img = Image.new("RGB", (width, height), (255, 255, 255))
+        ImageDraw.Draw(img).ellipse([width // 3, height // 3, 2 * width // 3, 2 * height // 3], fill=(235, 225, 200))
+        ext = "png" if i == 0 else "jpg"
+        path = out_dir / f"overexposed_{i}.{ext}"
+        img.save(path, format="PNG" if ext == "png" else "JPEG", **({"optimize": False} if ext == "png" else {"quality": 90}))
+        path.with_suffix(".txt").write_text(f"an over-exposed picture, {'landscape' if width > height else 'portrait'}\n")
     return written
 
 
 if __name__ == "__main__":
     target = Path(sys.argv[1]) if len(sys.argv) > 1 else Path(__file__).parent / "demo" / "images"
     paths = generate(target)
-    print(f"wrote {len(paths)} images (+2 broken files) to {target}")
+    print(f"wrote {len(paths)} images (+2 broken, +2 over-exposed files) to {target}")

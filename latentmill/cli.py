@@ -120,6 +120,12 @@ def _print_summary(summary: dict[str, Any], recipe_output: str | None) -> None:
         for name, s in stages.items():
             print(f"{name:<8} {s['in']:>4} {s['out']:>5} {s['quarantined']:>5} {s['processed']:>10} "
                   f"{s['reused']:>7} {s['seconds']:>9.1f}")
+        curated = stages.get("curate") or {}
+        if "scored" in curated:
+            reasons = "; ".join(f"{n} × {r}" for r, n in (curated.get("quarantined_by_reason") or {}).items())
+            table = f", table {curated['scores_table']}" if curated.get("scores_table") else ""
+            print(f"curate: {curated['scored']} scored, {curated['scores_reused']} scores reused{table}"
+                  + (f"; quarantined: {reasons}" if reasons else ""))
         buckets = (stages.get("bucket") or {}).get("buckets")
         if buckets:
             print("buckets (WxHxF: samples): " + ", ".join(f"{k}: {v}" for k, v in buckets.items()))

@@ -10,7 +10,7 @@ from latentmill.pipelines.snapshot import LATEST, resolve_snapshot
 from latentmill.stages.shardio import sha256_file, shard_buckets, verify_index
 
 # Pipeline order, as ``latentmill.pipelines.prep.STAGES`` (not imported: it would start Prefect for a read-only command).
-STAGE_ORDER = ("ingest", "caption", "bucket", "cache")
+STAGE_ORDER = ("ingest", "caption", "curate", "bucket", "cache")
 
 
 def _existing(path: Path) -> Path:
@@ -84,6 +84,15 @@ def inspect_recipe(path: Path) -> int:
     return 0
 
 
+def _details(entry: dict) -> str:
+    """What a quarantine entry holds beyond its reason: the curate stage's scores or duplicate's owner."""
+    if entry.get("duplicate_of"):
+        return f" (duplicate of {entry['duplicate_of']})"
+    if entry.get("scores"):
+        return " (" + ", ".join(f"{k} {v:.4g}" for k, v in entry["scores"].items()) + ")"
+    return ""
+
+
 def inspect_path(path: Path) -> int:
     """Print a recipe, a snapshot's report, or each stage's counts, buckets, models and quarantine reasons."""
     if path.suffix in (".yaml", ".yml") and not path.is_dir():
@@ -109,11 +118,14 @@ def inspect_path(path: Path) -> int:
         for name, model in (manifest.get("models") or {}).items():
             print(f"  {name}: {model.get('class')} fingerprint {model.get('fingerprint', '')[:16]}")
         _print_encoded_on(manifest)
+        if "scorers" in manifest:  # the curate stage
+            thresholds = ", ".join(f"{k} {v:g}" for k, v in (manifest.get("thresholds") or {}).items())
+            print(f"  scorers: {', '.join(manifest['scorers']) or '-'}; thresholds: {thresholds or '-'}")
         quarantine = stage_dir / "quarantine.jsonl"
         if quarantine.is_file():
             for line in quarantine.read_text().splitlines():
                 entry = json.loads(line)
-                print(f"  quarantined {entry['source']}: {entry['reason']}")
+                print(f"  quarantined {entry['source']}: {entry['reason']}{_details(entry)}")
     return 0
 
 

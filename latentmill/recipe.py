@@ -17,6 +17,7 @@ from latentmill.stages.bucket import BucketConfig
 from latentmill.stages.cache import CacheConfig
 from latentmill.stages.caption import CaptionConfig
 from latentmill.stages.compact import CompactionConfig
+from latentmill.stages.curate import CurateConfig
 from latentmill.stages.ingest import IngestConfig
 from latentmill.trainer.config import ParallelConfig, TrainerConfig
 
@@ -74,6 +75,7 @@ class Recipe:
     runner: RunnerConfig = field(default_factory=RunnerConfig)
     ingest: IngestConfig = field(default_factory=IngestConfig)
     caption: CaptionConfig = field(default_factory=CaptionConfig)
+    curate: CurateConfig = field(default_factory=CurateConfig)
     bucket: BucketConfig = field(default_factory=BucketConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)

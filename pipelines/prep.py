@@ -19,7 +19,7 @@ from latentmill.pipelines.report import (
 )
 from latentmill.pipelines.retention import OutputBusyError, writer_lock  # noqa: F401 (re-exported)
 from latentmill.pipelines.snapshot import publish as publish_snapshot
-from latentmill.stages import bucket, cache, caption, ingest
+from latentmill.stages import bucket, cache, caption, curate, ingest
 from latentmill.stages.compact import compact_stage
 from latentmill.stages.shardio import (
     StageDir,
@@ -39,7 +39,7 @@ from tqdm.auto import tqdm
 
 from latentmill.recipe import Recipe, RunnerConfig, load_recipe, recipe_from_dict
 
-STAGES = ("ingest", "caption", "bucket", "cache")
+STAGES = ("ingest", "caption", "curate", "bucket", "cache")
 MAX_UNITS_PER_TASK = 16
 MIN_TASK_SAMPLES = 16  # auto grouping: fewer pending samples than this per task run are not split further
 
@@ -60,6 +60,8 @@ def plan_stage(stage: str, recipe: Recipe) -> list[WorkUnit]:
     upstream = _stage_dir(recipe, STAGES[STAGES.index(stage) - 1])
     if stage == "caption":
         return caption.plan(recipe.caption, upstream, _captioner(recipe))
+    if stage == "curate":
+        return curate.plan(recipe.curate, upstream, background=recipe.cache.background)
     if stage == "bucket":
         return bucket.plan(recipe.bucket, upstream)
     return cache.plan(recipe.cache, recipe.model, upstream)
@@ -70,6 +72,7 @@ def stage_processor(stage: str, recipe: Recipe) -> Callable[[WorkUnit, UnitOutpu
     return {
         "ingest": lambda unit, out: ingest.process(recipe.ingest, unit, out),
         "caption": lambda unit, out: caption.process(recipe.caption, unit, out, _captioner(recipe)),
+        "curate": lambda unit, out: curate.process(recipe.curate, unit, out, recipe.cache.background),
         "bucket": lambda unit, out: bucket.process(recipe.bucket, unit, out),
         "cache": lambda unit, out: cache.process(recipe.cache, recipe.model, unit, out),
     }[stage]
@@ -82,6 +85,8 @@ def manifest_header(stage: str, recipe: Recipe) -> dict[str, Any]:
                 "shard_size": recipe.ingest.shard_size}
     if stage == "caption":
         return caption.manifest_header(recipe.caption, _captioner(recipe))
+    if stage == "curate":
+        return curate.manifest_header(recipe.curate, recipe.cache.background)
     if stage == "bucket":
         return {"fingerprint": stable_hash(bucket.fingerprint(recipe.bucket))}
     return cache.manifest_header(recipe.cache, recipe.model, _stage_dir(recipe, stage))
@@ -100,7 +105,7 @@ def auto_compact(recipe: Recipe, cache_dir: StageDir) -> dict[str, Any] | None:
 
 
 def run_stages_in_process(recipe: Recipe) -> dict[str, tuple[StageDir, dict[str, Any], list[UnitRecord]]]:
-    """Run the four stages here, one unit after another, without Prefect (tests, benchmarks, debugging).
+    """Run the five stages here, one unit after another, without Prefect (tests, benchmarks, debugging).
 
     The same plan / process / manifest functions as the flow; no snapshot is published. Returns each stage's
     folder, committed manifest and unit records.
@@ -112,6 +117,8 @@ def run_stages_in_process(recipe: Recipe) -> dict[str, tuple[StageDir, dict[str,
         stage_dir = _stage_dir(recipe, stage).ensure()
         records = [stage_dir.run_unit(u, stage_processor(stage, recipe)) for u in plan_stage(stage, recipe)]
         result[stage] = (stage_dir, stage_dir.write_manifest(records, manifest_header(stage, recipe)), records)
+        if stage == "curate":
+            curate.write_scores_table(records, recipe.prep_dir, recipe.curate.active_scorers())
     if auto_compact(recipe, result["cache"][0]) is not None:  # as the flow does: the manifest names merged units
         stage_dir = result["cache"][0]
         manifest = stage_dir.read_manifest()
@@ -222,7 +229,7 @@ def ensure_models(recipe: Recipe) -> None:
 
 @flow(name="prep-stages")
 def prep_stages(recipe_data: dict, started_run: str | None = None) -> dict[str, Any]:
-    """Run ingest → caption → bucket → cache, publish the snapshot; return counts and the snapshot.
+    """Run ingest → caption → curate → bucket → cache, publish the snapshot; return counts and the snapshot.
 
     ``started_run``: the id of the flow run the user started (``prep``, ``prep-then-train``, ``refresh``),
     which shows the stage progress, one log line per stage and the artifacts too (see ``latentmill.pipelines.report``).
@@ -263,6 +270,10 @@ def prep_stages(recipe_data: dict, started_run: str | None = None) -> dict[str, 
             report[stage].update(caption.report(recipe.caption, records))
             if "warning" in report[stage]:
                 run_log.warning(f"caption: {report[stage]['warning']}")
+        if stage == "curate":
+            report[stage].update(curate.report(records))
+            table = curate.write_scores_table(records, recipe.prep_dir, recipe.curate.active_scorers())
+            report[stage]["scores_table"] = str(table) if table else None
         if stage == "bucket":
             report[stage]["buckets"] = bucket.histogram(manifest)
         if stage == "cache":

@@ -50,7 +50,7 @@ from typing import Any, Iterator, Literal
 
 from latentmill.pipelines.snapshot import LATEST, latest_name, resolve_snapshot, snapshots_dir
 
-STAGES = ("ingest", "caption", "bucket", "cache")  # pipeline order (as ``latentmill.pipelines.prep.STAGES``)
+STAGES = ("ingest", "caption", "curate", "bucket", "cache")  # pipeline order (as ``latentmill.pipelines.prep.STAGES``)
 LOCK_FILE = ".writer.lock"
 PINS = "pins"
 TRASH = ".trash-"

@@ -906,9 +906,11 @@ class UnitOutput:
             counts[name] = counts.get(name, 0) + 1
         sink.write(sample)
 
-    def quarantine(self, key: str, source: str, reason: str) -> None:
-        """Refuse one sample, keeping where it came from and why."""
-        self.quarantined.append({"key": key, "source": source, "stage": self.stage_dir.stage, "reason": reason})
+    def quarantine(self, key: str, source: str, reason: str, **details: Any) -> None:
+        """Refuse one sample, keeping where it came from and why (``details``: more JSON fields of the entry,
+        e.g. the curate stage's ``scores`` or ``duplicate_of``)."""
+        self.quarantined.append({"key": key, "source": source, "stage": self.stage_dir.stage, "reason": reason,
+                                 **details})
 
     def commit(self, seconds: float) -> UnitRecord:
         shards = []

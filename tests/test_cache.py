@@ -9,6 +9,7 @@ import torch
 from latentmill.stages import cache
 from latentmill.stages.bucket import BucketConfig
 from latentmill.stages.cache import CacheConfig, load_pixels
+from latentmill.stages.curate import CurateConfig
 from latentmill.stages.families import get_encoders
 from latentmill.stages.ingest import IngestConfig
 from latentmill.stages.shardio import StageDir, read_shard
@@ -27,6 +28,7 @@ from tests.helpers import prep_in_process
 def _prep(src, root, model, cache_cfg):
     """Run the four stages in this process; return the cache stage's folder, manifest and records."""
     recipe = Recipe(output_dir=str(root), model=model, ingest=IngestConfig(source=str(src), shard_size=8),
+                    curate=CurateConfig(max_exposure=0.5),  # the demo's two over-exposed pictures stay out
                     bucket=BucketConfig(resolution=64, aspect_ratios=[0.75, 1.0, 1.3333]), cache=cache_cfg)
     return prep_in_process(recipe)["cache"]
 
@@ -299,6 +301,7 @@ def test_every_caption_is_cached_and_the_loader_picks_one_per_epoch(tiny_flux, t
 
     recipe = Recipe(output_dir=str(tmp_path), model=ModelConfig(pretrained=str(tiny_flux)),
                     ingest=IngestConfig(source=str(DEMO_IMAGES), shard_size=8),
+                    curate=CurateConfig(max_exposure=0.5),
                     caption=CaptionConfig(captioner="template", template="trtcrd, {caption}", policy="extend"),
                     bucket=BucketConfig(resolution=64, aspect_ratios=[0.75, 1.0, 1.3333]),
                     cache=CacheConfig(dtype="float32", max_sequence_length=16))

@@ -16,7 +16,7 @@ from latentmill.trainer.checkpoint import resolve_resume
 from latentmill.inspect import inspect_path
 from tests.conftest import REPO_ROOT
 
-STAGES = ("ingest", "caption", "bucket", "cache")
+STAGES = ("ingest", "caption", "curate", "bucket", "cache")
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess:

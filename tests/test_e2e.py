@@ -28,8 +28,13 @@ def demo_run(tiny_flux, tmp_path_factory):
 def test_summary_counts_conserve(demo_run):
     _, summary, _ = demo_run
     stages = summary["stages"]
-    assert list(stages) == ["ingest", "caption", "bucket", "cache"]
-    assert (stages["ingest"]["in"], stages["ingest"]["out"], stages["ingest"]["quarantined"]) == (26, 25, 1)
+    assert list(stages) == ["ingest", "caption", "curate", "bucket", "cache"]
+    assert (stages["ingest"]["in"], stages["ingest"]["out"], stages["ingest"]["quarantined"]) == (28, 27, 1)
+    # the demo recipe's curate.max_exposure drops the two over-exposed pictures, with their scores
+    assert (stages["curate"]["in"], stages["curate"]["out"], stages["curate"]["quarantined"]) == (27, 25, 2)
+    assert stages["curate"]["quarantined_by_reason"] == {"exposure beyond curate.max_exposure=0.5": 2}
+    # truncated.jpg cannot be decoded: it goes on unscored, and the cache stage quarantines it
+    assert (stages["curate"]["scored"], stages["curate"]["unscored"]) == (26, 1) and stages["curate"]["scores_table"]
     assert (stages["cache"]["in"], stages["cache"]["out"], stages["cache"]["quarantined"]) == (25, 24, 1)
     for s in stages.values():
         assert s["in"] == s["out"] + s["quarantined"] == s["processed"] + s["reused"]
@@ -53,8 +58,9 @@ def test_outputs_on_disk(demo_run):
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step-000004", "step-000008"]
     assert (out / "train" / "metrics.jsonl").resolve() == (run / "metrics.jsonl").resolve()
     assert (out / "export").resolve() == (run / "export").resolve()
-    for stage in ("ingest", "caption", "bucket", "cache"):
+    for stage in ("ingest", "caption", "curate", "bucket", "cache"):
         assert (out / "prep" / stage / "manifest.json").is_file()
+    assert (out / "prep" / "scores.parquet").is_file()
 
 
 def test_every_model_traces_back_to_its_snapshot(demo_run):

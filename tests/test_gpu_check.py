@@ -65,7 +65,7 @@ def test_training_phases_report_finite_losses(dry_run):
     phases = report["phases"]
     demo = phases["demo"]
     assert demo["steps"] == demo["steps_this_run"] == 4
-    assert (demo["stages"]["ingest"]["out"], demo["stages"]["cache"]["out"]) == (25, 24)
+    assert (demo["stages"]["ingest"]["out"], demo["stages"]["cache"]["out"]) == (27, 24)
     assert demo["snapshot"].startswith("0001-")
     for name in ("demo", "fsdp2", "lora", "full"):
         assert math.isfinite(phases[name]["final_loss"]) and phases[name]["final_loss"] > 0, name

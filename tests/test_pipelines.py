@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import json
-import shutil
 
 import pytest
 from latentmill.pipelines.flows import refresh
 from latentmill.pipelines.prep import run_prep
 from latentmill.pipelines.snapshot import latest_name, resolve_snapshot
+from PIL import Image
 from prefect import flow, task
 
 from latentmill.inspect import verify_path
@@ -33,7 +33,8 @@ def test_incremental_reruns_and_snapshots(tiny_flux, demo_images, tmp_path):
     assert first["snapshot"]["new"] and first["snapshot"]["name"].startswith("0001-")
 
     again = run_prep(_recipe(tiny_flux, demo_images, out))
-    assert _processed(again) == {"ingest": (0, 26), "caption": (0, 25), "bucket": (0, 25), "cache": (0, 25)}
+    assert _processed(again) == {"ingest": (0, 26), "caption": (0, 25), "curate": (0, 25), "bucket": (0, 25),
+                                 "cache": (0, 25)}
     assert again["snapshot"] == {**first["snapshot"], "new": False}
 
     # A changed bucket option re-runs bucket and cache, not ingest or caption; text embeddings are reused.
@@ -79,12 +80,15 @@ def test_refresh_trains_only_on_a_new_snapshot(tiny_flux, demo_images, tmp_path)
     unchanged = refresh(str(DEMO_CONFIG), overrides, train=True)
     assert "train" not in unchanged and not unchanged["snapshot"]["new"]
 
-    shutil.copy(demo_images / "img_001.jpg", demo_images / "zz_new.jpg")
+    # a new picture (a plain copy would be an exact duplicate, which the curate stage drops)
+    with Image.open(demo_images / "img_001.jpg") as img:
+        img.transpose(Image.Transpose.FLIP_LEFT_RIGHT).save(demo_images / "zz_new.jpg", quality=90)
     (demo_images / "zz_new.txt").write_text("a newly added picture\n")
     grown = refresh(str(DEMO_CONFIG), overrides, train=True)
     assert grown["snapshot"]["new"] and grown["stages"]["cache"]["out"] == 25
     # only the new file's work: one new unit per stage, every other unit reused without a task run
-    assert _processed(grown) == {"ingest": (1, 26), "caption": (1, 25), "bucket": (1, 25), "cache": (1, 25)}
+    assert _processed(grown) == {"ingest": (1, 26), "caption": (1, 25), "curate": (1, 25), "bucket": (1, 25),
+                                 "cache": (1, 25)}
     assert {s: grown["stages"][s]["units"] for s in ("ingest", "cache")} == {
         s: unchanged["stages"][s]["units"] + 1 for s in ("ingest", "cache")}
     assert grown["train"]["steps"] == 2
@@ -109,8 +113,8 @@ def test_prep_publishes_artifacts(tiny_flux, demo_images, tmp_path):
         return json.loads(data) if isinstance(data, str) and data[:1] in "[{" else data
 
     rows = newest(counts)
-    assert [r["stage"] for r in rows] == ["ingest", "caption", "bucket", "cache"]
-    assert rows[0]["in"] == 26 and rows[3]["out"] == 24
+    assert [r["stage"] for r in rows] == ["ingest", "caption", "curate", "bucket", "cache"]
+    assert rows[0]["in"] == 26 and rows[4]["out"] == 24
     assert "128x128x1" in newest(buckets)
     reasons = newest(quarantine)
     assert {r["stage"] for r in reasons} == {"ingest", "cache"}
@@ -180,12 +184,14 @@ def test_progress_artifacts_follow_stages_with_several_task_runs(tiny_flux, demo
     start = datetime.datetime.now(datetime.timezone.utc)
     run_prep(recipe)
     first = progress_since(start)
-    several = [stage for stage in ("ingest", "caption", "bucket", "cache")
+    several = [stage for stage in ("ingest", "caption", "curate", "bucket", "cache")
                if len(task_chunks(plan_stage(stage, recipe), recipe.runner)) > 1]
     assert "cache" in several  # one unit per bucket shard
     assert first == sorted((f"{stage}: samples done", 100.0) for stage in several)
 
-    shutil.copy(demo_images / "img_001.jpg", demo_images / "zz_new.jpg")
+    # a new picture (a plain copy would be an exact duplicate, which the curate stage drops)
+    with Image.open(demo_images / "img_001.jpg") as img:
+        img.transpose(Image.Transpose.FLIP_LEFT_RIGHT).save(demo_images / "zz_new.jpg", quality=90)
     (demo_images / "zz_new.txt").write_text("a newly added picture\n")
     start = datetime.datetime.now(datetime.timezone.utc)
     grown = run_prep(recipe)
@@ -283,7 +289,7 @@ def test_started_run_tells_the_story(tiny_flux, demo_images, tmp_path, run_logs_
 
             found = artifacts(run_id)
             assert [row["stage"] for row in found["prep-counts"]] == list(STAGES)
-            assert found["prep-counts"][3]["out"] == 24
+            assert found["prep-counts"][4]["out"] == 24
             assert "128x128x1" in found["prep-buckets"]
             assert {row["stage"] for row in found["prep-quarantine"]} == {"ingest", "cache"}
 

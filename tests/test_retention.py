@@ -36,7 +36,7 @@ from tests.conftest import DEMO_CONFIG, DEMO_IMAGES, REPO_ROOT
 
 pytestmark = pytest.mark.slow
 
-STAGES = ("ingest", "caption", "bucket", "cache")
+STAGES = ("ingest", "caption", "curate", "bucket", "cache")
 IMAGES = sorted(p.stem for p in DEMO_IMAGES.glob("img_*.*") if p.suffix != ".txt")  # 24 good images
 # Snapshot 1: images 0-11; snapshot 2: 0-17 (new data); snapshot 3: 6-23 and the broken file (old data gone).
 SETS = [IMAGES[:12], IMAGES[:18], IMAGES[6:] + ["broken"]]
@@ -119,7 +119,7 @@ def _assert_lineage(out: Path, manifests: dict, current: str) -> None:
     unit of the stage before, hashed again here; every kept unit is current or wrote such a shard; every
     kept shard file belongs to a kept unit."""
     after = _files(out)
-    for index in (2, 1, 0):
+    for index in range(len(STAGES) - 2, -1, -1):
         stage, down = STAGES[index], STAGES[index + 1]
         root, down_root = out / "prep" / stage, out / "prep" / down
         kept = {f[len("units/"):-len(".json")] for f in after[stage] if f.startswith("units/")}

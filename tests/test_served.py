@@ -119,7 +119,7 @@ def test_prep_then_train_deployment_completes(served, tiny_flux, tmp_path):
     assert metrics[0]["steps"] == 3 and (Path(metrics[0]["export_dir"]) / "model_index.json").is_file()
     assert Path(metrics[0]["export_dir"]).is_relative_to(out)
 
-    wanted = ("ingest: 26 in → 25 out", "cache: 25 in → 24 out, 1 quarantined", "train: 3 steps, final loss")
+    wanted = ("ingest: 28 in → 27 out", "curate: 27 in → 25 out, 2 quarantined", "cache: 25 in → 24 out, 1 quarantined", "train: 3 steps, final loss")
     deadline = time.monotonic() + 60  # the flow run's last log batch may land just after its final state
     while True:
         lines = [log["message"] for log in _api(port, "logs/filter", {"logs": {"flow_run_id": {"any_": [run_id]}}})]

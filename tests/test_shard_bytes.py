@@ -37,7 +37,7 @@ from tests.helpers import prep_in_process
 pytestmark = pytest.mark.slow
 
 RECORD = 10240  # a tar's last record is padded to this many bytes
-STAGES = ("caption", "bucket", "cache")
+STAGES = ("caption", "curate", "bucket", "cache")
 
 
 def _recipe(tiny_flux, images, out, *extra):
@@ -130,7 +130,7 @@ def test_demo_recipe_writes_the_shards_its_byte_targets_imply(demo_prep):
         assert all(size >= target / 2 for size in sizes[1:]), (stage, sizes, target)
         units = result[stage][2]
         assert len(units) >= 2  # the parallel runners and the resume tests still have several units
-    assert counts == {"caption": 3, "bucket": 3, "cache": 2}
+    assert counts == {"caption": 3, "curate": 3, "bucket": 4, "cache": 2}
     # one shard per unit, holding several buckets; its manifest entry counts them, its index holds each
     cache_root = out / "prep" / "cache"
     manifest = json.loads((cache_root / "manifest.json").read_text())
@@ -197,7 +197,7 @@ def test_a_killed_prep_resumes_to_the_bytes_of_an_uninterrupted_one(tiny_flux, d
     clean = _recipe(tiny_flux, demo_images, tmp_path / "clean")
     prep_in_process(clean)
     killed = _recipe(tiny_flux, demo_images, tmp_path / "killed")
-    for stage in ("ingest", "caption", "bucket"):
+    for stage in ("ingest", "caption", "curate", "bucket"):
         sd = StageDir(killed.stage_dir(stage), stage).ensure()
         records = [sd.run_unit(u, stage_processor(stage, killed)) for u in plan_stage(stage, killed)]
         from latentmill.pipelines.prep import manifest_header

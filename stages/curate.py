@@ -1,0 +1,410 @@
+"""Curate: score every captioned sample, drop exact duplicates and samples below the recipe's thresholds.
+
+The stage sits between caption and bucket (``docs/cache-format.md``, "Curation"). Per sample it
+
+* drops an **exact duplicate** (same content ``sha256`` as a sample seen before) as ``duplicate_of: <key>``.
+  The rule: the first sample seen with that content is kept; a sample of an earlier run always came first,
+  and within a run upstream shards count in manifest order, samples in shard order. The index of content
+  hashes (``prep/curate/dedup.sqlite``) grows with the data: a refresh reads the samples of its new
+  upstream shards only, never the old data (:class:`DedupIndex`);
+* computes its **scores** (model-free, on by default): ``sharpness``, the variance of the Laplacian of the
+  grey image shrunk to ``curate.score_side``; ``exposure``, the share of its pixels at 0 or 255. A video is
+  scored on ``curate.frames`` frames spread over it, through the frame reader captioners use
+  (:func:`latentmill.stages.captioners.media.load_media`, one decode): the mean over the frames;
+* writes the scores into the sample's json (``scores: {name: value}``), then applies the thresholds
+  (``curate.min_sharpness``, ``curate.max_exposure``): a sample beyond one is quarantined with the reason
+  (constant per threshold, so reasons count up in summaries) and its ``scores``. A sample that cannot be
+  decoded goes on unscored (``scores: {}``, ``unscored: <error>``): the cache stage quarantines it with its
+  decode error, as without curation.
+
+Scores are components with keys of their own, like the cache's VAE and text components: key = hash of the
+scorer's fingerprint and the sample's content hash (and clip window, when a sample has one). Every unit
+record lists its samples' score keys and values (``extra["scores"]``), and a unit that runs looks its scores
+up in all earlier records of the stage (:class:`ScoreIndex`) before it decodes anything. The thresholds are
+in the unit fingerprint (a changed threshold re-runs the stage's units, which copy their samples), never in
+a score key or in a written sample: changing only a threshold computes no score, and a kept sample is
+written with the same bytes, so the cache downstream copies its components without encoding them.
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+import numpy as np
+from latentmill.stages import pixels
+from latentmill.stages.shardio import (
+    ShardIndexError,
+    StageDir,
+    UnitOutput,
+    UnitRecord,
+    WorkUnit,
+    check_shard_bytes,
+    copy_estimate,
+    iter_unit_samples,
+    load_shard_index,
+    meta_bytes,
+    read_shard,
+    sample_json,
+    sibling_stage,
+    stable_hash,
+    units_by_bytes,
+)
+from PIL import Image
+
+STAGE = "curate"
+FORMAT_VERSION = 1
+SCORERS = ("sharpness", "exposure")  # the model-free scorers (each on by default)
+SCORER_VERSION = 1  # in every score key: what decides a score's value
+DEDUP_FILE = "dedup.sqlite"
+# threshold key -> (scorer, "min" | "max")
+THRESHOLDS = {"min_sharpness": ("sharpness", "min"), "max_exposure": ("exposure", "max")}
+
+
+@dataclass
+class CurateConfig:
+    """Which scores are computed and which thresholds drop samples (exact duplicates are always dropped)."""
+
+    scorers: list[str] = field(default_factory=lambda: list(SCORERS))  # setting a threshold adds its scorer
+    min_sharpness: Optional[float] = None  # variance of the Laplacian (0..255 grey levels) below: quarantined
+    max_exposure: Optional[float] = None  # share of clipped pixels (0 or 255) above: quarantined
+    score_side: int = 256  # images and frames are shrunk to this longer side before scoring
+    frames: int = 4  # K frames per video, spread uniformly over it
+    # target size of a curate shard: upstream shards are grouped into units up to this many bytes
+    shard_bytes: int = 256 << 20
+
+    def validate(self) -> None:
+        from latentmill.config import ConfigError
+
+        check_shard_bytes(self.shard_bytes, "curate.shard_bytes")
+        unknown = [s for s in self.scorers if s not in SCORERS]
+        if unknown:
+            raise ConfigError(f"curate.scorers: unknown scorer(s) {unknown}; allowed: {', '.join(SCORERS)}")
+        if self.score_side < 8:
+            raise ConfigError(f"curate.score_side: must be >= 8, got {self.score_side}")
+        if self.frames < 1:
+            raise ConfigError(f"curate.frames: must be >= 1, got {self.frames}")
+        if self.min_sharpness is not None and self.min_sharpness < 0:
+            raise ConfigError(f"curate.min_sharpness: must be >= 0 or null, got {self.min_sharpness}")
+        if self.max_exposure is not None and not 0 <= self.max_exposure <= 1:
+            raise ConfigError(f"curate.max_exposure: a share of pixels in 0..1 or null, got {self.max_exposure}")
+
+    def thresholds(self) -> dict[str, float]:
+        """The thresholds that are set: ``{"min_sharpness": 50.0, ...}``."""
+        return {name: float(getattr(self, name)) for name in THRESHOLDS if getattr(self, name) is not None}
+
+    def active_scorers(self) -> list[str]:
+        """The scorers that run: those listed in ``curate.scorers`` plus those a threshold needs, in
+        ``SCORERS`` order."""
+        wanted = set(self.scorers) | {THRESHOLDS[name][0] for name in self.thresholds()}
+        return [s for s in SCORERS if s in wanted]
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Scorers (numpy, no model)
+# ---------------------------------------------------------------------------------------------------------
+
+
+def grey(img: Image.Image) -> np.ndarray:
+    """``img`` as float64 grey levels 0..255 (ITU-R 601 luma, as Pillow's ``L`` mode)."""
+    return np.asarray(img.convert("L"), dtype=np.float64)
+
+
+def sharpness(grey_HW: np.ndarray) -> float:
+    """Variance of the 4-neighbour Laplacian over the image's interior (0 for an image under 3x3)."""
+    if grey_HW.shape[0] < 3 or grey_HW.shape[1] < 3:
+        return 0.0
+    g = grey_HW
+    lap = g[:-2, 1:-1] + g[2:, 1:-1] + g[1:-1, :-2] + g[1:-1, 2:] - 4.0 * g[1:-1, 1:-1]
+    return float(lap.var())
+
+
+def exposure(grey_HW: np.ndarray) -> float:
+    """The share of pixels clipped to black (0) or white (255)."""
+    return float(np.mean((grey_HW <= 0.0) | (grey_HW >= 255.0))) if grey_HW.size else 0.0
+
+
+SCORE_FUNCTIONS: dict[str, Callable[[np.ndarray], float]] = {"sharpness": sharpness, "exposure": exposure}
+
+
+def scorer_fingerprint(cfg: CurateConfig, name: str, background: tuple[int, int, int]) -> dict[str, Any]:
+    """What decides one scorer's value for a given sample content: the scorer and how pixels reach it."""
+    return {"scorer": name, "version": SCORER_VERSION, "side": cfg.score_side, "frames": cfg.frames,
+            "background": list(background)}
+
+
+def score_key(scorer_fp: dict[str, Any], meta: dict[str, Any]) -> str:
+    """A score component's key: the scorer's fingerprint, the sample's content hash and its clip window."""
+    return stable_hash({"scorer": scorer_fp, "sha256": meta.get("sha256"), "clip": meta.get("clip")})
+
+
+def score_frames(frames: list[Image.Image], names: list[str]) -> dict[str, float]:
+    """Each named score of an image (one frame) or a video (the mean over its frames)."""
+    greys = [grey(f) for f in frames]
+    return {name: float(np.mean([SCORE_FUNCTIONS[name](g) for g in greys])) for name in names}
+
+
+def score_media(sample: dict[str, Any], meta: dict[str, Any], cfg: CurateConfig, names: list[str],
+                background: tuple[int, int, int] = pixels.WHITE) -> dict[str, float]:
+    """Decode a sample as the captioners do (an image, or ``cfg.frames`` frames spread over a video or its
+    clip window, through :func:`latentmill.stages.video.read_frames`), shrunk to ``cfg.score_side``, and
+    score it. Raises the decoder's error for a sample that cannot be decoded."""
+    from latentmill.stages.captioners.media import load_media
+
+    _, frames, _ = load_media(sample, meta, cfg.frames, cfg.score_side, background)
+    return score_frames(frames, names)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Score reuse across units and runs
+# ---------------------------------------------------------------------------------------------------------
+
+
+class ScoreIndex:
+    """Score key -> value, from every committed unit record of the curate folder (also those of earlier
+    thresholds). Kept per process and refreshed incrementally: only records not read before are read."""
+
+    def __init__(self, stage_root: Path):
+        self.root = stage_root
+        self.values: dict[str, float] = {}
+        self._seen: set[str] = set()
+        self._mtime = -1
+
+    def refresh(self) -> "ScoreIndex":
+        units = self.root / "units"
+        mtime = units.stat().st_mtime_ns if units.is_dir() else -1
+        if mtime == self._mtime:
+            return self
+        self._mtime = mtime
+        for path in sorted(units.glob("*.json")) if units.is_dir() else []:
+            if path.name in self._seen:
+                continue
+            self._seen.add(path.name)
+            try:
+                extra = json.loads(path.read_text()).get("extra") or {}
+            except (OSError, ValueError):
+                continue
+            for row in (extra.get("scores") or {}).values():
+                for name, key in (row.get("keys") or {}).items():
+                    if name in (row.get("values") or {}):
+                        self.values[key] = float(row["values"][name])
+        return self
+
+
+_indexes: dict[str, ScoreIndex] = {}
+_indexes_lock = threading.Lock()
+
+
+def score_index(stage_root: Path) -> ScoreIndex:
+    """The up-to-date score index of a curate folder (one per process)."""
+    with _indexes_lock:
+        key = str(stage_root.resolve())
+        if key not in _indexes:
+            _indexes[key] = ScoreIndex(stage_root)
+        return _indexes[key].refresh()
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Exact duplicates
+# ---------------------------------------------------------------------------------------------------------
+
+
+class DedupIndex:
+    """The content hashes seen so far, each with the sample that owns it (the first seen), in SQLite.
+
+    ``owners`` maps a content sha256 to the key of the sample kept for it; ``scanned`` lists the upstream
+    shards (by content hash) whose samples were entered; ``duplicates`` lists, per upstream shard, its samples
+    that duplicate an owner. Planning reads only shards not yet scanned, so a refresh costs its new data.
+    """
+
+    def __init__(self, path: Path):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self.db = sqlite3.connect(str(path))
+        self.db.executescript(
+            "CREATE TABLE IF NOT EXISTS owners (sha256 TEXT PRIMARY KEY, key TEXT NOT NULL);"
+            "CREATE TABLE IF NOT EXISTS scanned (shard TEXT PRIMARY KEY);"
+            "CREATE TABLE IF NOT EXISTS duplicates (shard TEXT NOT NULL, key TEXT NOT NULL, owner TEXT NOT NULL,"
+            " PRIMARY KEY (shard, key));")
+
+    def scan(self, shard_sha: str, samples: list[tuple[str, str | None]]) -> None:
+        """Enter one upstream shard's samples ``(key, content sha256)``, in order, once."""
+        if self.db.execute("SELECT 1 FROM scanned WHERE shard = ?", (shard_sha,)).fetchone():
+            return
+        with self.db:
+            for key, sha in samples:
+                if not sha:
+                    continue
+                row = self.db.execute("SELECT key FROM owners WHERE sha256 = ?", (sha,)).fetchone()
+                if row is None:
+                    self.db.execute("INSERT INTO owners VALUES (?, ?)", (sha, key))
+                elif row[0] != key:
+                    self.db.execute("INSERT OR REPLACE INTO duplicates VALUES (?, ?, ?)", (shard_sha, key, row[0]))
+            self.db.execute("INSERT INTO scanned VALUES (?)", (shard_sha,))
+
+    def duplicates(self, shard_shas: list[str]) -> dict[str, str]:
+        """Sample key -> owner key for the duplicates in these upstream shards."""
+        found: dict[str, str] = {}
+        for sha in shard_shas:
+            found.update(self.db.execute("SELECT key, owner FROM duplicates WHERE shard = ?", (sha,)).fetchall())
+        return found
+
+    def close(self) -> None:
+        self.db.close()
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Plan and process
+# ---------------------------------------------------------------------------------------------------------
+
+
+def fingerprint(cfg: CurateConfig, background: tuple[int, int, int] = pixels.WHITE) -> dict[str, Any]:
+    """The unit fingerprint: scorers and thresholds (a changed threshold re-runs units, which reuse scores)."""
+    return {"stage": STAGE, "version": FORMAT_VERSION,
+            "scorers": [scorer_fingerprint(cfg, s, background) for s in cfg.active_scorers()],
+            "thresholds": cfg.thresholds(), "dedup": "sha256"}
+
+
+def manifest_header(cfg: CurateConfig, background: tuple[int, int, int] = pixels.WHITE) -> dict[str, Any]:
+    return {"fingerprint": stable_hash(fingerprint(cfg, background)), "scorers": cfg.active_scorers(),
+            "thresholds": cfg.thresholds()}
+
+
+def sample_hashes(tar: Path, index_entry: dict[str, Any] | None = None) -> list[tuple[str, str | None]]:
+    """``(key, content sha256)`` of every sample of an upstream shard, in order: only the json members are
+    read, at the offsets of the shard index beside the tar (the whole tar when it has none)."""
+    try:
+        index = load_shard_index(tar, index_entry)
+    except ShardIndexError:
+        return [(s["__key__"], sample_json(s).get("sha256")) for s in read_shard(tar)]
+    found = []
+    with open(tar, "rb") as fh:
+        for i in range(index.num_samples):
+            offset, size = index.members(i)["json"]
+            fh.seek(offset)
+            found.append((index.key(i), json.loads(fh.read(size)).get("sha256")))
+    return found
+
+
+def plan(cfg: CurateConfig, upstream: StageDir, stage_dir: StageDir | None = None,
+         background: tuple[int, int, int] = pixels.WHITE) -> list[WorkUnit]:
+    """Units of upstream shards grouped up to ``shard_bytes``; each unit's payload names the duplicates among
+    its samples (``duplicates``: key -> owner key), from the dedup index, which first enters the samples of
+    upstream shards it has not seen (in manifest order)."""
+    stage_dir = stage_dir if stage_dir is not None else sibling_stage(upstream, STAGE)
+    units = units_by_bytes(upstream, fingerprint(cfg, background), cfg.shard_bytes, stage_dir,
+                           copy_estimate(256))
+    index = DedupIndex(stage_dir.root / DEDUP_FILE)
+    try:
+        for entry in upstream.read_manifest()["shards"]:
+            if not index.db.execute("SELECT 1 FROM scanned WHERE shard = ?", (entry["sha256"],)).fetchone():
+                index.scan(entry["sha256"], sample_hashes(upstream.root / entry["path"], entry.get("index")))
+        for unit in units:
+            unit.payload["duplicates"] = index.duplicates(unit.inputs)
+    finally:
+        index.close()
+    return units
+
+
+def process(cfg: CurateConfig, unit: WorkUnit, out: UnitOutput,
+            background: tuple[int, int, int] = pixels.WHITE) -> None:
+    """Drop the unit's duplicates, score the others (reusing scores by key), apply the thresholds."""
+    names = cfg.active_scorers()
+    prints = {name: scorer_fingerprint(cfg, name, background) for name in names}
+    thresholds = cfg.thresholds()
+    duplicates: dict[str, str] = unit.payload.get("duplicates") or {}
+    index = score_index(out.stage_dir.root)
+    rows: dict[str, dict[str, Any]] = {}
+    counts = {"scored": 0, "scores_reused": 0, "unscored": 0, "duplicates": 0, "below_threshold": 0}
+    for sample in iter_unit_samples(unit):
+        meta, key = sample_json(sample), sample["__key__"]
+        source, kind = meta.get("source", "?"), meta.get("kind") or "image"
+        if key in duplicates:
+            counts["duplicates"] += 1
+            out.quarantine(key, source, "exact duplicate (same content sha256)", duplicate_of=duplicates[key])
+            continue
+        keys = {name: score_key(prints[name], meta) for name in names}
+        values = {name: index.values[k] for name, k in keys.items() if k in index.values}
+        missing = [name for name in names if name not in values]
+        if missing:
+            try:
+                computed = score_media(sample, meta, cfg, missing, background)
+            except Exception as err:  # PIL / decord / PyAV errors
+                # Unscored, it goes on: the cache stage, which decodes what it encodes, quarantines it with
+                # its decode error (one place for decode errors). No threshold applies to it.
+                counts["unscored"] += 1
+                meta["scores"] = {}
+                meta["unscored"] = f"{type(err).__name__}: {err}"
+                out.add({**sample, "json": meta_bytes(meta)}, part=kind)
+                continue
+            values.update(computed)
+            counts["scored"] += 1
+        else:
+            counts["scores_reused"] += 1
+        scores = {name: round(values[name], 6) for name in names}
+        rows[key] = {"source": source, "kind": kind, "keys": keys, "values": scores}
+        failed = [(name, scorer, bound) for name, bound in thresholds.items()
+                  for scorer, side in [THRESHOLDS[name]]
+                  if (scores[scorer] < bound if side == "min" else scores[scorer] > bound)]
+        if failed:  # every threshold it fails, in THRESHOLDS order
+            counts["below_threshold"] += 1
+            rows[key]["quarantined"] = ",".join(f"curate.{name}" for name, _, _ in failed)
+            out.quarantine(key, source, "; ".join(f"{scorer} beyond curate.{name}={bound:g}"
+                                                  for name, scorer, bound in failed), scores=scores)
+            continue
+        meta["scores"] = scores
+        out.add({**sample, "json": meta_bytes(meta)}, part=kind)
+    out.extra.update(scores=rows, counts=counts)
+
+
+def report(records: list[UnitRecord]) -> dict[str, Any]:
+    """Scorer calls, reused scores, duplicates and threshold drops of the units this run ran (a reused unit
+    neither scores nor reuses), and quarantines per reason over the whole stage."""
+    ran = [r for r in records if not r.reused]
+    result: dict[str, Any] = {name: sum(int((r.extra.get("counts") or {}).get(name, 0)) for r in ran)
+                              for name in ("scored", "scores_reused", "unscored")}
+    reasons: dict[str, int] = {}
+    for record in records:
+        for q in record.quarantined:
+            reasons[q["reason"]] = reasons.get(q["reason"], 0) + 1
+    result["quarantined_by_reason"] = dict(sorted(reasons.items()))
+    return result
+
+
+SCORES_FILE = "scores.parquet"
+
+
+def score_rows(records: list[UnitRecord]) -> list[dict[str, Any]]:
+    """One row per scored sample of the stage: key, source, kind, status and every score."""
+    rows = []
+    for record in sorted(records, key=lambda r: r.unit_id):
+        for key, row in (record.extra.get("scores") or {}).items():
+            rows.append({"key": key, "source": row["source"], "kind": row["kind"],
+                         "status": "quarantined" if row.get("quarantined") else "kept",
+                         "threshold": row.get("quarantined"), **row["values"]})
+    return sorted(rows, key=lambda r: r["key"])
+
+
+def write_scores_table(records: list[UnitRecord], prep_dir: Path, names: list[str]) -> Path | None:
+    """``prep/scores.parquet`` from the stage's records (rewritten every run), when pyarrow is installed
+    (``pip install 'latentmill[parquet]'``); None without it. Columns: key, source, kind, status,
+    threshold (those that dropped the sample, comma-separated, or null), and one float column per scorer."""
+    try:
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+    except ImportError:
+        return None
+    rows = score_rows(records)
+    columns: dict[str, Any] = {
+        col: pa.array([r[col] for r in rows], pa.string()) for col in ("key", "source", "kind", "status", "threshold")
+    }
+    for name in names:
+        columns[name] = pa.array([r.get(name) for r in rows], pa.float64())
+    path = Path(prep_dir) / SCORES_FILE
+    tmp = path.with_name(path.name + ".tmp")
+    pq.write_table(pa.table(columns), tmp)
+    tmp.replace(path)
+    return path
