@@ -15,11 +15,18 @@ Figures (ours: the large run; baseline: the small one, or the full prep):
 
 How, and what is real: every prep is the real CLI (``latentmill.cli.main``, the console script's entry
 point, run in a child Python process that writes its VmHWM on exit), on the real Prefect flow with the
-thread runner (2 workers), the stage defaults for shard sizes (ingest 256 MiB, caption and bucket 256 MiB,
-cache 1 GiB). What is small on purpose is the work per sample, so that overhead is what is measured: 64x64
-noise JPEGs (~3 KB) with sidecar captions, one bucket (64x64, aspect 1.0), the tiny Flux model set
-(``data/tiny-flux.yaml``) with 16 T5 tokens, cache batch 64, bf16. ``LATENTMILL_SCALE_SIZES=N,M`` overrides
-the sizes (a run that fits the time at hand; the figure's inputs say what ran).
+thread runner (2 workers). What is small on purpose is the work per sample, so that overhead is what is
+measured: 64x64 noise JPEGs (~3 KB) with sidecar captions, one bucket (64x64, aspect 1.0), the tiny Flux model
+set (``data/tiny-flux.yaml``) with 16 T5 tokens, cache batch 64, bf16. ``LATENTMILL_SCALE_SIZES=N,M``
+overrides the sizes (a run that fits the time at hand; the figure's inputs say what ran).
+
+Shards hold as many samples as at full size. With the stage defaults (256 MiB raw shards, 1 GiB cache
+shards) a 3 KB sample would put all 100,000 samples in one unit per stage, a layout no real dataset has (one
+unit's bookkeeping then holds every sample). So every byte target is the default scaled by our bytes per
+sample over the real ones (the sizes of ``bench/files.py``: a 100 KB image and a 1 KB json in the raw
+stages, a ~762 KB Flux-512 cached sample): each stage's shards hold the samples they hold at full size
+(~2,600 raw, ~1,400 cached). Our bytes per sample are measured, not guessed: a calibration prep of
+``CALIBRATION`` images with the defaults, its shard bytes per sample in each stage.
 
 Run alone: ``python -m bench.scale --quick``.
 """
@@ -45,6 +52,8 @@ TOKENS = 16
 CACHE_BATCH = 64
 LOADER_BATCH = 64
 REFRESH_FRACTION = 100  # 1 new input per 100
+CALIBRATION = 512  # images in the prep that measures our bytes per sample in each stage
+RAW_STAGES = ("ingest", "caption", "curate", "bucket")
 
 # The child that runs the CLI: its VmHWM (peak RSS since exec) written to argv[1] at exit.
 _CLI_CHILD = """
@@ -91,18 +100,65 @@ def make_images(folder: Path, start: int, count: int) -> None:
         (folder / f"img{i:07d}.txt").write_text(f"a photo number {i} of a small noisy thing\n")
 
 
-def write_recipe(path: Path, source: Path, output_dir: Path, pretrained: Path) -> Path:
+def write_recipe(path: Path, source: Path, output_dir: Path, pretrained: Path,
+                 shard_bytes: dict[str, int] | None = None) -> Path:
+    """The bench recipe; ``shard_bytes`` (stage -> bytes) sets each stage's ``shard_bytes``."""
     import yaml
 
-    path.write_text(yaml.safe_dump({
-        "output_dir": str(output_dir), "seed": 0, "model": {"pretrained": str(pretrained)},
-        "runner": {"kind": "threads", "workers": 2},
+    stages: dict[str, dict[str, Any]] = {
         "ingest": {"source": str(source)},
         "caption": {"captioner": "sidecar"},
+        "curate": {},
         "bucket": {"resolution": IMAGE_SIDE, "aspect_ratios": [1.0]},
         "cache": {"dtype": "bfloat16", "batch_size": CACHE_BATCH, "max_sequence_length": TOKENS},
-    }))
+    }
+    for stage, value in (shard_bytes or {}).items():
+        stages[stage]["shard_bytes"] = int(value)
+    path.write_text(yaml.safe_dump({
+        "output_dir": str(output_dir), "seed": 0, "model": {"pretrained": str(pretrained)},
+        "runner": {"kind": "threads", "workers": 2}, **stages}))
     return path
+
+
+def real_samples_per_shard() -> dict[str, int]:
+    """Samples per shard at full size with the stage defaults: the default byte target over the real tar
+    bytes of a sample (``bench/files.py``'s sizes)."""
+    from latentmill.stages.cache import CacheConfig, sample_bytes_estimate
+    from latentmill.stages.ingest import DEFAULT_SHARD_BYTES as RAW_DEFAULT
+    from latentmill.stages.shardio import DEFAULT_SHARD_BYTES as CACHE_DEFAULT
+
+    from bench.common import FLUX_512
+    from bench.files import IMAGE_BYTES, JSON_BYTES, _tar_bytes
+    from latentmill.models import ModelConfig
+
+    raw = RAW_DEFAULT // _tar_bytes([IMAGE_BYTES, JSON_BYTES])
+    # the Flux VAE's defaults (no model folder: 16 latent channels, 8x down), as bench/files.py
+    cached = sample_bytes_estimate(CacheConfig(dtype="bfloat16", max_sequence_length=FLUX_512["text_len"]),
+                                   ModelConfig(pretrained="/nonexistent/flux"), "flux")(FLUX_512["bucket"])
+    return {**{stage: raw for stage in RAW_STAGES}, "cache": CACHE_DEFAULT // cached}
+
+
+def calibrate(work: Path, images: Path, pretrained: Path) -> dict[str, Any]:
+    """Our shard bytes per sample in each stage (a prep of the first ``CALIBRATION`` images with the
+    defaults), and the byte targets that give each stage's shards their full-size sample counts."""
+    source = work / "images-calibration"
+    source.mkdir()
+    for i in range(CALIBRATION):
+        for ext in (".jpg", ".txt"):
+            os.link(images / f"img{i:07d}{ext}", source / f"img{i:07d}{ext}")
+    out = work / "out-calibration"
+    cli_prep(write_recipe(work / "calibration.yaml", source, out, pretrained), work, "prep-calibration")
+    per_shard = real_samples_per_shard()
+    ours, targets = {}, {}
+    for stage, count in per_shard.items():
+        shards = list((out / "prep" / stage / "shards").glob("*.tar"))
+        ours[stage] = sum(p.stat().st_size for p in shards) / CALIBRATION
+        targets[stage] = max(1, int(ours[stage] * count))
+    shutil.rmtree(out, ignore_errors=True)
+    result = {"bytes_per_sample": {k: round(v, 1) for k, v in ours.items()}, "samples_per_shard": per_shard,
+              "shard_bytes": targets}
+    log(f"calibration: {result}")
+    return result
 
 
 def cli_prep(recipe: Path, work: Path, tag: str) -> dict[str, Any]:
@@ -157,10 +213,14 @@ def run(args) -> list:
             os.link(images / f"img{i:07d}{ext}", small_images / f"img{i:07d}{ext}")
     log(f"generated {big} images in {time.perf_counter() - t0:.0f} s")
     try:
+        layout = calibrate(work, images, pretrained)
         runs = {}
         for name, n, source in (("small", small, small_images), ("big", big, images)):
-            recipe = write_recipe(work / f"{name}.yaml", source, work / f"out-{name}", pretrained)
+            recipe = write_recipe(work / f"{name}.yaml", source, work / f"out-{name}", pretrained,
+                                  layout["shard_bytes"])
             runs[name] = cli_prep(recipe, work, f"prep-{name}")
+            runs[name]["shards"] = {stage: len(list((work / f"out-{name}" / "prep" / stage / "shards").glob("*.tar")))
+                                    for stage in (*RAW_STAGES, "cache")}
             runs[name]["loader"] = loader_epoch(work / f"out-{name}" / "prep" / "cache")
             if runs[name]["samples_out"] != n or runs[name]["loader"]["samples"] != n:
                 raise RuntimeError(f"{name}: {n} inputs, {runs[name]['samples_out']} cached, "
@@ -175,7 +235,9 @@ def run(args) -> list:
             shutil.rmtree(work, ignore_errors=True)
     inputs = {"inputs_big": big, "inputs_small": small, "image": f"{IMAGE_SIDE}x{IMAGE_SIDE} JPEG + sidecar",
               "model": "tiny-flux", "max_sequence_length": TOKENS, "cache_batch": CACHE_BATCH,
-              "runner": "threads x2", "shard_bytes": "stage defaults", "refresh_new": big // REFRESH_FRACTION}
+              "runner": "threads x2", "refresh_new": big // REFRESH_FRACTION,
+              "shard_bytes": "stage defaults scaled to full-size samples per shard", "layout": layout,
+              "shards": {name: r["shards"] for name, r in runs.items()}}
     b, s = runs["big"], runs["small"]
     per_big, per_small = b["stages_s"] / big * 1000, s["stages_s"] / small * 1000
     return [

@@ -183,6 +183,17 @@ def _sample_image(train: dict[str, Any], output_dir: Path) -> Path:
     return output_dir / "sample.png"
 
 
+def _import_encoders(recipe: Any) -> None:
+    """Import the model family's encoder classes (``stages.families.import_encoder_classes``); a problem is
+    left to the cache stage, which reports it in context."""
+    from latentmill.stages.families import detect_family, import_encoder_classes
+
+    try:
+        import_encoder_classes(detect_family(recipe.model))
+    except Exception:  # noqa: BLE001 (a family that cannot be told, a broken install: the stage says it)
+        pass
+
+
 def _run_flow(command: str, config: Path, overrides: list[str], nproc: int, nnodes: int = 1,
               rdzv_endpoint: str | None = None, early_api: Any = None) -> tuple[dict, str]:
     from latentmill.preflight import check_recipe
@@ -202,6 +213,8 @@ def _run_flow(command: str, config: Path, overrides: list[str], nproc: int, nnod
     # Prefect's temporary API server ends with this process, even when it is killed; launched at the start of
     # the command (early_api) it has booted during the imports and checks above
     if early_api is not None:
+        if command != "train":
+            _import_encoders(recipe)  # while the server boots (the cache stage needs them, or a refresh's)
         early_api.ready(float(os.environ["PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS"]))
         using = early_api.settings()
     else:

@@ -78,7 +78,7 @@ def stage_processor(stage: str, recipe: Recipe) -> Callable[[WorkUnit, UnitOutpu
     }[stage]
 
 
-def manifest_header(stage: str, recipe: Recipe) -> dict[str, Any]:
+def manifest_header(stage: str, recipe: Recipe, records: list[UnitRecord] | None = None) -> dict[str, Any]:
     """Stage-specific manifest fields (the cache stage records its models)."""
     if stage == "ingest":
         return {"fingerprint": stable_hash(ingest.fingerprint(recipe.ingest)), "source": recipe.ingest.source,
@@ -89,7 +89,7 @@ def manifest_header(stage: str, recipe: Recipe) -> dict[str, Any]:
         return curate.manifest_header(recipe.curate, recipe.cache.background)
     if stage == "bucket":
         return {"fingerprint": stable_hash(bucket.fingerprint(recipe.bucket))}
-    return cache.manifest_header(recipe.cache, recipe.model, _stage_dir(recipe, stage))
+    return cache.manifest_header(recipe.cache, recipe.model, _stage_dir(recipe, stage), records)
 
 
 def auto_compact(recipe: Recipe, cache_dir: StageDir) -> dict[str, Any] | None:
@@ -116,7 +116,7 @@ def run_stages_in_process(recipe: Recipe) -> dict[str, tuple[StageDir, dict[str,
     for stage in STAGES:
         stage_dir = _stage_dir(recipe, stage).ensure()
         records = [stage_dir.run_unit(u, stage_processor(stage, recipe)) for u in plan_stage(stage, recipe)]
-        result[stage] = (stage_dir, stage_dir.write_manifest(records, manifest_header(stage, recipe)), records)
+        result[stage] = (stage_dir, stage_dir.write_manifest(records, manifest_header(stage, recipe, records)), records)
         if stage == "curate":
             curate.write_scores_table(records, recipe.prep_dir, recipe.curate.active_scorers())
     if auto_compact(recipe, result["cache"][0]) is not None:  # as the flow does: the manifest names merged units
@@ -264,7 +264,7 @@ def prep_stages(recipe_data: dict, started_run: str | None = None) -> dict[str, 
                 bar.update(samples)
                 if progress is not None:
                     progress.update(samples)
-        manifest = stage_dir.write_manifest(records, manifest_header(stage, recipe))
+        manifest = stage_dir.write_manifest(records, manifest_header(stage, recipe, records))
         report[stage] = stage_report(stage, records, time.perf_counter() - start)
         if stage == "caption":
             report[stage].update(caption.report(recipe.caption, records))

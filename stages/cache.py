@@ -779,8 +779,10 @@ def ensure_empty_prompt(cfg: CacheConfig, model: ModelConfig, stage_dir: StageDi
     return {"path": name, "sha256": sha256_bytes(path.read_bytes())}
 
 
-def manifest_header(cfg: CacheConfig, model: ModelConfig, stage_dir: StageDir) -> dict[str, Any]:
-    """Family, models, dtype, latent mode, text layout and empty prompt of this cache."""
+def manifest_header(cfg: CacheConfig, model: ModelConfig, stage_dir: StageDir,
+                    records: list[UnitRecord] | None = None) -> dict[str, Any]:
+    """Family, models, dtype, latent mode, text layout and empty prompt of this cache. ``records``: the
+    records of the run's units, when the caller has them (else the current plan's are read again)."""
     plan_ = cache_plan(cfg, model)
     models = describe_components(model, plan_.family)
     for name, fp in plan_.prints.items():
@@ -798,14 +800,18 @@ def manifest_header(cfg: CacheConfig, model: ModelConfig, stage_dir: StageDir) -
         "max_sequence_length": cfg.max_sequence_length,
         "text": {"trimmed": trims_text(cfg, plan_.family), "pad_to": cfg.max_sequence_length},
         "empty_prompt": ensure_empty_prompt(cfg, model, stage_dir),
-        **_encoded_on_field(cfg, model, stage_dir),
+        **_encoded_on_field(cfg, model, stage_dir, records),
     }
 
 
-def _encoded_on_field(cfg: CacheConfig, model: ModelConfig, stage_dir: StageDir) -> dict[str, Any]:
+def _encoded_on_field(cfg: CacheConfig, model: ModelConfig, stage_dir: StageDir,
+                      records: list[UnitRecord] | None = None) -> dict[str, Any]:
     """``{"encoded_on": {"<device class> | torch ... [| cudnn ...]": {"vae": n, "text": n}}}`` over the units
-    of this cache (the current plan's committed records); nothing when none of them recorded it (a cache
-    written before the field keeps its manifest, and so its snapshot name)."""
+    of this cache (``records``, or the current plan's committed records, planned and read again: a refresh at
+    100,000 samples spent seconds on that); nothing when none of them recorded it (a cache written before the
+    field keeps its manifest, and so its snapshot name)."""
+    if records is not None:
+        return {"encoded_on": encoded_on_total(records)} if any("encoded_on" in r.extra for r in records) else {}
     upstream = StageDir(stage_dir.root.parent / "bucket", "bucket")
     if not upstream.manifest_path.is_file():
         return {}

@@ -212,6 +212,26 @@ def describe_components(model: ModelConfig, family: str) -> dict[str, dict[str, 
     return out
 
 
+# The classes each family's encoders are built from (see FluxEncoders / WanEncoders).
+_CLASS_IMPORTS = {"flux": (("diffusers", "AutoencoderKL"), ("transformers", "CLIPTextModel"),
+                           ("transformers", "T5EncoderModel"), ("transformers", "AutoTokenizer")),
+                  "wan": (("diffusers", "AutoencoderKLWan"), ("transformers", "UMT5EncoderModel"),
+                          ("transformers", "AutoTokenizer"))}
+
+
+def import_encoder_classes(family: str) -> None:
+    """Import the classes a family's encoders are built from, without loading any weights.
+
+    Diffusers' and transformers' lazy modules take seconds to import (most of a small refresh's cache stage
+    on a CPU). The CLI imports them while Prefect's API server boots, a wait it has anyway, so the cache
+    stage does not import them afterwards.
+    """
+    import importlib
+
+    for module, name in _CLASS_IMPORTS.get(family, ()):
+        getattr(importlib.import_module(module), name)
+
+
 _encoders: dict[tuple, _Encoders] = {}
 _encoders_lock = threading.Lock()
 

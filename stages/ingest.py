@@ -280,6 +280,7 @@ def plan(cfg: IngestConfig, stage_dir: StageDir | None = None) -> list[WorkUnit]
     units = []
     for group in layout([e.id for e in entries], previous, cfg.shard_size, sizes, cfg.shard_bytes):
         members = sorted((entries[i] for i in group), key=lambda e: e.id)
+        hashes.prefetch([p for e in members if not is_remote(e.uri) for p in (e.uri, *e.sidecars)])
         ids = [_entry_identity(e, hashes) for e in members]
         unit_id = stable_hash({"fingerprint": fp, CUT_KEY: cut, "inputs": ids})
         payload = {"kind": "entries", "root": source.root, "items": [_entry_json(e) for e in members],

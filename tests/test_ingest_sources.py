@@ -295,6 +295,38 @@ def test_layout_keeps_old_units_and_splits_new_entries_evenly():
     assert ingest.layout(ids, [], 4) == hash_groups(ids, 4)
 
 
+def test_file_hashes_prefetch_answers_a_group_in_a_few_queries(tmp_path):
+    """``prefetch`` (the ingest planner's per-unit lookup) gives the digests one-at-a-time lookups give, asks
+    SQLite nothing more for the group, and still re-hashes a file changed since it was remembered."""
+    import os
+
+    from latentmill.stages.shardio import FileHashes, sha256_file
+
+    old = 1_700_000_000_000_000_000
+    paths = []
+    for i in range(1200):  # more than one query's worth (PREFETCH_CHUNK)
+        path = tmp_path / f"f{i}.bin"
+        path.write_bytes(str(i).encode() * 10)
+        os.utime(path, ns=(old, old))
+        paths.append(str(path))
+    store = tmp_path / "hashes.sqlite"
+    first = FileHashes(store)
+    expected = [first.sha256(p) for p in paths]
+    first.save()
+    changed = tmp_path / "f701.bin"
+    changed.write_bytes(b"changed")
+    os.utime(changed, ns=(old + 5, old + 5))
+    expected[701] = sha256_file(changed)
+    again = FileHashes(store)
+    statements = []
+    again._db.set_trace_callback(statements.append)
+    again.prefetch(paths)
+    queries = len(statements)
+    assert [again.sha256(p) for p in paths] == expected
+    assert queries == -(-len(paths) // FileHashes.PREFETCH_CHUNK) and len(statements) == queries
+    assert again.hashed == 1  # only the changed file was read
+
+
 def test_file_hashes_are_remembered_while_the_file_is_unchanged(tmp_path):
     import os
     import sqlite3
