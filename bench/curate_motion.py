@@ -60,7 +60,8 @@ def phase_shift(a: np.ndarray, b: np.ndarray) -> float:
     cross = np.fft.rfft2(a) * np.conj(np.fft.rfft2(b))
     corr = np.fft.irfft2(cross / np.maximum(np.abs(cross), 1e-9), s=a.shape)
     dy, dx = np.unravel_index(int(np.argmax(corr)), corr.shape)
-    dy, dx = (dy - a.shape[0] if dy > a.shape[0] // 2 else dy), (dx - a.shape[1] if dx > a.shape[1] // 2 else dx)
+    dy = dy - a.shape[0] if dy > a.shape[0] // 2 else dy
+    dx = dx - a.shape[1] if dx > a.shape[1] // 2 else dx
     return float(np.hypot(dy, dx))
 
 

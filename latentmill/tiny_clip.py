@@ -29,10 +29,10 @@ LAION_LAYERS = ((0, 1024), (2, 128), (4, 64), (6, 16), (7, 1))
 
 TINY_CLIP: dict[str, Any] = {
     "projection_dim": 16,
-    "text_config": {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 2,
-                    "max_position_embeddings": 32},
-    "vision_config": {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 2,
-                      "image_size": 32, "patch_size": 8},
+    "text_config": {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+                    "num_attention_heads": 2, "max_position_embeddings": 32},
+    "vision_config": {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+                      "num_attention_heads": 2, "image_size": 32, "patch_size": 8},
 }
 
 
@@ -78,9 +78,9 @@ def build_tiny_clip(out_dir: str | os.PathLike[str], seed: int = 0, replace: boo
         text = TINY_CLIP["text_config"]
         tokenizer = build_clip_tokenizer(text["max_position_embeddings"])
         side = TINY_CLIP["vision_config"]["image_size"]
-        processor = CLIPProcessor(image_processor=CLIPImageProcessorPil(size={"shortest_edge": side},
-                                                                        crop_size={"height": side, "width": side}),
-                                  tokenizer=tokenizer)
+        images = CLIPImageProcessorPil(size={"shortest_edge": side},
+                                       crop_size={"height": side, "width": side})
+        processor = CLIPProcessor(image_processor=images, tokenizer=tokenizer)
         ids = {"bos_token_id": tokenizer.bos_token_id, "eos_token_id": tokenizer.eos_token_id,
                "pad_token_id": tokenizer.pad_token_id, "vocab_size": len(tokenizer)}
         config = CLIPConfig(text_config={**text, **ids}, vision_config=TINY_CLIP["vision_config"],
@@ -97,7 +97,8 @@ def build_tiny_clip(out_dir: str | os.PathLike[str], seed: int = 0, replace: boo
 
 
 def head_path(out_dir: str | os.PathLike[str]) -> Path:
-    """Where the command line puts the head of the model in ``out_dir``: ``<out_dir>-aesthetic.safetensors``."""
+    """Where the command line writes the head for the model in ``out_dir``: beside it, with the suffix
+    ``-aesthetic.safetensors``."""
     out = Path(out_dir).expanduser().absolute()
     return out.with_name(out.name + "-aesthetic.safetensors")
 

@@ -59,7 +59,7 @@ from PIL import Image
 STAGE = "curate"
 FORMAT_VERSION = 1
 SCORERS = ("sharpness", "exposure", "aesthetic", "clip_score", "motion")
-DEFAULT_SCORERS = ("sharpness", "exposure")  # model-free, on by default; the others when listed or thresholded
+DEFAULT_SCORERS = ("sharpness", "exposure")  # model-free, on by default; others when listed or thresholded
 MODEL_SCORERS = curate_models.MODEL_SCORERS  # need a model (stages/curate_models.py)
 SCORER_VERSION = 1  # in every score key: what decides a score's value
 DEDUP_FILE = "dedup.sqlite"
@@ -80,7 +80,7 @@ class CurateConfig:
     min_clip_score: Optional[float] = None  # 100 x cosine(image, caption) below: quarantined
     min_motion: Optional[float] = None  # mean |frame difference| (grey levels) below / above: quarantined;
     max_motion: Optional[float] = None  # videos only (an image has no motion score)
-    aesthetic_model: Optional[str] = None  # CLIP / SigLIP hub id or folder (e.g. openai/clip-vit-large-patch14)
+    aesthetic_model: Optional[str] = None  # CLIP / SigLIP id or folder (e.g. openai/clip-vit-large-patch14)
     aesthetic_head: Optional[str] = None  # the MLP head, a safetensors file (LAION v2 layout)
     clip_model: Optional[str] = None  # the clip_score model; null: aesthetic_model
     score_side: int = 256  # images and frames are shrunk to this longer side before scoring
@@ -111,7 +111,8 @@ class CurateConfig:
             if getattr(self, name) is not None and getattr(self, name) < 0:
                 raise ConfigError(f"curate.{name}: grey levels >= 0 or null, got {getattr(self, name)}")
         if self.min_clip_score is not None and not -100 <= self.min_clip_score <= 100:
-            raise ConfigError(f"curate.min_clip_score: 100 x a cosine, in -100..100 or null, got {self.min_clip_score}")
+            raise ConfigError(f"curate.min_clip_score: 100 x a cosine, in -100..100 or null, "
+                              f"got {self.min_clip_score}")
         if self.model_side < 8:
             raise ConfigError(f"curate.model_side: must be >= 8, got {self.model_side}")
         if self.batch_size < 1:
@@ -166,8 +167,8 @@ SCORE_FUNCTIONS: dict[str, Callable[[np.ndarray], float]] = {"sharpness": sharpn
 def scorer_fingerprint(cfg: CurateConfig, name: str, background: tuple[int, int, int]) -> dict[str, Any]:
     """What decides one scorer's value for a given sample content: the scorer and how pixels reach it (and,
     for a model scorer, the model's and head's weights: a different model means new score keys)."""
-    fp: dict[str, Any] = {"scorer": name, "version": SCORER_VERSION, "side": cfg.score_side, "frames": cfg.frames,
-                          "background": list(background)}
+    fp: dict[str, Any] = {"scorer": name, "version": SCORER_VERSION, "side": cfg.score_side,
+                          "frames": cfg.frames, "background": list(background)}
     if cfg.decode_side() != cfg.score_side:  # absent otherwise: the keys of model-free runs stay as they were
         fp["decode_side"] = cfg.decode_side()
     if name in MODEL_SCORERS:
@@ -205,9 +206,10 @@ def score_frames(frames: list[Image.Image], names: list[str]) -> dict[str, float
 
 
 def decode_and_score(sample: dict[str, Any], meta: dict[str, Any], cfg: CurateConfig, names: list[str],
-                     background: tuple[int, int, int] = pixels.WHITE) -> tuple[str, dict[str, float], list[Image.Image]]:
-    """``(kind, model-free scores, frames)``: decode a sample as the captioners do (an image, or ``cfg.frames``
-    frames spread over a video or its clip window, through :func:`latentmill.stages.video.read_frames`) at
+                     background: tuple[int, int, int] = pixels.WHITE
+                     ) -> tuple[str, dict[str, float], list[Image.Image]]:
+    """``(kind, model-free scores, frames)``: decode a sample as the captioners do (an image, or
+    ``cfg.frames`` frames spread over a video or its clip window, through ``video.read_frames``) at
     ``cfg.decode_side()``, score the named model-free scorers on the frames shrunk to ``cfg.score_side``
     (``motion`` only for a video), and return the decoded frames for the model scorers. Raises the
     decoder's error for a sample that cannot be decoded."""
@@ -427,7 +429,8 @@ def _score_unit(cfg: CurateConfig, unit: WorkUnit, prints: dict[str, dict[str, A
             if missing:
                 item.computed = True
                 try:
-                    decoded_kind, computed, frames = decode_and_score(sample, item.meta, cfg, missing, background)
+                    decoded_kind, computed, frames = decode_and_score(sample, item.meta, cfg, missing,
+                                                                      background)
                 except Exception as err:  # PIL / decord / PyAV errors
                     item.error = f"{type(err).__name__}: {err}"
                 else:
@@ -471,7 +474,8 @@ def process(cfg: CurateConfig, unit: WorkUnit, out: UnitOutput,
         rows[key] = {"source": source, "kind": kind, "keys": item.keys, "values": scores}
         failed = [(name, scorer, bound) for name, bound in thresholds.items()
                   for scorer, side in [THRESHOLDS[name]]
-                  if scorer in scores and (scores[scorer] < bound if side == "min" else scores[scorer] > bound)]
+                  if scorer in scores  # an image has no motion score
+                  and (scores[scorer] < bound if side == "min" else scores[scorer] > bound)]
         if failed:  # every threshold it fails, in THRESHOLDS order
             counts["below_threshold"] += 1
             rows[key]["quarantined"] = ",".join(f"curate.{name}" for name, _, _ in failed)

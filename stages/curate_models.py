@@ -33,7 +33,7 @@ if TYPE_CHECKING:
 MODEL_SCORERS = ("aesthetic", "clip_score")
 MODEL_CLASSES = {"clip": "CLIPModel", "clip_vision_model": "CLIPVisionModelWithProjection",
                  "siglip": "AutoModel", "siglip2": "AutoModel"}
-CLIP_SCORE_SCALE = 100.0  # CLIPScore's (torchmetrics) scale; a real CLIP ViT-L/14 gives ~15..35 for a fit caption
+CLIP_SCORE_SCALE = 100.0  # CLIPScore's scale (torchmetrics); CLIP ViT-L/14 gives ~15..35 for a fit caption
 # Forward calls of every scorer model in this process, by input: what tests and benchmarks count.
 FORWARDS = {"image": 0, "text": 0}
 
@@ -65,7 +65,7 @@ def motion(greys: list[np.ndarray]) -> float:
 
 def _features(out: Any, name: str) -> Any:
     """The embedding tensor of a ``get_*_features`` / projection-model call (a tensor, or an output whose
-    ``pooler_output`` / ``image_embeds`` / ``text_embeds`` holds it, depending on the transformers version)."""
+    ``pooler_output`` / ``image_embeds`` / ``text_embeds`` holds it, by transformers version)."""
     if hasattr(out, "shape"):
         return out
     for attr in (f"{name}_embeds", "pooler_output"):
@@ -87,8 +87,8 @@ class EmbeddingModel:
         self.model_id = model_id
         self.model_type = getattr(config, "model_type", "")
         if self.model_type not in MODEL_CLASSES:
-            raise ValueError(f"{model_id}: model_type {self.model_type!r} is not an image embedding model the "
-                             f"curate scorers load; allowed: {', '.join(MODEL_CLASSES)}")
+            raise ValueError(f"{model_id}: model_type {self.model_type!r} is not an image embedding model "
+                             f"the curate scorers load; allowed: {', '.join(MODEL_CLASSES)}")
         self.embed_dim = embed_dim(config)
         self.has_text = self.model_type != "clip_vision_model"
         self.siglip = self.model_type.startswith("siglip")
@@ -125,7 +125,8 @@ class EmbeddingModel:
                 rows.append(self._normalised(_features(out, "image")))
         return np.concatenate(rows)
 
-    def image_embeddings(self, frames_per_sample: list[list[Image.Image]], batch_size: int = 16) -> np.ndarray:
+    def image_embeddings(self, frames_per_sample: list[list[Image.Image]],
+                         batch_size: int = 16) -> np.ndarray:
         """One L2-normalised float32 row per sample: an image's embedding, or the normalised mean of a
         video's frame embeddings (for near-duplicate search)."""
         flat = self.frame_embeddings([f for frames in frames_per_sample for f in frames], batch_size)
@@ -142,7 +143,7 @@ class EmbeddingModel:
         import torch
 
         if self.tokenizer is None:
-            raise ValueError(f"{self.model_id}: a vision-only model ({self.model_type}) has no text embeddings")
+            raise ValueError(f"{self.model_id}: a vision-only model ({self.model_type}) embeds no text")
         rows = [np.zeros((0, self.embed_dim), np.float32)]
         for start in range(0, len(texts), batch_size):
             tokens = self.tokenizer(texts[start:start + batch_size], truncation=True, return_tensors="pt",
@@ -197,8 +198,8 @@ def check_head(state: dict[str, Any], input_dim: int, path: str, model_id: str) 
                       and k.split(".")[1].isdigit()})
     expected = {f"layers.{i}.{p}" for i in indices for p in ("weight", "bias")}
     if not indices or set(state) != expected:
-        raise ValueError(f"{where}: not a LAION-layout head (keys layers.<i>.weight / layers.<i>.bias); found "
-                         f"{sorted(state)[:8]}")
+        raise ValueError(f"{where}: not a LAION-layout head (keys layers.<i>.weight / layers.<i>.bias); "
+                         f"found {sorted(state)[:8]}")
     layers, width = [], input_dim
     for n, i in enumerate(indices):
         weight, bias = state[f"layers.{i}.weight"].float(), state[f"layers.{i}.bias"].float()
@@ -289,7 +290,7 @@ def image_embeddings(cfg: "CurateConfig", frames_per_sample: list[list[Image.Ima
 
 def fingerprint(cfg: "CurateConfig", name: str) -> dict[str, Any]:
     """What decides a model score besides the pixels: the model's weights (by content, hashed once per
-    file and remembered), the head's for ``aesthetic``, the dtype setting and, for ``clip_score``, the scale."""
+    file and remembered), the head's for ``aesthetic``, the dtype setting, ``clip_score``'s scale."""
     from latentmill.stages.captioners.hf import model_fingerprint
 
     from latentmill.models import file_fingerprint
@@ -311,14 +312,16 @@ def check_config(cfg: "CurateConfig", active: list[str]) -> None:
 
     if "aesthetic" in active:
         if not cfg.aesthetic_model:
-            raise ConfigError("curate.aesthetic_model: the aesthetic scorer (curate.scorers or curate.min_aesthetic) "
-                              "needs a CLIP or SigLIP model id or folder, e.g. openai/clip-vit-large-patch14")
+            raise ConfigError("curate.aesthetic_model: the aesthetic scorer (curate.scorers or "
+                              "curate.min_aesthetic) needs a CLIP or SigLIP model id or folder, e.g. "
+                              "openai/clip-vit-large-patch14")
         if not cfg.aesthetic_head or not Path(cfg.aesthetic_head).is_file():
-            raise ConfigError(f"curate.aesthetic_head: the aesthetic scorer needs the MLP head's safetensors file; "
-                              f"got {cfg.aesthetic_head!r}, which is not a file")
+            raise ConfigError(f"curate.aesthetic_head: the aesthetic scorer needs the MLP head's safetensors "
+                              f"file; got {cfg.aesthetic_head!r}, which is not a file")
     if "clip_score" in active and not scorer_model(cfg, "clip_score"):
-        raise ConfigError("curate.clip_model: the clip_score scorer (curate.scorers or curate.min_clip_score) needs "
-                          "a CLIP or SigLIP model id or folder (default: curate.aesthetic_model, unset here)")
+        raise ConfigError("curate.clip_model: the clip_score scorer (curate.scorers or "
+                          "curate.min_clip_score) needs a CLIP or SigLIP model id or folder (default: "
+                          "curate.aesthetic_model, unset)")
     for name in (n for n in MODEL_SCORERS if n in active):
         model_id = str(scorer_model(cfg, name))
         config_file = Path(model_id) / "config.json"
@@ -328,18 +331,19 @@ def check_config(cfg: "CurateConfig", active: list[str]) -> None:
         model_type = config.get("model_type", "")
         key = "curate.aesthetic_model" if name == "aesthetic" else "curate.clip_model"
         if model_type not in MODEL_CLASSES:
-            raise ConfigError(f"{key}: {model_id} has model_type {model_type!r}; allowed: {', '.join(MODEL_CLASSES)}")
+            raise ConfigError(f"{key}: {model_id} has model_type {model_type!r}; allowed: "
+                              f"{', '.join(MODEL_CLASSES)}")
         if name == "clip_score" and model_type == "clip_vision_model":
-            raise ConfigError(f"{key}: {model_id} is vision-only (clip_vision_model): clip_score needs its text "
-                              "tower; allowed model types: clip, siglip, siglip2")
+            raise ConfigError(f"{key}: {model_id} is vision-only (clip_vision_model): clip_score needs its "
+                              "text tower; allowed model types: clip, siglip, siglip2")
         if name == "aesthetic":
             from transformers import AutoConfig
 
             dim = embed_dim(AutoConfig.from_pretrained(model_id))
             width = head_input_size(str(cfg.aesthetic_head))
             if width != dim:
-                raise ConfigError(f"curate.aesthetic_head: {cfg.aesthetic_head} takes {width}-dim embeddings, but "
-                                  f"curate.aesthetic_model {model_id} gives {dim}-dim ones")
+                raise ConfigError(f"curate.aesthetic_head: {cfg.aesthetic_head} takes {width}-dim "
+                                  f"embeddings, but curate.aesthetic_model {model_id} gives {dim}-dim ones")
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -45,7 +45,8 @@ def _png(img: Image.Image) -> bytes:
 def _pictures() -> list[Image.Image]:
     rng = np.random.RandomState(0)
     noise = Image.fromarray(rng.randint(0, 256, (60, 90, 3), np.uint8))
-    return [checkerboard(64, 8, ((200, 20, 20), (20, 20, 200))), noise, Image.new("RGB", (50, 40), (30, 160, 90))]
+    board = checkerboard(64, 8, ((200, 20, 20), (20, 20, 200)))
+    return [board, noise, Image.new("RGB", (50, 40), (30, 160, 90))]
 
 
 class LaionMLP(torch.nn.Module):
@@ -112,17 +113,20 @@ def test_model_scores_are_keyed_by_the_model_and_the_caption(tiny_clip, tmp_path
     cfg = _cfg(tiny_clip)
     white = (255, 255, 255)
     meta = {"sha256": "ab" * 32}
-    fp = {name: curate.scorer_fingerprint(cfg, name, white) for name in ("aesthetic", "clip_score", "sharpness")}
+    fp = {name: curate.scorer_fingerprint(cfg, name, white)
+          for name in ("aesthetic", "clip_score", "sharpness")}
     assert fp["aesthetic"]["model"] == fp["clip_score"]["model"]  # clip_model defaults to aesthetic_model
     other = build_tiny_clip(tmp_path / "other-clip", seed=1)
     cfg2 = _cfg((other, tiny_clip[1]))
     for name in ("aesthetic", "clip_score"):  # other weights: other keys
-        assert curate.score_key(curate.scorer_fingerprint(cfg2, name, white), meta) != curate.score_key(fp[name], meta)
+        other_key = curate.score_key(curate.scorer_fingerprint(cfg2, name, white), meta)
+        assert other_key != curate.score_key(fp[name], meta)
     head2 = save_head(tmp_path / "head2.safetensors", TINY_CLIP["projection_dim"], seed=2)
     cfg3 = _cfg((tiny_clip[0], head2))
     assert curate.scorer_fingerprint(cfg3, "aesthetic", white) != fp["aesthetic"]
     assert curate.scorer_fingerprint(cfg3, "clip_score", white) == fp["clip_score"]  # the head is not its
-    assert (curate.score_key(fp["clip_score"], meta, "a cat") != curate.score_key(fp["clip_score"], meta, "a dog"))
+    cat, dog = (curate.score_key(fp["clip_score"], meta, text) for text in ("a cat", "a dog"))
+    assert cat != dog
     # a model-free run's keys are what they were before model scorers existed (no decode_side in them)
     plain = curate.CurateConfig()
     assert curate.scorer_fingerprint(plain, "sharpness", white) == {
@@ -135,7 +139,8 @@ def test_head_that_does_not_fit_the_model_fails_naming_both(tiny_clip, tmp_path)
     wrong = save_head(tmp_path / "laion-l14.safetensors", 8)  # made for 8-dim embeddings, the model gives 16
     with pytest.raises(ConfigError, match=r"curate.aesthetic_head: .*laion-l14.safetensors takes 8-dim "
                                           r"embeddings, but curate.aesthetic_model .* gives 16-dim ones"):
-        curate.CurateConfig(aesthetic_model=str(folder), aesthetic_head=str(wrong), min_aesthetic=5).validate()
+        curate.CurateConfig(aesthetic_model=str(folder), aesthetic_head=str(wrong),
+                            min_aesthetic=5).validate()
     with pytest.raises(ValueError, match=r"layers.0.weight has shape \(1024, 8\) .* takes 8 inputs, but the "
                                          r"image model .* gives 16-dim embeddings"):
         curate_models.AestheticHead(str(wrong), 16, str(folder))
@@ -160,7 +165,8 @@ def _video(path: Path, frames_FHWC: np.ndarray) -> Path:
         stream.height, stream.width = frames_FHWC.shape[1:3]
         stream.pix_fmt, stream.options = "yuv420p", {"threads": "1", "crf": "18"}
         for frame in frames_FHWC:
-            for packet in stream.encode(av.VideoFrame.from_ndarray(np.ascontiguousarray(frame), format="rgb24")):
+            image = av.VideoFrame.from_ndarray(np.ascontiguousarray(frame), format="rgb24")
+            for packet in stream.encode(image):
                 container.mux(packet)
         for packet in stream.encode():
             container.mux(packet)
@@ -217,7 +223,8 @@ def test_prep_with_model_scorers_thresholds_and_no_recompute(tmp_path, tiny_flux
                 for s in read_shard(caption_dir.root / shard["path"])}
     cfg = _cfg(tiny_clip)
     for name in ("sharp_0.png", "blurred_1.png"):
-        direct = curate.score_media(upstream[name], sample_json(upstream[name]), cfg, ["aesthetic", "clip_score"])
+        direct = curate.score_media(upstream[name], sample_json(upstream[name]), cfg,
+                                    ["aesthetic", "clip_score"])
         assert table[name]["aesthetic"] == pytest.approx(direct["aesthetic"], abs=1e-6)
         assert table[name]["clip_score"] == pytest.approx(direct["clip_score"], abs=1e-5)
 
