@@ -96,6 +96,30 @@ def build_tiny_clip(out_dir: str | os.PathLike[str], seed: int = 0, replace: boo
     return save_folder(out_dir, save, replace=replace, markers=_COMPLETE)
 
 
+def build_tiny_siglip(out_dir: str | os.PathLike[str], seed: int = 0, replace: bool = True) -> Path:
+    """A tiny ``SiglipModel`` folder (the SigLIP path: ``AutoModel``, pooled vision output as the embedding,
+    text padded to the tokenizer's length) with the same sizes and character tokenizer as the tiny CLIP."""
+
+    def save(tmp: Path) -> None:
+        import torch
+        from transformers import SiglipConfig, SiglipModel, SiglipProcessor
+        from transformers.models.siglip.image_processing_pil_siglip import SiglipImageProcessorPil
+
+        text = TINY_CLIP["text_config"]
+        tokenizer = build_clip_tokenizer(text["max_position_embeddings"])
+        side = TINY_CLIP["vision_config"]["image_size"]
+        processor = SiglipProcessor(image_processor=SiglipImageProcessorPil(size={"height": side, "width": side}),
+                                    tokenizer=tokenizer)
+        ids = {"bos_token_id": tokenizer.bos_token_id, "eos_token_id": tokenizer.eos_token_id,
+               "pad_token_id": tokenizer.pad_token_id, "vocab_size": len(tokenizer)}
+        config = SiglipConfig(text_config={**text, **ids}, vision_config=TINY_CLIP["vision_config"])
+        torch.manual_seed(seed)
+        SiglipModel(config).eval().save_pretrained(tmp)
+        processor.save_pretrained(tmp)
+
+    return save_folder(out_dir, save, replace=replace, markers=_COMPLETE)
+
+
 def head_path(out_dir: str | os.PathLike[str]) -> Path:
     """Where the command line writes the head for the model in ``out_dir``: beside it, with the suffix
     ``-aesthetic.safetensors``."""

@@ -16,7 +16,7 @@ from latentmill.stages.shardio import read_shard, sample_json
 from PIL import Image
 
 from latentmill.config import ConfigError
-from latentmill.tiny_clip import TINY_CLIP, build_tiny_clip, save_head
+from latentmill.tiny_clip import TINY_CLIP, build_tiny_clip, build_tiny_siglip, save_head
 from tests.test_curate import _image_folder, _prep, checkerboard
 
 
@@ -107,6 +107,28 @@ def test_scores_equal_a_direct_forward_and_are_deterministic(tiny_clip):
     assert np.allclose(np.linalg.norm(rows, axis=1), 1, atol=1e-6)
     mean = image[1:].mean(0)
     assert np.abs(rows[1] - (mean / mean.norm()).numpy()).max() < 1e-5
+
+
+def test_siglip_folder_loads_through_auto_model_and_scores_as_a_direct_forward(tmp_path):
+    from transformers import AutoProcessor, SiglipModel
+
+    folder = build_tiny_siglip(tmp_path / "tiny-siglip", seed=0)
+    width = TINY_CLIP["vision_config"]["hidden_size"]  # SigLIP: the pooled vision output, no projection
+    head = save_head(tmp_path / "head.safetensors", width, seed=3)
+    cfg = _cfg((folder, head))
+    pictures, captions = _pictures(), ["a board", "noise", "a green square"]
+    got = curate_models.model_scores(cfg, [[p] for p in pictures], captions, [["aesthetic", "clip_score"]] * 3)
+    assert curate_models.get_model(cfg, str(folder)).model_type == "siglip"
+    model, processor = SiglipModel.from_pretrained(folder).eval(), AutoProcessor.from_pretrained(folder)
+    with torch.no_grad():
+        image = torch.nn.functional.normalize(model.get_image_features(
+            **processor(images=pictures, return_tensors="pt")).pooler_output, dim=-1)
+        tokens = processor.tokenizer(captions, padding="max_length", truncation=True, return_tensors="pt")
+        text = torch.nn.functional.normalize(model.get_text_features(input_ids=tokens["input_ids"])
+                                             .pooler_output, dim=-1)
+    head_scores = curate_models.AestheticHead(str(head), width)(image.numpy())
+    assert max(abs(g["aesthetic"] - a) for g, a in zip(got, head_scores)) < 1e-5
+    assert max(abs(g["clip_score"] - c) for g, c in zip(got, 100 * (image * text).sum(-1).numpy())) < 1e-4
 
 
 def test_model_scores_are_keyed_by_the_model_and_the_caption(tiny_clip, tmp_path):
@@ -250,3 +272,22 @@ def test_prep_with_model_scorers_thresholds_and_no_recompute(tmp_path, tiny_flux
     kept = [json.loads(s["json"]) for shard in second["curate"][1]["shards"]
             for s in read_shard(out / "prep" / "curate" / shard["path"])]
     assert all(m["scores"]["aesthetic"] >= bound and "clip_score" in m["scores"] for m in kept)
+
+
+def test_a_video_scores_the_mean_over_its_frames(tiny_clip, tmp_path):
+    from latentmill.stages.captioners.media import load_media
+
+    video = _video(tmp_path / "moving.mp4", moving_board())
+    cfg = _cfg(tiny_clip, frames=3)
+    meta = {"kind": "video", "source_uri": str(video)}
+    scores = curate.score_media({"json": b"{}", "txt": b"a moving board"}, meta, cfg,
+                                ["aesthetic", "clip_score", "motion"])
+    assert scores["motion"] > MOTION_CUT
+    # the K = 3 frames the stage read (at the model decode side), scored one by one as images
+    _, frames, _ = load_media({"json": b"{}"}, meta, 3, cfg.decode_side())
+    per_frame = curate_models.model_scores(cfg, [[f] for f in frames], ["a moving board"] * 3,
+                                           [["aesthetic", "clip_score"]] * 3)
+    for name in ("aesthetic", "clip_score"):
+        values = [s[name] for s in per_frame]
+        assert len(set(values)) == 3  # the frames differ
+        assert scores[name] == pytest.approx(np.mean(values), abs=1e-5)
