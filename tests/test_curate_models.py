@@ -256,7 +256,9 @@ def test_prep_with_model_scorers_thresholds_and_no_recompute(tmp_path, tiny_flux
     bound = round((values[2] + values[3]) / 2, 6)
     below = {n for n, r in table.items() if r["aesthetic"] < bound}
     assert len(below) == 3
-    curate_models.release_models()
+    from latentmill.pipelines.prep import release_prep_models
+
+    assert release_prep_models() >= 2 and curate_models.release_models() == 0  # model and head dropped
     calls = dict(curate_models.FORWARDS)
     second = _prep(out, images, tiny_flux, *models, f"curate.min_aesthetic={bound}")
     assert curate_models.FORWARDS == calls and curate_models.release_models() == 0
