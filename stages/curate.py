@@ -10,12 +10,14 @@ The stage sits between caption and bucket (``docs/cache-format.md``, "Curation")
 * computes its **scores** (model-free, on by default): ``sharpness``, the variance of the Laplacian of the
   grey image shrunk to ``curate.score_side``; ``exposure``, the share of its pixels at 0 or 255. A video is
   scored on ``curate.frames`` frames spread over it, through the frame reader captioners use
-  (:func:`latentmill.stages.captioners.media.load_media`, one decode): the mean over the frames;
+  (:func:`latentmill.stages.captioners.media.load_media`, one decode): the mean over the frames. When
+  listed or thresholded, also ``aesthetic`` and ``clip_score`` (CLIP / SigLIP models, batched over the
+  unit's samples) and, for videos, ``motion`` (:mod:`latentmill.stages.curate_models`);
 * writes the scores into the sample's json (``scores: {name: value}``), then applies the thresholds
-  (``curate.min_sharpness``, ``curate.max_exposure``): a sample beyond one is quarantined with the reason
-  (constant per threshold, so reasons count up in summaries) and its ``scores``. A sample that cannot be
-  decoded goes on unscored (``scores: {}``, ``unscored: <error>``): the cache stage quarantines it with its
-  decode error, as without curation.
+  (``curate.min_sharpness``, ``curate.max_exposure``, ``curate.min_aesthetic``, ...): a sample beyond one
+  is quarantined with the reason (constant per threshold, so reasons count up in summaries) and its
+  ``scores``. A sample that cannot be decoded goes on unscored (``scores: {}``, ``unscored: <error>``):
+  the cache stage quarantines it with its decode error, as without curation.
 
 Scores are components with keys of their own, like the cache's VAE and text components: key = hash of the
 scorer's fingerprint and the sample's content hash (and clip window, when a sample has one). Every unit
