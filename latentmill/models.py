@@ -127,6 +127,18 @@ def component_fingerprint(src: ComponentSource) -> str:
     return hashlib.sha256(json.dumps(entries).encode()).hexdigest()
 
 
+def file_fingerprint(path: str | os.PathLike[str]) -> str:
+    """sha256 of one weight file (a scorer head), remembered like :func:`component_fingerprint`'s digests."""
+    from latentmill.stages.shardio import FileHashes
+
+    store = FileHashes(hash_store_path())
+    try:
+        return _file_sha(Path(path), store)
+    finally:
+        store.save(forget_unused=False)
+        store.close()
+
+
 def read_component_config(src: ComponentSource) -> dict[str, Any]:
     """The component's ``config.json`` as a dict."""
     return json.loads((_local_dir(src) / "config.json").read_text())

@@ -192,16 +192,17 @@ def task_runner(runner: RunnerConfig):
 
 
 def release_prep_models() -> int:
-    """Forget the encoders and captioning models prep loaded in this process and hand the GPU memory they
-    held back to the driver, so that training in this same process (prep-then-train, refresh with train)
-    or under torchrun next to it gets whole GPUs. Returns how many model sets were dropped."""
+    """Forget the encoders, captioning and curate scorer models prep loaded in this process and hand the GPU
+    memory they held back to the driver, so that training in this same process (prep-then-train, refresh
+    with train) or under torchrun next to it gets whole GPUs. Returns how many model sets were dropped."""
     import gc
 
     import torch
+    from latentmill.stages import curate_models
     from latentmill.stages.captioners.hf import release_models
     from latentmill.stages.families import release_encoders
 
-    count = release_encoders() + release_models()
+    count = release_encoders() + release_models() + curate_models.release_models()
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()

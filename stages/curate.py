@@ -10,12 +10,14 @@ The stage sits between caption and bucket (``docs/cache-format.md``, "Curation")
 * computes its **scores** (model-free, on by default): ``sharpness``, the variance of the Laplacian of the
   grey image shrunk to ``curate.score_side``; ``exposure``, the share of its pixels at 0 or 255. A video is
   scored on ``curate.frames`` frames spread over it, through the frame reader captioners use
-  (:func:`latentmill.stages.captioners.media.load_media`, one decode): the mean over the frames;
+  (:func:`latentmill.stages.captioners.media.load_media`, one decode): the mean over the frames. When
+  listed or thresholded, also ``aesthetic`` and ``clip_score`` (CLIP / SigLIP models, batched over the
+  unit's samples) and, for videos, ``motion`` (:mod:`latentmill.stages.curate_models`);
 * writes the scores into the sample's json (``scores: {name: value}``), then applies the thresholds
-  (``curate.min_sharpness``, ``curate.max_exposure``): a sample beyond one is quarantined with the reason
-  (constant per threshold, so reasons count up in summaries) and its ``scores``. A sample that cannot be
-  decoded goes on unscored (``scores: {}``, ``unscored: <error>``): the cache stage quarantines it with its
-  decode error, as without curation.
+  (``curate.min_sharpness``, ``curate.max_exposure``, ``curate.min_aesthetic``, ...): a sample beyond one
+  is quarantined with the reason (constant per threshold, so reasons count up in summaries) and its
+  ``scores``. A sample that cannot be decoded goes on unscored (``scores: {}``, ``unscored: <error>``):
+  the cache stage quarantines it with its decode error, as without curation.
 
 Scores are components with keys of their own, like the cache's VAE and text components: key = hash of the
 scorer's fingerprint and the sample's content hash (and clip window, when a sample has one). Every unit
@@ -33,10 +35,10 @@ import sqlite3
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterator, Literal, Optional
 
 import numpy as np
-from latentmill.stages import pixels
+from latentmill.stages import curate_models, pixels
 from latentmill.stages.shardio import (
     ShardIndexError,
     StageDir,
@@ -58,22 +60,37 @@ from PIL import Image
 
 STAGE = "curate"
 FORMAT_VERSION = 1
-SCORERS = ("sharpness", "exposure")  # the model-free scorers (each on by default)
+SCORERS = ("sharpness", "exposure", "aesthetic", "clip_score", "motion")
+DEFAULT_SCORERS = ("sharpness", "exposure")  # model-free, on by default; others when listed or thresholded
+MODEL_SCORERS = curate_models.MODEL_SCORERS  # need a model (stages/curate_models.py)
 SCORER_VERSION = 1  # in every score key: what decides a score's value
 DEDUP_FILE = "dedup.sqlite"
 # threshold key -> (scorer, "min" | "max")
-THRESHOLDS = {"min_sharpness": ("sharpness", "min"), "max_exposure": ("exposure", "max")}
+THRESHOLDS = {"min_sharpness": ("sharpness", "min"), "max_exposure": ("exposure", "max"),
+              "min_aesthetic": ("aesthetic", "min"), "min_clip_score": ("clip_score", "min"),
+              "min_motion": ("motion", "min"), "max_motion": ("motion", "max")}
 
 
 @dataclass
 class CurateConfig:
     """Which scores are computed and which thresholds drop samples (exact duplicates are always dropped)."""
 
-    scorers: list[str] = field(default_factory=lambda: list(SCORERS))  # setting a threshold adds its scorer
+    scorers: list[str] = field(default_factory=lambda: list(DEFAULT_SCORERS))  # a threshold adds its scorer
     min_sharpness: Optional[float] = None  # variance of the Laplacian (0..255 grey levels) below: quarantined
     max_exposure: Optional[float] = None  # share of clipped pixels (0 or 255) above: quarantined
+    min_aesthetic: Optional[float] = None  # LAION-head score below: quarantined (~1..10 with the real head)
+    min_clip_score: Optional[float] = None  # 100 x cosine(image, caption) below: quarantined
+    min_motion: Optional[float] = None  # mean |frame difference| (grey levels) below / above: quarantined;
+    max_motion: Optional[float] = None  # videos only (an image has no motion score)
+    aesthetic_model: Optional[str] = None  # CLIP / SigLIP id or folder (e.g. openai/clip-vit-large-patch14)
+    aesthetic_head: Optional[str] = None  # the MLP head, a safetensors file (LAION v2 layout)
+    clip_model: Optional[str] = None  # the clip_score model; null: aesthetic_model
     score_side: int = 256  # images and frames are shrunk to this longer side before scoring
+    model_side: int = 448  # with a model scorer on, frames are decoded at this longer side for the model
     frames: int = 4  # K frames per video, spread uniformly over it
+    batch_size: int = 16  # images (frames) or captions per scorer-model forward
+    device: Literal["auto", "cpu", "cuda"] = "auto"  # scorer models: auto = cuda when a GPU is visible
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"  # auto: bf16 on GPU, fp32 on CPU
     # target size of a curate shard: upstream shards are grouped into units up to this many bytes
     shard_bytes: int = 256 << 20
 
@@ -92,6 +109,17 @@ class CurateConfig:
             raise ConfigError(f"curate.min_sharpness: must be >= 0 or null, got {self.min_sharpness}")
         if self.max_exposure is not None and not 0 <= self.max_exposure <= 1:
             raise ConfigError(f"curate.max_exposure: a share of pixels in 0..1 or null, got {self.max_exposure}")
+        for name in ("min_motion", "max_motion"):
+            if getattr(self, name) is not None and getattr(self, name) < 0:
+                raise ConfigError(f"curate.{name}: grey levels >= 0 or null, got {getattr(self, name)}")
+        if self.min_clip_score is not None and not -100 <= self.min_clip_score <= 100:
+            raise ConfigError(f"curate.min_clip_score: 100 x a cosine, in -100..100 or null, "
+                              f"got {self.min_clip_score}")
+        if self.model_side < 8:
+            raise ConfigError(f"curate.model_side: must be >= 8, got {self.model_side}")
+        if self.batch_size < 1:
+            raise ConfigError(f"curate.batch_size: must be >= 1, got {self.batch_size}")
+        curate_models.check_config(self, self.active_scorers())
 
     def thresholds(self) -> dict[str, float]:
         """The thresholds that are set: ``{"min_sharpness": 50.0, ...}``."""
@@ -102,6 +130,13 @@ class CurateConfig:
         ``SCORERS`` order."""
         wanted = set(self.scorers) | {THRESHOLDS[name][0] for name in self.thresholds()}
         return [s for s in SCORERS if s in wanted]
+
+    def decode_side(self) -> int:
+        """The longer side frames are decoded at: ``score_side``, or ``model_side`` when larger and a model
+        scorer is on (so that a CLIP input of 224 is not upsampled from a 256 x 144 frame)."""
+        if any(s in MODEL_SCORERS for s in self.active_scorers()):
+            return max(self.score_side, self.model_side)
+        return self.score_side
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -132,31 +167,69 @@ SCORE_FUNCTIONS: dict[str, Callable[[np.ndarray], float]] = {"sharpness": sharpn
 
 
 def scorer_fingerprint(cfg: CurateConfig, name: str, background: tuple[int, int, int]) -> dict[str, Any]:
-    """What decides one scorer's value for a given sample content: the scorer and how pixels reach it."""
-    return {"scorer": name, "version": SCORER_VERSION, "side": cfg.score_side, "frames": cfg.frames,
-            "background": list(background)}
+    """What decides one scorer's value for a given sample content: the scorer and how pixels reach it (and,
+    for a model scorer, the model's and head's weights: a different model means new score keys)."""
+    fp: dict[str, Any] = {"scorer": name, "version": SCORER_VERSION, "side": cfg.score_side,
+                          "frames": cfg.frames, "background": list(background)}
+    if cfg.decode_side() != cfg.score_side:  # absent otherwise: the keys of model-free runs stay as they were
+        fp["decode_side"] = cfg.decode_side()
+    if name in MODEL_SCORERS:
+        del fp["side"]  # the model sees frames at decode_side, resized by its own processor
+        fp["decode_side"] = cfg.decode_side()
+        fp.update(curate_models.fingerprint(cfg, name))
+    return fp
 
 
-def score_key(scorer_fp: dict[str, Any], meta: dict[str, Any]) -> str:
-    """A score component's key: the scorer's fingerprint, the sample's content hash and its clip window."""
-    return stable_hash({"scorer": scorer_fp, "sha256": meta.get("sha256"), "clip": meta.get("clip")})
+def score_key(scorer_fp: dict[str, Any], meta: dict[str, Any], text: str | None = None) -> str:
+    """A score component's key: the scorer's fingerprint, the sample's content hash and its clip window, and
+    for a score of the caption too (``clip_score``) the caption."""
+    parts = {"scorer": scorer_fp, "sha256": meta.get("sha256"), "clip": meta.get("clip")}
+    if text is not None:
+        parts["text"] = text
+    return stable_hash(parts)
+
+
+def caption_text(sample: dict[str, Any], meta: dict[str, Any]) -> str:
+    """The sample's primary caption (its ``.txt`` member, else ``caption`` in its json; empty if none)."""
+    if sample.get("txt"):
+        return bytes(sample["txt"]).decode("utf-8", errors="replace")
+    return str(meta.get("caption") or "")
 
 
 def score_frames(frames: list[Image.Image], names: list[str]) -> dict[str, float]:
-    """Each named score of an image (one frame) or a video (the mean over its frames)."""
+    """Each named model-free score of an image (one frame) or a video (the mean over its frames; ``motion``
+    over consecutive frames)."""
     greys = [grey(f) for f in frames]
-    return {name: float(np.mean([SCORE_FUNCTIONS[name](g) for g in greys])) for name in names}
+    scores = {name: float(np.mean([SCORE_FUNCTIONS[name](g) for g in greys]))
+              for name in names if name in SCORE_FUNCTIONS}
+    if "motion" in names:
+        scores["motion"] = curate_models.motion(greys)
+    return scores
+
+
+def decode_and_score(sample: dict[str, Any], meta: dict[str, Any], cfg: CurateConfig, names: list[str],
+                     background: tuple[int, int, int] = pixels.WHITE
+                     ) -> tuple[str, dict[str, float], list[Image.Image]]:
+    """``(kind, model-free scores, frames)``: decode a sample as the captioners do (an image, or
+    ``cfg.frames`` frames spread over a video or its clip window, through ``video.read_frames``) at
+    ``cfg.decode_side()``, score the named model-free scorers on the frames shrunk to ``cfg.score_side``
+    (``motion`` only for a video), and return the decoded frames for the model scorers. Raises the
+    decoder's error for a sample that cannot be decoded."""
+    from latentmill.stages.captioners.media import fit_within, load_media
+
+    kind, frames, _ = load_media(sample, meta, cfg.frames, cfg.decode_side(), background)
+    small = frames if cfg.decode_side() == cfg.score_side else [fit_within(f, cfg.score_side) for f in frames]
+    return kind, score_frames(small, [n for n in names if n != "motion" or kind == "video"]), frames
 
 
 def score_media(sample: dict[str, Any], meta: dict[str, Any], cfg: CurateConfig, names: list[str],
                 background: tuple[int, int, int] = pixels.WHITE) -> dict[str, float]:
-    """Decode a sample as the captioners do (an image, or ``cfg.frames`` frames spread over a video or its
-    clip window, through :func:`latentmill.stages.video.read_frames`), shrunk to ``cfg.score_side``, and
-    score it. Raises the decoder's error for a sample that cannot be decoded."""
-    from latentmill.stages.captioners.media import load_media
-
-    _, frames, _ = load_media(sample, meta, cfg.frames, cfg.score_side, background)
-    return score_frames(frames, names)
+    """The named scores of one sample (model scorers included); see :func:`decode_and_score`."""
+    kind, scores, frames = decode_and_score(sample, meta, cfg, names, background)
+    needs = [n for n in names if n in MODEL_SCORERS]
+    if needs:
+        scores.update(curate_models.model_scores(cfg, [frames], [caption_text(sample, meta)], [needs])[0])
+    return scores
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -309,6 +382,70 @@ def plan(cfg: CurateConfig, upstream: StageDir, stage_dir: StageDir | None = Non
     return units
 
 
+@dataclass
+class _Scored:
+    """One sample on its way through :func:`_score_unit`."""
+
+    sample: dict[str, Any]
+    meta: dict[str, Any]
+    keys: dict[str, str] = field(default_factory=dict)  # score name -> score key (the scores it has)
+    values: dict[str, float] = field(default_factory=dict)
+    computed: bool = False  # decoded and scored here (else every score was found by key)
+    error: str | None = None  # the decode error of a sample that goes on unscored
+    frames: list[Image.Image] | None = None  # decoded frames, while model scores are missing
+    needs: list[str] = field(default_factory=list)  # model scores still missing
+
+
+def _score_unit(cfg: CurateConfig, unit: WorkUnit, prints: dict[str, dict[str, Any]], index: ScoreIndex,
+                skip: set[str], background: tuple[int, int, int]) -> Iterator[_Scored]:
+    """The unit's samples in order, each with its scores: found by key, else decoded once and scored; the
+    model scores of up to ``cfg.batch_size`` samples at a time in batched forwards (decoded frames are held
+    for that many samples only). Samples in ``skip`` (duplicates) come through unscored."""
+    names = list(prints)
+    models_on = any(n in MODEL_SCORERS for n in names)
+    chunk: list[_Scored] = []
+
+    def flush() -> Iterator[_Scored]:
+        waiting = [s for s in chunk if s.needs]
+        if waiting:
+            found = curate_models.model_scores(cfg, [s.frames or [] for s in waiting],
+                                               [caption_text(s.sample, s.meta) for s in waiting],
+                                               [s.needs for s in waiting])
+            for item, values in zip(waiting, found):
+                item.values.update(values)
+        for item in chunk:
+            item.frames = None
+            yield item
+        chunk.clear()
+
+    for sample in iter_unit_samples(unit):
+        item = _Scored(sample, sample_json(sample))
+        chunk.append(item)
+        if sample["__key__"] not in skip:
+            kind = item.meta.get("kind") or "image"
+            text = caption_text(sample, item.meta) if "clip_score" in names else None
+            item.keys = {name: score_key(prints[name], item.meta, text if name == "clip_score" else None)
+                         for name in names if name != "motion" or kind == "video"}  # an image has no motion
+            item.values = {name: index.values[k] for name, k in item.keys.items() if k in index.values}
+            missing = [name for name in item.keys if name not in item.values]
+            if missing:
+                item.computed = True
+                try:
+                    decoded_kind, computed, frames = decode_and_score(sample, item.meta, cfg, missing,
+                                                                      background)
+                except Exception as err:  # PIL / decord / PyAV errors
+                    item.error = f"{type(err).__name__}: {err}"
+                else:
+                    if decoded_kind != kind:  # a video member without "kind": no motion was keyed for it
+                        computed.pop("motion", None)
+                    item.values.update(computed)
+                    item.needs = [name for name in missing if name in MODEL_SCORERS]
+                    item.frames = frames if item.needs else None
+        if not models_on or len(chunk) >= cfg.batch_size:
+            yield from flush()
+    yield from flush()
+
+
 def process(cfg: CurateConfig, unit: WorkUnit, out: UnitOutput,
             background: tuple[int, int, int] = pixels.WHITE) -> None:
     """Drop the unit's duplicates, score the others (reusing scores by key), apply the thresholds."""
@@ -319,36 +456,28 @@ def process(cfg: CurateConfig, unit: WorkUnit, out: UnitOutput,
     index = score_index(out.stage_dir.root)
     rows: dict[str, dict[str, Any]] = {}
     counts = {"scored": 0, "scores_reused": 0, "unscored": 0, "duplicates": 0, "below_threshold": 0}
-    for sample in iter_unit_samples(unit):
-        meta, key = sample_json(sample), sample["__key__"]
+    for item in _score_unit(cfg, unit, prints, index, set(duplicates), background):
+        sample, meta, key = item.sample, item.meta, item.sample["__key__"]
         source, kind = meta.get("source", "?"), meta.get("kind") or "image"
         if key in duplicates:
             counts["duplicates"] += 1
             out.quarantine(key, source, "exact duplicate (same content sha256)", duplicate_of=duplicates[key])
             continue
-        keys = {name: score_key(prints[name], meta) for name in names}
-        values = {name: index.values[k] for name, k in keys.items() if k in index.values}
-        missing = [name for name in names if name not in values]
-        if missing:
-            try:
-                computed = score_media(sample, meta, cfg, missing, background)
-            except Exception as err:  # PIL / decord / PyAV errors
-                # Unscored, it goes on: the cache stage, which decodes what it encodes, quarantines it with
-                # its decode error (one place for decode errors). No threshold applies to it.
-                counts["unscored"] += 1
-                meta["scores"] = {}
-                meta["unscored"] = f"{type(err).__name__}: {err}"
-                out.add({**sample, "json": meta_bytes(meta)}, part=kind)
-                continue
-            values.update(computed)
-            counts["scored"] += 1
-        else:
-            counts["scores_reused"] += 1
-        scores = {name: round(values[name], 6) for name in names}
-        rows[key] = {"source": source, "kind": kind, "keys": keys, "values": scores}
+        if item.error is not None:
+            # Unscored, it goes on: the cache stage, which decodes what it encodes, quarantines it with
+            # its decode error (one place for decode errors). No threshold applies to it.
+            counts["unscored"] += 1
+            meta["scores"] = {}
+            meta["unscored"] = item.error
+            out.add({**sample, "json": meta_bytes(meta)}, part=kind)
+            continue
+        counts["scored" if item.computed else "scores_reused"] += 1
+        scores = {name: round(item.values[name], 6) for name in names if name in item.keys}
+        rows[key] = {"source": source, "kind": kind, "keys": item.keys, "values": scores}
         failed = [(name, scorer, bound) for name, bound in thresholds.items()
                   for scorer, side in [THRESHOLDS[name]]
-                  if (scores[scorer] < bound if side == "min" else scores[scorer] > bound)]
+                  if scorer in scores  # an image has no motion score
+                  and (scores[scorer] < bound if side == "min" else scores[scorer] > bound)]
         if failed:  # every threshold it fails, in THRESHOLDS order
             counts["below_threshold"] += 1
             rows[key]["quarantined"] = ",".join(f"curate.{name}" for name, _, _ in failed)
