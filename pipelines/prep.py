@@ -15,6 +15,7 @@ from latentmill.pipelines.report import (
     StageProgress,
     current_run_id,
     publish_prep_artifacts,
+    publish_prep_plots,
     stage_line,
 )
 from latentmill.pipelines.retention import OutputBusyError, writer_lock  # noqa: F401 (re-exported)
@@ -284,6 +285,8 @@ def prep_stages(recipe_data: dict, started_run: str | None = None) -> dict[str, 
                 report[stage]["compaction"] = merged
         run_log.info(stage_line(stage, report[stage]))
     publish_prep_artifacts(report, recipe.prep_dir, also=[started_run] if started_run else [])
+    if recipe.prep.plots:  # only with matplotlib; a failed picture is a warning, never a failed prep
+        publish_prep_plots(recipe.prep_dir, run_log.warning, also=[started_run] if started_run else [])
     return {"stages": report, "snapshot": publish_snapshot(recipe.output_dir, recipe.stage_dir("cache"))}
 
 

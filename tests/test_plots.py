@@ -1,0 +1,169 @@
+"""Pictures of a prep (``latentmill inspect --plots``, the prep flow's ``prep/plots`` and ``prep-plots``
+artifact): the files written, that the bars are the scores table's counts, the threshold lines the manifest's
+values, one tile per quarantined sample (capped), same data same bytes, and the extra named without
+matplotlib."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from latentmill.pipelines.prep import run_prep
+from latentmill.pipelines.report import write_prep_plots
+from PIL import Image
+
+from latentmill import plots
+from latentmill.cli import main
+from latentmill.recipe import load_recipe
+from tests.conftest import DEMO_CONFIG, REPO_ROOT
+
+pytestmark = pytest.mark.slow
+
+MIN_SHARPNESS = 5.0  # the demo's three smoothest pictures score below it (< 3.5), every other one above (> 6)
+
+
+@pytest.fixture(scope="module")
+def prepped(tiny_flux, tmp_path_factory) -> Path:
+    """The demo data (with its over-exposed, broken and truncated pictures) prepared by the Prefect flow, with a
+    sharpness threshold on top of the demo's exposure one: an output_dir."""
+    out = tmp_path_factory.mktemp("plots") / "out"
+    recipe = load_recipe(DEMO_CONFIG, [f"output_dir={out}", f"model.pretrained={tiny_flux}",
+                                       f"curate.min_sharpness={MIN_SHARPNESS}"])
+    run_prep(recipe)
+    return out
+
+
+@pytest.fixture(scope="module")
+def drawn(prepped, tmp_path_factory) -> tuple[Path, dict[str, plots.Plot]]:
+    out = tmp_path_factory.mktemp("pictures")
+    return out, {p.name: p for p in plots.write_plots(prepped / "prep", out)}
+
+
+def _table(prepped: Path) -> dict[str, list]:
+    import pyarrow.parquet as pq
+
+    return pq.read_table(prepped / "prep" / "scores.parquet").to_pydict()
+
+
+def _groups(prepped: Path) -> dict[tuple[str, str], list[dict]]:
+    groups: dict[tuple[str, str], list[dict]] = {}
+    for path in sorted((prepped / "prep").glob("*/quarantine.jsonl")):
+        for line in path.read_text().splitlines():
+            entry = json.loads(line)
+            groups.setdefault((entry["stage"], entry["reason"]), []).append(entry)
+    return groups
+
+
+def test_inspect_plots_writes_every_picture(prepped, tmp_path, capsys):
+    out = tmp_path / "pictures"
+    assert main(["inspect", "--plots", str(out), str(prepped)]) == 0
+    printed = capsys.readouterr().out
+    groups = _groups(prepped)
+    # the demo quarantines at ingest (broken), curate (exposure, sharpness) and cache (truncated)
+    assert {stage for stage, _ in groups} == {"ingest", "curate", "cache"}
+    assert len([g for g in groups if g[0] == "curate"]) == 2
+    sheets = {f"quarantine_{stage}-{plots.slug(reason)}.png" for stage, reason in groups}
+    expected = {"score_sharpness.png", "score_exposure.png", "buckets.png", *sheets}
+    assert {p.name for p in out.glob("*.png")} == expected
+    index = (out / "index.md").read_text()
+    for name in expected:
+        assert f"({name})" in index and f"wrote {out / name}: " in printed
+        with Image.open(out / name) as img:
+            assert img.format == "PNG" and min(img.size) >= 200
+    assert f"wrote {out / 'index.md'}: {len(expected)} pictures" in printed
+
+
+def test_histogram_bars_are_the_tables_counts_and_lines_the_manifests_thresholds(prepped, drawn):
+    _, found = drawn
+    table = _table(prepped)
+    status = np.asarray(table["status"])
+    manifest = json.loads((prepped / "prep" / "curate" / "manifest.json").read_text())
+    assert manifest["thresholds"] == {"min_sharpness": MIN_SHARPNESS, "max_exposure": 0.5}
+    for name, threshold in (("sharpness", "min_sharpness"), ("exposure", "max_exposure")):
+        data = found[f"score_{name}.png"].data
+        values = np.asarray(table[name], np.float64)
+        edges = np.asarray(data["edges"])
+        assert edges[0] == values.min() and edges[-1] == values.max()
+        assert data["kept"] == np.histogram(values[status == "kept"], edges)[0].tolist()
+        assert data["quarantined"] == np.histogram(values[status == "quarantined"], edges)[0].tolist()
+        assert sum(data["kept"]) == int((status == "kept").sum()) == 21
+        assert sum(data["quarantined"]) == int((status == "quarantined").sum()) == 5
+        assert data["thresholds"] == {threshold: manifest["thresholds"][threshold]}
+    assert found["score_exposure.png"].summary.endswith("curate.max_exposure=0.5")
+
+
+def test_contact_sheet_tiles_are_the_quarantined_samples(prepped, drawn):
+    out, found = drawn
+    for (stage, reason), entries in _groups(prepped).items():
+        sheet = found[f"quarantine_{stage}-{plots.slug(reason)}.png"].data
+        assert sheet["tiles"] == len(entries) and sheet["keys"] == [e["key"] for e in entries]
+        assert sheet["more"] == 0
+        # the broken and truncated files get a grey "cannot decode" tile; curate's drops are decoded
+        assert sheet["undecodable"] == (0 if stage == "curate" else len(entries))
+    groups = _groups(prepped)
+    stage, reason = next(g for g in groups if g[0] == "curate" and "exposure" in g[1])
+    capped = plots.contact_sheet(stage, reason, groups[(stage, reason)], prepped / "prep", out / "cap", cap=1)
+    assert (capped.data["tiles"], capped.data["more"]) == (1, len(groups[(stage, reason)]) - 1) == (1, 1)
+    assert "(+1 more)" in capped.summary
+
+
+def test_scores_come_from_the_records_without_pyarrow(prepped, monkeypatch):
+    with_table = _table(prepped)
+    monkeypatch.setitem(sys.modules, "pyarrow", None)
+    monkeypatch.setitem(sys.modules, "pyarrow.parquet", None)
+    assert plots.load_scores(prepped / "prep") == with_table
+
+
+def test_same_prep_same_bytes(prepped, drawn, tmp_path):
+    out, found = drawn
+    again = plots.write_plots(prepped / "prep", tmp_path)
+    assert [p.name for p in again] == list(found)
+    for plot in again:
+        assert plot.path.read_bytes() == (out / plot.name).read_bytes(), plot.name
+
+
+def test_prep_flow_draws_the_pictures_and_the_artifact_shows_each(prepped):
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
+
+    folder = prepped / "prep" / "plots"
+    names = sorted(p.name for p in folder.glob("*.png"))
+    assert "buckets.png" in names and len(names) == 3 + len(_groups(prepped))
+    with get_client(sync_client=True) as client:
+        found = client.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=["prep-plots"])))
+    markdown = max(found, key=lambda a: a.created).data
+    for name in names:
+        assert f"### {name}" in markdown and f"![{name}](data:image/png;base64," in markdown
+    # past the inline budget the pictures are linked, by file
+    linked = plots.artifact_markdown([plots.Plot(n, folder / n, "") for n in names], inline_bytes=0)
+    assert all(f"[{n}]({(folder / n).resolve().as_uri()})" in linked for n in names)
+
+
+def test_a_failed_picture_is_a_warning_not_a_failed_prep(tmp_path):
+    warnings: list[str] = []
+    (tmp_path / "curate").mkdir()
+    (tmp_path / "curate" / "manifest.json").write_text("{not json")
+    assert write_prep_plots(tmp_path, warnings.append) is None
+    assert len(warnings) == 1 and warnings[0].startswith("prep plots not drawn: JSONDecodeError")
+
+
+def test_without_matplotlib_the_error_names_the_extra(prepped, tmp_path):
+    code = ("import sys; sys.modules['matplotlib'] = None\n"
+            "from latentmill.cli import main\n"
+            f"sys.exit(main(['inspect', '--plots', {str(tmp_path / 'p')!r}, {str(prepped)!r}]))")
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert done.returncode == 2, done.stderr
+    assert "pip install 'latentmill[plots]'" in done.stderr and "matplotlib" in done.stderr
+    assert not (tmp_path / "p").exists()
+    # the prep flow draws nothing then, and says nothing: matplotlib is optional
+    done = subprocess.run([sys.executable, "-c", "import sys; sys.modules['matplotlib'] = None\n"
+                           "from latentmill.pipelines.report import write_prep_plots\n"
+                           f"w = []; print(write_prep_plots({str(prepped / 'prep')!r}, w.append), w)"],
+                          capture_output=True, text=True, env=env, timeout=120)
+    assert done.stdout.split() == ["None", "[]"], done.stderr
