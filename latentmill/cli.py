@@ -143,6 +143,8 @@ def _print_summary(summary: dict[str, Any], recipe_output: str | None) -> None:
     snapshot = summary.get("snapshot")
     if snapshot:
         print(f"snapshot: {snapshot['name']} ({'new' if snapshot['new'] else 'unchanged'}) at {snapshot['path']}")
+    if summary.get("plots"):
+        print(f"pictures: {summary['plots']} (scores, buckets, quarantined samples)")
     train = summary.get("train")
     if train and train.get("steps") is None:
         print(f"train: {train.get('note', 'no summary on this node')}")

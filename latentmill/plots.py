@@ -432,6 +432,43 @@ def write_plots(prep_dir: Path, out: Path, cap: int = CAP, max_sheets: int = MAX
     return plots
 
 
+PLOTS_VERSION = 1  # in the inputs key of a plots folder: a change in what is drawn redraws
+INPUTS_FILE = "plots.json"  # a plots folder's inputs key and pictures, for update_plots
+
+
+def inputs_key(prep_dir: Path) -> str:
+    """What the pictures of a prep are drawn from: the hashes of the stage manifests, quarantine lists and
+    scores table (small files next to the data, never the shards), and this module's version."""
+    from latentmill.stages.shardio import sha256_file, stable_hash
+
+    files = [prep_dir / "scores.parquet"] + [prep_dir / stage / name for stage in STAGE_ORDER
+                                             for name in ("manifest.json", "quarantine.jsonl")]
+    return stable_hash({"version": PLOTS_VERSION, "cap": CAP, "max_sheets": MAX_SHEETS,
+                        "files": {p.relative_to(prep_dir).as_posix(): sha256_file(p) for p in files if p.is_file()}})
+
+
+def update_plots(prep_dir: Path, out: Path) -> tuple[list[Plot], bool]:
+    """The pictures of a prep in a folder this module owns (``prep/plots``), drawn again only when what they
+    are drawn from changed (:func:`inputs_key`): a prep that changed nothing draws nothing. Returns the
+    pictures and whether they were drawn now; stale pictures of an earlier prep are removed."""
+    prep_dir, out = Path(prep_dir), Path(out)
+    key, saved = inputs_key(prep_dir), out / INPUTS_FILE
+    if saved.is_file():
+        try:
+            known = json.loads(saved.read_text())
+            found = [Plot(p["name"], out / p["name"], p["summary"], p["data"]) for p in known["plots"]]
+            if known["key"] == key and all(p.path.is_file() for p in found):
+                return found, False
+        except (ValueError, KeyError, TypeError):
+            pass  # unreadable: draw again
+    drawn = write_plots(prep_dir, out, prune=True)
+    tmp = saved.with_name(saved.name + ".tmp")
+    tmp.write_text(json.dumps({"key": key, "plots": [{"name": p.name, "summary": p.summary, "data": p.data}
+                                                     for p in drawn]}, indent=1))
+    tmp.replace(saved)
+    return drawn, True
+
+
 def index_markdown(plots: list[Plot], prep_dir: Path, left: list[tuple[tuple[str, str], int]] = ()) -> str:
     """``index.md``: one section per picture, its summary line and the image (linked by file name)."""
     lines = [f"# Pictures of {prep_dir}", ""]

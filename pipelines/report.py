@@ -142,13 +142,14 @@ PLOTS_DIR = "plots"  # under the prep folder
 
 
 def write_prep_plots(prep_dir: Path, warn: Callable[[str], None]) -> str | None:
-    """Draw a prep's pictures into ``prep/plots`` (``latentmill.plots``) and return the Markdown that shows
-    them; None when matplotlib is not installed. Never raises: a prep does not fail because of a picture
-    (the error is passed to ``warn``)."""
-    try:
-        from latentmill.plots import MissingExtra, artifact_markdown, write_plots
+    """Draw a prep's pictures into ``prep/plots`` (``latentmill.plots``; only when the prep changed what they
+    show) and return the Markdown that shows them; None when matplotlib is not installed. Never raises: a
+    prep does not fail because of a picture (the error is passed to ``warn``)."""
+    from latentmill.plots import MissingExtra, artifact_markdown, require_matplotlib, update_plots
 
-        plots = write_plots(prep_dir, Path(prep_dir) / PLOTS_DIR, prune=True)
+    try:
+        require_matplotlib()
+        plots, _ = update_plots(prep_dir, Path(prep_dir) / PLOTS_DIR)  # redrawn only when the prep changed
         return artifact_markdown(plots)
     except MissingExtra:
         return None

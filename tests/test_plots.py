@@ -167,3 +167,25 @@ def test_without_matplotlib_the_error_names_the_extra(prepped, tmp_path):
                            f"w = []; print(write_prep_plots({str(prepped / 'prep')!r}, w.append), w)"],
                           capture_output=True, text=True, env=env, timeout=120)
     assert done.stdout.split() == ["None", "[]"], done.stderr
+
+
+def test_prep_plots_are_drawn_again_only_when_the_prep_changed(prepped, tmp_path):
+    import shutil
+
+    prep = tmp_path / "prep"
+    shutil.copytree(prepped / "prep", prep, ignore=shutil.ignore_patterns("shards", "units", "*.sqlite", "plots"))
+    folder = prep / "plots"
+    first, drawn = plots.update_plots(prep, folder)
+    saved = json.loads((folder / "plots.json").read_text())
+    assert drawn and [p["name"] for p in saved["plots"]] == [p.name for p in first]
+    again, drawn = plots.update_plots(prep, folder)
+    assert not drawn and [(p.name, p.summary, p.data) for p in again] == [(p.name, p.summary, p.data) for p in first]
+    # a reason gone (the truncated picture is no longer quarantined): drawn again, its old sheet removed
+    cache_q = prep / "cache" / "quarantine.jsonl"
+    gone = json.loads(cache_q.read_text().splitlines()[0])
+    cache_q.write_text("")
+    sheet = f"quarantine_cache-{plots.slug(gone['reason'])}.png"
+    assert (folder / sheet).is_file()
+    third, drawn = plots.update_plots(prep, folder)
+    assert drawn and sheet not in {p.name for p in third} and not (folder / sheet).exists()
+    assert len(third) == len(first) - 1
