@@ -189,3 +189,28 @@ def test_prep_plots_are_drawn_again_only_when_the_prep_changed(prepped, tmp_path
     third, drawn = plots.update_plots(prep, folder)
     assert drawn and sheet not in {p.name for p in third} and not (folder / sheet).exists()
     assert len(third) == len(first) - 1
+
+
+def test_a_videos_thumbnail_is_its_first_frame_or_its_clips(tmp_path):
+    from fractions import Fraction
+
+    import av
+
+    path = tmp_path / "clip.mp4"
+    colours = [(200, 30, 30), (30, 200, 30), (30, 30, 200)]  # 3 frames each: red, green, blue
+    with av.open(str(path), "w", format="mp4") as container:
+        stream = container.add_stream("libx264", rate=Fraction(8))
+        stream.height, stream.width, stream.pix_fmt = 64, 96, "yuv420p"
+        stream.options = {"threads": "1", "crf": "1"}
+        for colour in colours:
+            frame = av.VideoFrame.from_ndarray(np.full((64, 96, 3), colour, np.uint8), format="rgb24")
+            for _ in range(3):
+                for packet in stream.encode(frame):
+                    container.mux(packet)
+        for packet in stream.encode():
+            container.mux(packet)
+    for meta, colour in (({"kind": "video", "source_uri": str(path)}, colours[0]),
+                         ({"kind": "video", "source_uri": str(path), "clip": {"start_frame": 6}}, colours[2])):
+        thumb = np.asarray(plots.thumbnail({}, meta, side=48), np.float64)
+        assert thumb.shape == (32, 48, 3)
+        assert np.abs(thumb.reshape(-1, 3).mean(0) - colour).max() < 12, (meta, thumb.reshape(-1, 3).mean(0))
