@@ -77,7 +77,8 @@ def prep_dir_of(path: Path) -> Path:
         raise FileNotFoundError(f"{path} does not exist")
     if path.is_file():  # snapshots/LATEST
         path = path.parent
-    candidates = [path, path / "prep", path.parent, path.parent.parent / "prep"]
+    # the prep folder itself, an output_dir, a stage folder, snapshots/, a snapshot folder
+    candidates = [path, path / "prep", path.parent, path.parent / "prep", path.parent.parent / "prep"]
     for folder in candidates:
         if any((folder / stage / "manifest.json").is_file() for stage in STAGE_ORDER):
             return folder
@@ -174,7 +175,7 @@ def score_histogram(name: str, columns: dict[str, Any], thresholds: dict[str, fl
     values = (column.astype(np.float64) if isinstance(column, np.ndarray)
               else np.asarray([np.nan if v is None else float(v) for v in column], np.float64))
     status = np.asarray(columns["status"]) if "status" in columns else np.full(len(values), "kept")
-    scored = ~np.isnan(values)
+    scored = np.isfinite(values)  # a null (NaN) or infinite score is not drawn
     kept_values, quarantined_values = values[scored & (status != "quarantined")], values[scored & (status == "quarantined")]
     lo, hi = (float(values[scored].min()), float(values[scored].max())) if scored.any() else (0.0, 1.0)
     if hi <= lo:  # one value: a unit-wide bin around it

@@ -214,3 +214,13 @@ def test_a_videos_thumbnail_is_its_first_frame_or_its_clips(tmp_path):
         thumb = np.asarray(plots.thumbnail({}, meta, side=48), np.float64)
         assert thumb.shape == (32, 48, 3)
         assert np.abs(thumb.reshape(-1, 3).mean(0) - colour).max() < 12, (meta, thumb.reshape(-1, 3).mean(0))
+
+
+def test_plots_find_the_prep_folder_from_any_path_inspect_takes(prepped, tmp_path):
+    from latentmill.pipelines.snapshot import resolve_snapshot
+
+    prep = prepped / "prep"
+    for path in (prepped, prep, prep / "curate", prepped / "snapshots" / "LATEST", resolve_snapshot(prepped, "latest")):
+        assert plots.prep_dir_of(path) == prep, path
+    with pytest.raises(FileNotFoundError, match="no prep folder"):
+        plots.prep_dir_of(tmp_path)
