@@ -50,15 +50,16 @@ class Plot:
 
 
 def require_matplotlib() -> Any:
-    """``matplotlib.pyplot`` on the Agg backend, or :class:`MissingExtra` naming ``latentmill[plots]``."""
+    """``matplotlib``, or :class:`MissingExtra` naming ``latentmill[plots]``. Pictures are drawn on
+    ``matplotlib.figure.Figure`` objects (Agg canvas), never through pyplot: no GUI backend, no global list
+    of open figures, whatever backend the calling program chose."""
     try:
         import matplotlib
+        import matplotlib.figure  # noqa: F401
+        import matplotlib.style  # noqa: F401
     except ImportError as err:
         raise MissingExtra(f"plots need matplotlib, which is not installed: {PLOTS_EXTRA}") from err
-    matplotlib.use("Agg", force=True)
-    import matplotlib.pyplot as plt
-
-    return plt
+    return matplotlib
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -148,10 +149,16 @@ def quarantine_entries(prep_dir: Path) -> list[dict[str, Any]]:
 # ---------------------------------------------------------------------------------------------------------
 
 
-def _rc() -> dict[str, Any]:
-    """matplotlib settings that make a picture depend on its data only (not on a user's matplotlibrc)."""
-    return {"figure.dpi": DPI, "savefig.dpi": DPI, "font.size": 9, "axes.titlesize": 10,
-            "path.simplify": True, "svg.hashsalt": "latentmill"}
+def _style(mpl: Any) -> Any:
+    """matplotlib's default style plus a few settings, whatever a user's matplotlibrc says: a picture depends
+    on its data only."""
+    import contextlib
+
+    stack = contextlib.ExitStack()
+    stack.enter_context(mpl.style.context("default"))
+    stack.enter_context(mpl.rc_context({"figure.dpi": DPI, "savefig.dpi": DPI, "font.size": 9,
+                                        "axes.titlesize": 10, "svg.hashsalt": "latentmill"}))
+    return stack
 
 
 def _save(fig: Any, path: Path) -> None:
@@ -170,7 +177,7 @@ def score_histogram(name: str, columns: dict[str, Any], thresholds: dict[str, fl
                     bins: int = 30) -> Plot:
     """``score_<name>.png``: kept and quarantined samples stacked per bin, each threshold a vertical line
     with its value in the legend. ``data``: bin ``edges`` and the drawn ``kept`` / ``quarantined`` heights."""
-    plt = require_matplotlib()
+    mpl = require_matplotlib()
     column = columns[name]
     values = (column.astype(np.float64) if isinstance(column, np.ndarray)
               else np.asarray([np.nan if v is None else float(v) for v in column], np.float64))
@@ -184,8 +191,9 @@ def score_histogram(name: str, columns: dict[str, Any], thresholds: dict[str, fl
     kept, _ = np.histogram(kept_values, edges)
     quarantined, _ = np.histogram(quarantined_values, edges)
     widths = np.diff(edges)
-    with plt.rc_context(_rc()):
-        fig, ax = plt.subplots(figsize=(6.4, 3.6))
+    with _style(mpl):
+        fig = mpl.figure.Figure(figsize=(6.4, 3.6))
+        ax = fig.subplots()
         bars_kept = ax.bar(edges[:-1], kept, widths, align="edge", color=KEPT_COLOUR, label=f"kept ({kept.sum()})")
         bars_quarantined = ax.bar(edges[:-1], quarantined, widths, bottom=kept, align="edge",
                                   color=QUARANTINED_COLOUR, label=f"quarantined ({quarantined.sum()})")
@@ -202,7 +210,6 @@ def score_histogram(name: str, columns: dict[str, Any], thresholds: dict[str, fl
         drawn_kept = [int(round(b.get_height())) for b in bars_kept]
         drawn_quarantined = [int(round(b.get_height())) for b in bars_quarantined]
         lines = {key: float(line.get_xdata()[0]) for key, line in zip(sorted(thresholds), ax.get_lines())}
-        plt.close(fig)
     line = (f"{name}: {int(scored.sum())} scored ({int(kept.sum())} kept, {int(quarantined.sum())} quarantined), "
             f"{_fmt(lo)}..{_fmt(hi)}")
     if scored.any():
@@ -227,9 +234,10 @@ def bucket_histogram(prep_dir: Path, out: Path) -> Plot | None:
         return tuple(int(n) for n in bucket.split("x")) if re.fullmatch(r"\d+(x\d+)*", bucket) else (1 << 30,)
 
     names = sorted(counts, key=order)
-    plt = require_matplotlib()
-    with plt.rc_context(_rc()):
-        fig, ax = plt.subplots(figsize=(6.4, max(2.0, 0.8 + 0.28 * len(names))))
+    mpl = require_matplotlib()
+    with _style(mpl):
+        fig = mpl.figure.Figure(figsize=(6.4, max(2.0, 0.8 + 0.28 * len(names))))
+        ax = fig.subplots()
         bars = ax.barh(range(len(names)), [counts[n] for n in names], color=KEPT_COLOUR)
         ax.set_yticks(range(len(names)), names)
         ax.invert_yaxis()
@@ -241,7 +249,6 @@ def bucket_histogram(prep_dir: Path, out: Path) -> Plot | None:
         path = out / "buckets.png"
         _save(fig, path)
         drawn = {n: int(round(b.get_width())) for n, b in zip(names, bars)}
-        plt.close(fig)
     top = ", ".join(f"{n}: {counts[n]}" for n in sorted(names, key=lambda n: (-counts[n], order(n)))[:3])
     return Plot(path.name, path, f"buckets: {sum(counts.values())} samples in {len(names)} buckets ({stage}); "
                                  f"largest {top or '-'}", {"counts": drawn, "stage": stage})
@@ -344,7 +351,7 @@ def contact_sheet(stage: str, reason: str, entries: list[dict[str, Any]], prep_d
     reason, each with its key, source and scores; "+N more" beyond. A sample that cannot be decoded (or
     found) is a grey tile saying "cannot decode". ``data``: ``tiles`` drawn, their ``keys``, ``more``,
     ``undecodable``."""
-    plt = require_matplotlib()
+    mpl = require_matplotlib()
     shown = entries[:cap]
     samples = find_samples(prep_dir, stage, [e["key"] for e in shown]) if stage != "ingest" else {}
     thumbs: list[Any] = []
@@ -368,8 +375,8 @@ def contact_sheet(stage: str, reason: str, entries: list[dict[str, Any]], prep_d
     caption_h = 0.12 * max((len(c.splitlines()) for c in captions), default=2) + 0.08
     tile_w, image_h, title_h = 1.6, 1.45, 0.75  # inches
     width, height = cols * tile_w, title_h + rows * (image_h + caption_h)
-    with plt.rc_context(_rc()):
-        fig = plt.figure(figsize=(width, height))
+    with _style(mpl):
+        fig = mpl.figure.Figure(figsize=(width, height))
         head = textwrap.shorten(f"{stage}: {reason}", width=int(width * 13), placeholder="...")
         count = f"{len(entries)} sample{'s' if len(entries) != 1 else ''}" + (f", first {len(shown)} shown, +{more} more" if more else "")
         fig.text(0.5, 1 - 0.3 / height, head, ha="center", va="center", fontsize=9)
@@ -391,7 +398,6 @@ def contact_sheet(stage: str, reason: str, entries: list[dict[str, Any]], prep_d
         path = out / f"quarantine_{stage}-{slug(reason)}.png"
         _save(fig, path)
         tiles = len(fig.axes)
-        plt.close(fig)
     undecodable = sum(t is None for t in thumbs)
     line = (f"quarantine at {stage}, {reason}: {len(entries)} sample{'s' if len(entries) != 1 else ''}, "
             f"{len(shown)} shown"
