@@ -196,7 +196,7 @@ def score_histogram(name: str, columns: dict[str, Any], thresholds: dict[str, fl
         ax = fig.subplots()
         bars_kept = ax.bar(edges[:-1], kept, widths, align="edge", color=KEPT_COLOUR, label=f"kept ({kept.sum()})")
         bars_quarantined = ax.bar(edges[:-1], quarantined, widths, bottom=kept, align="edge",
-                                  color=QUARANTINED_COLOUR, label=f"quarantined ({quarantined.sum()})")
+                                  color=QUARANTINED_COLOUR, label=f"quarantined ({quarantined.sum()}, any threshold)")
         for i, (key, bound) in enumerate(sorted(thresholds.items())):
             ax.axvline(bound, color=THRESHOLD_COLOURS[i % len(THRESHOLD_COLOURS)], linestyle="--", linewidth=1.5,
                        label=f"curate.{key} = {_fmt(bound)}")
@@ -288,7 +288,9 @@ def find_samples(prep_dir: Path, stage: str, keys: Iterable[str]) -> dict[str, d
     """The samples a stage quarantined, as its upstream stage wrote them (key -> members). The upstream
     shards are read through their indexes, shard by shard, until every key is found: reading stops early."""
     wanted = set(keys)
-    upstream = STAGE_ORDER[STAGE_ORDER.index(stage) - 1] if stage in STAGE_ORDER[1:] else None
+    # the nearest earlier stage that ran (a prep made before the curate stage existed has none)
+    earlier = STAGE_ORDER[:STAGE_ORDER.index(stage)] if stage in STAGE_ORDER else ()
+    upstream = next((s for s in reversed(earlier) if _manifest(prep_dir, s) is not None), None)
     manifest = _manifest(prep_dir, upstream) if upstream else None
     found: dict[str, dict[str, Any]] = {}
     for entry in (manifest or {}).get("shards", []):

@@ -237,3 +237,17 @@ def test_plots_find_the_prep_folder_from_any_path_inspect_takes(prepped, tmp_pat
         assert plots.prep_dir_of(path) == prep, path
     with pytest.raises(FileNotFoundError, match="no prep folder"):
         plots.prep_dir_of(tmp_path)
+
+
+def test_quarantined_samples_are_read_from_the_nearest_stage_that_ran(prepped, tmp_path):
+    import shutil
+
+    prep = tmp_path / "prep"
+    shutil.copytree(prepped / "prep", prep, ignore=shutil.ignore_patterns("plots"))
+    entry = json.loads((prep / "cache" / "quarantine.jsonl").read_text().splitlines()[0])
+    assert plots.find_samples(prep, "cache", [entry["key"]])[entry["key"]]["__key__"] == entry["key"]
+    wanted = json.loads((prep / "curate" / "quarantine.jsonl").read_text().splitlines()[0])["key"]
+    # a prep made before the curate stage: the bucket stage read the caption stage's shards
+    shutil.rmtree(prep / "curate")
+    found = plots.find_samples(prep, "bucket", [wanted])
+    assert set(found) == {wanted} and json.loads(found[wanted]["json"])["key"] == wanted
