@@ -57,6 +57,7 @@ def require_matplotlib() -> Any:
         import matplotlib
         import matplotlib.figure  # noqa: F401
         import matplotlib.style  # noqa: F401
+        import matplotlib.ticker  # noqa: F401
     except ImportError as err:
         raise MissingExtra(f"plots need matplotlib, which is not installed: {PLOTS_EXTRA}") from err
     return matplotlib
@@ -185,9 +186,8 @@ def score_histogram(name: str, columns: dict[str, Any], thresholds: dict[str, fl
     scored = np.isfinite(values)  # a null (NaN) or infinite score is not drawn
     kept_values, quarantined_values = values[scored & (status != "quarantined")], values[scored & (status == "quarantined")]
     lo, hi = (float(values[scored].min()), float(values[scored].max())) if scored.any() else (0.0, 1.0)
-    if hi <= lo:  # one value: a unit-wide bin around it
-        lo, hi = lo - 0.5, hi + 0.5
-    edges = np.linspace(lo, hi, bins + 1)
+    # one value: a unit-wide range around it
+    edges = np.linspace(lo, hi, bins + 1) if hi > lo else np.linspace(lo - 0.5, hi + 0.5, bins + 1)
     kept, _ = np.histogram(kept_values, edges)
     quarantined, _ = np.histogram(quarantined_values, edges)
     widths = np.diff(edges)
@@ -202,6 +202,7 @@ def score_histogram(name: str, columns: dict[str, Any], thresholds: dict[str, fl
                        label=f"curate.{key} = {_fmt(bound)}")
         ax.set_xlabel(name)
         ax.set_ylabel("samples")
+        ax.yaxis.set_major_locator(mpl.ticker.MaxNLocator(integer=True))
         ax.set_title(f"{name}: {int(scored.sum())} scored samples")
         ax.legend(loc="best", frameon=False)
         fig.tight_layout()
@@ -243,6 +244,7 @@ def bucket_histogram(prep_dir: Path, out: Path) -> Plot | None:
         ax.invert_yaxis()
         ax.bar_label(bars, padding=2)
         ax.set_xlabel("samples")
+        ax.xaxis.set_major_locator(mpl.ticker.MaxNLocator(integer=True))
         ax.set_ylabel("bucket (W×H×F)")
         ax.set_title(f"{sum(counts.values())} samples in {len(names)} buckets ({stage} manifest)")
         fig.tight_layout()
@@ -334,7 +336,8 @@ def thumbnail(sample: dict[str, Any], meta: dict[str, Any], side: int = THUMB_SI
     source = sample[member] if member else meta["source_uri"]
     start = int((meta.get("clip") or {}).get("start_frame") or 0)
     rotation = int(meta.get("rotation", 0)) if meta.get("frames") else None
-    frame_HWC = read_frames(source, [start], rotation=rotation).numpy()[0]
+    # PyAV: one frame, and a file that does not open raises without decord's line on stderr
+    frame_HWC = read_frames(source, [start], backend="pyav", rotation=rotation).numpy()[0]
     return fit_within(Image.fromarray(frame_HWC), side)
 
 
@@ -375,14 +378,17 @@ def contact_sheet(stage: str, reason: str, entries: list[dict[str, Any]], prep_d
     more = len(entries) - len(shown)
     captions = [_tile_caption(e) for e in shown]
     caption_h = 0.12 * max((len(c.splitlines()) for c in captions), default=2) + 0.08
-    tile_w, image_h, title_h = 1.6, 1.45, 0.75  # inches
+    tile_w, image_h, title_h = 1.6, 1.45, 0.9  # inches
     width, height = cols * tile_w, title_h + rows * (image_h + caption_h)
     with _style(mpl):
         fig = mpl.figure.Figure(figsize=(width, height))
-        head = textwrap.shorten(f"{stage}: {reason}", width=int(width * 13), placeholder="...")
+        # the reason on at most two lines (a decoder's message can be long)
+        head = textwrap.wrap(f"{stage}: {reason}", width=int(width * 13))
+        head = "\n".join(head[:1] + [textwrap.shorten(" ".join(head[1:]), width=int(width * 13), placeholder="...")]
+                         if len(head) > 1 else head)
         count = f"{len(entries)} sample{'s' if len(entries) != 1 else ''}" + (f", first {len(shown)} shown, +{more} more" if more else "")
-        fig.text(0.5, 1 - 0.3 / height, head, ha="center", va="center", fontsize=9)
-        fig.text(0.5, 1 - 0.55 / height, count, ha="center", va="center", fontsize=8)
+        fig.text(0.5, 1 - 0.1 / height, head, ha="center", va="top", fontsize=9)
+        fig.text(0.5, 1 - 0.62 / height, count, ha="center", va="center", fontsize=8)
         for i, (caption, thumb) in enumerate(zip(captions, thumbs)):
             row, col = divmod(i, cols)
             top = height - title_h - row * (image_h + caption_h)  # inches from the bottom
