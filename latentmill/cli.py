@@ -7,6 +7,7 @@
                    [--summary-json PATH]
     latentmill demo [key.path=value ...] [--summary-json PATH]
     latentmill inspect PATH        (a recipe with its defaults, an output_dir, a snapshot or a stage)
+    latentmill inspect --plots OUT PATH   (PNG score and bucket histograms, quarantine contact sheets, index.md)
     latentmill verify PATH         (re-hash shards against their manifests; exit 1 on any mismatch)
     latentmill plan CONFIG [key.path=value ...] [--nproc N] [--nnodes M] [--gpu-memory GiB] [--json PATH]
                    (per-rank memory of the run, from its config files on the meta device)
@@ -57,6 +58,9 @@ def _parser() -> argparse.ArgumentParser:
                        ("verify", "re-hash shards against their manifests")]:
         p = sub.add_parser(name, help=text)
         p.add_argument("path", type=Path, help="a recipe (.yaml), an output_dir, a snapshot or stage folder")
+        if name == "inspect":
+            p.add_argument("--plots", type=Path, metavar="OUT",
+                           help="write PNG pictures of the prep into OUT (needs matplotlib: latentmill[plots])")
     p = sub.add_parser("plan", help="per-rank memory of a run from its config files (meta device, fake ranks)")
     p.add_argument("config", help="YAML recipe, e.g. configs/flux-dev-full.yaml")
     p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. parallel.hsdp_replicate=1")
@@ -139,6 +143,8 @@ def _print_summary(summary: dict[str, Any], recipe_output: str | None) -> None:
     snapshot = summary.get("snapshot")
     if snapshot:
         print(f"snapshot: {snapshot['name']} ({'new' if snapshot['new'] else 'unchanged'}) at {snapshot['path']}")
+    if summary.get("plots"):
+        print(f"pictures: {summary['plots']} (scores, buckets, quarantined samples)")
     train = summary.get("train")
     if train and train.get("steps") is None:
         print(f"train: {train.get('note', 'no summary on this node')}")
@@ -309,11 +315,14 @@ def main(argv: list[str] | None = None) -> int:
     from latentmill.models import CacheMismatchError
     from latentmill.pipelines.retention import OutputBusyError
     from latentmill.pipelines.snapshot import EmptySnapshotError
+    from latentmill.plots import MissingExtra
 
     try:
         if args.command in ("inspect", "verify"):
-            from latentmill.inspect import inspect_path, verify_path
+            from latentmill.inspect import inspect_path, plot_path, verify_path
 
+            if args.command == "inspect" and args.plots is not None:
+                return plot_path(args.path, args.plots)
             return inspect_path(args.path) if args.command == "inspect" else verify_path(args.path)
         if args.command == "plan":
             from latentmill.plan import format_plan, plan_config
@@ -365,7 +374,7 @@ def main(argv: list[str] | None = None) -> int:
             summary, out = _run_flow(args.command, args.config, args.overrides, getattr(args, "nproc", 1),
                                      getattr(args, "nnodes", 1), getattr(args, "rdzv_endpoint", None),
                                      early_api=early_api)
-    except (ConfigError, CacheMismatchError, FileNotFoundError, EmptySnapshotError) as err:
+    except (ConfigError, CacheMismatchError, FileNotFoundError, EmptySnapshotError, MissingExtra) as err:
         if debug:
             traceback.print_exc()
         print(f"latentmill: error: {err}", file=sys.stderr)

@@ -1,4 +1,4 @@
-"""``latentmill inspect`` and ``latentmill verify``: read manifests, re-hash shards."""
+"""``latentmill inspect`` and ``latentmill verify``: read manifests, re-hash shards, draw a prep's pictures."""
 
 from __future__ import annotations
 
@@ -126,6 +126,19 @@ def inspect_path(path: Path) -> int:
             for line in quarantine.read_text().splitlines():
                 entry = json.loads(line)
                 print(f"  quarantined {entry['source']}: {entry['reason']}{_details(entry)}")
+    return 0
+
+
+def plot_path(path: Path, out: Path) -> int:
+    """Write the pictures of a prep into ``out`` (``latentmill.plots``) and print each file with its summary."""
+    from latentmill.plots import prep_dir_of, require_matplotlib, write_plots
+
+    require_matplotlib()  # before reading anything: a missing extra is named at once
+    prep_dir = prep_dir_of(path)
+    plots = write_plots(prep_dir, out)
+    for plot in plots:
+        print(f"wrote {plot.path}: {plot.summary}")
+    print(f"wrote {Path(out) / 'index.md'}: {len(plots)} pictures of {prep_dir}")
     return 0
 
 

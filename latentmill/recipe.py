@@ -44,13 +44,17 @@ class RunnerConfig:
 
 @dataclass
 class PrepConfig:
-    """How a prep behaves around others on the same output_dir."""
+    """How a prep behaves around others on the same output_dir, and what it draws at its end."""
 
     # When another prep, gc or compaction holds the output_dir's writer lock: ``wait`` for it (saying so)
     # or ``fail`` at once with a message naming it. ``wait`` by default: the nodes of a multi-node
     # ``latentmill run`` prep in turn through this lock, and a nightly refresh that starts while a manual
     # prep runs should queue behind it, not be lost.
     on_busy: Literal["wait", "fail"] = "wait"
+    # At the end of a prep, draw its pictures into <output_dir>/prep/plots and show them as the ``prep-plots``
+    # Prefect artifact (latentmill.plots; only when matplotlib is installed: latentmill[plots]). Cost: the
+    # scores table and manifests, plus decoding at most 48 quarantined samples per reason.
+    plots: bool = True
 
 
 @dataclass

@@ -11,10 +11,12 @@ import time
 from typing import Any, Callable
 
 from latentmill.pipelines.report import (
+    PLOTS_DIR,
     RunLog,
     StageProgress,
     current_run_id,
     publish_prep_artifacts,
+    publish_prep_plots,
     stage_line,
 )
 from latentmill.pipelines.retention import OutputBusyError, writer_lock  # noqa: F401 (re-exported)
@@ -230,7 +232,8 @@ def ensure_models(recipe: Recipe) -> None:
 
 @flow(name="prep-stages")
 def prep_stages(recipe_data: dict, started_run: str | None = None) -> dict[str, Any]:
-    """Run ingest → caption → curate → bucket → cache, publish the snapshot; return counts and the snapshot.
+    """Run ingest → caption → curate → bucket → cache, publish the snapshot; return counts, the snapshot and
+    the pictures' index (``prep/plots/index.md``, or None without matplotlib or with ``prep.plots: false``).
 
     ``started_run``: the id of the flow run the user started (``prep``, ``prep-then-train``, ``refresh``),
     which shows the stage progress, one log line per stage and the artifacts too (see ``latentmill.pipelines.report``).
@@ -285,7 +288,12 @@ def prep_stages(recipe_data: dict, started_run: str | None = None) -> dict[str, 
                 report[stage]["compaction"] = merged
         run_log.info(stage_line(stage, report[stage]))
     publish_prep_artifacts(report, recipe.prep_dir, also=[started_run] if started_run else [])
-    return {"stages": report, "snapshot": publish_snapshot(recipe.output_dir, recipe.stage_dir("cache"))}
+    plots = None
+    if recipe.prep.plots:  # only with matplotlib; a failed picture is a warning, never a failed prep
+        if publish_prep_plots(recipe.prep_dir, run_log.warning, also=[started_run] if started_run else []):
+            plots = str(recipe.prep_dir / PLOTS_DIR / "index.md")
+    return {"stages": report, "snapshot": publish_snapshot(recipe.output_dir, recipe.stage_dir("cache")),
+            "plots": plots}
 
 
 def run_prep(recipe: Recipe) -> dict[str, Any]:

@@ -138,6 +138,41 @@ def publish_prep_artifacts(stages: dict[str, dict[str, Any]], prep_dir: Path,
                           flow_run_id=run).create()
 
 
+PLOTS_DIR = "plots"  # under the prep folder
+
+
+def write_prep_plots(prep_dir: Path, warn: Callable[[str], None]) -> str | None:
+    """Draw a prep's pictures into ``prep/plots`` (``latentmill.plots``; only when the prep changed what they
+    show) and return the Markdown that shows them; None when matplotlib is not installed. Never raises: a
+    prep does not fail because of a picture (the error is passed to ``warn``)."""
+    from latentmill.plots import MissingExtra, artifact_markdown, require_matplotlib, update_plots
+
+    try:
+        require_matplotlib()
+        plots, _ = update_plots(prep_dir, Path(prep_dir) / PLOTS_DIR)  # redrawn only when the prep changed
+        return artifact_markdown(plots)
+    except MissingExtra:
+        return None
+    except Exception as err:  # a plot is never worth a failed prep
+        warn(f"prep plots not drawn: {type(err).__name__}: {err}")
+        return None
+
+
+def publish_prep_plots(prep_dir: Path, warn: Callable[[str], None], also: Sequence[str] = ()) -> str | None:
+    """The ``prep-plots`` Markdown artifact (score histograms, buckets, quarantine contact sheets) on the
+    current flow run and each run in ``also``; its Markdown, or None when nothing was drawn."""
+    markdown = write_prep_plots(prep_dir, warn)
+    if markdown is None:
+        return None
+    try:
+        for run in (None, *(UUID(r) for r in also if r != current_run_id())):
+            MarkdownArtifact(markdown=markdown, key="prep-plots", description="Scores, buckets, quarantine",
+                             flow_run_id=run).create()
+    except Exception as err:
+        warn(f"prep plots artifact not created: {type(err).__name__}: {err}")
+    return markdown
+
+
 TRAIN_METRICS = ("steps", "final_loss", "samples_per_s", "data_wait_fraction", "peak_rss_mb", "export_dir")
 
 
