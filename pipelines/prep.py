@@ -106,6 +106,16 @@ def auto_compact(recipe: Recipe, cache_dir: StageDir) -> dict[str, Any] | None:
                                    "member_bytes_copied", "seconds")}
 
 
+def release_stage_indexes(stage: str) -> None:
+    """Drop the per-process indexes a stage's units built (curate's scores, the cache's components: each
+    grows with the samples) once the stage is done, so that they do not add to the next stage's peak memory.
+    A later run in the same process reads the records again."""
+    if stage == "curate":
+        curate.release_indexes()
+    elif stage == "cache":
+        cache.release_indexes()
+
+
 def run_stages_in_process(recipe: Recipe) -> dict[str, tuple[StageDir, dict[str, Any], list[UnitRecord]]]:
     """Run the five stages here, one unit after another, without Prefect (tests, benchmarks, debugging).
 
@@ -121,6 +131,7 @@ def run_stages_in_process(recipe: Recipe) -> dict[str, tuple[StageDir, dict[str,
         result[stage] = (stage_dir, stage_dir.write_manifest(records, manifest_header(stage, recipe, records)), records)
         if stage == "curate":
             curate.write_scores_table(records, recipe.prep_dir, recipe.curate.active_scorers())
+        release_stage_indexes(stage)
     if auto_compact(recipe, result["cache"][0]) is not None:  # as the flow does: the manifest names merged units
         stage_dir = result["cache"][0]
         manifest = stage_dir.read_manifest()
@@ -287,6 +298,10 @@ def prep_stages(recipe_data: dict, started_run: str | None = None) -> dict[str, 
             if merged is not None:
                 report[stage]["compaction"] = merged
         run_log.info(stage_line(stage, report[stage]))
+        release_stage_indexes(stage)
+        # a stage's plan and records are in its manifest now: not held through the next stage (the ingest
+        # plan of 100,000 files holds ~200 MB)
+        del futures, records, units, pending, chunks
     publish_prep_artifacts(report, recipe.prep_dir, also=[started_run] if started_run else [])
     plots = None
     if recipe.prep.plots:  # only with matplotlib; a failed picture is a warning, never a failed prep

@@ -309,13 +309,27 @@ class ComponentIndex:
 
     def __init__(self, stage_root: Path):
         self.root = stage_root
-        # component key -> every (shards of the unit, sample key, member, record mtime, where it was encoded)
-        # that holds it, oldest first: a compacted unit holds the same component as the small units it merged,
-        # and a gc may have removed the older ones' shards since
-        self.vae: dict[str, list[tuple[tuple[Path, ...], str, str, int, str]]] = {}
-        self.text: dict[str, list[tuple[tuple[Path, ...], str, str, int, str]]] = {}
+        # component key (its 32 bytes: half the memory of the hex string) -> where it is: one hit
+        # (shards of the unit, sample key, member, record mtime, where it was encoded), or a list of hits,
+        # oldest first, when several units hold it (a compacted unit holds the same component as the small
+        # units it merged, and a gc may have removed the older ones' shards since). The index grows with the
+        # samples, so one hit is stored bare: at 100,000 samples that is tens of MB less.
+        self.vae: dict[bytes, Any] = {}
+        self.text: dict[bytes, Any] = {}
         self._seen: set[str] = set()
         self._mtime = -1
+
+    @staticmethod
+    def _add(table: dict[bytes, Any], key: str, hit: tuple) -> None:
+        raw = bytes.fromhex(key)
+        held = table.get(raw)
+        if held is None:
+            table[raw] = hit
+            return
+        hits = held if isinstance(held, list) else [held]
+        hits.append(hit)
+        hits.sort(key=lambda h: h[3])
+        table[raw] = hits
 
     def refresh(self) -> ComponentIndex:
         units = self.root / "units"
@@ -340,17 +354,20 @@ class ComponentIndex:
             here = (record.extra.get("device") or {}).get("key", UNKNOWN_DEVICE)
             foreign = record.extra.get("foreign") or {}
             for sample_key, keys in record.extra.get("components", {}).items():
-                entries = [(self.vae, keys["vae"], VAE_MEMBER)]
+                self._add(self.vae, keys["vae"], (shards, sample_key, VAE_MEMBER, committed,
+                                                  foreign.get(keys["vae"], here)))
                 texts = keys["text"] if isinstance(keys["text"], list) else [keys["text"]]
-                entries += [(self.text, tk, text_member(j)) for j, tk in enumerate(texts)]
-                for table, key, member in entries:
-                    table.setdefault(key, []).append((shards, sample_key, member, committed, foreign.get(key, here)))
-                    table[key].sort(key=lambda hit: hit[3])
+                for j, tk in enumerate(texts):
+                    self._add(self.text, tk, (shards, sample_key, text_member(j), committed, foreign.get(tk, here)))
         return self
 
     def _oldest(self, table: str, key: str, before_ns: int) -> tuple | None:
         """The oldest record's hit for ``key`` committed before ``before_ns`` whose shards are all on disk."""
-        for hit in getattr(self, table).get(key, ()):
+        try:
+            held = getattr(self, table).get(bytes.fromhex(key))
+        except ValueError:  # not a hex key: never indexed
+            return None
+        for hit in (held if isinstance(held, list) else [held] if held is not None else ()):
             if hit[3] >= before_ns:
                 return None
             if all(shard.is_file() for shard in hit[0]):
@@ -375,6 +392,15 @@ class ComponentIndex:
 
 _indexes: dict[str, ComponentIndex] = {}
 _indexes_lock = threading.Lock()
+
+
+def release_indexes() -> int:
+    """Forget the component indexes this process built (their memory grows with the samples cached); the
+    prep flow calls it when the cache stage is done. Returns how many there were."""
+    with _indexes_lock:
+        count = len(_indexes)
+        _indexes.clear()
+    return count
 
 
 def component_index(stage_root: Path) -> ComponentIndex:

@@ -272,6 +272,15 @@ _indexes: dict[str, ScoreIndex] = {}
 _indexes_lock = threading.Lock()
 
 
+def release_indexes() -> int:
+    """Forget the score indexes this process built (their memory grows with the samples scored); the
+    prep flow calls it when the curate stage is done. Returns how many there were."""
+    with _indexes_lock:
+        count = len(_indexes)
+        _indexes.clear()
+    return count
+
+
 def score_index(stage_root: Path) -> ScoreIndex:
     """The up-to-date score index of a curate folder (one per process)."""
     with _indexes_lock:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
@@ -29,6 +30,7 @@ from latentmill.stages.shardio import (
     FileHashes,
     StageDir,
     UnitOutput,
+    UnitRecord,
     WorkUnit,
     check_shard_bytes,
     meta_bytes,
@@ -126,9 +128,9 @@ CUT_KEY = "cut"  # a unit record's extra (and part of its id): [shard_bytes, sha
 HASHES_FILE = "file-hashes.sqlite"
 
 
-def previous_groups(stage_dir: StageDir | None, shard_size: int,
-                    shard_bytes: int | None = None) -> list[list[str]]:
-    """The entry ids of each unit of the last committed ingest run, when it was cut as this run cuts.
+def previous_records(stage_dir: StageDir | None, shard_size: int,
+                     shard_bytes: int | None = None) -> list[UnitRecord]:
+    """The unit records of the last committed ingest run, when it was cut as this run cuts.
 
     Empty when there is no committed run, when it used another ``shard_size`` (the manifest's) or, with
     ``shard_bytes``, when one of its records was cut with another ``[shard_bytes, shard_size]`` (its extra
@@ -143,7 +145,7 @@ def previous_groups(stage_dir: StageDir | None, shard_size: int,
         return []
     if manifest.get("shard_size") != shard_size:
         return []
-    groups = []
+    records = []
     for unit_id in manifest.get("units", []):
         record = stage_dir.load_record(unit_id)
         ids = record.extra.get(LAYOUT_KEY) if record is not None else None
@@ -151,8 +153,43 @@ def previous_groups(stage_dir: StageDir | None, shard_size: int,
             return []
         if shard_bytes is not None and record.extra.get(CUT_KEY) != [shard_bytes, shard_size]:
             return []
-        groups.append(ids)
-    return groups
+        records.append(record)
+    return records
+
+
+def previous_groups(stage_dir: StageDir | None, shard_size: int,
+                    shard_bytes: int | None = None) -> list[list[str]]:
+    """The entry ids of each unit of the last committed ingest run (see :func:`previous_records`)."""
+    return [r.extra[LAYOUT_KEY] for r in previous_records(stage_dir, shard_size, shard_bytes)]
+
+
+def stat_signature(members: list[Entry], fp: dict[str, Any], cut: list[int]) -> str | None:
+    """A hash of what a unit's id depends on, read from the file system's metadata only: the fingerprint,
+    the cut and, per entry, its id, location, caption and the ``(size, mtime_ns, inode)`` of its file and
+    sidecars. None when it cannot stand for the content: an entry is remote or its listing failed, a file
+    cannot be stat'ed, or one was modified within ``FileHashes.RACY_SECONDS`` (as git's racy rule).
+
+    A refresh that finds a unit's signature remembered (``FileHashes.signature``) takes the unit id and the
+    entries' identities from that unit's committed record instead of looking up every file's digest: the
+    same ids, from one ``stat`` per file. It is only an accelerator: a fresh clone (other mtimes and
+    inodes) misses it and finds the same ids from the bytes.
+    """
+    now = time.time()
+    rows = []
+    for entry in members:
+        if entry.error or is_remote(entry.uri):
+            return None
+        stats = []
+        for path in (entry.uri, *entry.sidecars):
+            try:
+                st = os.stat(path)
+            except OSError:
+                return None
+            if now - st.st_mtime_ns / 1e9 < FileHashes.RACY_SECONDS:
+                return None
+            stats.append((st.st_size, st.st_mtime_ns, st.st_ino))
+        rows.append([entry.id, entry.uri, entry.caption, entry.sha256, stats])
+    return stable_hash({"fingerprint": fp, CUT_KEY: cut, "stats": rows})
 
 
 def _id_hash(entry_id: str) -> int:
@@ -276,13 +313,24 @@ def plan(cfg: IngestConfig, stage_dir: StageDir | None = None) -> list[WorkUnit]
     entries = source.entries
     cut = [cfg.shard_bytes, cfg.shard_size]
     sizes = [entry_bytes(e) for e in entries]
-    previous = previous_groups(stage_dir, cfg.shard_size, cfg.shard_bytes)
+    records = previous_records(stage_dir, cfg.shard_size, cfg.shard_bytes)
+    previous = [r.extra[LAYOUT_KEY] for r in records]
+    by_id = {r.unit_id: r for r in records}
     units = []
     for group in layout([e.id for e in entries], previous, cfg.shard_size, sizes, cfg.shard_bytes):
         members = sorted((entries[i] for i in group), key=lambda e: e.id)
-        hashes.prefetch([p for e in members if not is_remote(e.uri) for p in (e.uri, *e.sidecars)])
-        ids = [_entry_identity(e, hashes) for e in members]
-        unit_id = stable_hash({"fingerprint": fp, CUT_KEY: cut, "inputs": ids})
+        paths = [p for e in members if not is_remote(e.uri) for p in (e.uri, *e.sidecars)]
+        signature = stat_signature(members, fp, cut)
+        record = by_id.get(hashes.signature(signature)) if signature else None
+        if record is not None and record.extra.get(LAYOUT_KEY) == [e.id for e in members]:
+            unit_id, ids = record.unit_id, list(record.inputs)  # unchanged files: no digest looked up
+            hashes.touch(paths)
+        else:
+            hashes.prefetch(paths)
+            ids = [_entry_identity(e, hashes) for e in members]
+            unit_id = stable_hash({"fingerprint": fp, CUT_KEY: cut, "inputs": ids})
+        if signature:
+            hashes.remember_signature(signature, unit_id)
         payload = {"kind": "entries", "root": source.root, "items": [_entry_json(e) for e in members],
                    CUT_KEY: cut, "estimated_bytes": sum(sizes[i] for i in group)}
         units.append(WorkUnit(unit_id=unit_id, inputs=ids, payload=payload, samples_in=len(members)))

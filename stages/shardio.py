@@ -71,6 +71,7 @@ class FileHashes:
         self._new: dict[str, tuple[int, int, int, str]] = {}  # hashed by this instance, to remember
         self._seen: set[str] = set()  # every file asked for (what ``save`` keeps when forgetting)
         self._prefetched: dict[str, tuple] = {}  # the rows of the last ``prefetch`` (one group of files)
+        self._signatures: dict[str, str] = {}  # signature -> value, remembered by this instance (``save``)
         self._lock = threading.Lock()
         self.hashed = 0  # files read and hashed by this instance (the rest came from the store)
         if self.path is not None and self.path.is_file():
@@ -83,6 +84,7 @@ class FileHashes:
             db = sqlite3.connect(self.path, timeout=30, check_same_thread=False, isolation_level=None)
             db.execute("CREATE TABLE IF NOT EXISTS files (path TEXT PRIMARY KEY, size INTEGER, "
                        "mtime_ns INTEGER, ino INTEGER, sha256 TEXT)")
+            db.execute("CREATE TABLE IF NOT EXISTS signatures (signature TEXT PRIMARY KEY, value TEXT)")
             return db
         except sqlite3.Error:
             return None
@@ -107,6 +109,31 @@ class FileHashes:
                 found = {}
         with self._lock:
             self._prefetched = {key: found.get(key) for key in keys}
+
+    def touch(self, paths: list[str]) -> None:
+        """Count ``paths`` as asked for without looking them up (``save`` keeps their digests)."""
+        keys = [os.path.abspath(p) for p in paths]
+        with self._lock:
+            self._seen.update(keys)
+
+    def signature(self, signature: str) -> str | None:
+        """The value remembered for a metadata signature (the ingest planner's: a unit id), or None."""
+        import sqlite3
+
+        if self._db is None:
+            return None
+        try:
+            with self._lock:
+                row = self._db.execute("SELECT value FROM signatures WHERE signature = ?", (signature,)).fetchone()
+        except sqlite3.Error:
+            return None
+        return row[0] if row else None
+
+    def remember_signature(self, signature: str, value: str) -> None:
+        """Remember ``value`` for ``signature`` at ``save``; the signatures not remembered again by this
+        instance are then forgotten (with ``forget_unused``)."""
+        with self._lock:
+            self._signatures[signature] = value
 
     def _known(self, key: str) -> tuple | None:
         import sqlite3
@@ -144,7 +171,7 @@ class FileHashes:
         instance was not asked for (a dataset's own store), without it keep them (a shared store)."""
         import sqlite3
 
-        if self.path is None or (not self._new and not forget_unused):
+        if self.path is None or (not self._new and not self._signatures and not forget_unused):
             return
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -158,6 +185,9 @@ class FileHashes:
                 db.execute("BEGIN IMMEDIATE")
                 try:
                     db.executemany("INSERT OR REPLACE INTO files VALUES (?, ?, ?, ?, ?)", rows)
+                    if forget_unused:
+                        db.execute("DELETE FROM signatures")
+                    db.executemany("INSERT OR REPLACE INTO signatures VALUES (?, ?)", sorted(self._signatures.items()))
                     # Forgetting costs a temporary table of every path seen (seconds at 100,000 files), so it
                     # runs only when the store holds more rows than files were asked for: some row is then
                     # surely unused (a file deleted or moved). A leftover row is harmless: it is used only for
@@ -173,6 +203,7 @@ class FileHashes:
                     db.execute("ROLLBACK")
                     raise
                 self._new.clear()
+                self._signatures.clear()
         except (sqlite3.Error, OSError):
             pass  # a read-only or busy store: the digests are only remembered for this process
 

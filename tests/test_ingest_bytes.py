@@ -228,3 +228,64 @@ def test_a_folder_is_listed_with_one_scandir_per_folder_and_no_stat_per_file(tmp
     # a few per path component of the root (its checks, its resolution) and of the one symlinked file (its
     # resolution), none per plain file: 20 here; the pathlib listing made about 4 per file (over 800)
     assert calls["stat"] <= 40, calls
+
+
+def test_unchanged_units_are_planned_from_file_metadata(photos, tmp_path, monkeypatch):
+    """A refresh plans a unit whose files' (size, mtime, inode) are unchanged from its remembered metadata
+    signature: the same unit ids and entry identities, with no file digest looked up. A changed file sends
+    only its unit back to the digests; a copy of the folder (other mtimes and inodes) finds the same ids from
+    the bytes; a file modified a moment ago gets no signature (racy)."""
+    import os
+    import shutil
+
+    from latentmill.stages.shardio import FileHashes
+
+    old = 1_700_000_000_000_000_000
+    for path in photos.iterdir():
+        os.utime(path, ns=(old, old))
+    calls = {"sha256": 0}
+    real_sha256 = FileHashes.sha256
+
+    def counting_sha256(self, path):
+        calls["sha256"] += 1
+        return real_sha256(self, path)
+
+    monkeypatch.setattr(FileHashes, "sha256", counting_sha256)
+    cfg = IngestConfig(source=str(photos), shard_bytes=TARGET)
+    sd = StageDir(tmp_path / "ingest", "ingest").ensure()
+    first, _ = _run(cfg, sd)
+    assert len(first) >= 3 and calls["sha256"] == 80  # 40 images + 40 sidecars, digests looked up once
+    calls["sha256"] = 0
+    again = ingest.plan(cfg, sd)
+    assert calls["sha256"] == 0
+    assert sorted((u.unit_id, u.inputs) for u in again) == sorted((u.unit_id, u.inputs) for u in first)
+
+    # one file changes: its unit alone goes back to the digests, and gets a new id
+    changed = photos / "p007.jpg"
+    _noise_jpeg(changed, 30, seed=999)
+    os.utime(changed, ns=(old + 10**9, old + 10**9))
+    calls["sha256"] = 0
+    third = ingest.plan(cfg, sd)
+    holder = next(u for u in first if "p007.jpg" in _ids(u))
+    assert calls["sha256"] == 2 * len(holder.inputs)
+    assert {u.unit_id for u in third} ^ {u.unit_id for u in first} == {
+        holder.unit_id, next(u.unit_id for u in third if "p007.jpg" in _ids(u))}
+
+    # a copy (new inodes and mtimes) misses every signature and finds the same ids from the bytes
+    copy = tmp_path / "copy"
+    shutil.copytree(photos, copy)
+    for path in copy.iterdir():
+        os.utime(path, ns=(old + 5 * 10**9, old + 5 * 10**9))
+    copy_sd = StageDir(tmp_path / "copy-ingest", "ingest").ensure()
+    shutil.copytree(sd.root, copy_sd.root, dirs_exist_ok=True)
+    calls["sha256"] = 0
+    copied = ingest.plan(IngestConfig(source=str(copy), shard_bytes=TARGET), copy_sd)
+    assert calls["sha256"] == 80
+    assert sorted(u.unit_id for u in copied) == sorted(u.unit_id for u in third)
+
+    # a file modified a moment ago: no signature for its unit, which is hashed again next time
+    (photos / "p011.txt").write_text("photo number 11, again\n")
+    members = sorted(ingest.list_source(str(photos)).entries, key=lambda e: e.id)
+    fp, cut = ingest.fingerprint(cfg), [cfg.shard_bytes, cfg.shard_size]
+    assert ingest.stat_signature([e for e in members if e.id == "p011.jpg"], fp, cut) is None
+    assert ingest.stat_signature([e for e in members if e.id == "p012.jpg"], fp, cut) is not None
