@@ -51,6 +51,9 @@ def format_report(report: dict[str, Any]) -> str:
                      f"{report['groups']} units")
     else:
         lines.append("nothing to merge: no two small units fit one shard together")
+    for damaged in report.get("damaged", []):
+        lines.append(f"left as is: unit {damaged['unit'][:16]}, its shard {damaged['shard']} {damaged['reason']}; "
+                     "run `latentmill verify` on the output_dir (a refresh re-encodes a unit whose shard is gone)")
     if report.get("compacted"):
         lines.append(f"wrote {report['shards_after']} shards, {report['tar_bytes_after'] / 1e6:.3f} MB; member bytes "
                      f"copied {report['member_bytes_copied']} of {report['member_bytes_in_merged_shards']} "

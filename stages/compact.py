@@ -41,6 +41,7 @@ from latentmill.stages.shardio import (
     WorkUnit,
     grouped_unit_id,
     load_shard_index,
+    sha256_file,
 )
 
 PAUSE_ENV = "LATENTMILL_COMPACT_PAUSE_AFTER"  # tests: stop after this many samples copied (then get killed)
@@ -222,6 +223,25 @@ def merge_units(stage: StageDir, group: list[UnitRecord], fingerprint: dict[str,
     return out.commit(time.perf_counter() - start), copied
 
 
+def damaged_shards(stage: StageDir, group: list[UnitRecord]) -> list[dict[str, str]]:
+    """The shards of ``group`` whose bytes are not what their records say (sha256), or are missing: a merge
+    copies members byte for byte, so it would carry a damaged member into a shard whose own digest is
+    fresh, and ``latentmill verify`` would no longer see it. Reads every shard once (compaction reads them
+    all anyway; the second read comes from the page cache)."""
+    found = []
+    for record in group:
+        for shard in record.shards:
+            tar = stage.root / shard.path
+            try:
+                ok = sha256_file(tar) == shard.sha256
+                reason = "its bytes do not match the sha256 its unit record holds"
+            except OSError as err:
+                ok, reason = False, f"cannot be read: {type(err).__name__}: {err}"
+            if not ok:
+                found.append({"unit": record.unit_id, "shard": shard.path, "reason": reason})
+    return found
+
+
 def compact_stage(stage: StageDir, small_below: float = 0.5, min_units: int = 2,
                   dry_run: bool = False) -> dict[str, Any]:
     """Merge the stage's small units (:func:`plan_compaction`: all of them with ``min_units`` 2, by size
@@ -241,6 +261,17 @@ def compact_stage(stage: StageDir, small_below: float = 0.5, min_units: int = 2,
         return {**report, "seconds": round(time.perf_counter() - start, 3)}
     manifest = stage.read_manifest()
     fingerprint = manifest["stage_fingerprint"]
+    # a group with a damaged shard is left as it is (its units stay, `latentmill verify` names the shard)
+    damaged = {id(g): found for g in groups if (found := damaged_shards(stage, g))}
+    if damaged:
+        report["damaged"] = [d for found in damaged.values() for d in found]
+        groups = [g for g in groups if id(g) not in damaged]
+        merged = [r for g in groups for r in g]
+        report.update(groups=len(groups), merged_units=len(merged), samples=sum(r.samples_out for r in merged),
+                      shards_before=sum(len(r.shards) for r in merged),
+                      tar_bytes_before=sum(_unit_bytes(stage, r) for r in merged))
+        if not groups:
+            return {**report, "seconds": round(time.perf_counter() - start, 3)}
     pause = _Pause()
     replaced = {r.unit_id for r in merged}
     records = [r for r in _records(stage, manifest) if r.unit_id not in replaced]

@@ -301,3 +301,32 @@ def test_dry_run_changes_nothing_and_bad_settings_are_refused(output, tiny_flux)
                          capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(REPO_ROOT)},
                          timeout=120)
     assert bad.returncode == 2 and "--small-below" in bad.stderr
+
+
+def test_a_damaged_small_shard_is_not_copied_into_a_merged_one(output, monkeypatch):
+    """Compaction copies members byte for byte: a small shard whose bytes no longer match its record's
+    sha256 (a flipped byte, same size) would hand its damage to a merged shard with a fresh digest, where
+    `verify` could not see it. Its group is left as it is and the report names the shard."""
+    out, _ = output
+    cache = StageDir(out / "prep" / "cache", "cache")
+    groups, _ = plan_compaction(cache, 0.5)
+    victim = groups[0][0]
+    tar = cache.root / victim.shards[0].path
+    data = bytearray(tar.read_bytes())
+    data[700] ^= 0xFF  # inside the first member's data (after its 512-byte header)
+    tar.write_bytes(bytes(data))
+    before = json.loads(cache.manifest_path.read_text())
+
+    _tripwire(monkeypatch)
+    report = compact(out)
+
+    assert [d["shard"] for d in report["damaged"]] == [victim.shards[0].path]
+    assert "sha256" in report["damaged"][0]["reason"]
+    kept = {r.unit_id for r in groups[0]}
+    manifest = json.loads(cache.manifest_path.read_text())
+    assert kept <= set(manifest["units"])  # the damaged group's units stay as they were
+    assert report["groups"] == len(groups) - 1 and manifest["counts"] == before["counts"]
+    from latentmill.pipelines.compaction import format_report
+
+    assert "left as is" in format_report(report) and victim.shards[0].path in format_report(report)
+    assert verify_path(out) != 0  # verify still sees the damage, in the shard it was in
