@@ -49,6 +49,7 @@ from pathlib import Path
 from typing import Any, Iterator, Literal
 
 from latentmill.pipelines.snapshot import LATEST, latest_name, resolve_snapshot, snapshots_dir
+from latentmill.stages.killpoint import KillPoint
 
 STAGES = ("ingest", "caption", "curate", "bucket", "cache")  # pipeline order (as ``latentmill.pipelines.prep.STAGES``)
 LOCK_FILE = ".writer.lock"
@@ -472,21 +473,6 @@ def report_of(plan: Plan, output_dir: str | Path) -> dict[str, Any]:
     }
 
 
-class _Removals:
-    """Counts removals; ``LATENTMILL_GC_PAUSE_AFTER=k`` stops after the k-th (a test kills the gc there)."""
-
-    def __init__(self) -> None:
-        pause = os.environ.get(PAUSE_ENV)
-        self.pause_after = int(pause) if pause not in (None, "") else None
-        self.count = 0
-
-    def done(self) -> None:
-        self.count += 1
-        if self.pause_after is not None and self.count == self.pause_after:
-            print(f"gc: paused after {self.count} removals", flush=True)
-            time.sleep(3600)
-
-
 def gc(output_dir: str | Path, keep: int, dry_run: bool = False,
        on_busy: Literal["wait", "fail"] = "wait") -> dict[str, Any]:
     """Remove every snapshot, unit record and shard that neither the newest ``keep`` snapshots, a pinned
@@ -501,7 +487,7 @@ def gc(output_dir: str | Path, keep: int, dry_run: bool = False,
         raise FileNotFoundError(f"{output_dir} holds no prep output or snapshot: nothing to collect")
     if dry_run:
         return {**report_of(plan_gc(output_dir, keep), output_dir), "dry_run": True}
-    removals = _Removals()
+    removals = KillPoint(PAUSE_ENV, "gc", "removals")
     with writer_lock(output_dir, "gc", on_busy=on_busy):
         with _pins_lock(output_dir):  # no training pins a snapshot while snapshots are chosen and removed
             list_pins(output_dir, drop_stale=True)
@@ -510,13 +496,13 @@ def gc(output_dir: str | Path, keep: int, dry_run: bool = False,
             root = snapshots_dir(output_dir)
             for name in plan.snapshots_removed:
                 os.replace(root / name, root / f"{TRASH}{name}")
-                removals.done()
+                removals.step()
         for folder in sorted(root.glob(f"{TRASH}*")):
             shutil.rmtree(folder, ignore_errors=True)
         for stage in STAGES:
             for path in plan.remove[stage]:
                 path.unlink(missing_ok=True)
-                removals.done()
+                removals.step()
     return {**report, "dry_run": False}
 
 

@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from latentmill.stages.killpoint import KillPoint
 from latentmill.stages.shardio import (
     GROUP_KEY,
     StageDir,
@@ -141,23 +142,8 @@ def plan_compaction(stage: StageDir, small_below: float, min_units: int = 2,
     return groups, seen
 
 
-class _Pause:
-    """``LATENTMILL_COMPACT_PAUSE_AFTER=k`` stops after the k-th sample copied (a test kills it there)."""
-
-    def __init__(self) -> None:
-        value = os.environ.get(PAUSE_ENV)
-        self.after = int(value) if value not in (None, "") else None
-        self.count = 0
-
-    def tick(self) -> None:
-        self.count += 1
-        if self.after is not None and self.count == self.after:
-            print(f"compact: paused after {self.count} samples", flush=True)
-            time.sleep(3600)
-
-
 def merge_units(stage: StageDir, group: list[UnitRecord], fingerprint: dict[str, Any],
-                pause: _Pause | None = None) -> tuple[UnitRecord, int]:
+                pause: KillPoint | None = None) -> tuple[UnitRecord, int]:
     """Write the unit that reads every upstream shard of ``group`` (in order) by copying its samples from
     the group's shards; return its record and the member bytes copied (0 when it was already committed)."""
     inputs = [sha for r in group for sha in r.inputs]
@@ -197,7 +183,7 @@ def merge_units(stage: StageDir, group: list[UnitRecord], fingerprint: dict[str,
                 copied += size
             out.add(sample, bucket=bucket)
             if pause is not None:
-                pause.tick()
+                pause.step()
         out.quarantined = [q for r in group for q in r.quarantined]
         components: dict[str, Any] = {}
         counts = {"vae": {"encoded": 0, "reused": 0}, "text": {"encoded": 0, "reused": 0}}
@@ -272,7 +258,7 @@ def compact_stage(stage: StageDir, small_below: float = 0.5, min_units: int = 2,
                       tar_bytes_before=sum(_unit_bytes(stage, r) for r in merged))
         if not groups:
             return {**report, "seconds": round(time.perf_counter() - start, 3)}
-    pause = _Pause()
+    pause = KillPoint(PAUSE_ENV, "compact", "samples")
     replaced = {r.unit_id for r in merged}
     records = [r for r in _records(stage, manifest) if r.unit_id not in replaced]
     new_records, copied = [], 0
