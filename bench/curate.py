@@ -23,6 +23,8 @@ built offline under ``bench/.work/models/`` and loaded by folder through ``from_
        cosine. Models are loaded inside the timing on both sides. Nothing is written.
      The runs alternate (which goes first flips every repetition); one untimed run of each first. The
      baseline's scores are checked against the stage's (``details.max_abs_diff_relative``): the same work.
+     An informational row repeats this with a small CLIP (``SMALL_CLIP``: 224 px, patch 32, width 256,
+     4 + 4 layers, random weights) on 256 images, where the forwards are real work on a CPU (no goal).
 18b. A threshold change on a prepared dataset. ``run_stages_in_process`` (ingest, caption, curate, bucket,
      cache, the tiny Flux set) on M generated photos with the four scorers on and no threshold; then the
      same recipe with only ``curate.min_aesthetic`` set between two measured scores so that a known quarter
@@ -78,6 +80,51 @@ def scorer_models() -> tuple[Path, Path]:
     head = WORK / "models" / "tiny-clip-aesthetic.safetensors"
     if not head.is_file():
         save_head(head, TINY_CLIP["projection_dim"], seed=1)
+    return folder, head
+
+
+# 18a's informational row: a CLIP whose forward is real work on a CPU (ViT-B/32's input and patch, a
+# quarter of its width and a third of its depth), so that the stage's fixed per-sample cost meets a model cost
+SMALL_CLIP: dict[str, Any] = {
+    "projection_dim": 128,
+    "text_config": {"hidden_size": 256, "intermediate_size": 1024, "num_hidden_layers": 4,
+                    "num_attention_heads": 4, "max_position_embeddings": 77},
+    "vision_config": {"hidden_size": 256, "intermediate_size": 1024, "num_hidden_layers": 4,
+                      "num_attention_heads": 4, "image_size": 224, "patch_size": 32},
+}
+
+
+def small_clip_models() -> tuple[Path, Path]:
+    """The ``SMALL_CLIP`` folder (``CLIPModel`` + ``CLIPProcessor``, the tiny CLIP's character tokenizer,
+    random weights, seed 0) and a LAION-layout head for it (seed 1), built once in bench/.work/models."""
+    from latentmill.tiny_clip import build_clip_tokenizer, save_head
+    from latentmill.tinyio import is_complete, save_folder
+
+    def save(tmp: Path) -> None:
+        import torch
+        from transformers import CLIPConfig, CLIPModel, CLIPProcessor
+        from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil
+
+        text = SMALL_CLIP["text_config"]
+        tokenizer = build_clip_tokenizer(text["max_position_embeddings"])
+        side = SMALL_CLIP["vision_config"]["image_size"]
+        images = CLIPImageProcessorPil(size={"shortest_edge": side},
+                                       crop_size={"height": side, "width": side})
+        ids = {"bos_token_id": tokenizer.bos_token_id, "eos_token_id": tokenizer.eos_token_id,
+               "pad_token_id": tokenizer.pad_token_id, "vocab_size": len(tokenizer)}
+        config = CLIPConfig(text_config={**text, **ids}, vision_config=SMALL_CLIP["vision_config"],
+                            projection_dim=SMALL_CLIP["projection_dim"])
+        torch.manual_seed(0)
+        CLIPModel(config).eval().save_pretrained(tmp)
+        CLIPProcessor(image_processor=images, tokenizer=tokenizer).save_pretrained(tmp)
+
+    folder = WORK / "models" / "small-clip"
+    markers = ("config.json", "model.safetensors", "processor_config.json")
+    if not is_complete(folder, markers):
+        save_folder(folder, save, replace=True, markers=markers)
+    head = WORK / "models" / "small-clip-aesthetic.safetensors"
+    if not head.is_file():
+        save_head(head, SMALL_CLIP["projection_dim"], seed=1)
     return folder, head
 
 
@@ -221,21 +268,22 @@ class WriteClock:
             setattr(UnitOutput, name, fn)
 
 
-def throughput(args, work: Path, clip: Path, head: Path) -> Any:
-    """Figure 18a: the curate stage vs the bare loop over the same captioned shards and models."""
+def throughput(args, work: Path, clip: Path, head: Path, n: int, reps: int, model: dict[str, Any],
+               name: str, goal: str | None) -> Any:
+    """Figure 18a: the curate stage vs the bare loop over the same captioned shards and models (``model``:
+    the scorer model's config, for the figure's inputs)."""
     import pyarrow.parquet as pq
     import torch
     from latentmill.stages import curate, curate_models
     from latentmill.stages.shardio import StageDir
 
-    n = 128 if args.quick else 1024
-    reps = reps_of(args, full=5, quick=2)
     threads = torch.get_num_threads()
     torch.set_num_threads(THREADS)
-    src = work / "images-18a"
+    src = work / f"images-18a-{n}"
     t0 = time.perf_counter()
-    make_images(src, n, seed=18, sizes=[(SIDE, SIDE)])
-    out = work / "out-18a"
+    if not src.is_dir():
+        make_images(src, n, seed=18, sizes=[(SIDE, SIDE)])
+    out = work / f"out-18a-{n}"
     recipe = recipe_for(src, out, clip, head)
     for stage in ("ingest", "caption"):
         run_stage(recipe, stage)
@@ -284,7 +332,7 @@ def throughput(args, work: Path, clip: Path, head: Path) -> Any:
         order = [("ours", ours, o), ("baseline", bare, b)]
         for who, fn, acc in (order if rep % 2 == 0 else order[::-1]):
             acc.append(fn(rep))
-            log(f"curate 18a rep {rep + 1}/{reps} {who}: {acc[-1]:.2f} s")
+            log(f"curate 18a ({Path(clip).name}) rep {rep + 1}/{reps} {who}: {acc[-1]:.2f} s")
     torch.set_num_threads(threads)
     # the same work: the bare loop's scores are the stage's
     table = {r["key"]: r for r in pq.read_table(out / "prep" / "scores.parquet").to_pylist()}
@@ -292,12 +340,10 @@ def throughput(args, work: Path, clip: Path, head: Path) -> Any:
     diff = {name: max(abs(table[k][name] - bare_out[k][name]) / max(1.0, abs(bare_out[k][name]))
                       for k in bare_out) for name in SCORERS}
     assert max(diff.values()) < 1e-4, diff
-    from latentmill.tiny_clip import TINY_CLIP
-
     inputs = {"images": n, "image_size": f"{SIDE}x{SIDE} JPEG q90 (photo-like: shapes over a noisy gradient)",
               "captions": "sidecar .txt, 10-40 words", "caption_shards": len(shards), "ingest_shard_size": 64,
               "scorers": SCORERS, "batch_size": BATCH, "score_side": 256, "model_side": 448,
-              "model": {"class": "CLIPModel", **TINY_CLIP, "weights": "random, seed 0",
+              "model": {"class": "CLIPModel", **model, "weights": "random, seed 0",
                         "loaded": "from_pretrained (folder)"},
               "head": "LAION v2 layout (1024-128-64-16-1), random, seed 1, safetensors",
               "device": args.device, "dtype": "bfloat16" if args.device == "cuda" else "float32",
@@ -309,13 +355,13 @@ def throughput(args, work: Path, clip: Path, head: Path) -> Any:
                "max_abs_diff_relative": {k: float(f"{v:.3g}") for k, v in diff.items()},
                "per_image_ms_ours": round(1000 * min(o) / n, 3),
                "per_image_ms_bare": round(1000 * min(b) / n, 3)}
-    return figure("18. curate scoring throughput, tiny scorers vs the bare model loop", o, b, "s", "<= 1.15",
-                  inputs, "ours: the whole curate stage (plan with the exact-duplicate index, run_unit per "
-                  "unit, manifest, scores.parquet), scorer models loaded inside the timing; baseline: a "
-                  "hand-written PIL + numpy + transformers loop over the same shards and models, nothing "
-                  "written; its scores equal the stage's (details.max_abs_diff_relative); "
-                  "details.ratio_without_writes leaves out the stage's output writer (curate shards, "
-                  "indexes, unit record), which the bare loop has no part of", details=details)
+    return figure(name, o, b, "s", goal, inputs,
+                  "ours: the whole curate stage (plan with the exact-duplicate index, run_unit per unit, "
+                  "manifest, scores.parquet), scorer models loaded inside the timing; baseline: a hand-written "
+                  "PIL + numpy + transformers loop over the same shards and models, nothing written; its "
+                  "scores equal the stage's (details.max_abs_diff_relative); details.ratio_without_writes "
+                  "leaves out the stage's output writer (curate shards, indexes, unit record), which the bare "
+                  "loop has no part of", details=details)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -418,9 +464,20 @@ def run(args) -> list:
 
     hf_logging.disable_progress_bar()  # one "Loading weights" bar per model load would drown the log
     work = fresh_dir("curate")
+    from latentmill.tiny_clip import TINY_CLIP
+
     clip, head = scorer_models()
+    reps = reps_of(args, full=5, quick=2)
     try:
-        figures = [throughput(args, work, clip, head), threshold_change(args, work, clip, head)]
+        tiny = "18. curate scoring throughput, tiny scorers vs the bare model loop"
+        figures = [throughput(args, work, clip, head, 128 if args.quick else 1024, reps, TINY_CLIP, tiny,
+                              "<= 1.15")]
+        small, small_head = small_clip_models()
+        name = ("18. curate scoring throughput, a small CLIP (224 px, width 256, 4 layers) vs the bare "
+                "model loop")
+        figures.append(throughput(args, work, small, small_head, 64 if args.quick else 256, min(reps, 3),
+                                  SMALL_CLIP, name, None))
+        figures.append(threshold_change(args, work, clip, head))
     finally:
         if not args.keep:
             shutil.rmtree(work, ignore_errors=True)
