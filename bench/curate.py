@@ -84,7 +84,7 @@ def scorer_models() -> tuple[Path, Path]:
 
 
 # 18a's informational row: a CLIP whose forward is real work on a CPU (ViT-B/32's input and patch, a
-# quarter of its width and a third of its depth), so that the stage's fixed per-sample cost meets a model cost
+# third of its width and of its depth), so that the stage's fixed per-sample cost meets a model cost
 SMALL_CLIP: dict[str, Any] = {
     "projection_dim": 128,
     "text_config": {"hidden_size": 256, "intermediate_size": 1024, "num_hidden_layers": 4,
@@ -339,7 +339,8 @@ def throughput(args, work: Path, clip: Path, head: Path, n: int, reps: int, mode
     assert set(table) == set(bare_out), "the stage and the bare loop scored different samples"
     diff = {name: max(abs(table[k][name] - bare_out[k][name]) / max(1.0, abs(bare_out[k][name]))
                       for k in bare_out) for name in SCORERS}
-    assert max(diff.values()) < 1e-4, diff
+    # float32 on the CPU: equal to rounding; bf16 on a GPU: the same kernels, but allow bf16's precision
+    assert max(diff.values()) < (1e-4 if args.device == "cpu" else 2e-2), diff
     inputs = {"images": n, "image_size": f"{SIDE}x{SIDE} JPEG q90 (photo-like: shapes over a noisy gradient)",
               "captions": "sidecar .txt, 10-40 words", "caption_shards": len(shards), "ingest_shard_size": 64,
               "scorers": SCORERS, "batch_size": BATCH, "score_side": 256, "model_side": 448,
