@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 import numpy as np
-from latentmill.stages import pixels
+from latentmill.stages import neardup, pixels
 from latentmill.stages.shardio import (
     ShardIndexError,
     StageDir,
@@ -76,6 +76,10 @@ class CurateConfig:
     frames: int = 4  # K frames per video, spread uniformly over it
     # target size of a curate shard: upstream shards are grouped into units up to this many bytes
     shard_bytes: int = 256 << 20
+    # --- near duplicates (stages/neardup.py) ---
+    # cosine of two embeddings at or above which the later sample is a near duplicate; null: off
+    dedup_threshold: Optional[float] = neardup.DEFAULT_THRESHOLD
+    dedup_index: str = "auto"  # the nearest-neighbour search: auto | usearch | lsh | exact (same decisions)
 
     def validate(self) -> None:
         from latentmill.config import ConfigError
@@ -92,10 +96,24 @@ class CurateConfig:
             raise ConfigError(f"curate.min_sharpness: must be >= 0 or null, got {self.min_sharpness}")
         if self.max_exposure is not None and not 0 <= self.max_exposure <= 1:
             raise ConfigError(f"curate.max_exposure: a share of pixels in 0..1 or null, got {self.max_exposure}")
+        if self.dedup_threshold is not None and not 0 < self.dedup_threshold <= 1:
+            raise ConfigError(f"curate.dedup_threshold: a cosine in (0, 1] or null (off), got {self.dedup_threshold}")
+        if self.dedup_index not in neardup.INDEX_KINDS:
+            raise ConfigError(f"curate.dedup_index: unknown search {self.dedup_index!r}; allowed: "
+                              f"{', '.join(neardup.INDEX_KINDS)}")
+        if self.dedup_index == "usearch" and not neardup.usearch_available():
+            raise ConfigError("curate.dedup_index: usearch needs the usearch package (pip install "
+                              "'latentmill[dedup]'); allowed without it: auto, lsh, exact")
 
     def thresholds(self) -> dict[str, float]:
         """The thresholds that are set: ``{"min_sharpness": 50.0, ...}``."""
         return {name: float(getattr(self, name)) for name in THRESHOLDS if getattr(self, name) is not None}
+
+    def embedder_fingerprint(self, background: tuple[int, int, int] = pixels.WHITE) -> dict[str, Any] | None:
+        """The near-duplicate embedder's fingerprint, or None when near-duplicate removal is off."""
+        if self.dedup_threshold is None:
+            return None
+        return neardup.embedder_fingerprint(self.frames, self.score_side, background)
 
     def active_scorers(self) -> list[str]:
         """The scorers that run: those listed in ``curate.scorers`` plus those a threshold needs, in
@@ -153,10 +171,17 @@ def score_media(sample: dict[str, Any], meta: dict[str, Any], cfg: CurateConfig,
     """Decode a sample as the captioners do (an image, or ``cfg.frames`` frames spread over a video or its
     clip window, through :func:`latentmill.stages.video.read_frames`), shrunk to ``cfg.score_side``, and
     score it. Raises the decoder's error for a sample that cannot be decoded."""
+    return score_frames(decode_frames(sample, meta, cfg, background), names)
+
+
+def decode_frames(sample: dict[str, Any], meta: dict[str, Any], cfg: CurateConfig,
+                  background: tuple[int, int, int] = pixels.WHITE) -> list[Image.Image]:
+    """The frames scores and embeddings are computed from (one decode): the image, or ``cfg.frames`` frames
+    spread over the video or its clip window, shrunk to ``cfg.score_side``."""
     from latentmill.stages.captioners.media import load_media
 
     _, frames, _ = load_media(sample, meta, cfg.frames, cfg.score_side, background)
-    return score_frames(frames, names)
+    return frames
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -263,9 +288,12 @@ class DedupIndex:
 
 def fingerprint(cfg: CurateConfig, background: tuple[int, int, int] = pixels.WHITE) -> dict[str, Any]:
     """The unit fingerprint: scorers and thresholds (a changed threshold re-runs units, which reuse scores)."""
-    return {"stage": STAGE, "version": FORMAT_VERSION,
-            "scorers": [scorer_fingerprint(cfg, s, background) for s in cfg.active_scorers()],
-            "thresholds": cfg.thresholds(), "dedup": "sha256"}
+    fp = {"stage": STAGE, "version": FORMAT_VERSION,
+          "scorers": [scorer_fingerprint(cfg, s, background) for s in cfg.active_scorers()],
+          "thresholds": cfg.thresholds(), "dedup": "sha256"}
+    if cfg.dedup_threshold is not None:  # the units embed their samples; the threshold applies in bucket
+        fp["embedder"] = cfg.embedder_fingerprint(background)
+    return fp
 
 
 def manifest_header(cfg: CurateConfig, background: tuple[int, int, int] = pixels.WHITE) -> dict[str, Any]:
@@ -319,6 +347,9 @@ def process(cfg: CurateConfig, unit: WorkUnit, out: UnitOutput,
     index = score_index(out.stage_dir.root)
     rows: dict[str, dict[str, Any]] = {}
     counts = {"scored": 0, "scores_reused": 0, "unscored": 0, "duplicates": 0, "below_threshold": 0}
+    # near duplicates: the embedding of every kept sample, by key (stages/neardup.py)
+    embeds = (neardup.UnitEmbeddings(out.stage_dir.root, unit.unit_id, cfg.embedder_fingerprint(background))
+              if cfg.dedup_threshold is not None else None)
     for sample in iter_unit_samples(unit):
         meta, key = sample_json(sample), sample["__key__"]
         source, kind = meta.get("source", "?"), meta.get("kind") or "image"
@@ -329,9 +360,11 @@ def process(cfg: CurateConfig, unit: WorkUnit, out: UnitOutput,
         keys = {name: score_key(prints[name], meta) for name in names}
         values = {name: index.values[k] for name, k in keys.items() if k in index.values}
         missing = [name for name in names if name not in values]
+        frames: list[Image.Image] = []  # decoded once, for the scores and the embedding
         if missing:
             try:
-                computed = score_media(sample, meta, cfg, missing, background)
+                frames = decode_frames(sample, meta, cfg, background)
+                computed = score_frames(frames, missing)
             except Exception as err:  # PIL / decord / PyAV errors
                 # Unscored, it goes on: the cache stage, which decodes what it encodes, quarantines it with
                 # its decode error (one place for decode errors). No threshold applies to it.
@@ -356,7 +389,14 @@ def process(cfg: CurateConfig, unit: WorkUnit, out: UnitOutput,
                                                   for name, scorer, bound in failed), scores=scores)
             continue
         meta["scores"] = scores
+        if embeds is not None:
+            embeds.add(key, meta, lambda f=frames, s=sample, m=meta: f or decode_frames(s, m, cfg, background))
         out.add({**sample, "json": meta_bytes(meta)}, part=kind)
+    if embeds is not None:
+        counts.update(embedded=embeds.computed, embeddings_reused=embeds.reused)
+        written = embeds.write()
+        if written is not None:
+            out.extra["embeddings"] = written
     out.extra.update(scores=rows, counts=counts)
 
 
@@ -365,7 +405,7 @@ def report(records: list[UnitRecord]) -> dict[str, Any]:
     neither scores nor reuses), and quarantines per reason over the whole stage."""
     ran = [r for r in records if not r.reused]
     result: dict[str, Any] = {name: sum(int((r.extra.get("counts") or {}).get(name, 0)) for r in ran)
-                              for name in ("scored", "scores_reused", "unscored")}
+                              for name in ("scored", "scores_reused", "unscored", "embedded", "embeddings_reused")}
     reasons: dict[str, int] = {}
     for record in records:
         for q in record.quarantined:
