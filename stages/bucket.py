@@ -270,9 +270,9 @@ def near_dup_spec(embedder: dict[str, Any] | None, threshold: float | None) -> d
     return {"embedder": embedder, "threshold": float(threshold)}
 
 
-def _unit_keys(upstream: StageDir, unit: WorkUnit) -> list[str]:
-    """The sample keys of a unit's input shards, from their shard indexes (no sample is read)."""
-    entries = {e["sha256"]: e for e in upstream.read_manifest()["shards"]}
+def _unit_keys(entries: dict[str, dict[str, Any]], unit: WorkUnit) -> list[str]:
+    """The sample keys of a unit's input shards (``entries``: upstream manifest entries by sha256), from their
+    shard indexes (no sample is read)."""
     keys = []
     for sha, path in zip(unit.inputs, unit_input_shards(unit)):
         try:
@@ -293,10 +293,11 @@ def plan(cfg: BucketConfig, upstream: StageDir, stage_dir: StageDir | None = Non
     stage_dir = stage_dir if stage_dir is not None else sibling_stage(upstream, STAGE)
     units = units_by_bytes(upstream, fingerprint(cfg, near_dups), cfg.shard_bytes, stage_dir, copy_estimate(512))
     if near_dups is not None:
+        entries = {e["sha256"]: e for e in upstream.read_manifest()["shards"]}
         for unit in units:
             if not stage_dir.unit_path(unit.unit_id).is_file():
                 found = decisions_for(upstream.root, near_dups["embedder"], near_dups["threshold"],
-                                              _unit_keys(upstream, unit))
+                                              _unit_keys(entries, unit))
                 unit.payload["near_duplicates"] = {k: list(v) for k, v in sorted(found.items())}
     return units
 

@@ -47,7 +47,7 @@ EMBEDDER = "thumbnail"  # the model-free default (the CLIP embedder of the aesth
 EMBEDDER_VERSION = 1
 THUMB_SIDE = 16  # 16 x 16 RGB = 768 values, the width of a CLIP L/14 embedding
 # Measured on the 24 demo images (docs/cache-format.md): distinct pictures reach cosine 0.891 at most; a JPEG
-# q=60 copy >= 0.9996, a half-size copy >= 0.9995, a copy cropped by 4 px >= 0.912 (>= 0.977 outside the 5
+# q=60 copy >= 0.9997, a half-size copy >= 0.9998, a copy cropped by 4 px >= 0.912 (>= 0.977 outside the 5
 # fine-stripe pictures), a 4-px shift with edge padding >= 0.62 (0.92 outside them).
 DEFAULT_THRESHOLD = 0.92
 INDEX_KINDS = ("auto", "usearch", "lsh", "exact")
@@ -365,13 +365,13 @@ class UsearchSearch:
         from usearch.index import Index
 
         self.path = path
-        self.index = Index(ndim=dim, metric="cos", dtype="f16", connectivity=16, expansion_add=128,
+        self.index = Index(ndim=dim, metric="cos", dtype="f16", connectivity=16, expansion_add=64,
                            expansion_search=64)
         if path.is_file():
             self.index.load(str(path))
         held = len(self.index)
         if held > rows:  # saved after a write that was not committed: rebuild
-            self.index = Index(ndim=dim, metric="cos", dtype="f16", connectivity=16, expansion_add=128,
+            self.index = Index(ndim=dim, metric="cos", dtype="f16", connectivity=16, expansion_add=64,
                                expansion_search=64)
             held = 0
         if held < rows:
@@ -379,7 +379,7 @@ class UsearchSearch:
 
     def add(self, rows: np.ndarray, vectors: np.ndarray) -> None:
         if len(rows):
-            self.index.add(rows.astype(np.uint64), np.asarray(vectors, np.float32), threads=1)
+            self.index.add(rows.astype(np.uint64), np.asarray(vectors, np.float32), threads=0)
 
     def save(self) -> None:
         tmp = self.path.with_name(self.path.name + ".tmp")
@@ -387,7 +387,7 @@ class UsearchSearch:
         tmp.replace(self.path)
 
     def search(self, queries: np.ndarray, k: int) -> np.ndarray:
-        found = self.index.search(np.asarray(queries, np.float32), k, threads=1)
+        found = self.index.search(np.asarray(queries, np.float32), k, threads=0)
         keys = np.asarray(found.keys, np.int64).reshape(len(queries), -1)
         counts = np.asarray(found.counts).reshape(-1)
         out = np.full((len(queries), k), -1, np.int64)
