@@ -77,8 +77,9 @@ class CurateConfig:
     # target size of a curate shard: upstream shards are grouped into units up to this many bytes
     shard_bytes: int = 256 << 20
     # --- near duplicates (stages/neardup.py) ---
-    # cosine of two embeddings at or above which the later sample is a near duplicate; null: off
-    dedup_threshold: Optional[float] = neardup.DEFAULT_THRESHOLD
+    # cosine of two embeddings at or above which the later sample is a near duplicate; null: off (the default:
+    # a 16x16 thumbnail over-merges flat and low-detail pictures; neardup.DEFAULT_THRESHOLD 0.92 is measured)
+    dedup_threshold: Optional[float] = None
     dedup_index: str = "auto"  # the nearest-neighbour search: auto | usearch | lsh | exact (same decisions)
 
     def validate(self) -> None:

@@ -13,9 +13,9 @@ Where each part runs (``docs/cache-format.md``, "Curation: near duplicates"):
 * **The index** (:class:`NearDupIndex`, ``prep/curate/neardup/<embedder>/``) is entered after the curate
   units of a run finish (:func:`update`): the samples of the stage's records not entered yet, in manifest
   order, become one batch. It keeps its own copy of every vector (``vectors.f32``, append-only), so old data is
-  never read again, and an approximate nearest-neighbour search over them: usearch's HNSW when the library is
-  installed and the index is large enough to pay, else random-hyperplane LSH in numpy (exact brute force on
-  small indexes). Every candidate is re-checked with the exact cosine.
+  never read again, and an approximate nearest-neighbour search over them: random-hyperplane LSH in numpy
+  (brute force on small indexes), or usearch's HNSW when the recipe asks for it (benchmark 18 measured it
+  slower than the LSH here, with a lower recall at 100k). Every candidate is re-checked with the exact cosine.
 * **Decisions** are stored per (embedder, threshold): within a batch, samples are visited by the keep rule
   (highest ``aesthetic`` score first when the sample has one, then oldest: entry order, i.e. manifest order);
   a sample whose cosine with a sample already kept (an earlier batch's, or one visited before it) is
@@ -48,11 +48,12 @@ EMBEDDER_VERSION = 1
 THUMB_SIDE = 16  # 16 x 16 RGB = 768 values, the width of a CLIP L/14 embedding
 # Measured on the 24 demo images (docs/cache-format.md): distinct pictures reach cosine 0.891 at most; a JPEG
 # q=60 copy >= 0.9997, a half-size copy >= 0.9998, a copy cropped by 4 px >= 0.912 (>= 0.977 outside the 5
-# fine-stripe pictures), a 4-px shift with edge padding >= 0.62 (0.92 outside them).
+# fine-stripe pictures), a 4-px shift with edge padding >= 0.62 (0.92 outside them). The recommended
+# curate.dedup_threshold; the default is off (null): two flat pictures of similar colours, e.g. (0, 200, 90) and
+# (40, 170, 90), are at 0.997, so a pixel embedding would drop cheap synthetic data that is not duplicated.
 DEFAULT_THRESHOLD = 0.92
 INDEX_KINDS = ("auto", "usearch", "lsh", "exact")
 EXACT_BELOW = 4096  # "auto" and "lsh": an index with fewer vectors is searched by brute force
-USEARCH_FROM = 20000  # "auto": usearch (when installed) from this many vectors on
 NEIGHBOURS = 32  # candidates asked of the search per sample (each re-checked with the exact cosine)
 REASON = "near duplicate"
 FILE_SUFFIX = "-embeddings.npy"
@@ -303,7 +304,8 @@ class LshSearch:
 
     def add(self, rows: np.ndarray, vectors: np.ndarray) -> None:
         """Hash and append the vectors of ``rows`` (the rows right after those already hashed)."""
-        new = self.hash(vectors)
+        new = np.concatenate([self.hash(np.asarray(vectors[i:i + 65536])) for i in range(0, len(vectors), 65536)]
+                             or [np.zeros((0, self.TABLES), np.uint32)])
         with open(self.path, "ab") as fh:
             fh.write(new.tobytes())
         self.codes = np.concatenate([self.codes, new])
@@ -366,13 +368,13 @@ class UsearchSearch:
 
         self.path = path
         self.index = Index(ndim=dim, metric="cos", dtype="f16", connectivity=16, expansion_add=64,
-                           expansion_search=64)
+                           expansion_search=128)
         if path.is_file():
             self.index.load(str(path))
         held = len(self.index)
         if held > rows:  # saved after a write that was not committed: rebuild
             self.index = Index(ndim=dim, metric="cos", dtype="f16", connectivity=16, expansion_add=64,
-                               expansion_search=64)
+                               expansion_search=128)
             held = 0
         if held < rows:
             self.add(np.arange(held, rows), np.asarray(vectors()[held:rows]))
@@ -452,15 +454,11 @@ class NearDupIndex:
         return self._store
 
     def search_kind(self) -> str:
-        """The search in use for the index's present size (``auto``: usearch from ``USEARCH_FROM`` vectors when
-        installed, LSH from ``EXACT_BELOW``, brute force below)."""
-        if self.kind == "auto":
-            if self.rows >= USEARCH_FROM and usearch_available():
-                return "usearch"
-            return "lsh" if self.rows >= EXACT_BELOW else "exact"
-        if self.kind == "lsh" and self.rows < EXACT_BELOW:
+        """The search in use for the index's present size: ``auto`` and ``lsh`` search by brute force below
+        ``EXACT_BELOW`` vectors (it is faster there), by LSH from there on; usearch only when asked for."""
+        if self.kind in ("auto", "lsh") and self.rows < EXACT_BELOW:
             return "exact"
-        return self.kind
+        return "lsh" if self.kind == "auto" else self.kind
 
     def searcher(self):
         kind = self.search_kind()
@@ -472,7 +470,7 @@ class NearDupIndex:
                 self._search.truncate(self.rows)
                 if len(self._search.codes) < self.rows:
                     done = len(self._search.codes)
-                    self._search.add(np.arange(done, self.rows), np.asarray(self.store()[done:self.rows]))
+                    self._search.add(np.arange(done, self.rows), self.store()[done:self.rows])
             else:
                 self._search = ExactSearch(self.store)
         return self._search

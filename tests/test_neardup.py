@@ -72,6 +72,9 @@ def test_embedding_catches_copies_and_keeps_distinct_pictures_apart():
     red, green = _embed(Image.new("RGB", (40, 30), (200, 10, 10))), _embed(Image.new("RGB", (64, 64), (10, 200, 10)))
     assert float(red @ _embed(Image.new("RGB", (90, 20), (200, 10, 10)))) > 0.999 and float(red @ green) < 0.5
     assert not _embed(Image.new("RGB", (40, 30), (128, 128, 128))).any()
+    # why the default is off: two flat pictures of different (similar) colours are near duplicates
+    assert float(_embed(Image.new("RGB", (9, 9), (0, 200, 90))) @ _embed(Image.new("RGB", (9, 9), (40, 170, 90)))) > 0.99
+    assert curate.CurateConfig().dedup_threshold is None
 
 
 def _planted(seed: int = 0, n: int = 3000, copies: int = 300, dim: int = 768):
@@ -222,8 +225,10 @@ class Calls:
 
 
 def _prep(out: Path, images: Path, tiny_flux: Path, *overrides: str) -> dict:
+    """The demo recipe on ``images`` with near duplicates on at the recommended threshold (unless overridden)."""
     recipe = load_recipe(DEMO_CONFIG, [f"output_dir={out}", f"model.pretrained={tiny_flux}",
-                                       f"ingest.source={images}", *overrides])
+                                       f"ingest.source={images}",
+                                       f"curate.dedup_threshold={neardup.DEFAULT_THRESHOLD}", *overrides])
     result = prep_in_process(recipe)
     for stage, (_, _, records) in result.items():
         stage_report(stage, records, 0.0)  # raises when in + expanded != out + quarantined
@@ -308,7 +313,7 @@ def test_near_duplicates_within_a_run_across_a_refresh_and_a_threshold_change(tm
     assert cache.component_report(fourth["cache"][2])["components"]["vae"]["processed"] == 0
     assert fourth["bucket"][1]["units"] == second["bucket"][1]["units"]
 
-    # Off: nothing dropped as a near duplicate (and exact duplicates stay as they were)
+    # Off (the default): nothing dropped as a near duplicate
     off = _prep(out, images, tiny_flux, "curate.dedup_threshold=null")
     assert _near(off) == {} and off["bucket"][1]["counts"]["out"] == 11
     assert json.loads((out / "prep" / "curate" / "manifest.json").read_text())["counts"]["in"] == 11
