@@ -267,22 +267,23 @@ class LshSearch:
     append-only beside the vectors), each table's codes kept sorted in memory.
 
     A query reads, per table, the bucket of its top ``b`` bits and the ``b`` buckets one bit away (multi-probe),
-    where ``b = log2(N / 2)`` grows with the index (about 2 vectors per bucket): a query reads a few hundred
+    where ``b = log2(N)`` grows with the index (about one vector per bucket): a query reads about 300
     candidates whatever N is, and a pair at cosine 0.92 (23 degrees) lands in a probed bucket of at least one
-    of 16 tables with probability >= 0.99 up to N = 10^6 (1 - (1 - q^b - b p q^(b-1))^16, p = 23/180).
+    of 16 tables with probability >= 0.99 up to N = 10^6 (1 - (1 - q^b - b p q^(b-1))^16, p = 23/180,
+    q = 1 - p, b = 20).
     """
 
     name = "lsh"
     TABLES = 16
     BITS = 24
-    PER_BUCKET = 2
+    PER_BUCKET = 1
     SEED = 1234
 
     def __init__(self, dim: int, codes_path: Path, vectors: Callable[[], np.ndarray]):
         self.vectors = vectors
         rng = np.random.default_rng(self.SEED)
         self.planes = rng.standard_normal((dim, self.TABLES * self.BITS)).astype(np.float32)
-        self.weights = (1 << np.arange(self.BITS - 1, -1, -1)).astype(np.uint64)
+        self.weights = (2.0 ** np.arange(self.BITS - 1, -1, -1))  # float64: exact below 2 ** 53, and BLAS
         self.path = codes_path
         self.codes = np.zeros((0, self.TABLES), np.uint32)
         if codes_path.is_file():
@@ -292,7 +293,7 @@ class LshSearch:
     def hash(self, vectors: np.ndarray) -> np.ndarray:
         """``[n, TABLES]`` uint32 codes: the sign bits of each table's hyperplanes, first plane highest."""
         bits = (np.asarray(vectors, np.float32) @ self.planes > 0).reshape(len(vectors), self.TABLES, self.BITS)
-        return (bits.astype(np.uint64) @ self.weights).astype(np.uint32)
+        return (bits.astype(np.float64) @ self.weights).astype(np.uint32)
 
     def truncate(self, rows: int) -> None:
         """Forget codes beyond ``rows`` (a write that was not committed)."""
@@ -312,23 +313,25 @@ class LshSearch:
         self._sorted = None
 
     def _tables(self) -> tuple[np.ndarray, np.ndarray]:
-        if self._sorted is None:
-            perm = np.argsort(self.codes, axis=0, kind="stable").T  # [TABLES, N]
-            self._sorted = (np.take_along_axis(self.codes.T, perm, 1), perm)
+        if self._sorted is None:  # per table, contiguous: [TABLES, N] codes in order and their rows
+            codes_TN = np.ascontiguousarray(self.codes.T)
+            perm_TN = np.argsort(codes_TN, axis=1)
+            self._sorted = (np.ascontiguousarray(np.take_along_axis(codes_TN, perm_TN, 1)), perm_TN)
         return self._sorted
 
     def bits(self) -> int:
         return int(min(self.BITS, max(1, math.ceil(math.log2(max(2, len(self.codes)) / self.PER_BUCKET)))))
 
-    def candidates(self, queries: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """``(query index, row)`` pairs of every probed bucket, each pair once."""
+    def candidates(self, query_codes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """``(query index, row)`` pairs of every probed bucket, each pair once (``query_codes``: the queries'
+        :meth:`hash`)."""
         codes, perm = self._tables()
         b, n = self.bits(), len(self.codes)
         shift = np.uint32(self.BITS - b)
-        prefix = self.hash(queries) >> shift  # [Q, T]
+        prefix = query_codes >> shift  # [Q, T]
         flips = np.concatenate([[0], 1 << np.arange(b)]).astype(np.uint32)  # this bucket and b neighbours
         probes = prefix[:, :, None] ^ flips[None, None, :]  # [Q, T, b + 1]
-        q_idx, t_idx = np.meshgrid(np.arange(len(queries)), np.arange(self.TABLES), indexing="ij")
+        q_idx, t_idx = np.meshgrid(np.arange(len(query_codes)), np.arange(self.TABLES), indexing="ij")
         lo = np.empty(probes.shape, np.int64)
         hi = np.empty(probes.shape, np.int64)
         for t in range(self.TABLES):
@@ -351,8 +354,9 @@ class LshSearch:
         out = []
         for start in range(0, len(queries), 256):
             chunk = queries[start:start + 256]
-            q, rows = self.candidates(chunk)
-            hamming = np.bitwise_count(self.codes[rows] ^ self.hash(chunk)[q]).sum(axis=1, dtype=np.int32)
+            query_codes = self.hash(chunk)
+            q, rows = self.candidates(query_codes)
+            hamming = np.bitwise_count(self.codes[rows] ^ query_codes[q]).sum(axis=1, dtype=np.int32)
             out.append(_top_k(q, rows, -hamming.astype(np.float32), k, len(chunk)))
         return np.concatenate(out) if out else np.zeros((0, k), np.int64)
 

@@ -224,6 +224,21 @@ class Calls:
         return calls
 
 
+class ScorerCalls:
+    """Counts calls of the real scorer functions (wrapped, not replaced)."""
+
+    def __init__(self, monkeypatch):
+        self.calls = 0
+        for name, fn in dict(curate.SCORE_FUNCTIONS).items():
+            monkeypatch.setitem(curate.SCORE_FUNCTIONS, name, self._wrap(fn))
+
+    def _wrap(self, fn):
+        def counted(grey_HW):
+            self.calls += 1
+            return fn(grey_HW)
+        return counted
+
+
 def _prep(out: Path, images: Path, tiny_flux: Path, *overrides: str) -> dict:
     """The demo recipe on ``images`` with near duplicates on at the recommended threshold (unless overridden)."""
     recipe = load_recipe(DEMO_CONFIG, [f"output_dir={out}", f"model.pretrained={tiny_flux}",
@@ -317,3 +332,15 @@ def test_near_duplicates_within_a_run_across_a_refresh_and_a_threshold_change(tm
     off = _prep(out, images, tiny_flux, "curate.dedup_threshold=null")
     assert _near(off) == {} and off["bucket"][1]["counts"]["out"] == 11
     assert json.loads((out / "prep" / "curate" / "manifest.json").read_text())["counts"]["in"] == 11
+    assert calls.take() == 0
+
+    # On again with a changed score threshold: the curate units re-run and find every embedding and every
+    # score by key (none computed); the decisions at 0.92 are the stored ones.
+    scores = ScorerCalls(monkeypatch)
+    again = _prep(out, images, tiny_flux, "curate.max_exposure=0.6")
+    assert not any(r.reused for r in again["curate"][2])
+    assert calls.take() == 0 and scores.calls == 0
+    report = curate.report(again["curate"][2])
+    assert (report["embedded"], report["embeddings_reused"], report["scored"]) == (0, 11, 0)
+    assert {k: q["duplicate_of"] for k, q in _near(again).items()} == {k: q["duplicate_of"] for k, q in near2.items()}
+    assert cache.component_report(again["cache"][2])["components"]["vae"]["processed"] == 0
