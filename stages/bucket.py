@@ -297,7 +297,7 @@ def plan(cfg: BucketConfig, upstream: StageDir, stage_dir: StageDir | None = Non
         for unit in units:
             if not stage_dir.unit_path(unit.unit_id).is_file():
                 found = decisions_for(upstream.root, near_dups["embedder"], near_dups["threshold"],
-                                              _unit_keys(entries, unit))
+                                      _unit_keys(entries, unit))
                 unit.payload["near_duplicates"] = {k: list(v) for k, v in sorted(found.items())}
     return units
 

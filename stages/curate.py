@@ -15,7 +15,10 @@ The stage sits between caption and bucket (``docs/cache-format.md``, "Curation")
   (``curate.min_sharpness``, ``curate.max_exposure``): a sample beyond one is quarantined with the reason
   (constant per threshold, so reasons count up in summaries) and its ``scores``. A sample that cannot be
   decoded goes on unscored (``scores: {}``, ``unscored: <error>``): the cache stage quarantines it with its
-  decode error, as without curation.
+  decode error, as without curation;
+* with ``curate.dedup_threshold`` set, embeds every kept sample for near-duplicate removal (from the same
+  decoded frames; an embedding is a component with its own key, stored per unit beside its shards): the
+  index and the decisions are :mod:`latentmill.stages.neardup`'s, applied by the bucket stage.
 
 Scores are components with keys of their own, like the cache's VAE and text components: key = hash of the
 scorer's fingerprint and the sample's content hash (and clip window, when a sample has one). Every unit
@@ -80,7 +83,7 @@ class CurateConfig:
     # cosine of two embeddings at or above which the later sample is a near duplicate; null: off (the default:
     # a 16x16 thumbnail over-merges flat and low-detail pictures; neardup.DEFAULT_THRESHOLD 0.92 is measured)
     dedup_threshold: Optional[float] = None
-    dedup_index: str = "auto"  # the nearest-neighbour search: auto | usearch | lsh | exact (same decisions)
+    dedup_index: str = "auto"  # nearest-neighbour search: auto (exact, then lsh) | lsh | exact | usearch
 
     def validate(self) -> None:
         from latentmill.config import ConfigError
