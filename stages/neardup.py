@@ -264,7 +264,9 @@ class ExactSearch:
 
 class LshSearch:
     """Random-hyperplane LSH in numpy: ``TABLES`` tables of ``BITS`` sign bits per vector (``codes.u32``,
-    append-only beside the vectors), each table's codes kept sorted in memory.
+    append-only beside the vectors), each table's codes kept sorted with their rows (``codes-sorted.u32``,
+    uint32 ``[2, TABLES, N]``, rewritten after an update: new codes are merged in, O(N) copying, instead of
+    sorting every table again, O(N log N), at each open).
 
     A query reads, per table, the bucket of its top ``b`` bits and the ``b`` buckets one bit away (multi-probe),
     where ``b = log2(N)`` grows with the index (about one vector per bucket): a query reads about 300
@@ -289,6 +291,8 @@ class LshSearch:
         if codes_path.is_file():
             self.codes = np.fromfile(codes_path, np.uint32).reshape(-1, self.TABLES)
         self._sorted: tuple[np.ndarray, np.ndarray] | None = None
+        self.sorted_path = codes_path.with_name("codes-sorted.u32")
+        self._dirty = False
 
     def hash(self, vectors: np.ndarray) -> np.ndarray:
         """``[n, TABLES]`` uint32 codes: the sign bits of each table's hyperplanes, first plane highest."""
@@ -309,15 +313,52 @@ class LshSearch:
                              or [np.zeros((0, self.TABLES), np.uint32)])
         with open(self.path, "ab") as fh:
             fh.write(new.tobytes())
+        first = len(self.codes)
         self.codes = np.concatenate([self.codes, new])
-        self._sorted = None
+        if self._sorted is not None:
+            self._sorted = self._merged(self._sorted, first)
+
+    def _merged(self, tables: tuple[np.ndarray, np.ndarray], first: int) -> tuple[np.ndarray, np.ndarray]:
+        """The sorted tables with the codes of rows ``first..`` merged in (each table stays sorted)."""
+        codes_TN, perm_TN = tables
+        new_TN = np.ascontiguousarray(self.codes[first:].T)
+        rows = np.arange(first, len(self.codes), dtype=np.uint32)
+        merged_codes, merged_perm = [], []
+        for t in range(self.TABLES):
+            order = np.argsort(new_TN[t], kind="stable")
+            at = np.searchsorted(codes_TN[t], new_TN[t][order], "right")
+            merged_codes.append(np.insert(codes_TN[t], at, new_TN[t][order]))
+            merged_perm.append(np.insert(perm_TN[t], at, rows[order]))
+        self._dirty = True
+        return np.stack(merged_codes), np.stack(merged_perm)
 
     def _tables(self) -> tuple[np.ndarray, np.ndarray]:
-        if self._sorted is None:  # per table, contiguous: [TABLES, N] codes in order and their rows
-            codes_TN = np.ascontiguousarray(self.codes.T)
-            perm_TN = np.argsort(codes_TN, axis=1)
-            self._sorted = (np.ascontiguousarray(np.take_along_axis(codes_TN, perm_TN, 1)), perm_TN)
+        """Per table, contiguous ``[TABLES, N]``: the codes in order and their rows (uint32)."""
+        if self._sorted is None:
+            n = len(self.codes)
+            stored = (np.fromfile(self.sorted_path, np.uint32) if self.sorted_path.is_file()
+                      else np.zeros(0, np.uint32))
+            held = stored.size // (2 * self.TABLES)
+            if stored.size and held <= n and stored.size == 2 * self.TABLES * held:
+                stored = stored.reshape(2, self.TABLES, held)
+                self._sorted = (stored[0], stored[1])
+                if held < n:
+                    self._sorted = self._merged(self._sorted, held)
+            else:  # none yet, or written past the committed rows: sort every table
+                codes_TN = np.ascontiguousarray(self.codes.T)
+                perm_TN = np.argsort(codes_TN, axis=1).astype(np.uint32)
+                self._sorted = (np.ascontiguousarray(np.take_along_axis(codes_TN, perm_TN, 1)), perm_TN)
+                self._dirty = True
         return self._sorted
+
+    def save(self) -> None:
+        """Write the sorted tables when they changed (atomically)."""
+        if self._dirty and self._sorted is not None:
+            tmp = self.sorted_path.with_name(self.sorted_path.name + ".tmp")
+            with open(tmp, "wb") as fh:
+                fh.write(np.stack(self._sorted).astype(np.uint32, copy=False).tobytes())
+            tmp.replace(self.sorted_path)
+            self._dirty = False
 
     def bits(self) -> int:
         return int(min(self.BITS, max(1, math.ceil(math.log2(max(2, len(self.codes)) / self.PER_BUCKET)))))
@@ -552,7 +593,7 @@ class NearDupIndex:
             with self.db:
                 self.db.executemany("INSERT OR REPLACE INTO decisions VALUES (?, ?, ?, ?)", found)
                 self.db.execute("INSERT OR REPLACE INTO decided VALUES (?, ?)", (threshold, hi))
-        if isinstance(self._search, UsearchSearch):
+        if isinstance(self._search, (UsearchSearch, LshSearch)):
             self._search.save()
         return self.rows - start
 
@@ -561,7 +602,7 @@ class NearDupIndex:
         return _duplicates(self.db, threshold, keys)
 
     def close(self) -> None:
-        if isinstance(self._search, UsearchSearch):
+        if isinstance(self._search, (UsearchSearch, LshSearch)):
             self._search.save()
         self.db.close()
 

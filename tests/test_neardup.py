@@ -113,6 +113,30 @@ def test_searches_find_the_planted_copies_and_agree(tmp_path, monkeypatch, kind)
     assert all(0.93 < cos < 0.97 for _, cos in found.values())
 
 
+def test_lsh_sorted_tables_merge_and_persist(tmp_path):
+    """The LSH's sorted tables, merged batch by batch and saved, are those a full sort gives, and a new
+    process reads them instead of sorting."""
+    rng = np.random.default_rng(3)
+    vectors = rng.standard_normal((3000, 768)).astype(np.float32)
+    lsh = neardup.LshSearch(768, tmp_path / "codes.u32", lambda: vectors)
+    for lo, hi in ((0, 1000), (1000, 1700), (1700, 3000)):
+        lsh.add(np.arange(lo, hi), vectors[lo:hi])
+        codes_TN, perm_TN = lsh._tables()
+        assert (np.diff(codes_TN.astype(np.int64), axis=1) >= 0).all()  # each table sorted
+        assert all((lsh.codes[perm_TN[t], t] == codes_TN[t]).all() for t in range(lsh.TABLES))
+        assert all(sorted(perm_TN[t]) == list(range(hi)) for t in (0, lsh.TABLES - 1))  # each row once
+    lsh.save()
+    again = neardup.LshSearch(768, tmp_path / "codes.u32", lambda: vectors)
+    calls = []
+    real_argsort = np.argsort
+    try:
+        np.argsort = lambda *a, **k: (calls.append(1), real_argsort(*a, **k))[1]
+        loaded = again._tables()
+    finally:
+        np.argsort = real_argsort
+    assert not calls and (loaded[0] == codes_TN).all() and (loaded[1] == perm_TN).all()
+
+
 def test_keep_rule_aesthetic_then_oldest_and_old_samples_win(tmp_path):
     rng = np.random.default_rng(1)
     a, b, c = (v / np.linalg.norm(v) for v in rng.standard_normal((3, 768)))
