@@ -60,7 +60,8 @@ def build(folder: Path, n: int, kind: str) -> None:
         count = min(10000, n - start)
         index.enter([f"base{i}" for i in range(start, start + count)], _unit(rng.standard_normal((count, DIM))),
                     [None] * count, [f"base-unit-{start}"])
-    index.searcher()  # hash / insert every vector now (a real index did it batch by batch)
+    # hash / insert every vector and sort the LSH tables now, as the updates of a real index did batch by batch
+    index.searcher().search(_unit(rng.standard_normal((1, DIM))), 1)
     with index.db:
         index.db.execute("INSERT OR REPLACE INTO decided VALUES (?, ?)", (THRESHOLD, n))
     index.close()
