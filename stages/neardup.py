@@ -435,10 +435,13 @@ class UsearchSearch:
 
     def search(self, queries: np.ndarray, k: int) -> np.ndarray:
         found = self.index.search(np.asarray(queries, np.float32), k, threads=0)
-        keys = np.asarray(found.keys, np.int64).reshape(len(queries), -1)
-        counts = np.asarray(found.counts).reshape(-1)
         out = np.full((len(queries), k), -1, np.int64)
-        for i, c in enumerate(counts):
+        if not hasattr(found, "counts"):  # one query: usearch answers with Matches, not BatchMatches
+            keys = np.asarray(found.keys, np.int64).reshape(-1)[:k]
+            out[0, :len(keys)] = keys
+            return out
+        keys = np.asarray(found.keys, np.int64).reshape(len(queries), -1)
+        for i, c in enumerate(np.asarray(found.counts).reshape(-1)):
             out[i, :c] = keys[i, :c]
         return out
 

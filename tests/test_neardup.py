@@ -107,6 +107,10 @@ def test_searches_find_the_planted_copies_and_agree(tmp_path, monkeypatch, kind)
     assert index.search_kind() == kind
     assert index.decide(0.92) == len(keys)
     found = index.duplicates(0.92, keys)
+    # a refresh of one sample (a search of one query)
+    index.enter(["one"], vectors[3000:3001], [None], ["u3"])
+    assert index.decide(0.92) == 1
+    assert index.duplicates(0.92, ["one"])["one"][0] == expected[keys[3000]]
     index.close()
     # every planted copy, and nothing else, owned by the vector it was made from (random pairs: cosine ~0)
     assert {k: owner for k, (owner, _) in found.items()} == expected
