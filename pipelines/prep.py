@@ -21,7 +21,7 @@ from latentmill.pipelines.report import (
 )
 from latentmill.pipelines.retention import OutputBusyError, writer_lock  # noqa: F401 (re-exported)
 from latentmill.pipelines.snapshot import publish as publish_snapshot
-from latentmill.stages import bucket, cache, caption, curate, ingest
+from latentmill.stages import bucket, cache, caption, curate, ingest, neardup
 from latentmill.stages.compact import compact_stage
 from latentmill.stages.shardio import (
     StageDir,
@@ -55,6 +55,21 @@ def _captioner(recipe: Recipe):
     return caption.build_captioner(recipe.caption, recipe.cache.background)
 
 
+def _near_dups(recipe: Recipe) -> dict[str, Any] | None:
+    """The near-duplicate decisions the bucket stage applies (None: ``curate.dedup_threshold`` is null)."""
+    return bucket.near_dup_spec(recipe.curate.embedder_fingerprint(recipe.cache.background),
+                                recipe.curate.dedup_threshold)
+
+
+def update_near_dups(recipe: Recipe, curate_dir: StageDir, records: list[UnitRecord]) -> dict[str, Any] | None:
+    """After the curate units: enter their new embeddings into the near-duplicate index and decide them
+    (``latentmill.stages.neardup.update``); the run summary's ``near_duplicates``, None when off."""
+    spec = _near_dups(recipe)
+    if spec is None:
+        return None
+    return neardup.update(curate_dir.root, records, spec["embedder"], spec["threshold"], recipe.curate.dedup_index)
+
+
 def plan_stage(stage: str, recipe: Recipe) -> list[WorkUnit]:
     """The work units of ``stage`` given the upstream stage's committed manifest."""
     if stage == "ingest":
@@ -65,7 +80,7 @@ def plan_stage(stage: str, recipe: Recipe) -> list[WorkUnit]:
     if stage == "curate":
         return curate.plan(recipe.curate, upstream, background=recipe.cache.background)
     if stage == "bucket":
-        return bucket.plan(recipe.bucket, upstream)
+        return bucket.plan(recipe.bucket, upstream, near_dups=_near_dups(recipe))
     return cache.plan(recipe.cache, recipe.model, upstream)
 
 
@@ -90,7 +105,7 @@ def manifest_header(stage: str, recipe: Recipe, records: list[UnitRecord] | None
     if stage == "curate":
         return curate.manifest_header(recipe.curate, recipe.cache.background)
     if stage == "bucket":
-        return {"fingerprint": stable_hash(bucket.fingerprint(recipe.bucket))}
+        return {"fingerprint": stable_hash(bucket.fingerprint(recipe.bucket, _near_dups(recipe)))}
     return cache.manifest_header(recipe.cache, recipe.model, _stage_dir(recipe, stage), records)
 
 
@@ -131,6 +146,7 @@ def run_stages_in_process(recipe: Recipe) -> dict[str, tuple[StageDir, dict[str,
         result[stage] = (stage_dir, stage_dir.write_manifest(records, manifest_header(stage, recipe, records)), records)
         if stage == "curate":
             curate.write_scores_table(records, recipe.prep_dir, recipe.curate.active_scorers())
+            update_near_dups(recipe, stage_dir, records)
         release_stage_indexes(stage)
     if auto_compact(recipe, result["cache"][0]) is not None:  # as the flow does: the manifest names merged units
         stage_dir = result["cache"][0]
@@ -289,6 +305,7 @@ def prep_stages(recipe_data: dict, started_run: str | None = None) -> dict[str, 
             report[stage].update(curate.report(records))
             table = curate.write_scores_table(records, recipe.prep_dir, recipe.curate.active_scorers())
             report[stage]["scores_table"] = str(table) if table else None
+            report[stage]["near_duplicates"] = update_near_dups(recipe, stage_dir, records)
         if stage == "bucket":
             report[stage]["buckets"] = bucket.histogram(manifest)
         if stage == "cache":

@@ -17,6 +17,11 @@ reference into the source, decoded by the cache stage (:func:`latentmill.stages.
 quarantined with the reason. The unit record counts ``videos``, ``clips`` (planned) and ``expanded``
 (clips beyond one per video), so ``in + expanded = out + quarantined``.
 
+The stage also applies the curate stage's near-duplicate decisions (``latentmill.stages.neardup``): its plan
+gives each unit the decisions for the samples of its input shards (``payload["near_duplicates"]``), its
+process quarantines those samples (``near duplicate``, ``duplicate_of``, ``cosine``). The threshold and the
+embedder are in the fingerprint, so a changed threshold re-runs the units, which copy their samples.
+
 The stage only decides sizes, crops and windows; pixels are decoded, resized and cropped once, in the
 cache stage (scene detection, when on, is the one exception: it has to look at the frames). Each output
 shard holds one bucket, so a batch drawn from a shard never mixes shapes.
@@ -29,18 +34,24 @@ import random
 from dataclasses import dataclass, field
 from typing import Any, Literal, Optional
 
+from latentmill.stages.neardup import REASON as NEAR_DUP_REASON
+from latentmill.stages.neardup import decisions_for
 from latentmill.stages.shardio import (
+    ShardIndexError,
     StageDir,
     UnitOutput,
     WorkUnit,
     check_shard_bytes,
     copy_estimate,
     iter_unit_samples,
+    load_shard_index,
     meta_bytes,
+    read_shard,
     sample_json,
     shard_buckets,
     sibling_stage,
     stable_hash,
+    unit_input_shards,
     units_by_bytes,
 )
 from latentmill.stages.video import (
@@ -225,7 +236,8 @@ def crop_for(width: int, height: int, bucket: tuple[int, int, int] | list[int], 
     return {"resize_width": rw, "resize_height": rh, "left": (rw - bw) // 2, "top": (rh - bh) // 2}
 
 
-def fingerprint(cfg: BucketConfig) -> dict[str, Any]:
+def fingerprint(cfg: BucketConfig, near_dups: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The unit fingerprint; ``near_dups`` (:func:`near_dup_spec`): the near-duplicate decisions applied."""
     fp: dict[str, Any] = {
         "stage": STAGE, "version": FORMAT_VERSION,
         "sizes": {kind: [sorted(bucket_sizes(cfg, t).values()) for t in cfg.tiers(kind)]
@@ -244,17 +256,50 @@ def fingerprint(cfg: BucketConfig) -> dict[str, Any]:
         fp["clips"]["scene_threshold"] = cfg.scene_threshold
     if cfg.reencode:
         fp["reencode"] = {"keyframe_interval": cfg.reencode_keyframe_interval, "crf": cfg.reencode_crf}
+    if near_dups is not None:
+        fp["near_duplicates"] = {"embedder": stable_hash(near_dups["embedder"]),
+                                 "threshold": near_dups["threshold"]}
     return fp
 
 
-def plan(cfg: BucketConfig, upstream: StageDir, stage_dir: StageDir | None = None) -> list[WorkUnit]:
+def near_dup_spec(embedder: dict[str, Any] | None, threshold: float | None) -> dict[str, Any] | None:
+    """Which near-duplicate decisions the bucket stage applies: the curate embedder's fingerprint and
+    ``curate.dedup_threshold``; None when near-duplicate removal is off."""
+    if embedder is None or threshold is None:
+        return None
+    return {"embedder": embedder, "threshold": float(threshold)}
+
+
+def _unit_keys(entries: dict[str, dict[str, Any]], unit: WorkUnit) -> list[str]:
+    """The sample keys of a unit's input shards (``entries``: upstream manifest entries by sha256), from their
+    shard indexes (no sample is read)."""
+    keys = []
+    for sha, path in zip(unit.inputs, unit_input_shards(unit)):
+        try:
+            index = load_shard_index(path, entries.get(sha, {}).get("index"))
+            keys += [index.key(i) for i in range(index.num_samples)]
+        except ShardIndexError:
+            keys += [s["__key__"] for s in read_shard(path)]
+    return keys
+
+
+def plan(cfg: BucketConfig, upstream: StageDir, stage_dir: StageDir | None = None,
+         near_dups: dict[str, Any] | None = None) -> list[WorkUnit]:
     """Units of upstream shards grouped up to ``shard_bytes`` (their tar sizes); each unit writes one shard
     holding every bucket it meets (one per kind: images, video clips), each sample's bucket in its ``json``
     and in the shard index. ``stage_dir`` (by default the bucket folder beside ``upstream``) keeps the last
-    run's groups."""
-    return units_by_bytes(upstream, fingerprint(cfg), cfg.shard_bytes,
-                          stage_dir if stage_dir is not None else sibling_stage(upstream, STAGE),
-                          copy_estimate(512))
+    run's groups. With ``near_dups`` each unit not committed yet gets the near-duplicate decisions of its
+    samples (``payload["near_duplicates"]``: key -> [owner key, cosine]) from the curate folder's index."""
+    stage_dir = stage_dir if stage_dir is not None else sibling_stage(upstream, STAGE)
+    units = units_by_bytes(upstream, fingerprint(cfg, near_dups), cfg.shard_bytes, stage_dir, copy_estimate(512))
+    if near_dups is not None:
+        entries = {e["sha256"]: e for e in upstream.read_manifest()["shards"]}
+        for unit in units:
+            if not stage_dir.unit_path(unit.unit_id).is_file():
+                found = decisions_for(upstream.root, near_dups["embedder"], near_dups["threshold"],
+                                      _unit_keys(entries, unit))
+                unit.payload["near_duplicates"] = {k: list(v) for k, v in sorted(found.items())}
+    return units
 
 
 def _crop(cfg: BucketConfig, meta: dict[str, Any], bucket: tuple[int, int, int], key: str) -> dict[str, Any]:
@@ -322,9 +367,16 @@ def _video_clips(cfg: BucketConfig, sample: dict[str, Any], meta: dict[str, Any]
 
 def process(cfg: BucketConfig, unit: WorkUnit, out: UnitOutput) -> None:
     """Assign each sample its bucket and crop (each video its clips), writing it to that bucket's shard."""
-    videos = clips = expanded = 0
+    videos = clips = expanded = near = 0
+    near_dups: dict[str, list[Any]] = unit.payload.get("near_duplicates") or {}
     for sample in iter_unit_samples(unit):
         meta = sample_json(sample)
+        if sample["__key__"] in near_dups:  # a video is dropped whole, before it is cut into clips
+            owner, cosine = near_dups[sample["__key__"]]
+            near += 1
+            out.quarantine(sample["__key__"], meta.get("source", "?"), NEAR_DUP_REASON, duplicate_of=owner,
+                           cosine=cosine)
+            continue
         if meta.get("kind") == "video":
             videos += 1
             n = _video_clips(cfg, sample, meta, out)
@@ -340,6 +392,8 @@ def process(cfg: BucketConfig, unit: WorkUnit, out: UnitOutput) -> None:
         meta["crop"] = _crop(cfg, meta, bucket, sample["__key__"])
         out.add({**sample, "json": meta_bytes(meta)}, part="image", bucket=list(bucket))
     out.extra.update(videos=videos, clips=clips, expanded=expanded)
+    if near_dups:
+        out.extra["near_duplicates"] = near
 
 
 def histogram(manifest: dict[str, Any]) -> dict[str, int]:

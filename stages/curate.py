@@ -17,7 +17,10 @@ The stage sits between caption and bucket (``docs/cache-format.md``, "Curation")
   (``curate.min_sharpness``, ``curate.max_exposure``, ``curate.min_aesthetic``, ...): a sample beyond one
   is quarantined with the reason (constant per threshold, so reasons count up in summaries) and its
   ``scores``. A sample that cannot be decoded goes on unscored (``scores: {}``, ``unscored: <error>``):
-  the cache stage quarantines it with its decode error, as without curation.
+  the cache stage quarantines it with its decode error, as without curation;
+* with ``curate.dedup_threshold`` set, embeds every kept sample for near-duplicate removal (from the same
+  decoded frames; an embedding is a component with its own key, stored per unit beside its shards): the
+  index and the decisions are :mod:`latentmill.stages.neardup`'s, applied by the bucket stage.
 
 Scores are components with keys of their own, like the cache's VAE and text components: key = hash of the
 scorer's fingerprint and the sample's content hash (and clip window, when a sample has one). Every unit
@@ -38,7 +41,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterator, Literal, Optional
 
 import numpy as np
-from latentmill.stages import curate_models, pixels
+from latentmill.stages import curate_models, neardup, pixels
 from latentmill.stages.shardio import (
     ShardIndexError,
     StageDir,
@@ -93,6 +96,11 @@ class CurateConfig:
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"  # auto: bf16 on GPU, fp32 on CPU
     # target size of a curate shard: upstream shards are grouped into units up to this many bytes
     shard_bytes: int = 256 << 20
+    # --- near duplicates (stages/neardup.py) ---
+    # cosine of two embeddings at or above which the later sample is a near duplicate; null: off (the default:
+    # a 16x16 thumbnail over-merges flat and low-detail pictures; neardup.DEFAULT_THRESHOLD 0.92 is measured)
+    dedup_threshold: Optional[float] = None
+    dedup_index: str = "auto"  # nearest-neighbour search: auto (exact, then lsh) | lsh | exact | usearch
 
     def validate(self) -> None:
         from latentmill.config import ConfigError
@@ -120,10 +128,35 @@ class CurateConfig:
         if self.batch_size < 1:
             raise ConfigError(f"curate.batch_size: must be >= 1, got {self.batch_size}")
         curate_models.check_config(self, self.active_scorers())
+        if self.dedup_threshold is not None and not 0 < self.dedup_threshold <= 1:
+            raise ConfigError(f"curate.dedup_threshold: a cosine in (0, 1] or null (off), got {self.dedup_threshold}")
+        if self.dedup_index not in neardup.INDEX_KINDS:
+            raise ConfigError(f"curate.dedup_index: unknown search {self.dedup_index!r}; allowed: "
+                              f"{', '.join(neardup.INDEX_KINDS)}")
+        if self.dedup_index == "usearch" and not neardup.usearch_available():
+            raise ConfigError("curate.dedup_index: usearch needs the usearch package (pip install "
+                              "'latentmill[dedup]'); allowed without it: auto, lsh, exact")
 
     def thresholds(self) -> dict[str, float]:
         """The thresholds that are set: ``{"min_sharpness": 50.0, ...}``."""
         return {name: float(getattr(self, name)) for name in THRESHOLDS if getattr(self, name) is not None}
+
+    def embedder_fingerprint(self, background: tuple[int, int, int] = pixels.WHITE) -> dict[str, Any] | None:
+        """The near-duplicate embedder's fingerprint, or None when near-duplicate removal is off."""
+        if self.dedup_threshold is None:
+            return None
+        fp = neardup.embedder_fingerprint(self.frames, self.score_side, background)
+        if self.embeds_with_model():  # the aesthetic model's image embedding, not the pixel thumbnail
+            from latentmill.stages.captioners.hf import model_fingerprint
+
+            fp = {**fp, "embedder": "image-model", "side": None, "version": 1,
+                  "model": model_fingerprint(str(self.aesthetic_model)), "dtype": self.dtype}
+        return fp
+
+    def embeds_with_model(self) -> bool:
+        """Near duplicates are searched with the aesthetic model's image embeddings when that scorer is on
+        (the issue's rule: the same model as ``aesthetic``), else with the model-free pixel thumbnail."""
+        return self.dedup_threshold is not None and "aesthetic" in self.active_scorers()
 
     def active_scorers(self) -> list[str]:
         """The scorers that run: those listed in ``curate.scorers`` plus those a threshold needs, in
@@ -230,6 +263,16 @@ def score_media(sample: dict[str, Any], meta: dict[str, Any], cfg: CurateConfig,
     if needs:
         scores.update(curate_models.model_scores(cfg, [frames], [caption_text(sample, meta)], [needs])[0])
     return scores
+
+
+def decode_frames(sample: dict[str, Any], meta: dict[str, Any], cfg: CurateConfig,
+                  background: tuple[int, int, int] = pixels.WHITE) -> list[Image.Image]:
+    """The frames scores and embeddings are computed from (one decode): the image, or ``cfg.frames`` frames
+    spread over the video or its clip window, shrunk to ``cfg.score_side``."""
+    from latentmill.stages.captioners.media import load_media
+
+    _, frames, _ = load_media(sample, meta, cfg.frames, cfg.score_side, background)
+    return frames
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -345,9 +388,12 @@ class DedupIndex:
 
 def fingerprint(cfg: CurateConfig, background: tuple[int, int, int] = pixels.WHITE) -> dict[str, Any]:
     """The unit fingerprint: scorers and thresholds (a changed threshold re-runs units, which reuse scores)."""
-    return {"stage": STAGE, "version": FORMAT_VERSION,
-            "scorers": [scorer_fingerprint(cfg, s, background) for s in cfg.active_scorers()],
-            "thresholds": cfg.thresholds(), "dedup": "sha256"}
+    fp = {"stage": STAGE, "version": FORMAT_VERSION,
+          "scorers": [scorer_fingerprint(cfg, s, background) for s in cfg.active_scorers()],
+          "thresholds": cfg.thresholds(), "dedup": "sha256"}
+    if cfg.dedup_threshold is not None:  # the units embed their samples; the threshold applies in bucket
+        fp["embedder"] = cfg.embedder_fingerprint(background)
+    return fp
 
 
 def manifest_header(cfg: CurateConfig, background: tuple[int, int, int] = pixels.WHITE) -> dict[str, Any]:
@@ -403,13 +449,16 @@ class _Scored:
     error: str | None = None  # the decode error of a sample that goes on unscored
     frames: list[Image.Image] | None = None  # decoded frames, while model scores are missing
     needs: list[str] = field(default_factory=list)  # model scores still missing
+    small: list[Image.Image] | None = None  # the frames decode_frames gives, kept for an embedding
 
 
 def _score_unit(cfg: CurateConfig, unit: WorkUnit, prints: dict[str, dict[str, Any]], index: ScoreIndex,
-                skip: set[str], background: tuple[int, int, int]) -> Iterator[_Scored]:
+                skip: set[str], background: tuple[int, int, int], keep_small: bool = False) -> Iterator[_Scored]:
     """The unit's samples in order, each with its scores: found by key, else decoded once and scored; the
     model scores of up to ``cfg.batch_size`` samples at a time in batched forwards (decoded frames are held
-    for that many samples only). Samples in ``skip`` (duplicates) come through unscored."""
+    for that many samples only). Samples in ``skip`` (duplicates) come through unscored. With ``keep_small``
+    a sample decoded here keeps its frames as :func:`decode_frames` gives them (``small``, for its near-dup
+    embedding) when they are the frames it was scored on (no model scorer asked for a larger decode)."""
     names = list(prints)
     models_on = any(n in MODEL_SCORERS for n in names)
     chunk: list[_Scored] = []
@@ -450,6 +499,8 @@ def _score_unit(cfg: CurateConfig, unit: WorkUnit, prints: dict[str, dict[str, A
                     item.values.update(computed)
                     item.needs = [name for name in missing if name in MODEL_SCORERS]
                     item.frames = frames if item.needs else None
+                    if keep_small and cfg.decode_side() == cfg.score_side:
+                        item.small = frames
         if not models_on or len(chunk) >= cfg.batch_size:
             yield from flush()
     yield from flush()
@@ -465,7 +516,12 @@ def process(cfg: CurateConfig, unit: WorkUnit, out: UnitOutput,
     index = score_index(out.stage_dir.root)
     rows: dict[str, dict[str, Any]] = {}
     counts = {"scored": 0, "scores_reused": 0, "unscored": 0, "duplicates": 0, "below_threshold": 0}
-    for item in _score_unit(cfg, unit, prints, index, set(duplicates), background):
+    # near duplicates: the embedding of every kept sample, by key (stages/neardup.py)
+    embed = ((lambda frames: curate_models.image_embeddings(cfg, [frames])[0]) if cfg.embeds_with_model()
+             else None)  # None: the pixel thumbnail (neardup.thumbnail_embedding)
+    embeds = (neardup.UnitEmbeddings(out.stage_dir.root, unit.unit_id, cfg.embedder_fingerprint(background),
+                                     embed) if cfg.dedup_threshold is not None else None)
+    for item in _score_unit(cfg, unit, prints, index, set(duplicates), background, keep_small=embeds is not None):
         sample, meta, key = item.sample, item.meta, item.sample["__key__"]
         source, kind = meta.get("source", "?"), meta.get("kind") or "image"
         if key in duplicates:
@@ -494,7 +550,14 @@ def process(cfg: CurateConfig, unit: WorkUnit, out: UnitOutput,
                                                   for name, scorer, bound in failed), scores=scores)
             continue
         meta["scores"] = scores
+        if embeds is not None:
+            embeds.add(key, meta, lambda it=item: it.small or decode_frames(it.sample, it.meta, cfg, background))
         out.add({**sample, "json": meta_bytes(meta)}, part=kind)
+    if embeds is not None:
+        counts.update(embedded=embeds.computed, embeddings_reused=embeds.reused)
+        written = embeds.write()
+        if written is not None:
+            out.extra["embeddings"] = written
     out.extra.update(scores=rows, counts=counts)
 
 
@@ -503,7 +566,7 @@ def report(records: list[UnitRecord]) -> dict[str, Any]:
     neither scores nor reuses), and quarantines per reason over the whole stage."""
     ran = [r for r in records if not r.reused]
     result: dict[str, Any] = {name: sum(int((r.extra.get("counts") or {}).get(name, 0)) for r in ran)
-                              for name in ("scored", "scores_reused", "unscored")}
+                              for name in ("scored", "scores_reused", "unscored", "embedded", "embeddings_reused")}
     reasons: dict[str, int] = {}
     for record in records:
         for q in record.quarantined:

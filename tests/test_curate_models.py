@@ -293,3 +293,52 @@ def test_a_video_scores_the_mean_over_its_frames(tiny_clip, tmp_path):
         values = [s[name] for s in per_frame]
         assert len(set(values)) == 3  # the frames differ
         assert scores[name] == pytest.approx(np.mean(values), abs=1e-5)
+
+
+@pytest.mark.slow
+def test_near_duplicates_use_the_aesthetic_models_embeddings(tmp_path, tiny_flux, tiny_clip):
+    """With ``aesthetic`` on, near-duplicate search embeds with that model (the issue's rule), not with the
+    pixel thumbnail: the stored embeddings are the model's (its width, equal to a direct forward), and a
+    JPEG copy of a picture is dropped as a near duplicate of it while the distinct pictures stay."""
+    from latentmill.stages import neardup
+
+    folder, head = tiny_clip
+    images = _image_folder(tmp_path / "images")
+    buf = io.BytesIO()
+    Image.open(images / "sharp_1.png").convert("RGB").save(buf, format="JPEG", quality=95)
+    (images / "zz_copy_sharp_1.jpg").write_bytes(buf.getvalue())
+    (images / "zz_copy_sharp_1.txt").write_text("a copy\n")
+    cfg = _cfg(tiny_clip)
+    # the threshold between the copy's cosine and the closest pair of different pictures, from the model
+    names = sorted(p.name for p in images.iterdir() if p.suffix != ".txt")
+    frames = {n: curate.decode_frames({"png" if n.endswith("png") else "jpg": (images / n).read_bytes()},
+                                      {"kind": "image"}, cfg) for n in names}
+    vectors = dict(zip(names, curate_models.image_embeddings(cfg, [frames[n] for n in names])))
+    copy = float(vectors["sharp_1.png"] @ vectors["zz_copy_sharp_1.jpg"])
+    others = max(float(vectors[a] @ vectors[b]) for a in names for b in names
+                 if a < b and {a, b} != {"sharp_1.png", "zz_copy_sharp_1.jpg"})
+    assert copy > others
+    bound = round((copy + others) / 2, 6)
+    out = tmp_path / "out"
+    result = _prep(out, images, tiny_flux, f"curate.aesthetic_model={folder}", f"curate.aesthetic_head={head}",
+                   "curate.scorers=[sharpness, exposure, aesthetic]", f"curate.dedup_threshold={bound}")
+    near = {Path(q["source"]).name: q for r in result["bucket"][2] for q in r.quarantined
+            if q["reason"] == neardup.REASON}
+    keys = {Path(sample_json(s)["source"]).name: s["__key__"] for shard in result["curate"][1]["shards"]
+            for s in read_shard(out / "prep" / "curate" / shard["path"])}
+    # the pair's higher aesthetic score is kept (the documented rule), the other is its near duplicate
+    aesthetic = {Path(row["source"]).name: row["values"]["aesthetic"] for r in result["curate"][2]
+                 for row in r.extra["scores"].values()}
+    pair = ["sharp_1.png", "zz_copy_sharp_1.jpg"]
+    kept, dropped = sorted(pair, key=lambda n: -aesthetic[n])
+    assert aesthetic[kept] != aesthetic[dropped]
+    assert set(near) == {dropped} and near[dropped]["duplicate_of"] == keys[kept]
+    assert near[dropped]["cosine"] == pytest.approx(copy, abs=1e-4)
+    # the stored embeddings are the model's: its width, the values of a direct forward
+    written = [r.extra["embeddings"] for r in result["curate"][2] if r.extra.get("embeddings")]
+    stored = np.concatenate([np.load(out / "prep" / "curate" / w["file"]) for w in written])
+    order = [k for w in written for k in w["keys"]]
+    assert stored.shape == (len(keys), curate_models.embedding_model(cfg).embed_dim)  # the kept samples
+    assert stored.shape[1] != neardup.THUMB_SIDE ** 2 * 3
+    by_name = {n: stored[order.index(keys[n])] for n in names if n in keys}
+    assert max(float(np.abs(by_name[n] - vectors[n]).max()) for n in by_name) < 1e-5
