@@ -484,4 +484,7 @@ def reset_process_caches() -> list[str]:
         if isinstance(memo, dict):
             memo.clear()
             cleared.append(f"{module}.{name}")
+        elif hasattr(memo, "release"):  # a stages.shardio.PerProcess registry
+            memo.release()
+            cleared.append(f"{module}.{name}")
     return cleared

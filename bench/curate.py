@@ -299,7 +299,7 @@ def throughput(args, work: Path, clip: Path, head: Path, n: int, reps: int, mode
 
     def ours(rep: int) -> float:
         shutil.rmtree(curate_root, ignore_errors=True)
-        curate._indexes.clear()  # the per-process score index: it would remember the deleted records' scores
+        curate.release_indexes()  # the per-process score index: it would remember the deleted records' scores
         curate_models.release_models()
         forwards = dict(curate_models.FORWARDS)
         with WriteClock() as writes:

@@ -127,6 +127,7 @@ def release_stage_indexes(stage: str) -> None:
     A later run in the same process reads the records again."""
     if stage == "curate":
         curate.release_indexes()
+        neardup.release_indexes()
     elif stage == "cache":
         cache.release_indexes()
 

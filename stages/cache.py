@@ -38,6 +38,8 @@ from latentmill.stages.families import (
 from latentmill.stages.shardio import (
     _TAR_BLOCK,
     DEFAULT_SHARD_BYTES,
+    PerProcess,
+    RecordIndex,
     ShardIndexError,
     StageDir,
     UnitOutput,
@@ -299,16 +301,12 @@ def plan(cfg: CacheConfig, model: ModelConfig, upstream: StageDir, stage_dir: St
 # ---------------------------------------------------------------------------------------------------------
 
 
-class ComponentIndex:
-    """Where each component key already lives: (shard path, sample key), from the committed unit records.
-
-    Kept per process and refreshed incrementally: when the ``units/`` folder changed, only the records not
-    seen before are read, so units committed by earlier runs (or other workers) are found without re-reading
-    every record for every unit.
-    """
+class ComponentIndex(RecordIndex):
+    """Where each component key already lives: (shard path, sample key), from the committed unit records;
+    per process, refreshed incrementally (:class:`~latentmill.stages.shardio.RecordIndex`)."""
 
     def __init__(self, stage_root: Path):
-        self.root = stage_root
+        super().__init__(stage_root)
         # component key (its 32 bytes: half the memory of the hex string) -> where it is: one hit
         # (shards of the unit, sample key, member, record mtime, where it was encoded), or a list of hits,
         # oldest first, when several units hold it (a compacted unit holds the same component as the small
@@ -316,8 +314,6 @@ class ComponentIndex:
         # samples, so one hit is stored bare: at 100,000 samples that is tens of MB less.
         self.vae: dict[bytes, Any] = {}
         self.text: dict[bytes, Any] = {}
-        self._seen: set[str] = set()
-        self._mtime = -1
 
     @staticmethod
     def _add(table: dict[bytes, Any], key: str, hit: tuple) -> None:
@@ -331,35 +327,25 @@ class ComponentIndex:
         hits.sort(key=lambda h: h[3])
         table[raw] = hits
 
-    def refresh(self) -> ComponentIndex:
-        units = self.root / "units"
-        mtime = units.stat().st_mtime_ns if units.is_dir() else -1
-        if mtime == self._mtime:
-            return self
-        self._mtime = mtime
-        for path in sorted(units.glob("*.json")) if units.is_dir() else []:
-            if path.name in self._seen:
-                continue
-            self._seen.add(path.name)
-            try:
-                record = UnitRecord.from_json(json.loads(path.read_text()))
-                committed = path.stat().st_mtime_ns
-            except (OSError, ValueError, TypeError, KeyError):
-                continue
-            if not record.shards:
-                continue
-            shards = tuple(self.root / shard.path for shard in record.shards)  # a rolled-over unit has several
-            # where each component was encoded: the record's device, or under ``foreign`` the origin of one it
-            # copied from a unit encoded elsewhere; records older than the field count as unknown
-            here = (record.extra.get("device") or {}).get("key", UNKNOWN_DEVICE)
-            foreign = record.extra.get("foreign") or {}
-            for sample_key, keys in record.extra.get("components", {}).items():
-                self._add(self.vae, keys["vae"], (shards, sample_key, VAE_MEMBER, committed,
-                                                  foreign.get(keys["vae"], here)))
-                texts = keys["text"] if isinstance(keys["text"], list) else [keys["text"]]
-                for j, tk in enumerate(texts):
-                    self._add(self.text, tk, (shards, sample_key, text_member(j), committed, foreign.get(tk, here)))
-        return self
+    def read_record(self, path: Path) -> None:
+        try:
+            record = UnitRecord.from_json(json.loads(path.read_text()))
+            committed = path.stat().st_mtime_ns
+        except (OSError, ValueError, TypeError, KeyError):
+            return
+        if not record.shards:
+            return
+        shards = tuple(self.root / shard.path for shard in record.shards)  # a rolled-over unit has several
+        # where each component was encoded: the record's device, or under ``foreign`` the origin of one it
+        # copied from a unit encoded elsewhere; records older than the field count as unknown
+        here = (record.extra.get("device") or {}).get("key", UNKNOWN_DEVICE)
+        foreign = record.extra.get("foreign") or {}
+        for sample_key, keys in record.extra.get("components", {}).items():
+            self._add(self.vae, keys["vae"], (shards, sample_key, VAE_MEMBER, committed,
+                                              foreign.get(keys["vae"], here)))
+            texts = keys["text"] if isinstance(keys["text"], list) else [keys["text"]]
+            for j, tk in enumerate(texts):
+                self._add(self.text, tk, (shards, sample_key, text_member(j), committed, foreign.get(tk, here)))
 
     def _oldest(self, table: str, key: str, before_ns: int) -> tuple | None:
         """The oldest record's hit for ``key`` committed before ``before_ns`` whose shards are all on disk."""
@@ -390,26 +376,9 @@ class ComponentIndex:
         return UNKNOWN_DEVICE if hit is None else hit[4]
 
 
-_indexes: dict[str, ComponentIndex] = {}
-_indexes_lock = threading.Lock()
-
-
-def release_indexes() -> int:
-    """Forget the component indexes this process built (their memory grows with the samples cached); the
-    prep flow calls it when the cache stage is done. Returns how many there were."""
-    with _indexes_lock:
-        count = len(_indexes)
-        _indexes.clear()
-    return count
-
-
-def component_index(stage_root: Path) -> ComponentIndex:
-    """The up-to-date component index of a cache folder (one per process)."""
-    with _indexes_lock:
-        key = str(stage_root.resolve())
-        if key not in _indexes:
-            _indexes[key] = ComponentIndex(stage_root)
-        return _indexes[key].refresh()
+_indexes = PerProcess(ComponentIndex)
+component_index = _indexes.get  # the up-to-date component index of a cache folder (one per process)
+release_indexes = _indexes.release  # the prep flow forgets them when the cache stage is done
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import json
 import sqlite3
-import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator, Literal, Optional
@@ -43,6 +42,8 @@ from typing import Any, Callable, Iterator, Literal, Optional
 import numpy as np
 from latentmill.stages import curate_models, neardup, pixels
 from latentmill.stages.shardio import (
+    PerProcess,
+    RecordIndex,
     ShardIndexError,
     StageDir,
     UnitOutput,
@@ -280,57 +281,28 @@ def decode_frames(sample: dict[str, Any], meta: dict[str, Any], cfg: CurateConfi
 # ---------------------------------------------------------------------------------------------------------
 
 
-class ScoreIndex:
+class ScoreIndex(RecordIndex):
     """Score key -> value, from every committed unit record of the curate folder (also those of earlier
-    thresholds). Kept per process and refreshed incrementally: only records not read before are read."""
+    thresholds); per process, refreshed incrementally (:class:`~latentmill.stages.shardio.RecordIndex`)."""
 
     def __init__(self, stage_root: Path):
-        self.root = stage_root
+        super().__init__(stage_root)
         self.values: dict[str, float] = {}
-        self._seen: set[str] = set()
-        self._mtime = -1
 
-    def refresh(self) -> "ScoreIndex":
-        units = self.root / "units"
-        mtime = units.stat().st_mtime_ns if units.is_dir() else -1
-        if mtime == self._mtime:
-            return self
-        self._mtime = mtime
-        for path in sorted(units.glob("*.json")) if units.is_dir() else []:
-            if path.name in self._seen:
-                continue
-            self._seen.add(path.name)
-            try:
-                extra = json.loads(path.read_text()).get("extra") or {}
-            except (OSError, ValueError):
-                continue
-            for row in (extra.get("scores") or {}).values():
-                for name, key in (row.get("keys") or {}).items():
-                    if name in (row.get("values") or {}):
-                        self.values[key] = float(row["values"][name])
-        return self
+    def read_record(self, path: Path) -> None:
+        try:
+            extra = json.loads(path.read_text()).get("extra") or {}
+        except (OSError, ValueError):
+            return
+        for row in (extra.get("scores") or {}).values():
+            for name, key in (row.get("keys") or {}).items():
+                if name in (row.get("values") or {}):
+                    self.values[key] = float(row["values"][name])
 
 
-_indexes: dict[str, ScoreIndex] = {}
-_indexes_lock = threading.Lock()
-
-
-def release_indexes() -> int:
-    """Forget the score indexes this process built (their memory grows with the samples scored); the
-    prep flow calls it when the curate stage is done. Returns how many there were."""
-    with _indexes_lock:
-        count = len(_indexes)
-        _indexes.clear()
-    return count
-
-
-def score_index(stage_root: Path) -> ScoreIndex:
-    """The up-to-date score index of a curate folder (one per process)."""
-    with _indexes_lock:
-        key = str(stage_root.resolve())
-        if key not in _indexes:
-            _indexes[key] = ScoreIndex(stage_root)
-        return _indexes[key].refresh()
+_indexes = PerProcess(ScoreIndex)
+score_index = _indexes.get  # the up-to-date score index of a curate folder (one per process)
+release_indexes = _indexes.release  # the prep flow forgets them when the curate stage is done
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -34,13 +34,12 @@ import hashlib
 import json
 import math
 import sqlite3
-import threading
 import time
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
-from latentmill.stages.shardio import UnitRecord, stable_hash
+from latentmill.stages.shardio import PerProcess, RecordIndex, UnitRecord, stable_hash
 from PIL import Image
 
 EMBEDDER = "thumbnail"  # the model-free default (the CLIP embedder of the aesthetic scorer can take its place)
@@ -107,35 +106,23 @@ def _sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
-class EmbeddingIndex:
+class EmbeddingIndex(RecordIndex):
     """Embedding key -> (file, row), from every committed curate unit record (those of earlier thresholds
-    too). Kept per process and refreshed incrementally: only records not read before are read."""
+    too); per process, refreshed incrementally (:class:`~latentmill.stages.shardio.RecordIndex`)."""
 
     def __init__(self, stage_root: Path):
-        self.root = stage_root
+        super().__init__(stage_root)
         self.where: dict[str, tuple[str, int]] = {}
-        self._seen: set[str] = set()
-        self._mtime = -1
         self._arrays: dict[str, np.ndarray] = {}
 
-    def refresh(self) -> "EmbeddingIndex":
-        units = self.root / "units"
-        mtime = units.stat().st_mtime_ns if units.is_dir() else -1
-        if mtime == self._mtime:
-            return self
-        self._mtime = mtime
-        for path in sorted(units.glob("*.json")) if units.is_dir() else []:
-            if path.name in self._seen:
-                continue
-            self._seen.add(path.name)
-            try:
-                emb = (json.loads(path.read_text()).get("extra") or {}).get("embeddings")
-            except (OSError, ValueError):
-                continue
-            if emb and (self.root / emb["file"]).is_file():
-                for row, ekey in enumerate(emb["ekeys"]):
-                    self.where[ekey] = (emb["file"], row)
-        return self
+    def read_record(self, path: Path) -> None:
+        try:
+            emb = (json.loads(path.read_text()).get("extra") or {}).get("embeddings")
+        except (OSError, ValueError):
+            return
+        if emb and (self.root / emb["file"]).is_file():
+            for row, ekey in enumerate(emb["ekeys"]):
+                self.where[ekey] = (emb["file"], row)
 
     def get(self, ekey: str) -> np.ndarray | None:
         """The stored embedding of key ``ekey``, or None (unknown, or its file is gone)."""
@@ -151,17 +138,9 @@ class EmbeddingIndex:
         return np.array(self._arrays[name][row], np.float32)
 
 
-_indexes: dict[str, EmbeddingIndex] = {}
-_indexes_lock = threading.Lock()
-
-
-def embedding_index(stage_root: Path) -> EmbeddingIndex:
-    """The up-to-date embedding index of a curate folder (one per process)."""
-    with _indexes_lock:
-        key = str(stage_root.resolve())
-        if key not in _indexes:
-            _indexes[key] = EmbeddingIndex(stage_root)
-        return _indexes[key].refresh()
+_indexes = PerProcess(EmbeddingIndex)
+embedding_index = _indexes.get  # the up-to-date embedding index of a curate folder (one per process)
+release_indexes = _indexes.release
 
 
 class UnitEmbeddings:

@@ -1010,6 +1010,59 @@ class UnitOutput:
             sink.abort()
 
 
+class RecordIndex:
+    """What a stage keeps from every committed unit record of its folder (curate's scores, the cache's
+    components, curate's embeddings), per process: :meth:`refresh` reads only the records not read before,
+    when the ``units/`` folder changed, so units committed by earlier runs or other workers are found without
+    re-reading every record for every unit. Subclasses say what to keep from one record
+    (:meth:`read_record`)."""
+
+    def __init__(self, stage_root: Path):
+        self.root = stage_root
+        self._seen: set[str] = set()
+        self._mtime = -1
+
+    def read_record(self, path: Path) -> None:
+        raise NotImplementedError
+
+    def refresh(self):
+        units = self.root / "units"
+        mtime = units.stat().st_mtime_ns if units.is_dir() else -1
+        if mtime == self._mtime:
+            return self
+        self._mtime = mtime
+        for path in sorted(units.glob("*.json")) if units.is_dir() else []:
+            if path.name not in self._seen:
+                self._seen.add(path.name)
+                self.read_record(path)
+        return self
+
+
+class PerProcess:
+    """One :class:`RecordIndex` per stage folder in this process: ``get`` returns it refreshed; ``release``
+    forgets them all (their memory grows with the samples: the prep flow releases a stage's once the stage
+    is done; a later run in the process reads the records again)."""
+
+    def __init__(self, factory: Callable[[Path], RecordIndex]):
+        self._factory = factory
+        self._items: dict[str, RecordIndex] = {}
+        self._lock = threading.Lock()
+
+    def get(self, stage_root: Path):
+        with self._lock:
+            key = str(Path(stage_root).resolve())
+            if key not in self._items:
+                self._items[key] = self._factory(Path(stage_root))
+            return self._items[key].refresh()
+
+    def release(self) -> int:
+        """Forget every index; returns how many there were."""
+        with self._lock:
+            count = len(self._items)
+            self._items.clear()
+        return count
+
+
 class StageDir:
     """The directory of one stage: shards, unit records, manifest and quarantine list."""
 

@@ -110,11 +110,20 @@ def test_searches_find_the_planted_copies_and_agree(tmp_path, monkeypatch, kind)
     # a refresh of one sample (a search of one query)
     index.enter(["one"], vectors[3000:3001], [None], ["u3"])
     assert index.decide(0.92) == 1
-    assert index.duplicates(0.92, ["one"])["one"][0] == expected[keys[3000]]
+    one = index.duplicates(0.92, ["one"])
     index.close()
-    # every planted copy, and nothing else, owned by the vector it was made from (random pairs: cosine ~0)
-    assert {k: owner for k, (owner, _) in found.items()} == expected
+    owners = {k: owner for k, (owner, _) in found.items()}
     assert all(0.93 < cos < 0.97 for _, cos in found.values())
+    if kind == "usearch":
+        # HNSW is approximate (and its graph depends on thread timing): every pair it reports is a planted
+        # copy with its right owner (candidates are re-checked exactly), and it finds nearly all of them
+        assert all(expected.get(k) == owner for k, owner in owners.items())
+        assert len(owners) >= 0.95 * len(expected)
+        assert one.get("one", (expected[keys[3000]],))[0] == expected[keys[3000]]
+        return
+    # every planted copy, and nothing else, owned by the vector it was made from (random pairs: cosine ~0)
+    assert one["one"][0] == expected[keys[3000]]
+    assert owners == expected
 
 
 def test_lsh_sorted_tables_merge_and_persist(tmp_path):
