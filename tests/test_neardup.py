@@ -14,12 +14,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 from latentmill.stages import cache, curate, neardup
-from latentmill.stages.shardio import read_shard, sample_json, stage_report
+from latentmill.stages.shardio import read_shard, sample_json
 from PIL import Image
 
-from latentmill.recipe import load_recipe
-from tests.conftest import DEMO_CONFIG, DEMO_IMAGES, REPO_ROOT
-from tests.helpers import prep_in_process
+from tests.conftest import DEMO_IMAGES, REPO_ROOT
+from tests.test_curate import _prep as curate_prep
 
 STRIPES = {"img_000.png", "img_005.jpg", "img_006.png", "img_011.jpg", "img_012.png"}  # fine vertical stripes
 
@@ -278,13 +277,7 @@ class ScorerCalls:
 
 def _prep(out: Path, images: Path, tiny_flux: Path, *overrides: str) -> dict:
     """The demo recipe on ``images`` with near duplicates on at the recommended threshold (unless overridden)."""
-    recipe = load_recipe(DEMO_CONFIG, [f"output_dir={out}", f"model.pretrained={tiny_flux}",
-                                       f"ingest.source={images}",
-                                       f"curate.dedup_threshold={neardup.DEFAULT_THRESHOLD}", *overrides])
-    result = prep_in_process(recipe)
-    for stage, (_, _, records) in result.items():
-        stage_report(stage, records, 0.0)  # raises when in + expanded != out + quarantined
-    return result
+    return curate_prep(out, images, tiny_flux, f"curate.dedup_threshold={neardup.DEFAULT_THRESHOLD}", *overrides)
 
 
 def _keys(result: dict, stage: str = "curate") -> dict[str, str]:
