@@ -130,6 +130,11 @@ def _print_summary(summary: dict[str, Any], recipe_output: str | None) -> None:
             table = f", table {curated['scores_table']}" if curated.get("scores_table") else ""
             print(f"curate: {curated['scored']} scored, {curated['scores_reused']} scores reused{table}"
                   + (f"; quarantined: {reasons}" if reasons else ""))
+            near = curated.get("near_duplicates")
+            if near:  # decided by the index here, quarantined by the bucket stage
+                print(f"near duplicates (cosine >= {near['threshold']:g}, {near['search']} search over "
+                      f"{near['indexed']} embeddings): {near['new_near_duplicates']} new, "
+                      f"{near['near_duplicates']} in all")
         buckets = (stages.get("bucket") or {}).get("buckets")
         if buckets:
             print("buckets (WxHxF: samples): " + ", ".join(f"{k}: {v}" for k, v in buckets.items()))

@@ -374,3 +374,17 @@ def test_near_duplicates_within_a_run_across_a_refresh_and_a_threshold_change(tm
     assert (report["embedded"], report["embeddings_reused"], report["scored"]) == (0, 11, 0)
     assert {k: q["duplicate_of"] for k, q in _near(again).items()} == {k: q["duplicate_of"] for k, q in near2.items()}
     assert cache.component_report(again["cache"][2])["components"]["vae"]["processed"] == 0
+
+
+def test_the_run_summary_prints_the_near_duplicate_counts(capsys):
+    """The CLI's run summary says what the index decided (the bucket stage's table row counts them only as
+    quarantined)."""
+    from latentmill.cli import _print_summary
+
+    stage = {"in": 8, "out": 8, "quarantined": 0, "processed": 8, "reused": 0, "seconds": 0.1}
+    near = {"threshold": 0.92, "search": "exact", "indexed": 8, "new_near_duplicates": 2, "near_duplicates": 3}
+    _print_summary({"stages": {"curate": {**stage, "scored": 8, "scores_reused": 0, "near_duplicates": near}}},
+                   None)
+    assert "near duplicates (cosine >= 0.92, exact search over 8 embeddings): 2 new, 3 in all" in capsys.readouterr().out
+    _print_summary({"stages": {"curate": {**stage, "scored": 8, "scores_reused": 0, "near_duplicates": None}}}, None)
+    assert "near duplicates" not in capsys.readouterr().out
