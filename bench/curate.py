@@ -97,31 +97,9 @@ SMALL_CLIP: dict[str, Any] = {
 def small_clip_models() -> tuple[Path, Path]:
     """The ``SMALL_CLIP`` folder (``CLIPModel`` + ``CLIPProcessor``, the tiny CLIP's character tokenizer,
     random weights, seed 0) and a LAION-layout head for it (seed 1), built once in bench/.work/models."""
-    from latentmill.tiny_clip import build_clip_tokenizer, save_head
-    from latentmill.tinyio import is_complete, save_folder
+    from latentmill.tiny_clip import build_tiny_clip, save_head
 
-    def save(tmp: Path) -> None:
-        import torch
-        from transformers import CLIPConfig, CLIPModel, CLIPProcessor
-        from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil
-
-        text = SMALL_CLIP["text_config"]
-        tokenizer = build_clip_tokenizer(text["max_position_embeddings"])
-        side = SMALL_CLIP["vision_config"]["image_size"]
-        images = CLIPImageProcessorPil(size={"shortest_edge": side},
-                                       crop_size={"height": side, "width": side})
-        ids = {"bos_token_id": tokenizer.bos_token_id, "eos_token_id": tokenizer.eos_token_id,
-               "pad_token_id": tokenizer.pad_token_id, "vocab_size": len(tokenizer)}
-        config = CLIPConfig(text_config={**text, **ids}, vision_config=SMALL_CLIP["vision_config"],
-                            projection_dim=SMALL_CLIP["projection_dim"])
-        torch.manual_seed(0)
-        CLIPModel(config).eval().save_pretrained(tmp)
-        CLIPProcessor(image_processor=images, tokenizer=tokenizer).save_pretrained(tmp)
-
-    folder = WORK / "models" / "small-clip"
-    markers = ("config.json", "model.safetensors", "processor_config.json")
-    if not is_complete(folder, markers):
-        save_folder(folder, save, replace=True, markers=markers)
+    folder = build_tiny_clip(WORK / "models" / "small-clip", seed=0, replace=False, sizes=SMALL_CLIP)
     head = WORK / "models" / "small-clip-aesthetic.safetensors"
     if not head.is_file():
         save_head(head, SMALL_CLIP["projection_dim"], seed=1)

@@ -67,24 +67,27 @@ def save_head(path: str | os.PathLike[str], input_dim: int, seed: int = 0) -> Pa
     return Path(path)
 
 
-def build_tiny_clip(out_dir: str | os.PathLike[str], seed: int = 0, replace: bool = True) -> Path:
-    """Build the tiny CLIP folder (model and processor) into ``out_dir``; return its absolute path."""
+def build_tiny_clip(out_dir: str | os.PathLike[str], seed: int = 0, replace: bool = True,
+                    sizes: dict[str, Any] | None = None) -> Path:
+    """Build the tiny CLIP folder (model and processor) into ``out_dir``; return its absolute path.
+    ``sizes``: another config of ``TINY_CLIP``'s shape (the benchmarks' larger CLIP)."""
+    sizes = sizes or TINY_CLIP
 
     def save(tmp: Path) -> None:
         import torch
         from transformers import CLIPConfig, CLIPModel, CLIPProcessor
         from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil
 
-        text = TINY_CLIP["text_config"]
+        text = sizes["text_config"]
         tokenizer = build_clip_tokenizer(text["max_position_embeddings"])
-        side = TINY_CLIP["vision_config"]["image_size"]
+        side = sizes["vision_config"]["image_size"]
         images = CLIPImageProcessorPil(size={"shortest_edge": side},
                                        crop_size={"height": side, "width": side})
         processor = CLIPProcessor(image_processor=images, tokenizer=tokenizer)
         ids = {"bos_token_id": tokenizer.bos_token_id, "eos_token_id": tokenizer.eos_token_id,
                "pad_token_id": tokenizer.pad_token_id, "vocab_size": len(tokenizer)}
-        config = CLIPConfig(text_config={**text, **ids}, vision_config=TINY_CLIP["vision_config"],
-                            projection_dim=TINY_CLIP["projection_dim"])
+        config = CLIPConfig(text_config={**text, **ids}, vision_config=sizes["vision_config"],
+                            projection_dim=sizes["projection_dim"])
         torch.manual_seed(seed)
         model = CLIPModel(config).eval()
         model.save_pretrained(tmp)

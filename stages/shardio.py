@@ -13,6 +13,7 @@ whose record exists is done: re-running reuses it, and a killed run resumes at t
 
 from __future__ import annotations
 
+import abc
 import ctypes
 import ctypes.util
 import hashlib
@@ -1010,7 +1011,7 @@ class UnitOutput:
             sink.abort()
 
 
-class RecordIndex:
+class RecordIndex(abc.ABC):
     """What a stage keeps from every committed unit record of its folder (curate's scores, the cache's
     components, curate's embeddings), per process: :meth:`refresh` reads only the records not read before,
     when the ``units/`` folder changed, so units committed by earlier runs or other workers are found without
@@ -1022,8 +1023,9 @@ class RecordIndex:
         self._seen: set[str] = set()
         self._mtime = -1
 
+    @abc.abstractmethod
     def read_record(self, path: Path) -> None:
-        raise NotImplementedError
+        """Keep what this index needs from the unit record at ``path`` (a damaged one is skipped)."""
 
     def refresh(self):
         units = self.root / "units"

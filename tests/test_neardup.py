@@ -18,6 +18,7 @@ from latentmill.stages.shardio import read_shard, sample_json
 from PIL import Image
 
 from tests.conftest import DEMO_IMAGES, REPO_ROOT
+from tests.test_curate import ScorerCalls
 from tests.test_curate import _prep as curate_prep
 
 STRIPES = {"img_000.png", "img_005.jpg", "img_006.png", "img_011.jpg", "img_012.png"}  # fine vertical stripes
@@ -258,21 +259,6 @@ class Calls:
     def take(self) -> int:
         calls, self.embeddings = self.embeddings, 0
         return calls
-
-
-class ScorerCalls:
-    """Counts calls of the real scorer functions (wrapped, not replaced)."""
-
-    def __init__(self, monkeypatch):
-        self.calls = 0
-        for name, fn in dict(curate.SCORE_FUNCTIONS).items():
-            monkeypatch.setitem(curate.SCORE_FUNCTIONS, name, self._wrap(fn))
-
-    def _wrap(self, fn):
-        def counted(grey_HW):
-            self.calls += 1
-            return fn(grey_HW)
-        return counted
 
 
 def _prep(out: Path, images: Path, tiny_flux: Path, *overrides: str) -> dict:
