@@ -14,7 +14,7 @@ video). Scene cuts are detected once, here, and kept in the video's json (``scen
 
 A clip's score key is the scorer's fingerprint, the video's content hash and the K source frames the clip
 is scored on: a clip window that did not change keeps its scores, and a threshold change computes nothing.
-The verdicts travel in the video's json, ``clip_scores: [{start_frame, num_frames, scores, failed}]``; the
+The verdicts travel in the video's json, ``clip_scores: [{start_frame, num_frames, scores[, failed]}]``; the
 bucket stage matches its clips to them by ``(start_frame, num_frames)``, quarantines a failed clip as
 ``<video key>-c<j>`` and gives a kept clip its own ``scores``. A video whose every clip fails is
 quarantined whole, here.
@@ -238,13 +238,15 @@ ALL_CLIPS_FAIL = "every clip beyond a threshold: "  # + the union of the clips' 
 def verdicts(video: VideoScores, names: list[str], thresholds: dict[str, float]
              ) -> tuple[list[dict[str, Any]], list[list[tuple[str, str, float]]]]:
     """The video's ``clip_scores`` entries (``start_frame``, ``num_frames``, ``scores`` rounded as curate
-    rounds, ``failed``: the reason or None) and each clip's failed thresholds."""
+    rounds, and ``failed``, the reason, for a clip that fails a threshold) and each clip's failed thresholds."""
     entries, fails = [], []
     for item in video.clips:
         scores = {name: round(item.values[name], 6) for name in names if name in item.values}
         failed = failures(scores, thresholds)
-        entries.append({"start_frame": item.clip.start_frame, "num_frames": item.clip.num_frames,
-                        "scores": scores, "failed": failure_reason(failed) if failed else None})
+        entry = {"start_frame": item.clip.start_frame, "num_frames": item.clip.num_frames, "scores": scores}
+        if failed:  # absent for a kept clip (a sample's json has no null fields)
+            entry["failed"] = failure_reason(failed)
+        entries.append(entry)
         fails.append(failed)
     return entries, fails
 
