@@ -17,6 +17,12 @@ reference into the source, decoded by the cache stage (:func:`latentmill.stages.
 quarantined with the reason. The unit record counts ``videos``, ``clips`` (planned) and ``expanded``
 (clips beyond one per video), so ``in + expanded = out + quarantined``.
 
+The curate stage scores videos per clip (:mod:`latentmill.stages.curate_clips`, same clip plan, same
+planning functions) and leaves its verdicts in the video's json (``clip_scores``, and the ``scene_cuts`` it
+detected at ``scene_threshold``, reused here): a clip whose entry ``failed`` a threshold is quarantined as
+``k-c<j>`` with the reason and its scores (``clips_below_threshold`` in the record; it still counts as
+planned), a kept clip gets its own ``scores`` and no ``clip_scores``.
+
 The stage also applies the curate stage's near-duplicate decisions (``latentmill.stages.neardup``): its plan
 gives each unit the decisions for the samples of its input shards (``payload["near_duplicates"]``), its
 process quarantines those samples (``near duplicate``, ``duplicate_of``, ``cosine``). The threshold and the

@@ -12,7 +12,9 @@ The stage sits between caption and bucket (``docs/cache-format.md``, "Curation")
   scored on ``curate.frames`` frames spread over it, through the frame reader captioners use
   (:func:`latentmill.stages.captioners.media.load_media`, one decode): the mean over the frames. When
   listed or thresholded, also ``aesthetic`` and ``clip_score`` (CLIP / SigLIP models, batched over the
-  unit's samples) and, for videos, ``motion`` (:mod:`latentmill.stages.curate_models`);
+  unit's samples) and, for videos, ``motion`` (:mod:`latentmill.stages.curate_models`). Given the bucket
+  stage's clip plan (``clips``, as the prep passes it), a video is scored per clip instead: K frames per
+  clip, every clip in one decode, thresholds per clip (:mod:`latentmill.stages.curate_clips`);
 * writes the scores into the sample's json (``scores: {name: value}``), then applies the thresholds
   (``curate.min_sharpness``, ``curate.max_exposure``, ``curate.min_aesthetic``, ...): a sample beyond one
   is quarantined with the reason (constant per threshold, so reasons count up in summaries) and its

@@ -252,6 +252,13 @@ def test_still_clips_are_quarantined_by_bucket_moving_ones_cached_and_thresholds
     assert len(table) == 12 and {r["kind"] for r in table} == {"clip"}
     assert sorted(r["key"] for r in table if r["status"] == "kept") == sorted(cached)
     assert {r["threshold"] for r in table if r["status"] == "quarantined"} == {"curate.min_motion"}
+    # inspect's contact sheet draws the bucket's quarantined clips from their video, at the clip's first frame
+    pytest.importorskip("matplotlib")
+    from latentmill import plots
+
+    (tmp_path / "plots").mkdir()
+    sheet = plots.contact_sheet("bucket", dropped[0]["reason"], dropped, out / "prep", tmp_path / "plots")
+    assert sheet.data["tiles"] == 3 and sheet.data["undecodable"] == 0
 
     # A threshold that keeps the same clips: no score computed, no video decoded, no clip encoded.
     DECODE_COUNTS.clear()
