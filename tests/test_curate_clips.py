@@ -24,6 +24,7 @@ from PIL import Image  # noqa: E402
 from latentmill.recipe import load_recipe  # noqa: E402
 from tests.helpers import prep_in_process  # noqa: E402
 from tests.test_curate import ScorerCalls  # noqa: E402
+from tests.test_curate_models import tiny_clip  # noqa: E402,F401  (a fixture: a tiny CLIP folder and head)
 
 REPO = Path(__file__).resolve().parents[1]
 FPS, FRAMES, STILL = 24, 96, 48  # half.mp4: frames 0..47 show one picture, from 48 on it moves
@@ -139,6 +140,29 @@ def test_clip_scores_equal_a_direct_computation_on_each_clips_k_frames(cap):
     assert [(e["start_frame"], e["num_frames"], e.get("failed")) for e in half["clip_scores"]] == \
         [(c.start_frame, 5, None) for c in clips]
     assert [e["scores"] for e in half["clip_scores"]] == [rows[f"{video_key}-c{j}"]["values"] for j in range(6)]
+
+
+def test_model_scores_per_clip_equal_a_direct_call_on_the_clips_frames(cap, tiny_clip):  # noqa: F811
+    """aesthetic and clip_score per clip, batched over a video's clips: the values of scoring each clip's K
+    frames on their own, in two image forwards per video (6 clips x 4 frames at batch_size 16)."""
+    folder, head = tiny_clip
+    cfg = curate.CurateConfig(scorers=["aesthetic", "clip_score"], aesthetic_model=str(folder),
+                              aesthetic_head=str(head), frames=K)
+    cfg.validate()
+    spec = spec_of()
+    before = dict(curate_models.FORWARDS)
+    _, records = run_curate(cap, cfg, spec)
+    assert curate_models.FORWARDS["image"] - before["image"] == 2 * 2
+    assert curate_models.FORWARDS["text"] - before["text"] == 2 * 1
+    rows = _rows(records)
+    path = Path(cap.root.parent.parent / "videos" / "half.mp4")
+    (video_key,) = {row["video"] for row in rows.values() if row["source"] == "half.mp4"}
+    for j, clip in enumerate(plan_clips(FRAMES, FPS, spec.policy)):
+        frames = [Image.fromarray(f) for f in read_frames(str(path), curate_clips.clip_score_indices(clip, K)).numpy()]
+        (want,) = curate_models.model_scores(cfg, [frames], ["a video called half"], [["aesthetic", "clip_score"]])
+        got = rows[f"{video_key}-c{j}"]["values"]
+        assert set(got) == {"aesthetic", "clip_score"}
+        assert got == pytest.approx(want, abs=2e-5)
 
 
 def test_every_clip_of_a_video_is_decoded_in_one_pass(cap, monkeypatch):
