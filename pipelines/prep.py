@@ -316,6 +316,9 @@ def prep_stages(recipe_data: dict, started_run: str | None = None) -> dict[str, 
             report[stage]["near_duplicates"] = update_near_dups(recipe, stage_dir, records)
         if stage == "bucket":
             report[stage]["buckets"] = bucket.histogram(manifest)
+            if any("clips_below_threshold" in r.extra for r in records):  # per-clip verdicts of curate
+                report[stage]["clips_below_threshold"] = sum(int(r.extra.get("clips_below_threshold", 0))
+                                                             for r in records)
         if stage == "cache":
             report[stage].update(cache.component_report(records))
             report[stage]["manifest"] = str(stage_dir.manifest_path)
