@@ -92,10 +92,12 @@ def scene_cuts(meta: dict[str, Any], source: Any, spec: ClipSpec) -> list[int]:
     return detect_cuts(source, spec.scene_threshold)
 
 
-def plan_video(meta: dict[str, Any], spec: ClipSpec, cuts: list[int]) -> list[Clip]:
-    """The clips the bucket stage will cut from this video: the same functions, on the same header facts."""
+def plan_video(meta: dict[str, Any], spec: ClipSpec, cuts: list[int], source: Any = None) -> list[Clip]:
+    """The clips the bucket stage will cut from this video: the same functions, on the same header facts
+    (``source``: the video's bytes or URI, default ``source_uri``; read only for a variable frame rate)."""
     if meta.get("vfr"):
-        return plan_clips_timed(frame_times(meta["source_uri"]), meta["fps"], spec.policy, cuts)
+        return plan_clips_timed(frame_times(meta["source_uri"] if source is None else source), meta["fps"],
+                                spec.policy, cuts)
     return plan_clips(int(meta["frames"]), float(meta["fps"]), spec.policy, cuts)
 
 
@@ -142,7 +144,7 @@ def score_video(cfg: "CurateConfig", sample: dict[str, Any], meta: dict[str, Any
         _, member = media_member(sample, meta)
         source = sample[member] if member else meta["source_uri"]
         cuts = scene_cuts(meta, source, spec)
-        clips = plan_video(meta, spec, cuts)
+        clips = plan_video(meta, spec, cuts, source)
     except Exception as err:  # PyAV / decord / scenedetect errors, a sample with nothing to look at
         return VideoScores([], error=f"{type(err).__name__}: {err}")
     result = VideoScores([], cuts if spec.scene_threshold is not None else None)

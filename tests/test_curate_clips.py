@@ -299,3 +299,25 @@ def test_still_clips_are_quarantined_by_bucket_moving_ones_cached_and_thresholds
     again = prep(MIN_MOTION)
     assert calls.take() == 0 and again["cache"][1]["counts"]["out"] == 3
     assert cache.component_report(again["cache"][2])["components"]["vae"]["processed"] == 0
+
+
+def test_near_duplicate_embeddings_stay_per_video_from_the_same_decode(cap):
+    """With near duplicates on, a video's embedding is the one it always had (its K whole-video frames'
+    thumbnail), decoded in the pass that scores its clips: still one open per video."""
+    from latentmill.stages import neardup
+
+    cfg = curate.CurateConfig(frames=K, dedup_threshold=0.92)
+    DECODE_COUNTS.clear()
+    sd, records = run_curate(cap, cfg, spec_of())
+    assert DECODE_COUNTS["decord"] + DECODE_COUNTS["pyav"] == 2
+    emb = records[0].extra["embeddings"]
+    vectors = np.load(sd.root / emb["file"])
+    samples = {s["__key__"]: s for shard in cap.read_manifest()["shards"] for s in read_shard(cap.root / shard["path"])}
+    assert sorted(emb["keys"]) == sorted(samples)
+    for key, vector in zip(emb["keys"], vectors):
+        frames = curate.decode_frames(samples[key], sample_json(samples[key]), cfg)  # whole video, on its own
+        np.testing.assert_allclose(vector, neardup.thumbnail_embedding(frames), atol=1e-6)
+    # the keep rule's aesthetic of a video scored per clip: the mean of its clips'
+    rows = {"v-c0": {"video": "v", "values": {"aesthetic": 4.0}}, "v-c1": {"video": "v", "values": {"aesthetic": 6.0}},
+            "img": {"values": {"aesthetic": 3.0}}}
+    assert neardup.video_aesthetics(rows) == {"v": 5.0}
