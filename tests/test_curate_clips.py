@@ -321,3 +321,21 @@ def test_near_duplicate_embeddings_stay_per_video_from_the_same_decode(cap):
     rows = {"v-c0": {"video": "v", "values": {"aesthetic": 4.0}}, "v-c1": {"video": "v", "values": {"aesthetic": 6.0}},
             "img": {"values": {"aesthetic": 3.0}}}
     assert neardup.video_aesthetics(rows) == {"v": 5.0}
+
+
+def test_a_new_clip_plan_scores_only_the_clip_windows_it_did_not_have(cap, monkeypatch):
+    """Clip windows are score keys: a wider slide stride keeps every other window (reused, no decode), a
+    stride that moves the windows scores them anew."""
+    calls = ScorerCalls(monkeypatch)
+    cfg = curate.CurateConfig(frames=K)
+    run_curate(cap, cfg, spec_of())  # windows start at 0, 15, 30, 45, 60, 75
+    calls.take()
+    DECODE_COUNTS.clear()
+    _, records = run_curate(cap, cfg, spec_of(clip_stride=10))  # 0, 30, 60: scored before
+    report = curate.report(records)
+    assert (report["clips_scored"], report["clip_scores_reused"]) == (0, 6)
+    assert calls.take() == 0 and DECODE_COUNTS["decord"] + DECODE_COUNTS["pyav"] == 0
+    _, records = run_curate(cap, cfg, spec_of(clip_stride=4))  # 0, 12, 24, 36, 48, 60, 72: 0 and 60 known
+    report = curate.report(records)
+    assert (report["clips_scored"], report["clip_scores_reused"]) == (2 * 5, 2 * 2)
+    assert calls.take() == 2 * 5 * K * 2
