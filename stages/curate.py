@@ -95,7 +95,7 @@ class CurateConfig:
     clip_model: Optional[str] = None  # the clip_score model; null: aesthetic_model
     score_side: int = 256  # images and frames are shrunk to this longer side before scoring
     model_side: int = 448  # with a model scorer on, frames are decoded at this longer side for the model
-    frames: int = 4  # K frames per video, spread uniformly over it
+    frames: int = 4  # K frames per clip of a video (the bucket stage's clips), spread uniformly over it
     batch_size: int = 16  # images (frames) or captions per scorer-model forward
     device: Literal["auto", "cpu", "cuda"] = "auto"  # scorer models: auto = cuda when a GPU is visible
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"  # auto: bf16 on GPU, fp32 on CPU
