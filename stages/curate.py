@@ -383,8 +383,8 @@ def fingerprint(cfg: CurateConfig, background: tuple[int, int, int] = pixels.WHI
     ``clips``: the clip plan videos are scored per clip by; it joins the fingerprint of the units that hold
     videos only (:func:`plan`), so an image-only recipe's units never depend on the bucket's clip keys."""
     fp: dict[str, Any] = {"stage": STAGE, "version": FORMAT_VERSION,
-          "scorers": [scorer_fingerprint(cfg, s, background) for s in cfg.active_scorers()],
-          "thresholds": cfg.thresholds(), "dedup": "sha256"}
+                          "scorers": [scorer_fingerprint(cfg, s, background) for s in cfg.active_scorers()],
+                          "thresholds": cfg.thresholds(), "dedup": "sha256"}
     if cfg.dedup_threshold is not None:  # the units embed their samples; the threshold applies in bucket
         fp["embedder"] = cfg.embedder_fingerprint(background)
     if clips is not None:
