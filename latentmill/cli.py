@@ -130,6 +130,9 @@ def _print_summary(summary: dict[str, Any], recipe_output: str | None) -> None:
             table = f", table {curated['scores_table']}" if curated.get("scores_table") else ""
             print(f"curate: {curated['scored']} scored, {curated['scores_reused']} scores reused{table}"
                   + (f"; quarantined: {reasons}" if reasons else ""))
+            if "clips_scored" in curated:  # videos scored per clip; bucket quarantines the failed clips
+                print(f"curate clips: {curated['clips_scored']} scored, {curated['clip_scores_reused']} reused, "
+                      f"{curated['clips_below_threshold']} beyond a threshold")
             near = curated.get("near_duplicates")
             if near:  # decided by the index here, quarantined by the bucket stage
                 print(f"near duplicates (cosine >= {near['threshold']:g}, {near['search']} search over "

@@ -358,7 +358,9 @@ def contact_sheet(stage: str, reason: str, entries: list[dict[str, Any]], prep_d
     ``undecodable``."""
     mpl = require_matplotlib()
     shown = entries[:cap]
-    samples = find_samples(prep_dir, stage, [e["key"] for e in shown]) if stage != "ingest" else {}
+    # a clip the bucket stage quarantined (key <video>-c<j>) is found as its video, drawn at its first frame
+    wanted = [k for e in shown for k in (e["key"], e.get("video_key")) if k]
+    samples = find_samples(prep_dir, stage, wanted) if stage != "ingest" else {}
     thumbs: list[Any] = []
     for entry in shown:
         try:
@@ -368,8 +370,10 @@ def contact_sheet(stage: str, reason: str, entries: list[dict[str, Any]], prep_d
                     raise FileNotFoundError(entry.get("source"))
                 sample, meta = found
             else:
-                sample = samples[entry["key"]]
+                sample = samples.get(entry["key"]) or samples[entry["video_key"]]
                 meta = json.loads(sample.get("json") or b"{}")
+                if entry["key"] not in samples:
+                    meta["clip"] = entry["clip"]
             thumbs.append(thumbnail(sample, meta))
         except Exception:  # any decoder's error, a missing sample: the tile says so
             thumbs.append(None)

@@ -21,7 +21,7 @@ from latentmill.pipelines.report import (
 )
 from latentmill.pipelines.retention import OutputBusyError, writer_lock  # noqa: F401 (re-exported)
 from latentmill.pipelines.snapshot import publish as publish_snapshot
-from latentmill.stages import bucket, cache, caption, curate, ingest, neardup
+from latentmill.stages import bucket, cache, caption, curate, curate_clips, ingest, neardup
 from latentmill.stages.compact import compact_stage
 from latentmill.stages.shardio import (
     StageDir,
@@ -74,6 +74,11 @@ def _near_dups(recipe: Recipe) -> dict[str, Any] | None:
                                 recipe.curate.dedup_threshold)
 
 
+def _clip_spec(recipe: Recipe) -> curate_clips.ClipSpec:
+    """The bucket stage's clip plan, which the curate stage scores videos by (K frames per clip)."""
+    return curate_clips.clip_spec(recipe.bucket)
+
+
 def update_near_dups(recipe: Recipe, curate_dir: StageDir, records: list[UnitRecord]) -> dict[str, Any] | None:
     """After the curate units: enter their new embeddings into the near-duplicate index and decide them
     (``latentmill.stages.neardup.update``); the run summary's ``near_duplicates``, None when off."""
@@ -91,7 +96,7 @@ def plan_stage(stage: str, recipe: Recipe) -> list[WorkUnit]:
     if stage == "caption":
         return caption.plan(recipe.caption, upstream, _captioner(recipe))
     if stage == "curate":
-        return curate.plan(recipe.curate, upstream, background=recipe.cache.background)
+        return curate.plan(recipe.curate, upstream, background=recipe.cache.background, clips=_clip_spec(recipe))
     if stage == "bucket":
         return bucket.plan(recipe.bucket, upstream, near_dups=_near_dups(recipe))
     return cache.plan(recipe.cache, recipe.model, upstream)
@@ -102,7 +107,8 @@ def stage_processor(stage: str, recipe: Recipe) -> Callable[[WorkUnit, UnitOutpu
     return {
         "ingest": lambda unit, out: ingest.process(recipe.ingest, unit, out),
         "caption": lambda unit, out: caption.process(recipe.caption, unit, out, _captioner(recipe)),
-        "curate": lambda unit, out: curate.process(recipe.curate, unit, out, recipe.cache.background),
+        "curate": lambda unit, out: curate.process(recipe.curate, unit, out, recipe.cache.background,
+                                                   _clip_spec(recipe)),
         "bucket": lambda unit, out: bucket.process(recipe.bucket, unit, out),
         "cache": lambda unit, out: cache.process(recipe.cache, recipe.model, unit, out),
     }[stage]
@@ -116,7 +122,8 @@ def manifest_header(stage: str, recipe: Recipe, records: list[UnitRecord] | None
     if stage == "caption":
         return caption.manifest_header(recipe.caption, _captioner(recipe))
     if stage == "curate":
-        return curate.manifest_header(recipe.curate, recipe.cache.background)
+        per_clip = any(r.extra.get("clip_videos") for r in records or ())
+        return curate.manifest_header(recipe.curate, recipe.cache.background, _clip_spec(recipe) if per_clip else None)
     if stage == "bucket":
         return {"fingerprint": stable_hash(bucket.fingerprint(recipe.bucket, _near_dups(recipe)))}
     return cache.manifest_header(recipe.cache, recipe.model, _stage_dir(recipe, stage), records)
@@ -322,6 +329,9 @@ def prep_stages(recipe_data: dict, started_run: str | None = None) -> dict[str, 
             report[stage]["near_duplicates"] = update_near_dups(recipe, stage_dir, records)
         if stage == "bucket":
             report[stage]["buckets"] = bucket.histogram(manifest)
+            if any("clips_below_threshold" in r.extra for r in records):  # per-clip verdicts of curate
+                report[stage]["clips_below_threshold"] = sum(int(r.extra.get("clips_below_threshold", 0))
+                                                             for r in records)
         if stage == "cache":
             report[stage].update(cache.component_report(records))
             report[stage]["manifest"] = str(stage_dir.manifest_path)

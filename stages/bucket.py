@@ -17,6 +17,12 @@ reference into the source, decoded by the cache stage (:func:`latentmill.stages.
 quarantined with the reason. The unit record counts ``videos``, ``clips`` (planned) and ``expanded``
 (clips beyond one per video), so ``in + expanded = out + quarantined``.
 
+The curate stage scores videos per clip (:mod:`latentmill.stages.curate_clips`, same clip plan, same
+planning functions) and leaves its verdicts in the video's json (``clip_scores``, and the ``scene_cuts`` it
+detected at ``scene_threshold``, reused here): a clip whose entry ``failed`` a threshold is quarantined as
+``k-c<j>`` with the reason and its scores (``clips_below_threshold`` in the record; it still counts as
+planned), a kept clip gets its own ``scores`` and no ``clip_scores``.
+
 The stage also applies the curate stage's near-duplicate decisions (``latentmill.stages.neardup``): its plan
 gives each unit the decisions for the samples of its input shards (``payload["near_duplicates"]``), its
 process quarantines those samples (``near duplicate``, ``duplicate_of``, ``cosine``). The threshold and the
@@ -318,7 +324,9 @@ def _video_clips(cfg: BucketConfig, sample: dict[str, Any], meta: dict[str, Any]
     key, source = sample["__key__"], meta.get("source", "?")
     policy = cfg.clip_policy()
     cuts: list[int] = []
-    if cfg.scene_split:
+    if cfg.scene_split and meta.get("scene_threshold") == cfg.scene_threshold and "scene_cuts" in meta:
+        cuts = [int(c) for c in meta["scene_cuts"]]  # detected by the curate stage, at this threshold
+    elif cfg.scene_split:
         try:
             cuts = detect_cuts(meta["source_uri"], cfg.scene_threshold)
         except Exception as err:  # PyAV / scenedetect errors: the video cannot be read
@@ -341,11 +349,21 @@ def _video_clips(cfg: BucketConfig, sample: dict[str, Any], meta: dict[str, Any]
         out.quarantine(key, source, str(err))
         return 0
     members = {k: v for k, v in sample.items() if k not in ("__key__", "json")}
+    # the curate stage's per-clip verdicts, by (start_frame, num_frames); not carried into the clips' json
+    verdicts = {(int(v["start_frame"]), int(v["num_frames"])): v for v in meta.pop("clip_scores", None) or ()}
     for j, clip in enumerate(clips):
         clip_key = f"{key}-c{j}"
+        verdict = verdicts.get((clip.start_frame, clip.num_frames))
+        if verdict is not None and verdict.get("failed"):
+            out.quarantine(clip_key, source, verdict["failed"], scores=verdict["scores"], video_key=key,
+                           clip={"start_frame": clip.start_frame, "num_frames": clip.num_frames})
+            out.extra["clips_below_threshold"] = out.extra.get("clips_below_threshold", 0) + 1
+            continue
         bucket = (width, height, clip.num_frames)
         clip_meta = {**meta, "key": clip_key, "video_key": key, "clip_index": j, "clip": clip.to_json(),
                      "bucket": list(bucket), "crop": _crop(cfg, meta, bucket, clip_key)}
+        if verdict is not None:
+            clip_meta["scores"] = verdict["scores"]
         if cfg.scene_split:
             clip_meta["scene_cuts"] = cuts
         clip_members = dict(members)
@@ -391,7 +409,7 @@ def process(cfg: BucketConfig, unit: WorkUnit, out: UnitOutput) -> None:
         meta["bucket"] = list(bucket)
         meta["crop"] = _crop(cfg, meta, bucket, sample["__key__"])
         out.add({**sample, "json": meta_bytes(meta)}, part="image", bucket=list(bucket))
-    out.extra.update(videos=videos, clips=clips, expanded=expanded)
+    out.extra.update(videos=videos, clips=clips, expanded=expanded)  # clips_below_threshold: _video_clips
     if near_dups:
         out.extra["near_duplicates"] = near
 

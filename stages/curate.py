@@ -12,7 +12,9 @@ The stage sits between caption and bucket (``docs/cache-format.md``, "Curation")
   scored on ``curate.frames`` frames spread over it, through the frame reader captioners use
   (:func:`latentmill.stages.captioners.media.load_media`, one decode): the mean over the frames. When
   listed or thresholded, also ``aesthetic`` and ``clip_score`` (CLIP / SigLIP models, batched over the
-  unit's samples) and, for videos, ``motion`` (:mod:`latentmill.stages.curate_models`);
+  unit's samples) and, for videos, ``motion`` (:mod:`latentmill.stages.curate_models`). Given the bucket
+  stage's clip plan (``clips``, as the prep passes it), a video is scored per clip instead: K frames per
+  clip, every clip in one decode, thresholds per clip (:mod:`latentmill.stages.curate_clips`);
 * writes the scores into the sample's json (``scores: {name: value}``), then applies the thresholds
   (``curate.min_sharpness``, ``curate.max_exposure``, ``curate.min_aesthetic``, ...): a sample beyond one
   is quarantined with the reason (constant per threshold, so reasons count up in summaries) and its
@@ -41,6 +43,7 @@ from typing import Any, Callable, Iterator, Literal, Optional
 
 import numpy as np
 from latentmill.stages import curate_models, neardup, pixels
+from latentmill.stages.curate_clips import ClipSpec
 from latentmill.stages.shardio import (
     PerProcess,
     RecordIndex,
@@ -51,6 +54,7 @@ from latentmill.stages.shardio import (
     WorkUnit,
     check_shard_bytes,
     copy_estimate,
+    grouped_unit_id,
     iter_unit_samples,
     load_shard_index,
     meta_bytes,
@@ -91,7 +95,7 @@ class CurateConfig:
     clip_model: Optional[str] = None  # the clip_score model; null: aesthetic_model
     score_side: int = 256  # images and frames are shrunk to this longer side before scoring
     model_side: int = 448  # with a model scorer on, frames are decoded at this longer side for the model
-    frames: int = 4  # K frames per video, spread uniformly over it
+    frames: int = 4  # K frames per clip of a video (the bucket stage's clips), spread uniformly over it
     batch_size: int = 16  # images (frames) or captions per scorer-model forward
     device: Literal["auto", "cpu", "cuda"] = "auto"  # scorer models: auto = cuda when a GPU is visible
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"  # auto: bf16 on GPU, fp32 on CPU
@@ -315,7 +319,9 @@ class DedupIndex:
 
     ``owners`` maps a content sha256 to the key of the sample kept for it; ``scanned`` lists the upstream
     shards (by content hash) whose samples were entered; ``duplicates`` lists, per upstream shard, its samples
-    that duplicate an owner. Planning reads only shards not yet scanned, so a refresh costs its new data.
+    that duplicate an owner; ``videos`` counts, per upstream shard, its video samples (a unit that holds
+    videos has the clip plan in its fingerprint when they are scored per clip). Planning reads only shards
+    not yet scanned (or, once, those scanned before ``videos`` existed), so a refresh costs its new data.
     """
 
     def __init__(self, path: Path):
@@ -325,14 +331,22 @@ class DedupIndex:
             "CREATE TABLE IF NOT EXISTS owners (sha256 TEXT PRIMARY KEY, key TEXT NOT NULL);"
             "CREATE TABLE IF NOT EXISTS scanned (shard TEXT PRIMARY KEY);"
             "CREATE TABLE IF NOT EXISTS duplicates (shard TEXT NOT NULL, key TEXT NOT NULL, owner TEXT NOT NULL,"
-            " PRIMARY KEY (shard, key));")
+            " PRIMARY KEY (shard, key));"
+            "CREATE TABLE IF NOT EXISTS videos (shard TEXT PRIMARY KEY, videos INTEGER NOT NULL);")
 
-    def scan(self, shard_sha: str, samples: list[tuple[str, str | None]]) -> None:
-        """Enter one upstream shard's samples ``(key, content sha256)``, in order, once."""
+    def knows(self, shard_sha: str) -> bool:
+        """Whether this upstream shard's samples were entered (and its videos counted)."""
+        return self.db.execute("SELECT 1 FROM videos WHERE shard = ?", (shard_sha,)).fetchone() is not None
+
+    def scan(self, shard_sha: str, samples: list[tuple[str, str | None, str]]) -> None:
+        """Enter one upstream shard's samples ``(key, content sha256, kind)``, in order, once."""
+        with self.db:
+            self.db.execute("INSERT OR REPLACE INTO videos VALUES (?, ?)",
+                            (shard_sha, sum(1 for s in samples if s[2:] == ("video",))))
         if self.db.execute("SELECT 1 FROM scanned WHERE shard = ?", (shard_sha,)).fetchone():
             return
         with self.db:
-            for key, sha in samples:
+            for key, sha, *_ in samples:
                 if not sha:
                     continue
                 row = self.db.execute("SELECT key FROM owners WHERE sha256 = ?", (sha,)).fetchone()
@@ -341,6 +355,11 @@ class DedupIndex:
                 elif row[0] != key:
                     self.db.execute("INSERT OR REPLACE INTO duplicates VALUES (?, ?, ?)", (shard_sha, key, row[0]))
             self.db.execute("INSERT INTO scanned VALUES (?)", (shard_sha,))
+
+    def has_videos(self, shard_shas: list[str]) -> bool:
+        """Whether any of these (scanned) upstream shards holds a video."""
+        return any((self.db.execute("SELECT videos FROM videos WHERE shard = ?", (sha,)).fetchone() or (0,))[0]
+                   for sha in shard_shas)
 
     def duplicates(self, shard_shas: list[str]) -> dict[str, str]:
         """Sample key -> owner key for the duplicates in these upstream shards."""
@@ -358,52 +377,70 @@ class DedupIndex:
 # ---------------------------------------------------------------------------------------------------------
 
 
-def fingerprint(cfg: CurateConfig, background: tuple[int, int, int] = pixels.WHITE) -> dict[str, Any]:
-    """The unit fingerprint: scorers and thresholds (a changed threshold re-runs units, which reuse scores)."""
-    fp = {"stage": STAGE, "version": FORMAT_VERSION,
-          "scorers": [scorer_fingerprint(cfg, s, background) for s in cfg.active_scorers()],
-          "thresholds": cfg.thresholds(), "dedup": "sha256"}
+def fingerprint(cfg: CurateConfig, background: tuple[int, int, int] = pixels.WHITE,
+                clips: ClipSpec | None = None) -> dict[str, Any]:
+    """The unit fingerprint: scorers and thresholds (a changed threshold re-runs units, which reuse scores).
+    ``clips``: the clip plan videos are scored per clip by; it joins the fingerprint of the units that hold
+    videos only (:func:`plan`), so an image-only recipe's units never depend on the bucket's clip keys."""
+    fp: dict[str, Any] = {"stage": STAGE, "version": FORMAT_VERSION,
+                          "scorers": [scorer_fingerprint(cfg, s, background) for s in cfg.active_scorers()],
+                          "thresholds": cfg.thresholds(), "dedup": "sha256"}
     if cfg.dedup_threshold is not None:  # the units embed their samples; the threshold applies in bucket
         fp["embedder"] = cfg.embedder_fingerprint(background)
+    if clips is not None:
+        fp["clips"] = clips.fingerprint()
     return fp
 
 
-def manifest_header(cfg: CurateConfig, background: tuple[int, int, int] = pixels.WHITE) -> dict[str, Any]:
-    return {"fingerprint": stable_hash(fingerprint(cfg, background)), "scorers": cfg.active_scorers(),
-            "thresholds": cfg.thresholds()}
+def manifest_header(cfg: CurateConfig, background: tuple[int, int, int] = pixels.WHITE,
+                    clips: ClipSpec | None = None) -> dict[str, Any]:
+    """The manifest's fingerprint (with ``clips`` only when videos were scored per clip), scorers and
+    thresholds."""
+    header = {"fingerprint": stable_hash(fingerprint(cfg, background, clips)), "scorers": cfg.active_scorers(),
+              "thresholds": cfg.thresholds()}
+    if clips is not None:
+        header["clips"] = clips.fingerprint()
+    return header
 
 
-def sample_hashes(tar: Path, index_entry: dict[str, Any] | None = None) -> list[tuple[str, str | None]]:
-    """``(key, content sha256)`` of every sample of an upstream shard, in order: only the json members are
-    read, at the offsets of the shard index beside the tar (the whole tar when it has none)."""
+def sample_hashes(tar: Path, index_entry: dict[str, Any] | None = None) -> list[tuple[str, str | None, str]]:
+    """``(key, content sha256, kind)`` of every sample of an upstream shard, in order: only the json members
+    are read, at the offsets of the shard index beside the tar (the whole tar when it has none)."""
+    def facts(key: str, meta: dict[str, Any]) -> tuple[str, str | None, str]:
+        return key, meta.get("sha256"), meta.get("kind") or "image"
+
     try:
         index = load_shard_index(tar, index_entry)
     except ShardIndexError:
-        return [(s["__key__"], sample_json(s).get("sha256")) for s in read_shard(tar)]
+        return [facts(s["__key__"], sample_json(s)) for s in read_shard(tar)]
     found = []
     with open(tar, "rb") as fh:
         for i in range(index.num_samples):
             offset, size = index.members(i)["json"]
             fh.seek(offset)
-            found.append((index.key(i), json.loads(fh.read(size)).get("sha256")))
+            found.append(facts(index.key(i), json.loads(fh.read(size))))
     return found
 
 
 def plan(cfg: CurateConfig, upstream: StageDir, stage_dir: StageDir | None = None,
-         background: tuple[int, int, int] = pixels.WHITE) -> list[WorkUnit]:
+         background: tuple[int, int, int] = pixels.WHITE, clips: ClipSpec | None = None) -> list[WorkUnit]:
     """Units of upstream shards grouped up to ``shard_bytes``; each unit's payload names the duplicates among
     its samples (``duplicates``: key -> owner key), from the dedup index, which first enters the samples of
-    upstream shards it has not seen (in manifest order)."""
+    upstream shards it has not seen (in manifest order). With ``clips`` (the bucket stage's clip plan, so
+    videos are scored per clip) a unit that holds a video has the plan in its fingerprint (its id)."""
     stage_dir = stage_dir if stage_dir is not None else sibling_stage(upstream, STAGE)
     units = units_by_bytes(upstream, fingerprint(cfg, background), cfg.shard_bytes, stage_dir,
                            copy_estimate(256))
     index = DedupIndex(stage_dir.root / DEDUP_FILE)
     try:
         for entry in upstream.read_manifest()["shards"]:
-            if not index.db.execute("SELECT 1 FROM scanned WHERE shard = ?", (entry["sha256"],)).fetchone():
+            if not index.knows(entry["sha256"]):
                 index.scan(entry["sha256"], sample_hashes(upstream.root / entry["path"], entry.get("index")))
         for unit in units:
             unit.payload["duplicates"] = index.duplicates(unit.inputs)
+            if clips is not None and index.has_videos(unit.inputs):
+                unit.unit_id = grouped_unit_id(fingerprint(cfg, background, clips), unit.inputs)
+                unit.payload["clips"] = True
     finally:
         index.close()
     return units
@@ -425,12 +462,14 @@ class _Scored:
 
 
 def _score_unit(cfg: CurateConfig, unit: WorkUnit, prints: dict[str, dict[str, Any]], index: ScoreIndex,
-                skip: set[str], background: tuple[int, int, int], keep_small: bool = False) -> Iterator[_Scored]:
+                skip: set[str], background: tuple[int, int, int], keep_small: bool = False,
+                per_clip: bool = False) -> Iterator[_Scored]:
     """The unit's samples in order, each with its scores: found by key, else decoded once and scored; the
     model scores of up to ``cfg.batch_size`` samples at a time in batched forwards (decoded frames are held
     for that many samples only). Samples in ``skip`` (duplicates) come through unscored. With ``keep_small``
     a sample decoded here keeps its frames as :func:`decode_frames` gives them (``small``, for its near-dup
-    embedding) when they are the frames it was scored on (no model scorer asked for a larger decode)."""
+    embedding) when they are the frames it was scored on (no model scorer asked for a larger decode). With
+    ``per_clip`` videos come through unscored too: :func:`_process_video_clips` scores them per clip."""
     names = list(prints)
     models_on = any(n in MODEL_SCORERS for n in names)
     chunk: list[_Scored] = []
@@ -451,7 +490,7 @@ def _score_unit(cfg: CurateConfig, unit: WorkUnit, prints: dict[str, dict[str, A
     for sample in iter_unit_samples(unit):
         item = _Scored(sample, sample_json(sample))
         chunk.append(item)
-        if sample["__key__"] not in skip:
+        if sample["__key__"] not in skip and not (per_clip and item.meta.get("kind") == "video"):
             kind = item.meta.get("kind") or "image"
             text = caption_text(sample, item.meta) if "clip_score" in names else None
             item.keys = {name: score_key(prints[name], item.meta, text if name == "clip_score" else None)
@@ -479,8 +518,10 @@ def _score_unit(cfg: CurateConfig, unit: WorkUnit, prints: dict[str, dict[str, A
 
 
 def process(cfg: CurateConfig, unit: WorkUnit, out: UnitOutput,
-            background: tuple[int, int, int] = pixels.WHITE) -> None:
-    """Drop the unit's duplicates, score the others (reusing scores by key), apply the thresholds."""
+            background: tuple[int, int, int] = pixels.WHITE, clips: ClipSpec | None = None) -> None:
+    """Drop the unit's duplicates, score the others (reusing scores by key), apply the thresholds. With
+    ``clips`` (the bucket stage's clip plan) a video is scored and thresholded per clip
+    (:func:`_process_video_clips`)."""
     names = cfg.active_scorers()
     prints = {name: scorer_fingerprint(cfg, name, background) for name in names}
     thresholds = cfg.thresholds()
@@ -493,12 +534,16 @@ def process(cfg: CurateConfig, unit: WorkUnit, out: UnitOutput,
              else None)  # None: the pixel thumbnail (neardup.thumbnail_embedding)
     embeds = (neardup.UnitEmbeddings(out.stage_dir.root, unit.unit_id, cfg.embedder_fingerprint(background),
                                      embed) if cfg.dedup_threshold is not None else None)
-    for item in _score_unit(cfg, unit, prints, index, set(duplicates), background, keep_small=embeds is not None):
+    for item in _score_unit(cfg, unit, prints, index, set(duplicates), background, keep_small=embeds is not None,
+                            per_clip=clips is not None):
         sample, meta, key = item.sample, item.meta, item.sample["__key__"]
         source, kind = meta.get("source", "?"), meta.get("kind") or "image"
         if key in duplicates:
             counts["duplicates"] += 1
             out.quarantine(key, source, "exact duplicate (same content sha256)", duplicate_of=duplicates[key])
+            continue
+        if clips is not None and kind == "video":
+            _process_video_clips(cfg, clips, item, prints, index.values, out, rows, counts, embeds, background)
             continue
         if item.error is not None:
             # Unscored, it goes on: the cache stage, which decodes what it encodes, quarantines it with
@@ -533,6 +578,54 @@ def process(cfg: CurateConfig, unit: WorkUnit, out: UnitOutput,
     out.extra.update(scores=rows, counts=counts)
 
 
+def _process_video_clips(cfg: CurateConfig, spec: ClipSpec, item: _Scored, prints: dict[str, dict[str, Any]],
+                         known: dict[str, float], out: UnitOutput, rows: dict[str, dict[str, Any]],
+                         counts: dict[str, int], embeds: neardup.UnitEmbeddings | None,
+                         background: tuple[int, int, int]) -> None:
+    """One video scored per clip (:mod:`latentmill.stages.curate_clips`): its clips' verdicts go into its
+    json (``clip_scores``) for the bucket stage, one scores-table row per clip (key ``<key>-c<j>``, kind
+    ``clip``); a video whose every clip fails a threshold is quarantined whole."""
+    from latentmill.stages import curate_clips
+
+    sample, meta, key = item.sample, item.meta, item.sample["__key__"]
+    source = meta.get("source", "?")
+    names = list(prints)
+    text = caption_text(sample, meta) if "clip_score" in names else None
+    # the near-dup embedding stays per video: its frames join the decode pass when it is not stored yet
+    embed_missing = embeds is not None and embeds.index.get(neardup.embedding_key(embeds.fp_hash, meta)) is None
+    video = curate_clips.score_video(cfg, sample, meta, spec, prints, known, text, background,
+                                     whole_frames=embed_missing)
+    if video.error is not None:  # as a whole-video decode error: on unscored, quarantined downstream
+        counts["unscored"] += 1
+        meta["scores"] = {}
+        meta["unscored"] = video.error
+        out.add({**sample, "json": meta_bytes(meta)}, part="video")
+        return
+    if video.cuts is not None:
+        meta["scene_cuts"], meta["scene_threshold"] = video.cuts, spec.scene_threshold
+    entries, fails = curate_clips.verdicts(video, names, cfg.thresholds())
+    for j, (clip, entry, failed) in enumerate(zip(video.clips, entries, fails)):
+        rows[curate_clips.clip_key(key, j)] = {"source": source, "kind": curate_clips.CLIP_KIND, "video": key,
+                                              "keys": clip.keys, "values": entry["scores"],
+                                              **({"quarantined": ",".join(f"curate.{n}" for n, _, _ in failed)}
+                                                 if failed else {})}
+    counts["clips_scored"] = counts.get("clips_scored", 0) + sum(c.computed for c in video.clips)
+    counts["clip_scores_reused"] = counts.get("clip_scores_reused", 0) + sum(not c.computed for c in video.clips)
+    counts["clips_below_threshold"] = counts.get("clips_below_threshold", 0) + sum(bool(f) for f in fails)
+    out.extra["clip_videos"] = out.extra.get("clip_videos", 0) + 1
+    if video.clips:
+        counts["scored" if video.computed else "scores_reused"] += 1
+    if video.clips and all(fails):  # every clip fails: the video goes whole, here
+        counts["below_threshold"] += 1
+        out.quarantine(key, source, curate_clips.whole_video_reason(fails), clip_scores=entries)
+        return
+    meta["clip_scores"] = entries  # empty: too short for a clip (the bucket stage says so)
+    meta.pop("scores", None)
+    if embeds is not None:
+        embeds.add(key, meta, lambda: video.small or decode_frames(sample, meta, cfg, background))
+    out.add({**sample, "json": meta_bytes(meta)}, part="video")
+
+
 def report(records: list[UnitRecord]) -> dict[str, Any]:
     """Scorer calls, reused scores, duplicates and threshold drops of the units this run ran (a reused unit
     neither scores nor reuses), and quarantines per reason over the whole stage."""
@@ -544,6 +637,9 @@ def report(records: list[UnitRecord]) -> dict[str, Any]:
         for q in record.quarantined:
             reasons[q["reason"]] = reasons.get(q["reason"], 0) + 1
     result["quarantined_by_reason"] = dict(sorted(reasons.items()))
+    per_clip = ("clips_scored", "clip_scores_reused", "clips_below_threshold")
+    if any(name in (r.extra.get("counts") or {}) for r in records for name in per_clip):
+        result.update({name: sum(int((r.extra.get("counts") or {}).get(name, 0)) for r in ran) for name in per_clip})
     return result
 
 

@@ -637,10 +637,12 @@ def update(curate_root: Path, records: list[UnitRecord], fingerprint: dict[str, 
             array = np.load(path)
             index.vectors_read += len(array)
             scores = record.extra.get("scores") or {}
+            by_video = video_aesthetics(scores)
             for i in new:
                 keys.append(emb["keys"][i])
                 vectors.append(array[i])
-                aesthetic.append((scores.get(emb["keys"][i]) or {}).get("values", {}).get("aesthetic"))
+                aesthetic.append((scores.get(emb["keys"][i]) or {}).get("values", {}).get("aesthetic",
+                                                                                         by_video.get(emb["keys"][i])))
         index.enter(keys, np.stack(vectors) if vectors else np.zeros((0, dim), np.float32), aesthetic,
                     units_read)
         decided = index.decide(threshold)
@@ -653,6 +655,17 @@ def update(curate_root: Path, records: list[UnitRecord], fingerprint: dict[str, 
                 "seconds": round(time.perf_counter() - start, 3)}
     finally:
         index.close()
+
+
+def video_aesthetics(rows: dict[str, dict[str, Any]]) -> dict[str, float]:
+    """Video key -> the mean ``aesthetic`` of its clips, for videos the curate stage scored per clip (their
+    rows are the clips', each naming its ``video``): the keep rule's score of a video."""
+    found: dict[str, list[float]] = {}
+    for row in rows.values():
+        value = (row.get("values") or {}).get("aesthetic")
+        if row.get("video") and value is not None:
+            found.setdefault(row["video"], []).append(float(value))
+    return {video: float(np.mean(values)) for video, values in found.items()}
 
 
 def decisions_for(curate_root: Path, fingerprint: dict[str, Any], threshold: float,
