@@ -49,6 +49,7 @@ from latentmill.stages.shardio import (
     UnitOutput,
     UnitRecord,
     WorkUnit,
+    canonical_json,
     check_shard_bytes,
     copy_estimate,
     iter_unit_samples,
@@ -56,6 +57,7 @@ from latentmill.stages.shardio import (
     meta_bytes,
     read_shard,
     sample_json,
+    sha256_bytes,
     sibling_stage,
     stable_hash,
     units_by_bytes,
@@ -223,6 +225,23 @@ def score_key(scorer_fp: dict[str, Any], meta: dict[str, Any], text: str | None 
     return stable_hash(parts)
 
 
+class ScoreKeyer:
+    """:func:`score_key` for one scorer fingerprint, with the fingerprint's canonical JSON encoded once (a
+    model scorer's fingerprint holds the model's and head's digests: encoding it for every sample was most of
+    a key's cost). The keys are :func:`score_key`'s, byte for byte: ``stable_hash`` of the same dict, whose
+    text is its parts' texts in key order (``clip``, ``scorer``, ``sha256``, ``text``)."""
+
+    def __init__(self, scorer_fp: dict[str, Any]):
+        self.scorer_json = canonical_json(scorer_fp)
+
+    def __call__(self, meta: dict[str, Any], text: str | None = None) -> str:
+        doc = (f'{{"clip":{canonical_json(meta.get("clip"))},"scorer":{self.scorer_json},'
+               f'"sha256":{canonical_json(meta.get("sha256"))}')
+        if text is not None:
+            doc += f',"text":{canonical_json(text)}'
+        return sha256_bytes((doc + "}").encode())
+
+
 def caption_text(sample: dict[str, Any], meta: dict[str, Any]) -> str:
     """The sample's primary caption (its ``.txt`` member, else ``caption`` in its json; empty if none)."""
     if sample.get("txt"):
@@ -230,12 +249,16 @@ def caption_text(sample: dict[str, Any], meta: dict[str, Any]) -> str:
     return str(meta.get("caption") or "")
 
 
+def _mean(values: list[float]) -> float:
+    """``np.mean`` of per-frame values; an image's one value as it is (the same float, without numpy's call)."""
+    return float(values[0]) if len(values) == 1 else float(np.mean(values))
+
+
 def score_frames(frames: list[Image.Image], names: list[str]) -> dict[str, float]:
     """Each named model-free score of an image (one frame) or a video (the mean over its frames; ``motion``
     over consecutive frames)."""
     greys = [grey(f) for f in frames]
-    scores = {name: float(np.mean([SCORE_FUNCTIONS[name](g) for g in greys]))
-              for name in names if name in SCORE_FUNCTIONS}
+    scores = {name: _mean([SCORE_FUNCTIONS[name](g) for g in greys]) for name in names if name in SCORE_FUNCTIONS}
     if "motion" in names:
         scores["motion"] = curate_models.motion(greys)
     return scores
@@ -252,7 +275,8 @@ def decode_and_score(sample: dict[str, Any], meta: dict[str, Any], cfg: CurateCo
     from latentmill.stages.captioners.media import fit_within, load_media
 
     kind, frames, _ = load_media(sample, meta, cfg.frames, cfg.decode_side(), background)
-    small = frames if cfg.decode_side() == cfg.score_side else [fit_within(f, cfg.score_side) for f in frames]
+    # a frame that already fits is scored as it is (load_media's frames are RGB): no copy
+    small = [f if max(f.size) <= cfg.score_side else fit_within(f, cfg.score_side) for f in frames]
     return kind, score_frames(small, [n for n in names if n != "motion" or kind == "video"]), frames
 
 
@@ -321,11 +345,13 @@ class DedupIndex:
     def __init__(self, path: Path):
         path.parent.mkdir(parents=True, exist_ok=True)
         self.db = sqlite3.connect(str(path))
-        self.db.executescript(
+        self.db.executescript(  # one transaction: a new index costs one commit (a few fsyncs), not three
+            "BEGIN;"
             "CREATE TABLE IF NOT EXISTS owners (sha256 TEXT PRIMARY KEY, key TEXT NOT NULL);"
             "CREATE TABLE IF NOT EXISTS scanned (shard TEXT PRIMARY KEY);"
             "CREATE TABLE IF NOT EXISTS duplicates (shard TEXT NOT NULL, key TEXT NOT NULL, owner TEXT NOT NULL,"
-            " PRIMARY KEY (shard, key));")
+            " PRIMARY KEY (shard, key));"
+            "COMMIT;")
 
     def scan(self, shard_sha: str, samples: list[tuple[str, str | None]]) -> None:
         """Enter one upstream shard's samples ``(key, content sha256)``, in order, once."""
@@ -432,6 +458,7 @@ def _score_unit(cfg: CurateConfig, unit: WorkUnit, prints: dict[str, dict[str, A
     a sample decoded here keeps its frames as :func:`decode_frames` gives them (``small``, for its near-dup
     embedding) when they are the frames it was scored on (no model scorer asked for a larger decode)."""
     names = list(prints)
+    keyers = {name: ScoreKeyer(fp) for name, fp in prints.items()}
     models_on = any(n in MODEL_SCORERS for n in names)
     chunk: list[_Scored] = []
 
@@ -454,7 +481,7 @@ def _score_unit(cfg: CurateConfig, unit: WorkUnit, prints: dict[str, dict[str, A
         if sample["__key__"] not in skip:
             kind = item.meta.get("kind") or "image"
             text = caption_text(sample, item.meta) if "clip_score" in names else None
-            item.keys = {name: score_key(prints[name], item.meta, text if name == "clip_score" else None)
+            item.keys = {name: keyers[name](item.meta, text if name == "clip_score" else None)
                          for name in names if name != "motion" or kind == "video"}  # an image has no motion
             item.values = {name: index.values[k] for name, k in item.keys.items() if k in index.values}
             missing = [name for name in item.keys if name not in item.values]
