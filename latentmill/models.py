@@ -91,7 +91,9 @@ def hash_store_path() -> Path:
 
 def _file_sha(path: Path, store=None) -> str:
     st = path.stat()
-    key = (str(path.resolve()), st.st_size, st.st_mtime_ns)
+    # the file itself (device and inode, whatever path or link leads to it) as it is now (size, mtime): no
+    # ``resolve`` (a syscall per path component) to find a digest this process has taken
+    key = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
     with _memo_lock:
         if key in _memo:
             return _memo[key]

@@ -275,8 +275,7 @@ def decode_and_score(sample: dict[str, Any], meta: dict[str, Any], cfg: CurateCo
     from latentmill.stages.captioners.media import fit_within, load_media
 
     kind, frames, _ = load_media(sample, meta, cfg.frames, cfg.decode_side(), background)
-    # a frame that already fits is scored as it is (load_media's frames are RGB): no copy
-    small = [f if max(f.size) <= cfg.score_side else fit_within(f, cfg.score_side) for f in frames]
+    small = frames if cfg.decode_side() == cfg.score_side else [fit_within(f, cfg.score_side) for f in frames]
     return kind, score_frames(small, [n for n in names if n != "motion" or kind == "video"]), frames
 
 

@@ -271,10 +271,14 @@ def release_memory() -> None:
     _malloc_trim(0)
 
 
+# json.dumps(obj, sort_keys=True, separators=(",", ":"), default=str) without building an encoder per call
+_CANONICAL = json.JSONEncoder(sort_keys=True, separators=(",", ":"), default=str)
+
+
 def canonical_json(obj: Any) -> str:
     """The JSON text :func:`stable_hash` hashes: sorted keys, no spaces, ASCII, ``str()`` of anything else.
     A dict's text is its values' texts joined in key order, so a part can be encoded once and reused."""
-    return json.dumps(obj, sort_keys=True, separators=(",", ":"), default=str)
+    return _CANONICAL.encode(obj)
 
 
 def stable_hash(obj: Any) -> str:
@@ -288,10 +292,10 @@ def json_bytes(obj: Any) -> bytes:
 
 
 def _without_nulls(value: Any) -> Any:
-    if isinstance(value, dict):
-        return {k: _without_nulls(v) for k, v in value.items() if v is not None}
+    if isinstance(value, dict):  # scalars are taken as they are, without a call each (a json per sample)
+        return {k: _without_nulls(v) if isinstance(v, (dict, list)) else v for k, v in value.items() if v is not None}
     if isinstance(value, list):
-        return [_without_nulls(v) for v in value]
+        return [_without_nulls(v) if isinstance(v, (dict, list)) else v for v in value]
     return value
 
 
@@ -768,6 +772,8 @@ def index_path(tar_path: str | Path) -> Path:
 
 def _bucket_of(meta_bytes_: bytes) -> list[int] | None:
     """The ``bucket`` of a sample's ``json`` member (a list of ints), or None."""
+    if b"bucket" not in meta_bytes_ and b"\\u" not in meta_bytes_:  # no such key, even escaped: no parse
+        return None
     try:
         bucket = json.loads(meta_bytes_).get("bucket")
     except (ValueError, AttributeError):
