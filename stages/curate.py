@@ -265,18 +265,29 @@ def score_frames(frames: list[Image.Image], names: list[str]) -> dict[str, float
 
 
 def decode_and_score(sample: dict[str, Any], meta: dict[str, Any], cfg: CurateConfig, names: list[str],
-                     background: tuple[int, int, int] = pixels.WHITE
+                     background: tuple[int, int, int] = pixels.WHITE,
+                     decoded: tuple[str, list[Image.Image]] | None = None
                      ) -> tuple[str, dict[str, float], list[Image.Image]]:
     """``(kind, model-free scores, frames)``: decode a sample as the captioners do (an image, or
     ``cfg.frames`` frames spread over a video or its clip window, through ``video.read_frames``) at
     ``cfg.decode_side()``, score the named model-free scorers on the frames shrunk to ``cfg.score_side``
     (``motion`` only for a video), and return the decoded frames for the model scorers. Raises the
-    decoder's error for a sample that cannot be decoded."""
-    from latentmill.stages.captioners.media import fit_within, load_media
+    decoder's error for a sample that cannot be decoded. ``decoded``: :func:`decode_media`'s result for
+    the sample, when it was decoded already."""
+    from latentmill.stages.captioners.media import fit_within
 
-    kind, frames, _ = load_media(sample, meta, cfg.frames, cfg.decode_side(), background)
+    kind, frames = decoded if decoded is not None else decode_media(sample, meta, cfg, background)
     small = frames if cfg.decode_side() == cfg.score_side else [fit_within(f, cfg.score_side) for f in frames]
     return kind, score_frames(small, [n for n in names if n != "motion" or kind == "video"]), frames
+
+
+def decode_media(sample: dict[str, Any], meta: dict[str, Any], cfg: CurateConfig,
+                 background: tuple[int, int, int] = pixels.WHITE) -> tuple[str, list[Image.Image]]:
+    """``(kind, frames)`` of a sample decoded for scoring (:func:`decode_and_score`'s first half)."""
+    from latentmill.stages.captioners.media import load_media
+
+    kind, frames, _ = load_media(sample, meta, cfg.frames, cfg.decode_side(), background)
+    return kind, frames
 
 
 def score_media(sample: dict[str, Any], meta: dict[str, Any], cfg: CurateConfig, names: list[str],
@@ -447,21 +458,49 @@ class _Scored:
     frames: list[Image.Image] | None = None  # decoded frames, while model scores are missing
     needs: list[str] = field(default_factory=list)  # model scores still missing
     small: list[Image.Image] | None = None  # the frames decode_frames gives, kept for an embedding
+    missing: list[str] = field(default_factory=list)  # scores to compute when its chunk is decoded
 
 
 def _score_unit(cfg: CurateConfig, unit: WorkUnit, prints: dict[str, dict[str, Any]], index: ScoreIndex,
                 skip: set[str], background: tuple[int, int, int], keep_small: bool = False) -> Iterator[_Scored]:
-    """The unit's samples in order, each with its scores: found by key, else decoded once and scored; the
-    model scores of up to ``cfg.batch_size`` samples at a time in batched forwards (decoded frames are held
-    for that many samples only). Samples in ``skip`` (duplicates) come through unscored. With ``keep_small``
+    """The unit's samples in order, each with its scores: found by key, else decoded once and scored, up to
+    ``cfg.batch_size`` samples at a time (decoded frames are held for that many samples only), the model
+    scores in batched forwards. Samples in ``skip`` (duplicates) come through unscored. With ``keep_small``
     a sample decoded here keeps its frames as :func:`decode_frames` gives them (``small``, for its near-dup
     embedding) when they are the frames it was scored on (no model scorer asked for a larger decode)."""
     names = list(prints)
     keyers = {name: ScoreKeyer(fp) for name, fp in prints.items()}
-    models_on = any(n in MODEL_SCORERS for n in names)
     chunk: list[_Scored] = []
 
+    def score(item: _Scored, decoded: tuple[str, list[Image.Image]]) -> None:
+        kind = item.meta.get("kind") or "image"
+        try:
+            decoded_kind, computed, frames = decode_and_score(item.sample, item.meta, cfg, item.missing,
+                                                              background, decoded)
+        except Exception as err:  # PIL / decord / PyAV errors
+            item.error = f"{type(err).__name__}: {err}"
+        else:
+            if decoded_kind != kind:  # a video member without "kind": no motion was keyed for it
+                computed.pop("motion", None)
+            item.values.update(computed)
+            item.needs = [name for name in item.missing if name in MODEL_SCORERS]
+            item.frames = frames if item.needs else None
+            if keep_small and cfg.decode_side() == cfg.score_side:
+                item.small = frames
+
     def flush() -> Iterator[_Scored]:
+        # The chunk's samples are decoded first, then scored: alternating a decode and the numpy scores
+        # sample by sample cost ~15% more per image (libjpeg's and numpy's buffers churned the allocator).
+        decoded: list[tuple[_Scored, tuple[str, list[Image.Image]]]] = []
+        for item in chunk:
+            if item.missing:
+                try:
+                    decoded.append((item, decode_media(item.sample, item.meta, cfg, background)))
+                except Exception as err:  # PIL / decord / PyAV errors
+                    item.error = f"{type(err).__name__}: {err}"
+        for item, media in decoded:
+            score(item, media)
+        del decoded
         waiting = [s for s in chunk if s.needs]
         if waiting:
             found = curate_models.model_scores(cfg, [s.frames or [] for s in waiting],
@@ -486,20 +525,8 @@ def _score_unit(cfg: CurateConfig, unit: WorkUnit, prints: dict[str, dict[str, A
             missing = [name for name in item.keys if name not in item.values]
             if missing:
                 item.computed = True
-                try:
-                    decoded_kind, computed, frames = decode_and_score(sample, item.meta, cfg, missing,
-                                                                      background)
-                except Exception as err:  # PIL / decord / PyAV errors
-                    item.error = f"{type(err).__name__}: {err}"
-                else:
-                    if decoded_kind != kind:  # a video member without "kind": no motion was keyed for it
-                        computed.pop("motion", None)
-                    item.values.update(computed)
-                    item.needs = [name for name in missing if name in MODEL_SCORERS]
-                    item.frames = frames if item.needs else None
-                    if keep_small and cfg.decode_side() == cfg.score_side:
-                        item.small = frames
-        if not models_on or len(chunk) >= cfg.batch_size:
+                item.missing = missing  # decoded and scored with its chunk (flush)
+        if len(chunk) >= cfg.batch_size:  # decoded frames are held for a chunk, with or without models
             yield from flush()
     yield from flush()
 
