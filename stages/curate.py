@@ -95,7 +95,7 @@ class CurateConfig:
     score_side: int = 256  # images and frames are shrunk to this longer side before scoring
     model_side: int = 448  # with a model scorer on, frames are decoded at this longer side for the model
     frames: int = 4  # K frames per video, spread uniformly over it
-    batch_size: int = 16  # images (frames) or captions per scorer-model forward
+    batch_size: int = 16  # samples decoded, then scored, at a time; images or captions per model forward
     device: Literal["auto", "cpu", "cuda"] = "auto"  # scorer models: auto = cuda when a GPU is visible
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"  # auto: bf16 on GPU, fp32 on CPU
     # target size of a curate shard: upstream shards are grouped into units up to this many bytes
