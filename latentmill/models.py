@@ -91,7 +91,9 @@ def hash_store_path() -> Path:
 
 def _file_sha(path: Path, store=None) -> str:
     st = path.stat()
-    key = (str(path.resolve()), st.st_size, st.st_mtime_ns)
+    # the file itself (device and inode, whatever path or link leads to it) as it is now (size, mtime): no
+    # ``resolve`` (a syscall per path component) to find a digest this process has taken
+    key = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
     with _memo_lock:
         if key in _memo:
             return _memo[key]
@@ -106,6 +108,29 @@ def _file_sha(path: Path, store=None) -> str:
     return digest
 
 
+class _StoreOnDemand:
+    """The weight-hash store (``FileHashes`` at :func:`hash_store_path`), opened on the first digest this
+    process has not memoised: fingerprinting a loaded model again (a curate scorer's, once per batch) then
+    costs a ``stat`` per file, not a SQLite connection."""
+
+    def __init__(self) -> None:
+        self.store = None
+
+    def sha256(self, path: Path) -> str:
+        if self.store is None:
+            from latentmill.stages.shardio import FileHashes
+
+            self.store = FileHashes(hash_store_path())
+        return self.store.sha256(path)
+
+    def close(self) -> None:
+        """Remember what was hashed (a read-only home: only for this process) and close the store."""
+        if self.store is not None:
+            self.store.save(forget_unused=False)
+            self.store.close()
+            self.store = None
+
+
 def component_fingerprint(src: ComponentSource) -> str:
     """Hash of a component's config and weight files (names and bytes), independent of where it lives."""
     root = _local_dir(src)
@@ -113,29 +138,25 @@ def component_fingerprint(src: ComponentSource) -> str:
         raise FileNotFoundError(f"model component folder {root} does not exist")
     # Digests of unchanged weight files are remembered on disk (hash_store_path): a FLUX.1-dev-sized
     # set is ~30 GB, which a prep would otherwise read in full on every run just to fingerprint it.
-    from latentmill.stages.shardio import FileHashes
-
-    store = FileHashes(hash_store_path())
-    entries = []
-    for path in sorted(root.rglob("*")):
-        if path.is_file() and path.name.endswith(_WEIGHT_SUFFIXES):
-            entries.append((path.relative_to(root).as_posix(), _file_sha(path, store)))
+    store = _StoreOnDemand()
+    try:
+        entries = []
+        for path in sorted(root.rglob("*")):
+            if path.is_file() and path.name.endswith(_WEIGHT_SUFFIXES):
+                entries.append((path.relative_to(root).as_posix(), _file_sha(path, store)))
+    finally:
+        store.close()
     if not entries:
         raise FileNotFoundError(f"no config or weight files under {root}")
-    store.save(forget_unused=False)  # a read-only home: the digests are only remembered for this process
-    store.close()
     return hashlib.sha256(json.dumps(entries).encode()).hexdigest()
 
 
 def file_fingerprint(path: str | os.PathLike[str]) -> str:
     """sha256 of one weight file (a scorer head), remembered like :func:`component_fingerprint`'s digests."""
-    from latentmill.stages.shardio import FileHashes
-
-    store = FileHashes(hash_store_path())
+    store = _StoreOnDemand()
     try:
         return _file_sha(Path(path), store)
     finally:
-        store.save(forget_unused=False)
         store.close()
 
 

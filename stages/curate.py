@@ -35,6 +35,7 @@ written with the same bytes, so the cache downstream copies its components witho
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sqlite3
 from dataclasses import dataclass, field
@@ -52,6 +53,7 @@ from latentmill.stages.shardio import (
     UnitOutput,
     UnitRecord,
     WorkUnit,
+    canonical_json,
     check_shard_bytes,
     copy_estimate,
     grouped_unit_id,
@@ -60,6 +62,7 @@ from latentmill.stages.shardio import (
     meta_bytes,
     read_shard,
     sample_json,
+    sha256_bytes,
     sibling_stage,
     stable_hash,
     units_by_bytes,
@@ -96,7 +99,7 @@ class CurateConfig:
     score_side: int = 256  # images and frames are shrunk to this longer side before scoring
     model_side: int = 448  # with a model scorer on, frames are decoded at this longer side for the model
     frames: int = 4  # K frames per clip of a video (the bucket stage's clips), spread uniformly over it
-    batch_size: int = 16  # images (frames) or captions per scorer-model forward
+    batch_size: int = 16  # samples decoded, then scored, at a time; images or captions per model forward
     device: Literal["auto", "cpu", "cuda"] = "auto"  # scorer models: auto = cuda when a GPU is visible
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"  # auto: bf16 on GPU, fp32 on CPU
     # target size of a curate shard: upstream shards are grouped into units up to this many bytes
@@ -192,7 +195,12 @@ def sharpness(grey_HW: np.ndarray) -> float:
     if grey_HW.shape[0] < 3 or grey_HW.shape[1] < 3:
         return 0.0
     g = grey_HW
-    lap = g[:-2, 1:-1] + g[2:, 1:-1] + g[1:-1, :-2] + g[1:-1, 2:] - 4.0 * g[1:-1, 1:-1]
+    # g[:-2, 1:-1] + g[2:, 1:-1] + g[1:-1, :-2] + g[1:-1, 2:] - 4.0 * g[1:-1, 1:-1], summed in that order
+    # (the same bits) into one buffer instead of a new array per term
+    lap = g[:-2, 1:-1] + g[2:, 1:-1]
+    lap += g[1:-1, :-2]
+    lap += g[1:-1, 2:]
+    lap -= 4.0 * g[1:-1, 1:-1]
     return float(lap.var())
 
 
@@ -227,6 +235,23 @@ def score_key(scorer_fp: dict[str, Any], meta: dict[str, Any], text: str | None 
     return stable_hash(parts)
 
 
+class ScoreKeyer:
+    """:func:`score_key` for one scorer fingerprint, with the fingerprint's canonical JSON encoded once (a
+    model scorer's fingerprint holds the model's and head's digests: encoding it for every sample was most of
+    a key's cost). The keys are :func:`score_key`'s, byte for byte: ``stable_hash`` of the same dict, whose
+    text is its parts' texts in key order (``clip``, ``scorer``, ``sha256``, ``text``)."""
+
+    def __init__(self, scorer_fp: dict[str, Any]):
+        self.scorer_json = canonical_json(scorer_fp)
+
+    def __call__(self, meta: dict[str, Any], text: str | None = None) -> str:
+        doc = (f'{{"clip":{canonical_json(meta.get("clip"))},"scorer":{self.scorer_json},'
+               f'"sha256":{canonical_json(meta.get("sha256"))}')
+        if text is not None:
+            doc += f',"text":{canonical_json(text)}'
+        return sha256_bytes((doc + "}").encode())
+
+
 def caption_text(sample: dict[str, Any], meta: dict[str, Any]) -> str:
     """The sample's primary caption (its ``.txt`` member, else ``caption`` in its json; empty if none)."""
     if sample.get("txt"):
@@ -234,30 +259,45 @@ def caption_text(sample: dict[str, Any], meta: dict[str, Any]) -> str:
     return str(meta.get("caption") or "")
 
 
+def _mean(values: list[float]) -> float:
+    """``np.mean`` of per-frame values; an image's one value as it is (the same float, without numpy's call)."""
+    return float(values[0]) if len(values) == 1 else float(np.mean(values))
+
+
 def score_frames(frames: list[Image.Image], names: list[str]) -> dict[str, float]:
     """Each named model-free score of an image (one frame) or a video (the mean over its frames; ``motion``
     over consecutive frames)."""
     greys = [grey(f) for f in frames]
-    scores = {name: float(np.mean([SCORE_FUNCTIONS[name](g) for g in greys]))
-              for name in names if name in SCORE_FUNCTIONS}
+    scores = {name: _mean([SCORE_FUNCTIONS[name](g) for g in greys]) for name in names if name in SCORE_FUNCTIONS}
     if "motion" in names:
         scores["motion"] = curate_models.motion(greys)
     return scores
 
 
 def decode_and_score(sample: dict[str, Any], meta: dict[str, Any], cfg: CurateConfig, names: list[str],
-                     background: tuple[int, int, int] = pixels.WHITE
+                     background: tuple[int, int, int] = pixels.WHITE,
+                     decoded: tuple[str, list[Image.Image]] | None = None
                      ) -> tuple[str, dict[str, float], list[Image.Image]]:
     """``(kind, model-free scores, frames)``: decode a sample as the captioners do (an image, or
     ``cfg.frames`` frames spread over a video or its clip window, through ``video.read_frames``) at
     ``cfg.decode_side()``, score the named model-free scorers on the frames shrunk to ``cfg.score_side``
     (``motion`` only for a video), and return the decoded frames for the model scorers. Raises the
-    decoder's error for a sample that cannot be decoded."""
-    from latentmill.stages.captioners.media import fit_within, load_media
+    decoder's error for a sample that cannot be decoded. ``decoded``: :func:`decode_media`'s result for
+    the sample, when it was decoded already."""
+    from latentmill.stages.captioners.media import fit_within
 
-    kind, frames, _ = load_media(sample, meta, cfg.frames, cfg.decode_side(), background)
+    kind, frames = decoded if decoded is not None else decode_media(sample, meta, cfg, background)
     small = frames if cfg.decode_side() == cfg.score_side else [fit_within(f, cfg.score_side) for f in frames]
     return kind, score_frames(small, [n for n in names if n != "motion" or kind == "video"]), frames
+
+
+def decode_media(sample: dict[str, Any], meta: dict[str, Any], cfg: CurateConfig,
+                 background: tuple[int, int, int] = pixels.WHITE) -> tuple[str, list[Image.Image]]:
+    """``(kind, frames)`` of a sample decoded for scoring (:func:`decode_and_score`'s first half)."""
+    from latentmill.stages.captioners.media import load_media
+
+    kind, frames, _ = load_media(sample, meta, cfg.frames, cfg.decode_side(), background)
+    return kind, frames
 
 
 def score_media(sample: dict[str, Any], meta: dict[str, Any], cfg: CurateConfig, names: list[str],
@@ -327,25 +367,27 @@ class DedupIndex:
     def __init__(self, path: Path):
         path.parent.mkdir(parents=True, exist_ok=True)
         self.db = sqlite3.connect(str(path))
-        self.db.executescript(
+        self.db.executescript(  # one transaction: a new index costs one commit (a few fsyncs), not three
+            "BEGIN;"
             "CREATE TABLE IF NOT EXISTS owners (sha256 TEXT PRIMARY KEY, key TEXT NOT NULL);"
             "CREATE TABLE IF NOT EXISTS scanned (shard TEXT PRIMARY KEY);"
             "CREATE TABLE IF NOT EXISTS duplicates (shard TEXT NOT NULL, key TEXT NOT NULL, owner TEXT NOT NULL,"
             " PRIMARY KEY (shard, key));"
-            "CREATE TABLE IF NOT EXISTS videos (shard TEXT PRIMARY KEY, videos INTEGER NOT NULL);")
+            "CREATE TABLE IF NOT EXISTS videos (shard TEXT PRIMARY KEY, videos INTEGER NOT NULL);"
+            "COMMIT;")
 
     def knows(self, shard_sha: str) -> bool:
         """Whether this upstream shard's samples were entered (and its videos counted)."""
         return self.db.execute("SELECT 1 FROM videos WHERE shard = ?", (shard_sha,)).fetchone() is not None
 
-    def scan(self, shard_sha: str, samples: list[tuple[str, str | None, str]]) -> None:
-        """Enter one upstream shard's samples ``(key, content sha256, kind)``, in order, once."""
-        with self.db:
+    def scan(self, shard_sha: str, samples: list[tuple[str, str | None, str]], commit: bool = True) -> None:
+        """Enter one upstream shard's samples ``(key, content sha256, kind)``, in order, once; ``commit=False``:
+        in the caller's transaction (``with index.db``: one commit for many shards, not one each)."""
+        with self.db if commit else contextlib.nullcontext():
             self.db.execute("INSERT OR REPLACE INTO videos VALUES (?, ?)",
                             (shard_sha, sum(1 for s in samples if s[2:] == ("video",))))
-        if self.db.execute("SELECT 1 FROM scanned WHERE shard = ?", (shard_sha,)).fetchone():
-            return
-        with self.db:
+            if self.db.execute("SELECT 1 FROM scanned WHERE shard = ?", (shard_sha,)).fetchone():
+                return
             for key, sha, *_ in samples:
                 if not sha:
                     continue
@@ -433,9 +475,11 @@ def plan(cfg: CurateConfig, upstream: StageDir, stage_dir: StageDir | None = Non
                            copy_estimate(256))
     index = DedupIndex(stage_dir.root / DEDUP_FILE)
     try:
-        for entry in upstream.read_manifest()["shards"]:
-            if not index.knows(entry["sha256"]):
-                index.scan(entry["sha256"], sample_hashes(upstream.root / entry["path"], entry.get("index")))
+        with index.db:  # the new shards in one transaction: one commit (a few fsyncs), not one per shard
+            for entry in upstream.read_manifest()["shards"]:
+                if not index.knows(entry["sha256"]):
+                    index.scan(entry["sha256"], sample_hashes(upstream.root / entry["path"], entry.get("index")),
+                               commit=False)
         for unit in units:
             unit.payload["duplicates"] = index.duplicates(unit.inputs)
             if clips is not None and index.has_videos(unit.inputs):
@@ -459,22 +503,51 @@ class _Scored:
     frames: list[Image.Image] | None = None  # decoded frames, while model scores are missing
     needs: list[str] = field(default_factory=list)  # model scores still missing
     small: list[Image.Image] | None = None  # the frames decode_frames gives, kept for an embedding
+    missing: list[str] = field(default_factory=list)  # scores to compute when its chunk is decoded
 
 
 def _score_unit(cfg: CurateConfig, unit: WorkUnit, prints: dict[str, dict[str, Any]], index: ScoreIndex,
                 skip: set[str], background: tuple[int, int, int], keep_small: bool = False,
                 per_clip: bool = False) -> Iterator[_Scored]:
-    """The unit's samples in order, each with its scores: found by key, else decoded once and scored; the
-    model scores of up to ``cfg.batch_size`` samples at a time in batched forwards (decoded frames are held
-    for that many samples only). Samples in ``skip`` (duplicates) come through unscored. With ``keep_small``
+    """The unit's samples in order, each with its scores: found by key, else decoded once and scored, up to
+    ``cfg.batch_size`` samples at a time (decoded frames are held for that many samples only), the model
+    scores in batched forwards. Samples in ``skip`` (duplicates) come through unscored. With ``keep_small``
     a sample decoded here keeps its frames as :func:`decode_frames` gives them (``small``, for its near-dup
     embedding) when they are the frames it was scored on (no model scorer asked for a larger decode). With
     ``per_clip`` videos come through unscored too: :func:`_process_video_clips` scores them per clip."""
     names = list(prints)
-    models_on = any(n in MODEL_SCORERS for n in names)
+    keyers = {name: ScoreKeyer(fp) for name, fp in prints.items()}
     chunk: list[_Scored] = []
 
+    def score(item: _Scored, decoded: tuple[str, list[Image.Image]]) -> None:
+        kind = item.meta.get("kind") or "image"
+        try:
+            decoded_kind, computed, frames = decode_and_score(item.sample, item.meta, cfg, item.missing,
+                                                              background, decoded)
+        except Exception as err:  # PIL / decord / PyAV errors
+            item.error = f"{type(err).__name__}: {err}"
+        else:
+            if decoded_kind != kind:  # a video member without "kind": no motion was keyed for it
+                computed.pop("motion", None)
+            item.values.update(computed)
+            item.needs = [name for name in item.missing if name in MODEL_SCORERS]
+            item.frames = frames if item.needs else None
+            if keep_small and cfg.decode_side() == cfg.score_side:
+                item.small = frames
+
     def flush() -> Iterator[_Scored]:
+        # The chunk's samples are decoded first, then scored: alternating a decode and the numpy scores
+        # sample by sample cost ~15% more per image (libjpeg's and numpy's buffers churned the allocator).
+        decoded: list[tuple[_Scored, tuple[str, list[Image.Image]]]] = []
+        for item in chunk:
+            if item.missing:
+                try:
+                    decoded.append((item, decode_media(item.sample, item.meta, cfg, background)))
+                except Exception as err:  # PIL / decord / PyAV errors
+                    item.error = f"{type(err).__name__}: {err}"
+        for item, media in decoded:
+            score(item, media)
+        del decoded
         waiting = [s for s in chunk if s.needs]
         if waiting:
             found = curate_models.model_scores(cfg, [s.frames or [] for s in waiting],
@@ -493,26 +566,14 @@ def _score_unit(cfg: CurateConfig, unit: WorkUnit, prints: dict[str, dict[str, A
         if sample["__key__"] not in skip and not (per_clip and item.meta.get("kind") == "video"):
             kind = item.meta.get("kind") or "image"
             text = caption_text(sample, item.meta) if "clip_score" in names else None
-            item.keys = {name: score_key(prints[name], item.meta, text if name == "clip_score" else None)
+            item.keys = {name: keyers[name](item.meta, text if name == "clip_score" else None)
                          for name in names if name != "motion" or kind == "video"}  # an image has no motion
             item.values = {name: index.values[k] for name, k in item.keys.items() if k in index.values}
             missing = [name for name in item.keys if name not in item.values]
             if missing:
                 item.computed = True
-                try:
-                    decoded_kind, computed, frames = decode_and_score(sample, item.meta, cfg, missing,
-                                                                      background)
-                except Exception as err:  # PIL / decord / PyAV errors
-                    item.error = f"{type(err).__name__}: {err}"
-                else:
-                    if decoded_kind != kind:  # a video member without "kind": no motion was keyed for it
-                        computed.pop("motion", None)
-                    item.values.update(computed)
-                    item.needs = [name for name in missing if name in MODEL_SCORERS]
-                    item.frames = frames if item.needs else None
-                    if keep_small and cfg.decode_side() == cfg.score_side:
-                        item.small = frames
-        if not models_on or len(chunk) >= cfg.batch_size:
+                item.missing = missing  # decoded and scored with its chunk (flush)
+        if len(chunk) >= cfg.batch_size:  # decoded frames are held for a chunk, with or without models
             yield from flush()
     yield from flush()
 

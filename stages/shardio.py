@@ -24,11 +24,9 @@ import tarfile
 import threading
 import time
 import zlib
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator
-
-import webdataset as wds
 
 FORMAT_VERSION = 1
 _TAR_USER = "latentmill"
@@ -275,9 +273,19 @@ def release_memory() -> None:
     _malloc_trim(0)
 
 
+# json.dumps(obj, sort_keys=True, separators=(",", ":"), default=str) without building an encoder per call
+_CANONICAL = json.JSONEncoder(sort_keys=True, separators=(",", ":"), default=str)
+
+
+def canonical_json(obj: Any) -> str:
+    """The JSON text :func:`stable_hash` hashes: sorted keys, no spaces, ASCII, ``str()`` of anything else.
+    A dict's text is its values' texts joined in key order, so a part can be encoded once and reused."""
+    return _CANONICAL.encode(obj)
+
+
 def stable_hash(obj: Any) -> str:
     """Hash of a JSON-able object, independent of dict order."""
-    return sha256_bytes(json.dumps(obj, sort_keys=True, separators=(",", ":"), default=str).encode())
+    return sha256_bytes(canonical_json(obj).encode())
 
 
 def json_bytes(obj: Any) -> bytes:
@@ -286,10 +294,10 @@ def json_bytes(obj: Any) -> bytes:
 
 
 def _without_nulls(value: Any) -> Any:
-    if isinstance(value, dict):
-        return {k: _without_nulls(v) for k, v in value.items() if v is not None}
+    if isinstance(value, dict):  # scalars are taken as they are, without a call each (a json per sample)
+        return {k: _without_nulls(v) if isinstance(v, (dict, list)) else v for k, v in value.items() if v is not None}
     if isinstance(value, list):
-        return [_without_nulls(v) for v in value]
+        return [_without_nulls(v) if isinstance(v, (dict, list)) else v for v in value]
     return value
 
 
@@ -316,64 +324,177 @@ def _write_json_atomic(path: Path, obj: Any) -> None:
 # ---------------------------------------------------------------------------------------------------------
 
 
-class _HashingFile:
-    """A write-only file that hashes what passes through it (the shard is not read back to hash it)."""
+_TAR_MODE = 0o444  # the members' mode (webdataset.TarWriter's default)
+_TAR_NAME_MAX = 100  # a ustar name field; a longer (or non-ASCII) name goes into a pax header
+_tar_template: bytearray | None = None  # a plain member header of our tars, name and size left to fill
 
-    def __init__(self, fh):
-        self.fh = fh
-        self.sha = hashlib.sha256()
 
-    def write(self, data) -> int:
-        self.sha.update(data)
-        return self.fh.write(data)
+def _tar_info(name: str, size: int) -> tarfile.TarInfo:
+    """A member of our tars as ``webdataset.TarWriter(user=group=_TAR_USER, mtime=0)`` describes it."""
+    info = tarfile.TarInfo(name)
+    info.size, info.mtime, info.mode, info.uname, info.gname = size, 0, _TAR_MODE, _TAR_USER, _TAR_USER
+    return info
 
-    def flush(self) -> None:
-        self.fh.flush()
+
+def tar_member_header(name: str, size: int) -> bytes:
+    """The header blocks ``tarfile`` writes for one member of our tars (``TarFile.addfile`` in its default
+    pax format, as ``webdataset.TarWriter`` calls it), byte for byte.
+
+    For a short ASCII name (every key and extension this repository writes) the header is one ustar block
+    that differs from member to member only in its name, size and checksum fields: those are filled into a
+    template that ``tarfile`` made, about 10x faster than ``TarInfo.tobuf``. Any other name (or a size of
+    8 GiB and more) goes through ``tobuf`` itself (pax extended header first)."""
+    global _tar_template
+    if not (len(name) <= _TAR_NAME_MAX and name.isascii() and 0 <= size < 8 ** 11):
+        return _tar_info(name, size).tobuf(tarfile.PAX_FORMAT, tarfile.ENCODING, "surrogateescape")
+    if _tar_template is None:
+        _tar_template = bytearray(_tar_info("", 0).tobuf(tarfile.PAX_FORMAT, tarfile.ENCODING, "surrogateescape"))
+    block = bytearray(_tar_template)
+    encoded = name.encode("ascii")
+    block[0:len(encoded)] = encoded
+    block[124:136] = b"%011o\0" % size
+    block[148:156] = b"        "  # the checksum sums the header with its own field as spaces
+    block[148:155] = b"%06o\0" % sum(block)
+    return bytes(block)
 
 
 class _ShardSink:
-    """Writes samples into ``path`` through a temporary file; ``commit`` renames it into place."""
+    """Writes samples into ``path`` through a temporary file; ``commit`` renames it into place.
+
+    The tar is what ``webdataset.TarWriter(user=group=_TAR_USER, mtime=0, encoder=False)`` writes over a
+    ``tarfile`` stream, byte for byte (tests/test_shardio.py compares them): per sample its members in sorted
+    extension order, each a header (:func:`tar_member_header`) and its data padded to 512 bytes; at the end
+    two zero blocks, then zeros to a multiple of 10 KiB. Written here directly: the stream and ``TarFile``
+    layers cost more than the header itself. mtime 0 and a fixed owner make the bytes a pure function of the
+    samples; written front to back, hashing the writes hashes the file. Where each member's data lands is
+    known as it is written, so the shard index is built from it too (:func:`index_tar` reads it back only for
+    names it would not parse the same way).
+    """
 
     def __init__(self, path: Path):
         self.path = path
         self.tmp = path.with_name(path.name + ".tmp")
         self._fh = open(self.tmp, "wb")
-        self._hashing = _HashingFile(self._fh)
-        # mtime 0 and fixed owner make the tar bytes a pure function of the samples; the tar is a stream
-        # ("w|"), written front to back, so hashing the writes hashes the file.
-        self._writer = wds.TarWriter(self._hashing, user=_TAR_USER, group=_TAR_USER, mtime=0, encoder=False,
-                                     compress=False)
+        self._sha = hashlib.sha256()
+        self._offset = 0  # bytes written
         self.count = 0
         self.size = 2 * _TAR_BLOCK  # the tar's bytes once closed (before its last record is padded)
         self.index: dict[str, Any] | None = None  # the index's manifest entry, set by ``commit``
+        # the index as index_shard / index_tar would read it back (None: read it back)
+        self._samples: dict[str, dict[str, tuple[int, int]]] | None = {}
+        self._st_headers: dict[tuple[str, str], bytes] = {}
+        self._json: dict[str, bytes] = {}  # key -> its (last) json member, for its bucket
+
+    def _put(self, data: bytes) -> None:
+        self._sha.update(data)
+        self._fh.write(data)
+        self._offset += len(data)
 
     def write(self, sample: dict[str, Any]) -> None:
-        self._writer.write(sample)
+        if "__key__" not in sample:
+            raise ValueError("object must contain a __key__")
+        for k, v in sample.items():
+            if k[0] != "_" and not isinstance(v, (bytes, bytearray, memoryview)):
+                raise ValueError(f"{k} doesn't map to a bytes after encoding ({type(v)})")
+        key = sample["__key__"]
+        for ext in sorted(sample):
+            if ext[0] == "_":  # __key__ and other metadata entries are not written
+                continue
+            data = sample[ext]
+            name = f"{key}.{ext}"
+            size = len(data)
+            header = tar_member_header(name, size)
+            self._put(header)
+            data_at = self._offset
+            self._put(data)
+            if size % _TAR_BLOCK:
+                self._put(bytes(_TAR_BLOCK - size % _TAR_BLOCK))
+            self._remember(name, data_at, data, len(header) == _TAR_BLOCK)
         self.count += 1
         self.size += _tar_bytes(sample)
 
+    def _remember(self, name: str, data_at: int, data: bytes, plain: bool) -> None:
+        """Enter one member in the index as ``_index_shard_fast`` parses it back (the same rules)."""
+        if self._samples is None:
+            return
+        if not plain or name.endswith("/"):  # a pax header, or a v7 directory's name: let index_tar read it
+            self._samples = None
+            return
+        dirname, _, basename = name.rpartition("/")
+        member_key, dot, ext = basename.partition(".")
+        if not dot:
+            return
+        member_key = f"{dirname}/{member_key}" if dirname else member_key
+        size = len(data)
+        self._samples.setdefault(member_key, {})[ext] = (data_at, size)
+        if ext == "json":
+            self._json[member_key] = bytes(data)
+        if ext.endswith(".safetensors") and size >= 8:
+            length = int.from_bytes(bytes(data[:8]), "little")
+            if 8 + length <= size and length <= MAX_HEADER:
+                self._st_headers[member_key, ext] = bytes(data[8:8 + length])
+            else:
+                self._st_headers.pop((member_key, ext), None)
+
+    def _finish_tar(self) -> None:
+        """The end of the archive, as ``TarFile.close`` writes it: two zero blocks, then a full record."""
+        self._put(bytes(2 * _TAR_BLOCK))
+        if self._offset % tarfile.RECORDSIZE:
+            self._put(bytes(tarfile.RECORDSIZE - self._offset % tarfile.RECORDSIZE))
+
     def commit(self) -> str:
-        """Finish the tar, move it into place, write its index beside it (``write_index_file``: from the
-        tar's bytes, read back from the page cache); return the tar's sha256."""
-        self._writer.close()  # ends the tar stream; the file object stays ours
+        """Finish the tar, move it into place, write its index beside it (built from what was written, else
+        ``index_tar``: from the tar's bytes, read back from the page cache); return the tar's sha256."""
+        self._finish_tar()
         self._fh.flush()
         os.fsync(self._fh.fileno())
         self._fh.close()
-        data = index_tar(self.tmp)
+        if self._samples is not None:
+            samples = list(self._samples.items())
+            data = build_shard_index(self._offset, samples, self._st_headers,
+                                     [_bucket_of(self._json[k]) if k in self._json else None for k, _ in samples])
+        else:
+            data = index_tar(self.tmp)
         os.replace(self.tmp, self.path)
         self.index = write_index_file(self.path, data)
-        return self._hashing.sha.hexdigest()
+        return self._sha.hexdigest()
 
     def abort(self) -> None:
-        try:
-            self._writer.close()
-        finally:
-            self._fh.close()
-            self.tmp.unlink(missing_ok=True)
+        self._fh.close()
+        self.tmp.unlink(missing_ok=True)
 
 
 def read_shard(path: str | Path) -> Iterator[dict[str, Any]]:
-    """Yield the samples of a webdataset tar as ``{"__key__": key, ext: bytes, ...}``, in file order."""
+    """Yield the samples of a webdataset tar as ``{"__key__": key, ext: bytes, ...}``, in file order.
+
+    A plain ustar tar (every tar this repository writes) is read from its headers directly
+    (:func:`_tar_files_fast`), a few times faster than ``tarfile``; any other (pax or GNU headers, non-ASCII
+    names, compression, damage) goes through ``tarfile``. Both give the same samples."""
+    with open(path, "rb") as fh:
+        members = _tar_files_fast(fh.fileno())
+        if members is None:
+            yield from _read_shard_tarfile(path)
+            return
+        current: dict[str, Any] | None = None
+        for name, offset, size in members:
+            base = os.path.basename(name)
+            if "." not in base:
+                continue
+            prefix, ext = base.split(".", 1)
+            key = os.path.join(os.path.dirname(name), prefix)
+            fh.seek(offset)
+            data = fh.read(size)
+            if current is None or current["__key__"] != key:
+                if current is not None:
+                    yield current
+                current = {"__key__": key}
+            current[ext] = data
+    if current is not None:
+        yield current
+
+
+def _read_shard_tarfile(path: str | Path) -> Iterator[dict[str, Any]]:
+    """:func:`read_shard` through ``tarfile``: every tar dialect it reads."""
     current: dict[str, Any] | None = None
     with tarfile.open(path, "r") as tar:
         for member in tar:
@@ -392,6 +513,53 @@ def read_shard(path: str | Path) -> Iterator[dict[str, Any]]:
             current[ext] = data
     if current is not None:
         yield current
+
+
+def _tar_files_fast(fd: int) -> list[tuple[str, int, int]] | None:
+    """``(name, data offset, size)`` of every regular file of a plain ustar/v7 tar, in order, as ``tarfile``
+    lists them (``member.isfile()``), from its header blocks alone (``os.pread``, ``_TAR_CHUNK`` bytes at a
+    time). None for anything this does not read exactly as ``tarfile`` does: pax or GNU headers, other
+    member types, non-ASCII names, base-256 sizes, bad checksums, a member that passes the file's end, no
+    end-of-archive block (a compressed, truncated or damaged file)."""
+    files: list[tuple[str, int, int]] = []
+    file_size = os.fstat(fd).st_size
+    chunk, chunk_start, offset = b"", 0, 0
+    while True:
+        if offset + _TAR_BLOCK > file_size:
+            return None  # no end-of-archive block: tarfile decides what a short file is
+        if not chunk_start <= offset <= chunk_start + len(chunk) - _TAR_BLOCK:
+            chunk, chunk_start = os.pread(fd, _TAR_CHUNK, offset), offset
+            if len(chunk) < _TAR_BLOCK:
+                return None
+        at = offset - chunk_start
+        block = chunk[at : at + _TAR_BLOCK]
+        if block.count(0) == _TAR_BLOCK:  # end-of-archive marker
+            return files
+        try:  # what tarfile writes: zero-padded octal digits, then NUL (and a space after the checksum)
+            size, checksum = int(block[124:135], 8), int(block[148:154], 8)
+        except ValueError:
+            size, checksum = _tar_size(block[124:136]), _tar_size(block[148:156])  # type: ignore[assignment]
+        if size is None or checksum is None:
+            return None
+        # the checksum is the byte sum with its own field as spaces (adler32 sums in C: compare modulo 65521)
+        if (1 + checksum + sum(block[148:156]) - 8 * 0x20) % 65521 != zlib.adler32(block) & 0xFFFF:
+            return None
+        typeflag = block[156:157]
+        if typeflag not in (b"0", b"\0", b"5"):
+            return None
+        name = block[:100].split(b"\0", 1)[0]
+        if block[345]:  # a ustar name prefix (tarfile reads it whatever the magic says)
+            name = block[345:500].split(b"\0", 1)[0] + b"/" + name
+        if not name.isascii():
+            return None
+        data = offset + _TAR_BLOCK
+        if data + size > file_size:
+            return None
+        if typeflag == b"0" or (typeflag == b"\0" and not name.endswith(b"/")):  # tarfile: AREGTYPE "x/" is a dir
+            files.append((name.decode(), data, size))
+        elif size:  # a directory with data: tarfile would not skip it
+            return None
+        offset = data + -(-size // _TAR_BLOCK) * _TAR_BLOCK
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -606,6 +774,8 @@ def index_path(tar_path: str | Path) -> Path:
 
 def _bucket_of(meta_bytes_: bytes) -> list[int] | None:
     """The ``bucket`` of a sample's ``json`` member (a list of ints), or None."""
+    if b"bucket" not in meta_bytes_ and b"\\u" not in meta_bytes_:  # no such key, even escaped: no parse
+        return None
     try:
         bucket = json.loads(meta_bytes_).get("bucket")
     except (ValueError, AttributeError):
@@ -901,8 +1071,11 @@ class UnitRecord:
         return sum(s.samples for s in self.shards)
 
     def to_json(self) -> dict[str, Any]:
-        data = asdict(self)
-        data.pop("reused")
+        """The record as written (``reused`` is not), sharing ``extra`` and ``quarantined`` with the record:
+        ``dataclasses.asdict`` would deep-copy them (a curate record holds every sample's score keys) only
+        for them to be encoded."""
+        data = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "reused"}
+        data["shards"] = [asdict(shard) for shard in self.shards]
         return data
 
     @classmethod

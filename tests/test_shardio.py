@@ -117,3 +117,137 @@ def test_shard_digest_is_hashed_while_writing_and_matches_the_file(tmp_path):
     path = stage.root / record.shards[0].path
     assert record.shards[0].sha256 == sha256_file(path) and path.stat().st_size % 512 == 0
     assert [s["bin"] for s in read_shard(path)] == [s["bin"] for s in big]
+
+
+def _safetensors_member(tensor_bytes: int = 16, header: bytes | None = None) -> bytes:
+    """A safetensors member: its 8-byte header length, the JSON header, the tensor bytes."""
+    if header is None:
+        header = json.dumps({"x": {"dtype": "U8", "shape": [tensor_bytes], "data_offsets": [0, tensor_bytes]}}).encode()
+    return len(header).to_bytes(8, "little") + header + b"\x07" * tensor_bytes
+
+
+def _awkward_samples() -> list[dict]:
+    """Samples that exercise the tar writer's corners: member sizes at and around 512, an empty member, a
+    key in a folder, a key with a dot (its members parse back under another key), safetensors members with
+    a valid, a cut-off and a too-short header, buckets, a key written twice (not adjacent)."""
+    return [
+        {"__key__": "a000", "json": json.dumps({"bucket": [64, 32, 1]}).encode(), "txt": b"", "jpg": b"\xff" * 512},
+        {"__key__": "dir/b001", "json": b'{"bucket": [8, 8, 1]}', "txt": b"x" * 513, "__meta": "not written"},
+        {"__key__": "c.002", "json": b"{}", "latent.safetensors": _safetensors_member(40)},
+        {"__key__": "d003", "json": b'{"bucket": "not a list"}', "vae.safetensors": _safetensors_member(3),
+         "bad.safetensors": (10 ** 6).to_bytes(8, "little") + b"{}", "tiny.safetensors": b"1234"},
+        {"__key__": "a000", "json": b'{"bucket": [16, 16, 1]}', "txt": b"again" * 300},
+    ]
+
+
+def _tarwriter_bytes(samples) -> bytes:
+    """What webdataset.TarWriter writes for ``samples`` with the options shardio has always used."""
+    import io
+
+    from latentmill.stages import shardio
+
+    buf = io.BytesIO()
+    writer = wds.TarWriter(buf, user=shardio._TAR_USER, group=shardio._TAR_USER, mtime=0, encoder=False,
+                           compress=False)
+    for sample in samples:
+        writer.write(sample)
+    writer.close()
+    return buf.getvalue()
+
+
+@pytest.mark.parametrize("names", ["plain", "pax"])
+def test_shard_sink_writes_tarwriters_bytes_and_the_index_of_a_read_back(tmp_path, names):
+    """The shard writer writes tars directly (not through webdataset's TarWriter and tarfile's stream) and
+    builds the shard index from what it wrote: both must be byte for byte what TarWriter wrote and what
+    ``index_tar`` reads back. ``pax``: names over 100 bytes and non-ASCII ones (pax headers)."""
+    from latentmill.stages.shardio import _ShardSink, index_path, index_tar
+
+    samples = _awkward_samples()
+    if names == "pax":
+        samples += [{"__key__": "long/" + "n" * 120, "json": b'{"bucket": [1, 2, 3]}', "txt": b"long"},
+                    {"__key__": "caf\u00e9-\u4e2d", "json": b"{}", "txt": b"utf8"}]
+    path = tmp_path / "s.tar"
+    sink = _ShardSink(path)
+    for sample in samples:
+        sink.write(sample)
+    digest = sink.commit()
+    expected = _tarwriter_bytes(samples)
+    assert path.read_bytes() == expected
+    assert digest == sha256_file(path)
+    assert sink.count == len(samples)
+    assert index_path(path).read_bytes() == index_tar(path)
+    assert sink.index["sha256"] == sha256_file(index_path(path))
+
+
+def test_shard_sink_refuses_what_tarwriter_refuses(tmp_path):
+    from latentmill.stages.shardio import _ShardSink
+
+    sink = _ShardSink(tmp_path / "s.tar")
+    with pytest.raises(ValueError, match="__key__"):
+        sink.write({"txt": b"x"})
+    with pytest.raises(ValueError, match="txt doesn't map to a bytes"):
+        sink.write({"__key__": "k", "txt": "a str"})
+    sink.abort()
+    assert not list(tmp_path.iterdir())
+
+
+def test_tar_member_header_is_tarfiles(tmp_path):
+    """The template-filled header of a plain member equals ``tarfile``'s for names and sizes at the edges."""
+    import tarfile
+
+    from latentmill.stages.shardio import _tar_info, tar_member_header
+
+    for name in ["a.b", "k" * 96 + ".txt", "x" * 100, "d/e/f.json", "k" * 101, "\u00e9.txt", ""]:
+        for size in [0, 1, 511, 512, 513, 8 ** 11 - 1, 8 ** 11]:
+            expected = _tar_info(name, size).tobuf(tarfile.PAX_FORMAT, tarfile.ENCODING, "surrogateescape")
+            assert tar_member_header(name, size) == expected, (name, size)
+
+
+def test_read_shard_reads_plain_tars_itself_and_others_through_tarfile(tmp_path):
+    """read_shard parses plain ustar headers itself and gives what tarfile gives; a pax, GNU, compressed,
+    truncated or damaged tar (or one with directories or extension-less members) goes through tarfile."""
+    import gzip
+    import io
+    import os
+    import tarfile
+
+    from latentmill.stages.shardio import _read_shard_tarfile, _tar_files_fast
+
+    def fast_members(path):
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            return _tar_files_fast(fd)
+        finally:
+            os.close(fd)
+
+    plain = tmp_path / "plain.tar"
+    plain.write_bytes(_tarwriter_bytes(_awkward_samples()))
+    pax = tmp_path / "pax.tar"
+    pax.write_bytes(_tarwriter_bytes([{"__key__": "p" * 150, "txt": b"long name"}, {"__key__": "q", "txt": b"q"}]))
+    mixed = tmp_path / "mixed.tar"  # a directory, an extension-less file, a file in the directory
+    with tarfile.open(mixed, "w", format=tarfile.USTAR_FORMAT) as tar:
+        for name, data in [("sub/", None), ("README", b"no extension"), ("sub/k1.txt", b"one"), ("sub/k1.json", b"{}")]:
+            info = tarfile.TarInfo(name)
+            if data is None:
+                info.type = tarfile.DIRTYPE
+                tar.addfile(info)
+            else:
+                info.size = len(data)
+                tar.addfile(info, io.BytesIO(data))
+    gz = tmp_path / "plain.tar.gz"
+    gz.write_bytes(gzip.compress(plain.read_bytes()))
+    truncated = tmp_path / "truncated.tar"
+    truncated.write_bytes(plain.read_bytes()[:2048])
+    damaged = tmp_path / "damaged.tar"
+    data = bytearray(plain.read_bytes())
+    data[4 * 512 + 10] ^= 0x20  # a name byte of the third member's header (a000.txt): its checksum fails
+    damaged.write_bytes(bytes(data))
+
+    assert fast_members(plain) is not None and fast_members(mixed) is not None
+    for path in (pax, gz, truncated, damaged):
+        assert fast_members(path) is None, path.name
+    for path in (plain, pax, mixed, gz, truncated, damaged):  # tarfile stops at a cut or a bad header
+        assert list(read_shard(path)) == list(_read_shard_tarfile(path)), path.name
+    assert [s["__key__"] for s in read_shard(plain)] == ["a000", "dir/b001", "c", "d003", "a000"]
+    assert list(read_shard(mixed)) == [{"__key__": "sub/k1", "txt": b"one", "json": b"{}"}]
+    assert [s["__key__"] for s in read_shard(damaged)] == ["a000"]
