@@ -6,6 +6,9 @@ Mixed sizes (landscape, portrait, wide), lengths (12 to 40 frames) and frame rat
 the video demo shows clip planning at work: one video has a hard cut in the middle (scene splitting
 keeps clips on one side of it), one is too short for the smallest clip bucket after resampling to 8 fps
 (the bucket stage quarantines it), and ``broken.mp4`` is not a video at all (ingest quarantines it).
+One is per-clip curation's case: ``pause_64x48_8fps`` holds a frozen frame for its first 17 frames and
+moves after, so of its two 17-frame clips one is still (motion 0) and one moves, and the demo recipe's
+``curate.min_motion`` drops the still clip alone (the bucket stage quarantines it as ``<key>-c0``).
 
 Every frame is drawn from its index alone and encoded with libx264 on one thread with fixed settings, so
 the output is a pure function of this script and the PyAV/FFmpeg build: with the same build it is byte
@@ -42,6 +45,10 @@ VIDEOS = {
                           "a green square moving diagonally on a black background", "txt"),
     "short_64x48_24fps": (64, 48, 12, 24, [(0, "red", "white", "right")],
                           "a very short video of a red square", "txt"),
+    # Frozen for 17 frames, then moving: with the demo's two 17-frame clips per video, one clip is still
+    # (motion ~0) and one moves, and curate.min_motion drops the still one only.
+    "pause_64x48_8fps": (64, 48, 34, 8, [(0, "black", "yellow", "still"), (17, "black", "yellow", "right")],
+                         "a black square on yellow that stands still, then moves right", "txt"),
 }
 ENCODER_OPTIONS = {"threads": "1", "preset": "medium", "crf": "28", "g": "8", "bframes": "0"}
 
@@ -53,7 +60,11 @@ def frame(width: int, height: int, index: int, scenes: list[tuple[int, str, str,
     img = np.empty((height, width, 3), np.uint8)
     img[:] = COLORS[bg]
     side = min(width, height) // 3
-    x = (2 * t) % (width - side) if motion in ("right", "diagonal") else (width - side) // 2
+    # "still": the square held where a "right" scene starts (x = 0), so a still scene can lead into one
+    if motion in ("right", "diagonal"):
+        x = (2 * t) % (width - side)
+    else:
+        x = 0 if motion == "still" else (width - side) // 2
     y = (2 * t) % (height - side) if motion in ("down", "diagonal") else (height - side) // 2
     img[y : y + side, x : x + side] = COLORS[fg]
     return img

@@ -62,8 +62,8 @@ def _clips(metas, source):
 
 def test_ingest_quarantines_the_broken_demo_video(captioned):
     _, _, report, cap = captioned
-    assert (report["in"], report["out"], report["quarantined"]) == (7, 6, 1)
-    assert cap.read_manifest()["counts"] == {"in": 6, "out": 6, "quarantined": 0}
+    assert (report["in"], report["out"], report["quarantined"]) == (8, 7, 1)
+    assert cap.read_manifest()["counts"] == {"in": 7, "out": 7, "quarantined": 0}
 
 
 def test_uniform_clips_with_scene_split(captioned):
@@ -71,9 +71,9 @@ def test_uniform_clips_with_scene_split(captioned):
     sd, records, metas = _bucket(captioned, "uniform", clip_strategy="uniform", clips_per_video=2,
                                  scene_split=True)
     report = stage_report("bucket", records, 0.0)
-    # 6 videos in; the short one is quarantined; 5 videos give 12 clips (the cut video 2 per scene)
-    assert (report["in"], report["out"], report["quarantined"]) == (6, 12, 1)
-    assert (report["videos"], report["clips"], report["expanded"]) == (6, 12, 7)
+    # 7 videos in; the short one is quarantined; 6 videos give 14 clips (the cut video 2 per scene)
+    assert (report["in"], report["out"], report["quarantined"]) == (7, 14, 1)
+    assert (report["videos"], report["clips"], report["expanded"]) == (7, 14, 8)
     assert report["in"] + report["expanded"] == report["out"] + report["quarantined"]
     (q,) = [q for r in records for q in r.quarantined]
     assert q["source"] == "short_64x48_24fps.mp4"
@@ -98,6 +98,9 @@ def test_uniform_clips_with_scene_split(captioned):
         indices = m["clip"]["frame_indices"]
         assert indices[-1] < 18 or indices[0] >= 18
 
+    pause = _clips(metas, "pause_64x48_8fps.mp4")  # 34 frames at 8 fps: its still half, then its moving half
+    assert [(m["clip"]["start_frame"], m["bucket"]) for m in pause] == [(0, [80, 48, 17]), (17, [80, 48, 17])]
+
     wide = _clips(metas, "wide_80x48_8fps.mp4")  # 8 fps source: kept, 17-frame clips
     assert [m["clip"]["start_frame"] for m in wide] == [0, 15] and wide[0]["bucket"] == [80, 48, 17]
     assert wide[0]["sidecar_caption"] == "a white square crossing a black background, wide video"
@@ -106,12 +109,12 @@ def test_uniform_clips_with_scene_split(captioned):
         assert m["kind"] == "video" and Path(m["source_uri"]).is_file() and m["caption"]
         assert m["clip"]["num_frames"] == len(m["clip"]["frame_indices"]) == m["bucket"][2]
         assert max(m["clip"]["frame_indices"]) < m["frames"]
-    assert bucket.histogram(sd.read_manifest()) == {"48x80x9": 2, "64x64x17": 2, "80x48x17": 2, "80x48x9": 6}
+    assert bucket.histogram(sd.read_manifest()) == {"48x80x9": 2, "64x64x17": 2, "80x48x17": 4, "80x48x9": 6}
 
 
 def test_head_and_slide_clip_counts(captioned):
     _, records, metas = _bucket(captioned, "head")
-    assert stage_report("bucket", records, 0.0)["clips"] == 5  # one per usable video
+    assert stage_report("bucket", records, 0.0)["clips"] == 6  # one per usable video
     assert _clips(metas, "cut_64x48_12fps.mp4")[0]["clip"]["num_frames"] == 17  # no split: spans the cut
     _, records, metas = _bucket(captioned, "slide", clip_strategy="slide", clip_stride=4)
     report = stage_report("bucket", records, 0.0)
@@ -138,7 +141,7 @@ def test_reencoded_clips_hold_exactly_their_frames(captioned):
 
     sd, records, metas = _bucket(captioned, "reencode", clip_strategy="head", reencode=True,
                                  reencode_keyframe_interval=1)
-    assert stage_report("bucket", records, 0.0)["out"] == 5
+    assert stage_report("bucket", records, 0.0)["out"] == 6
     shards = sd.read_manifest()["shards"]
     samples = {s["__key__"]: s for shard in shards for s in read_shard(sd.root / shard["path"])}
     (tall,) = _clips(metas, "tall_48x64_12fps.mp4")
@@ -160,7 +163,7 @@ def test_bucket_units_are_reused_on_a_rerun(captioned):
     _, records, _ = _bucket(captioned, "rerun", clip_strategy="uniform", clips_per_video=2, scene_split=True)
     assert all(r.reused for r in records)
     report = stage_report("bucket", records, 0.0)
-    assert (report["reused"], report["processed"], report["clips"], report["expanded"]) == (6, 0, 12, 7)
+    assert (report["reused"], report["processed"], report["clips"], report["expanded"]) == (7, 0, 14, 8)
 
 
 def test_demo_videos_match_their_recipe(tmp_path):
@@ -187,3 +190,5 @@ def test_demo_video_recipe_loads():
     assert recipe.ingest.source == str(REPO / "data" / "demo" / "videos")  # the shipped data, from any folder
     assert recipe.bucket.frame_count_list() == [5, 9, 17] and recipe.bucket.target_fps == 8.0
     assert recipe.bucket.scene_split and recipe.model.pretrained == str(REPO / "data" / "models" / "tiny-wan")
+    # per-clip motion: pause_64x48_8fps's still clip 0.02, every other demo clip >= 1.45 (tests/test_e2e_video.py)
+    assert recipe.curate.min_motion == 0.7 and "motion" in recipe.curate.active_scorers()

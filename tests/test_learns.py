@@ -120,7 +120,8 @@ def test_wan_generates_the_colour_it_was_shown(tiny_wan, tmp_path):
                  f"model.pretrained={tiny_wan}", f"ingest.source={videos}", "bucket.resolution=32",
                  "bucket.aspect_ratios=[1.0]", "bucket.frame_counts=[5]", "bucket.clips_per_video=1",
                  "trainer.batch_size=4", "trainer.max_steps=600", "trainer.learning_rate=2.0e-3",
-                 "trainer.save_every=0"]) == 0  # trainer.shift 3.0 of the recipe: the sampler's flow_shift
+                 "trainer.save_every=0",  # trainer.shift 3.0 of the recipe: the sampler's flow_shift
+                 "curate.min_motion=null"]) == 0  # solid-colour clips are still: the demo's threshold drops them
     losses = _losses(out)
     # measured: 1.41 over the first 60 steps, 0.073 over the last 60
     assert np.mean(losses[-60:]) < 0.25 * np.mean(losses[:60])
