@@ -475,42 +475,40 @@ def read_shard(path: str | Path) -> Iterator[dict[str, Any]]:
         if members is None:
             yield from _read_shard_tarfile(path)
             return
-        current: dict[str, Any] | None = None
-        for name, offset, size in members:
-            base = os.path.basename(name)
-            if "." not in base:
-                continue
-            prefix, ext = base.split(".", 1)
-            key = os.path.join(os.path.dirname(name), prefix)
-            fh.seek(offset)
-            data = fh.read(size)
-            if current is None or current["__key__"] != key:
-                if current is not None:
-                    yield current
-                current = {"__key__": key}
-            current[ext] = data
-    if current is not None:
-        yield current
+
+        def reader(offset: int, size: int) -> Callable[[], bytes]:
+            def read() -> bytes:
+                fh.seek(offset)
+                return fh.read(size)
+            return read
+
+        yield from _group_samples((name, reader(offset, size)) for name, offset, size in members)
 
 
 def _read_shard_tarfile(path: str | Path) -> Iterator[dict[str, Any]]:
     """:func:`read_shard` through ``tarfile``: every tar dialect it reads."""
-    current: dict[str, Any] | None = None
     with tarfile.open(path, "r") as tar:
-        for member in tar:
-            if not member.isfile():
-                continue
-            base = os.path.basename(member.name)
-            if "." not in base:
-                continue
-            prefix, ext = base.split(".", 1)
-            key = os.path.join(os.path.dirname(member.name), prefix)
-            data = tar.extractfile(member).read()
-            if current is None or current["__key__"] != key:
-                if current is not None:
-                    yield current
-                current = {"__key__": key}
-            current[ext] = data
+        yield from _group_samples((member.name, lambda m=member: tar.extractfile(m).read())
+                                  for member in tar if member.isfile())
+
+
+def _group_samples(files: Iterable[tuple[str, Callable[[], bytes]]]) -> Iterator[dict[str, Any]]:
+    """A tar's regular files ``(name, read)``, in order, as webdataset groups them: ``dir/key.ext`` is member
+    ``ext`` of sample ``dir/key``, consecutive files of one key make one sample, a name without an extension
+    is skipped (and not read)."""
+    current: dict[str, Any] | None = None
+    for name, read in files:
+        base = os.path.basename(name)
+        if "." not in base:
+            continue
+        prefix, ext = base.split(".", 1)
+        key = os.path.join(os.path.dirname(name), prefix)
+        data = read()
+        if current is None or current["__key__"] != key:
+            if current is not None:
+                yield current
+            current = {"__key__": key}
+        current[ext] = data
     if current is not None:
         yield current
 
