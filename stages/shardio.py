@@ -513,6 +513,30 @@ def _group_samples(files: Iterable[tuple[str, Callable[[], bytes]]]) -> Iterator
         yield current
 
 
+def _ustar_header(block: bytes) -> tuple[bytes, int, bytes] | None:
+    """``(name, size, typeflag)`` of one plain ustar/v7 header block (a regular file or a directory), or None
+    for what the fast tar readers leave to ``tarfile``: pax or GNU headers and other member types, base-256
+    sizes, a bad checksum, a non-ASCII name."""
+    try:  # what tarfile writes: zero-padded octal digits, then NUL (and a space after the checksum)
+        size, checksum = int(block[124:135], 8), int(block[148:154], 8)
+    except ValueError:
+        size, checksum = _tar_size(block[124:136]), _tar_size(block[148:156])  # type: ignore[assignment]
+    if size is None or checksum is None:
+        return None
+    # the checksum is the byte sum with its own field as spaces (adler32 sums in C: compare modulo 65521)
+    if (1 + checksum + sum(block[148:156]) - 8 * 0x20) % 65521 != zlib.adler32(block) & 0xFFFF:
+        return None
+    typeflag = block[156:157]
+    if typeflag not in (b"0", b"\0", b"5"):
+        return None
+    name = block[:100].split(b"\0", 1)[0]
+    if block[345]:  # a ustar name prefix (tarfile reads it whatever the magic says)
+        name = block[345:500].split(b"\0", 1)[0] + b"/" + name
+    if not name.isascii():
+        return None
+    return name, size, typeflag
+
+
 def _tar_files_fast(fd: int) -> list[tuple[str, int, int]] | None:
     """``(name, data offset, size)`` of every regular file of a plain ustar/v7 tar, in order, as ``tarfile``
     lists them (``member.isfile()``), from its header blocks alone (``os.pread``, ``_TAR_CHUNK`` bytes at a
@@ -533,23 +557,10 @@ def _tar_files_fast(fd: int) -> list[tuple[str, int, int]] | None:
         block = chunk[at : at + _TAR_BLOCK]
         if block.count(0) == _TAR_BLOCK:  # end-of-archive marker
             return files
-        try:  # what tarfile writes: zero-padded octal digits, then NUL (and a space after the checksum)
-            size, checksum = int(block[124:135], 8), int(block[148:154], 8)
-        except ValueError:
-            size, checksum = _tar_size(block[124:136]), _tar_size(block[148:156])  # type: ignore[assignment]
-        if size is None or checksum is None:
+        header = _ustar_header(block)
+        if header is None:
             return None
-        # the checksum is the byte sum with its own field as spaces (adler32 sums in C: compare modulo 65521)
-        if (1 + checksum + sum(block[148:156]) - 8 * 0x20) % 65521 != zlib.adler32(block) & 0xFFFF:
-            return None
-        typeflag = block[156:157]
-        if typeflag not in (b"0", b"\0", b"5"):
-            return None
-        name = block[:100].split(b"\0", 1)[0]
-        if block[345]:  # a ustar name prefix (tarfile reads it whatever the magic says)
-            name = block[345:500].split(b"\0", 1)[0] + b"/" + name
-        if not name.isascii():
-            return None
+        name, size, typeflag = header
         data = offset + _TAR_BLOCK
         if data + size > file_size:
             return None
@@ -670,23 +681,10 @@ def _index_shard_fast(fd: int, headers: dict[tuple[str, str], bytes] | None = No
         block = chunk[at : at + _TAR_BLOCK]
         if block.count(0) == _TAR_BLOCK:  # end-of-archive marker
             break
-        try:  # what tarfile writes: zero-padded octal digits, then NUL (and a space after the checksum)
-            size, checksum = int(block[124:135], 8), int(block[148:154], 8)
-        except ValueError:
-            size, checksum = _tar_size(block[124:136]), _tar_size(block[148:156])  # type: ignore[assignment]
-        # the checksum is the byte sum with its own field as spaces (adler32 sums in C: compare modulo 65521)
-        if checksum is None:
+        header = _ustar_header(block)
+        if header is None:
             return None
-        if (1 + checksum + sum(block[148:156]) - 8 * 0x20) % 65521 != zlib.adler32(block) & 0xFFFF:
-            return None
-        typeflag = block[156:157]
-        if size is None or typeflag not in (b"0", b"\0", b"5"):
-            return None
-        name = block[:100].split(b"\0", 1)[0]
-        if block[345]:  # a ustar name prefix (tarfile reads it whatever the magic says)
-            name = block[345:500].split(b"\0", 1)[0] + b"/" + name
-        if not name.isascii():
-            return None
+        name, size, typeflag = header
         data = offset + _TAR_BLOCK
         if typeflag != b"5" and not name.endswith(b"/"):  # a v7 directory: a name ending in "/"
             dirname, _, basename = name.decode().rpartition("/")
