@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 from latentmill.stages import ingest
-from latentmill.stages.ingest import IngestConfig
+from latentmill.stages.ingest import IngestConfig, unit_items
 from latentmill.stages.shardio import StageDir, read_shard
 from PIL import Image
 
@@ -69,7 +69,7 @@ def _shards(sd: StageDir) -> dict[str, str]:
 
 
 def _ids(unit) -> list[str]:
-    return sorted(item["id"] for item in unit.payload["items"])
+    return sorted(item["id"] for item in unit_items(unit))
 
 
 def test_units_follow_the_byte_target(photos, tmp_path):

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 from latentmill.stages import ingest
-from latentmill.stages.ingest import IngestConfig
+from latentmill.stages.ingest import IngestConfig, unit_items
 from latentmill.stages.shardio import StageDir, read_shard
 from latentmill.stages.sources import hash_groups, list_source, source_kind
 from latentmill.stages.video import read_frames
@@ -258,7 +258,7 @@ def test_adding_three_files_reruns_only_their_units(demo_images, tmp_path):
     # every unit of the first run is kept as it was; the three new files make one new unit of their own
     assert {r.unit_id for r in second if r.reused} == {r.unit_id for r in first}
     rerun = [(u, r) for u, r in zip(units, second) if not r.reused]
-    assert [sorted(i["id"] for i in u.payload["items"]) for u, _ in rerun] == [new]
+    assert [sorted(i["id"] for i in unit_items(u)) for u, _ in rerun] == [new]
     assert sum(r.samples_in for _, r in rerun) == 3 and rerun[0][1].samples_out == 3
 
     # A changed file re-runs its own unit only; a removed file leaves its unit one smaller.
@@ -267,9 +267,9 @@ def test_adding_three_files_reruns_only_their_units(demo_images, tmp_path):
     removed.unlink()
     units, third = _ingest_run(cfg, sd)
     rerun = [u for u, r in zip(units, third) if not r.reused]
-    held = [{i["id"] for i in u.payload["items"]} for u in rerun]
+    held = [{i["id"] for i in unit_items(u)} for u in rerun]
     assert 1 <= len(rerun) <= 2 and any(changed.name in h for h in held)
-    assert not any(removed.name in {i["id"] for i in u.payload["items"]} for u in units)
+    assert not any(removed.name in {i["id"] for i in unit_items(u)} for u in units)
     assert len(units) == len(second) and sum(u.samples_in for u in units) == 26 + 3 - 1
 
 
