@@ -131,6 +131,30 @@ class _StoreOnDemand:
             self.store = None
 
 
+class LoadedOnce:
+    """Models (or anything costly to load) kept once per process by key: the threads of one worker share
+    them, and a key that changes (a changed folder's fingerprint) loads anew. ``release`` forgets them all
+    (``pipelines.prep.release_prep_models``)."""
+
+    def __init__(self) -> None:
+        self._items: dict[tuple, Any] = {}
+        self._lock = threading.Lock()
+
+    def get(self, key: tuple, load: Any) -> Any:
+        """The item under ``key``, made by ``load()`` the first time."""
+        with self._lock:
+            if key not in self._items:
+                self._items[key] = load()
+            return self._items[key]
+
+    def release(self) -> int:
+        """Forget every item; returns how many there were."""
+        with self._lock:
+            count = len(self._items)
+            self._items.clear()
+        return count
+
+
 def component_fingerprint(src: ComponentSource) -> str:
     """Hash of a component's config and weight files (names and bytes), independent of where it lives."""
     root = _local_dir(src)

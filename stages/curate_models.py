@@ -27,6 +27,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 from PIL import Image
 
+from latentmill.models import LoadedOnce
+
 if TYPE_CHECKING:
     from latentmill.stages.curate import CurateConfig
 
@@ -229,16 +231,12 @@ def head_input_size(path: str) -> int | None:
 # Loading once per process, fingerprints, checks
 # ---------------------------------------------------------------------------------------------------------
 
-_models: dict[tuple, Any] = {}
-_models_lock = threading.Lock()
+_models = LoadedOnce()
 
 
 def release_models() -> int:
     """Forget every scorer model and head this process loaded; returns how many there were."""
-    with _models_lock:
-        count = len(_models)
-        _models.clear()
-    return count
+    return _models.release()
 
 
 def _devices(cfg: "CurateConfig") -> tuple[str, str]:
@@ -255,11 +253,8 @@ def get_model(cfg: "CurateConfig", model_id: str) -> EmbeddingModel:
 
     device, dtype = _devices(cfg)
     path = resolve_model(model_id)
-    key = ("model", path, model_fingerprint(model_id), dtype, device)
-    with _models_lock:
-        if key not in _models:
-            _models[key] = EmbeddingModel(model_id, path, dtype, device)
-        return _models[key]
+    return _models.get(("model", path, model_fingerprint(model_id), dtype, device),
+                       lambda: EmbeddingModel(model_id, path, dtype, device))
 
 
 def get_head(cfg: "CurateConfig", model: EmbeddingModel) -> AestheticHead:
@@ -267,11 +262,8 @@ def get_head(cfg: "CurateConfig", model: EmbeddingModel) -> AestheticHead:
     from latentmill.models import file_fingerprint
 
     path = str(cfg.aesthetic_head)
-    key = ("head", path, file_fingerprint(path), model.embed_dim)
-    with _models_lock:
-        if key not in _models:
-            _models[key] = AestheticHead(path, model.embed_dim, model.model_id)
-        return _models[key]
+    return _models.get(("head", path, file_fingerprint(path), model.embed_dim),
+                       lambda: AestheticHead(path, model.embed_dim, model.model_id))
 
 
 def embedding_model(cfg: "CurateConfig") -> EmbeddingModel:

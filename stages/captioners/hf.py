@@ -31,7 +31,7 @@ from latentmill.stages.captioners import CaptionItem, CaptionResult
 from latentmill.stages.captioners.media import load_media
 from latentmill.stages.shardio import stable_hash
 
-from latentmill.models import ComponentSource, component_fingerprint
+from latentmill.models import ComponentSource, LoadedOnce, component_fingerprint
 
 DEFAULT_INSTRUCTION = "Describe this {media} in one or two sentences."
 # Prompts for models that need one and are given none: Florence-2 only captions when asked with a task token.
@@ -141,25 +141,18 @@ class LoadedModel:
         self.lock = threading.Lock()
 
 
-_models: dict[tuple, LoadedModel] = {}
-_models_lock = threading.Lock()
+_models = LoadedOnce()
 
 
 def release_models() -> int:
     """Forget every captioning model this process loaded; returns how many there were."""
-    with _models_lock:
-        count = len(_models)
-        _models.clear()
-    return count
+    return _models.release()
 
 
 def get_model(path: str, fingerprint: str, dtype: str, device: str, trust_remote_code: bool) -> LoadedModel:
     """Load a model once per process (threads of one worker share it); a changed folder loads anew."""
-    key = (path, fingerprint, dtype, device, trust_remote_code)
-    with _models_lock:
-        if key not in _models:
-            _models[key] = LoadedModel(path, dtype, device, trust_remote_code)
-        return _models[key]
+    return _models.get((path, fingerprint, dtype, device, trust_remote_code),
+                       lambda: LoadedModel(path, dtype, device, trust_remote_code))
 
 
 # ---------------------------------------------------------------------------------------------------------
