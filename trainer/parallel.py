@@ -319,7 +319,16 @@ def parallelize(
     return model
 
 
-def shutdown(ctx: DistContext) -> None:
-    """End the process group this context started."""
+def shutdown(ctx: DistContext, *, synchronize: bool = True) -> None:
+    """End the process group this context started.
+
+    With ``synchronize`` (a run that ended normally) every rank first waits at a barrier, so no rank tears
+    its communicator down while a peer still has collectives in flight: a rank that finished its last step
+    early would otherwise abort a slower peer's last all-reduce or checkpoint barrier (gloo: "terminate
+    called without an active exception"). After an error pass ``synchronize=False``: a failed peer may never
+    arrive, and the launcher ends the others.
+    """
     if ctx.owns_group and dist.is_initialized():
+        if synchronize and dist.get_world_size() > 1:
+            dist.barrier()
         dist.destroy_process_group()

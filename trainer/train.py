@@ -180,12 +180,15 @@ def train(
     cfg.validate()
     parallel = parallel or ParallelConfig()
     ctx = init_distributed(parallel)
+    finished = False
     try:
-        return _train(cfg, ctx, parallel, Path(cache_dir), pretrained, Path(train_dir), seed, export_dir,
-                      progress=progress, check_cache=check_cache, on_step=on_step,
-                      provenance=provenance or {})  # fmt: skip
+        summary = _train(cfg, ctx, parallel, Path(cache_dir), pretrained, Path(train_dir), seed, export_dir,
+                         progress=progress, check_cache=check_cache, on_step=on_step,
+                         provenance=provenance or {})  # fmt: skip
+        finished = True
+        return summary
     finally:
-        shutdown(ctx)
+        shutdown(ctx, synchronize=finished)
 
 
 def _train(
