@@ -21,7 +21,7 @@ from latentmill.pipelines.report import (
 )
 from latentmill.pipelines.retention import OutputBusyError, writer_lock  # noqa: F401 (re-exported)
 from latentmill.pipelines.snapshot import publish as publish_snapshot
-from latentmill.stages import bucket, cache, caption, curate, curate_clips, ingest, neardup
+from latentmill.stages import bucket, cache, caption, curate, curate_clips, ingest, neardup, pixels
 from latentmill.stages.compact import compact_stage
 from latentmill.stages.shardio import (
     StageDir,
@@ -44,8 +44,9 @@ from latentmill.recipe import Recipe, RunnerConfig, load_recipe, recipe_from_dic
 STAGES = ("ingest", "caption", "curate", "bucket", "cache")
 # Per-sample detail of a unit record that the prep flow does not need once the unit is committed: a later
 # run, a compaction and gc read it from the record files. Held in memory for a whole cache stage it cost
-# ~1 KB a sample (figure 15: the flow's peak RSS grew with the data), so the flow drops it on arrival.
-PER_SAMPLE_EXTRA = {"cache": ("components", "foreign")}
+# ~1 KB a sample (figure 15: the flow's peak RSS grew with the data), so the flow drops it on arrival. The
+# curate stage's scores table and near-duplicate index read it back record by record (neardup.with_detail).
+PER_SAMPLE_EXTRA = {"cache": ("components", "foreign"), "curate": neardup.PER_SAMPLE_EXTRA}
 
 
 def slim_records(stage: str, records: list[UnitRecord]) -> list[UnitRecord]:
@@ -55,6 +56,8 @@ def slim_records(stage: str, records: list[UnitRecord]) -> list[UnitRecord]:
         for name in PER_SAMPLE_EXTRA.get(stage, ()):
             record.extra.pop(name, None)
     return records
+
+
 MAX_UNITS_PER_TASK = 16
 MIN_TASK_SAMPLES = 16  # auto grouping: fewer pending samples than this per task run are not split further
 
@@ -85,7 +88,8 @@ def update_near_dups(recipe: Recipe, curate_dir: StageDir, records: list[UnitRec
     spec = _near_dups(recipe)
     if spec is None:
         return None
-    return neardup.update(curate_dir.root, records, spec["embedder"], spec["threshold"], recipe.curate.dedup_index)
+    return neardup.update(curate_dir.root, records, spec["embedder"], spec["threshold"], recipe.curate.dedup_index,
+                          stage_dir=curate_dir)
 
 
 def plan_stage(stage: str, recipe: Recipe) -> list[WorkUnit]:
@@ -174,6 +178,22 @@ def run_stages_in_process(recipe: Recipe) -> dict[str, tuple[StageDir, dict[str,
         manifest = stage_dir.read_manifest()
         result["cache"] = (stage_dir, manifest, [stage_dir.load_record(u) for u in manifest["units"]])
     return result
+
+
+def preload_modules() -> None:
+    """Import what the first task run and the first image would import, before the ingest plan.
+
+    The plan of a large folder fills Python's small-object arenas with per-file objects and then frees
+    them; a module imported in between (Pillow's format plugins, Prefect's task engine) would leave its
+    code and functions there for good, pinning arenas the plan had grown (at 100,000 files, together with
+    the loop leftovers below, ~100 MB resident for the rest of the prep). Imported first, they live with
+    the rest of the start-up's modules.
+    """
+    import prefect.task_engine  # noqa: F401  (the first task run's engine)
+    from PIL import Image
+
+    pixels.register_plugins()
+    Image.preinit()
 
 
 def units_run_name(parameters: dict[str, Any]) -> str:
@@ -289,6 +309,7 @@ def prep_stages(recipe_data: dict, started_run: str | None = None) -> dict[str, 
     recipe = recipe_from_dict(recipe_data)
     ensure_models(recipe)
     tune_allocator()
+    preload_modules()
     run_log = RunLog(also=started_run)
     report: dict[str, Any] = {}
     for stage in STAGES:
@@ -324,7 +345,7 @@ def prep_stages(recipe_data: dict, started_run: str | None = None) -> dict[str, 
                 run_log.warning(f"caption: {report[stage]['warning']}")
         if stage == "curate":
             report[stage].update(curate.report(records))
-            table = curate.write_scores_table(records, recipe.prep_dir, recipe.curate.active_scorers())
+            table = curate.write_scores_table(records, recipe.prep_dir, recipe.curate.active_scorers(), stage_dir)
             report[stage]["scores_table"] = str(table) if table else None
             report[stage]["near_duplicates"] = update_near_dups(recipe, stage_dir, records)
         if stage == "bucket":
@@ -342,7 +363,10 @@ def prep_stages(recipe_data: dict, started_run: str | None = None) -> dict[str, 
         release_stage_indexes(stage)
         # a stage's plan and records are in its manifest now: not held through the next stage (the ingest
         # plan of 100,000 files holds ~200 MB)
-        del futures, records, units, pending, chunks
+        # (and not the loop's last future and its records either: at 100,000 files they pinned ~20,000
+        # small strings across the arenas the plan had grown)
+        future = done_records = None
+        del futures, records, units, pending, chunks, future, done_records
     publish_prep_artifacts(report, recipe.prep_dir, also=[started_run] if started_run else [])
     plots = None
     if recipe.prep.plots:  # only with matplotlib; a failed picture is a warning, never a failed prep

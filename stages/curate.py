@@ -718,23 +718,36 @@ def score_rows(records: list[UnitRecord]) -> list[dict[str, Any]]:
     return sorted(rows, key=lambda r: r["key"])
 
 
-def write_scores_table(records: list[UnitRecord], prep_dir: Path, names: list[str]) -> Path | None:
+SCORE_TEXT_COLUMNS = ("key", "source", "kind", "status", "threshold")
+
+
+def write_scores_table(records: list[UnitRecord], prep_dir: Path, names: list[str],
+                       stage_dir: StageDir | None = None) -> Path | None:
     """``prep/scores.parquet`` from the stage's records (rewritten every run), when pyarrow is installed
     (``pip install 'latentmill[parquet]'``); None without it. Columns: key, source, kind, status,
-    threshold (those that dropped the sample, comma-separated, or null), and one float column per scorer."""
+    threshold (those that dropped the sample, comma-separated, or null), and one float column per scorer;
+    rows in key order (as :func:`score_rows`).
+
+    Built one record at a time into Arrow columns: records without their per-sample scores (the flow keeps
+    them slim) are read back from ``stage_dir`` (``neardup.with_detail``), so 100,000 rows never exist as
+    Python objects together.
+    """
     try:
         import pyarrow as pa
         import pyarrow.parquet as pq
     except ImportError:
         return None
-    rows = score_rows(records)
-    columns: dict[str, Any] = {
-        col: pa.array([r[col] for r in rows], pa.string()) for col in ("key", "source", "kind", "status", "threshold")
-    }
-    for name in names:
-        columns[name] = pa.array([r.get(name) for r in rows], pa.float64())
+    schema = pa.schema([(c, pa.string()) for c in SCORE_TEXT_COLUMNS] + [(n, pa.float64()) for n in names])
+    parts = []
+    for record in neardup.with_detail(sorted(records, key=lambda r: r.unit_id), stage_dir):
+        rows = score_rows([record])
+        if rows:
+            parts.append(pa.table({**{c: pa.array([r[c] for r in rows], pa.string()) for c in SCORE_TEXT_COLUMNS},
+                                   **{n: pa.array([r.get(n) for r in rows], pa.float64()) for n in names}},
+                                  schema=schema))
+    table = pa.concat_tables(parts).sort_by("key").combine_chunks() if parts else schema.empty_table()
     path = Path(prep_dir) / SCORES_FILE
     tmp = path.with_name(path.name + ".tmp")
-    pq.write_table(pa.table(columns), tmp)
+    pq.write_table(table, tmp)
     tmp.replace(path)
     return path

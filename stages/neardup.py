@@ -31,15 +31,16 @@ Where each part runs (``docs/cache-format.md``, "Curation: near duplicates"):
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import math
 import sqlite3
 import time
 from pathlib import Path
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Iterable, Iterator, Optional, Sequence
 
 import numpy as np
-from latentmill.stages.shardio import PerProcess, RecordIndex, UnitRecord, stable_hash
+from latentmill.stages.shardio import PerProcess, RecordIndex, StageDir, UnitRecord, stable_hash
 from PIL import Image
 
 EMBEDDER = "thumbnail"  # the model-free default (the CLIP embedder of the aesthetic scorer can take its place)
@@ -505,6 +506,20 @@ class NearDupIndex:
     def entered_units(self) -> set[str]:
         return {u for (u,) in self.db.execute("SELECT unit_id FROM units")}
 
+    @staticmethod
+    def entered_units_in(folder: Path) -> set[str]:
+        """The curate records entered into the index in ``folder`` (none when there is no index yet)."""
+        path = folder / "index.sqlite"
+        if not path.is_file():
+            return set()
+        db = sqlite3.connect(str(path))
+        try:
+            return {u for (u,) in db.execute("SELECT unit_id FROM units")}
+        except sqlite3.OperationalError:  # created but its tables not yet
+            return set()
+        finally:
+            db.close()
+
     def known(self, keys: list[str]) -> set[str]:
         found: set[str] = set()
         for start in range(0, len(keys), 500):
@@ -606,26 +621,44 @@ def _manifest_order(records: list[UnitRecord]) -> list[UnitRecord]:
     return sorted(records, key=lambda r: ((r.extra.get("upstream") or [""])[0], r.unit_id))
 
 
+PER_SAMPLE_EXTRA = ("scores", "embeddings")  # a curate record's per-sample detail (the flow drops it)
+
+
+def with_detail(records: Iterable[UnitRecord], stage_dir: StageDir | None) -> Iterator[UnitRecord]:
+    """Each of ``records`` with its per-sample detail (``PER_SAMPLE_EXTRA``): as given when it has it, else
+    read back from its committed record file in ``stage_dir``, one at a time. The prep flow keeps curate
+    records without it (at 100,000 samples ~100 MB of small objects, held through the stage, that left the
+    process's heap fragmented for the rest of the prep)."""
+    for record in records:
+        if stage_dir is None or any(name in record.extra for name in PER_SAMPLE_EXTRA):
+            yield record
+        else:
+            yield stage_dir.load_record(record.unit_id) or record
+
+
 def update(curate_root: Path, records: list[UnitRecord], fingerprint: dict[str, Any], threshold: float,
-           kind: str = "auto") -> dict[str, Any]:
+           kind: str = "auto", stage_dir: StageDir | None = None) -> dict[str, Any]:
     """Enter the samples of the stage's records that the index does not hold yet (one batch, manifest
     order) and decide every row not yet decided at ``threshold``. Reads the embedding files of records not
-    entered before only. Returns the run summary's ``near_duplicates``."""
+    entered before only. Records without their per-sample detail are read back from ``stage_dir`` (see
+    :func:`with_detail`), only those not entered before. Returns the run summary's ``near_duplicates``."""
     start = time.perf_counter()
     fp_hash = stable_hash(fingerprint)
-    todo = [(r, r.extra["embeddings"]) for r in _manifest_order(records)
-            if (r.extra.get("embeddings") or {}).get("fingerprint") == fp_hash]
-    dim = int(todo[0][1]["dim"]) if todo else THUMB_SIDE * THUMB_SIDE * 3
-    index = NearDupIndex(index_folder(curate_root, fingerprint), dim, kind)
+    folder = index_folder(curate_root, fingerprint)
+    done_units = NearDupIndex.entered_units_in(folder)
+    # records not entered before, with the embedder's embeddings, read (when slim) one at a time
+    todo = ((r, r.extra["embeddings"]) for r in with_detail(
+        (r for r in _manifest_order(records) if r.unit_id not in done_units), stage_dir)
+            if (r.extra.get("embeddings") or {}).get("fingerprint") == fp_hash)
+    first = next(todo, None)
+    dim = int(first[1]["dim"]) if first is not None else THUMB_SIDE * THUMB_SIDE * 3
+    index = NearDupIndex(folder, dim, kind)
     try:
-        done_units = index.entered_units()
         keys: list[str] = []
         vectors: list[np.ndarray] = []
         aesthetic: list[Optional[float]] = []
         units_read: list[str] = []
-        for record, emb in todo:
-            if record.unit_id in done_units:
-                continue
+        for record, emb in itertools.chain([first] if first is not None else [], todo):
             units_read.append(record.unit_id)
             known = index.known(emb["keys"])
             new = [i for i, key in enumerate(emb["keys"]) if key not in known and key not in keys]

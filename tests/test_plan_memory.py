@@ -1,0 +1,106 @@
+"""A large plan leaves no memory behind for the rest of the prep (issue 17, figure 15: prep peak RSS at 10x
+the inputs).
+
+The ingest plan makes a few small Python objects per input file. CPython keeps small objects in 1 MiB
+arenas and returns an arena to the system only once every object in it is gone, so the plan's objects are
+harmless only if nothing long-lived lands among them. Two things did:
+
+- the units the plan returns (their ids) were allocated among the plan's per-file objects and kept most of
+  its arenas alive through the ingest stage, where Prefect's task runs and the records filled the holes and
+  pinned them for good (at 100,000 files, ~100 MB of the prep's resident set). ``ingest.plan`` now rebuilds
+  its units from their pickle once the per-file objects are freed;
+- the flow's loop over a stage's task runs kept its last future and that future's records after the stage.
+
+The arena counts come from ``sys._debugmallocstats`` (CPython's small-object allocator); the test is skipped
+where that allocator is not in use.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import re
+import sys
+
+import pytest
+
+FILES = 20_000
+
+
+def _arenas() -> int | None:
+    """CPython's small-object arenas allocated now (None without pymalloc, e.g. PYTHONMALLOC=malloc)."""
+    read, write = os.pipe()
+    saved = os.dup(2)
+    try:
+        os.dup2(write, 2)
+        sys._debugmallocstats()
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+        os.close(write)
+    chunks = []
+    while chunk := os.read(read, 1 << 16):
+        chunks.append(chunk)
+    os.close(read)
+    match = re.search(rb"# arenas allocated current\s*=\s*([\d,]+)", b"".join(chunks))
+    return int(match.group(1).replace(b",", b"")) if match else None
+
+
+def _held_by(make) -> tuple[list, int]:
+    """What ``make()`` returns, and the arenas it holds beyond those allocated before it ran."""
+    gc.collect()
+    before = _arenas()
+    result = make()
+    gc.collect()
+    return result, _arenas() - before
+
+
+def test_the_ingest_plan_keeps_only_its_units_arenas(tmp_path):
+    from latentmill.stages import ingest
+
+    if _arenas() is None:
+        pytest.skip("CPython's small-object allocator (pymalloc) is not in use")
+    source = tmp_path / "images"
+    source.mkdir()
+    for n in range(FILES):  # planning lists and hashes files; it does not decode them
+        (source / f"img{n:06d}.jpg").write_bytes(n.to_bytes(4, "little") * 4)
+    cfg = ingest.IngestConfig(source=str(source), shard_size=1000)
+    cfg.validate()
+
+    as_planned, held_as_planned = _held_by(lambda: ingest._plan(cfg, None))
+    samples = [(u.unit_id, list(u.inputs), u.payload) for u in as_planned]
+    del as_planned
+    rebuilt, held_rebuilt = _held_by(lambda: ingest.plan(cfg, None))
+
+    assert len(rebuilt) >= FILES // 1000
+    assert sum(u.samples_in for u in rebuilt) == FILES
+    assert [(u.unit_id, list(u.inputs), u.payload) for u in rebuilt] == samples  # the same plan
+    # The units themselves take a few arenas (20,000 ids of 64 hex characters, the payloads); planned in
+    # place they held several times that, the plan's per-file objects' arenas.
+    assert held_rebuilt * 2 < held_as_planned, (held_rebuilt, held_as_planned)
+
+
+def test_the_flow_holds_no_records_of_a_finished_stage(tmp_path, tiny_flux, demo_images, monkeypatch):
+    """While a stage plans, no unit record of an earlier stage is alive in the flow's process (their
+    contents are in the stage manifests; the flow's loop used to keep its last task run's records)."""
+    from latentmill.pipelines import prep
+    from latentmill.stages.shardio import UnitRecord
+
+    from latentmill.recipe import load_recipe
+    from tests.conftest import DEMO_CONFIG
+
+    alive: dict[str, int] = {}
+    real_plan = prep.plan_stage
+
+    def counting_plan(stage, recipe):
+        gc.collect()
+        alive[stage] = sum(type(o) is UnitRecord for o in gc.get_objects())
+        return real_plan(stage, recipe)
+
+    monkeypatch.setattr(prep, "plan_stage", counting_plan)
+    recipe = load_recipe(DEMO_CONFIG, [f"output_dir={tmp_path / 'out'}", f"model.pretrained={tiny_flux}",
+                                       f"ingest.source={demo_images}", "runner.units_per_task=1",
+                                       "ingest.shard_size=8", "compaction.auto_after=0"])
+    result = prep.run_prep(recipe)
+    assert result["stages"]["ingest"]["units"] > 1
+    assert alive == {"ingest": 0, "caption": 0, "curate": 0, "bucket": 0, "cache": 0}
