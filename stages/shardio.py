@@ -14,12 +14,9 @@ whose record exists is done: re-running reuses it, and a killed run resumes at t
 from __future__ import annotations
 
 import abc
-import ctypes
-import ctypes.util
 import hashlib
 import json
 import os
-import sys
 import tarfile
 import threading
 import time
@@ -27,6 +24,8 @@ import zlib
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator
+
+from latentmill.stages.memory import release_memory
 
 FORMAT_VERSION = 1
 _TAR_USER = "latentmill"
@@ -210,67 +209,6 @@ class FileHashes:
         if self._db is not None:
             self._db.close()
             self._db = None
-
-
-class _MallInfo2(ctypes.Structure):
-    _fields_ = [(name, ctypes.c_size_t) for name in (
-        "arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")]
-
-
-def _glibc_malloc() -> tuple[Any, Any, Any]:
-    """glibc's ``malloc_trim``, ``mallinfo2`` and ``mallopt`` (None elsewhere)."""
-    if not sys.platform.startswith("linux"):
-        return None, None, None
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        trim, opt = libc.malloc_trim, libc.mallopt
-    except (OSError, AttributeError):
-        return None, None, None
-    info = getattr(libc, "mallinfo2", None)  # glibc >= 2.33
-    if info is not None:
-        info.restype = _MallInfo2
-    return trim, info, opt
-
-
-_malloc_trim, _mallinfo2, _mallopt = _glibc_malloc()
-_M_ARENA_MAX = -8
-TRIM_FREE_BYTES = 64 << 20  # trim when the heap holds at least this much free memory...
-TRIM_EVERY_UNITS = 1  # ...at most once every this many units of the process
-_units_since_trim = 0
-_trim_lock = threading.Lock()
-
-
-def tune_allocator(arenas: int = 2) -> None:
-    """Cap glibc's malloc arenas for this process (call before the worker threads start).
-
-    glibc gives threads up to 8 arenas per core; the prep's task threads and per-unit decode threads each
-    fragment their own, and the resident set of a long prep crept up with the number of units (peak RSS
-    at 10x the data: 1.26x the 1x peak; with 2 arenas: 1.20x, at no measured cost in speed).
-    """
-    if _mallopt is not None and os.environ.get("LATENTMILL_NO_TRIM") != "1":
-        _mallopt(_M_ARENA_MAX, int(arenas))
-
-
-def release_memory() -> None:
-    """Hand the allocator's free memory back to the OS (glibc ``malloc_trim``; elsewhere a no-op).
-
-    Called after each unit: every ``TRIM_EVERY_UNITS``-th call trims when the arenas hold at least
-    ``TRIM_FREE_BYTES`` free. Trimming bounds the creep of fragmented free memory (a 20,000-sample cache
-    stage under the flow held 130 MB of it at the end); the next unit faults its pages back in, which
-    counted no more page faults over that stage than trimming every 8th unit. Trimming after every cache
-    *batch* cost ~10%.
-    """
-    global _units_since_trim
-    if _malloc_trim is None or os.environ.get("LATENTMILL_NO_TRIM") == "1":
-        return
-    with _trim_lock:
-        _units_since_trim += 1
-        if _units_since_trim < TRIM_EVERY_UNITS:
-            return
-        _units_since_trim = 0
-    if _mallinfo2 is not None and _mallinfo2().fordblks < TRIM_FREE_BYTES:
-        return
-    _malloc_trim(0)
 
 
 # json.dumps(obj, sort_keys=True, separators=(",", ":"), default=str) without building an encoder per call
