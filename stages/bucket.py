@@ -40,6 +40,7 @@ import random
 from dataclasses import dataclass, field
 from typing import Any, Literal, Optional
 
+from latentmill.stages.hashing import meta_bytes, stable_hash
 from latentmill.stages.neardup import REASON as NEAR_DUP_REASON
 from latentmill.stages.neardup import decisions_for
 from latentmill.stages.shardio import (
@@ -51,12 +52,10 @@ from latentmill.stages.shardio import (
     copy_estimate,
     iter_unit_samples,
     load_shard_index,
-    meta_bytes,
     read_shard,
     sample_json,
     shard_buckets,
     sibling_stage,
-    stable_hash,
     unit_input_shards,
     units_by_bytes,
 )

@@ -35,6 +35,7 @@ from latentmill.stages.families import (
     get_encoders,
     prepare_cublas_determinism,
 )
+from latentmill.stages.hashing import meta_bytes, sha256_bytes, stable_hash
 from latentmill.stages.shardio import (
     _TAR_BLOCK,
     DEFAULT_SHARD_BYTES,
@@ -47,13 +48,10 @@ from latentmill.stages.shardio import (
     WorkUnit,
     check_shard_bytes,
     load_shard_index,
-    meta_bytes,
     read_shard,
     sample_json,
-    sha256_bytes,
     shard_buckets,
     sibling_stage,
-    stable_hash,
     unit_input_shards,
     units_by_bytes,
 )

@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from latentmill.stages.hashing import sha256_file
 from latentmill.stages.killpoint import KillPoint
 from latentmill.stages.shardio import (
     GROUP_KEY,
@@ -42,7 +43,6 @@ from latentmill.stages.shardio import (
     WorkUnit,
     grouped_unit_id,
     load_shard_index,
-    sha256_file,
 )
 
 PAUSE_ENV = "LATENTMILL_COMPACT_PAUSE_AFTER"  # tests: stop after this many samples copied (then get killed)

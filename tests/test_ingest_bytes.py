@@ -238,7 +238,7 @@ def test_unchanged_units_are_planned_from_file_metadata(photos, tmp_path, monkey
     import os
     import shutil
 
-    from latentmill.stages.shardio import FileHashes
+    from latentmill.stages.filehashes import FileHashes
 
     old = 1_700_000_000_000_000_000
     for path in photos.iterdir():

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from latentmill.stages.hashing import sha256_bytes, sha256_file
 from latentmill.stages.shardio import (
     ShardIndexError,
     StageDir,
@@ -24,8 +25,6 @@ from latentmill.stages.shardio import (
     index_shard,
     index_tar,
     read_shard_index,
-    sha256_bytes,
-    sha256_file,
     write_index_file,
 )
 from latentmill.trainer.loader import LatentLoader

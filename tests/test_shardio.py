@@ -6,7 +6,8 @@ import json
 
 import pytest
 import webdataset as wds
-from latentmill.stages.shardio import StageDir, WorkUnit, read_shard, sha256_file, stage_report
+from latentmill.stages.hashing import sha256_file
+from latentmill.stages.shardio import StageDir, WorkUnit, read_shard, stage_report
 
 
 def _samples(n):
