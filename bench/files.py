@@ -87,9 +87,9 @@ def run(args) -> list:
         StageDir,
         WorkUnit,
         copy_estimate,
-        read_shard,
         units_by_bytes,
     )
+    from latentmill.stages.tarshard import read_shard
 
     from latentmill.models import ModelConfig
 

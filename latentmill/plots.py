@@ -266,7 +266,8 @@ def slug(text: str, limit: int = 60) -> str:
 
 def _read_members(tar: Path, entry: dict[str, Any], wanted: set[str]) -> dict[str, dict[str, Any]]:
     """The samples of ``wanted`` keys in one shard (through its index when it has one)."""
-    from latentmill.stages.shardio import ShardIndexError, load_shard_index, read_shard
+    from latentmill.stages.shardindex import ShardIndexError, load_shard_index
+    from latentmill.stages.tarshard import read_shard
 
     found: dict[str, dict[str, Any]] = {}
     try:

@@ -46,10 +46,10 @@ import numpy as np
 from latentmill.stages import curate_models, neardup, pixels
 from latentmill.stages.curate_clips import ClipSpec
 from latentmill.stages.hashing import canonical_json, meta_bytes, sha256_bytes, stable_hash
+from latentmill.stages.shardindex import ShardIndexError, load_shard_index
 from latentmill.stages.shardio import (
     PerProcess,
     RecordIndex,
-    ShardIndexError,
     StageDir,
     UnitOutput,
     UnitRecord,
@@ -58,12 +58,11 @@ from latentmill.stages.shardio import (
     copy_estimate,
     grouped_unit_id,
     iter_unit_samples,
-    load_shard_index,
-    read_shard,
     sample_json,
     sibling_stage,
     units_by_bytes,
 )
+from latentmill.stages.tarshard import read_shard
 from PIL import Image
 
 STAGE = "curate"

@@ -8,7 +8,8 @@ import pytest
 from latentmill.stages import bucket
 from latentmill.stages.bucket import BucketConfig, TooSmall, bucket_for, crop_for
 from latentmill.stages.hashing import json_bytes
-from latentmill.stages.shardio import StageDir, UnitOutput, WorkUnit, read_shard, stage_report
+from latentmill.stages.shardio import StageDir, UnitOutput, WorkUnit, stage_report
+from latentmill.stages.tarshard import read_shard
 
 from latentmill.config import ConfigError, from_dict
 

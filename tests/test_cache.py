@@ -12,7 +12,8 @@ from latentmill.stages.cache import CacheConfig, load_pixels
 from latentmill.stages.curate import CurateConfig
 from latentmill.stages.families import get_encoders
 from latentmill.stages.ingest import IngestConfig
-from latentmill.stages.shardio import StageDir, read_shard
+from latentmill.stages.shardio import StageDir
+from latentmill.stages.tarshard import read_shard
 from safetensors.torch import load as load_tensors
 
 from latentmill.models import (

@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 from latentmill.stages import ingest
 from latentmill.stages.ingest import IngestConfig, unit_items
-from latentmill.stages.shardio import StageDir, read_shard
+from latentmill.stages.shardio import StageDir
+from latentmill.stages.tarshard import read_shard
 from PIL import Image
 
 from latentmill.config import ConfigError

@@ -17,8 +17,9 @@ import pytest
 import torch
 from latentmill.stages import ingest
 from latentmill.stages.ingest import IngestConfig, unit_items
-from latentmill.stages.shardio import StageDir, read_shard
+from latentmill.stages.shardio import StageDir
 from latentmill.stages.sources import hash_groups, list_source, source_kind
+from latentmill.stages.tarshard import read_shard
 from latentmill.stages.video import read_frames
 
 from tests.test_video import write_video

@@ -17,7 +17,7 @@ import pytest
 import torch
 from latentmill.pipelines.snapshot import publish
 from latentmill.stages.hashing import sha256_file
-from latentmill.stages.shardio import write_index_file
+from latentmill.stages.shardindex import write_index_file
 from latentmill.trainer.loader import LatentLoader
 
 from latentmill.jax import JaxLatentLoader, resolve_snapshot_dir

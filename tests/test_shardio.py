@@ -7,7 +7,8 @@ import json
 import pytest
 import webdataset as wds
 from latentmill.stages.hashing import sha256_file
-from latentmill.stages.shardio import StageDir, WorkUnit, read_shard, stage_report
+from latentmill.stages.shardio import StageDir, WorkUnit, stage_report
+from latentmill.stages.tarshard import read_shard
 
 
 def _samples(n):
@@ -142,13 +143,13 @@ def _awkward_samples() -> list[dict]:
 
 
 def _tarwriter_bytes(samples) -> bytes:
-    """What webdataset.TarWriter writes for ``samples`` with the options shardio has always used."""
+    """What webdataset.TarWriter writes for ``samples`` with the options the shard writer has always used."""
     import io
 
-    from latentmill.stages import shardio
+    from latentmill.stages import tarshard
 
     buf = io.BytesIO()
-    writer = wds.TarWriter(buf, user=shardio._TAR_USER, group=shardio._TAR_USER, mtime=0, encoder=False,
+    writer = wds.TarWriter(buf, user=tarshard._TAR_USER, group=tarshard._TAR_USER, mtime=0, encoder=False,
                            compress=False)
     for sample in samples:
         writer.write(sample)
@@ -161,7 +162,8 @@ def test_shard_sink_writes_tarwriters_bytes_and_the_index_of_a_read_back(tmp_pat
     """The shard writer writes tars directly (not through webdataset's TarWriter and tarfile's stream) and
     builds the shard index from what it wrote: both must be byte for byte what TarWriter wrote and what
     ``index_tar`` reads back. ``pax``: names over 100 bytes and non-ASCII ones (pax headers)."""
-    from latentmill.stages.shardio import _ShardSink, index_path, index_tar
+    from latentmill.stages.shardindex import index_path, index_tar
+    from latentmill.stages.shardio import _ShardSink
 
     samples = _awkward_samples()
     if names == "pax":
@@ -196,7 +198,7 @@ def test_tar_member_header_is_tarfiles(tmp_path):
     """The template-filled header of a plain member equals ``tarfile``'s for names and sizes at the edges."""
     import tarfile
 
-    from latentmill.stages.shardio import _tar_info, tar_member_header
+    from latentmill.stages.tarshard import _tar_info, tar_member_header
 
     for name in ["a.b", "k" * 96 + ".txt", "x" * 100, "d/e/f.json", "k" * 101, "\u00e9.txt", ""]:
         for size in [0, 1, 511, 512, 513, 8 ** 11 - 1, 8 ** 11]:
@@ -212,7 +214,7 @@ def test_read_shard_reads_plain_tars_itself_and_others_through_tarfile(tmp_path)
     import os
     import tarfile
 
-    from latentmill.stages.shardio import _read_shard_tarfile, _tar_files_fast
+    from latentmill.stages.tarshard import _read_shard_tarfile, _tar_files_fast
 
     def fast_members(path):
         fd = os.open(path, os.O_RDONLY)
