@@ -336,14 +336,8 @@ def write_latent_cache(root: Path, num_samples: int, spec: dict[str, Any] = FLUX
     Returns the manifest.
     """
     import torch
-    from latentmill.stages.shardio import (
-        StageDir,
-        UnitOutput,
-        WorkUnit,
-        json_bytes,
-        sha256_bytes,
-        stable_hash,
-    )
+    from latentmill.stages.hashing import json_bytes, sha256_bytes, stable_hash
+    from latentmill.stages.shardio import StageDir, UnitOutput, WorkUnit
     from safetensors.torch import save as st_save
 
     dtype = getattr(torch, dtype_name)

@@ -60,15 +60,8 @@ def _write_units(root: Path, sizes: list[int], spec: dict[str, Any], scale: int,
                  start_key: int = 0, tag: str = "u") -> list:
     """Commit one cache unit per entry of ``sizes`` (samples), each naming a made-up upstream shard."""
     import torch
-    from latentmill.stages.shardio import (
-        StageDir,
-        UnitOutput,
-        WorkUnit,
-        grouped_unit_id,
-        json_bytes,
-        sha256_bytes,
-        stable_hash,
-    )
+    from latentmill.stages.hashing import json_bytes, sha256_bytes, stable_hash
+    from latentmill.stages.shardio import StageDir, UnitOutput, WorkUnit, grouped_unit_id
     from safetensors.torch import save as st_save
 
     from bench.common import sample_tensors
@@ -99,7 +92,8 @@ def _write_units(root: Path, sizes: list[int], spec: dict[str, Any], scale: int,
 
 
 def _manifest(root: Path, records: list, shard_bytes: int, scale: int) -> dict[str, Any]:
-    from latentmill.stages.shardio import StageDir, sha256_bytes, stable_hash
+    from latentmill.stages.hashing import sha256_bytes, stable_hash
+    from latentmill.stages.shardio import StageDir
 
     empty = root / "empty_prompt.safetensors"
     if not empty.is_file():

@@ -79,6 +79,7 @@ def _count(root: Path, stage: str, num: int) -> dict[str, Any]:
 
 def run(args) -> list:
     from latentmill.stages.cache import CacheConfig, sample_bytes_estimate
+    from latentmill.stages.hashing import stable_hash
     from latentmill.stages.ingest import DEFAULT_SHARD_BYTES as INGEST_SHARD_BYTES
     from latentmill.stages.ingest import JSON_TAR_BYTES, TAR_BLOCK, hash_byte_groups
     from latentmill.stages.shardio import (
@@ -86,10 +87,9 @@ def run(args) -> list:
         StageDir,
         WorkUnit,
         copy_estimate,
-        read_shard,
-        stable_hash,
         units_by_bytes,
     )
+    from latentmill.stages.tarshard import read_shard
 
     from latentmill.models import ModelConfig
 

@@ -53,7 +53,7 @@ PASSES = 4  # epochs per timed measurement (full size); each repetition pairs on
 
 def write_per_file(root, cache_dir, manifest) -> list:
     """The same tensors as the latent shards, one safetensors file per sample."""
-    from latentmill.stages.shardio import read_shard
+    from latentmill.stages.tarshard import read_shard
     from safetensors.torch import load, save_file
 
     root.mkdir(parents=True, exist_ok=True)

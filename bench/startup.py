@@ -9,7 +9,7 @@ samples get their headers written (the tar scan below reads them); the others ar
 holding nothing (the loader's start-up opens no tar: it cannot tell). The cache lives on ``/dev/shm``
 (tmpfs: ~0.8 GB of memory for the written headers), as freeing millions of sparse extents on this disk
 took minutes. Each shard's index is written by the cache stage's own index writer
-(``latentmill.stages.shardio.build_shard_index``, the function ``index_tar`` calls at commit) from the
+(``latentmill.stages.shardindex.build_shard_index``, the function ``index_tar`` calls at commit) from the
 offsets the tar was written with; a test checks that it equals ``index_tar`` of the tar.
 
 Measured hot (everything read once before timing), each repetition one of each, alternating which goes
@@ -88,7 +88,7 @@ def write_sparse_cache(root: Path, num: int, spec: dict = FLUX_512, with_headers
     ``with_headers`` samples (default: all) get their tar and safetensors headers written; the others are
     files of the right size and nothing else (the loader's start-up opens no tar, and every written header
     costs a page of memory on tmpfs or an extent to free on disk)."""
-    from latentmill.stages.shardio import build_shard_index, write_index_file
+    from latentmill.stages.shardindex import build_shard_index, write_index_file
 
     (root / "shards").mkdir(parents=True, exist_ok=True)
     vae_prefix, vae_payload = _st_header({"latents": ("BF16", spec["latent"], 2)})
@@ -173,7 +173,7 @@ def run(args) -> list:
 
 def _measure(args, work: Path, num: int, reps: int) -> list:
     import torch
-    from latentmill.stages.shardio import index_tar, read_shard_index
+    from latentmill.stages.shardindex import index_tar, read_shard_index
     from latentmill.trainer.loader import LatentLoader
 
     cache = work / "cache"

@@ -7,7 +7,9 @@ from collections import Counter
 from pathlib import Path
 
 from latentmill.pipelines.snapshot import LATEST, resolve_snapshot
-from latentmill.stages.shardio import sha256_file, shard_buckets, verify_index
+from latentmill.stages.hashing import sha256_file
+from latentmill.stages.shardindex import verify_index
+from latentmill.stages.shardio import shard_buckets
 
 # Pipeline order, as ``latentmill.pipelines.prep.STAGES`` (not imported: it would start Prefect for a read-only command).
 STAGE_ORDER = ("ingest", "caption", "curate", "bucket", "cache")

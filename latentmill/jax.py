@@ -20,7 +20,7 @@ share those buffers: ``latents``, ``prompt_embeds``, ``pooled_prompt_embeds`` (F
 the cache stage): half the bytes to move, and the cast to float32 happens on the device.
 
 Torch: ``import latentmill.jax`` imports neither torch nor jax. Building a loader does import torch (CPU is
-enough), because the index reader (``latentmill.stages.shardio``, through webdataset) and the planning
+enough), because the index reader (``latentmill.stages.shardindex``, through webdataset) and the planning
 code live beside the torch trainer; duplicating them torch-free would be a second implementation of the
 order to keep equal, which is exactly what this module avoids. A JAX-only install therefore needs the CPU
 torch wheel too (``pip install latentmill[jax]`` brings it, as a dependency of the package).

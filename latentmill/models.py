@@ -98,7 +98,7 @@ def _file_sha(path: Path, store=None) -> str:
         if key in _memo:
             return _memo[key]
     if store is None:
-        from latentmill.stages.shardio import sha256_file
+        from latentmill.stages.hashing import sha256_file
 
         digest = sha256_file(path, chunk=1 << 22)
     else:
@@ -118,7 +118,7 @@ class _StoreOnDemand:
 
     def sha256(self, path: Path) -> str:
         if self.store is None:
-            from latentmill.stages.shardio import FileHashes
+            from latentmill.stages.filehashes import FileHashes
 
             self.store = FileHashes(hash_store_path())
         return self.store.sha256(path)

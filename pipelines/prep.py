@@ -23,15 +23,9 @@ from latentmill.pipelines.retention import OutputBusyError, writer_lock  # noqa:
 from latentmill.pipelines.snapshot import publish as publish_snapshot
 from latentmill.stages import bucket, cache, caption, curate, curate_clips, ingest, neardup, pixels
 from latentmill.stages.compact import compact_stage
-from latentmill.stages.shardio import (
-    StageDir,
-    UnitOutput,
-    UnitRecord,
-    WorkUnit,
-    stable_hash,
-    stage_report,
-    tune_allocator,
-)
+from latentmill.stages.hashing import stable_hash
+from latentmill.stages.memory import tune_allocator
+from latentmill.stages.shardio import StageDir, UnitOutput, UnitRecord, WorkUnit, stage_report
 from latentmill.stages.workers import number_worker
 from prefect import flow, task
 from prefect.cache_policies import NONE

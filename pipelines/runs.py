@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from latentmill.stages.shardio import stable_hash
+from latentmill.stages.hashing import stable_hash
 
 from latentmill.config import to_dict
 from latentmill.recipe import Recipe

@@ -18,7 +18,8 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from latentmill.stages.shardio import StageDir, shard_buckets, stable_hash
+from latentmill.stages.hashing import stable_hash
+from latentmill.stages.shardio import StageDir, shard_buckets
 
 LATEST = "LATEST"
 

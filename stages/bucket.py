@@ -40,26 +40,24 @@ import random
 from dataclasses import dataclass, field
 from typing import Any, Literal, Optional
 
+from latentmill.stages.hashing import meta_bytes, stable_hash
 from latentmill.stages.neardup import REASON as NEAR_DUP_REASON
 from latentmill.stages.neardup import decisions_for
+from latentmill.stages.shardindex import ShardIndexError, load_shard_index
 from latentmill.stages.shardio import (
-    ShardIndexError,
     StageDir,
     UnitOutput,
     WorkUnit,
     check_shard_bytes,
     copy_estimate,
     iter_unit_samples,
-    load_shard_index,
-    meta_bytes,
-    read_shard,
     sample_json,
     shard_buckets,
     sibling_stage,
-    stable_hash,
     unit_input_shards,
     units_by_bytes,
 )
+from latentmill.stages.tarshard import read_shard
 from latentmill.stages.video import (
     CLIP_MEMBER,
     ClipPolicy,

@@ -35,28 +35,24 @@ from latentmill.stages.families import (
     get_encoders,
     prepare_cublas_determinism,
 )
+from latentmill.stages.hashing import meta_bytes, sha256_bytes, stable_hash
+from latentmill.stages.shardindex import ShardIndexError, load_shard_index
 from latentmill.stages.shardio import (
-    _TAR_BLOCK,
     DEFAULT_SHARD_BYTES,
     PerProcess,
     RecordIndex,
-    ShardIndexError,
     StageDir,
     UnitOutput,
     UnitRecord,
     WorkUnit,
     check_shard_bytes,
-    load_shard_index,
-    meta_bytes,
-    read_shard,
     sample_json,
-    sha256_bytes,
     shard_buckets,
     sibling_stage,
-    stable_hash,
     unit_input_shards,
     units_by_bytes,
 )
+from latentmill.stages.tarshard import _TAR_BLOCK, read_shard
 from latentmill.stages.workers import unit_gpu
 from PIL import Image
 from safetensors.torch import save as safetensors_save

@@ -38,6 +38,7 @@ from latentmill.stages.captioners.hf import TransformersCaptioner
 from latentmill.stages.captioners.postprocess import DEFAULT_STRIP_PREFIXES, CaptionRules
 from latentmill.stages.captioners.sidecar import SidecarCaptioner, sidecar_provenance
 from latentmill.stages.captioners.template import TemplateCaptioner, template_fields
+from latentmill.stages.hashing import meta_bytes
 from latentmill.stages.shardio import (
     StageDir,
     UnitOutput,
@@ -45,7 +46,6 @@ from latentmill.stages.shardio import (
     check_shard_bytes,
     copy_estimate,
     iter_unit_samples,
-    meta_bytes,
     sample_json,
     sibling_stage,
     units_by_bytes,
@@ -174,7 +174,7 @@ def fingerprint(cfg: CaptionConfig, captioner: Captioner | None = None) -> dict[
 
 def manifest_header(cfg: CaptionConfig, captioner: Captioner | None = None) -> dict[str, Any]:
     """The stage fingerprint and the captioner's settings, for the caption manifest."""
-    from latentmill.stages.shardio import stable_hash
+    from latentmill.stages.hashing import stable_hash
 
     fp = fingerprint(cfg, captioner)
     described = dict(fp["captioner"])

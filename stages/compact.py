@@ -33,17 +33,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from latentmill.stages.hashing import sha256_file
 from latentmill.stages.killpoint import KillPoint
-from latentmill.stages.shardio import (
-    GROUP_KEY,
-    StageDir,
-    UnitOutput,
-    UnitRecord,
-    WorkUnit,
-    grouped_unit_id,
-    load_shard_index,
-    sha256_file,
-)
+from latentmill.stages.shardindex import load_shard_index
+from latentmill.stages.shardio import GROUP_KEY, StageDir, UnitOutput, UnitRecord, WorkUnit, grouped_unit_id
 
 PAUSE_ENV = "LATENTMILL_COMPACT_PAUSE_AFTER"  # tests: stop after this many samples copied (then get killed)
 

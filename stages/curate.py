@@ -45,28 +45,24 @@ from typing import Any, Callable, Iterator, Literal, Optional
 import numpy as np
 from latentmill.stages import curate_models, neardup, pixels
 from latentmill.stages.curate_clips import ClipSpec
+from latentmill.stages.hashing import canonical_json, meta_bytes, sha256_bytes, stable_hash
+from latentmill.stages.shardindex import ShardIndexError, load_shard_index
 from latentmill.stages.shardio import (
     PerProcess,
     RecordIndex,
-    ShardIndexError,
     StageDir,
     UnitOutput,
     UnitRecord,
     WorkUnit,
-    canonical_json,
     check_shard_bytes,
     copy_estimate,
     grouped_unit_id,
     iter_unit_samples,
-    load_shard_index,
-    meta_bytes,
-    read_shard,
     sample_json,
-    sha256_bytes,
     sibling_stage,
-    stable_hash,
     units_by_bytes,
 )
+from latentmill.stages.tarshard import read_shard
 from PIL import Image
 
 STAGE = "curate"

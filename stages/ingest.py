@@ -29,18 +29,9 @@ from pathlib import Path
 from typing import Any, Optional
 
 from latentmill.stages import pixels
-from latentmill.stages.shardio import (
-    FileHashes,
-    StageDir,
-    UnitOutput,
-    UnitRecord,
-    WorkUnit,
-    check_shard_bytes,
-    meta_bytes,
-    sha256_bytes,
-    sha256_file,
-    stable_hash,
-)
+from latentmill.stages.filehashes import FileHashes
+from latentmill.stages.hashing import meta_bytes, sha256_bytes, sha256_file, stable_hash
+from latentmill.stages.shardio import StageDir, UnitOutput, UnitRecord, WorkUnit, check_shard_bytes
 from latentmill.stages.sources import (
     Entry,
     content_identity,

@@ -40,7 +40,8 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator, Optional, Sequence
 
 import numpy as np
-from latentmill.stages.shardio import PerProcess, RecordIndex, StageDir, UnitRecord, stable_hash
+from latentmill.stages.hashing import stable_hash
+from latentmill.stages.shardio import PerProcess, RecordIndex, StageDir, UnitRecord
 from PIL import Image
 
 EMBEDDER = "thumbnail"  # the model-free default (the CLIP embedder of the aesthetic scorer can take its place)

@@ -32,7 +32,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Iterator, Literal
 
-from latentmill.stages.shardio import FileHashes, sha256_bytes, sha256_file, stable_hash
+from latentmill.stages.filehashes import FileHashes
+from latentmill.stages.hashing import sha256_bytes, sha256_file, stable_hash
 from latentmill.stages.video import local_path
 
 SIDECAR_EXTENSIONS = (".txt", ".json")

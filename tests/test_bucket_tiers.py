@@ -7,7 +7,9 @@ import json
 import pytest
 from latentmill.stages import bucket
 from latentmill.stages.bucket import BucketConfig, TooSmall, bucket_for, crop_for
-from latentmill.stages.shardio import StageDir, UnitOutput, WorkUnit, json_bytes, read_shard, stage_report
+from latentmill.stages.hashing import json_bytes
+from latentmill.stages.shardio import StageDir, UnitOutput, WorkUnit, stage_report
+from latentmill.stages.tarshard import read_shard
 
 from latentmill.config import ConfigError, from_dict
 

@@ -14,7 +14,8 @@ from latentmill.stages import bucket, caption, ingest  # noqa: E402
 from latentmill.stages.bucket import BucketConfig  # noqa: E402
 from latentmill.stages.caption import CaptionConfig  # noqa: E402
 from latentmill.stages.ingest import IngestConfig  # noqa: E402
-from latentmill.stages.shardio import StageDir, read_shard, stage_report  # noqa: E402
+from latentmill.stages.shardio import StageDir, stage_report  # noqa: E402
+from latentmill.stages.tarshard import read_shard  # noqa: E402
 from latentmill.stages.video import probe_video  # noqa: E402
 
 from latentmill.recipe import load_recipe  # noqa: E402

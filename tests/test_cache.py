@@ -12,7 +12,8 @@ from latentmill.stages.cache import CacheConfig, load_pixels
 from latentmill.stages.curate import CurateConfig
 from latentmill.stages.families import get_encoders
 from latentmill.stages.ingest import IngestConfig
-from latentmill.stages.shardio import StageDir, read_shard
+from latentmill.stages.shardio import StageDir
+from latentmill.stages.tarshard import read_shard
 from safetensors.torch import load as load_tensors
 
 from latentmill.models import (
@@ -246,7 +247,7 @@ def test_verify_catches_a_flipped_byte(cached, tmp_path, capsys):
 def test_units_spread_evenly_over_gpus():
     from collections import Counter
 
-    from latentmill.stages.shardio import stable_hash
+    from latentmill.stages.hashing import stable_hash
     from latentmill.stages.workers import unit_gpu as pick_gpu
 
     counts = Counter(pick_gpu(stable_hash(i), 4) for i in range(4000))
@@ -259,7 +260,7 @@ def test_component_keys_record_the_dtype_the_encoders_ran_in(tiny_flux, tiny_wan
     are not the CPU's bytes, so their keys differ; the CPU keys stay what they were before (float32 is
     not written into them)."""
     from latentmill.stages.cache import CachePlan
-    from latentmill.stages.shardio import stable_hash
+    from latentmill.stages.hashing import stable_hash
 
     flux = ModelConfig(pretrained=str(tiny_flux))
     cpu, gpu = CachePlan.of(CacheConfig(device="cpu"), flux), CachePlan.of(CacheConfig(device="cuda"), flux)
@@ -276,7 +277,7 @@ def test_component_keys_record_the_dtype_the_encoders_ran_in(tiny_flux, tiny_wan
 def test_a_numbered_worker_process_keeps_to_one_gpu(monkeypatch):
     """A process-pool worker loads its encoders (and captioning model) on one GPU whatever its units, or
     8 workers on 8 GPUs would hold up to 8 copies per GPU."""
-    from latentmill.stages.shardio import stable_hash
+    from latentmill.stages.hashing import stable_hash
     from latentmill.stages.workers import WORKER_INDEX_ENV, worker_gpu
     from latentmill.stages.workers import unit_gpu as pick_gpu
 
@@ -338,7 +339,7 @@ def test_weight_digests_are_remembered_across_processes(tiny_flux, tmp_path, mon
     import shutil
     import sqlite3
 
-    from latentmill.stages.shardio import sha256_file
+    from latentmill.stages.hashing import sha256_file
 
     from latentmill import models
 

@@ -14,7 +14,8 @@ import tracemalloc
 
 import numpy as np
 import pytest
-from latentmill.stages.shardio import StageDir, read_shard
+from latentmill.stages.shardio import StageDir
+from latentmill.stages.tarshard import read_shard
 from PIL import Image
 
 from tests.conftest import DEMO_CONFIG

@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 from latentmill.stages.cache import load_clip_pixels
-from latentmill.stages.shardio import read_shard
+from latentmill.stages.tarshard import read_shard
 from safetensors.torch import load as load_tensors
 
 from latentmill.recipe import load_recipe

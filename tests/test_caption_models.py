@@ -16,8 +16,10 @@ from latentmill.stages.bucket import BucketConfig
 from latentmill.stages.cache import CacheConfig
 from latentmill.stages.caption import CaptionConfig
 from latentmill.stages.captioners.media import sample_frames, sample_frames_with_indices
+from latentmill.stages.hashing import json_bytes
 from latentmill.stages.ingest import IngestConfig
-from latentmill.stages.shardio import StageDir, WorkUnit, json_bytes, read_shard, stage_report
+from latentmill.stages.shardio import StageDir, WorkUnit, stage_report
+from latentmill.stages.tarshard import read_shard
 
 from latentmill.models import ComponentSource, ModelConfig, component_fingerprint
 from latentmill.recipe import Recipe

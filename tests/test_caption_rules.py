@@ -12,7 +12,8 @@ from latentmill.stages.captioners.media import frame_indices
 from latentmill.stages.captioners.postprocess import CaptionRules
 from latentmill.stages.captioners.template import TemplateCaptioner
 from latentmill.stages.ingest import IngestConfig
-from latentmill.stages.shardio import StageDir, read_shard
+from latentmill.stages.shardio import StageDir
+from latentmill.stages.tarshard import read_shard
 
 from latentmill.config import ConfigError, from_dict
 

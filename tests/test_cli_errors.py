@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from latentmill.stages.shardio import sha256_file
+from latentmill.stages.hashing import sha256_file
 from latentmill.trainer.checkpoint import resolve_resume
 
 from latentmill.inspect import inspect_path

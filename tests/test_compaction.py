@@ -26,7 +26,10 @@ from latentmill.pipelines.retention import gc
 from latentmill.pipelines.snapshot import latest_name, publish, resolve_snapshot
 from latentmill.stages import cache as cache_stage
 from latentmill.stages.compact import PAUSE_ENV, plan_compaction
-from latentmill.stages.shardio import StageDir, index_path, index_tar, read_shard, sha256_file
+from latentmill.stages.hashing import sha256_file
+from latentmill.stages.shardindex import index_path, index_tar
+from latentmill.stages.shardio import StageDir
+from latentmill.stages.tarshard import read_shard
 from latentmill.trainer.loader import LatentLoader
 
 from latentmill.config import ConfigError

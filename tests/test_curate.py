@@ -11,7 +11,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 from latentmill.stages import cache, curate
-from latentmill.stages.shardio import read_shard, sample_json, stage_report
+from latentmill.stages.shardio import sample_json, stage_report
+from latentmill.stages.tarshard import read_shard
 from PIL import Image, ImageFilter
 
 from latentmill.recipe import load_recipe

@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from latentmill.stages import curate, shardio
+from latentmill.stages import curate, filehashes
 
 from latentmill import models
 
@@ -48,13 +48,13 @@ def test_a_model_fingerprint_taken_again_opens_no_store(tmp_path, monkeypatch):
     for path in (folder / "config.json", folder / "model.safetensors", head):
         os.utime(path, (1_000_000_000, 1_000_000_000))  # old files: their digests are remembered
     opened = []
-    real_init = shardio.FileHashes.__init__
+    real_init = filehashes.FileHashes.__init__
 
     def counted(self, *args, **kwargs):
         opened.append(args)
         real_init(self, *args, **kwargs)
 
-    monkeypatch.setattr(shardio.FileHashes, "__init__", counted)
+    monkeypatch.setattr(filehashes.FileHashes, "__init__", counted)
     models._memo.clear()
     first = models.component_fingerprint(models.ComponentSource(str(folder), None))
     first_head = models.file_fingerprint(head)

@@ -17,7 +17,8 @@ from latentmill.stages import cache, caption, curate, curate_clips, curate_model
 from latentmill.stages.bucket import BucketConfig  # noqa: E402
 from latentmill.stages.caption import CaptionConfig  # noqa: E402
 from latentmill.stages.ingest import IngestConfig  # noqa: E402
-from latentmill.stages.shardio import StageDir, read_shard, sample_json, stage_report  # noqa: E402
+from latentmill.stages.shardio import StageDir, sample_json, stage_report  # noqa: E402
+from latentmill.stages.tarshard import read_shard  # noqa: E402
 from latentmill.stages.video import DECODE_COUNTS, plan_clips, read_frames  # noqa: E402
 from PIL import Image  # noqa: E402
 

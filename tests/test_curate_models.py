@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 import torch
 from latentmill.stages import curate, curate_models
-from latentmill.stages.shardio import read_shard, sample_json
+from latentmill.stages.shardio import sample_json
+from latentmill.stages.tarshard import read_shard
 from PIL import Image
 
 from latentmill.config import ConfigError

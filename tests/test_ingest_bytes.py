@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 from latentmill.stages import ingest
 from latentmill.stages.ingest import IngestConfig, unit_items
-from latentmill.stages.shardio import StageDir, read_shard
+from latentmill.stages.shardio import StageDir
+from latentmill.stages.tarshard import read_shard
 from PIL import Image
 
 from latentmill.config import ConfigError
@@ -238,7 +239,7 @@ def test_unchanged_units_are_planned_from_file_metadata(photos, tmp_path, monkey
     import os
     import shutil
 
-    from latentmill.stages.shardio import FileHashes
+    from latentmill.stages.filehashes import FileHashes
 
     old = 1_700_000_000_000_000_000
     for path in photos.iterdir():

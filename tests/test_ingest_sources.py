@@ -17,8 +17,9 @@ import pytest
 import torch
 from latentmill.stages import ingest
 from latentmill.stages.ingest import IngestConfig, unit_items
-from latentmill.stages.shardio import StageDir, read_shard
+from latentmill.stages.shardio import StageDir
 from latentmill.stages.sources import hash_groups, list_source, source_kind
+from latentmill.stages.tarshard import read_shard
 from latentmill.stages.video import read_frames
 
 from tests.test_video import write_video
@@ -300,7 +301,8 @@ def test_file_hashes_prefetch_answers_a_group_in_a_few_queries(tmp_path):
     SQLite nothing more for the group, and still re-hashes a file changed since it was remembered."""
     import os
 
-    from latentmill.stages.shardio import FileHashes, sha256_file
+    from latentmill.stages.filehashes import FileHashes
+    from latentmill.stages.hashing import sha256_file
 
     old = 1_700_000_000_000_000_000
     paths = []
@@ -331,7 +333,8 @@ def test_file_hashes_are_remembered_while_the_file_is_unchanged(tmp_path):
     import os
     import sqlite3
 
-    from latentmill.stages.shardio import FileHashes, sha256_file
+    from latentmill.stages.filehashes import FileHashes
+    from latentmill.stages.hashing import sha256_file
 
     path, store = tmp_path / "a.bin", tmp_path / "hashes.sqlite"
     path.write_bytes(b"x" * 1000)

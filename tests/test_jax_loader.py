@@ -16,7 +16,8 @@ import numpy as np
 import pytest
 import torch
 from latentmill.pipelines.snapshot import publish
-from latentmill.stages.shardio import sha256_file, write_index_file
+from latentmill.stages.hashing import sha256_file
+from latentmill.stages.shardindex import write_index_file
 from latentmill.trainer.loader import LatentLoader
 
 from latentmill.jax import JaxLatentLoader, resolve_snapshot_dir

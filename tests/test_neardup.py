@@ -14,7 +14,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 from latentmill.stages import cache, curate, neardup
-from latentmill.stages.shardio import read_shard, sample_json
+from latentmill.stages.shardio import sample_json
+from latentmill.stages.tarshard import read_shard
 from PIL import Image
 
 from tests.conftest import DEMO_IMAGES, REPO_ROOT

@@ -18,8 +18,10 @@ import torch
 from latentmill.stages import bucket, ingest, pixels
 from latentmill.stages.bucket import BucketConfig
 from latentmill.stages.cache import CacheConfig, CachePlan, decode_sample, load_pixels
+from latentmill.stages.hashing import stable_hash
 from latentmill.stages.ingest import IngestConfig
-from latentmill.stages.shardio import StageDir, read_shard, stable_hash
+from latentmill.stages.shardio import StageDir
+from latentmill.stages.tarshard import read_shard
 from PIL import Image
 
 from tests import icc

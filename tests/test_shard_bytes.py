@@ -19,14 +19,8 @@ from pathlib import Path
 
 import pytest
 from latentmill.pipelines.prep import plan_stage, stage_processor
-from latentmill.stages.shardio import (
-    StageDir,
-    UnitOutput,
-    WorkUnit,
-    group_by_bytes,
-    read_shard,
-    shard_buckets,
-)
+from latentmill.stages.shardio import StageDir, UnitOutput, WorkUnit, group_by_bytes, shard_buckets
+from latentmill.stages.tarshard import read_shard
 from latentmill.trainer.loader import LatentLoader
 from PIL import Image
 

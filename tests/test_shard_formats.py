@@ -91,7 +91,8 @@ def test_a_field_null_in_the_first_samples_and_set_later_loads(demo_images, tmp_
     import json
 
     from latentmill.stages import ingest
-    from latentmill.stages.shardio import StageDir, read_shard
+    from latentmill.stages.shardio import StageDir
+    from latentmill.stages.tarshard import read_shard
 
     for sidecar in demo_images.glob("*.txt"):
         sidecar.unlink()

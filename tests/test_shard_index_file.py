@@ -15,19 +15,17 @@ from pathlib import Path
 
 import pytest
 import torch
-from latentmill.stages.shardio import (
+from latentmill.stages.hashing import sha256_bytes, sha256_file
+from latentmill.stages.shardindex import (
     ShardIndexError,
-    StageDir,
-    WorkUnit,
     build_shard_index,
     index_path,
-    index_shard,
     index_tar,
     read_shard_index,
-    sha256_bytes,
-    sha256_file,
     write_index_file,
 )
+from latentmill.stages.shardio import StageDir, WorkUnit
+from latentmill.stages.tarshard import index_shard
 from latentmill.trainer.loader import LatentLoader
 from latentmill.trainer.shard_index import layout_from_index, parse_safetensors_header
 from safetensors.torch import save as save_st

@@ -6,7 +6,9 @@ import json
 
 import pytest
 import webdataset as wds
-from latentmill.stages.shardio import StageDir, WorkUnit, read_shard, sha256_file, stage_report
+from latentmill.stages.hashing import sha256_file
+from latentmill.stages.shardio import StageDir, WorkUnit, stage_report
+from latentmill.stages.tarshard import read_shard
 
 
 def _samples(n):
@@ -91,16 +93,16 @@ def test_manifest_counts_conserve_and_parts_split(tmp_path):
 def test_allocator_controls_are_found_on_linux():
     import sys
 
-    from latentmill.stages import shardio
+    from latentmill.stages import memory
 
     if sys.platform.startswith("linux"):
         # otherwise prep's heap would silently never be trimmed nor its arenas capped
-        assert shardio._malloc_trim is not None and shardio._mallopt is not None
-        assert shardio._mallinfo2 is not None and shardio._mallinfo2().arena > 0
-    shardio.tune_allocator()
-    for _ in range(2 * shardio.TRIM_EVERY_UNITS):
-        shardio.release_memory()
-    assert 0 <= shardio._units_since_trim < shardio.TRIM_EVERY_UNITS
+        assert memory._malloc_trim is not None and memory._mallopt is not None
+        assert memory._mallinfo2 is not None and memory._mallinfo2().arena > 0
+    memory.tune_allocator()
+    for _ in range(2 * memory.TRIM_EVERY_UNITS):
+        memory.release_memory()
+    assert 0 <= memory._units_since_trim < memory.TRIM_EVERY_UNITS
 
 
 def test_shard_digest_is_hashed_while_writing_and_matches_the_file(tmp_path):
@@ -141,13 +143,13 @@ def _awkward_samples() -> list[dict]:
 
 
 def _tarwriter_bytes(samples) -> bytes:
-    """What webdataset.TarWriter writes for ``samples`` with the options shardio has always used."""
+    """What webdataset.TarWriter writes for ``samples`` with the options the shard writer has always used."""
     import io
 
-    from latentmill.stages import shardio
+    from latentmill.stages import tarshard
 
     buf = io.BytesIO()
-    writer = wds.TarWriter(buf, user=shardio._TAR_USER, group=shardio._TAR_USER, mtime=0, encoder=False,
+    writer = wds.TarWriter(buf, user=tarshard._TAR_USER, group=tarshard._TAR_USER, mtime=0, encoder=False,
                            compress=False)
     for sample in samples:
         writer.write(sample)
@@ -160,7 +162,8 @@ def test_shard_sink_writes_tarwriters_bytes_and_the_index_of_a_read_back(tmp_pat
     """The shard writer writes tars directly (not through webdataset's TarWriter and tarfile's stream) and
     builds the shard index from what it wrote: both must be byte for byte what TarWriter wrote and what
     ``index_tar`` reads back. ``pax``: names over 100 bytes and non-ASCII ones (pax headers)."""
-    from latentmill.stages.shardio import _ShardSink, index_path, index_tar
+    from latentmill.stages.shardindex import index_path, index_tar
+    from latentmill.stages.shardio import _ShardSink
 
     samples = _awkward_samples()
     if names == "pax":
@@ -195,7 +198,7 @@ def test_tar_member_header_is_tarfiles(tmp_path):
     """The template-filled header of a plain member equals ``tarfile``'s for names and sizes at the edges."""
     import tarfile
 
-    from latentmill.stages.shardio import _tar_info, tar_member_header
+    from latentmill.stages.tarshard import _tar_info, tar_member_header
 
     for name in ["a.b", "k" * 96 + ".txt", "x" * 100, "d/e/f.json", "k" * 101, "\u00e9.txt", ""]:
         for size in [0, 1, 511, 512, 513, 8 ** 11 - 1, 8 ** 11]:
@@ -211,7 +214,7 @@ def test_read_shard_reads_plain_tars_itself_and_others_through_tarfile(tmp_path)
     import os
     import tarfile
 
-    from latentmill.stages.shardio import _read_shard_tarfile, _tar_files_fast
+    from latentmill.stages.tarshard import _read_shard_tarfile, _tar_files_fast
 
     def fast_members(path):
         fd = os.open(path, os.O_RDONLY)

@@ -10,7 +10,8 @@ from latentmill.stages import bucket, caption, ingest
 from latentmill.stages.bucket import BucketConfig, bucket_for, crop_for
 from latentmill.stages.caption import CaptionConfig
 from latentmill.stages.ingest import IngestConfig
-from latentmill.stages.shardio import StageDir, read_shard, shard_buckets
+from latentmill.stages.shardio import StageDir, shard_buckets
+from latentmill.stages.tarshard import read_shard
 from PIL import Image
 
 

@@ -224,7 +224,8 @@ def test_a_rotated_phone_video_is_probed_and_read_upright(tmp_path, rotation):
 def test_ingest_records_rotation_and_clips_decode_upright(tmp_path):
     from latentmill.stages import ingest
     from latentmill.stages.ingest import IngestConfig
-    from latentmill.stages.shardio import StageDir, read_shard
+    from latentmill.stages.shardio import StageDir
+    from latentmill.stages.tarshard import read_shard
     from latentmill.stages.video import read_clip
 
     src = tmp_path / "videos"
@@ -301,7 +302,8 @@ def test_the_bucket_stage_places_clips_of_a_vfr_video_by_time(tmp_path):
     from latentmill.stages import bucket, ingest
     from latentmill.stages.bucket import BucketConfig
     from latentmill.stages.ingest import IngestConfig
-    from latentmill.stages.shardio import StageDir, read_shard
+    from latentmill.stages.shardio import StageDir
+    from latentmill.stages.tarshard import read_shard
     from latentmill.stages.video import frame_times, plan_clips_timed
 
     src = tmp_path / "videos"

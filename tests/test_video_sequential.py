@@ -17,7 +17,8 @@ from latentmill.stages.bucket import BucketConfig  # noqa: E402
 from latentmill.stages.cache import CacheConfig  # noqa: E402
 from latentmill.stages.caption import CaptionConfig  # noqa: E402
 from latentmill.stages.ingest import IngestConfig  # noqa: E402
-from latentmill.stages.shardio import StageDir, read_shard  # noqa: E402
+from latentmill.stages.shardio import StageDir  # noqa: E402
+from latentmill.stages.tarshard import read_shard  # noqa: E402
 from latentmill.stages.video import (  # noqa: E402
     DECODE_COUNTS,
     ClipPolicy,

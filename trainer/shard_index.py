@@ -1,12 +1,12 @@
 """Where a latent shard's tensors are, without reading them: shard indexes, the tar scan, safetensors headers.
 
-A cache of format 3 has an index file beside each tar (``latentmill.stages.shardio.read_shard_index``: each
+A cache of format 3 has an index file beside each tar (``latentmill.stages.shardindex.read_shard_index``: each
 member's offset and size, each sample's key and bucket, each safetensors member's tensors). ``index_shard``
 (format 2, or no index) lists each sample's members of an uncompressed tar from its headers alone;
 ``parse_safetensors_header`` checks a member's JSON header (dtypes, shapes, byte ranges) and says where each
 tensor's payload lies, so that ``latentmill.trainer.loader.LatentLoader`` can read payloads straight into
-batch tensors. No tensor data is read here. The format code itself lives in ``latentmill.stages.shardio``
-(the cache stage writes indexes; it must not import the trainer package).
+batch tensors. No tensor data is read here. The format code itself lives in ``latentmill.stages.shardindex``
+and ``latentmill.stages.tarshard`` (the cache stage writes indexes; it must not import the trainer package).
 """
 
 from __future__ import annotations
@@ -15,18 +15,20 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from latentmill.stages.shardio import (  # noqa: F401  (re-exported: the trainer's view of the format)
+from latentmill.stages.shardindex import (  # noqa: F401  (re-exported: the trainer's view of the format)
+    ShardIndex,
+    ShardIndexError,
+    load_shard_index,
+    verify_index,
+)
+from latentmill.stages.tarshard import (  # noqa: F401  (re-exported: the trainer's view of the format)
     HEADER_READ,
     MAX_HEADER,
     HeaderError,
-    ShardIndex,
-    ShardIndexError,
     _index_shard_fast,
     _index_shard_tarfile,
     index_shard,
-    load_shard_index,
     safetensors_entries,
-    verify_index,
 )
 
 # safetensors dtype names -> torch dtypes (the ones torch can hold; the cache stage writes BF16/F16/F32)

@@ -29,7 +29,7 @@ from typing import Any
 from latentmill.stages import pixels
 from latentmill.stages.captioners import CaptionItem, CaptionResult
 from latentmill.stages.captioners.media import load_media
-from latentmill.stages.shardio import stable_hash
+from latentmill.stages.hashing import stable_hash
 
 from latentmill.models import ComponentSource, LoadedOnce, component_fingerprint
 

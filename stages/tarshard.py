@@ -1,0 +1,341 @@
+"""Tar-level shard code: the bytes of our webdataset tars' member headers, reading a shard's samples, and
+the header-only scan (members' offsets and sizes, safetensors headers) that shard indexes are built from.
+
+Every shard is an uncompressed tar as ``webdataset.TarWriter`` writes it. This module knows that format and
+nothing above it: no unit records, manifests or index files (``latentmill.stages.shardindex`` builds on the
+scan here, ``latentmill.stages.shardio`` writes shards with ``tar_member_header`` and reads them with
+``read_shard``). Plain ustar tars (every tar this repository writes) are parsed from their header blocks
+directly, a few times faster than ``tarfile``; anything else goes through ``tarfile`` with the same result.
+It imports nothing from the repository, so the trainer's readers and every stage can use it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tarfile
+import zlib
+from pathlib import Path
+from typing import Any, Callable, Iterable, Iterator
+
+# ---------------------------------------------------------------------------------------------------------
+# Writing: a member's header, a sample's size in a tar
+# ---------------------------------------------------------------------------------------------------------
+
+_TAR_USER = "latentmill"
+_TAR_MODE = 0o444  # the members' mode (webdataset.TarWriter's default)
+_TAR_NAME_MAX = 100  # a ustar name field; a longer (or non-ASCII) name goes into a pax header
+_TAR_BLOCK = 512  # a tar's headers and data padding are in blocks of this many bytes
+_tar_template: bytearray | None = None  # a plain member header of our tars, name and size left to fill
+
+
+def _tar_info(name: str, size: int) -> tarfile.TarInfo:
+    """A member of our tars as ``webdataset.TarWriter(user=group=_TAR_USER, mtime=0)`` describes it."""
+    info = tarfile.TarInfo(name)
+    info.size, info.mtime, info.mode, info.uname, info.gname = size, 0, _TAR_MODE, _TAR_USER, _TAR_USER
+    return info
+
+
+def tar_member_header(name: str, size: int) -> bytes:
+    """The header blocks ``tarfile`` writes for one member of our tars (``TarFile.addfile`` in its default
+    pax format, as ``webdataset.TarWriter`` calls it), byte for byte.
+
+    For a short ASCII name (every key and extension this repository writes) the header is one ustar block
+    that differs from member to member only in its name, size and checksum fields: those are filled into a
+    template that ``tarfile`` made, about 10x faster than ``TarInfo.tobuf``. Any other name (or a size of
+    8 GiB and more) goes through ``tobuf`` itself (pax extended header first)."""
+    global _tar_template
+    if not (len(name) <= _TAR_NAME_MAX and name.isascii() and 0 <= size < 8 ** 11):
+        return _tar_info(name, size).tobuf(tarfile.PAX_FORMAT, tarfile.ENCODING, "surrogateescape")
+    if _tar_template is None:
+        _tar_template = bytearray(_tar_info("", 0).tobuf(tarfile.PAX_FORMAT, tarfile.ENCODING, "surrogateescape"))
+    block = bytearray(_tar_template)
+    encoded = name.encode("ascii")
+    block[0:len(encoded)] = encoded
+    block[124:136] = b"%011o\0" % size
+    block[148:156] = b"        "  # the checksum sums the header with its own field as spaces
+    block[148:155] = b"%06o\0" % sum(block)
+    return bytes(block)
+
+
+def _tar_bytes(sample: dict[str, Any]) -> int:
+    """The bytes ``sample`` takes in a tar: a 512-byte header per member and its data padded to 512."""
+    return sum(_TAR_BLOCK + -(-len(v) // _TAR_BLOCK) * _TAR_BLOCK for k, v in sample.items()
+               if not k.startswith("__") and isinstance(v, (bytes, bytearray, memoryview)))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Reading a shard's samples
+# ---------------------------------------------------------------------------------------------------------
+
+
+def read_shard(path: str | Path) -> Iterator[dict[str, Any]]:
+    """Yield the samples of a webdataset tar as ``{"__key__": key, ext: bytes, ...}``, in file order.
+
+    A plain ustar tar (every tar this repository writes) is read from its headers directly
+    (:func:`_tar_files_fast`), a few times faster than ``tarfile``; any other (pax or GNU headers, non-ASCII
+    names, compression, damage) goes through ``tarfile``. Both give the same samples."""
+    with open(path, "rb") as fh:
+        members = _tar_files_fast(fh.fileno())
+        if members is None:
+            yield from _read_shard_tarfile(path)
+            return
+
+        def reader(offset: int, size: int) -> Callable[[], bytes]:
+            def read() -> bytes:
+                fh.seek(offset)
+                return fh.read(size)
+            return read
+
+        yield from _group_samples((name, reader(offset, size)) for name, offset, size in members)
+
+
+def _read_shard_tarfile(path: str | Path) -> Iterator[dict[str, Any]]:
+    """:func:`read_shard` through ``tarfile``: every tar dialect it reads."""
+    with tarfile.open(path, "r") as tar:
+        yield from _group_samples((member.name, lambda m=member: tar.extractfile(m).read())
+                                  for member in tar if member.isfile())
+
+
+def _group_samples(files: Iterable[tuple[str, Callable[[], bytes]]]) -> Iterator[dict[str, Any]]:
+    """A tar's regular files ``(name, read)``, in order, as webdataset groups them: ``dir/key.ext`` is member
+    ``ext`` of sample ``dir/key``, consecutive files of one key make one sample, a name without an extension
+    is skipped (and not read)."""
+    current: dict[str, Any] | None = None
+    for name, read in files:
+        base = os.path.basename(name)
+        if "." not in base:
+            continue
+        prefix, ext = base.split(".", 1)
+        key = os.path.join(os.path.dirname(name), prefix)
+        data = read()
+        if current is None or current["__key__"] != key:
+            if current is not None:
+                yield current
+            current = {"__key__": key}
+        current[ext] = data
+    if current is not None:
+        yield current
+
+
+def _ustar_header(block: bytes) -> tuple[bytes, int, bytes] | None:
+    """``(name, size, typeflag)`` of one plain ustar/v7 header block (a regular file or a directory), or None
+    for what the fast tar readers leave to ``tarfile``: pax or GNU headers and other member types, base-256
+    sizes, a bad checksum, a non-ASCII name."""
+    try:  # what tarfile writes: zero-padded octal digits, then NUL (and a space after the checksum)
+        size, checksum = int(block[124:135], 8), int(block[148:154], 8)
+    except ValueError:
+        size, checksum = _tar_size(block[124:136]), _tar_size(block[148:156])  # type: ignore[assignment]
+    if size is None or checksum is None:
+        return None
+    # the checksum is the byte sum with its own field as spaces (adler32 sums in C: compare modulo 65521)
+    if (1 + checksum + sum(block[148:156]) - 8 * 0x20) % 65521 != zlib.adler32(block) & 0xFFFF:
+        return None
+    typeflag = block[156:157]
+    if typeflag not in (b"0", b"\0", b"5"):
+        return None
+    name = block[:100].split(b"\0", 1)[0]
+    if block[345]:  # a ustar name prefix (tarfile reads it whatever the magic says)
+        name = block[345:500].split(b"\0", 1)[0] + b"/" + name
+    if not name.isascii():
+        return None
+    return name, size, typeflag
+
+
+def _tar_files_fast(fd: int) -> list[tuple[str, int, int]] | None:
+    """``(name, data offset, size)`` of every regular file of a plain ustar/v7 tar, in order, as ``tarfile``
+    lists them (``member.isfile()``), from its header blocks alone (``os.pread``, ``_TAR_CHUNK`` bytes at a
+    time). None for anything this does not read exactly as ``tarfile`` does: pax or GNU headers, other
+    member types, non-ASCII names, base-256 sizes, bad checksums, a member that passes the file's end, no
+    end-of-archive block (a compressed, truncated or damaged file)."""
+    files: list[tuple[str, int, int]] = []
+    file_size = os.fstat(fd).st_size
+    chunk, chunk_start, offset = b"", 0, 0
+    while True:
+        if offset + _TAR_BLOCK > file_size:
+            return None  # no end-of-archive block: tarfile decides what a short file is
+        if not chunk_start <= offset <= chunk_start + len(chunk) - _TAR_BLOCK:
+            chunk, chunk_start = os.pread(fd, _TAR_CHUNK, offset), offset
+            if len(chunk) < _TAR_BLOCK:
+                return None
+        at = offset - chunk_start
+        block = chunk[at : at + _TAR_BLOCK]
+        if block.count(0) == _TAR_BLOCK:  # end-of-archive marker
+            return files
+        header = _ustar_header(block)
+        if header is None:
+            return None
+        name, size, typeflag = header
+        data = offset + _TAR_BLOCK
+        if data + size > file_size:
+            return None
+        if typeflag == b"0" or (typeflag == b"\0" and not name.endswith(b"/")):  # tarfile: AREGTYPE "x/" is a dir
+            files.append((name.decode(), data, size))
+        elif size:  # a directory with data: tarfile would not skip it
+            return None
+        offset = data + -(-size // _TAR_BLOCK) * _TAR_BLOCK
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Tar header scan and safetensors headers (no tensor data is read)
+# ---------------------------------------------------------------------------------------------------------
+
+# safetensors dtype names -> bytes per element (the dtypes torch can hold; the cache stage writes BF16/F16/F32)
+SAFETENSORS_ITEMSIZE: dict[str, int] = {
+    "BOOL": 1, "U8": 1, "I8": 1, "I16": 2, "I32": 4, "I64": 8, "F16": 2, "BF16": 2, "F32": 4, "F64": 8,
+    "F8_E4M3": 1, "F8_E5M2": 1,
+}
+HEADER_READ = 4096  # bytes read at a member's start: its safetensors header (typically < 300 bytes) fits
+MAX_HEADER = 100_000_000  # the safetensors library's own limit on the JSON header
+_TAR_CHUNK = 4096  # bytes read per tar index pread: small members' data and the next headers come along
+
+# One tensor of a safetensors member: (name, dtype name, shape, payload begin, end), bytes from the member's start
+TensorEntry = tuple[str, str, tuple[int, ...], int, int]
+# (key, {extension: (data offset, size)}) per sample of a tar, in tar order
+TarSamples = list[tuple[str, dict[str, tuple[int, int]]]]
+
+
+class HeaderError(ValueError):
+    """A safetensors header that does not describe a valid member (the caller adds shard and key)."""
+
+
+def safetensors_entries(header: bytes) -> tuple[list[TensorEntry], int]:
+    """Parse and check the JSON header of a safetensors member (the bytes after its 8-byte length).
+
+    Returns its tensors in header order, each with its payload's byte range from the member's start, and
+    the whole member's size (8 + header + payloads). Checks what ``safetensors.torch.load`` checks: known
+    dtypes, integer shapes, each tensor's byte range as long as its shape and dtype say, the ranges back to
+    back from 0 in offset order. Raises ``HeaderError``.
+    """
+    try:
+        entries = json.loads(header)
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise HeaderError(f"safetensors header is not JSON ({err})") from None
+    if not isinstance(entries, dict):
+        raise HeaderError("safetensors header is not a JSON object")
+    tensors: list[TensorEntry] = []
+    for name, entry in entries.items():
+        if name == "__metadata__":
+            continue
+        if not isinstance(entry, dict):
+            raise HeaderError(f"tensor {name!r}: entry is not an object")
+        itemsize = SAFETENSORS_ITEMSIZE.get(entry.get("dtype"))  # type: ignore[arg-type]
+        if itemsize is None:
+            raise HeaderError(f"tensor {name!r}: unknown dtype {entry.get('dtype')!r}")
+        shape, offsets = entry.get("shape"), entry.get("data_offsets")
+        if not (isinstance(shape, list) and all(type(d) is int and d >= 0 for d in shape)):
+            raise HeaderError(f"tensor {name!r}: invalid shape {shape!r}")
+        if not (isinstance(offsets, list) and len(offsets) == 2 and all(type(o) is int for o in offsets)):
+            raise HeaderError(f"tensor {name!r}: invalid data_offsets {offsets!r}")
+        numel = 1
+        for d in shape:
+            numel *= d
+        begin, end = offsets
+        if end - begin != numel * itemsize or begin < 0:
+            raise HeaderError(
+                f"tensor {name!r}: data_offsets {offsets} hold {end - begin} bytes, "
+                f"{entry['dtype']} {shape} needs {numel * itemsize}"
+            )
+        tensors.append((name, entry["dtype"], tuple(shape), begin, end))
+    position = 0
+    for name, _, _, begin, end in sorted(tensors, key=lambda t: (t[3], t[4])):
+        if begin != position:
+            raise HeaderError(f"tensor {name!r}: data_offsets start at {begin}, expected {position}")
+        position = end
+    start = 8 + len(header)
+    return [(name, dtype, shape, start + b, start + e) for name, dtype, shape, b, e in tensors], start + position
+
+
+def _tar_size(field: bytes) -> int | None:
+    """A ustar numeric field (octal ASCII); None for anything else (base-256, garbage)."""
+    if field[0] & 0x80:  # base-256: left to tarfile
+        return None
+    try:
+        return int(field.split(b"\0", 1)[0].strip() or b"0", 8)
+    except ValueError:
+        return None
+
+
+def _st_header(chunk: bytes, at: int, size: int) -> bytes | None:
+    """The JSON header of the safetensors member of ``size`` bytes at ``chunk[at:]``; None if cut off."""
+    if at + 8 > len(chunk):
+        return None
+    end = at + 8 + int.from_bytes(chunk[at : at + 8], "little")
+    return chunk[at + 8 : end] if end <= len(chunk) and end <= at + size else None
+
+
+def _index_shard_fast(fd: int, headers: dict[tuple[str, str], bytes] | None = None) -> TarSamples | None:
+    """``index_shard`` for plain ustar/v7 tars (what ``webdataset.TarWriter`` writes for short ASCII names).
+
+    Reads the header blocks with ``os.pread`` (``_TAR_CHUNK`` bytes at a time, so a small member's data
+    and the next header come with one read). Returns None on anything it does not parse itself (pax or GNU
+    long-name headers, base-256 sizes, non-ASCII names, bad checksums), so the caller can use ``tarfile``.
+    ``headers``: filled with (key, extension) -> the JSON header of each ``.safetensors`` member that came
+    with the read of its tar header (unchecked bytes).
+    """
+    samples: dict[str, dict[str, tuple[int, int]]] = {}
+    file_size = os.fstat(fd).st_size
+    chunk, chunk_start, offset = b"", 0, 0
+    while offset + _TAR_BLOCK <= file_size:
+        if not chunk_start <= offset <= chunk_start + len(chunk) - _TAR_BLOCK:
+            chunk, chunk_start = os.pread(fd, _TAR_CHUNK, offset), offset
+            if len(chunk) < _TAR_BLOCK:
+                return None
+        at = offset - chunk_start
+        block = chunk[at : at + _TAR_BLOCK]
+        if block.count(0) == _TAR_BLOCK:  # end-of-archive marker
+            break
+        header = _ustar_header(block)
+        if header is None:
+            return None
+        name, size, typeflag = header
+        data = offset + _TAR_BLOCK
+        if typeflag != b"5" and not name.endswith(b"/"):  # a v7 directory: a name ending in "/"
+            dirname, _, basename = name.decode().rpartition("/")
+            key, dot, ext = basename.partition(".")
+            if dot:
+                key = f"{dirname}/{key}" if dirname else key
+                samples.setdefault(key, {})[ext] = (data, size)
+                if headers is not None and ext.endswith(".safetensors") and size >= 8:
+                    header = _st_header(chunk, at + _TAR_BLOCK, size)
+                    if header is None and chunk_start != offset:  # cut by the chunk's end: read from here
+                        chunk, chunk_start = os.pread(fd, _TAR_CHUNK, offset), offset
+                        header = _st_header(chunk, _TAR_BLOCK, size)
+                    if header is not None:
+                        headers[key, ext] = header
+        offset = data + -(-size // _TAR_BLOCK) * _TAR_BLOCK
+    return list(samples.items())
+
+
+def _index_shard_tarfile(path: Path) -> TarSamples:
+    """``index_shard`` through ``tarfile``: every tar dialect it reads (pax, GNU long names, ...)."""
+    samples: dict[str, dict[str, tuple[int, int]]] = {}
+    with tarfile.open(path, mode="r:") as tar:
+        for member in tar:
+            if not member.isfile():
+                continue
+            dirname, _, basename = member.name.rpartition("/")
+            key, dot, ext = basename.partition(".")
+            if not dot:
+                continue
+            key = f"{dirname}/{key}" if dirname else key
+            samples.setdefault(key, {})[ext] = (member.offset_data, member.size)
+    return list(samples.items())
+
+
+def index_shard(path: Path, headers: dict[tuple[str, str], bytes] | None = None) -> TarSamples:
+    """List (key, {extension: (offset, size)}) per sample of an uncompressed tar, reading headers only.
+
+    Plain ustar headers are parsed directly from ``os.pread`` blocks; any other tar dialect goes through
+    ``tarfile`` (same result, slower). ``headers``: see ``_index_shard_fast`` (left empty by ``tarfile``).
+    """
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        samples = _index_shard_fast(fd, headers)
+    finally:
+        os.close(fd)
+    if samples is None:
+        if headers is not None:
+            headers.clear()
+        samples = _index_shard_tarfile(path)
+    return samples
