@@ -104,3 +104,51 @@ def test_the_flow_holds_no_records_of_a_finished_stage(tmp_path, tiny_flux, demo
     result = prep.run_prep(recipe)
     assert result["stages"]["ingest"]["units"] > 1
     assert alive == {"ingest": 0, "caption": 0, "curate": 0, "bucket": 0, "cache": 0}
+
+
+@pytest.mark.slow
+def test_slim_curate_records_give_the_same_scores_table_and_near_duplicate_index(tmp_path, tiny_flux):
+    """The flow keeps curate records without their per-sample scores and embeddings; the scores table and
+    the near-duplicate index read them back from the record files, and come out the same as from the full
+    records (without the stage folder, slim records would enter nothing)."""
+    import copy
+    import shutil
+
+    import pyarrow.parquet as pq
+    from latentmill.pipelines.prep import _near_dups, slim_records
+    from latentmill.stages import curate, neardup
+
+    from latentmill.recipe import load_recipe
+    from tests.conftest import DEMO_CONFIG
+    from tests.helpers import prep_in_process
+    from tests.test_neardup import _add, _demo, _folder, half
+
+    images = _folder(tmp_path / "images")
+    _add(images, "zz_img_003_half.png", half(_demo()["img_003.png"]))  # a near duplicate
+    recipe = load_recipe(DEMO_CONFIG, [f"output_dir={tmp_path / 'out'}", f"model.pretrained={tiny_flux}",
+                                       f"ingest.source={images}",
+                                       f"curate.dedup_threshold={neardup.DEFAULT_THRESHOLD}"])
+    stage_dir, _, records = prep_in_process(recipe)["curate"]
+    names = recipe.curate.active_scorers()
+    table = recipe.prep_dir / curate.SCORES_FILE
+    full_table = pq.read_table(table).to_pydict()
+    assert len(full_table["key"]) == 7 and names and all(full_table[n] for n in names)
+
+    slim = slim_records("curate", copy.deepcopy(records))
+    assert all(not set(neardup.PER_SAMPLE_EXTRA) & set(r.extra) for r in slim)
+    table.unlink()
+    assert curate.write_scores_table(slim, recipe.prep_dir, names, stage_dir) == table
+    assert pq.read_table(table).to_pydict() == full_table
+
+    spec = _near_dups(recipe)
+    index_root = neardup.index_folder(stage_dir.root, spec["embedder"])
+
+    def fresh_update(recs, where):
+        shutil.rmtree(index_root)
+        summary = neardup.update(stage_dir.root, recs, spec["embedder"], spec["threshold"], stage_dir=where)
+        return {k: summary[k] for k in ("entered", "units_read", "indexed", "near_duplicates")}
+
+    from_full = fresh_update(records, None)
+    assert from_full["entered"] == 7 and from_full["near_duplicates"] == 1
+    assert fresh_update(slim, stage_dir) == from_full
+    assert fresh_update(slim, None)["entered"] == 0  # what the records alone hold: nothing per sample
