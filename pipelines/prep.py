@@ -24,7 +24,7 @@ from latentmill.pipelines.snapshot import publish as publish_snapshot
 from latentmill.stages import bucket, cache, caption, curate, curate_clips, ingest, neardup, pixels
 from latentmill.stages.compact import compact_stage
 from latentmill.stages.hashing import stable_hash
-from latentmill.stages.memory import tune_allocator
+from latentmill.stages.memory import rebuilt, trim_now, tune_allocator
 from latentmill.stages.shardio import StageDir, UnitOutput, UnitRecord, WorkUnit, stage_report
 from latentmill.stages.workers import number_worker
 from prefect import flow, task
@@ -313,6 +313,8 @@ def prep_stages(recipe_data: dict, started_run: str | None = None) -> dict[str, 
         # A unit whose record is committed is reused here, without a task run: a refresh that adds 1% of
         # the data pays task runs (and worker round trips) for that 1% only.
         records = slim_records(stage, [r for u in units if (r := stage_dir.load_record(u.unit_id)) is not None])
+        if records:  # parsed with their per-sample detail: kept apart from its freed objects (memory.rebuilt)
+            records = rebuilt(records, collect=False)
         done = {r.unit_id for r in records}
         pending = [u for u in units if u.unit_id not in done]
         chunks = task_chunks(pending, recipe.runner)
@@ -361,6 +363,7 @@ def prep_stages(recipe_data: dict, started_run: str | None = None) -> dict[str, 
         # small strings across the arenas the plan had grown)
         future = done_records = None
         del futures, records, units, pending, chunks, future, done_records
+        trim_now()
     publish_prep_artifacts(report, recipe.prep_dir, also=[started_run] if started_run else [])
     plots = None
     if recipe.prep.plots:  # only with matplotlib; a failed picture is a warning, never a failed prep

@@ -36,6 +36,7 @@ from latentmill.stages.families import (
     prepare_cublas_determinism,
 )
 from latentmill.stages.hashing import meta_bytes, sha256_bytes, stable_hash
+from latentmill.stages.keytable import HexKeyTable
 from latentmill.stages.shardindex import ShardIndexError, load_shard_index
 from latentmill.stages.shardio import (
     DEFAULT_SHARD_BYTES,
@@ -299,29 +300,55 @@ def plan(cfg: CacheConfig, model: ModelConfig, upstream: StageDir, stage_dir: St
 
 class ComponentIndex(RecordIndex):
     """Where each component key already lives: (shard path, sample key), from the committed unit records;
-    per process, refreshed incrementally (:class:`~latentmill.stages.shardio.RecordIndex`)."""
+    per process, refreshed incrementally (:class:`~latentmill.stages.shardio.RecordIndex`).
+
+    The index holds every component of the stage for the whole stage, so it is kept in arrays
+    (:class:`~latentmill.stages.keytable.HexKeyTable`): a component key maps to one int64 that names its
+    record (the unit's shards, commit time and device, once per record), the sample's position in that
+    record (its key, once per sample) and the member. ~100 bytes a sample, where tuples in dicts took ~440
+    (44 MB at 100,000 samples, figure 15). The rare key held by several units (a compacted unit and the
+    small units it merged, when gc has not removed them yet) or encoded elsewhere (the record's ``foreign``)
+    keeps its hits as tuples in ``_more``, oldest first.
+    """
+
+    _SEVERAL = -1  # a table value: the key's hits are in ``_more``
 
     def __init__(self, stage_root: Path):
         super().__init__(stage_root)
-        # component key (its 32 bytes: half the memory of the hex string) -> where it is: one hit
-        # (shards of the unit, sample key, member, record mtime, where it was encoded), or a list of hits,
-        # oldest first, when several units hold it (a compacted unit holds the same component as the small
-        # units it merged, and a gc may have removed the older ones' shards since). The index grows with the
-        # samples, so one hit is stored bare: at 100,000 samples that is tens of MB less.
-        self.vae: dict[bytes, Any] = {}
-        self.text: dict[bytes, Any] = {}
+        self.vae = HexKeyTable()
+        self.text = HexKeyTable()
+        self._units: list[tuple[tuple[Path, ...], int, str]] = []  # per record read: shards, commit ns, device
+        self._samples: list[list[str]] = []  # per record read: its sample keys, in record order
+        self._more: dict[tuple[str, str], list[tuple]] = {}  # (table, key) -> hits, oldest first
 
-    @staticmethod
-    def _add(table: dict[bytes, Any], key: str, hit: tuple) -> None:
-        raw = bytes.fromhex(key)
-        held = table.get(raw)
-        if held is None:
-            table[raw] = hit
+    def _hit(self, code: int) -> tuple:
+        """(shards, sample key, member, commit ns, device) of a table value."""
+        slot, ordinal, member = code >> 32, (code >> 8) & 0xFFFFFF, code & 0xFF
+        shards, committed, device = self._units[slot]
+        return shards, self._samples[slot][ordinal], VAE_MEMBER if member == 0 else text_member(member - 1), \
+            committed, device
+
+    def _add(self, table: str, key: str, code: int, device: str | None) -> None:
+        """Enter one hit of ``key``; ``device``: where it was encoded when not where its record was."""
+        values: HexKeyTable = getattr(self, table)
+        if HexKeyTable.raw(key) is None:  # not a component key: never found
             return
-        hits = held if isinstance(held, list) else [held]
+        held = values.get(key)
+        if held is None and device is None:
+            values.set(key, code)
+            return
+        if held not in (None, self._SEVERAL) and held >> 32 == code >> 32 and device is None:
+            return  # the same record again (two samples with one caption): its first hit serves
+        hits = (self._more.get((table, key), []) if held == self._SEVERAL
+                else [self._hit(held)] if held is not None else [])
+        hit = self._hit(code)
+        hit = hit if device is None else (*hit[:4], device)
+        if any(h[0] is hit[0] and h[3:] == hit[3:] for h in hits):
+            return  # one hit per record (and origin): a caption shared by many samples stays one entry
         hits.append(hit)
-        hits.sort(key=lambda h: h[3])
-        table[raw] = hits
+        hits.sort(key=lambda h: h[3])  # stable: of one commit time, the first entered stays first
+        self._more[(table, key)] = hits
+        values.set(key, self._SEVERAL)
 
     def read_record(self, path: Path) -> None:
         try:
@@ -336,20 +363,32 @@ class ComponentIndex(RecordIndex):
         # copied from a unit encoded elsewhere; records older than the field count as unknown
         here = (record.extra.get("device") or {}).get("key", UNKNOWN_DEVICE)
         foreign = record.extra.get("foreign") or {}
-        for sample_key, keys in record.extra.get("components", {}).items():
-            self._add(self.vae, keys["vae"], (shards, sample_key, VAE_MEMBER, committed,
-                                              foreign.get(keys["vae"], here)))
+        components = record.extra.get("components", {})
+        slot = len(self._units)
+        self._units.append((shards, committed, here))
+        self._samples.append(list(components))
+        entered: dict[str, tuple[list[str], list[int]]] = {"vae": ([], []), "text": ([], [])}
+        for ordinal, keys in enumerate(components.values()):
+            base = (slot << 32) | (ordinal << 8)
+            entered["vae"][0].append(keys["vae"])
+            entered["vae"][1].append(base)
             texts = keys["text"] if isinstance(keys["text"], list) else [keys["text"]]
             for j, tk in enumerate(texts):
-                self._add(self.text, tk, (shards, sample_key, text_member(j), committed, foreign.get(tk, here)))
+                entered["text"][0].append(tk)
+                entered["text"][1].append(base | (j + 1))
+        for table, (keys, codes) in entered.items():
+            # the common case in one batch: a key new to the index, encoded where its record says
+            plain = [n for n, key in enumerate(keys) if key not in foreign and HexKeyTable.raw(key) is not None]
+            again = getattr(self, table).add_new([bytes.fromhex(keys[n]) for n in plain], [codes[n] for n in plain])
+            for n in [plain[i] for i in again] + [n for n in range(len(keys)) if keys[n] in foreign]:
+                self._add(table, keys[n], codes[n], foreign.get(keys[n]))
 
     def _oldest(self, table: str, key: str, before_ns: int) -> tuple | None:
         """The oldest record's hit for ``key`` committed before ``before_ns`` whose shards are all on disk."""
-        try:
-            held = getattr(self, table).get(bytes.fromhex(key))
-        except ValueError:  # not a hex key: never indexed
+        held = getattr(self, table).get(key)
+        if held is None:
             return None
-        for hit in (held if isinstance(held, list) else [held] if held is not None else ()):
+        for hit in self._more.get((table, key), []) if held == self._SEVERAL else [self._hit(held)]:
             if hit[3] >= before_ns:
                 return None
             if all(shard.is_file() for shard in hit[0]):

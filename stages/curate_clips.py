@@ -43,6 +43,7 @@ from PIL import Image
 
 if TYPE_CHECKING:
     from latentmill.stages.curate import CurateConfig
+    from latentmill.stages.keytable import HexKeyTable
 
 CLIP_KIND = "clip"  # the kind of a clip's row in prep/scores.parquet
 
@@ -128,7 +129,7 @@ class VideoScores:
 
 
 def score_video(cfg: "CurateConfig", sample: dict[str, Any], meta: dict[str, Any], spec: ClipSpec,
-                prints: dict[str, dict[str, Any]], known: dict[str, float], caption: str | None,
+                prints: dict[str, dict[str, Any]], known: HexKeyTable, caption: str | None,
                 background: tuple[int, int, int] = pixels.WHITE, whole_frames: bool = False) -> VideoScores:
     """Plan the video's clips as the bucket stage will, look every clip's scores up by key in ``known``
     (score key -> value), and decode the clips with a score missing in one pass to compute them.

@@ -18,11 +18,9 @@ unit per input shard.
 
 from __future__ import annotations
 
-import gc
 import hashlib
 import json
 import os
-import pickle
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -31,6 +29,7 @@ from typing import Any, Optional
 from latentmill.stages import pixels
 from latentmill.stages.filehashes import FileHashes
 from latentmill.stages.hashing import meta_bytes, sha256_bytes, sha256_file, stable_hash
+from latentmill.stages.memory import rebuilt
 from latentmill.stages.shardio import StageDir, UnitOutput, UnitRecord, WorkUnit, check_shard_bytes
 from latentmill.stages.sources import (
     Entry,
@@ -290,27 +289,13 @@ def plan(cfg: IngestConfig, stage_dir: StageDir | None = None) -> list[WorkUnit]
     ``stage_dir`` (the ingest stage's folder) planning keeps the last run's grouping and remembers file
     digests in ``<stage_dir>/file-hashes.sqlite``, so an unchanged file is not read again.
 
-    The units are rebuilt from their pickle once everything the plan made per file is freed (see
-    :func:`_rebuilt`).
+    The units are rebuilt once everything the plan made per file is freed (``memory.rebuilt``): the plan of
+    a large folder makes a few small Python objects per file (entries, sizes, stat rows, hashes), and the
+    unit ids allocated among them would otherwise keep most of the arenas the plan grew alive through the
+    ingest stage, to be pinned for good by what the stage allocates meanwhile (at 100,000 files ~100 MB of
+    the prep's resident set, figure 15).
     """
-    return _rebuilt(_plan(cfg, stage_dir))
-
-
-def _rebuilt(units: list[WorkUnit]) -> list[WorkUnit]:
-    """``units`` rebuilt from their pickle after the originals are gone.
-
-    The plan of a large folder makes a few small Python objects per file (entries, sizes, stat rows,
-    hashes), and the units it returns (their ids) are allocated among them. Returned as they are, those ids
-    would keep most of the small-object arenas the plan grew alive for the whole ingest stage, and whatever
-    the stage allocates meanwhile (Prefect's task runs, the records) fills the holes and pins them for the
-    rest of the prep: at 100,000 files, ~100 MB of the prep's resident set. Rebuilt after the plan's objects
-    are freed, the units sit in a few compact arenas of their own (the pickle of 100,000 files' units is
-    ~30 MB and takes ~0.1 s each way).
-    """
-    blob = pickle.dumps(units, protocol=pickle.HIGHEST_PROTOCOL)
-    del units[:]  # the caller's list was the last reference to the originals: they are freed here
-    gc.collect()  # and the plan's cyclic garbage with them, before anything is allocated again
-    return pickle.loads(blob)
+    return rebuilt(_plan(cfg, stage_dir))
 
 
 def _plan(cfg: IngestConfig, stage_dir: StageDir | None) -> list[WorkUnit]:
