@@ -180,8 +180,8 @@ def preload_modules() -> None:
     The plan of a large folder fills Python's small-object arenas with per-file objects and then frees
     them; a module imported in between (Pillow's format plugins, Prefect's task engine) would leave its
     code and functions there for good, pinning arenas the plan had grown (at 100,000 files, together with
-    the loop leftovers below, ~100 MB resident for the rest of the prep). Imported first, they live with
-    the rest of the start-up's modules.
+    the stage loop's leftovers in ``prep_stages``, ~100 MB resident for the rest of the prep). Imported
+    first, they live with the rest of the start-up's modules.
     """
     import prefect.task_engine  # noqa: F401  (the first task run's engine)
     from PIL import Image

@@ -13,14 +13,16 @@ Tests that change ``TRIM_EVERY_UNITS`` or read ``_units_since_trim`` patch this 
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import ctypes.util
 import gc
 import os
 import pickle
+import signal
 import sys
 import threading
-from typing import Any, TypeVar
+from typing import Any, Iterator, TypeVar
 
 T = TypeVar("T")
 
@@ -108,5 +110,36 @@ def rebuilt(items: list[T], collect: bool = True) -> list[T]:
     blob = pickle.dumps(items, protocol=pickle.HIGHEST_PROTOCOL)
     del items[:]
     if collect:
-        gc.collect()  # the burst's cyclic garbage too, before anything is allocated again
+        with signals_deferred():
+            gc.collect()  # the burst's cyclic garbage too, before anything is allocated again
     return pickle.loads(blob)
+
+
+@contextlib.contextmanager
+def signals_deferred() -> Iterator[None]:
+    """Run the block with SIGINT and SIGTERM held back, then deliver them.
+
+    A Python signal handler runs in whatever Python code the main thread executes when the signal arrives.
+    During ``gc.collect`` that is often a weakref callback or a finalizer, where an exception (Prefect's
+    ``TerminationSignal``, ``KeyboardInterrupt``) is printed as "Exception ignored" and lost: a run stopped
+    with SIGTERM during the collection went on training. Here the handlers only note the signal; the real
+    handler is called once the block is done. Off the main thread (where handlers cannot be set) the
+    block runs as it is.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    caught: list[int] = []
+    saved = {}
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        handler = signal.getsignal(sig)
+        if callable(handler):  # a Python-level handler (not SIG_DFL / SIG_IGN, which need nothing)
+            saved[sig] = handler
+            signal.signal(sig, lambda number, frame: caught.append(number))
+    try:
+        yield
+    finally:
+        for sig, handler in saved.items():
+            signal.signal(sig, handler)
+        for sig in caught:
+            saved[sig](sig, None)
