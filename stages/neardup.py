@@ -508,18 +508,29 @@ class NearDupIndex:
         return {u for (u,) in self.db.execute("SELECT unit_id FROM units")}
 
     @staticmethod
-    def entered_units_in(folder: Path) -> set[str]:
-        """The curate records entered into the index in ``folder`` (none when there is no index yet)."""
+    def _peek(folder: Path, sql: str) -> list[tuple]:
+        """Rows of ``sql`` in the index in ``folder``, without creating it (none when there is none yet)."""
         path = folder / "index.sqlite"
         if not path.is_file():
-            return set()
+            return []
         db = sqlite3.connect(str(path))
         try:
-            return {u for (u,) in db.execute("SELECT unit_id FROM units")}
+            return db.execute(sql).fetchall()
         except sqlite3.OperationalError:  # created but its tables not yet
-            return set()
+            return []
         finally:
             db.close()
+
+    @staticmethod
+    def entered_units_in(folder: Path) -> set[str]:
+        """The curate records entered into the index in ``folder`` (none when there is no index yet)."""
+        return {u for (u,) in NearDupIndex._peek(folder, "SELECT unit_id FROM units")}
+
+    @staticmethod
+    def stored_dim(folder: Path) -> int | None:
+        """The embedding width of the index in ``folder`` (None when there is none yet)."""
+        rows = NearDupIndex._peek(folder, "SELECT v FROM meta WHERE k = 'dim'")
+        return int(rows[0][0]) if rows else None
 
     def known(self, keys: list[str]) -> set[str]:
         found: set[str] = set()
@@ -652,7 +663,9 @@ def update(curate_root: Path, records: list[UnitRecord], fingerprint: dict[str, 
         (r for r in _manifest_order(records) if r.unit_id not in done_units), stage_dir)
             if (r.extra.get("embeddings") or {}).get("fingerprint") == fp_hash)
     first = next(todo, None)
-    dim = int(first[1]["dim"]) if first is not None else THUMB_SIDE * THUMB_SIDE * 3
+    # nothing new to enter: the index's own width (a CLIP embedder's is not the thumbnail's)
+    dim = int(first[1]["dim"]) if first is not None else (NearDupIndex.stored_dim(folder)
+                                                          or THUMB_SIDE * THUMB_SIDE * 3)
     index = NearDupIndex(folder, dim, kind)
     try:
         keys: list[str] = []

@@ -196,3 +196,22 @@ def test_slim_curate_records_give_the_same_scores_table_and_near_duplicate_index
     assert from_full["entered"] == 7 and from_full["near_duplicates"] == 1
     assert fresh_update(slim, stage_dir) == from_full
     assert fresh_update(slim, None)["entered"] == 0  # what the records alone hold: nothing per sample
+
+
+def test_a_near_duplicate_update_with_nothing_new_keeps_the_index_width(tmp_path):
+    """``neardup.update`` reads only records not entered before; with none (an unchanged re-run) it opens the
+    index with the width it holds, not the thumbnail embedder's (a CLIP embedder's index is 512 wide)."""
+    import numpy as np
+    from latentmill.stages import neardup
+    from latentmill.stages.shardio import UnitRecord
+
+    fingerprint = {"embedder": "a 8-wide test embedder"}
+    folder = neardup.index_folder(tmp_path, fingerprint)
+    index = neardup.NearDupIndex(folder, 8)
+    rng = np.random.default_rng(0)
+    index.enter(["a", "b"], rng.standard_normal((2, 8)).astype(np.float32), [None, None], ["u1"])
+    index.close()
+    assert neardup.NearDupIndex.stored_dim(folder) == 8
+    entered = UnitRecord("u1", "curate", [], [], [], 2, 0.0, {})  # slim: its detail is on disk
+    summary = neardup.update(tmp_path, [entered], fingerprint, 0.9, stage_dir=None)
+    assert summary["entered"] == 0 and summary["indexed"] == 2
