@@ -314,7 +314,7 @@ def prep_stages(recipe_data: dict, started_run: str | None = None) -> dict[str, 
         # the data pays task runs (and worker round trips) for that 1% only.
         records = slim_records(stage, [r for u in units if (r := stage_dir.load_record(u.unit_id)) is not None])
         if records:  # parsed with their per-sample detail: kept apart from its freed objects (memory.rebuilt)
-            records = rebuilt(records, collect=False)
+            records = rebuilt(records, UnitRecord.to_json_held, UnitRecord.from_json, collect=False)
         done = {r.unit_id for r in records}
         pending = [u for u in units if u.unit_id not in done]
         chunks = task_chunks(pending, recipe.runner)

@@ -566,7 +566,7 @@ def _score_unit(cfg: CurateConfig, unit: WorkUnit, prints: dict[str, dict[str, A
             text = caption_text(sample, item.meta) if "clip_score" in names else None
             item.keys = {name: keyers[name](item.meta, text if name == "clip_score" else None)
                          for name in names if name != "motion" or kind == "video"}  # an image has no motion
-            item.values = {name: index.values[k] for name, k in item.keys.items() if k in index.values}
+            item.values = {name: v for name, k in item.keys.items() if (v := index.values.get(k)) is not None}
             missing = [name for name in item.keys if name not in item.values]
             if missing:
                 item.computed = True

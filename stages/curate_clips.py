@@ -154,7 +154,7 @@ def score_video(cfg: "CurateConfig", sample: dict[str, Any], meta: dict[str, Any
         window = {"sha256": meta.get("sha256"), "clip": {"scored_frames": item.indices}}
         item.keys = {name: score_key(prints[name], window, caption if name == "clip_score" else None)
                      for name in names}
-        item.values = {name: known[k] for name, k in item.keys.items() if k in known}
+        item.values = {name: v for name, k in item.keys.items() if (v := known.get(k)) is not None}
         item.computed = len(item.values) < len(item.keys)
         result.clips.append(item)
     todo = [c for c in result.clips if c.computed]

@@ -295,7 +295,7 @@ def plan(cfg: IngestConfig, stage_dir: StageDir | None = None) -> list[WorkUnit]
     ingest stage, to be pinned for good by what the stage allocates meanwhile (at 100,000 files ~100 MB of
     the prep's resident set, figure 15).
     """
-    return rebuilt(_plan(cfg, stage_dir))
+    return rebuilt(_plan(cfg, stage_dir), WorkUnit.to_json, WorkUnit.from_json)
 
 
 def _plan(cfg: IngestConfig, stage_dir: StageDir | None) -> list[WorkUnit]:

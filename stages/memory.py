@@ -17,12 +17,12 @@ import contextlib
 import ctypes
 import ctypes.util
 import gc
+import json
 import os
-import pickle
 import signal
 import sys
 import threading
-from typing import Any, Iterator, TypeVar
+from typing import Any, Callable, Iterator, TypeVar
 
 T = TypeVar("T")
 
@@ -90,29 +90,31 @@ def release_memory() -> None:
 
 def trim_now() -> None:
     """Hand glibc's free memory back to the OS now (a prep between stages: the last stage's plan, records
-    and pickles are freed, at 100,000 inputs ~50 MB that would stay resident through the next stage)."""
+    and their JSON texts are freed, at 100,000 inputs ~50 MB that would stay resident through the next stage)."""
     if _malloc_trim is not None and os.environ.get("LATENTMILL_NO_TRIM") != "1":
         _malloc_trim(0)
 
 
-def rebuilt(items: list[T], collect: bool = True) -> list[T]:
-    """``items`` rebuilt from their pickle after the originals (and the cyclic garbage around them) are gone.
+def rebuilt(items: list[T], encode: Callable[[T], Any], decode: Callable[[Any], T],
+            collect: bool = True) -> list[T]:
+    """``items`` rebuilt from one JSON text after the originals (and the cyclic garbage around them) are gone.
 
     CPython keeps small objects in 1 MiB arenas and returns an arena only once every object in it is gone.
     A structure made during a burst of short-lived small objects (a plan over 100,000 files, a stage's
     records parsed with their per-sample detail) sits scattered over the arenas the burst grew, keeps them
     alive, and whatever is allocated next fills their holes and pins them for the rest of the process.
-    Rebuilt once the burst is freed, the structure sits in a few compact arenas of its own. ``items`` (the
-    caller's only reference to the originals) is emptied. A pickle of 100,000 files' ingest units is ~30 MB
-    and takes ~0.1 s each way. ``collect``: run the cyclic garbage collector in between (~0.2 s in a prep
-    process); without it only what reference counting frees is gone (enough for parsed JSON).
+    Rebuilt once the burst is freed, the structure sits in a few compact arenas of its own. ``encode`` and
+    ``decode`` turn an item into JSON values and back; the text never leaves the process. ``items`` (the
+    caller's only reference to the originals) is emptied. ``collect``: run the cyclic garbage collector in
+    between (~0.2 s in a prep process); without it only what reference counting frees is gone (enough for
+    parsed JSON).
     """
-    blob = pickle.dumps(items, protocol=pickle.HIGHEST_PROTOCOL)
+    text = json.dumps([encode(item) for item in items], separators=(",", ":"))
     del items[:]
     if collect:
         with signals_deferred():
             gc.collect()  # the burst's cyclic garbage too, before anything is allocated again
-    return pickle.loads(blob)
+    return [decode(value) for value in json.loads(text)]
 
 
 @contextlib.contextmanager

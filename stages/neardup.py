@@ -504,9 +504,6 @@ class NearDupIndex:
                 self._search = ExactSearch(self.store)
         return self._search
 
-    def entered_units(self) -> set[str]:
-        return {u for (u,) in self.db.execute("SELECT unit_id FROM units")}
-
     @staticmethod
     def _peek(folder: Path, sql: str) -> list[tuple]:
         """Rows of ``sql`` in the index in ``folder``, without creating it (none when there is none yet)."""

@@ -208,6 +208,10 @@ class UnitRecord:
         data["shards"] = [ShardInfo(**s) for s in data["shards"]]
         return cls(**data)
 
+    def to_json_held(self) -> dict[str, Any]:
+        """:meth:`to_json` with ``reused`` (a record held in memory, not written)."""
+        return {**self.to_json(), "reused": self.reused}
+
 
 @dataclass
 class WorkUnit:
@@ -217,6 +221,13 @@ class WorkUnit:
     inputs: list[str]  # input identities (content hashes), for the record
     payload: dict[str, Any]  # stage-specific description: input shard paths, file lists, bucket...
     samples_in: int
+
+    def to_json(self) -> list[Any]:
+        return [self.unit_id, self.inputs, self.payload, self.samples_in]
+
+    @classmethod
+    def from_json(cls, data: list[Any]) -> "WorkUnit":
+        return cls(*data)
 
 
 _MIXED = "mixed"  # a shard's bucket once two samples of different buckets went into it

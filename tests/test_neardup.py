@@ -198,7 +198,7 @@ def test_index_persists_across_processes_and_cuts_uncommitted_vectors(tmp_path):
         fh.write(np.zeros((3, 768), np.float32).tobytes())
     index = neardup.NearDupIndex(folder, 768)
     assert index.rows == 50 and (folder / "vectors.f32").stat().st_size == 50 * 768 * 4
-    assert index.entered_units() == {"u1"} and index.decided_rows(0.92) == 50
+    assert neardup.NearDupIndex.entered_units_in(index.folder) == {"u1"} and index.decided_rows(0.92) == 50
     copy = v[7] + 0.05 * rng.standard_normal(768) / np.sqrt(768)
     index.enter(["new"], (copy / np.linalg.norm(copy))[None].astype(np.float32), [None], ["u2"])
     assert index.decide(0.92) == 1  # only the new row

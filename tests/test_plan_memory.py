@@ -8,7 +8,7 @@ harmless only if nothing long-lived lands among them. Two things did:
 - the units the plan returns (their ids) were allocated among the plan's per-file objects and kept most of
   its arenas alive through the ingest stage, where Prefect's task runs and the records filled the holes and
   pinned them for good (at 100,000 files, ~100 MB of the prep's resident set). ``ingest.plan`` now rebuilds
-  its units from their pickle once the per-file objects are freed;
+  its units (from a JSON text) once the per-file objects are freed;
 - the flow's loop over a stage's task runs kept its last future and that future's records after the stage.
 
 The arena counts come from ``sys._debugmallocstats`` (CPython's small-object allocator); the test is skipped
