@@ -215,3 +215,44 @@ def test_a_near_duplicate_update_with_nothing_new_keeps_the_index_width(tmp_path
     entered = UnitRecord("u1", "curate", [], [], [], 2, 0.0, {})  # slim: its detail is on disk
     summary = neardup.update(tmp_path, [entered], fingerprint, 0.9, stage_dir=None)
     assert summary["entered"] == 0 and summary["indexed"] == 2
+
+
+def test_a_task_run_holds_no_per_sample_detail_of_its_committed_units(tmp_path, tiny_flux, demo_images,
+                                                                      monkeypatch):
+    """While a task run works on its next unit, the records of the units it committed before hold no per-sample
+    detail (curate's scores and embeddings, the cache's components): ``run_units`` slims each record as its
+    unit commits. Kept until the task run returned, the detail of 16 units lived among the next units'
+    short-lived objects and pinned their arenas (figure 15: ~40 MB more resident at 100,000 inputs)."""
+    from latentmill.pipelines import prep
+    from latentmill.stages.shardio import UnitRecord
+
+    from latentmill.recipe import load_recipe
+    from tests.conftest import DEMO_CONFIG
+
+    detail_alive: dict[str, list[int]] = {"curate": [], "cache": []}
+    real_processor = prep.stage_processor
+
+    def watching_processor(stage, recipe):
+        process = real_processor(stage, recipe)
+
+        def run(unit, out):
+            if stage in detail_alive:
+                gc.collect()
+                detail_alive[stage].append(sum(
+                    type(o) is UnitRecord and bool(set(prep.PER_SAMPLE_EXTRA[stage]) & set(o.extra))
+                    for o in gc.get_objects()))
+            return process(unit, out)
+
+        return run
+
+    monkeypatch.setattr(prep, "stage_processor", watching_processor)
+    recipe = load_recipe(DEMO_CONFIG, [f"output_dir={tmp_path / 'out'}", f"model.pretrained={tiny_flux}",
+                                       f"ingest.source={demo_images}", "runner.workers=1",
+                                       "runner.units_per_task=8", "ingest.shard_size=4",
+                                       "caption.shard_bytes=4096", "curate.shard_bytes=4096",
+                                       "bucket.shard_bytes=4096", "cache.shard_bytes=4096",
+                                       "compaction.auto_after=0"])
+    result = prep.run_prep(recipe)
+    assert result["stages"]["curate"]["units"] > 2 and result["stages"]["cache"]["units"] > 2
+    # every unit after a task run's first found the earlier ones' records slim
+    assert detail_alive == {stage: [0] * result["stages"][stage]["units"] for stage in detail_alive}
