@@ -29,7 +29,7 @@ from typing import Any, Optional
 from latentmill.stages import pixels
 from latentmill.stages.filehashes import FileHashes
 from latentmill.stages.hashing import meta_bytes, sha256_bytes, sha256_file, stable_hash
-from latentmill.stages.memory import rebuilt
+from latentmill.stages.memory import burst, rebuilt
 from latentmill.stages.shardio import StageDir, UnitOutput, UnitRecord, WorkUnit, check_shard_bytes
 from latentmill.stages.sources import (
     Entry,
@@ -295,7 +295,8 @@ def plan(cfg: IngestConfig, stage_dir: StageDir | None = None) -> list[WorkUnit]
     ingest stage, to be pinned for good by what the stage allocates meanwhile (at 100,000 files ~100 MB of
     the prep's resident set, figure 15).
     """
-    return rebuilt(_plan(cfg, stage_dir), WorkUnit.to_json, WorkUnit.from_json)
+    with burst():  # the collection in between walks the plan's objects only, not the whole process's
+        return rebuilt(_plan(cfg, stage_dir), WorkUnit.to_json, WorkUnit.from_json)
 
 
 def _plan(cfg: IngestConfig, stage_dir: StageDir | None) -> list[WorkUnit]:

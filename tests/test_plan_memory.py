@@ -96,6 +96,60 @@ def test_the_ingest_plan_keeps_only_its_units_arenas(tmp_path):
     assert got["held_rebuilt"] * 2 < got["held_as_planned"], got
 
 
+def test_the_ingest_plan_collects_only_its_own_objects(tmp_path):
+    """The collection ``ingest.plan`` runs between its per-file objects and its rebuilt units walks only the
+    objects the plan made: the process's older ones (~800,000 in a prep process, 0.45 s a walk, paid by every
+    refresh) are frozen meanwhile, and unfrozen after. A cycle the plan made is still collected."""
+    import weakref
+
+    from latentmill.stages import ingest, memory
+
+    source = tmp_path / "images"
+    source.mkdir()
+    for n in range(20):
+        (source / f"img{n:03d}.jpg").write_bytes(n.to_bytes(4, "little") * 4)
+    cfg = ingest.IngestConfig(source=str(source), shard_size=8)
+    cfg.validate()
+    old = [[] for _ in range(1000)]  # objects older than the plan
+    frozen_during: list[int] = []
+    made_in_plan: list[weakref.ref] = []
+    real_plan = ingest._plan
+
+    class Cycle:
+        pass
+
+    def planning(*args):
+        cycle = Cycle()
+        cycle.me = cycle  # garbage that only the cyclic collector frees
+        made_in_plan.append(weakref.ref(cycle))
+        return real_plan(*args)
+
+    def watch(phase, info):
+        if phase == "start" and info["generation"] == 2:
+            frozen_during.append(gc.get_freeze_count())
+
+    gc.callbacks.append(watch)
+    try:
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(ingest, "_plan", planning)
+            units = ingest.plan(cfg, None)
+    finally:
+        gc.callbacks.remove(watch)
+    assert sum(u.samples_in for u in units) == 20 and len(units) == 3
+    assert frozen_during and frozen_during[-1] >= len(old)  # the plan's collection ran with the old ones frozen
+    assert gc.get_freeze_count() == 0  # and they are back
+    assert made_in_plan[0]() is None  # the plan's own cyclic garbage was collected
+
+    gc.freeze()  # a process that froze objects itself keeps its own freeze
+    try:
+        count = gc.get_freeze_count()
+        with memory.burst():
+            assert gc.get_freeze_count() == count
+        assert gc.get_freeze_count() == count
+    finally:
+        gc.unfreeze()
+
+
 def test_signals_arriving_during_a_collection_are_delivered_after_it(tmp_path):
     """``memory.signals_deferred`` (around ``gc.collect`` in ``rebuilt``): a SIGTERM handler that raises would
     otherwise run inside a weakref callback of the collection, where its exception is lost and a stopped
