@@ -209,7 +209,7 @@ def _import_encoders(recipe: Any) -> None:
 
 
 def _run_flow(command: str, config: Path, overrides: list[str], nproc: int, nnodes: int = 1,
-              rdzv_endpoint: str | None = None, early_api: Any = None) -> tuple[dict, str]:
+              rdzv_endpoint: str | None = None, early_api: Any = None, startup: Any = None) -> tuple[dict, str]:
     from latentmill.preflight import check_recipe
     from latentmill.recipe import load_recipe
 
@@ -234,6 +234,8 @@ def _run_flow(command: str, config: Path, overrides: list[str], nproc: int, nnod
     else:
         start_ephemeral_api()
         using = contextlib.nullcontext()
+    if startup is not None:
+        startup.settle()  # the imports and checks are done (latentmill.stages.memory.StartupFrozen)
     with using:
         if command == "prep":
             summary = prep(str(config), overrides)
@@ -372,16 +374,19 @@ def main(argv: list[str] | None = None) -> int:
                                *(["--home", str(args.home)] if args.home else [])])
         # flows ahead: Prefect's temporary API server boots while the flows are imported and the recipe checked
         from latentmill.prefect_env import start_api_early
+        from latentmill.stages.memory import StartupFrozen
 
-        early_api = start_api_early()
-        if args.command == "demo":
-            summary, out = _run_flow("run", DEMO_CONFIG, args.overrides, 1, early_api=early_api)
-            if summary["train"].get("export_dir"):
-                summary["sample"] = str(_sample_image(summary["train"], Path(out)))
-        else:
-            summary, out = _run_flow(args.command, args.config, args.overrides, getattr(args, "nproc", 1),
-                                     getattr(args, "nnodes", 1), getattr(args, "rdzv_endpoint", None),
-                                     early_api=early_api)
+        with StartupFrozen() as startup:  # no collections in the imports; their objects frozen for the run
+            early_api = start_api_early()
+            if args.command == "demo":
+                summary, out = _run_flow("run", DEMO_CONFIG, args.overrides, 1, early_api=early_api,
+                                         startup=startup)
+                if summary["train"].get("export_dir"):
+                    summary["sample"] = str(_sample_image(summary["train"], Path(out)))
+            else:
+                summary, out = _run_flow(args.command, args.config, args.overrides, getattr(args, "nproc", 1),
+                                         getattr(args, "nnodes", 1), getattr(args, "rdzv_endpoint", None),
+                                         early_api=early_api, startup=startup)
     except (ConfigError, CacheMismatchError, FileNotFoundError, EmptySnapshotError, MissingExtra) as err:
         if debug:
             traceback.print_exc()
