@@ -153,7 +153,8 @@ class StartupFrozen:
     """
 
     def __init__(self) -> None:
-        self._enabled = self._frozen = False
+        self._enabled = False
+        self._frozen = contextlib.ExitStack()  # the burst() that freezes the start-up, once settled
 
     def __enter__(self) -> "StartupFrozen":
         self._enabled = gc.isenabled() and gc.get_freeze_count() == 0
@@ -163,16 +164,14 @@ class StartupFrozen:
 
     def settle(self) -> None:
         """The start-up is done: collect its garbage, freeze what lives on, collect as usual from here."""
-        if self._enabled and not self._frozen:
+        if self._enabled and not gc.isenabled():
             with signals_deferred():
                 gc.collect()
-            gc.freeze()
-            self._frozen = True
+            self._frozen.enter_context(burst())  # the run is the burst; the start-up, the older objects
             gc.enable()
 
     def __exit__(self, *exc: object) -> None:
-        if self._frozen:
-            gc.unfreeze()
+        self._frozen.close()
         if self._enabled:
             gc.enable()
 
