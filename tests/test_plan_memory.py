@@ -144,8 +144,10 @@ def test_the_ingest_plan_collects_only_its_own_objects(tmp_path):
     try:
         count = gc.get_freeze_count()
         with memory.burst():
-            assert gc.get_freeze_count() == count
-        assert gc.get_freeze_count() == count
+            made = [[] for _ in range(10_000)]
+            assert gc.get_freeze_count() < count + len(made)  # nothing new frozen
+        # not unfrozen (other threads' objects freed by reference counting only lower the count)
+        assert 0 < gc.get_freeze_count() <= count
     finally:
         gc.unfreeze()
 

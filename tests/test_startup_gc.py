@@ -50,9 +50,11 @@ def test_a_process_that_froze_objects_or_turned_the_collector_off_is_left_as_it_
         count = gc.get_freeze_count()
         with StartupFrozen() as startup:
             assert gc.isenabled()
+            made = [[] for _ in range(10_000)]
             startup.settle()
-            assert gc.get_freeze_count() == count
-        assert gc.get_freeze_count() == count and gc.isenabled()
+            assert gc.get_freeze_count() < count + len(made)  # nothing new frozen
+        # not unfrozen (other threads' objects freed by reference counting only lower the count)
+        assert 0 < gc.get_freeze_count() <= count and gc.isenabled()
     finally:
         gc.unfreeze()
     gc.disable()
