@@ -51,6 +51,8 @@ from typing import Any, Iterator, Literal
 from latentmill.pipelines.snapshot import LATEST, latest_name, resolve_snapshot, snapshots_dir
 from latentmill.stages.killpoint import KillPoint
 
+from latentmill.core import durable
+
 STAGES = ("ingest", "caption", "curate", "bucket", "cache")  # pipeline order (as ``latentmill.pipelines.prep.STAGES``)
 LOCK_FILE = ".writer.lock"
 PINS = "pins"
@@ -214,10 +216,8 @@ def pin(output_dir: str | Path, snapshot: str) -> str:
     with _pins_lock(output_dir):
         name = resolve_snapshot(output_dir, snapshot).name
         path = pins_dir(output_dir) / f"{name}.pin"
-        tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text(json.dumps({"snapshot": name, "by": "user", "created": time.strftime(
+        durable.write_text(path, json.dumps({"snapshot": name, "by": "user", "created": time.strftime(
             "%Y-%m-%dT%H:%M:%SZ", time.gmtime())}))
-        os.replace(tmp, path)
     return name
 
 

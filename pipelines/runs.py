@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import sys
 import time
 from dataclasses import dataclass
@@ -39,6 +38,7 @@ from typing import Any
 from latentmill.stages.hashing import stable_hash
 
 from latentmill.config import to_dict
+from latentmill.core import durable
 from latentmill.recipe import Recipe
 
 LATEST = "LATEST"
@@ -81,23 +81,13 @@ def latest_run(recipe: Recipe) -> Path | None:
     return folder if folder.is_dir() else None
 
 
-def _tmp(path: Path) -> Path:
-    # unique per process: the nodes of a multi-node launch plan the same run at the same time
-    return path.with_name(f".{path.name}.{socket.gethostname()}.{os.getpid()}.tmp")
-
-
 def relink(link: Path, target: Path) -> None:
     """Point ``link`` at ``target`` (a relative symlink, replaced atomically; a stable path to the newest)."""
-    tmp = _tmp(link)
-    tmp.unlink(missing_ok=True)
-    os.symlink(os.path.relpath(target, link.parent), tmp)
-    os.replace(tmp, link)
+    durable.symlink(link, target)
 
 
 def _write_json(path: Path, data: dict[str, Any]) -> None:
-    tmp = _tmp(path)
-    tmp.write_text(json.dumps(data, indent=1, sort_keys=True))
-    os.replace(tmp, path)
+    durable.write_json(path, data)
 
 
 def migrate_legacy(recipe: Recipe) -> None:
@@ -116,7 +106,7 @@ def migrate_legacy(recipe: Recipe) -> None:
     if old_export:
         os.replace(export, legacy / "export")
         relink(export, legacy / "export")
-    (train / LATEST).write_text(LEGACY + "\n")
+    durable.write_text(train / LATEST, LEGACY + "\n")
     if (legacy / "metrics.jsonl").exists():
         relink(train / "metrics.jsonl", legacy / "metrics.jsonl")
     print(f"train: moved the outputs of an earlier layout into {legacy}")
@@ -130,10 +120,7 @@ def _start(recipe: Recipe, folder: Path, key: str, snapshot: str) -> RunPlan:
         _write_json(folder / RUN_FILE, {"key": key, "snapshot": snapshot, "mode": recipe.trainer.mode,
                                         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                                         "finished": False, **({"resumed_from": record} if record else {})})
-    pointer = recipe.train_dir / LATEST
-    tmp = _tmp(pointer)
-    tmp.write_text(folder.name + "\n")
-    os.replace(tmp, pointer)
+    durable.write_text(recipe.train_dir / LATEST, folder.name + "\n")
     relink(recipe.train_dir / "metrics.jsonl", folder / "metrics.jsonl")
     return RunPlan(folder, key)
 

@@ -21,6 +21,8 @@ from typing import Any
 from latentmill.stages.hashing import stable_hash
 from latentmill.stages.shardio import StageDir, shard_buckets
 
+from latentmill.core import durable
+
 LATEST = "LATEST"
 
 
@@ -111,9 +113,7 @@ def publish(output_dir: str | Path, cache_dir: str | Path) -> dict[str, Any]:
         snapshot["empty_prompt"] = {**manifest["empty_prompt"], "path": f"{rel}/{manifest['empty_prompt']['path']}"}
     tmp = root / f".{name}.tmp"
     tmp.mkdir(exist_ok=True)
-    (tmp / "manifest.json").write_text(json.dumps(snapshot, indent=1, sort_keys=True))
-    os.replace(tmp, root / name)
-    pointer_tmp = root / f".{LATEST}.tmp"
-    pointer_tmp.write_text(name + "\n")
-    os.replace(pointer_tmp, root / LATEST)
+    durable.write_json(tmp / "manifest.json", snapshot)
+    durable.replace(tmp, root / name)
+    durable.write_text(root / LATEST, name + "\n")  # the pointer last: training reads what it names
     return {"name": name, "new": True, "path": str(root / name)}

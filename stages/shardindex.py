@@ -15,13 +15,14 @@ from __future__ import annotations
 
 import json
 import os
-import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from latentmill.stages.hashing import json_bytes, sha256_bytes, sha256_file
 from latentmill.stages.tarshard import MAX_HEADER, HeaderError, TarSamples, index_shard, safetensors_entries
+
+from latentmill.core import durable
 
 INDEX_SUFFIX = ".idx"
 INDEX_VERSION = 1
@@ -168,12 +169,7 @@ def write_index_file(tar_path: str | Path, data: bytes | None = None) -> dict[st
     given); return its manifest entry ``{"name", "size", "sha256"}``."""
     path = index_path(tar_path)
     data = index_tar(tar_path) if data is None else data
-    tmp = path.with_name(f"{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
-    with open(tmp, "wb") as fh:
-        fh.write(data)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
+    durable.write_bytes(path, data)
     return {"name": path.name, "size": len(data), "sha256": sha256_bytes(data)}
 
 

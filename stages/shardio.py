@@ -35,16 +35,9 @@ from latentmill.stages.memory import release_memory
 from latentmill.stages.shardindex import _bucket_of, build_shard_index, index_tar, write_index_file
 from latentmill.stages.tarshard import _TAR_BLOCK, MAX_HEADER, _tar_bytes, read_shard, tar_member_header
 
+from latentmill.core import durable
+
 FORMAT_VERSION = 1
-
-
-def _write_json_atomic(path: Path, obj: Any) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as fh:
-        fh.write(json.dumps(obj, sort_keys=True, indent=1).encode())
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -149,7 +142,7 @@ class _ShardSink:
                                      [_bucket_of(self._json[k]) if k in self._json else None for k, _ in samples])
         else:
             data = index_tar(self.tmp)
-        os.replace(self.tmp, self.path)
+        durable.replace(self.tmp, self.path)
         self.index = write_index_file(self.path, data)
         return self._sha.hexdigest()
 
@@ -313,7 +306,7 @@ class UnitOutput:
             seconds=round(seconds, 4),
             extra=self.extra,
         )
-        _write_json_atomic(self.stage_dir.unit_path(self.unit.unit_id), record.to_json())
+        durable.write_json(self.stage_dir.unit_path(self.unit.unit_id), record.to_json())
         return record
 
     def abort(self) -> None:
@@ -430,7 +423,7 @@ class StageDir:
                 return False
             shard.index, changed = entry, True
         if changed:
-            _write_json_atomic(self.unit_path(record.unit_id), record.to_json())
+            durable.write_json(self.unit_path(record.unit_id), record.to_json())
         return True
 
     def run_unit(self, unit: WorkUnit, process: Callable[[WorkUnit, UnitOutput], None]) -> UnitRecord:
@@ -471,12 +464,9 @@ class StageDir:
                 **({"expanded": expanded} if expanded else {}),  # clips beyond one per video
             },
         }
-        tmp = self.quarantine_path.with_name(self.quarantine_path.name + ".tmp")
-        with open(tmp, "wb") as fh:
-            for q in sorted(quarantined, key=lambda q: (q["source"], q["key"])):
-                fh.write(json_bytes(q) + b"\n")
-        os.replace(tmp, self.quarantine_path)
-        _write_json_atomic(self.manifest_path, manifest)
+        durable.write_bytes(self.quarantine_path, b"".join(
+            json_bytes(q) + b"\n" for q in sorted(quarantined, key=lambda q: (q["source"], q["key"]))))
+        durable.write_json(self.manifest_path, manifest)
         return manifest
 
     def read_manifest(self) -> dict[str, Any]:

@@ -34,6 +34,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from latentmill.core import durable
 from latentmill.tinyio import apply_umask
 
 log = logging.getLogger(__name__)
@@ -75,14 +76,6 @@ def latest_checkpoint(ckpt_dir: str | Path) -> Path | None:
 def trainable_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     """The parameters that training changes (``requires_grad``), by their names in ``model``."""
     return {name: p.detach() for name, p in model.named_parameters() if p.requires_grad}
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def save_checkpoint(
@@ -148,8 +141,7 @@ def save_checkpoint(
         apply_umask(tmp)  # safetensors writes 0600: give checkpoints the modes of every other file
         if final.exists():  # re-saving a step (e.g. after resuming from an older one)
             shutil.rmtree(final)
-        os.replace(tmp, final)
-        _fsync_dir(ckpt_dir)
+        durable.replace(tmp, final)
         prune_checkpoints(ckpt_dir, keep_latest_k)
     barrier()
     return final
