@@ -8,7 +8,7 @@
 #                    the cache stage twice with equal bytes, all on CUDA -> gpu-check.json (docs/gpu-pods.md)
 #
 # torch: the pinned CPU build is installed first unless the venv already has a torch (install your
-# own CUDA build into .venv before `make` on a GPU machine; see README).
+# own CUDA build into .venv before `make` on a GPU machine; see docs/training.md, "torch, CPU and GPU").
 
 PYTHON ?= python3
 VENV   ?= .venv

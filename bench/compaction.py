@@ -7,7 +7,7 @@ copied; baseline: the member bytes in the merged shards (goal: = 1, every byte c
 re-encoded). The child counts calls of the cache stage's encoder loader (``cache._load_encoders`` /
 ``cache.get_encoders``, wrapped to count, not replaced): goal 0.
 
-Figure 14b (informational, the README's table): a year of nightly refreshes. A first prep's cache of
+Figure 14b (informational; docs/snapshots.md, "Compaction", has the demo-size year): a year of nightly refreshes. A first prep's cache of
 10,000 samples, then 365 refreshes of 1% (100 samples) each; after each, the cache's end-of-prep step as a
 prep runs it (``stages.compact.compact_stage`` with ``compaction.auto_after`` 8, size tiers), a publish and
 ``gc --keep 7``. The refreshes' cache units are written directly by the commit path (no encoder: 365 real
@@ -204,7 +204,7 @@ def year(work: Path, days: int, base: int = 10_000, per_day: int = 100, keep: in
               "commands": "latentmill prep (nightly; it compacts at its end), latentmill gc OUTPUT --keep 7"}
     return [figure(f"14. a year of nightly 1% refreshes ({days}): files with compaction and gc vs neither",
                    [ours["files"]], [base_row["files"]], "files", None, inputs,
-                   "informational (the README's table): files under output_dir at the end; details: shards, "
+                   "informational (docs/snapshots.md, Compaction): files under output_dir at the end; details: shards, "
                    "disk, bytes copied by compaction", details=rows)]
 
 
