@@ -314,8 +314,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "serve" and args.home is None and layout.root is not None:
         args.home = Path(os.environ["PREFECT_HOME"])
     # Progress bars, the summary and one error line are the CLI's output: Prefect's INFO lines would drown
-    # them, and its ERROR lines repeat a failure's traceback (shown with --debug).
-    os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING" if debug else "CRITICAL")
+    # them, and its ERROR lines repeat a failure's traceback (shown with --debug). Not for `serve`: its server,
+    # worker and flow runs inherit this environment, and their INFO lines are the runs' Logs tab.
+    if args.command != "serve":
+        os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING" if debug else "CRITICAL")
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
     # A loaded machine can take longer than the default 20 s to start the temporary local API.
     os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180")

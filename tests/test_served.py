@@ -5,7 +5,9 @@ Starts everything once on 127.0.0.1 with a free port and a temporary PREFECT_HOM
 at `/` and that the started run carries the artifacts and the per-stage log lines; that a failed run says why
 under `--watch`; that a second `serve start` reuses the running server and worker (or refuses another port);
 and that `serve stop` stops everything, a running flow run included (the last test). The fixture checks that
-no process started from the home remains.
+no process started from the home remains. The services are started as `make serve` starts them (the CLI,
+from an environment without the Prefect settings conftest sets), and what the runs logged is read back from
+the server's API.
 """
 
 from __future__ import annotations
@@ -43,23 +45,32 @@ def _api(port: int, path: str, body: dict | None = None):
         return json.loads(resp.read())
 
 
+def _user_env() -> dict[str, str]:
+    """The environment of a user's shell: none of the Prefect settings conftest sets for this process."""
+    return {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}
+
+
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
-    # the flow runs' INFO lines (one per stage, training) reach the API; conftest sets WARNING for this process
-    with pytest.MonkeyPatch.context() as monkeypatch:
-        monkeypatch.setenv("PREFECT_LOGGING_LEVEL", "INFO")
-        home, port = tmp_path_factory.mktemp("served") / "prefect-home", _free_port()
-        services = serve.start(home, port)
-        pids = services.pids()
-        try:
-            yield home, port, pids
-        finally:
-            serve.stop(home)
-            assert serve.from_home(home) == []
-            for pid in pids.values():  # our children: reap them (a `serve stop` in a subprocess cannot)
-                with pytest.raises(psutil.NoSuchProcess):
-                    psutil.Process(pid).wait(timeout=10)
-                    psutil.Process(pid)
+    # started as `make serve` starts it (`latentmill serve start`, through the CLI's main), from a user's
+    # environment: what the CLI sets for its own console must not reach the server, worker and flow runs
+    home, port = tmp_path_factory.mktemp("served") / "prefect-home", _free_port()
+    pids: dict[str, int] = {}
+    try:
+        started = subprocess.run([sys.executable, "-m", "latentmill.cli", "serve", "start", "--home", str(home),
+                                  "--port", str(port)], cwd=REPO_ROOT, env=_user_env(), capture_output=True,
+                                 text=True, timeout=400)
+        assert started.returncode == 0, started.stdout + started.stderr
+        pids = serve.running(home)
+        assert set(pids) == {"server", "worker"}, started.stdout
+        yield home, port, pids
+    finally:
+        serve.stop(home)
+        assert serve.from_home(home) == []
+        for pid in pids.values():
+            with pytest.raises(psutil.NoSuchProcess):
+                psutil.Process(pid).wait(timeout=10)
+                psutil.Process(pid)
 
 
 def _serve_cli(*args: str) -> subprocess.CompletedProcess:
@@ -78,6 +89,17 @@ def _runs(port: int, deployment: str) -> list[dict]:
     deployment_id = _api(port, f"deployments/name/{deployment}")["id"]
     return _api(port, "flow_runs/filter", {"flow_runs": {"deployment_id": {"any_": [deployment_id]}},
                                            "sort": "EXPECTED_START_TIME_ASC"})
+
+
+def _logs(port: int, run_id: str, wanted: list, timeout: float = 60.0) -> list[dict]:
+    """The run's log records on the server once each of ``wanted`` (a predicate on a record) matches one, or
+    when ``timeout`` s have passed: the run's last log batch may land just after its final state."""
+    deadline = time.monotonic() + timeout
+    while True:
+        logs = _api(port, "logs/filter", {"logs": {"flow_run_id": {"any_": [run_id]}}, "sort": "TIMESTAMP_ASC"})
+        if all(any(w(log) for log in logs) for w in wanted) or time.monotonic() > deadline:
+            return logs
+        time.sleep(1)
 
 
 def test_prep_then_train_deployment_completes(served, tiny_flux, tmp_path):
@@ -119,15 +141,13 @@ def test_prep_then_train_deployment_completes(served, tiny_flux, tmp_path):
     assert metrics[0]["steps"] == 3 and (Path(metrics[0]["export_dir"]) / "model_index.json").is_file()
     assert Path(metrics[0]["export_dir"]).is_relative_to(out)
 
-    wanted = ("ingest: 28 in → 27 out", "curate: 27 in → 25 out, 2 quarantined", "cache: 25 in → 24 out, 1 quarantined", "train: 3 steps, final loss")
-    deadline = time.monotonic() + 60  # the flow run's last log batch may land just after its final state
-    while True:
-        lines = [log["message"] for log in _api(port, "logs/filter", {"logs": {"flow_run_id": {"any_": [run_id]}}})]
-        if all(any(m.startswith(w) for m in lines) for w in wanted) or time.monotonic() > deadline:
-            break
-        time.sleep(1)
+    # one INFO line per stage and one for training, sent by the flow run to the server (the Logs tab)
+    wanted = ["ingest: 28 in → 27 out, 1 quarantined", "caption: 27 in → 27 out, 0 quarantined",
+              "curate: 27 in → 25 out, 2 quarantined", "bucket: 25 in → 25 out, 0 quarantined",
+              "cache: 25 in → 24 out, 1 quarantined", "train: 3 steps, final loss"]
+    logs = _logs(port, run_id, [lambda log, w=w: log["message"].startswith(w) for w in wanted])
     for w in wanted:
-        assert any(m.startswith(w) for m in lines), (w, lines)
+        assert [log["level"] for log in logs if log["message"].startswith(w)] == [20], (w, logs)
 
 
 def test_failed_run_says_why(served, tmp_path):
@@ -142,6 +162,10 @@ def test_failed_run_says_why(served, tmp_path):
     assert reason in " ".join(log.split()), log  # rich wraps long lines
     [run] = _runs(port, "train/demo")
     assert run["state"]["type"] == "FAILED" and reason in run["state"]["message"], run["state"]
+    # and the server holds the error's line (the Logs tab), naming the key
+    logs = _logs(port, run["id"], [lambda log: log["level"] >= 40 and "ConfigError" in log["message"]])
+    errors = [log["message"].splitlines()[0] for log in logs if log["level"] >= 40]
+    assert any("ConfigError" in line and reason in line for line in errors), logs
 
 
 @pytest.mark.heavy
