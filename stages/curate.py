@@ -18,8 +18,9 @@ The stage sits between caption and bucket (``docs/cache-format.md``, "Curation")
 * writes the scores into the sample's json (``scores: {name: value}``), then applies the thresholds
   (``curate.min_sharpness``, ``curate.max_exposure``, ``curate.min_aesthetic``, ...): a sample beyond one
   is quarantined with the reason (constant per threshold, so reasons count up in summaries) and its
-  ``scores``. A sample that cannot be decoded goes on unscored (``scores: {}``, ``unscored: <error>``):
-  the cache stage quarantines it with its decode error, as without curation;
+  ``scores``. A sample that cannot be decoded is quarantined here with its decode error (``cannot decode
+  pixels: ...``): curate is the first stage that decodes pixels (ingest reads headers), so bucket and
+  cache never see it;
 * with ``curate.dedup_threshold`` set, embeds every kept sample for near-duplicate removal (from the same
   decoded frames; an embedding is a component with its own key, stored per unit beside its shards): the
   index and the decisions are :mod:`latentmill.stages.neardup`'s, applied by the bucket stage.
@@ -67,7 +68,7 @@ from latentmill.stages.tarshard import read_shard
 from PIL import Image
 
 STAGE = "curate"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: a sample that cannot be decoded is quarantined here (1 passed it on unscored)
 SCORERS = ("sharpness", "exposure", "aesthetic", "clip_score", "motion")
 DEFAULT_SCORERS = ("sharpness", "exposure")  # model-free, on by default; others when listed or thresholded
 MODEL_SCORERS = curate_models.MODEL_SCORERS  # need a model (stages/curate_models.py)
@@ -497,7 +498,7 @@ class _Scored:
     keys: dict[str, str] = field(default_factory=dict)  # score name -> score key (the scores it has)
     values: dict[str, float] = field(default_factory=dict)
     computed: bool = False  # decoded and scored here (else every score was found by key)
-    error: str | None = None  # the decode error of a sample that goes on unscored
+    error: str | None = None  # the decode error of a sample that cannot be scored (quarantined)
     frames: list[Image.Image] | None = None  # decoded frames, while model scores are missing
     needs: list[str] = field(default_factory=list)  # model scores still missing
     small: list[Image.Image] | None = None  # the frames decode_frames gives, kept for an embedding
@@ -576,6 +577,11 @@ def _score_unit(cfg: CurateConfig, unit: WorkUnit, prints: dict[str, dict[str, A
     yield from flush()
 
 
+def undecodable_reason(error: str) -> str:
+    """The quarantine reason of a sample the stage cannot decode (the cache stage's words for the same)."""
+    return f"cannot decode pixels: {error}"
+
+
 def process(cfg: CurateConfig, unit: WorkUnit, out: UnitOutput,
             background: tuple[int, int, int] = pixels.WHITE, clips: ClipSpec | None = None) -> None:
     """Drop the unit's duplicates, score the others (reusing scores by key), apply the thresholds. With
@@ -604,13 +610,9 @@ def process(cfg: CurateConfig, unit: WorkUnit, out: UnitOutput,
         if clips is not None and kind == "video":
             _process_video_clips(cfg, clips, item, prints, index.values, out, rows, counts, embeds, background)
             continue
-        if item.error is not None:
-            # Unscored, it goes on: the cache stage, which decodes what it encodes, quarantines it with
-            # its decode error (one place for decode errors). No threshold applies to it.
+        if item.error is not None:  # quarantined where it is first decoded, not passed on to the cache
             counts["unscored"] += 1
-            meta["scores"] = {}
-            meta["unscored"] = item.error
-            out.add({**sample, "json": meta_bytes(meta)}, part=kind)
+            out.quarantine(key, source, undecodable_reason(item.error))
             continue
         counts["scored" if item.computed else "scores_reused"] += 1
         scores = {name: round(item.values[name], 6) for name in names if name in item.keys}
@@ -654,11 +656,9 @@ def _process_video_clips(cfg: CurateConfig, spec: ClipSpec, item: _Scored, print
     embed_missing = embeds is not None and embeds.index.get(neardup.embedding_key(embeds.fp_hash, meta)) is None
     video = curate_clips.score_video(cfg, sample, meta, spec, prints, known, text, background,
                                      whole_frames=embed_missing)
-    if video.error is not None:  # as a whole-video decode error: on unscored, quarantined downstream
+    if video.error is not None:  # its clips could not be planned or decoded: quarantined, as an image
         counts["unscored"] += 1
-        meta["scores"] = {}
-        meta["unscored"] = video.error
-        out.add({**sample, "json": meta_bytes(meta)}, part="video")
+        out.quarantine(key, source, undecodable_reason(video.error))
         return
     if video.cuts is not None:
         meta["scene_cuts"], meta["scene_threshold"] = video.cuts, spec.scene_threshold
