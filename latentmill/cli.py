@@ -138,6 +138,9 @@ def _print_summary(summary: dict[str, Any], recipe_output: str | None) -> None:
                 print(f"near duplicates (cosine >= {near['threshold']:g}, {near['search']} search over "
                       f"{near['indexed']} embeddings): {near['new_near_duplicates']} new, "
                       f"{near['near_duplicates']} in all")
+        rewritten = (stages.get("caption") or {}).get("rewritten_by_rule")
+        if rewritten:  # post-processing rules that changed captions, e.g. strip_prefixes on model captions
+            print("caption: rewritten by rule: " + ", ".join(f"{k} {v}" for k, v in rewritten.items()))
         buckets = (stages.get("bucket") or {}).get("buckets")
         if buckets:
             print("buckets (WxHxF: samples): " + ", ".join(f"{k}: {v}" for k, v in buckets.items()))

@@ -95,6 +95,19 @@ def _details(entry: dict) -> str:
     return ""
 
 
+def _print_rewritten(stage_dir: Path, manifest: dict) -> None:
+    """The caption stage's written captions that a post-processing rule changed, per rule (its unit records)."""
+    by_rule: Counter = Counter()
+    for unit_id in manifest.get("units") or []:
+        try:
+            extra = json.loads((stage_dir / "units" / f"{unit_id}.json").read_text()).get("extra") or {}
+        except (OSError, ValueError):
+            continue
+        by_rule.update(extra.get("rewritten_by_rule") or {})
+    if by_rule:
+        print("  captions rewritten by rule: " + ", ".join(f"{k} {v}" for k, v in sorted(by_rule.items())))
+
+
 def inspect_path(path: Path) -> int:
     """Print a recipe, a snapshot's report, or each stage's counts, buckets, models and quarantine reasons."""
     if path.suffix in (".yaml", ".yml") and not path.is_dir():
@@ -120,6 +133,8 @@ def inspect_path(path: Path) -> int:
         for name, model in (manifest.get("models") or {}).items():
             print(f"  {name}: {model.get('class')} fingerprint {model.get('fingerprint', '')[:16]}")
         _print_encoded_on(manifest)
+        if manifest["stage"] == "caption":
+            _print_rewritten(stage_dir, manifest)
         if "scorers" in manifest:  # the curate stage
             thresholds = ", ".join(f"{k} {v:g}" for k, v in (manifest.get("thresholds") or {}).items())
             print(f"  scorers: {', '.join(manifest['scorers']) or '-'}; thresholds: {thresholds or '-'}")

@@ -12,7 +12,10 @@ member; or captions of an upstream caption pass):
   ``caption.separator`` (e.g. tags or a trigger token after a human caption);
 * ``extend``  — every sample is captioned and the new captions join the existing ones as alternatives.
 
-Every caption then goes through the post-processing rules (:mod:`latentmill.stages.captioners.postprocess`). A
+Every caption then goes through the post-processing rules (:mod:`latentmill.stages.captioners.postprocess`);
+boilerplate prefixes are stripped only from captions a captioning model wrote (:func:`written_by_model`), so
+sidecar, manifest and template captions keep the words they were written with. The stage counts, per rule,
+the written captions a rule changed (``rewritten_by_rule`` in the run summary and ``latentmill inspect``). A
 sample is written with ``meta["captions"]`` (all captions, primary first; the trainer picks one per step),
 ``meta["caption"]`` and the ``.txt`` member (the primary caption, what the cache stage encodes) and
 ``meta["caption_provenance"]`` (one dict per caption: captioner, model id and fingerprint, prompt,
@@ -81,6 +84,8 @@ class CaptionConfig:
     separator: str = ", "
     # post-processing, applied to every caption
     strip_prefixes: list[str] = field(default_factory=lambda: list(DEFAULT_STRIP_PREFIXES))
+    # whose captions lose those prefixes: "model" (what a captioning model wrote) or "all" (scraped alt text)
+    strip_prefixes_from: Literal["model", "all"] = "model"
     blocklist: list[str] = field(default_factory=list)  # phrases deleted from captions
     reject: list[str] = field(default_factory=list)  # a caption containing one of these is dropped
     max_chars: int = 1000  # longer captions are cut at a word boundary
@@ -142,7 +147,7 @@ class CaptionConfig:
     def rules(self) -> CaptionRules:
         """The post-processing rules these settings describe."""
         return CaptionRules(tuple(self.strip_prefixes), tuple(self.blocklist), tuple(self.reject),
-                            self.max_chars, self.min_chars)
+                            self.max_chars, self.min_chars, self.strip_prefixes_from)
 
 
 def build_captioner(cfg: CaptionConfig, background: tuple[int, int, int] = pixels.WHITE) -> Captioner:
@@ -202,7 +207,12 @@ def report(cfg: CaptionConfig, records: list) -> dict[str, Any]:
     changed = sum(int(r.extra["changed"]) for r in counted)
     asked = sum(int(r.extra.get("sent_to_captioner", 0)) for r in counted)
     written = sum(r.samples_out for r in counted)
-    result: dict[str, Any] = {"changed": changed, "sent_to_captioner": asked}
+    by_rule: dict[str, int] = {}
+    for record in counted:
+        for rule, n in (record.extra.get(REWRITTEN_KEY) or {}).items():
+            by_rule[rule] = by_rule.get(rule, 0) + int(n)
+    result: dict[str, Any] = {"changed": changed, "sent_to_captioner": asked,
+                              REWRITTEN_KEY: dict(sorted(by_rule.items()))}
     if cfg.captioner != "sidecar" and counted and written and not changed:
         if not asked:
             why = (f"caption.policy is {cfg.resolved_policy!r} and every sample already had a caption; set "
@@ -234,18 +244,45 @@ def existing_captions(sample: dict[str, Any], meta: dict[str, Any]) -> list[tupl
     return []
 
 
+MODEL_CAPTIONERS = ("transformers",)  # captioners whose text a model wrote
+REWRITTEN_KEY = "rewritten_by_rule"  # unit record extra and run summary: rule -> captions it changed
+_RULES_HIT = "_rewritten_by"  # while a sample is captioned: the rules that changed a caption (never written)
+
+
+def written_by_model(prov: dict[str, Any]) -> bool:
+    """Whether a captioning model wrote the whole caption (an appended caption: both of its parts)."""
+    inner = prov.get("appended_to")
+    if isinstance(inner, dict) and not written_by_model(inner):
+        return False
+    return prov.get("captioner") in MODEL_CAPTIONERS
+
+
 def _clean(rules: CaptionRules, pairs: list[tuple[str, dict[str, Any]]],
            reasons: list[str]) -> list[tuple[str, dict[str, Any]]]:
-    """Post-process captions, dropping empty and rejected ones (their reasons go to ``reasons``)."""
+    """Post-process captions, dropping empty and rejected ones (their reasons go to ``reasons``); a caption a
+    rule changed carries the rule's name in its provenance until :func:`_rules_hit` takes it out."""
     kept, seen = [], set()
     for text, prov in pairs:
-        clean, reason = rules.apply(text)
-        if reason:
-            reasons.append(reason)
-        elif clean not in seen:
-            seen.add(clean)
-            kept.append((clean, prov))
+        cleaned = rules.clean(text, by_model=written_by_model(prov))
+        if cleaned.reason:
+            reasons.append(cleaned.reason)
+        elif cleaned.text not in seen:
+            seen.add(cleaned.text)
+            if cleaned.rewritten_by:
+                prov = {**prov, _RULES_HIT: sorted({*prov.get(_RULES_HIT, ()), *cleaned.rewritten_by})}
+            kept.append((cleaned.text, prov))
     return kept
+
+
+def _rules_hit(prov: dict[str, Any]) -> tuple[dict[str, Any], set[str]]:
+    """``prov`` without the rules that changed its caption (an appended caption's parts included), and those
+    rules."""
+    hit = set(prov.get(_RULES_HIT, ()))
+    prov = {k: v for k, v in prov.items() if k != _RULES_HIT}
+    if isinstance(prov.get("appended_to"), dict):
+        prov["appended_to"], inner = _rules_hit(prov["appended_to"])
+        hit |= inner
+    return prov, hit
 
 
 def combine(policy: str, existing: list[tuple[str, dict]], new: list[tuple[str, dict]],
@@ -282,7 +319,7 @@ def process(cfg: CaptionConfig, unit: WorkUnit, out: UnitOutput, captioner: Capt
     captioner = captioner or build_captioner(cfg)
     rules, policy = cfg.rules(), cfg.resolved_policy
     pending: list[_Pending] = []
-    counts = {"changed": 0, "sent_to_captioner": 0}
+    counts: dict[str, Any] = {"changed": 0, "sent_to_captioner": 0, REWRITTEN_KEY: {}}
 
     def flush() -> None:
         todo = [p for p in pending if p.needs_captioner]
@@ -294,7 +331,8 @@ def process(cfg: CaptionConfig, unit: WorkUnit, out: UnitOutput, captioner: Capt
         by_id = {id(p): r for p, r in zip(todo, results)}
         counts["sent_to_captioner"] += len(todo)
         for p in pending:
-            counts["changed"] += _finish(cfg, rules, captioner.name, p, by_id.get(id(p)), out)
+            counts["changed"] += _finish(cfg, rules, captioner.name, p, by_id.get(id(p)), out,
+                                         counts[REWRITTEN_KEY])
         pending.clear()
 
     for sample in iter_unit_samples(unit):
@@ -312,9 +350,10 @@ def process(cfg: CaptionConfig, unit: WorkUnit, out: UnitOutput, captioner: Capt
 
 
 def _finish(cfg: CaptionConfig, rules: CaptionRules, name: str, p: _Pending, result: CaptionResult | None,
-            out: UnitOutput) -> bool:
-    """Apply the policy and the rules to one sample; write it or quarantine it. True when the sample was
-    written with captions other than the ones it came with."""
+            out: UnitOutput, by_rule: dict[str, int]) -> bool:
+    """Apply the policy and the rules to one sample; write it or quarantine it, counting in ``by_rule`` the
+    written captions each rule changed. True when the sample was written with captions other than the ones
+    it came with."""
     new: list[tuple[str, dict[str, Any]]] = []
     if result is not None:
         if result.error:
@@ -323,7 +362,6 @@ def _finish(cfg: CaptionConfig, rules: CaptionRules, name: str, p: _Pending, res
     # Cleaned again: appended text may need cutting to max_chars, and extend may repeat a caption.
     policy = cfg.resolved_policy
     final = _clean(rules, combine(policy, p.existing, new, cfg.separator), p.reasons)
-    final = [(text, {**prov, "policy": policy}) for text, prov in final]
     meta, key = p.meta, p.sample["__key__"]
     if not final:
         why = "; ".join(dict.fromkeys(p.reasons)) or "no caption"
@@ -333,6 +371,13 @@ def _finish(cfg: CaptionConfig, rules: CaptionRules, name: str, p: _Pending, res
                            "to train it unconditionally)")
             return False
         final = [("", {"captioner": name, "policy": policy, "empty": why})]
+    written = []
+    for text, prov in final:
+        prov, hit = _rules_hit(prov)
+        for rule in hit:
+            by_rule[rule] = by_rule.get(rule, 0) + 1
+        written.append((text, {**prov, "policy": policy}))
+    final = written
     meta["captions"] = [text for text, _ in final]
     meta["caption"] = final[0][0]
     meta["caption_provenance"] = [prov for _, prov in final]

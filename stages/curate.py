@@ -8,7 +8,9 @@ The stage sits between caption and bucket (``docs/cache-format.md``, "Curation")
   hashes (``prep/curate/dedup.sqlite``) grows with the data: a refresh reads the samples of its new
   upstream shards only, never the old data (:class:`DedupIndex`);
 * computes its **scores** (model-free, on by default): ``sharpness``, the variance of the Laplacian of the
-  grey image shrunk to ``curate.score_side``; ``exposure``, the share of its pixels at 0 or 255. A video is
+  grey image shrunk to ``curate.score_side``; ``exposure``, the share of its pixels at 0 or 255. An image
+  with transparency is scored on its opaque pixels (alpha at least ``OPAQUE_ALPHA``): a cutout is not
+  blown out by the background it is composited over (its score keys say so, ``opaque``). A video is
   scored on ``curate.frames`` frames spread over it, through the frame reader captioners use
   (:func:`latentmill.stages.captioners.media.load_media`, one decode): the mean over the frames. When
   listed or thresholded, also ``aesthetic`` and ``clip_score`` (CLIP / SigLIP models, batched over the
@@ -18,8 +20,9 @@ The stage sits between caption and bucket (``docs/cache-format.md``, "Curation")
 * writes the scores into the sample's json (``scores: {name: value}``), then applies the thresholds
   (``curate.min_sharpness``, ``curate.max_exposure``, ``curate.min_aesthetic``, ...): a sample beyond one
   is quarantined with the reason (constant per threshold, so reasons count up in summaries) and its
-  ``scores``. A sample that cannot be decoded goes on unscored (``scores: {}``, ``unscored: <error>``):
-  the cache stage quarantines it with its decode error, as without curation;
+  ``scores``. A sample that cannot be decoded is quarantined here with its decode error (``cannot decode
+  pixels: ...``): curate is the first stage that decodes pixels (ingest reads headers), so bucket and
+  cache never see it;
 * with ``curate.dedup_threshold`` set, embeds every kept sample for near-duplicate removal (from the same
   decoded frames; an embedding is a component with its own key, stored per unit beside its shards): the
   index and the decisions are :mod:`latentmill.stages.neardup`'s, applied by the bucket stage.
@@ -40,7 +43,7 @@ import json
 import sqlite3
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterator, Literal, Optional
+from typing import Any, Callable, Iterator, Literal, NamedTuple, Optional
 
 import numpy as np
 from latentmill.stages import curate_models, neardup, pixels
@@ -67,11 +70,17 @@ from latentmill.stages.tarshard import read_shard
 from PIL import Image
 
 STAGE = "curate"
-FORMAT_VERSION = 1
+# 2: a sample that cannot be decoded is quarantined here (1 passed it on unscored); 3: an image with
+# transparency is scored on its opaque pixels
+FORMAT_VERSION = 3
 SCORERS = ("sharpness", "exposure", "aesthetic", "clip_score", "motion")
 DEFAULT_SCORERS = ("sharpness", "exposure")  # model-free, on by default; others when listed or thresholded
 MODEL_SCORERS = curate_models.MODEL_SCORERS  # need a model (stages/curate_models.py)
 SCORER_VERSION = 1  # in every score key: what decides a score's value
+# An image's pixels with at least this alpha are the picture that sharpness and exposure score (the others
+# show the background); in the score keys of images with transparency, so the scores of opaque ones stay.
+OPAQUE_ALPHA = 128
+MASKED_SCORERS = ("sharpness", "exposure")
 DEDUP_FILE = "dedup.sqlite"
 # threshold key -> (scorer, "min" | "max")
 THRESHOLDS = {"min_sharpness": ("sharpness", "min"), "max_exposure": ("exposure", "max"),
@@ -187,8 +196,9 @@ def grey(img: Image.Image) -> np.ndarray:
     return np.asarray(img.convert("L"), dtype=np.float64)
 
 
-def sharpness(grey_HW: np.ndarray) -> float:
-    """Variance of the 4-neighbour Laplacian over the image's interior (0 for an image under 3x3)."""
+def sharpness(grey_HW: np.ndarray, opaque_HW: np.ndarray | None = None) -> float:
+    """Variance of the 4-neighbour Laplacian over the image's interior (0 for an image under 3x3); with
+    ``opaque_HW``, over the pixels whose whole stencil is opaque (0 when there is none)."""
     if grey_HW.shape[0] < 3 or grey_HW.shape[1] < 3:
         return 0.0
     g = grey_HW
@@ -198,15 +208,31 @@ def sharpness(grey_HW: np.ndarray) -> float:
     lap += g[1:-1, :-2]
     lap += g[1:-1, 2:]
     lap -= 4.0 * g[1:-1, 1:-1]
-    return float(lap.var())
+    if opaque_HW is None:
+        return float(lap.var())
+    o = opaque_HW  # the pixels whose stencil holds no background
+    inside = o[1:-1, 1:-1] & o[:-2, 1:-1] & o[2:, 1:-1] & o[1:-1, :-2] & o[1:-1, 2:]
+    return float(lap[inside].var()) if inside.any() else 0.0
 
 
-def exposure(grey_HW: np.ndarray) -> float:
-    """The share of pixels clipped to black (0) or white (255)."""
-    return float(np.mean((grey_HW <= 0.0) | (grey_HW >= 255.0))) if grey_HW.size else 0.0
+def exposure(grey_HW: np.ndarray, opaque_HW: np.ndarray | None = None) -> float:
+    """The share of pixels clipped to black (0) or white (255); with ``opaque_HW``, of the opaque pixels."""
+    clipped = (grey_HW <= 0.0) | (grey_HW >= 255.0)
+    if opaque_HW is not None:
+        clipped = clipped[opaque_HW]
+    return float(np.mean(clipped)) if clipped.size else 0.0
 
 
-SCORE_FUNCTIONS: dict[str, Callable[[np.ndarray], float]] = {"sharpness": sharpness, "exposure": exposure}
+def opaque_mask(alpha: Image.Image | None) -> np.ndarray | None:
+    """The pixels with alpha at least ``OPAQUE_ALPHA``; None (score every pixel) without alpha, or when all
+    or none of them are opaque (a fully transparent image is scored as it is shown: the background)."""
+    if alpha is None:
+        return None
+    mask = np.asarray(alpha) >= OPAQUE_ALPHA
+    return mask if mask.any() and not mask.all() else None
+
+
+SCORE_FUNCTIONS: dict[str, Callable[..., float]] = {"sharpness": sharpness, "exposure": exposure}
 
 
 def scorer_fingerprint(cfg: CurateConfig, name: str, background: tuple[int, int, int]) -> dict[str, Any]:
@@ -223,10 +249,19 @@ def scorer_fingerprint(cfg: CurateConfig, name: str, background: tuple[int, int,
     return fp
 
 
+def scored_on_opaque(scorer_fp: dict[str, Any], meta: dict[str, Any]) -> bool:
+    """Whether this scorer scores this sample on its opaque pixels: an image ingest found transparency in."""
+    return (scorer_fp.get("scorer") in MASKED_SCORERS and bool(meta.get("alpha"))
+            and (meta.get("kind") or "image") == "image")
+
+
 def score_key(scorer_fp: dict[str, Any], meta: dict[str, Any], text: str | None = None) -> str:
-    """A score component's key: the scorer's fingerprint, the sample's content hash and its clip window, and
-    for a score of the caption too (``clip_score``) the caption."""
+    """A score component's key: the scorer's fingerprint, the sample's content hash and its clip window, for
+    a score of the caption too (``clip_score``) the caption, and for one on opaque pixels only their alpha
+    threshold."""
     parts = {"scorer": scorer_fp, "sha256": meta.get("sha256"), "clip": meta.get("clip")}
+    if scored_on_opaque(scorer_fp, meta):
+        parts["opaque"] = OPAQUE_ALPHA
     if text is not None:
         parts["text"] = text
     return stable_hash(parts)
@@ -236,13 +271,15 @@ class ScoreKeyer:
     """:func:`score_key` for one scorer fingerprint, with the fingerprint's canonical JSON encoded once (a
     model scorer's fingerprint holds the model's and head's digests: encoding it for every sample was most of
     a key's cost). The keys are :func:`score_key`'s, byte for byte: ``stable_hash`` of the same dict, whose
-    text is its parts' texts in key order (``clip``, ``scorer``, ``sha256``, ``text``)."""
+    text is its parts' texts in key order (``clip``, ``opaque``, ``scorer``, ``sha256``, ``text``)."""
 
     def __init__(self, scorer_fp: dict[str, Any]):
+        self.scorer_fp = scorer_fp
         self.scorer_json = canonical_json(scorer_fp)
 
     def __call__(self, meta: dict[str, Any], text: str | None = None) -> str:
-        doc = (f'{{"clip":{canonical_json(meta.get("clip"))},"scorer":{self.scorer_json},'
+        opaque = f'"opaque":{OPAQUE_ALPHA},' if scored_on_opaque(self.scorer_fp, meta) else ""
+        doc = (f'{{"clip":{canonical_json(meta.get("clip"))},{opaque}"scorer":{self.scorer_json},'
                f'"sha256":{canonical_json(meta.get("sha256"))}')
         if text is not None:
             doc += f',"text":{canonical_json(text)}'
@@ -261,40 +298,63 @@ def _mean(values: list[float]) -> float:
     return float(values[0]) if len(values) == 1 else float(np.mean(values))
 
 
-def score_frames(frames: list[Image.Image], names: list[str]) -> dict[str, float]:
+def score_frames(frames: list[Image.Image], names: list[str],
+                 opaque: list[np.ndarray | None] | None = None) -> dict[str, float]:
     """Each named model-free score of an image (one frame) or a video (the mean over its frames; ``motion``
-    over consecutive frames)."""
+    over consecutive frames); ``opaque``: per frame, the pixels to score (:func:`opaque_mask`)."""
     greys = [grey(f) for f in frames]
-    scores = {name: _mean([SCORE_FUNCTIONS[name](g) for g in greys]) for name in names if name in SCORE_FUNCTIONS}
+    masks = opaque or [None] * len(greys)
+    scores = {name: _mean([SCORE_FUNCTIONS[name](g) if m is None else SCORE_FUNCTIONS[name](g, m)
+                           for g, m in zip(greys, masks)])
+              for name in names if name in SCORE_FUNCTIONS}
     if "motion" in names:
         scores["motion"] = curate_models.motion(greys)
     return scores
 
 
+class Decoded(NamedTuple):
+    """A sample decoded for scoring: its kind, its frames (an image: one), and per frame the alpha of an image
+    ingest found transparency in (``alphas``; None otherwise)."""
+
+    kind: str
+    frames: list[Image.Image]
+    alphas: list[Image.Image | None] | None = None
+
+
 def decode_and_score(sample: dict[str, Any], meta: dict[str, Any], cfg: CurateConfig, names: list[str],
                      background: tuple[int, int, int] = pixels.WHITE,
-                     decoded: tuple[str, list[Image.Image]] | None = None
+                     decoded: Decoded | None = None
                      ) -> tuple[str, dict[str, float], list[Image.Image]]:
     """``(kind, model-free scores, frames)``: decode a sample as the captioners do (an image, or
     ``cfg.frames`` frames spread over a video or its clip window, through ``video.read_frames``) at
     ``cfg.decode_side()``, score the named model-free scorers on the frames shrunk to ``cfg.score_side``
     (``motion`` only for a video), and return the decoded frames for the model scorers. Raises the
     decoder's error for a sample that cannot be decoded. ``decoded``: :func:`decode_media`'s result for
-    the sample, when it was decoded already."""
+    the sample, when it was decoded already. An image with transparency is scored on its opaque pixels."""
     from latentmill.stages.captioners.media import fit_within
 
-    kind, frames = decoded if decoded is not None else decode_media(sample, meta, cfg, background)
+    kind, frames, alphas = decoded if decoded is not None else decode_media(sample, meta, cfg, background)
     small = frames if cfg.decode_side() == cfg.score_side else [fit_within(f, cfg.score_side) for f in frames]
-    return kind, score_frames(small, [n for n in names if n != "motion" or kind == "video"]), frames
+    opaque = None
+    if alphas is not None:  # shrunk as their frames were
+        opaque = [opaque_mask(a if a is None or a.size == f.size else a.resize(f.size, Image.Resampling.BICUBIC))
+                  for a, f in zip(alphas, small)]
+    return kind, score_frames(small, [n for n in names if n != "motion" or kind == "video"], opaque), frames
 
 
 def decode_media(sample: dict[str, Any], meta: dict[str, Any], cfg: CurateConfig,
-                 background: tuple[int, int, int] = pixels.WHITE) -> tuple[str, list[Image.Image]]:
-    """``(kind, frames)`` of a sample decoded for scoring (:func:`decode_and_score`'s first half)."""
-    from latentmill.stages.captioners.media import load_media
+                 background: tuple[int, int, int] = pixels.WHITE) -> Decoded:
+    """A sample decoded for scoring (:func:`decode_and_score`'s first half); the alpha of an image ingest
+    found transparency in (``meta["alpha"]``, as the score keys read it) comes with it."""
+    from latentmill.stages.captioners.media import load_image_alpha, load_media, media_member
 
+    if meta.get("alpha") and (meta.get("kind") or "image") == "image":
+        kind, member = media_member(sample, meta)
+        if kind == "image":
+            rgb, alpha = load_image_alpha(sample[member], cfg.decode_side(), background)
+            return Decoded(kind, [rgb], [alpha])
     kind, frames, _ = load_media(sample, meta, cfg.frames, cfg.decode_side(), background)
-    return kind, frames
+    return Decoded(kind, frames)
 
 
 def score_media(sample: dict[str, Any], meta: dict[str, Any], cfg: CurateConfig, names: list[str],
@@ -497,7 +557,7 @@ class _Scored:
     keys: dict[str, str] = field(default_factory=dict)  # score name -> score key (the scores it has)
     values: dict[str, float] = field(default_factory=dict)
     computed: bool = False  # decoded and scored here (else every score was found by key)
-    error: str | None = None  # the decode error of a sample that goes on unscored
+    error: str | None = None  # the decode error of a sample that cannot be scored (quarantined)
     frames: list[Image.Image] | None = None  # decoded frames, while model scores are missing
     needs: list[str] = field(default_factory=list)  # model scores still missing
     small: list[Image.Image] | None = None  # the frames decode_frames gives, kept for an embedding
@@ -517,7 +577,7 @@ def _score_unit(cfg: CurateConfig, unit: WorkUnit, prints: dict[str, dict[str, A
     keyers = {name: ScoreKeyer(fp) for name, fp in prints.items()}
     chunk: list[_Scored] = []
 
-    def score(item: _Scored, decoded: tuple[str, list[Image.Image]]) -> None:
+    def score(item: _Scored, decoded: Decoded) -> None:
         kind = item.meta.get("kind") or "image"
         try:
             decoded_kind, computed, frames = decode_and_score(item.sample, item.meta, cfg, item.missing,
@@ -536,7 +596,7 @@ def _score_unit(cfg: CurateConfig, unit: WorkUnit, prints: dict[str, dict[str, A
     def flush() -> Iterator[_Scored]:
         # The chunk's samples are decoded first, then scored: alternating a decode and the numpy scores
         # sample by sample cost ~15% more per image (libjpeg's and numpy's buffers churned the allocator).
-        decoded: list[tuple[_Scored, tuple[str, list[Image.Image]]]] = []
+        decoded: list[tuple[_Scored, Decoded]] = []
         for item in chunk:
             if item.missing:
                 try:
@@ -576,6 +636,11 @@ def _score_unit(cfg: CurateConfig, unit: WorkUnit, prints: dict[str, dict[str, A
     yield from flush()
 
 
+def undecodable_reason(error: str) -> str:
+    """The quarantine reason of a sample the stage cannot decode (the cache stage's words for the same)."""
+    return f"cannot decode pixels: {error}"
+
+
 def process(cfg: CurateConfig, unit: WorkUnit, out: UnitOutput,
             background: tuple[int, int, int] = pixels.WHITE, clips: ClipSpec | None = None) -> None:
     """Drop the unit's duplicates, score the others (reusing scores by key), apply the thresholds. With
@@ -604,13 +669,9 @@ def process(cfg: CurateConfig, unit: WorkUnit, out: UnitOutput,
         if clips is not None and kind == "video":
             _process_video_clips(cfg, clips, item, prints, index.values, out, rows, counts, embeds, background)
             continue
-        if item.error is not None:
-            # Unscored, it goes on: the cache stage, which decodes what it encodes, quarantines it with
-            # its decode error (one place for decode errors). No threshold applies to it.
+        if item.error is not None:  # quarantined where it is first decoded, not passed on to the cache
             counts["unscored"] += 1
-            meta["scores"] = {}
-            meta["unscored"] = item.error
-            out.add({**sample, "json": meta_bytes(meta)}, part=kind)
+            out.quarantine(key, source, undecodable_reason(item.error))
             continue
         counts["scored" if item.computed else "scores_reused"] += 1
         scores = {name: round(item.values[name], 6) for name in names if name in item.keys}
@@ -654,11 +715,9 @@ def _process_video_clips(cfg: CurateConfig, spec: ClipSpec, item: _Scored, print
     embed_missing = embeds is not None and embeds.index.get(neardup.embedding_key(embeds.fp_hash, meta)) is None
     video = curate_clips.score_video(cfg, sample, meta, spec, prints, known, text, background,
                                      whole_frames=embed_missing)
-    if video.error is not None:  # as a whole-video decode error: on unscored, quarantined downstream
+    if video.error is not None:  # its clips could not be planned or decoded: quarantined, as an image
         counts["unscored"] += 1
-        meta["scores"] = {}
-        meta["unscored"] = video.error
-        out.add({**sample, "json": meta_bytes(meta)}, part="video")
+        out.quarantine(key, source, undecodable_reason(video.error))
         return
     if video.cuts is not None:
         meta["scene_cuts"], meta["scene_threshold"] = video.cuts, spec.scene_threshold

@@ -116,7 +116,7 @@ class ClipScores:
 @dataclass
 class VideoScores:
     """A video's clips with their scores (``clips`` empty: the video is too short for a clip, or
-    ``error``: it could not be planned or decoded, and goes on unscored)."""
+    ``error``: it could not be planned or decoded, and is quarantined by the curate stage)."""
 
     clips: list[ClipScores]
     cuts: list[int] | None = None  # detected scene cuts (None: no scene split)
@@ -136,7 +136,7 @@ def score_video(cfg: "CurateConfig", sample: dict[str, Any], meta: dict[str, Any
 
     ``whole_frames``: also decode, in the same pass, the K frames the video is embedded from (its
     near-duplicate embedding), returned as ``small``. A planning or decode error is returned as ``error``
-    (the video then goes on unscored, and the bucket or cache stage quarantines it with that error)."""
+    (the curate stage then quarantines the video with that error)."""
     from latentmill.stages.captioners.media import media_member
     from latentmill.stages.curate import score_key
 

@@ -199,8 +199,9 @@ def _to_srgb(img: Image.Image, icc: bytes | None) -> Image.Image:
     return img if img.mode == "RGB" else img.convert("RGB")
 
 
-def to_rgb(img: Image.Image, background: tuple[int, int, int] = WHITE) -> Image.Image:
-    """``img`` as 8-bit sRGB RGB in its shown orientation, transparency composited over ``background``."""
+def rgb_and_alpha(img: Image.Image) -> tuple[Image.Image, Image.Image | None]:
+    """``img`` as 8-bit sRGB RGB in its shown orientation, not composited, and its alpha (``L``, 0 transparent
+    .. 255 opaque) when it has transparency, else None."""
     icc = img.info.get("icc_profile")
     if orientation(img) != 1:
         img = ImageOps.exif_transpose(img)
@@ -216,18 +217,36 @@ def to_rgb(img: Image.Image, background: tuple[int, int, int] = WHITE) -> Image.
         else:
             rgba = img.convert("RGBA")
             alpha, img = rgba.getchannel("A"), rgba.convert("RGB")
-    rgb = _to_srgb(img, icc)
-    if alpha is not None:
-        rgb = Image.composite(rgb, Image.new("RGB", rgb.size, background), alpha)
-    return rgb
+    return _to_srgb(img, icc), alpha
+
+
+def composite(rgb: Image.Image, alpha: Image.Image | None, background: tuple[int, int, int] = WHITE) -> Image.Image:
+    """``rgb`` over ``background`` through ``alpha`` (``rgb`` itself when there is no alpha)."""
+    if alpha is None:
+        return rgb
+    return Image.composite(rgb, Image.new("RGB", rgb.size, background), alpha)
+
+
+def to_rgb(img: Image.Image, background: tuple[int, int, int] = WHITE) -> Image.Image:
+    """``img`` as 8-bit sRGB RGB in its shown orientation, transparency composited over ``background``."""
+    return composite(*rgb_and_alpha(img), background)
 
 
 def decode_rgb(data: bytes, background: tuple[int, int, int] = WHITE,
                draft: int | None = None) -> Image.Image:
     """Decode a still image's bytes by these rules; ``draft``: let JPEGs decode at 1/2–1/8 scale when their
     longer side stays at least this large (a captioner's small input)."""
+    return decode_rgb_alpha(data, background, draft)[0]
+
+
+def decode_rgb_alpha(data: bytes, background: tuple[int, int, int] = WHITE,
+                     draft: int | None = None) -> tuple[Image.Image, Image.Image | None]:
+    """:func:`decode_rgb`'s image and the alpha it was composited through (``L``, in the shown orientation),
+    or None when the image has no transparency: which pixels are the picture, for scores that should not
+    see the background."""
     with open_image(data) as img:
         if draft:
             img.draft("RGB", (draft, draft))
         img.load()
-        return to_rgb(img, background)
+        rgb, alpha = rgb_and_alpha(img)
+        return composite(rgb, alpha, background), alpha

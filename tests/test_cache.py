@@ -47,7 +47,7 @@ def cached(tiny_flux, tmp_path_factory):
 
 def test_latent_and_text_shapes_and_dtypes(cached):
     model, cfg, sd, manifest, _ = cached
-    assert manifest["counts"] == {"in": 25, "out": 24, "quarantined": 1}
+    assert manifest["counts"] == {"in": 24, "out": 24, "quarantined": 0}
     assert manifest["dtype"] == "bfloat16" and manifest["max_sequence_length"] == 16
     assert (manifest["format_version"], manifest["family"], manifest["latents"]) == (3, "flux", "mean")
     assert manifest["text"] == {"trimmed": False, "pad_to": 16}
@@ -68,11 +68,17 @@ def test_latent_and_text_shapes_and_dtypes(cached):
     assert n == 24
 
 
-def test_truncated_image_is_quarantined_at_decode(cached):
+def test_truncated_image_is_quarantined_where_it_is_first_decoded(cached):
+    from tests.conftest import DEMO_IMAGES
+
     *_, sd, manifest, records = cached
-    (q,) = [q for r in records for q in r.quarantined]
-    assert q["source"] == "truncated.jpg" and q["stage"] == "cache"
-    assert q["reason"].startswith("cannot decode pixels")
+    assert not [q for r in records for q in r.quarantined]  # the cache never sees it
+    curated = [json.loads(line) for line in (sd.root.parent / "curate" / "quarantine.jsonl").read_text().splitlines()]
+    (q,) = [q for q in curated if q["source"] == "truncated.jpg"]
+    assert q["stage"] == "curate" and q["reason"].startswith("cannot decode pixels: OSError")
+    # bytes damaged after curation still stop at the cache's decode (its unit quarantines what raises)
+    with pytest.raises(OSError, match="truncated"):
+        cache.decode_sample({"image": (DEMO_IMAGES / "truncated.jpg").read_bytes()}, {"crop": {}, "bucket": [64, 64, 1]})
 
 
 def test_latents_match_a_direct_vae_encode(cached):

@@ -7,9 +7,9 @@ import json
 import pytest
 from latentmill.stages import caption, ingest
 from latentmill.stages.caption import CaptionConfig, combine
-from latentmill.stages.captioners import CaptionItem
+from latentmill.stages.captioners import CaptionItem, CaptionResult
 from latentmill.stages.captioners.media import frame_indices
-from latentmill.stages.captioners.postprocess import CaptionRules
+from latentmill.stages.captioners.postprocess import CaptionRules, Cleaned
 from latentmill.stages.captioners.template import TemplateCaptioner
 from latentmill.stages.ingest import IngestConfig
 from latentmill.stages.shardio import StageDir
@@ -225,13 +225,14 @@ def test_template_formats_existing_captions_by_default_and_an_explicit_keep_is_r
     assert metas["style/img_001.jpg"]["captions"] == [f"trtcrd, {sidecar}"]
     assert all(m["caption"].startswith("trtcrd") for m in metas.values())
     report = caption.report(cfg, records)
-    assert report == {"changed": 25, "sent_to_captioner": 25}  # every caption changed, no warning
+    # every caption changed, no warning; img_004 has no caption: "trtcrd, " lost its trailing separator
+    assert report == {"changed": 25, "sent_to_captioner": 25, "rewritten_by_rule": {"normalise": 1}}
 
     keep = CaptionConfig(captioner="template", template="trtcrd, {caption}", policy="keep")
     records, metas = _run(keep, upstream, tmp_path / "keep")
     report = caption.report(keep, records)
     # img_004 (no sidecar) is the only one the captioner saw and changed: nothing to warn about.
-    assert report == {"changed": 1, "sent_to_captioner": 1}
+    assert report == {"changed": 1, "sent_to_captioner": 1, "rewritten_by_rule": {"normalise": 1}}
     (images / "img_004.txt").write_text("a caption for img_004\n")
     _, upstream2 = _reingest(images, tmp_path / "ingest2")
     records, metas = _run(keep, upstream2, tmp_path / "keep2")
@@ -282,3 +283,105 @@ def test_an_empty_sidecar_is_named_in_the_reason(ingested, tmp_path):
     assert reasons["img_004.jpg"].startswith(
         "no caption from captioner 'sidecar': its caption sidecar gave no caption: img_004.txt is empty")
     assert "img_006.json has no non-empty caption field" in reasons["img_006.png"]
+
+
+# --------------------------------------------------------------------------------------------------------
+# Whose captions the rules rewrite, and the count of what they changed
+
+
+def test_prefixes_are_stripped_from_model_captions_only():
+    rules = CaptionRules()
+    hand = "A picture of colourful ellipses number 1"
+    assert rules.clean(hand, by_model=False) == Cleaned(hand, None, ())
+    assert rules.clean(hand) == Cleaned("colourful ellipses number 1", None, ("strip_prefixes",))
+    assert rules.apply(hand) == ("colourful ellipses number 1", None)  # apply: a model caption
+    every = CaptionRules(strip_prefixes_from="all")  # scraped alt text: strip them everywhere
+    assert every.clean(hand, by_model=False).text == "colourful ellipses number 1"
+    # The other rules apply to every caption and name themselves when they change one.
+    strict = CaptionRules(blocklist=("watermark",), max_chars=15)
+    assert strict.clean(" a  cat,\n", by_model=False) == Cleaned("a cat", None, ("normalise",))
+    assert strict.clean("A picture of a cat, watermark", by_model=False) == Cleaned(
+        "A picture of a", None, ("blocklist", "max_chars"))  # "A picture of a cat" cut at 15
+
+
+class _FakeModel:
+    """A captioner that answers as a VLM does ("The image shows ..."), with a model's provenance."""
+
+    name = "transformers"
+
+    def fingerprint(self):
+        return {"captioner": self.name, "model": "fake-vlm"}
+
+    def caption(self, items):
+        return [CaptionResult([f"The image shows {item.meta['source']}"], [{"captioner": self.name, "model": "fake"}])
+                for item in items]
+
+    def stats(self):
+        return {}
+
+
+def _hand_captioned(root):
+    """Three PNGs with hand-written sidecars (two open with a prefix a VLM would write), one without, ingested."""
+    from PIL import Image
+
+    images = root / "images"
+    images.mkdir(parents=True)
+    captions = {"ellipses": "a picture of colourful ellipses number 1", "photo": "The photo shows a red door",
+                "plain": "a blue square"}
+    for i, name in enumerate([*captions, "bare"]):
+        Image.new("RGB", (32, 24), (40 * i, 90, 200 - 40 * i)).save(images / f"{name}.png")
+        if name in captions:
+            (images / f"{name}.txt").write_text(captions[name] + "\n")
+    _, upstream = _reingest(images, root / "ingest")
+    return captions, upstream
+
+
+def _run_with(cfg, upstream, root, captioner=None):
+    sd = StageDir(root, "caption").ensure()
+    records = [sd.run_unit(u, lambda unit, out: caption.process(cfg, unit, out, captioner))
+               for u in caption.plan(cfg, upstream, captioner)]
+    sd.write_manifest(records, caption.manifest_header(cfg, captioner))
+    metas = {m["source"]: m for r in records for shard in r.shards
+             for m in (json.loads(s["json"]) for s in read_shard(sd.root / shard.path))}
+    return records, metas
+
+
+def test_sidecar_captions_are_kept_as_written_and_model_captions_cleaned(tmp_path, capsys):
+    captions, upstream = _hand_captioned(tmp_path)
+    records, metas = _run_with(CaptionConfig(), upstream, tmp_path / "sidecar")
+    assert {s: m["caption"] for s, m in metas.items()} == {f"{n}.png": c for n, c in captions.items()}
+    assert caption.report(CaptionConfig(), records)["rewritten_by_rule"] == {}
+    # The old scope, asked for: the two prefixed sidecars lose their prefix, and the summary says so.
+    every = CaptionConfig(strip_prefixes_from="all")
+    records, metas = _run_with(every, upstream, tmp_path / "all")
+    assert metas["ellipses.png"]["caption"] == "colourful ellipses number 1"
+    assert metas["photo.png"]["caption"] == "a red door"
+    assert caption.report(every, records)["rewritten_by_rule"] == {"strip_prefixes": 2}
+
+    # A model caption loses its boilerplate; appended to a sidecar, only the model's part does.
+    model = CaptionConfig(captioner="transformers", model="fake", policy="append")
+    records, metas = _run_with(model, upstream, tmp_path / "model", _FakeModel())
+    assert metas["ellipses.png"]["captions"] == ["a picture of colourful ellipses number 1, ellipses.png"]
+    assert metas["bare.png"]["captions"] == ["bare.png"]
+    prov = metas["photo.png"]["caption_provenance"][0]
+    assert prov == {"captioner": "transformers", "model": "fake", "policy": "append",
+                    "appended_to": {"captioner": "sidecar", "origin": "sidecar:photo.txt"}}  # no rule bookkeeping
+    report = caption.report(model, records)
+    assert report["rewritten_by_rule"] == {"strip_prefixes": 4}  # every model caption, once each
+
+    from latentmill.cli import _print_summary
+    from latentmill.inspect import inspect_path
+
+    row = {"in": 4, "out": 4, "quarantined": 0, "processed": 4, "reused": 0, "seconds": 0.1}
+    _print_summary({"stages": {"caption": {**row, **report}}}, None)
+    assert "caption: rewritten by rule: strip_prefixes 4" in capsys.readouterr().out
+    inspect_path(tmp_path / "model")
+    assert "captions rewritten by rule: strip_prefixes 4" in capsys.readouterr().out
+
+
+def test_the_scope_of_the_rules_is_in_the_fingerprint(tmp_path):
+    base = caption.fingerprint(CaptionConfig())
+    assert base["rules"]["version"] == 2  # v1 stripped sidecars: its caption units are not reused
+    assert caption.fingerprint(CaptionConfig(strip_prefixes_from="all")) != base
+    with pytest.raises(ConfigError, match="caption.strip_prefixes_from: 'some' is not one of 'model', 'all'"):
+        from_dict(CaptionConfig, {"strip_prefixes_from": "some"}, prefix="caption")

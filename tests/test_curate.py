@@ -131,9 +131,9 @@ class ScorerCalls:
             monkeypatch.setitem(curate.SCORE_FUNCTIONS, name, self._wrap(fn))
 
     def _wrap(self, fn):
-        def counted(grey_HW):
+        def counted(grey_HW, *opaque_HW):
             self.calls += 1
-            return fn(grey_HW)
+            return fn(grey_HW, *opaque_HW)
         return counted
 
     def take(self) -> int:

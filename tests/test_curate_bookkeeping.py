@@ -89,7 +89,8 @@ def test_fit_within_takes_a_fitting_rgb_frame_as_it_is():
 def test_a_chunk_is_decoded_then_scored_and_a_broken_sample_goes_on_unscored(tmp_path, monkeypatch):
     """``_score_unit`` decodes a chunk of ``curate.batch_size`` samples, then scores them (alternating a
     decode and the numpy scores per sample cost ~15% more per image); a sample that cannot be decoded in
-    the middle of a chunk goes on unscored with its error, the others are scored, in order."""
+    the middle of a chunk comes through unscored with its error (``process`` quarantines it), the others are
+    scored, in order."""
     import io
     import json
 

@@ -30,18 +30,21 @@ def test_summary_counts_conserve(demo_run):
     stages = summary["stages"]
     assert list(stages) == ["ingest", "caption", "curate", "bucket", "cache"]
     assert (stages["ingest"]["in"], stages["ingest"]["out"], stages["ingest"]["quarantined"]) == (28, 27, 1)
-    # the demo recipe's curate.max_exposure drops the two over-exposed pictures, with their scores
-    assert (stages["curate"]["in"], stages["curate"]["out"], stages["curate"]["quarantined"]) == (27, 25, 2)
-    assert stages["curate"]["quarantined_by_reason"] == {"exposure beyond curate.max_exposure=0.5": 2}
-    # truncated.jpg cannot be decoded: it goes on unscored, and the cache stage quarantines it
+    # the demo recipe's curate.max_exposure drops the two over-exposed pictures, with their scores, and
+    # truncated.jpg, which curate is the first stage to decode, goes with its decode error
+    assert (stages["curate"]["in"], stages["curate"]["out"], stages["curate"]["quarantined"]) == (27, 24, 3)
+    reasons = stages["curate"]["quarantined_by_reason"]
+    assert reasons.pop("exposure beyond curate.max_exposure=0.5") == 2
+    ((reason, count),) = reasons.items()
+    assert reason.startswith("cannot decode pixels: OSError: image file is truncated") and count == 1
     assert (stages["curate"]["scored"], stages["curate"]["unscored"]) == (26, 1) and stages["curate"]["scores_table"]
-    assert (stages["cache"]["in"], stages["cache"]["out"], stages["cache"]["quarantined"]) == (25, 24, 1)
+    assert (stages["cache"]["in"], stages["cache"]["out"], stages["cache"]["quarantined"]) == (24, 24, 0)
     for s in stages.values():
         assert s["in"] == s["out"] + s["quarantined"] == s["processed"] + s["reused"]
         assert s["seconds"] >= 0
     assert stages["cache"]["components"] == {"vae": {"processed": 24, "reused": 0},
                                              "text": {"processed": 24, "reused": 0}}
-    assert sum(stages["bucket"]["buckets"].values()) == 25
+    assert sum(stages["bucket"]["buckets"].values()) == 24
     train = summary["train"]
     assert train["steps"] == 8
     assert train["final_loss"] > 0 and train["samples_per_s"] > 0 and train["peak_rss_mb"] > 0

@@ -33,14 +33,14 @@ def test_incremental_reruns_and_snapshots(tiny_flux, demo_images, tmp_path):
     assert first["snapshot"]["new"] and first["snapshot"]["name"].startswith("0001-")
 
     again = run_prep(_recipe(tiny_flux, demo_images, out))
-    assert _processed(again) == {"ingest": (0, 26), "caption": (0, 25), "curate": (0, 25), "bucket": (0, 25),
-                                 "cache": (0, 25)}
+    assert _processed(again) == {"ingest": (0, 26), "caption": (0, 25), "curate": (0, 25), "bucket": (0, 24),
+                                 "cache": (0, 24)}
     assert again["snapshot"] == {**first["snapshot"], "new": False}
 
     # A changed bucket option re-runs bucket and cache, not ingest or caption; text embeddings are reused.
     rebucket = run_prep(_recipe(tiny_flux, demo_images, out, "bucket.resolution=96"))
     assert _processed(rebucket)["ingest"] == (0, 26) and _processed(rebucket)["caption"] == (0, 25)
-    assert _processed(rebucket)["bucket"] == (25, 0)
+    assert _processed(rebucket)["bucket"] == (24, 0)
     assert rebucket["stages"]["cache"]["components"] == {"vae": {"processed": 24, "reused": 0},
                                                          "text": {"processed": 0, "reused": 24}}
     second = rebucket["snapshot"]
@@ -68,7 +68,7 @@ def test_inspect_prints_a_snapshot_report(tiny_flux, demo_images, tmp_path, caps
     assert "128x128x1: 8" in report
     assert f"vae: AutoencoderKL fingerprint {manifest['models']['vae']['fingerprint'][:16]}" in report
     assert "quarantined at ingest: 1 × not a readable image" in report
-    assert "quarantined at cache: 1 × cannot decode pixels" in report
+    assert "quarantined at curate: 1 × cannot decode pixels" in report  # truncated.jpg, where it is decoded
 
 
 def test_refresh_trains_only_on_a_new_snapshot(tiny_flux, demo_images, tmp_path):
@@ -87,8 +87,8 @@ def test_refresh_trains_only_on_a_new_snapshot(tiny_flux, demo_images, tmp_path)
     grown = refresh(str(DEMO_CONFIG), overrides, train=True)
     assert grown["snapshot"]["new"] and grown["stages"]["cache"]["out"] == 25
     # only the new file's work: one new unit per stage, every other unit reused without a task run
-    assert _processed(grown) == {"ingest": (1, 26), "caption": (1, 25), "curate": (1, 25), "bucket": (1, 25),
-                                 "cache": (1, 25)}
+    assert _processed(grown) == {"ingest": (1, 26), "caption": (1, 25), "curate": (1, 25), "bucket": (1, 24),
+                                 "cache": (1, 24)}
     assert {s: grown["stages"][s]["units"] for s in ("ingest", "cache")} == {
         s: unchanged["stages"][s]["units"] + 1 for s in ("ingest", "cache")}
     assert grown["train"]["steps"] == 2
@@ -117,7 +117,7 @@ def test_prep_publishes_artifacts(tiny_flux, demo_images, tmp_path):
     assert rows[0]["in"] == 26 and rows[4]["out"] == 24
     assert "128x128x1" in newest(buckets)
     reasons = newest(quarantine)
-    assert {r["stage"] for r in reasons} == {"ingest", "cache"}
+    assert {r["stage"] for r in reasons} == {"ingest", "curate"}
 
 
 def _shard_digests(out):
@@ -280,7 +280,7 @@ def test_started_run_tells_the_story(tiny_flux, demo_images, tmp_path, run_logs_
 
         stage_lines = [f"{stage}: {s['in']} in → {s['out']} out, {s['quarantined']} quarantined; "
                        f"{s['processed']} processed, {s['reused']} reused" for stage, s in result["stages"].items()]
-        assert stage_lines[-1].startswith("cache: 25 in → 24 out, 1 quarantined; 25 processed, 0 reused")
+        assert stage_lines[-1].startswith("cache: 24 in → 24 out, 0 quarantined; 24 processed, 0 reused")
         for run_id in (started, inner_id):
             logged = _poll(functools.partial(lines, run_id),
                            lambda got: all(any(m.startswith(s) for m in got) for s in stage_lines))
@@ -291,7 +291,7 @@ def test_started_run_tells_the_story(tiny_flux, demo_images, tmp_path, run_logs_
             assert [row["stage"] for row in found["prep-counts"]] == list(STAGES)
             assert found["prep-counts"][4]["out"] == 24
             assert "128x128x1" in found["prep-buckets"]
-            assert {row["stage"] for row in found["prep-quarantine"]} == {"ingest", "cache"}
+            assert {row["stage"] for row in found["prep-quarantine"]} == {"ingest", "curate"}
 
         metrics = artifacts(started)["train-metrics"]
         assert metrics == [{k: result["train"][k] for k in ("steps", "final_loss", "samples_per_s",

@@ -74,9 +74,9 @@ def test_inspect_plots_writes_every_picture(prepped, tmp_path, capsys):
     assert main(["inspect", "--plots", str(out), str(prepped)]) == 0
     printed = capsys.readouterr().out
     groups = _groups(prepped)
-    # the demo quarantines at ingest (broken), curate (exposure, sharpness) and cache (truncated)
-    assert {stage for stage, _ in groups} == {"ingest", "curate", "cache"}
-    assert len([g for g in groups if g[0] == "curate"]) == 2
+    # the demo quarantines at ingest (broken) and curate (exposure, sharpness; truncated, which it cannot decode)
+    assert {stage for stage, _ in groups} == {"ingest", "curate"}
+    assert len([g for g in groups if g[0] == "curate"]) == 3
     sheets = {f"quarantine_{stage}-{plots.slug(reason)}.png" for stage, reason in groups}
     expected = {"score_sharpness.png", "score_exposure.png", "buckets.png", *sheets}
     assert {p.name for p in out.glob("*.png")} == expected
@@ -113,8 +113,9 @@ def test_contact_sheet_tiles_are_the_quarantined_samples(prepped, drawn):
         sheet = found[f"quarantine_{stage}-{plots.slug(reason)}.png"].data
         assert sheet["tiles"] == len(entries) and sheet["keys"] == [e["key"] for e in entries]
         assert sheet["more"] == 0
-        # the broken and truncated files get a grey "cannot decode" tile; curate's drops are decoded
-        assert sheet["undecodable"] == (0 if stage == "curate" else len(entries))
+        # the broken and truncated files get a grey "cannot decode" tile; curate's threshold drops are decoded
+        undecodable = stage == "ingest" or reason.startswith("cannot decode pixels")
+        assert sheet["undecodable"] == (len(entries) if undecodable else 0)
     groups = _groups(prepped)
     stage, reason = next(g for g in groups if g[0] == "curate" and "exposure" in g[1])
     capped = plots.contact_sheet(stage, reason, groups[(stage, reason)], prepped / "prep", out / "cap", cap=1)
@@ -194,10 +195,11 @@ def test_prep_plots_are_drawn_again_only_when_the_prep_changed(prepped, tmp_path
     again, drawn = plots.update_plots(prep, folder)
     assert not drawn and [(p.name, p.summary, p.data) for p in again] == [(p.name, p.summary, p.data) for p in first]
     # a reason gone (the truncated picture is no longer quarantined): drawn again, its old sheet removed
-    cache_q = prep / "cache" / "quarantine.jsonl"
-    gone = json.loads(cache_q.read_text().splitlines()[0])
-    cache_q.write_text("")
-    sheet = f"quarantine_cache-{plots.slug(gone['reason'])}.png"
+    curate_q = prep / "curate" / "quarantine.jsonl"
+    lines = curate_q.read_text().splitlines()
+    (gone,) = [json.loads(line) for line in lines if "cannot decode pixels" in line]
+    curate_q.write_text("".join(line + "\n" for line in lines if "cannot decode pixels" not in line))
+    sheet = f"quarantine_curate-{plots.slug(gone['reason'])}.png"
     assert (folder / sheet).is_file()
     third, drawn = plots.update_plots(prep, folder)
     assert drawn and sheet not in {p.name for p in third} and not (folder / sheet).exists()
@@ -244,8 +246,10 @@ def test_quarantined_samples_are_read_from_the_nearest_stage_that_ran(prepped, t
 
     prep = tmp_path / "prep"
     shutil.copytree(prepped / "prep", prep, ignore=shutil.ignore_patterns("plots"))
-    entry = json.loads((prep / "cache" / "quarantine.jsonl").read_text().splitlines()[0])
-    assert plots.find_samples(prep, "cache", [entry["key"]])[entry["key"]]["__key__"] == entry["key"]
+    # the truncated picture curate could not decode, as the caption stage wrote it
+    (entry,) = [json.loads(line) for line in (prep / "curate" / "quarantine.jsonl").read_text().splitlines()
+                if "cannot decode pixels" in line]
+    assert plots.find_samples(prep, "curate", [entry["key"]])[entry["key"]]["__key__"] == entry["key"]
     wanted = json.loads((prep / "curate" / "quarantine.jsonl").read_text().splitlines()[0])["key"]
     # a prep made before the curate stage: the bucket stage read the caption stage's shards
     shutil.rmtree(prep / "curate")

@@ -45,7 +45,7 @@ def test_ingest_reads_headers_and_quarantines_bad_files(demo_images, tmp_path):
     assert reasons["notes.md"].startswith("unsupported file type .md")
     assert reasons["empty.png"] == "empty file"
     assert "exceeds ingest.max_pixels" in reasons["big.png"]
-    # truncated.jpg has a valid header: ingest keeps it, the cache stage finds out.
+    # truncated.jpg has a valid header: ingest keeps it, the curate stage (which decodes it) finds out.
     assert "truncated.jpg" not in reasons
 
     samples = {json.loads(s["json"])["source"]: s for s in _samples(sd)}

@@ -41,11 +41,16 @@ def fit_within(img: Image.Image, max_side: int | None) -> Image.Image:
     decoded frame cost the curate stage a tenth of its per-image time)."""
     if img.mode != "RGB":
         img = img.convert("RGB")
-    if max_side and max(img.size) > max_side:
-        scale = max_side / max(img.size)
-        size = (max(1, round(img.width * scale)), max(1, round(img.height * scale)))
-        img = img.resize(size, Image.Resampling.BICUBIC)
-    return img
+    size = fitted_size(img.size, max_side)
+    return img if size == img.size else img.resize(size, Image.Resampling.BICUBIC)
+
+
+def fitted_size(size: tuple[int, int], max_side: int | None) -> tuple[int, int]:
+    """``size`` shrunk (never enlarged) so that its longer side is at most ``max_side``."""
+    if not max_side or max(size) <= max_side:
+        return size
+    scale = max_side / max(size)
+    return max(1, round(size[0] * scale)), max(1, round(size[1] * scale))
 
 
 def load_image(data: bytes, max_side: int | None = None,
@@ -53,6 +58,16 @@ def load_image(data: bytes, max_side: int | None = None,
     """Decode an image by the decoding rules (:mod:`latentmill.stages.pixels`; JPEGs at reduced scale when that is
     enough) and fit it within ``max_side``."""
     return fit_within(pixels.decode_rgb(data, background, draft=max_side), max_side)
+
+
+def load_image_alpha(data: bytes, max_side: int | None = None, background: tuple[int, int, int] = pixels.WHITE
+                     ) -> tuple[Image.Image, Image.Image | None]:
+    """:func:`load_image`'s image and its alpha (``L``, resized alike), or None when it has no transparency."""
+    rgb, alpha = pixels.decode_rgb_alpha(data, background, draft=max_side)
+    rgb = fit_within(rgb, max_side)
+    if alpha is not None and alpha.size != rgb.size:
+        alpha = alpha.resize(rgb.size, Image.Resampling.BICUBIC)
+    return rgb, alpha
 
 
 def frame_indices(total: int, start_frame: int = 0, num_frames: int | None = None, k: int = 8) -> list[int]:

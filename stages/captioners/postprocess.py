@@ -1,16 +1,20 @@
 """Caption post-processing: boilerplate prefixes, whitespace, blocked and rejected phrases, length limits.
 
-Every caption the stage writes goes through :meth:`CaptionRules.apply`, whatever made it (a model, a
-template, a sidecar file), in this order:
+Every caption the stage writes goes through :meth:`CaptionRules.clean`, in this order:
 
-1. normalise the text: NFC, control characters and U+FFFD (undecodable bytes) dropped, runs of spaces, tabs
-   and newlines made one space, trimmed;
-2. strip boilerplate prefixes (``caption.strip_prefixes``, case-insensitive, repeatedly, only at a word
-   boundary: "The image shows a cat" -> "a cat");
-3. delete blocklisted phrases (``caption.blocklist``, case-insensitive, whole words) and tidy the
-   separators they leave behind ("a cat, watermark, grass" -> "a cat, grass");
+1. ``normalise`` the text: NFC, control characters and U+FFFD (undecodable bytes) dropped, runs of spaces,
+   tabs and newlines made one space, trimmed, separators left at either end dropped;
+2. ``strip_prefixes``: strip boilerplate prefixes (``caption.strip_prefixes``, case-insensitive, repeatedly,
+   only at a word boundary: "The image shows a cat" -> "a cat"). Only from captions a captioning model
+   wrote, unless ``caption.strip_prefixes_from`` is ``all``: a hand-written sidecar that says "a picture of
+   ..." is kept as written;
+3. ``blocklist``: delete blocklisted phrases (``caption.blocklist``, case-insensitive, whole words) and tidy
+   the separators they leave behind ("a cat, watermark, grass" -> "a cat, grass");
 4. reject a caption that contains a ``caption.reject`` phrase (e.g. a model's refusal);
-5. cut at ``caption.max_chars`` on a word boundary; refuse captions shorter than ``caption.min_chars``.
+5. ``max_chars``: cut at ``caption.max_chars`` on a word boundary; refuse captions shorter than
+   ``caption.min_chars``.
+
+:meth:`CaptionRules.clean` names the rules (1, 2, 3, 5) that changed a caption, so the stage can count them.
 """
 
 from __future__ import annotations
@@ -65,6 +69,24 @@ def _tidy(text: str) -> str:
     return text.strip(_EDGE_PUNCT)
 
 
+STRIP_FROM = ("model", "all")  # caption.strip_prefixes_from
+
+
+@dataclass(frozen=True)
+class Cleaned:
+    """A caption after the rules: its text, why none is left (``reason``), and the rules that changed it."""
+
+    text: str
+    reason: str | None = None
+    rewritten_by: tuple[str, ...] = ()
+
+
+def _normalise(text: str) -> str:
+    text = unicodedata.normalize("NFC", text)
+    text = "".join(c for c in text if c.isspace() or (c != "\ufffd" and unicodedata.category(c) != "Cc"))
+    return re.sub(r"\s+", " ", text).strip()
+
+
 @dataclass(frozen=True)
 class CaptionRules:
     """The post-processing rules of the caption stage (part of its fingerprint)."""
@@ -74,33 +96,53 @@ class CaptionRules:
     reject: tuple[str, ...] = ()
     max_chars: int = 1000
     min_chars: int = 1
+    strip_prefixes_from: str = "model"  # "model": captions a captioning model wrote; "all": every caption
 
     def fingerprint(self) -> dict[str, Any]:
-        return {"version": 1, "strip_prefixes": list(self.strip_prefixes), "blocklist": list(self.blocklist),
-                "reject": list(self.reject), "max_chars": self.max_chars, "min_chars": self.min_chars}
+        # version 2: prefixes are stripped from model captions only (strip_prefixes_from)
+        return {"version": 2, "strip_prefixes": list(self.strip_prefixes), "blocklist": list(self.blocklist),
+                "reject": list(self.reject), "max_chars": self.max_chars, "min_chars": self.min_chars,
+                "strip_prefixes_from": self.strip_prefixes_from}
 
     def apply(self, text: str | None) -> tuple[str, str | None]:
-        """``(clean caption, None)``, or ``("", reason)`` when no usable caption is left."""
-        text = unicodedata.normalize("NFC", text or "")
-        text = "".join(c for c in text if c.isspace() or (c != "\ufffd" and unicodedata.category(c) != "Cc"))
-        text = re.sub(r"\s+", " ", text).strip()
-        text = self._strip_prefixes(text)
+        """``(clean caption, None)``, or ``("", reason)`` when no usable caption is left; a model caption."""
+        cleaned = self.clean(text)
+        return cleaned.text, cleaned.reason
+
+    def clean(self, text: str | None, by_model: bool = True) -> Cleaned:
+        """The caption after every rule that applies to it; ``by_model``: a captioning model wrote it."""
+        changed: list[str] = []
+
+        def step(rule: str, before: str, after: str) -> str:
+            if after != before and rule not in changed:
+                changed.append(rule)
+            return after
+
+        strip = by_model or self.strip_prefixes_from == "all"
+        raw = text or ""
+        text = step("normalise", raw, _normalise(raw))
+        if strip:
+            text = step("strip_prefixes", text, self._strip_prefixes(text))
+        blocked = text
         for phrase in self.blocklist:
             if phrase.strip():
-                text = _phrase_pattern(phrase).sub(" ", text)
-        text = self._strip_prefixes(_tidy(text))  # a deleted phrase may have hidden a prefix
+                blocked = _phrase_pattern(phrase).sub(" ", blocked)
+        # What _tidy changes is the blocklist's work after a deletion, else normalising (an end's separator)
+        text = step("blocklist" if blocked != text else "normalise", text, _tidy(blocked))
+        if strip:  # a deleted phrase may have hidden a prefix
+            text = step("strip_prefixes", text, self._strip_prefixes(text))
         for phrase in self.reject:
             if phrase.strip() and _phrase_pattern(phrase).search(text):
-                return "", f"caption contains the rejected phrase {phrase!r} (caption.reject)"
+                return Cleaned("", f"caption contains the rejected phrase {phrase!r} (caption.reject)")
         if len(text) > self.max_chars:
             cut = text[: self.max_chars]
             # Cut on a word boundary unless the caption is one overlong word.
-            text = (cut.rsplit(" ", 1)[0] if " " in cut else cut).rstrip(_EDGE_PUNCT)
+            text = step("max_chars", text, (cut.rsplit(" ", 1)[0] if " " in cut else cut).rstrip(_EDGE_PUNCT))
         if not text:
-            return "", "empty caption"
+            return Cleaned("", "empty caption")
         if len(text) < self.min_chars:
-            return "", f"caption {text!r} is shorter than caption.min_chars={self.min_chars}"
-        return text, None
+            return Cleaned("", f"caption {text!r} is shorter than caption.min_chars={self.min_chars}")
+        return Cleaned(text, None, tuple(changed))
 
     def _strip_prefixes(self, text: str) -> str:
         prefixes = sorted((p.strip() for p in self.strip_prefixes if p.strip()), key=len, reverse=True)
