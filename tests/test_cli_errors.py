@@ -145,6 +145,7 @@ def test_a_typo_in_the_tiny_model_folder_is_an_error_not_a_new_model(tmp_path):
 def test_a_missing_model_folder_fails_before_any_stage(tmp_path, override, message):
     out = tmp_path / "out"
     (tmp_path / "pipeline").mkdir()
+    (tmp_path / "pipeline" / "model_index.json").write_text("{}")
     line = _one_error_line(_cli("run", "configs/demo.yaml", f"output_dir={out}", "model.tiny_recipe=null",
                                 f"model.pretrained={tmp_path / 'pipeline'}", override))
     assert line == f"latentmill: error: {message} (owner/name)"

@@ -1,0 +1,104 @@
+"""What a newcomer meets first (issue 30): the demo recipe with a real model, an empty input folder, the CLI's
+help, version, pipes and `inspect`, where the tiny models are built, `init`'s starter recipe, and how fast a
+recipe error comes."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from latentmill.config import ConfigError
+from latentmill.preflight import check_recipe, tiny_build_target
+from latentmill.recipe import load_recipe
+from tests.conftest import REPO_ROOT
+
+
+def _cli(*args: str, cwd: Path = REPO_ROOT, env: dict[str, str] | None = None,
+         **kwargs) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), **(env or {})}
+    env.pop("PREFECT_LOGGING_LEVEL", None)  # as in a user's shell: the CLI chooses it (conftest sets one)
+    return subprocess.run([sys.executable, "-m", "latentmill.cli", *args], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=300, **kwargs)
+
+
+def _error(proc: subprocess.CompletedProcess) -> str:
+    """The one error line of a CLI that failed on its input (exit 2, no traceback)."""
+    assert proc.returncode == 2, proc.stderr
+    assert "Traceback" not in proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("latentmill: error: "), proc.stderr
+    return lines[0].removeprefix("latentmill: error: ")
+
+
+# --------------------------------------------------------------------------------------------------------
+# Item 3: the demo recipe with a hub id or an existing folder takes the normal from_pretrained path
+
+
+def test_the_demo_recipe_takes_a_hub_id(tmp_path):
+    recipe = load_recipe("demo", [f"output_dir={tmp_path / 'o'}", "model.pretrained=black-forest-labs/FLUX.1-dev"])
+    check_recipe(recipe, "prep")  # raised "does not exist; ... or to a hub id" before
+    assert tiny_build_target(recipe.model) is None  # nothing is built: from_pretrained gets the hub id
+
+
+def test_the_demo_recipe_takes_an_existing_pipeline_folder(tmp_path):
+    folder = tmp_path / "my-pipeline"
+    folder.mkdir()
+    (folder / "model_index.json").write_text("{}")
+    recipe = load_recipe("demo", [f"output_dir={tmp_path / 'o'}", f"model.pretrained={folder}"])
+    check_recipe(recipe, "prep")
+    assert tiny_build_target(recipe.model) is None
+
+
+def test_the_tiny_recipe_builds_only_into_its_own_folder():
+    recipe = load_recipe("demo")
+    assert tiny_build_target(recipe.model) == Path(recipe.model.pretrained)
+
+
+def test_a_hub_id_in_the_demo_recipe_builds_nothing(tmp_path, monkeypatch):
+    from latentmill.pipelines.prep import ensure_models
+
+    recipe = load_recipe("demo", ["model.pretrained=black-forest-labs/FLUX.1-dev"])
+    monkeypatch.chdir(tmp_path)
+    ensure_models(recipe)  # built random tiny weights into ./black-forest-labs/FLUX.1-dev before
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_folder_of_images_is_not_a_pipeline(tmp_path):
+    images = tmp_path / "photos"
+    images.mkdir()
+    (images / "a.jpg").write_bytes(b"")
+    message = _error(_cli("prep", "demo", f"output_dir={tmp_path / 'o'}", f"model.pretrained={images}"))
+    assert message.startswith(f"model.pretrained: {images} is not a Diffusers pipeline folder (no "
+                              "model_index.json)")
+    assert not (tmp_path / "o").exists()
+
+
+# --------------------------------------------------------------------------------------------------------
+# Item 9: an input folder without media fails before any work, naming the folder and what it skipped
+
+
+def test_an_empty_input_folder_fails_at_once(tmp_path):
+    empty = tmp_path / "in"
+    empty.mkdir()
+    message = _error(_cli("prep", "demo", f"output_dir={tmp_path / 'o'}", f"ingest.source={empty}"))
+    assert message == f"ingest.source: no images or videos in {empty} (the folder is empty)"
+    assert not (tmp_path / "o").exists()
+
+
+def test_an_input_folder_without_media_names_what_it_skipped(tmp_path):
+    folder = tmp_path / "in"
+    (folder / "sub").mkdir(parents=True)
+    for name in ("a.txt", "b.pdf", "sub/c.json", "sub/d.md"):
+        (folder / name).write_text("x")
+    (folder / ".hidden.jpg").write_text("x")  # hidden: ingest skips it too
+    recipe = load_recipe("demo", [f"output_dir={tmp_path / 'o'}", f"ingest.source={folder}"])
+    with pytest.raises(ConfigError) as err:
+        check_recipe(recipe, "prep")
+    assert str(err.value) == (f"ingest.source: no images or videos in {folder} (skipped 4 files: a.txt, b.pdf, "
+                              "sub/c.json, ... (1 more); the types accepted are ingest.extensions)")
+    (folder / "sub" / "e.PNG").write_bytes(b"")  # one image is enough (ingest judges its bytes)
+    check_recipe(recipe, "prep")
