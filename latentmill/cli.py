@@ -1,4 +1,4 @@
-"""The ``latentmill`` command: demo, prep, train, run, inspect, verify, plan, init, serve.
+"""The latentmill command: prep, train, run, demo, inspect, verify, plan, gc, compact, pin, unpin, doctor, sample, init, serve.
 
     latentmill prep CONFIG [key.path=value ...] [--summary-json PATH]
     latentmill train CONFIG [key.path=value ...] [--nproc N] [--nnodes M --rdzv-endpoint HOST:PORT]
@@ -6,7 +6,7 @@
     latentmill run CONFIG [key.path=value ...] [--nproc N] [--nnodes M --rdzv-endpoint HOST:PORT]
                    [--summary-json PATH]
     latentmill demo [key.path=value ...] [--summary-json PATH]
-    latentmill inspect PATH        (a recipe with its defaults, an output_dir, a snapshot or a stage)
+    latentmill inspect PATH [key.path=value ...]   (a recipe with its defaults, an output_dir, a snapshot or a stage)
     latentmill inspect --plots OUT PATH   (PNG score and bucket histograms, quarantine contact sheets, index.md)
     latentmill verify PATH         (re-hash shards against their manifests; exit 1 on any mismatch)
     latentmill plan CONFIG [key.path=value ...] [--nproc N] [--nnodes M] [--gpu-memory GiB] [--json PATH]
@@ -16,7 +16,7 @@
     latentmill pin OUTPUT [SNAPSHOT] / latentmill unpin OUTPUT SNAPSHOT   (gc keeps a pinned snapshot)
     latentmill compact OUTPUT [--small-below F] [--dry-run] [--json PATH]
                    (merge the cache's small shards byte for byte, publish the result as a snapshot)
-    latentmill init DIR            (copy the example recipes, tiny-model recipes and demo data into DIR)
+    latentmill init DIR [--images FOLDER]   (DIR/recipe.yaml: a starter recipe for your images; and the examples)
     latentmill doctor [CONFIG] [--device auto|cuda|cpu] [--json PATH]   (exit 0 good, 1 blocking, 2 warnings)
     latentmill sample EXPORT_OR_CHECKPOINT --prompt TEXT [--prompts FILE] [--batch N] [--steps S]
                    [--size WxH[xF]] [--repeat K] [--compile] [--base PIPELINE] [--out DIR]
@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import json
 import os
 import sys
@@ -37,11 +38,41 @@ from pathlib import Path
 from typing import Any
 
 DEMO_CONFIG = "demo"  # the shipped example recipe (latentmill.resources): writes ./outputs/demo
+DESCRIPTION = "Prepare latent caches of images and videos (Prefect flows) and train flow-matching models on them."
+EPILOG = ("CONFIG is a recipe file, or the name of a shipped example recipe (demo, demo-video, ...). "
+          "Every command has its own help: latentmill COMMAND --help.")
+
+
+def version() -> str:
+    """The installed distribution's version; in a checkout that is not installed, pyproject.toml's."""
+    from importlib.metadata import PackageNotFoundError
+    from importlib.metadata import version as dist_version
+
+    try:
+        return dist_version("latentmill")
+    except PackageNotFoundError:
+        import re
+
+        pyproject = Path(__file__).resolve().parent.parent / "pyproject.toml"
+        found = re.search(r'^version = "([^"]+)"', pyproject.read_text(), re.M) if pyproject.is_file() else None
+        return found.group(1) if found else "unknown"
+
+
+class _Version(argparse.Action):
+    """``--version``: the version is looked up only when asked for."""
+
+    def __init__(self, option_strings: list[str], dest: str = argparse.SUPPRESS, **kwargs: Any) -> None:
+        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS, **kwargs)
+
+    def __call__(self, parser: argparse.ArgumentParser, *args: Any) -> None:
+        print(f"latentmill {version()}")
+        parser.exit()
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="latentmill", description=__doc__.split("\n")[0])
-    sub = parser.add_subparsers(dest="command", required=True)
+    parser = argparse.ArgumentParser(prog="latentmill", description=DESCRIPTION, epilog=EPILOG)
+    parser.add_argument("--version", action=_Version, help="print the version and exit")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, text in [("prep", "prepare the latent cache"), ("train", "train on a prepared latent cache"),
                        ("run", "prep, then train"), ("demo", "run the embedded default end to end")]:
         p = sub.add_parser(name, help=text)
@@ -57,8 +88,10 @@ def _parser() -> argparse.ArgumentParser:
     for name, text in [("inspect", "show a recipe with its defaults, or a snapshot's or stages' report"),
                        ("verify", "re-hash shards against their manifests")]:
         p = sub.add_parser(name, help=text)
-        p.add_argument("path", type=Path, help="a recipe (.yaml), an output_dir, a snapshot or stage folder")
+        p.add_argument("path", type=Path, help="a recipe (.yaml, or a shipped name such as demo), an output_dir, "
+                                               "a snapshot or stage folder")
         if name == "inspect":
+            p.add_argument("overrides", nargs="*", help="dotted overrides of a recipe, e.g. trainer.max_steps=200")
             p.add_argument("--plots", type=Path, metavar="OUT",
                            help="write PNG pictures of the prep into OUT (needs matplotlib: latentmill[plots])")
     p = sub.add_parser("plan", help="per-rank memory of a run from its config files (meta device, fake ranks)")
@@ -290,6 +323,25 @@ def _retention_command(args: argparse.Namespace) -> int:
     return 0
 
 
+def _quiet_when_stdout_closes(command: Any) -> Any:
+    """Run ``command``; when the reader of stdout goes away (``latentmill inspect ... | head -3``), exit 1
+    without a traceback, as the Python documentation's SIGPIPE note does, instead of ``BrokenPipeError``."""
+
+    @functools.wraps(command)
+    def run(*args: Any, **kwargs: Any) -> int:
+        try:
+            code = command(*args, **kwargs)
+            sys.stdout.flush()  # here, where it is caught, not in the interpreter's exit
+            return code
+        except BrokenPipeError:
+            # the interpreter flushes stdout again at exit: point it at /dev/null so that flush is silent
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            return 1
+
+    return run
+
+
+@_quiet_when_stdout_closes
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``latentmill`` console script."""
     parser = _parser()
@@ -333,7 +385,7 @@ def main(argv: list[str] | None = None) -> int:
 
             if args.command == "inspect" and args.plots is not None:
                 return plot_path(args.path, args.plots)
-            return inspect_path(args.path) if args.command == "inspect" else verify_path(args.path)
+            return inspect_path(args.path, args.overrides) if args.command == "inspect" else verify_path(args.path)
         if args.command == "plan":
             from latentmill.plan import format_plan, plan_config
 
@@ -395,6 +447,8 @@ def main(argv: list[str] | None = None) -> int:
     except OutputBusyError as err:  # another prep, gc or compaction writes the output_dir (prep.on_busy=fail)
         print(f"latentmill: error: {err}", file=sys.stderr)
         return 1
+    except BrokenPipeError:  # the reader of stdout is gone (| head): _quiet_when_stdout_closes ends quietly
+        raise
     except Exception as err:  # a failure we did not foresee: one line, the traceback on request
         if debug:
             raise

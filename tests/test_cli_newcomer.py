@@ -102,3 +102,55 @@ def test_an_input_folder_without_media_names_what_it_skipped(tmp_path):
                               "sub/c.json, ... (1 more); the types accepted are ingest.extensions)")
     (folder / "sub" / "e.PNG").write_bytes(b"")  # one image is enough (ingest judges its bytes)
     check_recipe(recipe, "prep")
+
+
+# --------------------------------------------------------------------------------------------------------
+# Item 11: --version, a help that lists every command in plain text, a closed pipe, `inspect` as `run`
+
+
+def test_version():
+    proc = _cli("--version")
+    assert proc.returncode == 0 and proc.stderr == ""
+    assert proc.stdout.strip() == f"latentmill {_version()}"
+
+
+def _version() -> str:
+    import re
+
+    return re.search(r'^version = "([^"]+)"', (REPO_ROOT / "pyproject.toml").read_text(), re.M).group(1)
+
+
+def test_the_help_lists_every_command_in_plain_text():
+    import re
+
+    from latentmill.cli import _parser
+
+    commands = list(_parser()._subparsers._group_actions[0].choices)
+    assert len(commands) == 15
+    proc = _cli("--help")
+    assert proc.returncode == 0
+    listed = re.findall(r"^    (\S+)", proc.stdout, re.M)  # deeper lines continue a command's help
+    assert listed == commands
+    assert "``" not in proc.stdout and "`" not in proc.stdout
+
+
+def test_a_closed_stdout_ends_quietly():
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
+    proc = subprocess.Popen([sys.executable, "-m", "latentmill.cli", "inspect", "demo"], cwd=REPO_ROOT, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc.stdout.close()  # as `| head -3` once it has its lines: every write of the command fails
+    stderr = proc.stderr.read()
+    assert proc.wait(timeout=300) == 1
+    assert stderr == ""  # was: Exception ignored ... BrokenPipeError
+
+
+def test_inspect_takes_shipped_recipe_names_and_overrides():
+    proc = _cli("inspect", "demo", "trainer.max_steps=7", "seed=3")
+    assert proc.returncode == 0, proc.stderr
+    assert "\n  max_steps: 7\n" in proc.stdout and "\nseed: 3\n" in proc.stdout
+    assert f"pretrained: {REPO_ROOT / 'data' / 'models' / 'tiny-flux'}\n" in proc.stdout
+
+
+def test_inspect_refuses_overrides_of_an_output_dir(tmp_path):
+    assert _error(_cli("inspect", str(tmp_path), "seed=3")) == (
+        f"seed=3: overrides apply to a recipe; {tmp_path} is not one")
