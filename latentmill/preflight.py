@@ -27,9 +27,12 @@ HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*$")
 
 
 def tiny_target(tiny_recipe: str | Path) -> Path:
-    """The one folder a tiny-model recipe builds into: ``data/tiny-flux.yaml`` -> ``data/models/tiny-flux``."""
+    """The one folder a tiny-model recipe builds into: ``data/tiny-flux.yaml`` -> ``data/models/tiny-flux``;
+    a shipped recipe's in :func:`latentmill.resources.models_dir` (never inside an installed package)."""
+    from latentmill.resources import shipped_model_target
+
     recipe = Path(tiny_recipe)
-    return recipe.parent / "models" / recipe.stem
+    return shipped_model_target(recipe) or recipe.parent / "models" / recipe.stem
 
 
 def looks_like_hub_id(value: str) -> bool:

@@ -7,14 +7,21 @@ A recipe argument (``latentmill run CONFIG``, a deployment's ``config`` paramete
 name of an example recipe shipped with the package (``demo``, ``demo-video``, ``flux-dev-lora``, ...). An
 example recipe's relative paths into ``data/`` point at the shipped data; its ``output_dir`` stays relative
 to the folder you run from, so ``latentmill run demo`` (or ``latentmill demo``) writes ``./outputs/demo``.
+
+The tiny models an example recipe names (``data/models/tiny-flux``) are built on first use into
+:func:`models_dir`: a checkout's own ``data/models/``, but never inside an installed package (read-only on a
+system install, and left behind by ``pip uninstall``): there, the user's cache folder.
 """
 
 from __future__ import annotations
 
+import os
 import shutil
 from pathlib import Path
 
 _PACKAGE = Path(__file__).resolve().parent
+MODELS_ENV = "LATENTMILL_MODELS"  # where shipped tiny-model recipes build (latentmill.volume sets it on a volume)
+MODELS_PREFIX = "data/models/"  # an example recipe's value under it names a built model, in models_dir()
 # Recipe keys that may name shipped data (relative to the resource root in an example recipe).
 DATA_KEYS = (("ingest", "source"), ("model", "pretrained"), ("model", "tiny_recipe"), ("model", "vae"),
              ("model", "text_encoder"), ("model", "text_encoder_2"), ("caption", "model"))
@@ -23,6 +30,27 @@ DATA_KEYS = (("ingest", "source"), ("model", "pretrained"), ("model", "tiny_reci
 def resource_root() -> Path:
     """The folder holding ``configs/`` and ``data/``: the wheel's package folder, or the checkout's root."""
     return _PACKAGE if (_PACKAGE / "configs").is_dir() else _PACKAGE.parent
+
+
+def models_dir() -> Path:
+    """Where the shipped tiny-model recipes build their models: ``$LATENTMILL_MODELS``; else a checkout's
+    ``data/models``; else (an installed package) ``$XDG_CACHE_HOME/latentmill/models``, ``~/.cache`` by default."""
+    if os.environ.get(MODELS_ENV):
+        return Path(os.environ[MODELS_ENV]).expanduser()
+    root = resource_root()
+    if root != _PACKAGE:  # a checkout: its data/models (ignored by git) holds what it built
+        return root / "data" / "models"
+    cache = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(cache) / "latentmill" / "models"
+
+
+def shipped_model_target(tiny_recipe: str | Path) -> Path | None:
+    """Where a shipped tiny-model recipe (``.../data/tiny-flux.yaml``) builds: ``models_dir()/tiny-flux``;
+    None for a recipe of the user's own."""
+    recipe = Path(tiny_recipe)
+    if recipe.resolve().parent != (resource_root() / "data").resolve():
+        return None
+    return models_dir() / recipe.stem
 
 
 def example_recipes() -> dict[str, Path]:
@@ -47,11 +75,14 @@ def find_recipe(config: str | Path) -> tuple[Path, bool]:
 
 
 def anchor_data_paths(data: dict) -> dict:
-    """An example recipe's relative ``data/...`` values made absolute under :func:`resource_root`."""
+    """An example recipe's relative ``data/...`` values made absolute under :func:`resource_root`; built
+    models (``data/models/...``) under :func:`models_dir`."""
     root = resource_root()
     for section, key in DATA_KEYS:
         value = (data.get(section) or {}).get(key)
-        if isinstance(value, str) and value.startswith("data/"):
+        if isinstance(value, str) and value.startswith(MODELS_PREFIX):
+            data[section][key] = str(models_dir() / value[len(MODELS_PREFIX):])
+        elif isinstance(value, str) and value.startswith("data/"):
             data[section][key] = str(root / value)
     return data
 

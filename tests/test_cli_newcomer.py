@@ -154,3 +154,67 @@ def test_inspect_takes_shipped_recipe_names_and_overrides():
 def test_inspect_refuses_overrides_of_an_output_dir(tmp_path):
     assert _error(_cli("inspect", str(tmp_path), "seed=3")) == (
         f"seed=3: overrides apply to a recipe; {tmp_path} is not one")
+
+
+# --------------------------------------------------------------------------------------------------------
+# Item 12: an installed package is never written into; its tiny models build in the user's cache folder
+
+
+def test_shipped_tiny_models_follow_latentmill_models(tmp_path, monkeypatch):
+    from latentmill.volume import apply_volume
+
+    monkeypatch.setenv("LATENTMILL_MODELS", str(tmp_path / "models"))
+    recipe = load_recipe("demo")
+    assert recipe.model.pretrained == str(tmp_path / "models" / "tiny-flux")
+    assert tiny_build_target(recipe.model) == tmp_path / "models" / "tiny-flux"  # the build goes there too
+    env = {"LATENTMILL_VOLUME": str(tmp_path / "v")}
+    apply_volume(None, env)  # a pod's volume keeps them across restarts
+    assert env["LATENTMILL_MODELS"] == str(tmp_path / "v" / "latentmill" / "models")
+
+
+def _installed_copy(site: Path) -> Path:
+    """The package as a wheel lays it out (pyproject's package-dir), without data/models."""
+    import shutil
+
+    package = site / "latentmill"
+    shutil.copytree(REPO_ROOT / "latentmill", package, ignore=shutil.ignore_patterns("__pycache__"))
+    for folder in ("stages", "trainer", "pipelines", "configs", "data"):
+        shutil.copytree(REPO_ROOT / folder, package / folder,
+                        ignore=lambda where, names: [n for n in names if n == "__pycache__"
+                                                     or (n == "models" and Path(where).name == "data")])
+    return package
+
+
+def _files(folder: Path) -> set[str]:
+    return {str(p.relative_to(folder)) for p in folder.rglob("*") if "__pycache__" not in p.parts}
+
+
+@pytest.mark.slow
+def test_an_installed_package_builds_the_demo_models_in_the_cache_folder(tmp_path):
+    package = _installed_copy(tmp_path / "site")
+    before = _files(package)
+    script = ("from diffusers import DiffusionPipeline\n"
+              "from latentmill.pipelines.prep import ensure_models\n"
+              "from latentmill.recipe import load_recipe\n"
+              "recipe = load_recipe('demo')\n"
+              "ensure_models(recipe)\n"
+              "print(recipe.model.pretrained)\n"
+              "print(type(DiffusionPipeline.from_pretrained(recipe.model.pretrained)).__name__)\n")
+    env = {k: v for k, v in os.environ.items() if k not in ("LATENTMILL_MODELS", "LATENTMILL_VOLUME")}
+    env.update(PYTHONPATH=str(tmp_path / "site"), XDG_CACHE_HOME=str(tmp_path / "cache"),
+               PYTHONDONTWRITEBYTECODE="1")
+    (tmp_path / "run").mkdir()
+    for path in [package, *package.rglob("*")]:  # read-only, as a system install (root ignores it: see below)
+        path.chmod(path.stat().st_mode & ~0o222)
+    try:
+        proc = subprocess.run([sys.executable, "-c", script], cwd=tmp_path / "run", env=env, capture_output=True,
+                              text=True, timeout=300)
+    finally:
+        for path in [package, *package.rglob("*")]:
+            path.chmod(path.stat().st_mode | 0o200)
+    assert proc.returncode == 0, proc.stderr
+    built = tmp_path / "cache" / "latentmill" / "models" / "tiny-flux"
+    tiny_recipe = package / "data" / "tiny-flux.yaml"
+    assert proc.stdout.splitlines() == [f"building tiny models from {tiny_recipe} into {built}", str(built),
+                                        "FluxPipeline"]
+    assert _files(package) == before  # nothing written inside the package, whatever the mode bits allowed
