@@ -138,8 +138,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--max-sequence-length", type=int, help="text tokens (default: the pipeline's)")
     p.add_argument("--guidance-scale", type=float, help="guidance (default: the pipeline's)")
     p.add_argument("--out", type=Path, default=Path("samples"), help="output folder (default ./samples)")
-    p = sub.add_parser("init", help="copy the example recipes and the demo data into a folder")
-    p.add_argument("folder", type=Path, help="where to copy them (made if missing; no file is overwritten)")
+    p = sub.add_parser("init", help="write a starter recipe for your images, with the example recipes and demo data")
+    p.add_argument("folder", type=Path, help="where to write them (made if missing; no file is overwritten)")
+    p.add_argument("--images", type=Path, help="your images (a folder); default: FOLDER/images, made empty")
     p = sub.add_parser("serve", help="a local Prefect server and UI, a process worker and the deployments")
     p.add_argument("action", choices=["start", "stop"])
     p.add_argument("--port", type=int, help="API and UI port on 127.0.0.1 (default 4200)")
@@ -413,11 +414,15 @@ def main(argv: list[str] | None = None) -> int:
             print(format_report(report))
             return 0
         if args.command == "init":
-            from latentmill.resources import init_folder
+            from latentmill.resources import init_folder, write_starter_recipe
 
+            recipe, images = write_starter_recipe(args.folder, args.images)
             copied = init_folder(args.folder)
-            print(f"copied {len(copied)} files into {args.folder} (example recipes in configs/, tiny-model recipes "
-                  f"and demo data in data/); from there: latentmill run configs/demo.yaml")
+            print(f"wrote {recipe}: a starter recipe for the images in {images} (tiny models for a CPU trial; "
+                  "the comment under model: says what to change for a real model)")
+            print(f"copied {len(copied)} example files into {args.folder} (example recipes in configs/, tiny-model "
+                  "recipes and demo data in data/)")
+            print(f"next: latentmill prep {recipe}" + ("" if args.images else f"  (after putting images in {images})"))
             return 0
         if args.command == "serve":
             from latentmill.pipelines.serve import main as serve_main
@@ -439,7 +444,8 @@ def main(argv: list[str] | None = None) -> int:
                 summary, out = _run_flow(args.command, args.config, args.overrides, getattr(args, "nproc", 1),
                                          getattr(args, "nnodes", 1), getattr(args, "rdzv_endpoint", None),
                                          early_api=early_api, startup=startup)
-    except (ConfigError, CacheMismatchError, FileNotFoundError, EmptySnapshotError, MissingExtra) as err:
+    except (ConfigError, CacheMismatchError, FileNotFoundError, FileExistsError, EmptySnapshotError,
+            MissingExtra) as err:
         if debug:
             traceback.print_exc()
         print(f"latentmill: error: {err}", file=sys.stderr)

@@ -218,3 +218,42 @@ def test_an_installed_package_builds_the_demo_models_in_the_cache_folder(tmp_pat
     assert proc.stdout.splitlines() == [f"building tiny models from {tiny_recipe} into {built}", str(built),
                                         "FluxPipeline"]
     assert _files(package) == before  # nothing written inside the package, whatever the mode bits allowed
+
+
+# --------------------------------------------------------------------------------------------------------
+# Item 6: `init` writes a starter recipe for the user's own images (not the demo's shard sizes and threshold)
+
+
+def test_init_writes_a_starter_recipe_for_an_empty_images_folder(tmp_path):
+    proc = _cli("init", str(tmp_path / "mine"))
+    assert proc.returncode == 0, proc.stderr
+    recipe = (tmp_path / "mine" / "recipe.yaml").read_text()
+    assert f"  source: {tmp_path / 'mine' / 'images'}   #" in recipe and (tmp_path / "mine" / "images").is_dir()
+    assert "\n  # pretrained: black-forest-labs/FLUX.1-dev\n" in recipe
+    live = [line for line in recipe.splitlines() if not line.lstrip().startswith("#")]
+    assert not [line for line in live if "shard_bytes" in line or "max_exposure" in line]  # the defaults
+    assert (tmp_path / "mine" / "configs" / "demo.yaml").is_file()  # the examples, as before
+    assert proc.stdout.splitlines()[-1] == (f"next: latentmill prep {tmp_path / 'mine' / 'recipe.yaml'}  (after "
+                                            f"putting images in {tmp_path / 'mine' / 'images'})")
+    assert _error(_cli("init", str(tmp_path / "mine"))) == (
+        f"{tmp_path / 'mine' / 'recipe.yaml'} exists; remove it or choose another folder (init never overwrites)")
+
+
+@pytest.mark.slow
+def test_init_then_prep_of_a_few_images_makes_one_shard_per_stage(tmp_path, tiny_flux):
+    import json
+    import shutil
+
+    images = tmp_path / "photos"
+    images.mkdir()
+    for name in ("img_000.png", "img_001.jpg", "img_002.jpg"):  # the first without a caption
+        shutil.copy(REPO_ROOT / "data" / "demo" / "images" / name, images / name)
+    shutil.copy(REPO_ROOT / "data" / "demo" / "images" / "img_001.txt", images / "img_001.txt")
+    env = {"LATENTMILL_MODELS": str(tiny_flux.parent)}  # the session's tiny models, not a new build
+    assert _cli("init", str(tmp_path / "mine"), "--images", str(images), env=env).returncode == 0
+    proc = _cli("prep", str(tmp_path / "mine" / "recipe.yaml"), cwd=tmp_path, env=env)
+    assert proc.returncode == 0, proc.stderr
+    prep = tmp_path / "mine" / "outputs" / "prep"
+    for stage in ("ingest", "caption", "curate", "bucket", "cache"):
+        manifest = json.loads((prep / stage / "manifest.json").read_text())
+        assert (stage, len(manifest["shards"]), manifest["counts"]["out"]) == (stage, 1, 3)
