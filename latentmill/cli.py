@@ -242,13 +242,22 @@ def _import_encoders(recipe: Any) -> None:
         pass
 
 
-def _run_flow(command: str, config: Path, overrides: list[str], nproc: int, nnodes: int = 1,
-              rdzv_endpoint: str | None = None, early_api: Any = None, startup: Any = None) -> tuple[dict, str]:
+def _checked_recipe(command: str, config: str | Path, overrides: list[str]) -> Any:
+    """The recipe, validated (keys, values) and checked (paths, models, source, snapshot) before torch, Prefect
+    or the flows are imported: a wrong key or path fails in about a second."""
     from latentmill.preflight import check_recipe
     from latentmill.recipe import load_recipe
 
-    recipe = load_recipe(config, overrides)  # validate before Prefect starts anything
-    check_recipe(recipe, command)  # paths, models, source, snapshot: before any stage or server
+    recipe = load_recipe(config, overrides)
+    check_recipe(recipe, command)
+    return recipe
+
+
+def _run_flow(command: str, config: Path, overrides: list[str], nproc: int, nnodes: int = 1,
+              rdzv_endpoint: str | None = None, early_api: Any = None, startup: Any = None,
+              recipe: Any = None) -> tuple[dict, str]:
+    if recipe is None:
+        recipe = _checked_recipe(command, config, overrides)
     from latentmill.pipelines.flows import Launch, check_launch, prep, prep_then_train, train
     from latentmill.prefect_env import start_ephemeral_api
 
@@ -429,7 +438,9 @@ def main(argv: list[str] | None = None) -> int:
 
             return serve_main([args.action, *(["--port", str(args.port)] if args.port else []),
                                *(["--home", str(args.home)] if args.home else [])])
-        # flows ahead: Prefect's temporary API server boots while the flows are imported and the recipe checked
+        recipe = _checked_recipe("run" if args.command == "demo" else args.command,
+                                 DEMO_CONFIG if args.command == "demo" else args.config, args.overrides)
+        # flows ahead: Prefect's temporary API server boots while the flows are imported
         from latentmill.prefect_env import start_api_early
         from latentmill.stages.memory import StartupFrozen
 
@@ -437,13 +448,13 @@ def main(argv: list[str] | None = None) -> int:
             early_api = start_api_early()
             if args.command == "demo":
                 summary, out = _run_flow("run", DEMO_CONFIG, args.overrides, 1, early_api=early_api,
-                                         startup=startup)
+                                         startup=startup, recipe=recipe)
                 if summary["train"].get("export_dir"):
                     summary["sample"] = str(_sample_image(summary["train"], Path(out)))
             else:
                 summary, out = _run_flow(args.command, args.config, args.overrides, getattr(args, "nproc", 1),
                                          getattr(args, "nnodes", 1), getattr(args, "rdzv_endpoint", None),
-                                         early_api=early_api, startup=startup)
+                                         early_api=early_api, startup=startup, recipe=recipe)
     except (ConfigError, CacheMismatchError, FileNotFoundError, FileExistsError, EmptySnapshotError,
             MissingExtra) as err:
         if debug:

@@ -257,3 +257,56 @@ def test_init_then_prep_of_a_few_images_makes_one_shard_per_stage(tmp_path, tiny
     for stage in ("ingest", "caption", "curate", "bucket", "cache"):
         manifest = json.loads((prep / stage / "manifest.json").read_text())
         assert (stage, len(manifest["shards"]), manifest["counts"]["out"]) == (stage, 1, 3)
+
+
+# --------------------------------------------------------------------------------------------------------
+# Item 10: a recipe loads without torch, diffusers, transformers or Prefect; a config error comes at once
+
+
+def test_a_recipe_loads_without_the_heavy_libraries():
+    code = ("import latentmill.recipe, sys\n"
+            "latentmill.recipe.load_recipe('demo', ['trainer.max_steps=5'])\n"
+            "print(sorted(m for m in ('torch', 'prefect', 'diffusers', 'transformers') if m in sys.modules))")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": str(REPO_ROOT)})
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "[]"
+
+
+def test_an_unknown_key_suggests_the_nearest_one():
+    message = _error(_cli("run", "demo", "trainer.max_stepz=3"))
+    assert message.startswith("unknown key trainer.max_stepz; did you mean trainer.max_steps? allowed keys under "
+                              "trainer: activation_checkpointing, ")
+
+
+def test_a_config_error_comes_before_torch_and_prefect_load(tmp_path):
+    # The recipe fails in the CLI before the flows' imports: nothing of torch or Prefect was loaded.
+    code = ("import sys\n"
+            "sys.argv = ['latentmill', 'prep', 'demo', 'trainer.max_stepz=3']\n"
+            "try:\n"
+            "    from latentmill.cli import main\n"
+            "    code = main()\n"
+            "finally:\n"
+            "    print(sorted(m for m in ('torch', 'prefect', 'diffusers', 'transformers') if m in sys.modules))\n"
+            "sys.exit(code)\n")
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
+    env.pop("PREFECT_LOGGING_LEVEL", None)
+    proc = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=120,
+                          env=env)
+    assert proc.returncode == 2 and "did you mean trainer.max_steps?" in proc.stderr
+    assert proc.stdout.strip() == "[]"
+
+
+def test_the_trainer_package_keeps_its_names():
+    code = ("import importlib, sys\n"
+            "import latentmill.trainer.config\n"
+            "assert 'torch' not in sys.modules\n"
+            "importlib.import_module('latentmill.trainer.train')  # the submodule first: `train` stays the function\n"
+            "from latentmill.trainer import TrainerConfig, train\n"
+            "from latentmill.trainer.config import TrainerConfig as Same\n"
+            "import latentmill.trainer as package\n"
+            "print(train.__module__, TrainerConfig is Same, package.checkpoint.__name__)")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": str(REPO_ROOT)})
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split() == ["latentmill.trainer.train", "True", "latentmill.trainer.checkpoint"]
