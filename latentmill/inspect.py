@@ -104,7 +104,7 @@ def inspect_path(path: Path, overrides: list[str] | None = None) -> int:
     from latentmill.config import ConfigError
     from latentmill.resources import find_recipe
 
-    if (path.suffix in (".yaml", ".yml") and not path.is_dir()) or find_recipe(path)[1]:
+    if (path.suffix in (".yaml", ".yml") and not path.is_dir()) or (not path.is_dir() and find_recipe(path)[1]):
         return inspect_recipe(path, overrides)  # a missing recipe is named as such by load_yaml
     if overrides:
         raise ConfigError(f"{overrides[0]}: overrides apply to a recipe; {path} is not one")

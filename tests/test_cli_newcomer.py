@@ -310,3 +310,8 @@ def test_the_trainer_package_keeps_its_names():
                           env={**os.environ, "PYTHONPATH": str(REPO_ROOT)})
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.split() == ["latentmill.trainer.train", "True", "latentmill.trainer.checkpoint"]
+
+
+def test_inspect_of_a_folder_named_like_a_shipped_recipe_reads_the_folder(tmp_path):
+    (tmp_path / "demo").mkdir()  # e.g. an output_dir called demo: not the shipped recipe
+    assert _error(_cli("inspect", "demo", cwd=tmp_path)) == "no stage manifest under demo; run `latentmill prep` first"
