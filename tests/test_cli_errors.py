@@ -114,6 +114,7 @@ def test_resume_latest_without_a_checkpoint_says_so_on_rank_0(tmp_path, caplog):
 def test_a_recipe_must_name_its_source_for_prep(tmp_path):
     recipe = tmp_path / "mine.yaml"
     (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "model_index.json").write_text("{}")
     recipe.write_text(f"output_dir: {tmp_path / 'out'}\nmodel:\n  pretrained: {tmp_path / 'model'}\n")
     result = _cli("prep", str(recipe))
     assert result.returncode == 2
