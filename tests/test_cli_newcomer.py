@@ -19,7 +19,8 @@ from tests.conftest import REPO_ROOT
 
 def _cli(*args: str, cwd: Path = REPO_ROOT, env: dict[str, str] | None = None,
          **kwargs) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), **(env or {})}
+    env = {**{k: v for k, v in os.environ.items() if k not in ("LATENTMILL_MODELS", "LATENTMILL_VOLUME")},
+           "PYTHONPATH": str(REPO_ROOT), **(env or {})}
     env.pop("PREFECT_LOGGING_LEVEL", None)  # as in a user's shell: the CLI chooses it (conftest sets one)
     return subprocess.run([sys.executable, "-m", "latentmill.cli", *args], cwd=cwd, env=env,
                           capture_output=True, text=True, timeout=300, **kwargs)
