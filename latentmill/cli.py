@@ -1,4 +1,4 @@
-"""The ``latentmill`` command: demo, prep, train, run, inspect, verify, plan, init, serve.
+"""The latentmill command: prep, train, run, demo, inspect, verify, plan, gc, compact, pin, unpin, doctor, sample, init, serve.
 
     latentmill prep CONFIG [key.path=value ...] [--summary-json PATH]
     latentmill train CONFIG [key.path=value ...] [--nproc N] [--nnodes M --rdzv-endpoint HOST:PORT]
@@ -6,7 +6,7 @@
     latentmill run CONFIG [key.path=value ...] [--nproc N] [--nnodes M --rdzv-endpoint HOST:PORT]
                    [--summary-json PATH]
     latentmill demo [key.path=value ...] [--summary-json PATH]
-    latentmill inspect PATH        (a recipe with its defaults, an output_dir, a snapshot or a stage)
+    latentmill inspect PATH [key.path=value ...]   (a recipe with its defaults, an output_dir, a snapshot or a stage)
     latentmill inspect --plots OUT PATH   (PNG score and bucket histograms, quarantine contact sheets, index.md)
     latentmill verify PATH         (re-hash shards against their manifests; exit 1 on any mismatch)
     latentmill plan CONFIG [key.path=value ...] [--nproc N] [--nnodes M] [--gpu-memory GiB] [--json PATH]
@@ -16,7 +16,7 @@
     latentmill pin OUTPUT [SNAPSHOT] / latentmill unpin OUTPUT SNAPSHOT   (gc keeps a pinned snapshot)
     latentmill compact OUTPUT [--small-below F] [--dry-run] [--json PATH]
                    (merge the cache's small shards byte for byte, publish the result as a snapshot)
-    latentmill init DIR            (copy the example recipes, tiny-model recipes and demo data into DIR)
+    latentmill init DIR [--images FOLDER]   (DIR/recipe.yaml: a starter recipe for your images; and the examples)
     latentmill doctor [CONFIG] [--device auto|cuda|cpu] [--json PATH]   (exit 0 good, 1 blocking, 2 warnings)
     latentmill sample EXPORT_OR_CHECKPOINT --prompt TEXT [--prompts FILE] [--batch N] [--steps S]
                    [--size WxH[xF]] [--repeat K] [--compile] [--base PIPELINE] [--out DIR]
@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import json
 import os
 import sys
@@ -37,11 +38,41 @@ from pathlib import Path
 from typing import Any
 
 DEMO_CONFIG = "demo"  # the shipped example recipe (latentmill.resources): writes ./outputs/demo
+DESCRIPTION = "Prepare latent caches of images and videos (Prefect flows) and train flow-matching models on them."
+EPILOG = ("CONFIG is a recipe file, or the name of a shipped example recipe (demo, demo-video, ...). "
+          "Every command has its own help: latentmill COMMAND --help.")
+
+
+def version() -> str:
+    """The installed distribution's version; in a checkout that is not installed, pyproject.toml's."""
+    from importlib.metadata import PackageNotFoundError
+    from importlib.metadata import version as dist_version
+
+    try:
+        return dist_version("latentmill")
+    except PackageNotFoundError:
+        import re
+
+        pyproject = Path(__file__).resolve().parent.parent / "pyproject.toml"
+        found = re.search(r'^version = "([^"]+)"', pyproject.read_text(), re.M) if pyproject.is_file() else None
+        return found.group(1) if found else "unknown"
+
+
+class _Version(argparse.Action):
+    """``--version``: the version is looked up only when asked for."""
+
+    def __init__(self, option_strings: list[str], dest: str = argparse.SUPPRESS, **kwargs: Any) -> None:
+        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS, **kwargs)
+
+    def __call__(self, parser: argparse.ArgumentParser, *args: Any) -> None:
+        print(f"latentmill {version()}")
+        parser.exit()
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="latentmill", description=__doc__.split("\n")[0])
-    sub = parser.add_subparsers(dest="command", required=True)
+    parser = argparse.ArgumentParser(prog="latentmill", description=DESCRIPTION, epilog=EPILOG)
+    parser.add_argument("--version", action=_Version, help="print the version and exit")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, text in [("prep", "prepare the latent cache"), ("train", "train on a prepared latent cache"),
                        ("run", "prep, then train"), ("demo", "run the embedded default end to end")]:
         p = sub.add_parser(name, help=text)
@@ -57,8 +88,10 @@ def _parser() -> argparse.ArgumentParser:
     for name, text in [("inspect", "show a recipe with its defaults, or a snapshot's or stages' report"),
                        ("verify", "re-hash shards against their manifests")]:
         p = sub.add_parser(name, help=text)
-        p.add_argument("path", type=Path, help="a recipe (.yaml), an output_dir, a snapshot or stage folder")
+        p.add_argument("path", type=Path, help="a recipe (.yaml, or a shipped name such as demo), an output_dir, "
+                                               "a snapshot or stage folder")
         if name == "inspect":
+            p.add_argument("overrides", nargs="*", help="dotted overrides of a recipe, e.g. trainer.max_steps=200")
             p.add_argument("--plots", type=Path, metavar="OUT",
                            help="write PNG pictures of the prep into OUT (needs matplotlib: latentmill[plots])")
     p = sub.add_parser("plan", help="per-rank memory of a run from its config files (meta device, fake ranks)")
@@ -105,8 +138,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--max-sequence-length", type=int, help="text tokens (default: the pipeline's)")
     p.add_argument("--guidance-scale", type=float, help="guidance (default: the pipeline's)")
     p.add_argument("--out", type=Path, default=Path("samples"), help="output folder (default ./samples)")
-    p = sub.add_parser("init", help="copy the example recipes and the demo data into a folder")
-    p.add_argument("folder", type=Path, help="where to copy them (made if missing; no file is overwritten)")
+    p = sub.add_parser("init", help="write a starter recipe for your images, with the example recipes and demo data")
+    p.add_argument("folder", type=Path, help="where to write them (made if missing; no file is overwritten)")
+    p.add_argument("--images", type=Path, help="your images (a folder); default: FOLDER/images, made empty")
     p = sub.add_parser("serve", help="a local Prefect server and UI, a process worker and the deployments")
     p.add_argument("action", choices=["start", "stop"])
     p.add_argument("--port", type=int, help="API and UI port on 127.0.0.1 (default 4200)")
@@ -211,13 +245,22 @@ def _import_encoders(recipe: Any) -> None:
         pass
 
 
-def _run_flow(command: str, config: Path, overrides: list[str], nproc: int, nnodes: int = 1,
-              rdzv_endpoint: str | None = None, early_api: Any = None, startup: Any = None) -> tuple[dict, str]:
+def _checked_recipe(command: str, config: str | Path, overrides: list[str]) -> Any:
+    """The recipe, validated (keys, values) and checked (paths, models, source, snapshot) before torch, Prefect
+    or the flows are imported: a wrong key or path fails in about a second."""
     from latentmill.preflight import check_recipe
     from latentmill.recipe import load_recipe
 
-    recipe = load_recipe(config, overrides)  # validate before Prefect starts anything
-    check_recipe(recipe, command)  # paths, models, source, snapshot: before any stage or server
+    recipe = load_recipe(config, overrides)
+    check_recipe(recipe, command)
+    return recipe
+
+
+def _run_flow(command: str, config: Path, overrides: list[str], nproc: int, nnodes: int = 1,
+              rdzv_endpoint: str | None = None, early_api: Any = None, startup: Any = None,
+              recipe: Any = None) -> tuple[dict, str]:
+    if recipe is None:
+        recipe = _checked_recipe(command, config, overrides)
     from latentmill.pipelines.flows import Launch, check_launch, prep, prep_then_train, train
     from latentmill.prefect_env import start_ephemeral_api
 
@@ -293,6 +336,25 @@ def _retention_command(args: argparse.Namespace) -> int:
     return 0
 
 
+def _quiet_when_stdout_closes(command: Any) -> Any:
+    """Run ``command``; when the reader of stdout goes away (``latentmill inspect ... | head -3``), exit 1
+    without a traceback, as the Python documentation's SIGPIPE note does, instead of ``BrokenPipeError``."""
+
+    @functools.wraps(command)
+    def run(*args: Any, **kwargs: Any) -> int:
+        try:
+            code = command(*args, **kwargs)
+            sys.stdout.flush()  # here, where it is caught, not in the interpreter's exit
+            return code
+        except BrokenPipeError:
+            # the interpreter flushes stdout again at exit: point it at /dev/null so that flush is silent
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            return 1
+
+    return run
+
+
+@_quiet_when_stdout_closes
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``latentmill`` console script."""
     parser = _parser()
@@ -338,7 +400,7 @@ def main(argv: list[str] | None = None) -> int:
 
             if args.command == "inspect" and args.plots is not None:
                 return plot_path(args.path, args.plots)
-            return inspect_path(args.path) if args.command == "inspect" else verify_path(args.path)
+            return inspect_path(args.path, args.overrides) if args.command == "inspect" else verify_path(args.path)
         if args.command == "plan":
             from latentmill.plan import format_plan, plan_config
 
@@ -366,18 +428,24 @@ def main(argv: list[str] | None = None) -> int:
             print(format_report(report))
             return 0
         if args.command == "init":
-            from latentmill.resources import init_folder
+            from latentmill.resources import init_folder, write_starter_recipe
 
+            recipe, images = write_starter_recipe(args.folder, args.images)
             copied = init_folder(args.folder)
-            print(f"copied {len(copied)} files into {args.folder} (example recipes in configs/, tiny-model recipes "
-                  f"and demo data in data/); from there: latentmill run configs/demo.yaml")
+            print(f"wrote {recipe}: a starter recipe for the images in {images} (tiny models for a CPU trial; "
+                  "the comment under model: says what to change for a real model)")
+            print(f"copied {len(copied)} example files into {args.folder} (example recipes in configs/, tiny-model "
+                  "recipes and demo data in data/)")
+            print(f"next: latentmill prep {recipe}" + ("" if args.images else f"  (after putting images in {images})"))
             return 0
         if args.command == "serve":
             from latentmill.pipelines.serve import main as serve_main
 
             return serve_main([args.action, *(["--port", str(args.port)] if args.port else []),
                                *(["--home", str(args.home)] if args.home else [])])
-        # flows ahead: Prefect's temporary API server boots while the flows are imported and the recipe checked
+        recipe = _checked_recipe("run" if args.command == "demo" else args.command,
+                                 DEMO_CONFIG if args.command == "demo" else args.config, args.overrides)
+        # flows ahead: Prefect's temporary API server boots while the flows are imported
         from latentmill.prefect_env import start_api_early
         from latentmill.stages.memory import StartupFrozen
 
@@ -385,14 +453,15 @@ def main(argv: list[str] | None = None) -> int:
             early_api = start_api_early()
             if args.command == "demo":
                 summary, out = _run_flow("run", DEMO_CONFIG, args.overrides, 1, early_api=early_api,
-                                         startup=startup)
+                                         startup=startup, recipe=recipe)
                 if summary["train"].get("export_dir"):
                     summary["sample"] = str(_sample_image(summary["train"], Path(out)))
             else:
                 summary, out = _run_flow(args.command, args.config, args.overrides, getattr(args, "nproc", 1),
                                          getattr(args, "nnodes", 1), getattr(args, "rdzv_endpoint", None),
-                                         early_api=early_api, startup=startup)
-    except (ConfigError, CacheMismatchError, FileNotFoundError, EmptySnapshotError, MissingExtra) as err:
+                                         early_api=early_api, startup=startup, recipe=recipe)
+    except (ConfigError, CacheMismatchError, FileNotFoundError, FileExistsError, EmptySnapshotError,
+            MissingExtra) as err:
         if debug:
             traceback.print_exc()
         print(f"latentmill: error: {err}", file=sys.stderr)
@@ -400,6 +469,8 @@ def main(argv: list[str] | None = None) -> int:
     except OutputBusyError as err:  # another prep, gc or compaction writes the output_dir (prep.on_busy=fail)
         print(f"latentmill: error: {err}", file=sys.stderr)
         return 1
+    except BrokenPipeError:  # the reader of stdout is gone (| head): _quiet_when_stdout_closes ends quietly
+        raise
     except Exception as err:  # a failure we did not foresee: one line, the traceback on request
         if debug:
             raise

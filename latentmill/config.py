@@ -8,6 +8,7 @@ and the allowed values, e.g. ``trainer.mode: 'ful' is not one of 'full', 'lora'`
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import re
 import types
 import typing
@@ -112,8 +113,10 @@ def from_dict(cls: type, data: dict, prefix: str = "") -> Any:
     unknown = sorted(set(data) - set(fields))
     if unknown:
         where = f"{prefix}." if prefix else ""
+        near = difflib.get_close_matches(str(unknown[0]), list(fields), n=1)
+        guess = f"did you mean {where}{near[0]}? " if near else ""
         raise ConfigError(
-            f"unknown key {where}{unknown[0]}; allowed keys{' under ' + prefix if prefix else ''}: "
+            f"unknown key {where}{unknown[0]}; {guess}allowed keys{' under ' + prefix if prefix else ''}: "
             + ", ".join(sorted(fields))
         )
     kwargs = {}

@@ -76,13 +76,15 @@ def _print_snapshot(folder: Path, manifest: dict) -> None:
             print(f"  quarantined at {stage}: {count} × {reason}")
 
 
-def inspect_recipe(path: Path) -> int:
-    """Print a recipe with every default filled in, as the run would see it."""
+def inspect_recipe(path: Path, overrides: list[str] | None = None) -> int:
+    """Print a recipe (a file or a shipped name such as ``demo``) with its overrides and every default filled
+    in, as the run would see it."""
     import yaml
 
     from latentmill.recipe import load_recipe
 
-    print(yaml.safe_dump(load_recipe(path).to_dict(), sort_keys=False, default_flow_style=False), end="")
+    recipe = load_recipe(path, overrides)
+    print(yaml.safe_dump(recipe.to_dict(), sort_keys=False, default_flow_style=False), end="")
     return 0
 
 
@@ -108,10 +110,17 @@ def _print_rewritten(stage_dir: Path, manifest: dict) -> None:
         print("  captions rewritten by rule: " + ", ".join(f"{k} {v}" for k, v in sorted(by_rule.items())))
 
 
-def inspect_path(path: Path) -> int:
-    """Print a recipe, a snapshot's report, or each stage's counts, buckets, models and quarantine reasons."""
-    if path.suffix in (".yaml", ".yml") and not path.is_dir():
-        return inspect_recipe(path)  # a missing recipe is named as such by load_yaml
+def inspect_path(path: Path, overrides: list[str] | None = None) -> int:
+    """Print a recipe, a snapshot's report, or each stage's counts, buckets, models and quarantine reasons.
+
+    ``overrides`` (``key.path=value``) apply to a recipe, as ``prep``, ``train`` and ``run`` take them."""
+    from latentmill.config import ConfigError
+    from latentmill.resources import find_recipe
+
+    if (path.suffix in (".yaml", ".yml") and not path.is_dir()) or (not path.is_dir() and find_recipe(path)[1]):
+        return inspect_recipe(path, overrides)  # a missing recipe is named as such by load_yaml
+    if overrides:
+        raise ConfigError(f"{overrides[0]}: overrides apply to a recipe; {path} is not one")
     path = _existing(path)
     if (path / "manifest.json").is_file() and "snapshot" in json.loads((path / "manifest.json").read_text()):
         _print_snapshot(path, json.loads((path / "manifest.json").read_text()))

@@ -1,20 +1,25 @@
 """Checks that run before any stage, model load or Prefect start-up: a wrong path fails in one line, at once.
 
 * model references (``model.pretrained``, ``model.vae``, ``model.text_encoder``, ``model.text_encoder_2``,
-  ``caption.model``): a local folder must exist; anything else must look like a Hugging Face id
-  (``owner/name``). A tiny-model recipe (``model.tiny_recipe``) builds only into its own folder
-  (:func:`tiny_target`), so a typo in ``model.pretrained`` never becomes a new model with random weights;
-* ``ingest.source`` (``prep``, ``run``): set, and present when it is a local path;
+  ``caption.model``): a local folder must exist (``model.pretrained``: with a ``model_index.json``);
+  anything else must look like a Hugging Face id (``owner/name``). A tiny-model recipe
+  (``model.tiny_recipe``) builds only into its own folder (:func:`tiny_target`), so a typo in
+  ``model.pretrained`` never becomes a new model with random weights; a hub id or an existing folder in
+  ``model.pretrained`` takes the normal ``from_pretrained`` path and the tiny recipe is not used;
+* ``ingest.source`` (``prep``, ``run``): set, present when it is a local path, and a local folder holds at
+  least one image or video;
 * ``train``: a published snapshot to train on (``run`` publishes one first);
 * the process layout (``--nproc``, ``--nnodes``) against ``parallel.strategy``.
 """
 
 from __future__ import annotations
 
+import os
 import re
 from pathlib import Path
 
 from latentmill.config import ConfigError
+from latentmill.models import ModelConfig
 from latentmill.recipe import Recipe
 
 # owner/name, as the Hub allows them (letters, digits, '-', '_', '.'; not starting with '.' or '-')
@@ -22,27 +27,52 @@ HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*$")
 
 
 def tiny_target(tiny_recipe: str | Path) -> Path:
-    """The one folder a tiny-model recipe builds into: ``data/tiny-flux.yaml`` -> ``data/models/tiny-flux``."""
+    """The one folder a tiny-model recipe builds into: ``data/tiny-flux.yaml`` -> ``data/models/tiny-flux``;
+    a shipped recipe's in :func:`latentmill.resources.models_dir` (never inside an installed package)."""
+    from latentmill.resources import shipped_model_target
+
     recipe = Path(tiny_recipe)
-    return recipe.parent / "models" / recipe.stem
+    return shipped_model_target(recipe) or recipe.parent / "models" / recipe.stem
 
 
-def check_model_ref(key: str, value: str | None, tiny_recipe: str | None = None) -> None:
-    """``value`` is an existing folder, a folder ``tiny_recipe`` will build, or looks like a hub id."""
+def looks_like_hub_id(value: str) -> bool:
+    """``value`` has the shape of a Hugging Face id (``owner/name``), not of a local path."""
+    return not value.startswith((".", "/", "~")) and bool(HUB_ID.match(value))
+
+
+def tiny_build_target(model: ModelConfig) -> Path | None:
+    """The folder the tiny recipe builds for ``model`` (its ``model.pretrained``, when that is the recipe's own
+    folder), or None: no tiny recipe, or ``model.pretrained`` names something else (a hub id, another folder),
+    which loads through ``from_pretrained`` like any user's model."""
+    if not model.tiny_recipe or not model.pretrained:
+        return None
+    path = Path(model.pretrained).expanduser()
+    return path if path.resolve() == tiny_target(model.tiny_recipe).resolve() else None
+
+
+def check_model_ref(key: str, value: str | None, tiny_recipe: str | None = None, pipeline: bool = False) -> None:
+    """``value`` is an existing folder, a folder ``tiny_recipe`` will build, or looks like a hub id.
+
+    ``pipeline``: an existing folder must be a Diffusers pipeline folder (hold ``model_index.json``)."""
     if not value:
         return
     path = Path(value).expanduser()
+    if tiny_recipe and path.resolve() == tiny_target(tiny_recipe).resolve():
+        return  # built from the tiny recipe before the first stage (an interrupted build is replaced)
     if path.exists():
         if not path.is_dir():
             raise ConfigError(f"{key}: {value} is a file; name a Diffusers pipeline folder or a hub id")
+        if pipeline and not (path / "model_index.json").is_file():
+            raise ConfigError(f"{key}: {value} is not a Diffusers pipeline folder (no model_index.json); name "
+                              "the folder a pipeline's save_pretrained wrote, or a hub id such as "
+                              "black-forest-labs/FLUX.1-dev")
         return
-    if tiny_recipe and path.resolve() == tiny_target(tiny_recipe).resolve():
-        return  # built from the tiny recipe before the first stage
+    if looks_like_hub_id(value):
+        return  # loaded (downloaded when not cached) by from_pretrained, as without a tiny recipe
     if tiny_recipe:
         raise ConfigError(f"{key}: {value} does not exist; the tiny recipe {tiny_recipe} builds only into "
                           f"{tiny_target(tiny_recipe)} (set {key} to that, to an existing folder, or to a hub id)")
-    if value.startswith((".", "/", "~")) or not HUB_ID.match(value):
-        raise ConfigError(f"{key}: {value} does not exist, and is not a Hugging Face id (owner/name)")
+    raise ConfigError(f"{key}: {value} does not exist, and is not a Hugging Face id (owner/name)")
 
 
 def _local_source(source: str) -> Path | None:
@@ -52,11 +82,32 @@ def _local_source(source: str) -> Path | None:
     return Path(source).expanduser()
 
 
+def check_media_folder(folder: Path, extensions: list[str], shown: int = 3) -> None:
+    """ConfigError unless ``folder`` holds at least one file with an accepted media extension (as the ingest
+    stage lists a folder: recursively, hidden names skipped); the walk stops at the first one found."""
+    accepted = {e.lower() for e in extensions}
+    skipped: list[str] = []
+    for parent, dirs, files in os.walk(folder):
+        dirs[:] = sorted(d for d in dirs if not d.startswith("."))
+        for name in sorted(files):
+            if name.startswith("."):
+                continue
+            if os.path.splitext(name)[1].lower() in accepted:
+                return
+            skipped.append(os.path.relpath(os.path.join(parent, name), folder))
+    if not skipped:
+        raise ConfigError(f"ingest.source: no images or videos in {folder} (the folder is empty)")
+    more = f", ... ({len(skipped) - shown} more)" if len(skipped) > shown else ""
+    raise ConfigError(f"ingest.source: no images or videos in {folder} (skipped {len(skipped)} "
+                      f"file{'s' if len(skipped) != 1 else ''}: {', '.join(skipped[:shown])}{more}; the types "
+                      "accepted are ingest.extensions)")
+
+
 def check_recipe(recipe: Recipe, command: str) -> None:
     """Everything about ``recipe`` that can be checked before work starts, for ``command``
     (``prep``, ``train``, ``run`` or ``demo``); ConfigError or FileNotFoundError naming the key."""
     model = recipe.model
-    check_model_ref("model.pretrained", model.pretrained, model.tiny_recipe)
+    check_model_ref("model.pretrained", model.pretrained, model.tiny_recipe, pipeline=True)
     for name in ("vae", "text_encoder", "text_encoder_2"):
         check_model_ref(f"model.{name}", getattr(model, name))
     if command in ("prep", "run", "demo"):
@@ -64,6 +115,8 @@ def check_recipe(recipe: Recipe, command: str) -> None:
         local = _local_source(source)
         if local is not None and not local.exists():
             raise ConfigError(f"ingest.source: {source} does not exist")
+        if local is not None and local.is_dir():
+            check_media_folder(local, recipe.ingest.extensions)
         if recipe.caption.captioner == "transformers":
             check_model_ref("caption.model", recipe.caption.model)
     if command == "train":

@@ -14,7 +14,7 @@ from typing import Literal, Optional
 from latentmill.config import ConfigError, apply_overrides, from_dict, load_yaml, to_dict
 from latentmill.models import ModelConfig
 from latentmill.stages.bucket import BucketConfig
-from latentmill.stages.cache import CacheConfig
+from latentmill.stages.cache_config import CacheConfig
 from latentmill.stages.caption import CaptionConfig
 from latentmill.stages.compact import CompactionConfig
 from latentmill.stages.curate import CurateConfig

@@ -36,10 +36,11 @@ from typing import Any
 import yaml
 
 from latentmill.config import ConfigError
+from latentmill.resources import resource_root
 from latentmill.tinyio import pipeline_folder, tiny_cli
 
-DEFAULT_RECIPE_PATH: Path = Path(__file__).resolve().parents[1] / "data" / "tiny-flux.yaml"
-"""The recipe shipped with the repository (``data/tiny-flux.yaml``)."""
+DEFAULT_RECIPE_PATH: Path = resource_root() / "data" / "tiny-flux.yaml"
+"""The recipe shipped with the package (``data/tiny-flux.yaml``; ``latentmill/data/`` in a wheel)."""
 
 
 _COMPONENTS = ("transformer", "vae", "text_encoder", "text_encoder_2", "scheduler")

@@ -13,6 +13,7 @@ Hugging Face cache          ``V/hf``                            ``HF_HOME``
 a relative ``output_dir``   ``V/<output_dir>``                  an absolute ``output_dir``
 weight-hash store           ``V/latentmill/weight-hashes.sqlite``  ``LATENTMILL_HASH_STORE``
 Prefect home                ``V/prefect``                       ``PREFECT_HOME``
+examples' tiny models       ``V/latentmill/models``             ``LATENTMILL_MODELS``
 ==========================  ==================================  ===========================================
 
 The environment variables are set (when unset) before Hugging Face or Prefect is imported, because both read
@@ -28,7 +29,8 @@ from pathlib import Path
 ENV = "LATENTMILL_VOLUME"
 KEY = "volume"  # the recipe's top-level key
 # environment variable -> its place under the volume
-LAYOUT = {"HF_HOME": "hf", "LATENTMILL_HASH_STORE": "latentmill/weight-hashes.sqlite", "PREFECT_HOME": "prefect"}
+LAYOUT = {"HF_HOME": "hf", "LATENTMILL_HASH_STORE": "latentmill/weight-hashes.sqlite", "PREFECT_HOME": "prefect",
+          "LATENTMILL_MODELS": "latentmill/models"}
 
 
 @dataclass
@@ -69,7 +71,8 @@ def volume_root(recipe_volume: str | None = None, env: dict[str, str] | None = N
 
 
 def apply_volume(recipe_volume: str | None = None, env: dict[str, str] | None = None) -> VolumeLayout:
-    """Set ``HF_HOME``, ``LATENTMILL_HASH_STORE`` and ``PREFECT_HOME`` under the volume where they are unset.
+    """Set ``HF_HOME``, ``LATENTMILL_HASH_STORE``, ``PREFECT_HOME`` and ``LATENTMILL_MODELS`` under the volume
+    where they are unset.
 
     ``env`` is changed in place (``os.environ`` by default). Call it before ``huggingface_hub`` or
     ``prefect`` is imported. Without a volume nothing changes.

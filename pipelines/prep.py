@@ -281,16 +281,14 @@ def release_prep_models() -> int:
 
 
 def ensure_models(recipe: Recipe) -> None:
-    """Build the tiny demo models when the recipe names a tiny recipe and its folder (``data/tiny-flux.yaml``
-    builds ``data/models/tiny-flux``) is missing."""
-    from pathlib import Path
+    """Build the tiny demo models when ``model.pretrained`` is the tiny recipe's own folder
+    (``data/tiny-flux.yaml`` builds ``data/models/tiny-flux``) and that folder is missing; a hub id or another
+    folder loads through ``from_pretrained`` as it is (``preflight.tiny_build_target``)."""
+    from latentmill.preflight import tiny_build_target
 
-    if recipe.model.tiny_recipe and not (Path(recipe.model.pretrained) / "model_index.json").is_file():
-        from latentmill.preflight import check_model_ref
+    target = tiny_build_target(recipe.model)
+    if target is not None and not (target / "model_index.json").is_file():
         from latentmill.tiny import ensure_tiny_flux
-
-        # only into the tiny recipe's own folder: a typo in model.pretrained is an error, not a new model
-        check_model_ref("model.pretrained", recipe.model.pretrained, recipe.model.tiny_recipe)
         from latentmill.tiny_wan import ensure_tiny_wan
 
         # The folder does not exist yet, so its family cannot be read from it: the recipe says it.

@@ -20,10 +20,11 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Literal, Union
+from typing import Any, Callable
 
 import torch
 from latentmill.stages import pixels
+from latentmill.stages.cache_config import CacheConfig
 from latentmill.stages.families import (
     compute_dtypes,
     describe_components,
@@ -39,14 +40,12 @@ from latentmill.stages.hashing import meta_bytes, sha256_bytes, stable_hash
 from latentmill.stages.keytable import HexKeyTable
 from latentmill.stages.shardindex import ShardIndexError, load_shard_index
 from latentmill.stages.shardio import (
-    DEFAULT_SHARD_BYTES,
     PerProcess,
     RecordIndex,
     StageDir,
     UnitOutput,
     UnitRecord,
     WorkUnit,
-    check_shard_bytes,
     sample_json,
     shard_buckets,
     sibling_stage,
@@ -70,55 +69,6 @@ VAE_MEMBER, TEXT_MEMBER = "vae.safetensors", "text.safetensors"
 def text_member(j: int) -> str:
     """The member of a sample's caption ``j``: ``text.safetensors`` for the primary, ``text.<j>...`` after."""
     return TEXT_MEMBER if j == 0 else f"text.{j}.safetensors"
-
-
-@dataclass
-class CacheConfig:
-    """How latents and text embeddings are computed and stored."""
-
-    dtype: Literal["float32", "bfloat16", "float16"] = "bfloat16"  # storage dtype of every tensor
-    batch_size: int = 8  # samples per encoder call (shapes are uniform inside a bucket shard)
-    max_sequence_length: int = 512  # text tokens, as the pipeline's max_sequence_length
-    device: Literal["auto", "cpu", "cuda"] = "auto"
-    latents: Literal["mean", "sample", "distribution"] = "mean"  # distribution: mean + std, sampled in training
-    trim_text: Literal["auto", "always", "never"] = "auto"  # see docs/cache-format.md
-    seed: int = 0  # for latents: sample
-    # Decode the next batch in a thread while the current one is encoded. "auto": on when encoding on a GPU;
-    # off on the CPU, where the decode thread fights the encoders' threads for the cores (measured: the
-    # cache stage took 1.06-1.16x as long with it, with 1 or 2 runner workers and 1 or 2 cache.threads).
-    prefetch: Union[bool, Literal["auto"]] = "auto"
-    # CPU threads per encoder call. CPU kernels reduce in a thread-count-dependent order, so the count is
-    # pinned: the same bytes whichever runner (threads, processes, Dask with OMP_NUM_THREADS=1) ran it.
-    threads: int = 0  # 0: all cores of the machine
-    # What transparent pixels are composited over (a colour name or #rrggbb), here and in captioning.
-    alpha_background: str = "white"
-    # Target size of a cache shard: bucket shards are grouped into units whose estimated output (latents +
-    # text embeddings, see docs/cache-format.md) stays within it; each unit writes one shard of all its buckets.
-    shard_bytes: int = DEFAULT_SHARD_BYTES
-    # Deterministic algorithms, cuDNN deterministic, no TF32 while encoding ("auto": on CUDA; see
-    # docs/cache-format.md, "Reproducible where"). Not part of the component keys.
-    deterministic: Union[bool, Literal["auto"]] = "auto"
-
-    @property
-    def background(self) -> tuple[int, int, int]:
-        """``alpha_background`` as an RGB triple."""
-        return pixels.parse_background(self.alpha_background)
-
-    def validate(self) -> None:
-        from latentmill.config import ConfigError
-
-        try:
-            pixels.parse_background(self.alpha_background)
-        except ValueError:
-            raise ConfigError(f"cache.alpha_background: {self.alpha_background!r} is not a colour; use a name "
-                              "such as 'white', 'black', 'gray' or a hex colour '#rrggbb'") from None
-        if self.batch_size < 1:
-            raise ConfigError(f"cache.batch_size: must be >= 1, got {self.batch_size}")
-        if self.max_sequence_length < 1:
-            raise ConfigError(f"cache.max_sequence_length: must be >= 1, got {self.max_sequence_length}")
-        if self.threads < 0:
-            raise ConfigError(f"cache.threads: must be >= 0 (0 = all cores), got {self.threads}")
-        check_shard_bytes(self.shard_bytes, "cache.shard_bytes")
 
 
 def _on_gpu(cfg: CacheConfig) -> bool:

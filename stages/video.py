@@ -31,10 +31,12 @@ import math
 import threading
 from collections import Counter
 from dataclasses import dataclass, replace
-from typing import Any, Iterable, Iterator, Literal, Sequence
+from typing import TYPE_CHECKING, Any, Iterable, Iterator, Literal, Sequence
 
 import numpy as np
-import torch
+
+if TYPE_CHECKING:  # torch is imported by the functions that make tensors: a recipe loads without it
+    import torch
 
 VIDEO_EXTENSIONS = {".mp4": "mp4", ".webm": "webm", ".mkv": "mkv", ".mov": "mov", ".avi": "avi", ".m4v": "mp4"}
 CLIP_STRATEGIES = ("head", "uniform", "slide")
@@ -234,6 +236,8 @@ def _first_frame_rotation(container: Any) -> int:
 
 def rotate_frames(frames_FHWC: torch.Tensor, rotation: int) -> torch.Tensor:
     """Frames turned as the display matrix says (``rotation`` degrees counter-clockwise)."""
+    import torch
+
     k = round(rotation / 90) % 4
     return torch.rot90(frames_FHWC, k, dims=(1, 2)).contiguous() if k else frames_FHWC
 
@@ -244,6 +248,8 @@ def rotate_frames(frames_FHWC: torch.Tensor, rotation: int) -> torch.Tensor:
 
 
 def _read_decord(src: str | bytes, unique: list[int]) -> torch.Tensor:
+    import torch
+
     reader = _decord_reader(src)
     if unique[-1] >= len(reader):
         raise IndexError(f"frame {unique[-1]} is past the end of the video ({len(reader)} frames)")
@@ -251,6 +257,8 @@ def _read_decord(src: str | bytes, unique: list[int]) -> torch.Tensor:
 
 
 def _read_pyav(src: str | bytes, unique: list[int]) -> torch.Tensor:
+    import torch
+
     wanted, last = set(unique), unique[-1]
     found: dict[int, torch.Tensor] = {}
     with _open_av(src) as container:
@@ -275,6 +283,8 @@ def read_frames(uri: str | bytes, frame_indices: Sequence[int],
     from the file). A rotated video is always read with PyAV: decord 0.6.0 (and decord2 3.4) return
     garbage or fail on one.
     """
+    import torch
+
     indices = [int(i) for i in frame_indices]
     if not indices:
         raise ValueError("frame_indices is empty")
@@ -474,6 +484,8 @@ def read_clips(uri: str | bytes, clips: Sequence[Sequence[int]],
 def _clips_in_one_pass(decoder: _DecordPass | _PyAVPass, src: str | bytes, lists: list[list[int]],
                        errors: dict[int, Exception], backend: Literal["auto", "decord", "pyav"],
                        rotation: int) -> Iterator[torch.Tensor | Exception]:
+    import torch
+
     for k, clip in enumerate(lists):
         if k not in errors and decoder.length is not None and max(clip) >= decoder.length:
             errors[k] = IndexError(f"frame {max(clip)} is past the end of the video ({decoder.length} frames)")

@@ -114,6 +114,7 @@ def test_resume_latest_without_a_checkpoint_says_so_on_rank_0(tmp_path, caplog):
 def test_a_recipe_must_name_its_source_for_prep(tmp_path):
     recipe = tmp_path / "mine.yaml"
     (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "model_index.json").write_text("{}")
     recipe.write_text(f"output_dir: {tmp_path / 'out'}\nmodel:\n  pretrained: {tmp_path / 'model'}\n")
     result = _cli("prep", str(recipe))
     assert result.returncode == 2
@@ -145,6 +146,7 @@ def test_a_typo_in_the_tiny_model_folder_is_an_error_not_a_new_model(tmp_path):
 def test_a_missing_model_folder_fails_before_any_stage(tmp_path, override, message):
     out = tmp_path / "out"
     (tmp_path / "pipeline").mkdir()
+    (tmp_path / "pipeline" / "model_index.json").write_text("{}")
     line = _one_error_line(_cli("run", "configs/demo.yaml", f"output_dir={out}", "model.tiny_recipe=null",
                                 f"model.pretrained={tmp_path / 'pipeline'}", override))
     assert line == f"latentmill: error: {message} (owner/name)"

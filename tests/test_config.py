@@ -42,7 +42,8 @@ def test_override_values_parse_as_yaml():
         ("parallel.strategy=zero3", r"parallel.strategy: 'zero3' is not one of 'none', 'ddp', 'fsdp2'"),
         ("runner.kind=k8s", r"runner.kind: 'k8s' is not one of 'threads', 'processes', 'dask', 'ray'"),
         ("trainer.max_steps=lots", r"trainer.max_steps: expected an integer"),
-        ("trainer.max_step=5", r"unknown key trainer.max_step; allowed keys under trainer: .*max_steps"),
+        ("trainer.max_step=5", r"unknown key trainer.max_step; did you mean trainer.max_steps\? allowed keys under "
+                               r"trainer: .*max_steps"),
         ("cache.dtype=fp8", r"cache.dtype: 'fp8' is not one of 'float32', 'bfloat16', 'float16'"),
         ("bucket.step=10", r"bucket.step: must be a positive multiple of 16"),
         ("trainer.max_steps=0", r"trainer.max_steps: must be >= 1"),

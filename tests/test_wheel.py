@@ -51,8 +51,10 @@ def test_the_wheel_holds_only_the_latentmill_namespace(installed):
 
 
 def _env(target: Path) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PREFECT_LOGGING_LEVEL")}
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("PYTHONPATH", "PREFECT_LOGGING_LEVEL", "LATENTMILL_MODELS", "LATENTMILL_VOLUME")}
     env["PYTHONPATH"] = str(target)  # before the environment's site-packages: the wheel's latentmill wins
+    env["XDG_CACHE_HOME"] = str(target.parent / "cache")  # the tiny models an installed package builds
     return env
 
 
@@ -83,11 +85,13 @@ def test_the_console_script_runs_the_demo_from_an_empty_folder(installed, tmp_pa
     assert summary["train"]["export_dir"] == str(Path("outputs/demo/export"))
     assert (work / "outputs" / "demo" / "export" / "model_index.json").is_file()
     assert (work / "outputs" / "demo" / "sample.png").is_file()
-    assert (target / "latentmill" / "data" / "models" / "tiny-flux" / "model_index.json").is_file()
+    assert (target.parent / "cache" / "latentmill" / "models" / "tiny-flux" / "model_index.json").is_file()
+    assert not (target / "latentmill" / "data" / "models").exists()  # never inside the installed package
     # and `init` gives a user the recipes to start from
     assert subprocess.run([str(target / "bin" / "latentmill"), "init", "mine"], cwd=work, env=_env(target),
                           capture_output=True, text=True, check=True).returncode == 0
     assert (work / "mine" / "configs" / "demo.yaml").is_file() and (work / "mine" / "data" / "demo" / "images").is_dir()
+    assert (work / "mine" / "recipe.yaml").is_file()
 
 
 @pytest.mark.served

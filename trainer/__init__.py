@@ -12,36 +12,54 @@ interpolation, target, loss weighting), ``adapter`` / ``adapters`` (the per-fami
 activation checkpointing, compile), ``validation`` (sample grids), ``train`` (the loop).
 """
 
-from latentmill.trainer.adapter import ModelAdapter
-from latentmill.trainer.adapters import ADAPTERS, get_adapter
-from latentmill.trainer.checkpoint import (
-    latest_checkpoint,
-    list_checkpoints,
-    load_checkpoint,
-    save_checkpoint,
-)
-from latentmill.trainer.config import ParallelConfig, TrainerConfig
-from latentmill.trainer.flux import (
-    FluxAdapter,
-    export_flux,
-    flux_forward,
-    latent_image_ids,
-    load_flux_transformer,
-    pack_latents,
-    unpack_latents,
-)
-from latentmill.trainer.loader import LatentLoader, read_manifest
-from latentmill.trainer.objective import (
-    flow_matching_loss,
-    interpolate,
-    loss_weights,
-    resolution_mu,
-    sample_sigmas,
-    shift_sigmas,
-    velocity_target,
-)
-from latentmill.trainer.train import train
-from latentmill.trainer.wan import WanAdapter, wan_forward
+import importlib
+import sys
+import types
+
+# Each public name and the module it comes from, imported on first use (PEP 562): a recipe's trainer
+# sections (``latentmill.trainer.config``) load without torch and the model code.
+_EXPORTS = {
+    "ModelAdapter": "adapter",
+    "ADAPTERS": "adapters", "get_adapter": "adapters",
+    "latest_checkpoint": "checkpoint", "list_checkpoints": "checkpoint", "load_checkpoint": "checkpoint",
+    "save_checkpoint": "checkpoint",
+    "ParallelConfig": "config", "TrainerConfig": "config",
+    "FluxAdapter": "flux", "export_flux": "flux", "flux_forward": "flux", "latent_image_ids": "flux",
+    "load_flux_transformer": "flux", "pack_latents": "flux", "unpack_latents": "flux",
+    "LatentLoader": "loader", "read_manifest": "loader",
+    "flow_matching_loss": "objective", "interpolate": "objective", "loss_weights": "objective",
+    "resolution_mu": "objective", "sample_sigmas": "objective", "shift_sigmas": "objective",
+    "velocity_target": "objective",
+    "train": "train",
+    "WanAdapter": "wan", "wan_forward": "wan",
+}
+
+
+class _Trainer(types.ModuleType):
+    """This package, with its public names imported when first used."""
+
+    def __getattr__(self, name: str):
+        if name in _EXPORTS:
+            value = getattr(importlib.import_module(f"{__name__}.{_EXPORTS[name]}"), name)
+        elif importlib.util.find_spec(f"{__name__}.{name}") is not None:  # a submodule not yet imported
+            value = importlib.import_module(f"{__name__}.{name}")
+        else:
+            raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+        super().__setattr__(name, value)
+        return value
+
+    def __setattr__(self, name: str, value: object) -> None:
+        # Importing the submodule ``latentmill.trainer.train`` binds it here as ``train``: the package's
+        # ``train`` stays the function, as when this file imported every module.
+        if name in _EXPORTS and isinstance(value, types.ModuleType):
+            return
+        super().__setattr__(name, value)
+
+    def __dir__(self) -> list[str]:
+        return sorted({*super().__dir__(), *_EXPORTS})
+
+
+sys.modules[__name__].__class__ = _Trainer
 
 __all__ = [
     "ADAPTERS",
