@@ -63,6 +63,9 @@ class TrainerConfig:
     # --- memory and speed, applied from outside to the unmodified model ---
     activation_checkpointing: bool = False  # recompute each transformer block in backward
     compile: bool = False  # torch.compile each transformer block
+    # intra-op threads of CPU training; 0: OMP_NUM_THREADS when set, else the usable cores shared among the
+    # node's ranks, less one for the loader's read-ahead thread (latentmill.trainer.threads; on CUDA unused)
+    cpu_threads: int = 0
     # --- data ---
     drop_last: bool = False  # drop each bucket's last partial batch
     verify_shards: bool = False  # check each shard's sha256 against the manifest before training
@@ -103,6 +106,7 @@ class TrainerConfig:
             "grad_clip": self.grad_clip,
             "validate_every": self.validate_every,
             "max_skipped_steps": self.max_skipped_steps,
+            "cpu_threads": self.cpu_threads,
         }
         for key, value in non_negative.items():
             if value < 0:

@@ -39,6 +39,7 @@ from latentmill.trainer.objective import (
     velocity_target,
 )
 from latentmill.trainer.parallel import DistContext, init_distributed, shutdown
+from latentmill.trainer.threads import ThreadChoice, choose_cpu_threads
 from latentmill.trainer.validation import Validator
 from tqdm.auto import tqdm
 
@@ -173,7 +174,8 @@ def train(
     defaults to ``<train_dir>/export`` (used when ``cfg.export``). Returns a summary: ``steps``,
     ``steps_this_run``, ``final_loss``, ``samples_per_s``, ``data_wait_fraction``, ``peak_rss_mb``,
     ``peak_mem_mb``, ``export_dir``, ``resumed_from``, ``world_size``, ``epochs`` (epochs of data this rank
-    has read), ``family``, ``validation`` (grid paths). Under
+    has read), ``family``, ``validation`` (grid paths), ``cpu_threads`` and ``cpu_threads_reason`` (torch's
+    intra-op threads in this run and why: ``latentmill.trainer.threads``). Under
     torchrun with ``parallel.strategy: ddp | fsdp2`` every rank calls this; rank 0 writes metrics, weights
     and the export (its summary has ``export_dir``).
     """
@@ -181,6 +183,7 @@ def train(
     parallel = parallel or ParallelConfig()
     ctx = init_distributed(parallel)
     finished = False
+    threads = torch.get_num_threads()  # the caller's, restored at the end (_Run chooses the run's own)
     try:
         summary = _train(cfg, ctx, parallel, Path(cache_dir), pretrained, Path(train_dir), seed, export_dir,
                          progress=progress, check_cache=check_cache, on_step=on_step,
@@ -189,6 +192,8 @@ def train(
         return summary
     finally:
         shutdown(ctx, synchronize=finished)
+        if torch.get_num_threads() != threads:
+            torch.set_num_threads(threads)
 
 
 def _train(
@@ -269,6 +274,7 @@ class _Run:
         self.device = ctx.device
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
+        self.cpu_threads = _use_cpu_threads(cfg, self.device)
         self._build_data(cache_dir, check_cache)
         self._build_model()
         self._build_optimizer()
@@ -518,6 +524,8 @@ class _Run:
             "epochs": loader.epoch + loader.batch_index / max(1, len(loader)),  # position of this rank's data
             "family": self.adapter.family,
             "validation": validations,
+            "cpu_threads": self.cpu_threads.threads,  # intra-op threads of this run (CUDA: torch's own)
+            "cpu_threads_reason": self.cpu_threads.reason,
             **self.provenance,
         }
 
@@ -580,6 +588,18 @@ def _check_finite_weights(params: list[torch.nn.Parameter], ctx: DistContext, st
     if ctx.sum(bad):
         raise FloatingPointError(f"step {step}: a trainable weight is not finite; no checkpoint is written "
                                  "(the previous one is intact: resume from it with a lower learning rate)")
+
+
+def _use_cpu_threads(cfg: TrainerConfig, device: torch.device) -> ThreadChoice:
+    """On the CPU: set torch's intra-op threads to ``choose_cpu_threads``'s choice; on CUDA leave torch's
+    (the step's work is on the GPU; its CPU threads only launch kernels and copy batches)."""
+    if device.type != "cpu":
+        return ThreadChoice(torch.get_num_threads(), f"{device.type}: torch's default, left as it is")
+    choice = choose_cpu_threads(cfg.cpu_threads)
+    if torch.get_num_threads() != choice.threads:
+        torch.set_num_threads(choice.threads)
+    log.info("CPU training on %d intra-op threads (%s)", choice.threads, choice.reason)
+    return choice
 
 
 def _text_length(manifest: dict) -> int:
