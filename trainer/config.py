@@ -68,7 +68,10 @@ class TrainerConfig:
     cpu_threads: int = 0
     # --- data ---
     drop_last: bool = False  # drop each bucket's last partial batch
-    verify_shards: bool = False  # check each shard's sha256 against the manifest before training
+    # false: each shard is checked against the manifest's sha256 the first time the run reads it, in a
+    # background thread; the run stops naming a damaged shard, and checkpoints and the end of the run wait
+    # for the checks of every shard read so far. true: every shard is checked before the first step.
+    verify_shards: bool = False
     # --- validation: sample the in-training model with the recipe's VAE/text encoders ---
     validate_every: int = 0  # 0: never; else every N optimizer steps (and at the last step)
     validation_prompts: list[str] = field(default_factory=list)
