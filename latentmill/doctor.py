@@ -309,6 +309,22 @@ def check_jax(installed: bool, platforms: list[str] | str | None, gpu_seen: bool
     return Check("jax", OK, f"jax devices: {', '.join(names)}", details=details)
 
 
+def check_cpu_threads(threads: int, reason: str, cores: int, ranks: int, cuda: bool) -> Check:
+    """The intra-op threads CPU training would use here (``latentmill.trainer.threads.choose_cpu_threads``:
+    ``threads`` and its ``reason``), against the ``cores`` this process may use and the node's ``ranks``. More
+    threads than the cores a rank has leaves OpenMP teams waiting on preempted threads at every op."""
+    details = {"threads": threads, "reason": reason, "usable_cores": cores, "local_ranks": ranks}
+    if cuda:
+        return Check("cpu threads", OK, f"training runs on the GPU; torch keeps its {threads} CPU threads",
+                     details=details)
+    message = f"CPU training would use {threads} intra-op thread{'s' if threads != 1 else ''} per rank ({reason})"
+    if threads * ranks > cores:
+        return Check("cpu threads", WARNING, f"{message}: more than the {cores} usable cores",
+                     f"unset OMP_NUM_THREADS and trainer.cpu_threads (the trainer then leaves one core per rank "
+                     f"to its loader), or set them to {max(1, cores // ranks - 1)}", details)
+    return Check("cpu threads", OK, message, details=details)
+
+
 # ------------------------------------------------------------------------------------------------ probes
 
 
@@ -386,10 +402,11 @@ def probe_jax() -> tuple[bool, list[str] | str | None]:
 def run_checks(output_dir: str | Path | None = None, *, device: str = "auto", workspace: Path = WORKSPACE,
                env: dict[str, str] | None = None, min_free_gib: float = MIN_FREE_GIB,
                nvidia: Callable[[], NvidiaInfo | None] = probe_nvidia_smi,
-               recipe_volume: str | None = None) -> list[Check]:
+               recipe_volume: str | None = None, cpu_threads: int = 0) -> list[Check]:
     """Probe this machine and run every check. ``device``: ``auto`` (CUDA requested when ``nvidia-smi`` shows
     a GPU), ``cuda`` or ``cpu``. ``output_dir``: a recipe's, for its disk and volume checks. A persistent
-    volume in force (``recipe_volume``, else ``LATENTMILL_VOLUME`` in ``env``) replaces ``workspace``."""
+    volume in force (``recipe_volume``, else ``LATENTMILL_VOLUME`` in ``env``) replaces ``workspace``.
+    ``cpu_threads``: the recipe's ``trainer.cpu_threads`` (the CPU thread check says what training would use)."""
     import torch
     from huggingface_hub import constants
 
@@ -441,6 +458,14 @@ def run_checks(output_dir: str | Path | None = None, *, device: str = "auto", wo
     checks.append(check_prefect(url, probe_prefect(url) if url else None))
     installed, platforms = probe_jax()
     checks.append(check_jax(installed, platforms, gpu_seen, env.get("XLA_PYTHON_CLIENT_PREALLOCATE")))
+    from latentmill.trainer.threads import choose_cpu_threads, usable_cores
+
+    cores = usable_cores()
+    choice = choose_cpu_threads(cpu_threads, env=env, cores=cores)
+    ranks = max(1, int(env.get("LOCAL_WORLD_SIZE") or 1))
+    on_gpu = available and device != "cpu"
+    checks.append(check_cpu_threads(torch.get_num_threads() if on_gpu else choice.threads,
+                                    choice.reason, cores[0], ranks, on_gpu))
     return checks
 
 
@@ -467,12 +492,14 @@ def doctor(config: str | None = None, overrides: list[str] | None = None, *, dev
     """Run the checks (``output_dir`` from the recipe ``config`` when given), print the table, return the exit
     code; write the report to ``json_path`` when given."""
     output_dir = recipe_volume = None
+    cpu_threads = 0
     if config is not None:
         from latentmill.recipe import load_recipe
 
         recipe = load_recipe(config, overrides or [])
         output_dir, recipe_volume = recipe.output_dir, recipe.volume
-    checks = run_checks(output_dir, device=device, recipe_volume=recipe_volume)
+        cpu_threads = recipe.trainer.cpu_threads
+    checks = run_checks(output_dir, device=device, recipe_volume=recipe_volume, cpu_threads=cpu_threads)
     print(format_checks(checks))
     if json_path is not None:
         json_path.parent.mkdir(parents=True, exist_ok=True)

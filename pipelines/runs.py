@@ -44,6 +44,8 @@ from latentmill.recipe import Recipe
 LATEST = "LATEST"
 LEGACY = "0000-legacy"
 RUN_FILE = "run.json"
+# Trainer keys that say how a run is carried out, not what it learns: a change trains nothing again.
+RUN_SETTINGS = ("resume", "cpu_threads")
 
 
 @dataclass
@@ -60,8 +62,9 @@ def runs_dir(recipe: Recipe) -> Path:
 
 
 def run_key(recipe: Recipe, snapshot: str, world_size: int) -> str:
-    """What decides a run's weights: snapshot, trainer settings but ``resume``, parallel, model, seed, world."""
-    trainer = {k: v for k, v in to_dict(recipe.trainer).items() if k != "resume"}
+    """What decides a run's weights: snapshot, trainer settings but how to run them (``resume``,
+    ``cpu_threads``), parallel, model, seed, world."""
+    trainer = {k: v for k, v in to_dict(recipe.trainer).items() if k not in RUN_SETTINGS}
     return stable_hash({"snapshot": snapshot, "trainer": trainer, "parallel": to_dict(recipe.parallel),
                         "model": to_dict(recipe.model), "seed": recipe.seed, "world_size": world_size})
 

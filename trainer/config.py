@@ -63,9 +63,15 @@ class TrainerConfig:
     # --- memory and speed, applied from outside to the unmodified model ---
     activation_checkpointing: bool = False  # recompute each transformer block in backward
     compile: bool = False  # torch.compile each transformer block
+    # intra-op threads of CPU training; 0: OMP_NUM_THREADS when set, else the usable cores shared among the
+    # node's ranks, less one for the loader's read-ahead thread (latentmill.trainer.threads; on CUDA unused)
+    cpu_threads: int = 0
     # --- data ---
     drop_last: bool = False  # drop each bucket's last partial batch
-    verify_shards: bool = False  # check each shard's sha256 against the manifest before training
+    # false: each shard is checked against the manifest's sha256 the first time the run reads it, in a
+    # background thread; the run stops naming a damaged shard, and checkpoints and the end of the run wait
+    # for the checks of every shard read so far. true: every shard is checked before the first step.
+    verify_shards: bool = False
     # --- validation: sample the in-training model with the recipe's VAE/text encoders ---
     validate_every: int = 0  # 0: never; else every N optimizer steps (and at the last step)
     validation_prompts: list[str] = field(default_factory=list)
@@ -103,6 +109,7 @@ class TrainerConfig:
             "grad_clip": self.grad_clip,
             "validate_every": self.validate_every,
             "max_skipped_steps": self.max_skipped_steps,
+            "cpu_threads": self.cpu_threads,
         }
         for key, value in non_negative.items():
             if value < 0:

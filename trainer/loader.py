@@ -53,6 +53,7 @@ from typing import Any, Iterator, Sequence
 
 import torch
 from latentmill.trainer.batch_reader import META_MEMBER, TEXT_MEMBER, VAE_MEMBER, SampleRef, ShardReader
+from latentmill.trainer.shard_check import LazyShardCheck
 from latentmill.trainer.shard_index import (
     MemberLayout,
     ShardIndex,
@@ -147,6 +148,23 @@ def _sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
+def shard_problems(cache_dir: Path, entry: dict) -> list[str]:
+    """What is wrong with one shard against its manifest ``entry``: its tar's sha256 (an unreadable tar counts
+    as a mismatch) and, format 3, its index file; each problem a line that names the file. Empty: intact,
+    or the entry records no sha256."""
+    expected = entry.get("sha256")
+    if not expected:
+        return []
+    path = cache_dir / entry["path"]
+    try:
+        actual = _sha256(path)
+    except OSError as exc:
+        actual = f"unreadable ({exc.strerror or exc})"
+    problems = [f"{path}: expected sha256 {expected}, actual {actual}"] if actual != expected else []
+    problem = verify_index(path, entry)
+    return problems + ([problem] if problem is not None else [])
+
+
 def _verify_group(world_size: int) -> tuple[int, int]:
     """(rank, size) among the processes that share the shard check: the default process group when one is
     initialised and the loader was told it is one of its ``world_size`` ranks (every rank builds a loader,
@@ -172,20 +190,10 @@ def verify_shards(cache_dir: Path, entries: list[dict], world_size: int = 1) -> 
     hashed: list[int] = []
     bad: list[tuple[int, str]] = []
     for index in range(rank, len(entries), size):
-        expected = entries[index].get("sha256")
-        if not expected:
+        if not entries[index].get("sha256"):
             continue
-        path = cache_dir / entries[index]["path"]
-        try:
-            actual = _sha256(path)
-        except OSError as exc:
-            actual = f"unreadable ({exc.strerror or exc})"
         hashed.append(index)
-        if actual != expected:
-            bad.append((index, f"{path}: expected sha256 {expected}, actual {actual}"))
-        problem = verify_index(path, entries[index])
-        if problem is not None:
-            bad.append((index, problem))
+        bad += [(index, problem) for problem in shard_problems(cache_dir, entries[index])]
     if size > 1:
         import torch.distributed as dist
 
@@ -264,6 +272,10 @@ class LatentLoader:
     ``__iter__``); ``io_threads``: threads that copy the members of one batch (``ShardReader``).
     ``verify``: check each shard's sha256 against the manifest first (``verify_shards``: under a process
     group each rank hashes its share, and every rank raises when any rank found a bad shard).
+    ``check_on_read`` (without ``verify``): check each shard the first time a batch reads from it, in a
+    background thread (``shard_check``, a ``LazyShardCheck``; the loader itself never raises for it: the
+    trainer reads ``shard_check.failure``). Under a process group of ``world_size`` ranks, rank r checks the
+    shards ``s % world_size == r`` that any rank's batch reads, so each shard is hashed once per run.
     """
 
     def __init__(
@@ -281,6 +293,7 @@ class LatentLoader:
         caption_dropout: float = 0.0,
         prefetch: bool = True,
         io_threads: int = 2,
+        check_on_read: bool = False,
     ) -> None:
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
@@ -320,6 +333,12 @@ class LatentLoader:
         # the shards this rank hashed (its share under a process group, see verify_shards)
         self.verified_shards = verify_shards(self.cache_dir, self.manifest["shards"], world_size) if verify else []
         entries = self.manifest["shards"]
+        self.shard_check: LazyShardCheck | None = None
+        if check_on_read and not verify and any(e.get("sha256") for e in entries):
+            check_rank, check_size = _verify_group(world_size)
+            self._check_owner = (check_rank, check_size)
+            self._owned = sum(1 for s, e in enumerate(entries) if e.get("sha256") and s % check_size == check_rank)
+            self.shard_check = LazyShardCheck(self._check_shard)
         indexed = all(e.get("index") for e in entries)
         if self.manifest.get("format_version", 1) >= INDEXED_FORMAT and not indexed:
             missing = next(self.cache_dir / e["path"] for e in entries if not e.get("index"))
@@ -345,6 +364,12 @@ class LatentLoader:
         self.epoch, self.batch_index = 0, 0
         self._order_epoch: int | None = None
         self._order: BatchPlan | list = []
+        self._global_epoch: int | None = None  # the global plan of that epoch (shard checks under a group)
+        self._global: BatchPlan | list = []
+        if self.shard_check is not None and self.indexed:
+            import numpy as np
+
+            self._shard_base_np = np.asarray(self._shard_base, dtype=np.int64)
 
     def _buckets_from_tars(self, entries: list[dict]) -> dict[tuple[int, ...], list[SampleRef]]:
         """Format 1 and 2 (no index): every shard's tar headers scanned, samples grouped by their shard's
@@ -599,8 +624,46 @@ class LatentLoader:
                 epoch, index = epoch + 1, 0
                 continue
             bucket, indices = self._order[index]
+            if self.shard_check is not None and self.shard_check.touched < self._owned:
+                self._touch(epoch, index)
             yield epoch, index, bucket, indices
             index += 1
+
+    def _touch(self, epoch: int, index: int) -> None:
+        """Hand the shards read at this rank's batch ``index`` of ``epoch`` to the shard check: this batch's
+        (alone), or under a process group those of every rank's batch at this position that this rank owns."""
+        import numpy as np
+
+        rank, size = self._check_owner
+        if size == 1:
+            batches = [self._order[index]]
+        else:
+            if self._global_epoch != epoch:
+                self._global, self._global_epoch = self.global_batches(epoch), epoch
+            batches = [self._global[g] for g in range(index * size, (index + 1) * size)]
+        shards: set[int] = set()
+        for bucket, indices in batches:
+            refs = self.buckets[bucket]
+            if isinstance(refs, _IndexedRefs):  # global sample ids -> shard numbers, no SampleRef built
+                samples = refs.samples
+                ids = (np.asarray(indices, dtype=np.int64) + samples.start if isinstance(samples, range)
+                       else samples[indices])
+                found = np.searchsorted(self._shard_base_np, ids, side="right") - 1
+                shards.update(found.tolist())
+            else:
+                shards.update(refs[i].shard for i in indices)
+        entries = self.manifest["shards"]
+        self.shard_check.touch(sorted(s for s in shards if s % size == rank and entries[s].get("sha256")))
+
+    def _check_shard(self, shard: int) -> str | None:
+        """The shard check's verdict on shard number ``shard`` (``shard_problems``), as one error message."""
+        problems = shard_problems(self.cache_dir, self.manifest["shards"][shard])
+        if not problems:
+            return None
+        lines = "\n  ".join(problems)
+        return (f"cache shard {self.shard_paths[shard].name} is damaged (its bytes differ from the cache "
+                f"manifest):\n  {lines}\nRun `latentmill verify` on the cache ({self.cache_dir}) to list every "
+                "damaged shard, and re-run the prep to rebuild them before training again")
 
     def _advised(
         self, positions: Iterator[tuple[int, int, tuple[int, ...], list[int]]]
@@ -741,7 +804,9 @@ class LatentLoader:
         return json.loads(self._read(self.buckets[bucket][index], META_MEMBER))
 
     def close(self) -> None:
-        """Close the shard files (and stop the read threads)."""
+        """Close the shard files (and stop the read threads and the shard check)."""
+        if getattr(self, "shard_check", None) is not None:
+            self.shard_check.close()
         self._reader.close()
 
     def __enter__(self) -> "LatentLoader":

@@ -39,6 +39,8 @@ from latentmill.trainer.objective import (
     velocity_target,
 )
 from latentmill.trainer.parallel import DistContext, init_distributed, shutdown
+from latentmill.trainer.shard_check import CorruptShardError
+from latentmill.trainer.threads import ThreadChoice, choose_cpu_threads
 from latentmill.trainer.validation import Validator
 from tqdm.auto import tqdm
 
@@ -173,7 +175,9 @@ def train(
     defaults to ``<train_dir>/export`` (used when ``cfg.export``). Returns a summary: ``steps``,
     ``steps_this_run``, ``final_loss``, ``samples_per_s``, ``data_wait_fraction``, ``peak_rss_mb``,
     ``peak_mem_mb``, ``export_dir``, ``resumed_from``, ``world_size``, ``epochs`` (epochs of data this rank
-    has read), ``family``, ``validation`` (grid paths). Under
+    has read), ``family``, ``validation`` (grid paths), ``cpu_threads`` and ``cpu_threads_reason`` (torch's
+    intra-op threads in this run and why: ``latentmill.trainer.threads``), ``shards_checked`` (shards this
+    rank hashed against the manifest). A damaged shard stops the run with ``CorruptShardError``. Under
     torchrun with ``parallel.strategy: ddp | fsdp2`` every rank calls this; rank 0 writes metrics, weights
     and the export (its summary has ``export_dir``).
     """
@@ -181,6 +185,7 @@ def train(
     parallel = parallel or ParallelConfig()
     ctx = init_distributed(parallel)
     finished = False
+    threads = torch.get_num_threads()  # the caller's, restored at the end (_Run chooses the run's own)
     try:
         summary = _train(cfg, ctx, parallel, Path(cache_dir), pretrained, Path(train_dir), seed, export_dir,
                          progress=progress, check_cache=check_cache, on_step=on_step,
@@ -189,6 +194,8 @@ def train(
         return summary
     finally:
         shutdown(ctx, synchronize=finished)
+        if torch.get_num_threads() != threads:
+            torch.set_num_threads(threads)
 
 
 def _train(
@@ -230,6 +237,7 @@ def _train(
                     validations.append(str(path))
             if cfg.save_every and (run.step % cfg.save_every == 0 or run.step == cfg.max_steps):
                 run.save()
+        run.check_shards_read(wait=True)  # the run ends only on shards checked whole (before the loader closes)
     if tb is not None:
         tb.close()
     if run.validator is not None:
@@ -269,6 +277,7 @@ class _Run:
         self.device = ctx.device
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
+        self.cpu_threads = _use_cpu_threads(cfg, self.device)
         self._build_data(cache_dir, check_cache)
         self._build_model()
         self._build_optimizer()
@@ -290,7 +299,7 @@ class _Run:
         self.loader = LatentLoader(
             cache_dir, cfg.batch_size, self.seed, dtype=torch.float32, drop_last=cfg.drop_last,
             verify=cfg.verify_shards, manifest=self.manifest, rank=ctx.rank, world_size=ctx.world_size,
-            caption_dropout=cfg.caption_dropout,
+            caption_dropout=cfg.caption_dropout, check_on_read=not cfg.verify_shards,
         )
         self.text_len = _text_length(self.manifest)
         log.info("%s cache %s: %d samples in %d buckets, %d batches per epoch and rank", self.adapter.family,
@@ -407,8 +416,13 @@ class _Run:
             loss_sum = loss if loss_sum is None else loss_sum + loss  # on the device: no read per micro-batch
         grads = [p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
                  for p in self.trainable if p.grad is not None]  # this rank's (shards of the) averaged grads
-        loss_sum_all, global_batch, nonfinite, norm = _reduce_step_stats(
-            ctx, loss_sum, step_samples, grads, grad_replicas=self.grad_replicas)
+        check = self.loader.shard_check
+        try:
+            loss_sum_all, global_batch, nonfinite, norm = _reduce_step_stats(
+                ctx, loss_sum, step_samples, grads, grad_replicas=self.grad_replicas,
+                bad_shard=check is not None and check.failure is not None)
+        except _BadShardSeen:
+            self._stop_on_bad_shard()
         self.last_loss = loss_sum_all / (accum * ctx.world_size)  # the mean loss of the global batch
         lr = self.scheduler.get_last_lr()[0]
         skip = nonfinite or not (math.isfinite(self.last_loss) and math.isfinite(norm))
@@ -464,8 +478,31 @@ class _Run:
         return self.validator.run(self.transformer, cfg=self.cfg, step=self.step, train_dir=self.train_dir,
                                   max_sequence_length=self.text_len, is_main=self.ctx.is_main, tb_writer=tb)
 
+    def check_shards_read(self, *, wait: bool) -> None:
+        """Stop, naming the shard, when any rank's shard check found a damaged one (every rank takes part);
+        ``wait``: first let the checks of every shard read so far finish (a checkpoint, the end of the run)."""
+        check = self.loader.shard_check
+        if check is None:  # verify_shards: checked before the first step (the same on every rank)
+            return
+        if wait:
+            check.wait()
+        if self.ctx.sum(int(check.failure is not None)):
+            self._stop_on_bad_shard()
+
+    def _stop_on_bad_shard(self) -> None:
+        """Raise ``CorruptShardError`` with what every rank's shard check found (every rank calls this)."""
+        failure = self.loader.shard_check.failure
+        found = [failure] if failure else []
+        if self.ctx.initialized:
+            gathered: list[str | None] = [None] * self.ctx.world_size
+            torch.distributed.all_gather_object(gathered, failure)
+            found = sorted({f for f in gathered if f})
+        raise CorruptShardError("\n".join(found)) from None
+
     def save(self) -> None:
-        """A checkpoint of everything an exact resume needs (never one that holds a non-finite weight)."""
+        """A checkpoint of everything an exact resume needs (never one that holds a non-finite weight, nor one
+        trained on a shard whose check has not finished)."""
+        self.check_shards_read(wait=True)
         _check_finite_weights(self.trainable, self.ctx, self.step)
         trainer_state = {
             "loader": self.loader.state_dict(),
@@ -518,18 +555,27 @@ class _Run:
             "epochs": loader.epoch + loader.batch_index / max(1, len(loader)),  # position of this rank's data
             "family": self.adapter.family,
             "validation": validations,
+            "cpu_threads": self.cpu_threads.threads,  # intra-op threads of this run (CUDA: torch's own)
+            "cpu_threads_reason": self.cpu_threads.reason,
+            "shards_checked": self.loader.shard_check.checked if self.loader.shard_check is not None
+            else len(self.loader.verified_shards),
             **self.provenance,
         }
 
 
+class _BadShardSeen(Exception):
+    """Some rank's shard check found a damaged shard (``_reduce_step_stats``: every rank raises it at once)."""
+
+
 def _reduce_step_stats(ctx: DistContext, loss_sum: torch.Tensor, samples: int, grads: list[torch.Tensor], *,
-                       grad_replicas: int) -> tuple[float, int, bool, float]:
-    """One all-reduce (sum) of [loss sum, samples, non-finite flag, squared gradient norm], one host read.
+                       grad_replicas: int, bad_shard: bool = False) -> tuple[float, int, bool, float]:
+    """One all-reduce (sum) of [loss sum, samples, non-finite flag, squared gradient norm, bad-shard flag],
+    one host read.
 
     ``grads`` are this rank's gradients (local shards under FSDP2). Returns (loss sum over ranks, samples
     over ranks, any rank's loss was not finite, the global gradient norm). Each gradient element is held by
     ``grad_replicas`` ranks (all of them under DDP, one under FSDP2, the replicas of HSDP), so the summed
-    squares are divided by it.
+    squares are divided by it. Raises ``_BadShardSeen`` on every rank when any rank passed ``bad_shard``.
     """
     device = loss_sum.device
     loss_sum = loss_sum.detach().to(torch.float64).reshape(())
@@ -539,11 +585,14 @@ def _reduce_step_stats(ctx: DistContext, loss_sum: torch.Tensor, samples: int, g
     else:
         squares = torch.zeros((), dtype=torch.float64, device=device)
     flag = (~torch.isfinite(loss_sum)).to(torch.float64)
-    stats = torch.stack([torch.nan_to_num(loss_sum, nan=0.0, posinf=0.0, neginf=0.0),
-                         torch.tensor(float(samples), dtype=torch.float64, device=device), flag, squares])
+    counts = torch.tensor([float(samples), float(bad_shard)], dtype=torch.float64, device=device)
+    stats = torch.cat([torch.nan_to_num(loss_sum, nan=0.0, posinf=0.0, neginf=0.0).reshape(1), counts[:1],
+                       flag.reshape(1), squares.reshape(1), counts[1:]])
     if ctx.initialized:
         torch.distributed.all_reduce(stats)
-    total_loss, total_samples, nonfinite, squares_sum = stats.tolist()
+    total_loss, total_samples, nonfinite, squares_sum, bad_shards = stats.tolist()
+    if bad_shards:
+        raise _BadShardSeen()
     norm = math.sqrt(squares_sum / grad_replicas) if math.isfinite(squares_sum) else float("nan")
     return (float("nan") if nonfinite else total_loss), int(total_samples), nonfinite > 0, norm
 
@@ -580,6 +629,18 @@ def _check_finite_weights(params: list[torch.nn.Parameter], ctx: DistContext, st
     if ctx.sum(bad):
         raise FloatingPointError(f"step {step}: a trainable weight is not finite; no checkpoint is written "
                                  "(the previous one is intact: resume from it with a lower learning rate)")
+
+
+def _use_cpu_threads(cfg: TrainerConfig, device: torch.device) -> ThreadChoice:
+    """On the CPU: set torch's intra-op threads to ``choose_cpu_threads``'s choice; on CUDA leave torch's
+    (the step's work is on the GPU; its CPU threads only launch kernels and copy batches)."""
+    if device.type != "cpu":
+        return ThreadChoice(torch.get_num_threads(), f"{device.type}: torch's default, left as it is")
+    choice = choose_cpu_threads(cfg.cpu_threads)
+    if torch.get_num_threads() != choice.threads:
+        torch.set_num_threads(choice.threads)
+    log.info("CPU training on %d intra-op threads (%s)", choice.threads, choice.reason)
+    return choice
 
 
 def _text_length(manifest: dict) -> int:
