@@ -95,6 +95,7 @@ def _recording_step(seen: list[int], step):
 def test_the_thread_count_is_not_part_of_what_a_run_learns():
     """A finished run is not trained again because its thread count changed (``pipelines.runs.run_key``)."""
     from latentmill.pipelines.runs import run_key
+
     from latentmill.recipe import load_recipe
 
     def key(*overrides: str) -> str:
