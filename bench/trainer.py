@@ -67,15 +67,23 @@ def train_run(cache_dir, pretrained, train_dir, steps: int, batch: int) -> list[
 
 def bare_run(batches, pretrained, steps: int, device: str = "cpu") -> list[float]:
     """The bare loop over ``batches`` (held in memory); returns per-step seconds."""
+    import torch
     from bench.bare import BareStep, load_transformer
+    from latentmill.trainer.threads import choose_cpu_threads
 
     step = BareStep(load_transformer(pretrained, device))
+    threads = torch.get_num_threads()
+    if device == "cpu":  # the threads train() would use: the two sides differ in the trainer's work only
+        torch.set_num_threads(choose_cpu_threads().threads)
     times = []
-    for i in range(steps):
-        b = batches[i % len(batches)]
-        start = time.perf_counter()
-        step(b["latents"], b["prompt_embeds"], b["pooled_prompt_embeds"])
-        times.append(time.perf_counter() - start)
+    try:
+        for i in range(steps):
+            b = batches[i % len(batches)]
+            start = time.perf_counter()
+            step(b["latents"], b["prompt_embeds"], b["pooled_prompt_embeds"])
+            times.append(time.perf_counter() - start)
+    finally:
+        torch.set_num_threads(threads)
     return times
 
 
