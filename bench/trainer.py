@@ -68,8 +68,9 @@ def train_run(cache_dir, pretrained, train_dir, steps: int, batch: int) -> list[
 def bare_run(batches, pretrained, steps: int, device: str = "cpu") -> list[float]:
     """The bare loop over ``batches`` (held in memory); returns per-step seconds."""
     import torch
-    from bench.bare import BareStep, load_transformer
     from latentmill.trainer.threads import choose_cpu_threads
+
+    from bench.bare import BareStep, load_transformer
 
     step = BareStep(load_transformer(pretrained, device))
     threads = torch.get_num_threads()
