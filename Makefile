@@ -1,7 +1,8 @@
 # latentmill — one command sets up and runs the demo, one runs the tests.
 #
 #   make demo        create .venv, install the package, build the tiny models, run prep-then-train on the demo
-#   make test        add the dev tools to .venv and run the test suite (make test-all: also the heavy tests)
+#   make test        add the dev tools to .venv and run the test suite (make test-all: also the heavy tests;
+#                    make test-unit: the unit tier alone)
 #   make serve       local Prefect server and UI (http://127.0.0.1:4200) + process worker + deployments
 #   make serve-stop  stop what `make serve` started
 #   make gpu-check   on a GPU machine: doctor, demo, quick bench, FSDP2, LoRA and full runs, sample (--compile),
@@ -23,7 +24,7 @@ export LATENTMILL_VOLUME
 DEMO_DIR := $(if $(LATENTMILL_VOLUME),$(LATENTMILL_VOLUME)/outputs/demo,outputs/demo)
 PREFECT_HOME_DIR ?= $(or $(PREFECT_HOME),$(if $(LATENTMILL_VOLUME),$(LATENTMILL_VOLUME)/prefect,$(CURDIR)/.prefect))
 
-.PHONY: venv dev demo test test-all lint serve serve-stop clean
+.PHONY: venv dev demo test test-all test-unit lint serve serve-stop clean
 
 # The demo needs the package alone; tests, lint and benchmarks add the dev tools (pytest, ruff, Dask, Ray...).
 $(VENV)/.installed: pyproject.toml
@@ -50,6 +51,10 @@ test: dev
 
 test-all: dev
 	$(VENV)/bin/python -m pytest -q --durations=25
+
+# The unit tier: no pipeline built, no Prefect flow, no server, no launcher (under 2 minutes on 2 cores).
+test-unit: dev
+	$(VENV)/bin/python -m pytest -q -m "not slow and not heavy and not served"
 
 lint: dev
 	$(VENV)/bin/ruff check .

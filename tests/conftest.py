@@ -25,6 +25,17 @@ DEMO_IMAGES = REPO_ROOT / "data" / "demo" / "images"
 DEMO_CONFIG = REPO_ROOT / "configs" / "demo.yaml"
 
 
+# Fixtures that build a model: a test that uses one (directly or through another fixture) is slow, so that
+# the unit tier (`make test-unit`: not slow, heavy or served) builds no model.
+MODEL_FIXTURES = frozenset({"tiny_flux", "tiny_wan", "tiny_blip"})
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if MODEL_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.slow)
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _remove_prefect_home():
     yield

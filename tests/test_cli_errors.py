@@ -169,6 +169,7 @@ def test_train_before_prep_and_nproc_without_ddp_say_so_in_one_line(tmp_path):
     assert "2 processes need parallel.strategy 'ddp' or 'fsdp2'" in line
 
 
+@pytest.mark.slow  # a prep that fails in a stage: Prefect starts
 def test_an_unforeseen_failure_is_one_line_and_debug_shows_the_traceback(tmp_path):
     # An existing folder that is no pipeline passes the path checks and fails when the cache stage loads it.
     empty = tmp_path / "not-a-pipeline"

@@ -21,6 +21,8 @@ import pytest
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
+pytestmark = pytest.mark.slow  # two gloo processes
+
 WORKER = """
 import json, sys, time
 from pathlib import Path

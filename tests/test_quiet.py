@@ -12,6 +12,8 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 VIDEOS = REPO / "data" / "demo" / "videos"
 
+pytestmark = pytest.mark.slow  # loads transformers image processors in a subprocess
+
 
 def _stderr(code: str) -> str:
     return subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True).stderr

@@ -11,6 +11,8 @@ import torch
 from latentmill.config import ConfigError
 from latentmill.tiny import DEFAULT_RECIPE_PATH, build_tiny_flux, ensure_tiny_flux, load_recipe, main
 
+pytestmark = pytest.mark.slow  # builds the tiny pipelines: not the unit tier
+
 CAPTIONS = [
     "a red square",
     "A Photo of an AXOLOTL swimming in Zurich's lake, 4k!!",
