@@ -11,6 +11,7 @@ moment of the run, so start-up costs what it did.
 from __future__ import annotations
 
 import ctypes
+import os
 import signal
 import subprocess
 import sys
@@ -33,8 +34,16 @@ _PRCTL = _libc_prctl()  # looked up here: the child between fork and exec should
 
 
 def _die_with_parent() -> None:
-    """``preexec_fn``: ask the kernel for SIGTERM when the parent (the thread that forks) ends."""
+    """``preexec_fn``: ask the kernel for SIGTERM when the parent (the thread that forks) ends, in a process
+    group of its own.
+
+    A Ctrl-C in a terminal signals the whole foreground process group. The server, in the run's group, quit
+    at once while the run still had states and events to report: the run then retried against a closed
+    port for over a minute and ended on ``ConnectError: [Errno 111] Connection refused``. In its own group
+    it stays up while the run stops, and still ends with it.
+    """
     _PRCTL(PR_SET_PDEATHSIG, signal.SIGTERM)
+    os.setpgid(0, 0)
 
 
 class _SubprocessDyingWithParent:
@@ -148,7 +157,6 @@ def start_api_early() -> EarlyAPI | None:
     if _early is not None and _early.process.poll() is None:
         return _early
     import atexit
-    import os
     import socket
 
     import prefect
