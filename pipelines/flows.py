@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +23,7 @@ from latentmill.pipelines.snapshot import resolve_snapshot
 from prefect import flow, task
 from prefect.cache_policies import NONE
 
+from latentmill import interrupt
 from latentmill.config import ConfigError
 from latentmill.recipe import Recipe, load_recipe, recipe_from_dict
 
@@ -111,15 +114,26 @@ def torchrun_task(recipe_data: dict, launch: Launch, run_dir: str, poll_s: float
            "-m", "latentmill.pipelines.launch", str(recipe_json), str(summary_json), str(folder)]
     progress = TrainProgress(recipe.trainer.max_steps, interval_s=poll_s)
     follower = MetricsFollower(folder / "metrics.jsonl")
+    last: dict[str, Any] | None = None
     with subprocess.Popen(cmd) as proc:
         try:
+            forwarded, looked = False, time.monotonic()
             while True:
                 try:
-                    returncode = proc.wait(timeout=poll_s)
+                    returncode = proc.wait(timeout=0.2)
                     break
                 except subprocess.TimeoutExpired:
+                    pass
+                if interrupt.requested() is not None and not forwarded:
+                    # this process alone may have got it (Kubernetes signals PID 1): torchrun passes SIGTERM
+                    # on to its ranks, which all stop after the same step and save it (trainer.train)
+                    proc.send_signal(signal.SIGTERM)
+                    forwarded = True
+                if time.monotonic() - looked >= poll_s:
+                    looked = time.monotonic()
                     if (record := follower.last_record()) is not None:
                         progress(record)
+                        last = record
         except BaseException:  # cancelled or interrupted: torchrun stops its ranks on SIGTERM
             proc.terminate()
             try:
@@ -127,6 +141,12 @@ def torchrun_task(recipe_data: dict, launch: Launch, run_dir: str, poll_s: float
             except subprocess.TimeoutExpired:
                 proc.kill()
             raise
+    if returncode != 0 and interrupt.requested() is not None:
+        from latentmill.trainer.train import stopped_detail
+
+        last = follower.last_record() or last
+        raise interrupt.Interrupted(interrupt.requested(), stopped_detail(
+            last["step"] if last else None, folder / "checkpoints", recipe.trainer.resume))
     if returncode != 0:
         raise RuntimeError(f"torchrun exited with status {returncode}; see the rank logs above")
     summary = (json.loads(summary_json.read_text()) if summary_json.is_file()  # else another node has rank 0
