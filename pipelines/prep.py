@@ -246,6 +246,7 @@ def wait_result(future: Any, poll_s: float = 0.2) -> Any:
         if interrupt.requested() is not None:
             _stop_worker_processes()
             interrupt.check()
+    interrupt.check()  # a task run that stopped returns only the units it committed (run_units): not a result
     return future.result()
 
 
@@ -260,13 +261,13 @@ def _stop_worker_processes() -> None:
 
 
 def start_worker(slot_dir: str) -> None:
-    """Initializer of a process-pool worker: its number (one GPU each, ``stages.workers``), and SIGINT or
-    SIGTERM as a stop request (``latentmill.interrupt``) rather than a ``KeyboardInterrupt`` wherever it
-    lands: a Ctrl-C reaches the workers too (the terminal's process group), and so does the flow's own
-    stop (``_stop_worker_processes``)."""
+    """Initializer of a process-pool worker: its number (one GPU each, ``stages.workers``), and SIGINT as a
+    stop request (``latentmill.interrupt``) rather than a ``KeyboardInterrupt`` wherever it lands: a Ctrl-C
+    reaches the workers too (the terminal's process group), and so does the flow's own stop
+    (``_stop_worker_processes``). SIGTERM keeps ending a worker at once: an idle worker that only noted it
+    outlived a run killed with its process group."""
     number_worker(slot_dir)
-    for sig in interrupt.SIGNALS:
-        signal.signal(sig, lambda signum, frame: interrupt.request(signum))
+    signal.signal(signal.SIGINT, lambda signum, frame: interrupt.request(signum))
 
 
 @task(name="run-units", task_run_name=units_run_name, cache_policy=NONE, retries=1, retry_delay_seconds=1)
@@ -283,7 +284,15 @@ def run_units(stage: str, recipe_data: dict, units: list[WorkUnit]) -> list[Unit
     recipe = recipe_from_dict(recipe_data)
     tune_allocator()  # a worker process (processes, Dask, Ray) has not run the flow's call
     stage_dir, process = _stage_dir(recipe, stage), stoppable(stage_processor(stage, recipe))
-    return [slim_records(stage, [stage_dir.run_unit(unit, process)])[0] for unit in units]
+    records = []
+    try:
+        for unit in units:
+            records.append(slim_records(stage, [stage_dir.run_unit(unit, process)])[0])
+    except interrupt.Interrupted:
+        # The flow stops too (wait_result) and never reads this. Raised, the BaseException would cross a
+        # process pool into Prefect's result callback, kill the pool's management thread and hang the exit.
+        pass
+    return records
 
 
 def task_chunks(units: list[WorkUnit], runner: RunnerConfig) -> list[list[WorkUnit]]:

@@ -144,14 +144,18 @@ def _clean_stop(log: Path) -> None:
 
 
 @pytest.mark.slow
-def test_prep_ctrl_c_stops_in_seconds_and_the_same_command_resumes(tiny_flux, tmp_path):
+@pytest.mark.parametrize("runner, group", [("threads", True), ("processes", False)],
+                         ids=["threads-ctrl-c", "processes-sigint-to-the-cli"])
+def test_prep_ctrl_c_stops_in_seconds_and_the_same_command_resumes(runner, group, tiny_flux, tmp_path):
+    """Ctrl-C in a terminal signals the process group; ``kill -INT`` the CLI alone, whose flow then passes the
+    stop on to its process-pool workers (an Interrupted raised across the pool once hung the exit)."""
     # larger buckets and small batches: a cache unit takes seconds, so one is in flight when Ctrl-C comes
     args = ["prep", str(DEMO_CONFIG), f"output_dir={tmp_path / 'out'}", f"model.pretrained={tiny_flux}",
-            f"ingest.source={DEMO_IMAGES}", "bucket.resolution=512", "cache.batch_size=2"]
+            f"ingest.source={DEMO_IMAGES}", "bucket.resolution=512", "cache.batch_size=2", f"runner.kind={runner}"]
     units, shards = tmp_path / "out" / "prep" / "cache" / "units", tmp_path / "out" / "prep" / "cache" / "shards"
     proc, log = _start(tmp_path, "first", args)
     _wait_for(proc, log, lambda: units.is_dir() and any(units.iterdir()))  # a unit committed, the next running
-    seconds = _stop(proc, signal.SIGINT, group=True)
+    seconds = _stop(proc, signal.SIGINT, group=group)
     assert proc.returncode == 130, log.read_text()[-3000:]
     assert seconds < EXIT_BOUND_S
     assert _last_line(log) == INTERRUPTED
