@@ -16,7 +16,7 @@ import signal
 import subprocess
 import sys
 import threading
-from typing import Any
+from typing import Any, Callable
 
 PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 
@@ -44,6 +44,12 @@ def _die_with_parent() -> None:
     """
     _PRCTL(PR_SET_PDEATHSIG, signal.SIGTERM)
     os.setpgid(0, 0)
+
+
+def group_dying_with_parent() -> Callable[[], None] | None:
+    """A ``preexec_fn`` that puts a child in a process group of its own and ends it with this process (the
+    thread that starts it), or None where the platform has no ``prctl``."""
+    return _die_with_parent if _PRCTL is not None else None
 
 
 class _SubprocessDyingWithParent:

@@ -25,6 +25,7 @@ from prefect.cache_policies import NONE
 
 from latentmill import interrupt
 from latentmill.config import ConfigError
+from latentmill.prefect_env import group_dying_with_parent
 from latentmill.recipe import Recipe, load_recipe, recipe_from_dict
 
 
@@ -115,7 +116,12 @@ def torchrun_task(recipe_data: dict, launch: Launch, run_dir: str, poll_s: float
     progress = TrainProgress(recipe.trainer.max_steps, interval_s=poll_s)
     follower = MetricsFollower(folder / "metrics.jsonl")
     last: dict[str, Any] | None = None
-    with subprocess.Popen(cmd) as proc:
+    # In a process group of its own (and ending with this process): a terminal's Ctrl-C reaches this process
+    # only, which passes the stop on once, to the ranks (_stop_ranks).
+    own_group = group_dying_with_parent()
+    # SIGINT and SIGTERM to this process only note the stop (latentmill.interrupt): it waits for the ranks
+    with interrupt.stop_on_signals(), \
+            subprocess.Popen(cmd, preexec_fn=own_group, start_new_session=own_group is None) as proc:
         try:
             forwarded, looked = False, time.monotonic()
             while True:
@@ -125,9 +131,7 @@ def torchrun_task(recipe_data: dict, launch: Launch, run_dir: str, poll_s: float
                 except subprocess.TimeoutExpired:
                     pass
                 if interrupt.requested() is not None and not forwarded:
-                    # this process alone may have got it (Kubernetes signals PID 1): torchrun passes SIGTERM
-                    # on to its ranks, which all stop after the same step and save it (trainer.train)
-                    proc.send_signal(signal.SIGTERM)
+                    _stop_ranks(proc.pid)
                     forwarded = True
                 if time.monotonic() - looked >= poll_s:
                     looked = time.monotonic()
@@ -141,7 +145,7 @@ def torchrun_task(recipe_data: dict, launch: Launch, run_dir: str, poll_s: float
             except subprocess.TimeoutExpired:
                 proc.kill()
             raise
-    if returncode != 0 and interrupt.requested() is not None:
+    if interrupt.requested() is not None and not summary_json.is_file():  # stopped before the last step
         from latentmill.trainer.train import stopped_detail
 
         last = follower.last_record() or last
@@ -153,6 +157,26 @@ def torchrun_task(recipe_data: dict, launch: Launch, run_dir: str, poll_s: float
                else {"steps": None, "note": "the summary is written on the node that holds global rank 0"})
     progress.finish(summary)  # rank 0 finished the run (pipelines.launch): run.json, the export link
     return summary
+
+
+def _stop_ranks(torchrun_pid: int) -> None:
+    """SIGTERM to torchrun's ranks, not to torchrun: each stops after the same step and saves it
+    (``trainer.train``), then exits, and torchrun ends as after a finished run.
+
+    torchrun, signalled itself, stops its ranks too but ends on a traceback of its own; and a second signal
+    while it waits for them (one from outside and this one) made it kill them before they had saved.
+    """
+    import psutil
+
+    try:
+        ranks = psutil.Process(torchrun_pid).children()
+    except psutil.NoSuchProcess:
+        return
+    for rank in ranks:
+        try:
+            rank.send_signal(signal.SIGTERM)
+        except psutil.NoSuchProcess:
+            pass
 
 
 def check_launch(recipe: Recipe, launch: Launch) -> None:

@@ -59,10 +59,10 @@ def main(argv: list[str] | None = None) -> int:
     rank = int(os.environ.get("RANK", "0"))
     try:
         summary = train_recipe(recipe, run_dir, progress=rank == 0)
-    except Interrupted as err:  # SIGINT or SIGTERM: every rank stopped after the same step (trainer.train)
-        if rank == 0:
-            print(f"interrupted; {err}", file=sys.stderr)
-        return err.exit_code
+    except Interrupted:  # SIGINT or SIGTERM: every rank stopped after the same step (trainer.train)
+        # 0: torchrun takes any other status for a failed worker and prints its error report; the command
+        # that launched torchrun asked for the stop (pipelines.flows._stop_ranks) and says it in one line
+        return 0
     if rank == 0:  # the run is finished: record it, link its export
         from latentmill.pipelines.runs import RunPlan, finish_run, run_key
 

@@ -359,3 +359,22 @@ def test_a_flow_run_terminated_saves_its_step_before_prefect_handles_the_signal(
     assert seconds < EXIT_BOUND_S
     step = max(_metrics(out))
     assert _checkpoint_steps(out / "train") == [step]
+
+
+@pytest.mark.slow
+def test_train_under_torchrun_ctrl_c_stops_the_ranks_after_one_step_and_saves_it(prepared, tiny_flux, tmp_path):
+    """``--nproc 2``: torchrun runs in a process group of its own, so a Ctrl-C reaches the CLI alone, which
+    passes SIGTERM to the ranks once (torchrun signalled twice killed them before they saved)."""
+    out = tmp_path / "out"
+    shutil.copytree(prepared, out, symlinks=True)
+    proc, log = _start(tmp_path, "torchrun", [*_train_args(out, tiny_flux, "trainer.max_steps=100000",
+                                                           "parallel.strategy=ddp"), "--nproc", "2"])
+    _wait_for(proc, log, lambda: len(_metrics(out)) >= 3)
+    seconds = _stop(proc, signal.SIGINT, group=True)
+    assert proc.returncode == 130, log.read_text()[-3000:]
+    assert seconds < EXIT_BOUND_S
+    step = max(_metrics(out))
+    assert _checkpoint_steps(out / "train") == [step]
+    assert _last_line(log) == (f"latentmill: interrupted; stopped after step {step} (a checkpoint of it saved); "
+                               "run the same command with trainer.resume=latest to resume from the checkpoint")
+    _clean_stop(log)
