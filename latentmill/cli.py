@@ -336,6 +336,11 @@ def _retention_command(args: argparse.Namespace) -> int:
     return 0
 
 
+def _interrupted_line(err: BaseException) -> str:
+    """The one line a stopped command prints: what was kept, and how to go on."""
+    return f"interrupted; {getattr(err, 'detail', '') or 'run the same command again to resume'}"
+
+
 def _quiet_when_stdout_closes(command: Any) -> Any:
     """Run ``command``; when the reader of stdout goes away (``latentmill inspect ... | head -3``), exit 1
     without a traceback, as the Python documentation's SIGPIPE note does, instead of ``BrokenPipeError``."""
@@ -389,6 +394,7 @@ def main(argv: list[str] | None = None) -> int:
     if getattr(args, "summary_json", None):
         args.summary_json = args.summary_json.resolve()
     from latentmill.config import ConfigError
+    from latentmill.interrupt import Interrupted
     from latentmill.models import CacheMismatchError
     from latentmill.pipelines.retention import OutputBusyError
     from latentmill.pipelines.snapshot import EmptySnapshotError
@@ -446,10 +452,12 @@ def main(argv: list[str] | None = None) -> int:
         recipe = _checked_recipe("run" if args.command == "demo" else args.command,
                                  DEMO_CONFIG if args.command == "demo" else args.config, args.overrides)
         # flows ahead: Prefect's temporary API server boots while the flows are imported
+        from latentmill.interrupt import stop_on_signals
         from latentmill.prefect_env import start_api_early
         from latentmill.stages.memory import StartupFrozen
 
-        with StartupFrozen() as startup:  # no collections in the imports; their objects frozen for the run
+        # Ctrl-C and SIGTERM stop the work at its next safe point (latentmill.interrupt), not where they land
+        with stop_on_signals(), StartupFrozen() as startup:
             early_api = start_api_early()
             if args.command == "demo":
                 summary, out = _run_flow("run", DEMO_CONFIG, args.overrides, 1, early_api=early_api,
@@ -466,6 +474,11 @@ def main(argv: list[str] | None = None) -> int:
             traceback.print_exc()
         print(f"latentmill: error: {err}", file=sys.stderr)
         return 2
+    except (Interrupted, KeyboardInterrupt) as err:
+        if debug:
+            traceback.print_exc()
+        print(f"latentmill: {_interrupted_line(err)}", file=sys.stderr)
+        return err.exit_code if isinstance(err, Interrupted) else 130
     except OutputBusyError as err:  # another prep, gc or compaction writes the output_dir (prep.on_busy=fail)
         print(f"latentmill: error: {err}", file=sys.stderr)
         return 1
@@ -477,6 +490,15 @@ def main(argv: list[str] | None = None) -> int:
         print(f"latentmill: error: {type(err).__name__}: {err} (run again with --debug, or LATENTMILL_DEBUG=1, "
               "for the traceback)", file=sys.stderr)
         return 1
+    except BaseException as err:  # SIGTERM while Prefect's own handler was in place: its TerminationSignal
+        from prefect.exceptions import TerminationSignal
+
+        if not isinstance(err, TerminationSignal):
+            raise
+        if debug:
+            traceback.print_exc()
+        print(f"latentmill: {_interrupted_line(err)}", file=sys.stderr)
+        return 128 + err.signal
     _print_summary(summary, out)
     if args.summary_json:
         args.summary_json.parent.mkdir(parents=True, exist_ok=True)

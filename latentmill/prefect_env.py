@@ -11,11 +11,12 @@ moment of the run, so start-up costs what it did.
 from __future__ import annotations
 
 import ctypes
+import os
 import signal
 import subprocess
 import sys
 import threading
-from typing import Any
+from typing import Any, Callable
 
 PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 
@@ -33,8 +34,22 @@ _PRCTL = _libc_prctl()  # looked up here: the child between fork and exec should
 
 
 def _die_with_parent() -> None:
-    """``preexec_fn``: ask the kernel for SIGTERM when the parent (the thread that forks) ends."""
+    """``preexec_fn``: ask the kernel for SIGTERM when the parent (the thread that forks) ends, in a process
+    group of its own.
+
+    A Ctrl-C in a terminal signals the whole foreground process group. The server, in the run's group, quit
+    at once while the run still had states and events to report: the run then retried against a closed
+    port for over a minute and ended on ``ConnectError: [Errno 111] Connection refused``. In its own group
+    it stays up while the run stops, and still ends with it.
+    """
     _PRCTL(PR_SET_PDEATHSIG, signal.SIGTERM)
+    os.setpgid(0, 0)
+
+
+def group_dying_with_parent() -> Callable[[], None] | None:
+    """A ``preexec_fn`` that puts a child in a process group of its own and ends it with this process (the
+    thread that starts it), or None where the platform has no ``prctl``."""
+    return _die_with_parent if _PRCTL is not None else None
 
 
 class _SubprocessDyingWithParent:
@@ -148,7 +163,6 @@ def start_api_early() -> EarlyAPI | None:
     if _early is not None and _early.process.poll() is None:
         return _early
     import atexit
-    import os
     import socket
 
     import prefect

@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +23,9 @@ from latentmill.pipelines.snapshot import resolve_snapshot
 from prefect import flow, task
 from prefect.cache_policies import NONE
 
+from latentmill import interrupt
 from latentmill.config import ConfigError
+from latentmill.prefect_env import group_dying_with_parent
 from latentmill.recipe import Recipe, load_recipe, recipe_from_dict
 
 
@@ -111,15 +115,29 @@ def torchrun_task(recipe_data: dict, launch: Launch, run_dir: str, poll_s: float
            "-m", "latentmill.pipelines.launch", str(recipe_json), str(summary_json), str(folder)]
     progress = TrainProgress(recipe.trainer.max_steps, interval_s=poll_s)
     follower = MetricsFollower(folder / "metrics.jsonl")
-    with subprocess.Popen(cmd) as proc:
+    last: dict[str, Any] | None = None
+    # In a process group of its own (and ending with this process): a terminal's Ctrl-C reaches this process
+    # only, which passes the stop on once, to the ranks (_stop_ranks).
+    own_group = group_dying_with_parent()
+    # SIGINT and SIGTERM to this process only note the stop (latentmill.interrupt): it waits for the ranks
+    with interrupt.stop_on_signals(), \
+            subprocess.Popen(cmd, preexec_fn=own_group, start_new_session=own_group is None) as proc:
         try:
+            forwarded, looked = False, time.monotonic()
             while True:
                 try:
-                    returncode = proc.wait(timeout=poll_s)
+                    returncode = proc.wait(timeout=0.2)
                     break
                 except subprocess.TimeoutExpired:
+                    pass
+                if interrupt.requested() is not None and not forwarded:
+                    _stop_ranks(proc.pid)
+                    forwarded = True
+                if time.monotonic() - looked >= poll_s:
+                    looked = time.monotonic()
                     if (record := follower.last_record()) is not None:
                         progress(record)
+                        last = record
         except BaseException:  # cancelled or interrupted: torchrun stops its ranks on SIGTERM
             proc.terminate()
             try:
@@ -127,12 +145,38 @@ def torchrun_task(recipe_data: dict, launch: Launch, run_dir: str, poll_s: float
             except subprocess.TimeoutExpired:
                 proc.kill()
             raise
+    if interrupt.requested() is not None and not summary_json.is_file():  # stopped before the last step
+        from latentmill.trainer.train import stopped_detail
+
+        last = follower.last_record() or last
+        raise interrupt.Interrupted(interrupt.requested(), stopped_detail(
+            last["step"] if last else None, folder / "checkpoints", recipe.trainer.resume))
     if returncode != 0:
         raise RuntimeError(f"torchrun exited with status {returncode}; see the rank logs above")
     summary = (json.loads(summary_json.read_text()) if summary_json.is_file()  # else another node has rank 0
                else {"steps": None, "note": "the summary is written on the node that holds global rank 0"})
     progress.finish(summary)  # rank 0 finished the run (pipelines.launch): run.json, the export link
     return summary
+
+
+def _stop_ranks(torchrun_pid: int) -> None:
+    """SIGTERM to torchrun's ranks, not to torchrun: each stops after the same step and saves it
+    (``trainer.train``), then exits, and torchrun ends as after a finished run.
+
+    torchrun, signalled itself, stops its ranks too but ends on a traceback of its own; and a second signal
+    while it waits for them (one from outside and this one) made it kill them before they had saved.
+    """
+    import psutil
+
+    try:
+        ranks = psutil.Process(torchrun_pid).children()
+    except psutil.NoSuchProcess:
+        return
+    for rank in ranks:
+        try:
+            rank.send_signal(signal.SIGTERM)
+        except psutil.NoSuchProcess:
+            pass
 
 
 def check_launch(recipe: Recipe, launch: Launch) -> None:

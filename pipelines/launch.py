@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 from typing import Any, Callable
 
+from latentmill.interrupt import Interrupted
 from latentmill.models import check_cache_compatible
 from latentmill.recipe import Recipe, recipe_from_dict
 
@@ -56,7 +57,12 @@ def main(argv: list[str] | None = None) -> int:
     recipe_json, summary_json, run_dir = args[:3]
     recipe = recipe_from_dict(json.loads(Path(recipe_json).read_text()))
     rank = int(os.environ.get("RANK", "0"))
-    summary = train_recipe(recipe, run_dir, progress=rank == 0)
+    try:
+        summary = train_recipe(recipe, run_dir, progress=rank == 0)
+    except Interrupted:  # SIGINT or SIGTERM: every rank stopped after the same step (trainer.train)
+        # 0: torchrun takes any other status for a failed worker and prints its error report; the command
+        # that launched torchrun asked for the stop (pipelines.flows._stop_ranks) and says it in one line
+        return 0
     if rank == 0:  # the run is finished: record it, link its export
         from latentmill.pipelines.runs import RunPlan, finish_run, run_key
 

@@ -7,6 +7,10 @@ a unit whose record exists on disk is reused without a task run.
 
 from __future__ import annotations
 
+import multiprocessing
+import os
+import signal
+import threading
 import time
 from typing import Any, Callable
 
@@ -33,6 +37,7 @@ from prefect.task_runners import ProcessPoolTaskRunner, ThreadPoolTaskRunner
 from prefect.utilities.annotations import unmapped
 from tqdm.auto import tqdm
 
+from latentmill import interrupt
 from latentmill.recipe import Recipe, RunnerConfig, load_recipe, recipe_from_dict
 
 STAGES = ("ingest", "caption", "curate", "bucket", "cache")
@@ -198,10 +203,78 @@ def units_run_name(parameters: dict[str, Any]) -> str:
             f"{sum(u.samples_in for u in units)} samples")
 
 
+class StoppableOutput:
+    """A unit's output that raises ``latentmill.interrupt.Interrupted`` when a stop is asked for (Ctrl-C,
+    SIGTERM) as the stage hands it a sample: the unit is abandoned, its temporaries removed and no record
+    written (``StageDir.run_unit``), instead of the task runner waiting for the rest of the task run's units.
+    The stage functions know nothing of it: every sample, kept or quarantined, passes through here."""
+
+    def __init__(self, out: UnitOutput):
+        self._out = out
+
+    def add(self, *args: Any, **kwargs: Any) -> None:
+        interrupt.check()
+        self._out.add(*args, **kwargs)
+
+    def quarantine(self, *args: Any, **kwargs: Any) -> None:
+        interrupt.check()
+        self._out.quarantine(*args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._out, name)
+
+
+def stoppable(process: Callable[[WorkUnit, UnitOutput], None]) -> Callable[[WorkUnit, UnitOutput], None]:
+    """``process`` stopping between samples at a stop request, and not starting at all after one."""
+
+    def run(unit: WorkUnit, out: UnitOutput) -> None:
+        interrupt.check()
+        process(unit, StoppableOutput(out))  # type: ignore[arg-type]  (the same interface)
+
+    return run
+
+
+def wait_result(future: Any, poll_s: float = 0.2) -> Any:
+    """``future.result()``, raising ``Interrupted`` at a stop request instead of waiting for the task run.
+
+    The signal handlers only note a request (``latentmill.interrupt``), so the flow's thread looks for one
+    while it waits; the task run's own thread abandons its unit at its next sample.
+    """
+    done = threading.Event()
+    future.add_done_callback(lambda _: done.set())
+    while not done.wait(poll_s):
+        if interrupt.requested() is not None:
+            _stop_worker_processes()
+            interrupt.check()
+    interrupt.check()  # a task run that stopped returns only the units it committed (run_units): not a result
+    return future.result()
+
+
+def _stop_worker_processes() -> None:
+    """Pass a stop on to the process pool's workers (``runner.kind: processes``), which a signal sent to this
+    process alone does not reach: each abandons its unit at the next sample (``start_worker``)."""
+    for child in multiprocessing.active_children():
+        try:
+            os.kill(child.pid, signal.SIGINT)
+        except (ProcessLookupError, TypeError):  # gone already, or never started (no pid)
+            pass
+
+
+def start_worker(slot_dir: str) -> None:
+    """Initializer of a process-pool worker: its number (one GPU each, ``stages.workers``), and SIGINT as a
+    stop request (``latentmill.interrupt``) rather than a ``KeyboardInterrupt`` wherever it lands: a Ctrl-C
+    reaches the workers too (the terminal's process group), and so does the flow's own stop
+    (``_stop_worker_processes``). SIGTERM keeps ending a worker at once: an idle worker that only noted it
+    outlived a run killed with its process group."""
+    number_worker(slot_dir)
+    signal.signal(signal.SIGINT, lambda signum, frame: interrupt.request(signum))
+
+
 @task(name="run-units", task_run_name=units_run_name, cache_policy=NONE, retries=1, retry_delay_seconds=1)
 def run_units(stage: str, recipe_data: dict, units: list[WorkUnit]) -> list[UnitRecord]:
     """Run a few work units one after another (a unit committed before a retry is reused, not redone); their
-    records without the per-sample extra (``slim_records``).
+    records without the per-sample extra (``slim_records``). A stop request (Ctrl-C, SIGTERM) abandons the
+    unit in flight at its next sample, uncommitted (``stoppable``).
 
     Each record is slimmed as soon as its unit is committed, not when the task run returns: a curate unit's
     per-sample scores and embeddings (or a cache unit's components) would otherwise stay alive while the
@@ -210,8 +283,16 @@ def run_units(stage: str, recipe_data: dict, units: list[WorkUnit]) -> list[Unit
     """
     recipe = recipe_from_dict(recipe_data)
     tune_allocator()  # a worker process (processes, Dask, Ray) has not run the flow's call
-    stage_dir, process = _stage_dir(recipe, stage), stage_processor(stage, recipe)
-    return [slim_records(stage, [stage_dir.run_unit(unit, process)])[0] for unit in units]
+    stage_dir, process = _stage_dir(recipe, stage), stoppable(stage_processor(stage, recipe))
+    records = []
+    try:
+        for unit in units:
+            records.append(slim_records(stage, [stage_dir.run_unit(unit, process)])[0])
+    except interrupt.Interrupted:
+        # The flow stops too (wait_result) and never reads this. Raised, the BaseException would cross a
+        # process pool into Prefect's result callback, kill the pool's management thread and hang the exit.
+        pass
+    return records
 
 
 def task_chunks(units: list[WorkUnit], runner: RunnerConfig) -> list[list[WorkUnit]]:
@@ -245,7 +326,7 @@ def task_runner(runner: RunnerConfig):
         slot_dir = tempfile.mkdtemp(prefix="latentmill-workers-")
         atexit.register(shutil.rmtree, slot_dir, True)
         return ProcessPoolTaskRunner(
-            max_workers=runner.workers, initializer=number_worker, initargs=(slot_dir,)
+            max_workers=runner.workers, initializer=start_worker, initargs=(slot_dir,)
         )
     if runner.kind == "ray":
         from prefect_ray import RayTaskRunner
@@ -304,7 +385,15 @@ def prep_stages(recipe_data: dict, started_run: str | None = None) -> dict[str, 
 
     ``started_run``: the id of the flow run the user started (``prep``, ``prep-then-train``, ``refresh``),
     which shows the stage progress, one log line per stage and the artifacts too (see ``latentmill.pipelines.report``).
+    SIGINT and SIGTERM stop it between samples (``latentmill.interrupt``): the units in flight are left
+    uncommitted, and a served run that its worker cancels is marked Cancelled once they are.
     """
+    with interrupt.stop_on_signals():
+        return _prep_stages(recipe_data, started_run)
+
+
+def _prep_stages(recipe_data: dict, started_run: str | None) -> dict[str, Any]:
+    """The body of ``prep_stages``."""
     recipe = recipe_from_dict(recipe_data)
     ensure_models(recipe)
     tune_allocator()
@@ -312,6 +401,7 @@ def prep_stages(recipe_data: dict, started_run: str | None = None) -> dict[str, 
     run_log = RunLog(also=started_run)
     report: dict[str, Any] = {}
     for stage in STAGES:
+        interrupt.check()
         start = time.perf_counter()
         stage_dir = _stage_dir(recipe, stage).ensure()
         units = plan_stage(stage, recipe)
@@ -332,7 +422,7 @@ def prep_stages(recipe_data: dict, started_run: str | None = None) -> dict[str, 
         with tqdm(total=total, desc=f"{stage:>8}", unit="sample") as bar:
             bar.update(sum(r.samples_in for r in records))
             for future in futures:
-                done_records = future.result()  # slim already (run_units)
+                done_records = wait_result(future)  # slim already (run_units)
                 records.extend(done_records)
                 samples = sum(r.samples_in for r in done_records)
                 bar.update(samples)

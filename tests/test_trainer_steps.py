@@ -73,11 +73,11 @@ def test_train_step_consumes_accum_batches_and_reports_the_read_values(run):
 
 def test_reduce_step_stats_without_a_process_group():
     g = [torch.tensor([3.0, 0.0]), torch.tensor([[4.0]])]
-    loss, samples, nonfinite, norm = _reduce_step_stats(DistContext(), torch.tensor(1.5), 6, g, grad_replicas=1)
+    loss, samples, nonfinite, norm, _ = _reduce_step_stats(DistContext(), torch.tensor(1.5), 6, g, grad_replicas=1)
     assert (loss, samples, nonfinite, norm) == (1.5, 6, False, 5.0)  # the norm clip_grad_norm_ computes
     assert float(torch.nn.utils.get_total_norm(g)) == norm
-    loss, _, nonfinite, norm = _reduce_step_stats(DistContext(), torch.tensor(float("nan")), 6, g, grad_replicas=1)
+    loss, _, nonfinite, norm, _ = _reduce_step_stats(DistContext(), torch.tensor(float("nan")), 6, g, grad_replicas=1)
     assert math.isnan(loss) and nonfinite and norm == 5.0
-    _, _, nonfinite, norm = _reduce_step_stats(DistContext(), torch.tensor(1.0), 6,
-                                               [torch.tensor([float("inf")])], grad_replicas=1)
+    _, _, nonfinite, norm, _ = _reduce_step_stats(DistContext(), torch.tensor(1.0), 6,
+                                                  [torch.tensor([float("inf")])], grad_replicas=1)
     assert not nonfinite and not math.isfinite(norm)  # the caller skips on either

@@ -16,6 +16,7 @@ import logging
 import math
 import os
 import resource
+import signal
 import sys
 import time
 import warnings
@@ -44,6 +45,7 @@ from latentmill.trainer.threads import ThreadChoice, choose_cpu_threads
 from latentmill.trainer.validation import Validator
 from tqdm.auto import tqdm
 
+from latentmill import interrupt
 from latentmill.config import to_dict
 
 log = logging.getLogger(__name__)
@@ -192,6 +194,9 @@ def train(
                          provenance=provenance or {})  # fmt: skip
         finished = True
         return summary
+    except interrupt.Interrupted:
+        finished = True  # every rank stopped after the same step (_Run.stop): all of them reach the barrier
+        raise
     finally:
         shutdown(ctx, synchronize=finished)
         if torch.get_num_threads() != threads:
@@ -221,7 +226,8 @@ def _train(
     metrics_file = open(run.metrics_path, "a") if ctx.is_main else nullcontext()
     tb = tensorboard_writer(train_dir / "tb") if (ctx.is_main and cfg.tensorboard) else None
     validations: list[str] = []
-    with bar, run.loader, metrics_file:
+    # SIGINT and SIGTERM end the loop after the step in flight (latentmill.interrupt, Run.stop_signal)
+    with bar, run.loader, metrics_file, interrupt.stop_on_signals():
         while run.step < cfg.max_steps:
             record = run.train_step(batches)
             if ctx.is_main:
@@ -231,6 +237,8 @@ def _train(
                 bar.set_postfix(loss=f"{record['loss']:.4f}", lr=f"{record['lr']:.2e}")
                 log.info("step %d loss %.5f lr %.3g grad_norm %.3g", run.step, record["loss"], record["lr"],
                          record["grad_norm"])
+            if run.stop_signal is not None and run.step < cfg.max_steps:  # every rank read it in the same step
+                run.stop()
             if cfg.validate_every and (run.step % cfg.validate_every == 0 or run.step == cfg.max_steps):
                 path = run.validate(tb)  # every rank takes part: an FSDP2 forward is collective
                 if path is not None:
@@ -285,6 +293,7 @@ class _Run:
         self.last_loss, self.skipped, self.skipped_in_row = float("nan"), 0, 0
         self.samples_seen, self.train_time, self.data_time = 0, 0.0, 0.0
         self.resume_path: Path | None = None
+        self.stop_signal: int | None = None  # a stop request every rank agreed on (train_step)
         # the VAE and text encoders of validation: loaded at the first validation, kept on the CPU in between
         self.validator = Validator(self.adapter, pretrained, self.device) if cfg.validate_every else None
 
@@ -418,8 +427,8 @@ class _Run:
                  for p in self.trainable if p.grad is not None]  # this rank's (shards of the) averaged grads
         check = self.loader.shard_check
         try:
-            loss_sum_all, global_batch, nonfinite, norm = _reduce_step_stats(
-                ctx, loss_sum, step_samples, grads, grad_replicas=self.grad_replicas,
+            loss_sum_all, global_batch, nonfinite, norm, self.stop_signal = _reduce_step_stats(
+                ctx, loss_sum, step_samples, grads, grad_replicas=self.grad_replicas, stop=interrupt.requested(),
                 bad_shard=check is not None and check.failure is not None)
         except _BadShardSeen:
             self._stop_on_bad_shard()
@@ -473,6 +482,21 @@ class _Run:
                 "bf16 autocast and gradient clipping")
 
     # ---------------------------------------------------------------- periodic and final work
+    def stop(self) -> None:
+        """End the run after this step (SIGINT or SIGTERM): raise ``latentmill.interrupt.Interrupted``.
+
+        SIGTERM, which SLURM and Kubernetes send before they kill a job, saves a checkpoint of this step
+        first, so that the requeued job resumes here (``trainer.resume: latest``) exactly; SIGINT (Ctrl-C)
+        stops without one, unless this is a checkpoint step anyway. Every rank calls this after the same step.
+        """
+        cfg, signum = self.cfg, self.stop_signal
+        if signum == signal.SIGTERM or (cfg.save_every and self.step % cfg.save_every == 0):
+            self.save()
+        detail = stopped_detail(self.step, self.ckpt_dir, cfg.resume)
+        if self.ctx.is_main:
+            log.warning("%s by %s", detail, signal.Signals(signum).name)
+        raise interrupt.Interrupted(signum, detail)
+
     def validate(self, tb: Any) -> Path | None:
         """Validation samples of the current weights (every rank takes part); the grid path on rank 0."""
         return self.validator.run(self.transformer, cfg=self.cfg, step=self.step, train_dir=self.train_dir,
@@ -567,15 +591,31 @@ class _BadShardSeen(Exception):
     """Some rank's shard check found a damaged shard (``_reduce_step_stats``: every rank raises it at once)."""
 
 
-def _reduce_step_stats(ctx: DistContext, loss_sum: torch.Tensor, samples: int, grads: list[torch.Tensor], *,
-                       grad_replicas: int, bad_shard: bool = False) -> tuple[float, int, bool, float]:
-    """One all-reduce (sum) of [loss sum, samples, non-finite flag, squared gradient norm, bad-shard flag],
-    one host read.
+def stopped_detail(step: int | None, ckpt_dir: Path, resume: str | None) -> str:
+    """What a stopped run says about where it stopped and how to go on (after "interrupted; ")."""
+    saved = list_checkpoints(ckpt_dir)
+    after = f"stopped after step {step}" if step is not None else "stopped"
+    if not saved:
+        return f"{after}, before the first checkpoint; run the same command to start over"
+    where = "a checkpoint of it saved" if saved[-1][0] == step else f"last checkpoint: step {saved[-1][0]}"
+    how = "run the same command again" if resume == "latest" else "run the same command with trainer.resume=latest"
+    return f"{after} ({where}); {how} to resume from the checkpoint"
 
-    ``grads`` are this rank's gradients (local shards under FSDP2). Returns (loss sum over ranks, samples
-    over ranks, any rank's loss was not finite, the global gradient norm). Each gradient element is held by
+
+def _reduce_step_stats(ctx: DistContext, loss_sum: torch.Tensor, samples: int, grads: list[torch.Tensor], *,
+                       grad_replicas: int, stop: int | None = None,
+                       bad_shard: bool = False) -> tuple[float, int, bool, float, int | None]:
+    """One all-reduce (sum) of [loss sum, non-finite flag, squared gradient norm, samples, SIGINT and SIGTERM
+    flags, bad-shard flag], one host read.
+
+    ``grads`` are this rank's gradients (local shards under FSDP2); ``stop`` the signal that asked this rank
+    to stop (``latentmill.interrupt.requested()``). Returns (loss sum over ranks, samples over ranks, any
+    rank's loss was not finite, the global gradient norm, the stop every rank agrees on: SIGTERM when any
+    rank got it, else SIGINT when any rank got it, else None). Each gradient element is held by
     ``grad_replicas`` ranks (all of them under DDP, one under FSDP2, the replicas of HSDP), so the summed
-    squares are divided by it. Raises ``_BadShardSeen`` on every rank when any rank passed ``bad_shard``.
+    squares are divided by it. A signal reaches the ranks at different moments; agreeing here, in the read
+    the step makes anyway, stops them all after the same step without a collective of its own. Raises
+    ``_BadShardSeen`` on every rank when any rank passed ``bad_shard`` (its shard check found a damaged shard).
     """
     device = loss_sum.device
     loss_sum = loss_sum.detach().to(torch.float64).reshape(())
@@ -585,16 +625,19 @@ def _reduce_step_stats(ctx: DistContext, loss_sum: torch.Tensor, samples: int, g
     else:
         squares = torch.zeros((), dtype=torch.float64, device=device)
     flag = (~torch.isfinite(loss_sum)).to(torch.float64)
-    counts = torch.tensor([float(samples), float(bad_shard)], dtype=torch.float64, device=device)
-    stats = torch.cat([torch.nan_to_num(loss_sum, nan=0.0, posinf=0.0, neginf=0.0).reshape(1), counts[:1],
-                       flag.reshape(1), squares.reshape(1), counts[1:]])
+    # the host's values travel to the device in one copy
+    host = torch.tensor([float(samples), float(stop == signal.SIGINT), float(stop == signal.SIGTERM),
+                         float(bad_shard)], dtype=torch.float64, device=device)
+    stats = torch.cat([torch.stack([torch.nan_to_num(loss_sum, nan=0.0, posinf=0.0, neginf=0.0), flag, squares]),
+                       host])
     if ctx.initialized:
         torch.distributed.all_reduce(stats)
-    total_loss, total_samples, nonfinite, squares_sum, bad_shards = stats.tolist()
+    total_loss, nonfinite, squares_sum, total_samples, sigints, sigterms, bad_shards = stats.tolist()
     if bad_shards:
         raise _BadShardSeen()
     norm = math.sqrt(squares_sum / grad_replicas) if math.isfinite(squares_sum) else float("nan")
-    return (float("nan") if nonfinite else total_loss), int(total_samples), nonfinite > 0, norm
+    agreed = signal.SIGTERM if sigterms else signal.SIGINT if sigints else None
+    return (float("nan") if nonfinite else total_loss), int(total_samples), nonfinite > 0, norm, agreed
 
 
 def _write_provenance(exported: Path, provenance: dict[str, Any], cfg: TrainerConfig, step: int, loss: float,
