@@ -143,8 +143,8 @@ def test_prep_then_train_deployment_completes(served, tiny_flux, tmp_path):
 
     # one INFO line per stage and one for training, sent by the flow run to the server (the Logs tab)
     wanted = ["ingest: 28 in → 27 out, 1 quarantined", "caption: 27 in → 27 out, 0 quarantined",
-              "curate: 27 in → 25 out, 2 quarantined", "bucket: 25 in → 25 out, 0 quarantined",
-              "cache: 25 in → 24 out, 1 quarantined", "train: 3 steps, final loss"]
+              "curate: 27 in → 24 out, 3 quarantined", "bucket: 24 in → 24 out, 0 quarantined",
+              "cache: 24 in → 24 out, 0 quarantined", "train: 3 steps, final loss"]  # truncated.jpg: at curate
     logs = _logs(port, run_id, [lambda log, w=w: log["message"].startswith(w) for w in wanted])
     for w in wanted:
         assert [log["level"] for log in logs if log["message"].startswith(w)] == [20], (w, logs)
