@@ -44,13 +44,15 @@ dev: $(VENV)/.installed-dev
 demo: venv
 	$(VENV)/bin/latentmill demo --summary-json $(DEMO_DIR)/summary.json
 
-# make test leaves out the tests marked heavy (each over a minute: the wheel install, the gpu-check dry run, a
-# second served start), to stay near 15 minutes on 2 cores; make test-all runs everything (about 22 minutes).
+# make test leaves out the tests marked heavy (the wheel install, the gpu-check dry run, a second served start,
+# a memory test over a real flow) and runs the rest in TEST_WORKERS processes (pytest-xdist): about 10 minutes
+# on 2 cores (17 in one process); make test-all runs everything.
+TEST_WORKERS ?= 2
 test: dev
-	$(VENV)/bin/python -m pytest -q -m "not heavy" --durations=25
+	$(VENV)/bin/python -m pytest -q -n $(TEST_WORKERS) --dist worksteal -m "not heavy" --durations=25
 
 test-all: dev
-	$(VENV)/bin/python -m pytest -q --durations=25
+	$(VENV)/bin/python -m pytest -q -n $(TEST_WORKERS) --dist worksteal --durations=25
 
 # The unit tier: no pipeline built, no Prefect flow, no server, no launcher (under 2 minutes on 2 cores).
 test-unit: dev

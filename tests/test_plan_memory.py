@@ -273,6 +273,7 @@ def test_a_near_duplicate_update_with_nothing_new_keeps_the_index_width(tmp_path
     assert summary["entered"] == 0 and summary["indexed"] == 2
 
 
+@pytest.mark.heavy  # a real flow over 8 units per task run, counting live records: ~45 s
 def test_a_task_run_holds_no_per_sample_detail_of_its_committed_units(tmp_path, tiny_flux, demo_images,
                                                                       monkeypatch):
     """While a task run works on its next unit, the records of the units it committed before hold no per-sample
