@@ -124,10 +124,10 @@ def recipe_for(source: Path, output_dir: Path, clip: Path, head: Path, **curate:
 def run_stage(recipe, stage: str):
     """One stage in this process, as ``run_stages_in_process`` runs it: plan, every unit, the manifest (and
     for curate the scores table). Returns ``(manifest, records, plan seconds)``."""
-    from latentmill.pipelines.prep import _stage_dir, manifest_header, plan_stage, stage_processor
+    from latentmill.pipelines.prep import manifest_header, plan_stage, stage_dir_for, stage_processor
     from latentmill.stages import curate
 
-    stage_dir = _stage_dir(recipe, stage).ensure()
+    stage_dir = stage_dir_for(recipe, stage).ensure()
     start = time.perf_counter()
     units = plan_stage(stage, recipe)
     planned = time.perf_counter() - start

@@ -40,15 +40,16 @@ JSON_BYTES = 1_000
 INGEST_SHARD_SIZE = 10_000  # the default upper bound on entries per ingest unit
 
 
-def _tar_bytes(sizes: list[int]) -> int:
+def tar_bytes(sizes: list[int]) -> int:
+    """The bytes a tar entry takes whose members have these data sizes: a header block each, data padded."""
     return sum(BLOCK + -(-n // BLOCK) * BLOCK for n in sizes)
 
 
 def _sample(key: str, real_sizes: list[int], bucket: list[int] | None) -> dict[str, Any]:
     """A sample whose tar bytes are its real tar bytes / SCALE: a small json and one payload member."""
     meta = json.dumps({"key": key, "bucket": bucket} if bucket else {"key": key}).encode()
-    want = _tar_bytes(real_sizes) // SCALE
-    payload = max(0, want - _tar_bytes([len(meta)]) - BLOCK)
+    want = tar_bytes(real_sizes) // SCALE
+    payload = max(0, want - tar_bytes([len(meta)]) - BLOCK)
     return {"__key__": key, "json": meta, "bin": b"\0" * payload}
 
 
@@ -81,7 +82,7 @@ def run(args) -> list:
     from latentmill.stages.cache import CacheConfig, sample_bytes_estimate
     from latentmill.stages.hashing import stable_hash
     from latentmill.stages.ingest import DEFAULT_SHARD_BYTES as INGEST_SHARD_BYTES
-    from latentmill.stages.ingest import JSON_TAR_BYTES, TAR_BLOCK, hash_byte_groups
+    from latentmill.stages.ingest import JSON_TAR_BYTES, hash_byte_groups
     from latentmill.stages.shardio import (
         DEFAULT_SHARD_BYTES,
         StageDir,
@@ -89,7 +90,7 @@ def run(args) -> list:
         copy_estimate,
         units_by_bytes,
     )
-    from latentmill.stages.tarshard import read_shard
+    from latentmill.stages.tarshard import TAR_BLOCK, read_shard
 
     from latentmill.models import ModelConfig
 
@@ -155,7 +156,7 @@ def run(args) -> list:
     inputs = {"samples": num, "scale": SCALE, "cache_shard_bytes": DEFAULT_SHARD_BYTES,
               "caption_bucket_shard_bytes": 256 << 20, "ingest_shard_size": INGEST_SHARD_SIZE,
               "ingest_shard_bytes": INGEST_SHARD_BYTES, "ingest_units": len(ingest_units),
-              "cache_sample_bytes": _tar_bytes(real_cache), "image_sample_bytes": _tar_bytes(image)}
+              "cache_sample_bytes": tar_bytes(real_cache), "image_sample_bytes": tar_bytes(image)}
     figures = []
     for stage, c in counts.items():
         log(f"{stage}: {c}")

@@ -133,10 +133,10 @@ def real_samples_per_shard() -> dict[str, int]:
     from latentmill.stages.shardio import DEFAULT_SHARD_BYTES as CACHE_DEFAULT
 
     from bench.common import FLUX_512
-    from bench.files import IMAGE_BYTES, JSON_BYTES, _tar_bytes
+    from bench.files import IMAGE_BYTES, JSON_BYTES, tar_bytes
     from latentmill.models import ModelConfig
 
-    raw = RAW_DEFAULT // _tar_bytes([IMAGE_BYTES, JSON_BYTES])
+    raw = RAW_DEFAULT // tar_bytes([IMAGE_BYTES, JSON_BYTES])
     # the Flux VAE's defaults (no model folder: 16 latent channels, 8x down), as bench/files.py
     cached = sample_bytes_estimate(CacheConfig(dtype="bfloat16", max_sequence_length=FLUX_512["text_len"]),
                                    ModelConfig(pretrained="/nonexistent/flux"), "flux")(FLUX_512["bucket"])

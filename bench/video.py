@@ -91,9 +91,9 @@ def sequential(path: Path, clips: list[list[int]], backend: str) -> int:
     """One open, one forward decode up to the last needed frame; needed frames converted, then dropped."""
     needed = sorted({f for c in clips for f in c})
     if backend == "decord":
-        from latentmill.stages.video import _decord_reader
+        from latentmill.stages.video import decord_reader
 
-        reader = _decord_reader(str(path))
+        reader = decord_reader(str(path))
         n = 0
         # a clip's worth at a time: bounded memory, as ours, and the fastest here (a 64 or 256-frame batch
         # took 1.5-2.5x as long: fresh hundreds of MB per call)

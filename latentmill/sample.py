@@ -199,9 +199,9 @@ def load_pipeline(source: str | Path, *, base: str | None = None, device: str | 
     loaded.pipe.to(device)
     loaded.pipe.set_progress_bar_config(disable=True)
     if device.type == "cuda" and getattr(loaded.pipe, "vae", None) is not None:
-        from latentmill.trainer.validation import _decode_in_own_dtype
+        from latentmill.trainer.validation import decode_in_own_dtype
 
-        _decode_in_own_dtype(loaded.pipe.vae)  # the Wan VAE decodes in float32, outside the bf16 autocast
+        decode_in_own_dtype(loaded.pipe.vae)  # the Wan VAE decodes in float32, outside the bf16 autocast
     return loaded
 
 

@@ -160,10 +160,10 @@ def load_recipe(recipe: str | os.PathLike[str] = DEFAULT_RECIPE_PATH) -> dict[st
     where = f"{path}"
     if not isinstance(data, dict):
         raise ConfigError(f"{where}: expected a mapping with 'components' and 'tokenizers'")
-    _check_keys(data, ("components", "tokenizers"), where)
+    check_keys(data, ("components", "tokenizers"), where)
     comps, toks = data["components"], data["tokenizers"]
-    _check_keys(comps, _COMPONENTS, f"{where}: components")
-    _check_keys(toks, _TOKENIZERS, f"{where}: tokenizers")
+    check_keys(comps, _COMPONENTS, f"{where}: components")
+    check_keys(toks, _TOKENIZERS, f"{where}: tokenizers")
     for name in _COMPONENTS:
         if not isinstance(comps[name], dict):
             raise ConfigError(f"components.{name}: expected a mapping of constructor arguments")
@@ -247,7 +247,8 @@ def load_recipe(recipe: str | os.PathLike[str] = DEFAULT_RECIPE_PATH) -> dict[st
     return data
 
 
-def _check_keys(section: dict[str, Any], expected: Sequence[str], where: str) -> None:
+def check_keys(section: dict[str, Any], expected: Sequence[str], where: str) -> None:
+    """Raise ``ConfigError`` naming ``where`` if ``section`` has a key not in ``expected`` or lacks one of them."""
     unknown = sorted(set(section) - set(expected))
     missing = [k for k in expected if k not in section]
     if unknown:
@@ -320,7 +321,7 @@ def _apply_merge(symbols: tuple[str, ...], pair: tuple[str, str], merged: str) -
     return tuple(out)
 
 
-def _bytes_to_unicode() -> dict[int, str]:
+def bytes_to_unicode() -> dict[int, str]:
     """GPT-2 / CLIP byte -> printable unicode character table (the byte-level BPE alphabet, in CLIP's order)."""
     bs = (
         list(range(ord("!"), ord("~") + 1))
@@ -376,7 +377,7 @@ def build_clip_tokenizer(vocab_size: int, settings: dict[str, Any], corpus: Sequ
     }
     # An empty CLIPTokenizer carries CLIP's normalizer and pre-tokenizer: learn on the words it produces.
     words = _pretokenize(CLIPTokenizer(**special).backend_tokenizer, corpus)
-    alphabet = list(_bytes_to_unicode().values())
+    alphabet = list(bytes_to_unicode().values())
     base = alphabet + [c + "</w>" for c in alphabet]
     specials = list(dict.fromkeys([special["bos_token"], special["eos_token"]]))
     n_new = vocab_size - len(base) - len(specials)

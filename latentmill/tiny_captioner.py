@@ -130,9 +130,9 @@ def build_chat_tokenizer(settings: dict[str, Any]) -> Any:
     """
     from transformers import Qwen2Tokenizer
 
-    from latentmill.tiny import _bytes_to_unicode
+    from latentmill.tiny import bytes_to_unicode
 
-    table = _bytes_to_unicode()
+    table = bytes_to_unicode()
     symbols = [table[b] for b in range(32, 127)] + [table[ord("\n")]]
     tokenizer = Qwen2Tokenizer(vocab={t: i for i, t in enumerate(symbols)}, merges=[], unk_token=None,
                                bos_token=None, eos_token="<|im_end|>", pad_token="<|endoftext|>",

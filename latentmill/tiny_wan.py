@@ -31,7 +31,7 @@ from typing import Any
 import yaml
 
 from latentmill.config import ConfigError
-from latentmill.tiny import _check_keys, build_t5_tokenizer
+from latentmill.tiny import build_t5_tokenizer, check_keys
 from latentmill.tinyio import pipeline_folder, tiny_cli
 
 DEFAULT_RECIPE_PATH: Path = Path(__file__).resolve().parents[1] / "data" / "tiny-wan.yaml"
@@ -57,10 +57,10 @@ def load_recipe(recipe: str | os.PathLike[str] = DEFAULT_RECIPE_PATH) -> dict[st
         data = yaml.safe_load(handle)
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: expected a mapping with 'components' and 'tokenizers'")
-    _check_keys(data, ("components", "tokenizers"), f"{path}")
+    check_keys(data, ("components", "tokenizers"), f"{path}")
     comps, toks = data["components"], data["tokenizers"]
-    _check_keys(comps, _COMPONENTS, f"{path}: components")
-    _check_keys(toks, _TOKENIZERS, f"{path}: tokenizers")
+    check_keys(comps, _COMPONENTS, f"{path}: components")
+    check_keys(toks, _TOKENIZERS, f"{path}: tokenizers")
     for name in _COMPONENTS:
         if not isinstance(comps[name], dict):
             raise ConfigError(f"components.{name}: expected a mapping of constructor arguments")

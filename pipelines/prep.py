@@ -61,7 +61,8 @@ MAX_UNITS_PER_TASK = 16
 MIN_TASK_SAMPLES = 16  # auto grouping: fewer pending samples than this per task run are not split further
 
 
-def _stage_dir(recipe: Recipe, stage: str) -> StageDir:
+def stage_dir_for(recipe: Recipe, stage: str) -> StageDir:
+    """The ``StageDir`` of ``stage`` in ``recipe``'s output tree (not created here)."""
     return StageDir(recipe.stage_dir(stage), stage)
 
 
@@ -94,8 +95,8 @@ def update_near_dups(recipe: Recipe, curate_dir: StageDir, records: list[UnitRec
 def plan_stage(stage: str, recipe: Recipe) -> list[WorkUnit]:
     """The work units of ``stage`` given the upstream stage's committed manifest."""
     if stage == "ingest":
-        return ingest.plan(recipe.ingest, _stage_dir(recipe, "ingest"))
-    upstream = _stage_dir(recipe, STAGES[STAGES.index(stage) - 1])
+        return ingest.plan(recipe.ingest, stage_dir_for(recipe, "ingest"))
+    upstream = stage_dir_for(recipe, STAGES[STAGES.index(stage) - 1])
     if stage == "caption":
         return caption.plan(recipe.caption, upstream, _captioner(recipe))
     if stage == "curate":
@@ -129,7 +130,7 @@ def manifest_header(stage: str, recipe: Recipe, records: list[UnitRecord] | None
         return curate.manifest_header(recipe.curate, recipe.cache.background, _clip_spec(recipe) if per_clip else None)
     if stage == "bucket":
         return {"fingerprint": stable_hash(bucket.fingerprint(recipe.bucket, _near_dups(recipe)))}
-    return cache.manifest_header(recipe.cache, recipe.model, _stage_dir(recipe, stage), records)
+    return cache.manifest_header(recipe.cache, recipe.model, stage_dir_for(recipe, stage), records)
 
 
 def auto_compact(recipe: Recipe, cache_dir: StageDir) -> dict[str, Any] | None:
@@ -165,7 +166,7 @@ def run_stages_in_process(recipe: Recipe) -> dict[str, tuple[StageDir, dict[str,
     tune_allocator()
     result = {}
     for stage in STAGES:
-        stage_dir = _stage_dir(recipe, stage).ensure()
+        stage_dir = stage_dir_for(recipe, stage).ensure()
         records = [stage_dir.run_unit(u, stage_processor(stage, recipe)) for u in plan_stage(stage, recipe)]
         result[stage] = (stage_dir, stage_dir.write_manifest(records, manifest_header(stage, recipe, records)), records)
         if stage == "curate":
@@ -283,7 +284,7 @@ def run_units(stage: str, recipe_data: dict, units: list[WorkUnit]) -> list[Unit
     """
     recipe = recipe_from_dict(recipe_data)
     tune_allocator()  # a worker process (processes, Dask, Ray) has not run the flow's call
-    stage_dir, process = _stage_dir(recipe, stage), stoppable(stage_processor(stage, recipe))
+    stage_dir, process = stage_dir_for(recipe, stage), stoppable(stage_processor(stage, recipe))
     records = []
     try:
         for unit in units:
@@ -403,7 +404,7 @@ def _prep_stages(recipe_data: dict, started_run: str | None) -> dict[str, Any]:
     for stage in STAGES:
         interrupt.check()
         start = time.perf_counter()
-        stage_dir = _stage_dir(recipe, stage).ensure()
+        stage_dir = stage_dir_for(recipe, stage).ensure()
         units = plan_stage(stage, recipe)
         # A unit whose record is committed is reused here, without a task run: a refresh that adds 1% of
         # the data pays task runs (and worker round trips) for that 1% only.

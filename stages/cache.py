@@ -52,7 +52,7 @@ from latentmill.stages.shardio import (
     unit_input_shards,
     units_by_bytes,
 )
-from latentmill.stages.tarshard import _TAR_BLOCK, read_shard
+from latentmill.stages.tarshard import TAR_BLOCK, read_shard
 from latentmill.stages.workers import unit_gpu
 from PIL import Image
 from safetensors.torch import save as safetensors_save
@@ -201,8 +201,8 @@ def sample_bytes_estimate(cfg: CacheConfig, model: ModelConfig, family: str) -> 
         dim = int(_config(model, "text_encoder_2").get("d_model", 4096))
         pooled = int(_config(model, "text_encoder").get("hidden_size", 768))
     copies = 2 if cfg.latents == "distribution" else 1
-    text = (cfg.max_sequence_length * dim + pooled) * itemsize + 256 + 3 * _TAR_BLOCK  # + header, tar blocks
-    overhead = 1024 + 2 * _TAR_BLOCK  # the json member, the VAE member's tar header
+    text = (cfg.max_sequence_length * dim + pooled) * itemsize + 256 + 3 * TAR_BLOCK  # + header, tar blocks
+    overhead = 1024 + 2 * TAR_BLOCK  # the json member, the VAE member's tar header
 
     def estimate(bucket: list[int]) -> int:
         width, height = int(bucket[0]), int(bucket[1])

@@ -45,6 +45,7 @@ from latentmill.stages.sources import (
     sidecar_caption,
     sidecar_problem,
 )
+from latentmill.stages.tarshard import TAR_BLOCK
 from latentmill.stages.video import VIDEO_EXTENSIONS, probe_video
 from PIL import Image, UnidentifiedImageError
 
@@ -53,7 +54,6 @@ FORMAT_VERSION = 4  # 2: sources, video references, source_uri, caption_origin, 
 # rotation and variable frame rate (rotation, vfr); 4: every still format, decoding facts (shown size,
 # orientation, mode, alpha, colour profile, frames), one image member, images and videos in their own shards
 DEFAULT_SHARD_BYTES = 256 << 20  # ingest.shard_bytes
-TAR_BLOCK = 512
 JSON_TAR_BYTES = 4 * TAR_BLOCK  # a sample's json member in a raw shard: header + ~1.5 KB (with a caption)
 REMOTE_IMAGE_BYTES = 256 << 10  # a remote image's size is not asked for at planning: this is its estimate
 IMAGE_EXTENSIONS = {ext: pixels.IMAGE_MEMBER for ext in pixels.IMAGE_EXTENSIONS}

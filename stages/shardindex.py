@@ -51,7 +51,7 @@ def index_path(tar_path: str | Path) -> Path:
     return tar_path.with_name(tar_path.name.removesuffix(".tar") + INDEX_SUFFIX)
 
 
-def _bucket_of(meta_bytes_: bytes) -> list[int] | None:
+def bucket_of(meta_bytes_: bytes) -> list[int] | None:
     """The ``bucket`` of a sample's ``json`` member (a list of ints), or None."""
     if b"bucket" not in meta_bytes_ and b"\\u" not in meta_bytes_:  # no such key, even escaped: no parse
         return None
@@ -158,7 +158,7 @@ def index_tar(path: str | Path) -> bytes:
                     if 8 + length <= size and length <= MAX_HEADER:
                         headers[key, ext] = os.pread(fd, length, offset + 8)
             meta = members.get("json")
-            buckets.append(_bucket_of(os.pread(fd, meta[1], meta[0])) if meta is not None else None)
+            buckets.append(bucket_of(os.pread(fd, meta[1], meta[0])) if meta is not None else None)
     finally:
         os.close(fd)
     return build_shard_index(tar_size, samples, headers, buckets)

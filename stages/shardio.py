@@ -32,8 +32,8 @@ from typing import Any, Callable, Iterable, Iterator
 
 from latentmill.stages.hashing import json_bytes, sha256_file, stable_hash
 from latentmill.stages.memory import release_memory
-from latentmill.stages.shardindex import _bucket_of, build_shard_index, index_tar, write_index_file
-from latentmill.stages.tarshard import _TAR_BLOCK, MAX_HEADER, _tar_bytes, read_shard, tar_member_header
+from latentmill.stages.shardindex import bucket_of, build_shard_index, index_tar, write_index_file
+from latentmill.stages.tarshard import MAX_HEADER, TAR_BLOCK, read_shard, tar_bytes, tar_member_header
 
 from latentmill.core import durable
 
@@ -65,7 +65,7 @@ class _ShardSink:
         self._sha = hashlib.sha256()
         self._offset = 0  # bytes written
         self.count = 0
-        self.size = 2 * _TAR_BLOCK  # the tar's bytes once closed (before its last record is padded)
+        self.size = 2 * TAR_BLOCK  # the tar's bytes once closed (before its last record is padded)
         self.index: dict[str, Any] | None = None  # the index's manifest entry, set by ``commit``
         # the index as index_shard / index_tar would read it back (None: read it back)
         self._samples: dict[str, dict[str, tuple[int, int]]] | None = {}
@@ -94,11 +94,11 @@ class _ShardSink:
             self._put(header)
             data_at = self._offset
             self._put(data)
-            if size % _TAR_BLOCK:
-                self._put(bytes(_TAR_BLOCK - size % _TAR_BLOCK))
-            self._remember(name, data_at, data, len(header) == _TAR_BLOCK)
+            if size % TAR_BLOCK:
+                self._put(bytes(TAR_BLOCK - size % TAR_BLOCK))
+            self._remember(name, data_at, data, len(header) == TAR_BLOCK)
         self.count += 1
-        self.size += _tar_bytes(sample)
+        self.size += tar_bytes(sample)
 
     def _remember(self, name: str, data_at: int, data: bytes, plain: bool) -> None:
         """Enter one member in the index as ``_index_shard_fast`` parses it back (the same rules)."""
@@ -125,7 +125,7 @@ class _ShardSink:
 
     def _finish_tar(self) -> None:
         """The end of the archive, as ``TarFile.close`` writes it: two zero blocks, then a full record."""
-        self._put(bytes(2 * _TAR_BLOCK))
+        self._put(bytes(2 * TAR_BLOCK))
         if self._offset % tarfile.RECORDSIZE:
             self._put(bytes(tarfile.RECORDSIZE - self._offset % tarfile.RECORDSIZE))
 
@@ -139,7 +139,7 @@ class _ShardSink:
         if self._samples is not None:
             samples = list(self._samples.items())
             data = build_shard_index(self._offset, samples, self._st_headers,
-                                     [_bucket_of(self._json[k]) if k in self._json else None for k, _ in samples])
+                                     [bucket_of(self._json[k]) if k in self._json else None for k, _ in samples])
         else:
             data = index_tar(self.tmp)
         durable.replace(self.tmp, self.path)
@@ -256,7 +256,7 @@ class UnitOutput:
         seq = self._open.get(part, 0)
         sink = self._sinks.get((part, seq))
         if sink is not None and self.roll_bytes and sink.count and \
-                sink.size + _tar_bytes(sample) > self.roll_bytes:
+                sink.size + tar_bytes(sample) > self.roll_bytes:
             seq = self._open[part] = seq + 1
             sink = None
         if sink is None:

@@ -25,7 +25,7 @@ from typing import Any, Callable, Iterable, Iterator
 _TAR_USER = "latentmill"
 _TAR_MODE = 0o444  # the members' mode (webdataset.TarWriter's default)
 _TAR_NAME_MAX = 100  # a ustar name field; a longer (or non-ASCII) name goes into a pax header
-_TAR_BLOCK = 512  # a tar's headers and data padding are in blocks of this many bytes
+TAR_BLOCK = 512  # a tar's headers and data padding are in blocks of this many bytes
 _tar_template: bytearray | None = None  # a plain member header of our tars, name and size left to fill
 
 
@@ -58,9 +58,9 @@ def tar_member_header(name: str, size: int) -> bytes:
     return bytes(block)
 
 
-def _tar_bytes(sample: dict[str, Any]) -> int:
+def tar_bytes(sample: dict[str, Any]) -> int:
     """The bytes ``sample`` takes in a tar: a 512-byte header per member and its data padded to 512."""
-    return sum(_TAR_BLOCK + -(-len(v) // _TAR_BLOCK) * _TAR_BLOCK for k, v in sample.items()
+    return sum(TAR_BLOCK + -(-len(v) // TAR_BLOCK) * TAR_BLOCK for k, v in sample.items()
                if not k.startswith("__") and isinstance(v, (bytes, bytearray, memoryview)))
 
 
@@ -152,28 +152,28 @@ def _tar_files_fast(fd: int) -> list[tuple[str, int, int]] | None:
     file_size = os.fstat(fd).st_size
     chunk, chunk_start, offset = b"", 0, 0
     while True:
-        if offset + _TAR_BLOCK > file_size:
+        if offset + TAR_BLOCK > file_size:
             return None  # no end-of-archive block: tarfile decides what a short file is
-        if not chunk_start <= offset <= chunk_start + len(chunk) - _TAR_BLOCK:
+        if not chunk_start <= offset <= chunk_start + len(chunk) - TAR_BLOCK:
             chunk, chunk_start = os.pread(fd, _TAR_CHUNK, offset), offset
-            if len(chunk) < _TAR_BLOCK:
+            if len(chunk) < TAR_BLOCK:
                 return None
         at = offset - chunk_start
-        block = chunk[at : at + _TAR_BLOCK]
-        if block.count(0) == _TAR_BLOCK:  # end-of-archive marker
+        block = chunk[at : at + TAR_BLOCK]
+        if block.count(0) == TAR_BLOCK:  # end-of-archive marker
             return files
         header = _ustar_header(block)
         if header is None:
             return None
         name, size, typeflag = header
-        data = offset + _TAR_BLOCK
+        data = offset + TAR_BLOCK
         if data + size > file_size:
             return None
         if typeflag == b"0" or (typeflag == b"\0" and not name.endswith(b"/")):  # tarfile: AREGTYPE "x/" is a dir
             files.append((name.decode(), data, size))
         elif size:  # a directory with data: tarfile would not skip it
             return None
-        offset = data + -(-size // _TAR_BLOCK) * _TAR_BLOCK
+        offset = data + -(-size // TAR_BLOCK) * TAR_BLOCK
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -276,20 +276,20 @@ def _index_shard_fast(fd: int, headers: dict[tuple[str, str], bytes] | None = No
     samples: dict[str, dict[str, tuple[int, int]]] = {}
     file_size = os.fstat(fd).st_size
     chunk, chunk_start, offset = b"", 0, 0
-    while offset + _TAR_BLOCK <= file_size:
-        if not chunk_start <= offset <= chunk_start + len(chunk) - _TAR_BLOCK:
+    while offset + TAR_BLOCK <= file_size:
+        if not chunk_start <= offset <= chunk_start + len(chunk) - TAR_BLOCK:
             chunk, chunk_start = os.pread(fd, _TAR_CHUNK, offset), offset
-            if len(chunk) < _TAR_BLOCK:
+            if len(chunk) < TAR_BLOCK:
                 return None
         at = offset - chunk_start
-        block = chunk[at : at + _TAR_BLOCK]
-        if block.count(0) == _TAR_BLOCK:  # end-of-archive marker
+        block = chunk[at : at + TAR_BLOCK]
+        if block.count(0) == TAR_BLOCK:  # end-of-archive marker
             break
         header = _ustar_header(block)
         if header is None:
             return None
         name, size, typeflag = header
-        data = offset + _TAR_BLOCK
+        data = offset + TAR_BLOCK
         if typeflag != b"5" and not name.endswith(b"/"):  # a v7 directory: a name ending in "/"
             dirname, _, basename = name.decode().rpartition("/")
             key, dot, ext = basename.partition(".")
@@ -297,13 +297,13 @@ def _index_shard_fast(fd: int, headers: dict[tuple[str, str], bytes] | None = No
                 key = f"{dirname}/{key}" if dirname else key
                 samples.setdefault(key, {})[ext] = (data, size)
                 if headers is not None and ext.endswith(".safetensors") and size >= 8:
-                    header = _st_header(chunk, at + _TAR_BLOCK, size)
+                    header = _st_header(chunk, at + TAR_BLOCK, size)
                     if header is None and chunk_start != offset:  # cut by the chunk's end: read from here
                         chunk, chunk_start = os.pread(fd, _TAR_CHUNK, offset), offset
-                        header = _st_header(chunk, _TAR_BLOCK, size)
+                        header = _st_header(chunk, TAR_BLOCK, size)
                     if header is not None:
                         headers[key, ext] = header
-        offset = data + -(-size // _TAR_BLOCK) * _TAR_BLOCK
+        offset = data + -(-size // TAR_BLOCK) * TAR_BLOCK
     return list(samples.items())
 
 

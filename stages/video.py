@@ -109,7 +109,8 @@ def _open_av(src: str | bytes) -> Any:
 # ---------------------------------------------------------------------------------------------------------
 
 
-def _decord_reader(src: str | bytes):
+def decord_reader(src: str | bytes):
+    """A quiet, single-threaded ``decord.VideoReader`` on ``src`` (a path, URI or the bytes), counted as a decord open."""
     import decord
 
     _quiet_decord()
@@ -148,7 +149,7 @@ def probe_video(uri: str | bytes) -> dict[str, Any]:
     except av.FFmpegError as err:
         raise ValueError(f"not a readable video: {err}") from None
     try:
-        reader = _decord_reader(src)
+        reader = decord_reader(src)
         frames, fps = len(reader), float(reader.get_avg_fps())
         times = [float(t) for t in reader.get_frame_timestamp(range(frames))[:, 0]] if frames else None
         del reader
@@ -193,7 +194,7 @@ def frame_times(uri: str | bytes) -> list[float]:
     when decord cannot open the file)."""
     src = _source(uri)
     try:
-        reader = _decord_reader(src)
+        reader = decord_reader(src)
         return [float(t) for t in reader.get_frame_timestamp(range(len(reader)))[:, 0]]
     except Exception:
         import av
@@ -250,7 +251,7 @@ def rotate_frames(frames_FHWC: torch.Tensor, rotation: int) -> torch.Tensor:
 def _read_decord(src: str | bytes, unique: list[int]) -> torch.Tensor:
     import torch
 
-    reader = _decord_reader(src)
+    reader = decord_reader(src)
     if unique[-1] >= len(reader):
         raise IndexError(f"frame {unique[-1]} is past the end of the video ({len(reader)} frames)")
     return torch.from_numpy(reader.get_batch(unique).asnumpy())
@@ -322,7 +323,7 @@ class _DecordPass:
     it: the same rule as :class:`_PyAVPass`."""
 
     def __init__(self, src: str | bytes):
-        self.reader = _decord_reader(src)
+        self.reader = decord_reader(src)
         self.length: int | None = len(self.reader)
 
     def fetch(self, frames: list[int]) -> dict[int, np.ndarray]:

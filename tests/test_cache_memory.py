@@ -26,7 +26,7 @@ COUNT, SIDE = 24, 640  # 640x640 RGB noise: ~1.2 MB a PNG
 
 
 def test_a_cache_unit_holds_one_batch_of_images_not_the_unit(tmp_path, tiny_flux):
-    from latentmill.pipelines.prep import _stage_dir, plan_stage, run_stages_in_process, stage_processor
+    from latentmill.pipelines.prep import plan_stage, run_stages_in_process, stage_dir_for, stage_processor
 
     from latentmill.recipe import load_recipe
 
@@ -47,7 +47,7 @@ def test_a_cache_unit_holds_one_batch_of_images_not_the_unit(tmp_path, tiny_flux
     expected = {s["__key__"]: s for s in read_shard(next((cache_root / "shards").glob("*.tar")))}
     shutil.rmtree(cache_root)
     (unit,) = plan_stage("cache", recipe)
-    stage = _stage_dir(recipe, "cache").ensure()
+    stage = stage_dir_for(recipe, "cache").ensure()
     tracemalloc.start()
     try:
         record = stage.run_unit(unit, stage_processor("cache", recipe))

@@ -39,11 +39,11 @@ def _load_with_both(stage_dir, manifest: dict, cache_dir: Path) -> "datasets.Dat
 
 def _first_three_stages(recipe: Recipe):
     """Ingest, caption, curate and bucket, as the flow runs them (the tiny Flux VAE cannot encode videos)."""
-    from latentmill.pipelines.prep import STAGES, _stage_dir, manifest_header, plan_stage, stage_processor
+    from latentmill.pipelines.prep import STAGES, manifest_header, plan_stage, stage_dir_for, stage_processor
 
     result = {}
     for stage in STAGES[:STAGES.index("bucket") + 1]:
-        stage_dir = _stage_dir(recipe, stage).ensure()
+        stage_dir = stage_dir_for(recipe, stage).ensure()
         records = [stage_dir.run_unit(u, stage_processor(stage, recipe)) for u in plan_stage(stage, recipe)]
         result[stage] = (stage_dir, stage_dir.write_manifest(records, manifest_header(stage, recipe)))
     return result

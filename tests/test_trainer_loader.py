@@ -428,7 +428,8 @@ def test_fast_tar_index_equals_tarfile(tmp_path):
     import io
     import tarfile
 
-    from latentmill.trainer.shard_index import _index_shard_tarfile, index_shard
+    from latentmill.stages.tarshard import _index_shard_tarfile
+    from latentmill.trainer.shard_index import index_shard
 
     manifest = write_fake_cache(tmp_path, {(16, 16, 1): 5, (32, 16, 1): 3})
     for entry in manifest["shards"]:

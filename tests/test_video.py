@@ -108,7 +108,7 @@ def test_read_frames_falls_back_to_pyav_when_decord_cannot_open(tmp_path, monkey
     def broken(*_):
         raise RuntimeError("decord cannot read this")
 
-    monkeypatch.setattr(video, "_decord_reader", broken)
+    monkeypatch.setattr(video, "decord_reader", broken)
     assert read_frames(str(path), [3]).float().mean().item() == pytest.approx(18, abs=3)
     assert probe_video(str(path))["frames"] == 10  # frame count and fps from PyAV's header
 
@@ -349,6 +349,6 @@ def test_probe_without_decord_counts_frames_after_reading_the_rotation(tmp_path,
     def no_decord(src):
         raise RuntimeError("decord cannot open it")
 
-    monkeypatch.setattr(video_module, "_decord_reader", no_decord)
+    monkeypatch.setattr(video_module, "decord_reader", no_decord)
     assert probe_video(str(path)) == with_decord == {
         "width": 48, "height": 64, "fps": 12.0, "frames": 24, "duration": 2.0, "codec": "h264", "rotation": 90}

@@ -100,7 +100,8 @@ def make_trainable(
     return transformer.train()
 
 
-def _replace_export(tmp: Path, export_dir: Path) -> Path:
+def replace_export(tmp: Path, export_dir: Path) -> Path:
+    """Move the finished export ``tmp`` to ``export_dir``, replacing a previous export there (nothing else)."""
     if export_dir.exists():
         if not any((export_dir / marker).exists() for marker in EXPORT_MARKERS):
             raise FileExistsError(f"{export_dir} exists and is not a previous export; refusing to replace it")
@@ -137,7 +138,7 @@ def export_pipeline(
     else:
         raise ValueError(f"unknown trainer mode {mode!r}")
     apply_umask(tmp)  # safetensors writes 0600: the export gets the modes of every other file
-    return _replace_export(tmp, export_dir)
+    return replace_export(tmp, export_dir)
 
 
 class ModelAdapter(ABC):

@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from latentmill.trainer.adapter import ModelAdapter, _replace_export
+from latentmill.trainer.adapter import ModelAdapter, replace_export
 from latentmill.trainer.parallel import DistContext
 from torch import nn
 
@@ -136,7 +136,7 @@ def _export_lora(adapter: ModelAdapter, transformer: nn.Module, export_dir: Path
         transformer_lora_adapter_metadata=transformer.peft_config["default"].to_dict(),
     )
     apply_umask(tmp)  # safetensors writes 0600: the export gets the modes of every other file
-    return _replace_export(tmp, export_dir)
+    return replace_export(tmp, export_dir)
 
 
 def _export_full(
@@ -177,7 +177,7 @@ def _export_full(
     _copy_components(pretrained, tmp)
     writer.close()
     apply_umask(tmp)
-    return _replace_export(tmp, export_dir)
+    return replace_export(tmp, export_dir)
 
 
 class _ShardWriter:

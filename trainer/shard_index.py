@@ -25,8 +25,6 @@ from latentmill.stages.tarshard import (  # noqa: F401  (re-exported: the traine
     HEADER_READ,
     MAX_HEADER,
     HeaderError,
-    _index_shard_fast,
-    _index_shard_tarfile,
     index_shard,
     safetensors_entries,
 )

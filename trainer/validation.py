@@ -58,7 +58,7 @@ def component_dtypes(family: str, device: torch.device | str) -> dict[str, torch
     }
 
 
-def _decode_in_own_dtype(vae: nn.Module) -> None:
+def decode_in_own_dtype(vae: nn.Module) -> None:
     """Make ``vae.decode`` run outside autocast, on latents cast to the VAE's dtype.
 
     The pipelines call ``self.vae.decode`` inside the caller's bf16 autocast (there for the transformer),
@@ -68,11 +68,11 @@ def _decode_in_own_dtype(vae: nn.Module) -> None:
     decode = vae.decode
 
     @functools.wraps(decode)
-    def decode_in_own_dtype(z: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+    def decode_outside_autocast(z: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
         with torch.autocast(z.device.type, enabled=False):
             return decode(z.to(vae.dtype), *args, **kwargs)
 
-    vae.decode = decode_in_own_dtype
+    vae.decode = decode_outside_autocast
 
 
 class Validator:
@@ -101,7 +101,7 @@ class Validator:
             for component in self._components():
                 component.eval()
             if getattr(self.pipe, "vae", None) is not None:
-                _decode_in_own_dtype(self.pipe.vae)
+                decode_in_own_dtype(self.pipe.vae)
         else:
             self.pipe.register_modules(transformer=transformer)
         return self.pipe
