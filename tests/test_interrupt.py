@@ -144,8 +144,11 @@ def _clean_stop(log: Path) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("runner, group", [("threads", True), ("processes", False)],
-                         ids=["threads-ctrl-c", "processes-sigint-to-the-cli"])
+@pytest.mark.parametrize("runner, group", [
+    ("threads", True),
+    # the process pool's variant takes about a minute: make test-all (make test stays near 10 minutes)
+    pytest.param("processes", False, marks=pytest.mark.heavy)],
+    ids=["threads-ctrl-c", "processes-sigint-to-the-cli"])
 def test_prep_ctrl_c_stops_in_seconds_and_the_same_command_resumes(runner, group, tiny_flux, tmp_path):
     """Ctrl-C in a terminal signals the process group; ``kill -INT`` the CLI alone, whose flow then passes the
     stop on to its process-pool workers (an Interrupted raised across the pool once hung the exit)."""
