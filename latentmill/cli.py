@@ -257,7 +257,7 @@ def _checked_recipe(command: str, config: str | Path, overrides: list[str]) -> A
 
 
 def _run_flow(command: str, config: Path, overrides: list[str], nproc: int, nnodes: int = 1,
-              rdzv_endpoint: str | None = None, early_api: Any = None, startup: Any = None,
+              rdzv_endpoint: str | None = None, early_api: Any = None,
               recipe: Any = None) -> tuple[dict, str]:
     if recipe is None:
         recipe = _checked_recipe(command, config, overrides)
@@ -280,8 +280,6 @@ def _run_flow(command: str, config: Path, overrides: list[str], nproc: int, nnod
     else:
         start_ephemeral_api()
         using = contextlib.nullcontext()
-    if startup is not None:
-        startup.settle()  # the imports and checks are done (latentmill.stages.memory.StartupFrozen)
     with using:
         if command == "prep":
             summary = prep(str(config), overrides)
@@ -454,20 +452,19 @@ def main(argv: list[str] | None = None) -> int:
         # flows ahead: Prefect's temporary API server boots while the flows are imported
         from latentmill.interrupt import stop_on_signals
         from latentmill.prefect_env import start_api_early
-        from latentmill.stages.memory import StartupFrozen
 
         # Ctrl-C and SIGTERM stop the work at its next safe point (latentmill.interrupt), not where they land
-        with stop_on_signals(), StartupFrozen() as startup:
+        with stop_on_signals():
             early_api = start_api_early()
             if args.command == "demo":
                 summary, out = _run_flow("run", DEMO_CONFIG, args.overrides, 1, early_api=early_api,
-                                         startup=startup, recipe=recipe)
+                                         recipe=recipe)
                 if summary["train"].get("export_dir"):
                     summary["sample"] = str(_sample_image(summary["train"], Path(out)))
             else:
                 summary, out = _run_flow(args.command, args.config, args.overrides, getattr(args, "nproc", 1),
                                          getattr(args, "nnodes", 1), getattr(args, "rdzv_endpoint", None),
-                                         early_api=early_api, startup=startup, recipe=recipe)
+                                         early_api=early_api, recipe=recipe)
     except (ConfigError, CacheMismatchError, FileNotFoundError, FileExistsError, EmptySnapshotError,
             MissingExtra) as err:
         if debug:

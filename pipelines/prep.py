@@ -7,12 +7,13 @@ a unit whose record exists on disk is reused without a task run.
 
 from __future__ import annotations
 
+import json
 import multiprocessing
 import os
 import signal
 import threading
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 from latentmill.pipelines.report import (
     PLOTS_DIR,
@@ -28,8 +29,7 @@ from latentmill.pipelines.snapshot import publish as publish_snapshot
 from latentmill.stages import bucket, cache, caption, curate, curate_clips, ingest, neardup, pixels
 from latentmill.stages.compact import compact_stage
 from latentmill.stages.hashing import stable_hash
-from latentmill.stages.memory import rebuilt, trim_now, tune_allocator
-from latentmill.stages.shardio import StageDir, UnitOutput, UnitRecord, WorkUnit, stage_report
+from latentmill.stages.shardio import StageDir, StageRecords, UnitOutput, UnitRecord, WorkUnit, stage_report
 from latentmill.stages.workers import number_worker
 from prefect import flow, task
 from prefect.cache_policies import NONE
@@ -41,22 +41,6 @@ from latentmill import interrupt
 from latentmill.recipe import Recipe, RunnerConfig, load_recipe, recipe_from_dict
 
 STAGES = ("ingest", "caption", "curate", "bucket", "cache")
-# Per-sample detail of a unit record that the prep flow does not need once the unit is committed: a later
-# run, a compaction and gc read it from the record files. Held in memory for a whole cache stage it cost
-# ~1 KB a sample (figure 15: the flow's peak RSS grew with the data), so the flow drops it on arrival. The
-# curate stage's scores table and near-duplicate index read it back record by record (neardup.with_detail).
-PER_SAMPLE_EXTRA = {"cache": ("components", "foreign"), "curate": neardup.PER_SAMPLE_EXTRA}
-
-
-def slim_records(stage: str, records: list[UnitRecord]) -> list[UnitRecord]:
-    """``records`` without their per-sample extra (``PER_SAMPLE_EXTRA``), in place: what the flow keeps of
-    a committed unit (counts, shards, quarantines; the manifest, the report and the summary need no more)."""
-    for record in records:
-        for name in PER_SAMPLE_EXTRA.get(stage, ()):
-            record.extra.pop(name, None)
-    return records
-
-
 MAX_UNITS_PER_TASK = 16
 MIN_TASK_SAMPLES = 16  # auto grouping: fewer pending samples than this per task run are not split further
 
@@ -82,14 +66,13 @@ def _clip_spec(recipe: Recipe) -> curate_clips.ClipSpec:
     return curate_clips.clip_spec(recipe.bucket)
 
 
-def update_near_dups(recipe: Recipe, curate_dir: StageDir, records: list[UnitRecord]) -> dict[str, Any] | None:
+def update_near_dups(recipe: Recipe, curate_dir: StageDir, records: Iterable[UnitRecord]) -> dict[str, Any] | None:
     """After the curate units: enter their new embeddings into the near-duplicate index and decide them
     (``latentmill.stages.neardup.update``); the run summary's ``near_duplicates``, None when off."""
     spec = _near_dups(recipe)
     if spec is None:
         return None
-    return neardup.update(curate_dir.root, records, spec["embedder"], spec["threshold"], recipe.curate.dedup_index,
-                          stage_dir=curate_dir)
+    return neardup.update(curate_dir.root, records, spec["embedder"], spec["threshold"], recipe.curate.dedup_index)
 
 
 def plan_stage(stage: str, recipe: Recipe) -> list[WorkUnit]:
@@ -145,63 +128,38 @@ def auto_compact(recipe: Recipe, cache_dir: StageDir) -> dict[str, Any] | None:
                                    "member_bytes_copied", "seconds")}
 
 
-def release_stage_indexes(stage: str) -> None:
-    """Drop the per-process indexes a stage's units built (curate's scores, the cache's components: each
-    grows with the samples) once the stage is done, so that they do not add to the next stage's peak memory.
-    A later run in the same process reads the records again."""
-    if stage == "curate":
-        curate.release_indexes()
-        neardup.release_indexes()
-    elif stage == "cache":
-        cache.release_indexes()
-
-
-def run_stages_in_process(recipe: Recipe) -> dict[str, tuple[StageDir, dict[str, Any], list[UnitRecord]]]:
+def run_stages_in_process(recipe: Recipe) -> dict[str, tuple[StageDir, dict[str, Any], StageRecords]]:
     """Run the five stages here, one unit after another, without Prefect (tests, benchmarks, debugging).
 
     The same plan / process / manifest functions as the flow; no snapshot is published. Returns each stage's
     folder, committed manifest and unit records.
     """
     ensure_models(recipe)
-    tune_allocator()
     result = {}
     for stage in STAGES:
         stage_dir = stage_dir_for(recipe, stage).ensure()
-        records = [stage_dir.run_unit(u, stage_processor(stage, recipe)) for u in plan_stage(stage, recipe)]
+        process, ids, reused = stage_processor(stage, recipe), [], []
+        for unit in plan_stage(stage, recipe):
+            record = stage_dir.run_unit(unit, process)
+            ids.append(unit.unit_id)
+            if record.reused:
+                reused.append(unit.unit_id)
+        records = StageRecords(stage_dir, ids, reused)
         result[stage] = (stage_dir, stage_dir.write_manifest(records, manifest_header(stage, recipe, records)), records)
         if stage == "curate":
             curate.write_scores_table(records, recipe.prep_dir, recipe.curate.active_scorers())
             update_near_dups(recipe, stage_dir, records)
-        release_stage_indexes(stage)
     if auto_compact(recipe, result["cache"][0]) is not None:  # as the flow does: the manifest names merged units
         stage_dir = result["cache"][0]
         manifest = stage_dir.read_manifest()
-        result["cache"] = (stage_dir, manifest, [stage_dir.load_record(u) for u in manifest["units"]])
+        result["cache"] = (stage_dir, manifest, StageRecords(stage_dir, manifest["units"], manifest["units"]))
     return result
-
-
-def preload_modules() -> None:
-    """Import what the first task run and the first image would import, before the ingest plan.
-
-    The plan of a large folder fills Python's small-object arenas with per-file objects and then frees
-    them; a module imported in between (Pillow's format plugins, Prefect's task engine) would leave its
-    code and functions there for good, pinning arenas the plan had grown (at 100,000 files, together with
-    the stage loop's leftovers in ``prep_stages``, ~100 MB resident for the rest of the prep). Imported
-    first, they live with the rest of the start-up's modules.
-    """
-    import prefect.task_engine  # noqa: F401  (the first task run's engine)
-    from PIL import Image
-
-    pixels.register_plugins()
-    Image.preinit()
 
 
 def units_run_name(parameters: dict[str, Any]) -> str:
     """A task run's name in the UI says what it does: ``cache · 3 units · 24 samples``."""
-    units = parameters["units"]
-    count = len(units)
-    return (f"{parameters['stage']} · {count} unit{'s' if count != 1 else ''} · "
-            f"{sum(u.samples_in for u in units)} samples")
+    count = len(parameters["unit_ids"])
+    return f"{parameters['stage']} · {count} unit{'s' if count != 1 else ''} · {parameters['samples']} samples"
 
 
 class StoppableOutput:
@@ -272,28 +230,22 @@ def start_worker(slot_dir: str) -> None:
 
 
 @task(name="run-units", task_run_name=units_run_name, cache_policy=NONE, retries=1, retry_delay_seconds=1)
-def run_units(stage: str, recipe_data: dict, units: list[WorkUnit]) -> list[UnitRecord]:
-    """Run a few work units one after another (a unit committed before a retry is reused, not redone); their
-    records without the per-sample extra (``slim_records``). A stop request (Ctrl-C, SIGTERM) abandons the
-    unit in flight at its next sample, uncommitted (``stoppable``).
-
-    Each record is slimmed as soon as its unit is committed, not when the task run returns: a curate unit's
-    per-sample scores and embeddings (or a cache unit's components) would otherwise stay alive while the
-    rest of the task run's units ran, interleaved with their short-lived objects, and pin the arenas they
-    grew (at 100,000 inputs the curate stage left ~110 MB resident for the rest of the prep, figure 15).
-    """
+def run_units(stage: str, recipe_data: dict, unit_ids: list[str], samples: int) -> list[str]:
+    """Run a few planned work units one after another, read by id from the output folder's catalog (a unit
+    committed before a retry is reused, not redone); the ids of those committed. ``samples``: their input
+    samples, for the task run's name. A stop request (Ctrl-C, SIGTERM) abandons the unit in flight at its
+    next sample, uncommitted (``stoppable``)."""
     recipe = recipe_from_dict(recipe_data)
-    tune_allocator()  # a worker process (processes, Dask, Ray) has not run the flow's call
     stage_dir, process = stage_dir_for(recipe, stage), stoppable(stage_processor(stage, recipe))
-    records = []
+    committed = []
     try:
-        for unit in units:
-            records.append(slim_records(stage, [stage_dir.run_unit(unit, process)])[0])
+        for data in stage_dir.catalog.planned(stage, unit_ids):
+            committed.append(stage_dir.run_unit(WorkUnit.from_json(data), process).unit_id)
     except interrupt.Interrupted:
         # The flow stops too (wait_result) and never reads this. Raised, the BaseException would cross a
         # process pool into Prefect's result callback, kill the pool's management thread and hang the exit.
         pass
-    return records
+    return committed
 
 
 def task_chunks(units: list[WorkUnit], runner: RunnerConfig) -> list[list[WorkUnit]]:
@@ -397,8 +349,6 @@ def _prep_stages(recipe_data: dict, started_run: str | None) -> dict[str, Any]:
     """The body of ``prep_stages``."""
     recipe = recipe_from_dict(recipe_data)
     ensure_models(recipe)
-    tune_allocator()
-    preload_modules()
     run_log = RunLog(also=started_run)
     report: dict[str, Any] = {}
     for stage in STAGES:
@@ -408,27 +358,29 @@ def _prep_stages(recipe_data: dict, started_run: str | None) -> dict[str, Any]:
         units = plan_stage(stage, recipe)
         # A unit whose record is committed is reused here, without a task run: a refresh that adds 1% of
         # the data pays task runs (and worker round trips) for that 1% only.
-        records = slim_records(stage, [r for u in units if (r := stage_dir.load_record(u.unit_id)) is not None])
-        if records:  # parsed with their per-sample detail: kept apart from its freed objects (memory.rebuilt)
-            records = rebuilt(records, UnitRecord.to_json_held, UnitRecord.from_json, collect=False)
-        done = {r.unit_id for r in records}
-        pending = [u for u in units if u.unit_id not in done]
-        chunks = task_chunks(pending, recipe.runner)
-        futures = run_units.map(stage, unmapped(recipe_data), chunks) if chunks else []
-        total = sum(u.samples_in for u in units)
+        reused = {u.unit_id for u in units if stage_dir.load_record(u.unit_id) is not None}
+        pending = [u for u in units if u.unit_id not in reused]
+        # task runs carry unit ids; the units themselves wait in the catalog (their payloads are per sample)
+        stage_dir.catalog.put_plan(stage, ((u.unit_id, json.dumps(u.to_json(), separators=(",", ":")))
+                                          for u in pending))
+        chunks = [([u.unit_id for u in chunk], sum(u.samples_in for u in chunk))
+                  for chunk in task_chunks(pending, recipe.runner)]
+        unit_ids = [u.unit_id for u in units]
+        total, todo = sum(u.samples_in for u in units), sum(u.samples_in for u in pending)
+        del units, pending
+        futures = (run_units.map(stage, unmapped(recipe_data), [c[0] for c in chunks], [c[1] for c in chunks])
+                   if chunks else [])
         # The UI's progress artifact follows the work to do; none when every unit is reused or the work is
         # one task run (it would only jump from 0 to 100%, for two API calls: a refresh's new data).
-        progress = (StageProgress(stage, sum(u.samples_in for u in pending), flow_run_id=started_run)
-                    if len(chunks) > 1 else None)
+        progress = StageProgress(stage, todo, flow_run_id=started_run) if len(chunks) > 1 else None
         with tqdm(total=total, desc=f"{stage:>8}", unit="sample") as bar:
-            bar.update(sum(r.samples_in for r in records))
-            for future in futures:
-                done_records = wait_result(future)  # slim already (run_units)
-                records.extend(done_records)
-                samples = sum(r.samples_in for r in done_records)
+            bar.update(total - todo)
+            for future, (_, samples) in zip(futures, chunks):
+                wait_result(future)
                 bar.update(samples)
                 if progress is not None:
                     progress.update(samples)
+        records = StageRecords(stage_dir, unit_ids, reused)
         manifest = stage_dir.write_manifest(records, manifest_header(stage, recipe, records))
         report[stage] = stage_report(stage, records, time.perf_counter() - start)
         if stage == "caption":
@@ -437,14 +389,14 @@ def _prep_stages(recipe_data: dict, started_run: str | None) -> dict[str, Any]:
                 run_log.warning(f"caption: {report[stage]['warning']}")
         if stage == "curate":
             report[stage].update(curate.report(records))
-            table = curate.write_scores_table(records, recipe.prep_dir, recipe.curate.active_scorers(), stage_dir)
+            table = curate.write_scores_table(records, recipe.prep_dir, recipe.curate.active_scorers())
             report[stage]["scores_table"] = str(table) if table else None
             report[stage]["near_duplicates"] = update_near_dups(recipe, stage_dir, records)
         if stage == "bucket":
             report[stage]["buckets"] = bucket.histogram(manifest)
-            if any("clips_below_threshold" in r.extra for r in records):  # per-clip verdicts of curate
-                report[stage]["clips_below_threshold"] = sum(int(r.extra.get("clips_below_threshold", 0))
-                                                             for r in records)
+            clips = [int(r.extra["clips_below_threshold"]) for r in records if "clips_below_threshold" in r.extra]
+            if clips:  # per-clip verdicts of curate
+                report[stage]["clips_below_threshold"] = sum(clips)
         if stage == "cache":
             report[stage].update(cache.component_report(records))
             report[stage]["manifest"] = str(stage_dir.manifest_path)
@@ -452,14 +404,6 @@ def _prep_stages(recipe_data: dict, started_run: str | None) -> dict[str, Any]:
             if merged is not None:
                 report[stage]["compaction"] = merged
         run_log.info(stage_line(stage, report[stage]))
-        release_stage_indexes(stage)
-        # a stage's plan and records are in its manifest now: not held through the next stage (the ingest
-        # plan of 100,000 files holds ~200 MB)
-        # (and not the loop's last future and its records either: at 100,000 files they pinned ~20,000
-        # small strings across the arenas the plan had grown)
-        future = done_records = None
-        del futures, records, units, pending, chunks, future, done_records
-        trim_now()
     publish_prep_artifacts(report, recipe.prep_dir, also=[started_run] if started_run else [])
     plots = None
     if recipe.prep.plots:  # only with matplotlib; a failed picture is a warning, never a failed prep

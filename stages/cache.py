@@ -37,12 +37,10 @@ from latentmill.stages.families import (
     prepare_cublas_determinism,
 )
 from latentmill.stages.hashing import meta_bytes, sha256_bytes, stable_hash
-from latentmill.stages.keytable import HexKeyTable
 from latentmill.stages.shardindex import ShardIndexError, load_shard_index
 from latentmill.stages.shardio import (
-    PerProcess,
-    RecordIndex,
     StageDir,
+    StageRecords,
     UnitOutput,
     UnitRecord,
     WorkUnit,
@@ -248,122 +246,22 @@ def plan(cfg: CacheConfig, model: ModelConfig, upstream: StageDir, stage_dir: St
 # ---------------------------------------------------------------------------------------------------------
 
 
-class ComponentIndex(RecordIndex):
-    """Where each component key already lives: (shard path, sample key), from the committed unit records;
-    per process, refreshed incrementally (:class:`~latentmill.stages.shardio.RecordIndex`).
-
-    The index holds every component of the stage for the whole stage, so it is kept in arrays
-    (:class:`~latentmill.stages.keytable.HexKeyTable`): a component key maps to one int64 that names its
-    record (the unit's shards, commit time and device, once per record), the sample's position in that
-    record (its key, once per sample) and the member. ~100 bytes a sample, where tuples in dicts took ~440
-    (44 MB at 100,000 samples, figure 15). The rare key held by several units (a compacted unit and the
-    small units it merged, when gc has not removed them yet) or encoded elsewhere (the record's ``foreign``)
-    keeps its hits as tuples in ``_more``, oldest first.
-    """
-
-    _SEVERAL = -1  # a table value: the key's hits are in ``_more``
-
-    def __init__(self, stage_root: Path):
-        super().__init__(stage_root)
-        self.vae = HexKeyTable()
-        self.text = HexKeyTable()
-        self._units: list[tuple[tuple[Path, ...], int, str]] = []  # per record read: shards, commit ns, device
-        self._samples: list[list[str]] = []  # per record read: its sample keys, in record order
-        self._more: dict[tuple[str, str], list[tuple]] = {}  # (table, key) -> hits, oldest first
-
-    def _hit(self, code: int) -> tuple:
-        """(shards, sample key, member, commit ns, device) of a table value."""
-        slot, ordinal, member = code >> 32, (code >> 8) & 0xFFFFFF, code & 0xFF
-        shards, committed, device = self._units[slot]
-        return shards, self._samples[slot][ordinal], VAE_MEMBER if member == 0 else text_member(member - 1), \
-            committed, device
-
-    def _add(self, table: str, key: str, code: int, device: str | None) -> None:
-        """Enter one hit of ``key``; ``device``: where it was encoded when not where its record was."""
-        values: HexKeyTable = getattr(self, table)
-        if HexKeyTable.raw(key) is None:  # not a component key: never found
-            return
-        held = values.get(key)
-        if held is None and device is None:
-            values.set(key, code)
-            return
-        if held not in (None, self._SEVERAL) and held >> 32 == code >> 32 and device is None:
-            return  # the same record again (two samples with one caption): its first hit serves
-        hits = (self._more.get((table, key), []) if held == self._SEVERAL
-                else [self._hit(held)] if held is not None else [])
-        hit = self._hit(code)
-        hit = hit if device is None else (*hit[:4], device)
-        if any(h[0] is hit[0] and h[3:] == hit[3:] for h in hits):
-            return  # one hit per record (and origin): a caption shared by many samples stays one entry
-        hits.append(hit)
-        hits.sort(key=lambda h: h[3])  # stable: of one commit time, the first entered stays first
-        self._more[(table, key)] = hits
-        values.set(key, self._SEVERAL)
-
-    def read_record(self, path: Path) -> None:
-        try:
-            record = UnitRecord.from_json(json.loads(path.read_text()))
-            committed = path.stat().st_mtime_ns
-        except (OSError, ValueError, TypeError, KeyError):
-            return
-        if not record.shards:
-            return
-        shards = tuple(self.root / shard.path for shard in record.shards)  # a rolled-over unit has several
-        # where each component was encoded: the record's device, or under ``foreign`` the origin of one it
-        # copied from a unit encoded elsewhere; records older than the field count as unknown
-        here = (record.extra.get("device") or {}).get("key", UNKNOWN_DEVICE)
-        foreign = record.extra.get("foreign") or {}
-        components = record.extra.get("components", {})
-        slot = len(self._units)
-        self._units.append((shards, committed, here))
-        self._samples.append(list(components))
-        entered: dict[str, tuple[list[str], list[int]]] = {"vae": ([], []), "text": ([], [])}
-        for ordinal, keys in enumerate(components.values()):
-            base = (slot << 32) | (ordinal << 8)
-            entered["vae"][0].append(keys["vae"])
-            entered["vae"][1].append(base)
-            texts = keys["text"] if isinstance(keys["text"], list) else [keys["text"]]
-            for j, tk in enumerate(texts):
-                entered["text"][0].append(tk)
-                entered["text"][1].append(base | (j + 1))
-        for table, (keys, codes) in entered.items():
-            # the common case in one batch: a key new to the index, encoded where its record says
-            plain = [n for n, key in enumerate(keys) if key not in foreign and HexKeyTable.raw(key) is not None]
-            again = getattr(self, table).add_new([bytes.fromhex(keys[n]) for n in plain], [codes[n] for n in plain])
-            for n in [plain[i] for i in again] + [n for n in range(len(keys)) if keys[n] in foreign]:
-                self._add(table, keys[n], codes[n], foreign.get(keys[n]))
-
-    def _oldest(self, table: str, key: str, before_ns: int) -> tuple | None:
-        """The oldest record's hit for ``key`` committed before ``before_ns`` whose shards are all on disk."""
-        held = getattr(self, table).get(key)
-        if held is None:
-            return None
-        for hit in self._more.get((table, key), []) if held == self._SEVERAL else [self._hit(held)]:
-            if hit[3] >= before_ns:
-                return None
-            if all(shard.is_file() for shard in hit[0]):
-                return hit
-        return None
-
-    def find(self, table: str, keys: list[str], before_ns: int) -> dict[str, tuple[tuple[Path, ...], str, str]]:
-        """(shards, sample key, member) of each of the ``keys`` committed before ``before_ns``: the oldest
-        whose shards are all still on disk."""
-        found = {}
-        for key in keys:
-            hit = self._oldest(table, key, before_ns)
-            if hit is not None:
-                found[key] = hit[:3]
-        return found
-
-    def origin(self, table: str, key: str, before_ns: int) -> str:
-        """Where ``key`` was encoded (an ``encoded_on`` key), by the same record :meth:`find` copies it from."""
-        hit = self._oldest(table, key, before_ns)
-        return UNKNOWN_DEVICE if hit is None else hit[4]
-
-
-_indexes = PerProcess(ComponentIndex)
-component_index = _indexes.get  # the up-to-date component index of a cache folder (one per process)
-release_indexes = _indexes.release  # the prep flow forgets them when the cache stage is done
+def stored_components(stage_dir: StageDir, keys: list[tuple[str, list[str]]],
+                      before_ns: int) -> tuple[dict[str, tuple], dict[str, tuple], dict[tuple[str, str], str]]:
+    """Where the catalog holds each component of ``keys`` (a sample's (vae key, text keys) each), committed
+    before ``before_ns``: (vae hits, text hits, origins). A hit is (shards, sample key, member), as
+    :func:`_fetch` reads it; ``origins`` maps (table, key) to where the component was encoded."""
+    vae, text, origins = {}, {}, {}
+    with stage_dir.lookup() as found:
+        for table, wanted, hits in (("vae", [vk for vk, _ in keys], vae),
+                                    ("text", [tk for _, tks in keys for tk in tks], text)):
+            for key in dict.fromkeys(wanted):
+                hit = found.component(stage_dir.root, table, key, before_ns)
+                if hit is not None:
+                    shards, sample, member, device = hit
+                    hits[key] = (shards, sample, VAE_MEMBER if member == 0 else text_member(member - 1))
+                    origins[(table, key)] = device or UNKNOWN_DEVICE
+    return vae, text, origins
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -643,15 +541,14 @@ def process(cfg: CacheConfig, model: ModelConfig, unit: WorkUnit, out: UnitOutpu
     """
     plan_ = cache_plan(cfg, model)
     dtype, trim = DTYPES[cfg.dtype], trims_text(cfg, plan_.family)
-    index = component_index(out.stage_dir.root)
     samples = UnitSamples(unit)  # metadata now; pixels when a batch needs them (memory: one batch)
     metas = samples.metas
     # Every caption of a sample is encoded (the trainer picks one per step); the first is the primary.
     captions = [m.get("captions") or [m["caption"]] for m in metas]
     keys = [(plan_.vae_key(m), [plan_.text_key(c) for c in caps]) for m, caps in zip(metas, captions)]
     before = unit.payload.get("reuse_before_ns", 0)
-    old_vae = _fetch(index.find("vae", [vk for vk, _ in keys], before))
-    old_text = _fetch(index.find("text", [tk for _, tks in keys for tk in tks], before))
+    vae_hits, text_hits, origins = stored_components(out.stage_dir, keys, before)
+    old_vae, old_text = _fetch(vae_hits), _fetch(text_hits)
     encoders = None
     device = _device(cfg, unit.unit_id)
     # where this unit encodes (device class, versions); reused components count where they were encoded
@@ -663,7 +560,7 @@ def process(cfg: CacheConfig, model: ModelConfig, unit: WorkUnit, out: UnitOutpu
     foreign: dict[str, str] = {}  # reused component key -> where it was encoded, when not here
 
     def count_origin(comp: str, key: str, reused: bool) -> None:
-        where = index.origin(comp, key, before) if reused else here
+        where = origins[(comp, key)] if reused else here
         if where != here:
             foreign[key] = where
         encoded_on.setdefault(where, {"vae": 0, "text": 0})[comp] += 1
@@ -795,15 +692,11 @@ def _encoded_on_field(cfg: CacheConfig, model: ModelConfig, stage_dir: StageDir,
     upstream = StageDir(stage_dir.root.parent / "bucket", "bucket")
     if not upstream.manifest_path.is_file():
         return {}
-    records = []
-    for unit in plan(cfg, model, upstream, stage_dir):
-        try:
-            records.append(UnitRecord.from_json(json.loads(stage_dir.unit_path(unit.unit_id).read_text())))
-        except (OSError, ValueError, TypeError, KeyError):
-            continue
-    if not any("encoded_on" in r.extra for r in records):
+    committed = StageRecords(stage_dir, [u.unit_id for u in plan(cfg, model, upstream, stage_dir)
+                                         if stage_dir.unit_path(u.unit_id).is_file()])
+    if not any("encoded_on" in r.extra for r in committed):
         return {}
-    return {"encoded_on": encoded_on_total(records)}
+    return {"encoded_on": encoded_on_total(committed)}
 
 
 def component_report(records: list[UnitRecord]) -> dict[str, Any]:

@@ -203,12 +203,15 @@ def report(cfg: CaptionConfig, records: list) -> dict[str, Any]:
 
     ``records`` are the stage's unit records; each ran unit counted its samples in ``extra``.
     """
-    counted = [r for r in records if "changed" in r.extra]
-    changed = sum(int(r.extra["changed"]) for r in counted)
-    asked = sum(int(r.extra.get("sent_to_captioner", 0)) for r in counted)
-    written = sum(r.samples_out for r in counted)
+    counted = changed = asked = written = 0
     by_rule: dict[str, int] = {}
-    for record in counted:
+    for record in records:  # one pass (a StageRecords reads each record from disk)
+        if "changed" not in record.extra:
+            continue
+        counted += 1
+        changed += int(record.extra["changed"])
+        asked += int(record.extra.get("sent_to_captioner", 0))
+        written += record.samples_out
         for rule, n in (record.extra.get(REWRITTEN_KEY) or {}).items():
             by_rule[rule] = by_rule.get(rule, 0) + int(n)
     result: dict[str, Any] = {"changed": changed, "sent_to_captioner": asked,

@@ -43,21 +43,20 @@ import json
 import sqlite3
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterator, Literal, NamedTuple, Optional
+from typing import Any, Callable, Iterable, Iterator, Literal, NamedTuple, Optional
 
 import numpy as np
 from latentmill.stages import curate_models, neardup, pixels
+from latentmill.stages.catalog import Lookup
 from latentmill.stages.curate_clips import ClipSpec
 from latentmill.stages.hashing import canonical_json, meta_bytes, sha256_bytes, stable_hash
-from latentmill.stages.keytable import HexKeyTable
 from latentmill.stages.shardindex import ShardIndexError, load_shard_index
 from latentmill.stages.shardio import (
-    PerProcess,
-    RecordIndex,
     StageDir,
     UnitOutput,
     UnitRecord,
     WorkUnit,
+    by_unit_id,
     check_shard_bytes,
     copy_estimate,
     grouped_unit_id,
@@ -382,29 +381,6 @@ def decode_frames(sample: dict[str, Any], meta: dict[str, Any], cfg: CurateConfi
 # ---------------------------------------------------------------------------------------------------------
 
 
-class ScoreIndex(RecordIndex):
-    """Score key -> value, from every committed unit record of the curate folder (also those of earlier
-    thresholds); per process, refreshed incrementally (:class:`~latentmill.stages.shardio.RecordIndex`)."""
-
-    def __init__(self, stage_root: Path):
-        super().__init__(stage_root)
-        # one entry per score of every sample: in arrays, not a dict (keytable: 40 bytes an entry, not ~170)
-        self.values = HexKeyTable(np.float64)
-
-    def read_record(self, path: Path) -> None:
-        try:
-            extra = json.loads(path.read_text()).get("extra") or {}
-        except (OSError, ValueError):
-            return
-        for row in (extra.get("scores") or {}).values():
-            for name, key in (row.get("keys") or {}).items():
-                if name in (row.get("values") or {}):
-                    self.values.set(key, float(row["values"][name]))
-
-
-_indexes = PerProcess(ScoreIndex)
-score_index = _indexes.get  # the up-to-date score index of a curate folder (one per process)
-release_indexes = _indexes.release  # the prep flow forgets them when the curate stage is done
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -564,7 +540,8 @@ class _Scored:
     missing: list[str] = field(default_factory=list)  # scores to compute when its chunk is decoded
 
 
-def _score_unit(cfg: CurateConfig, unit: WorkUnit, prints: dict[str, dict[str, Any]], index: ScoreIndex,
+def _score_unit(cfg: CurateConfig, unit: WorkUnit, prints: dict[str, dict[str, Any]],
+                known: Callable[[str], float | None],
                 skip: set[str], background: tuple[int, int, int], keep_small: bool = False,
                 per_clip: bool = False) -> Iterator[_Scored]:
     """The unit's samples in order, each with its scores: found by key, else decoded once and scored, up to
@@ -626,7 +603,7 @@ def _score_unit(cfg: CurateConfig, unit: WorkUnit, prints: dict[str, dict[str, A
             text = caption_text(sample, item.meta) if "clip_score" in names else None
             item.keys = {name: keyers[name](item.meta, text if name == "clip_score" else None)
                          for name in names if name != "motion" or kind == "video"}  # an image has no motion
-            item.values = {name: v for name, k in item.keys.items() if (v := index.values.get(k)) is not None}
+            item.values = {name: v for name, k in item.keys.items() if (v := known(k)) is not None}
             missing = [name for name in item.keys if name not in item.values]
             if missing:
                 item.computed = True
@@ -645,20 +622,27 @@ def process(cfg: CurateConfig, unit: WorkUnit, out: UnitOutput,
             background: tuple[int, int, int] = pixels.WHITE, clips: ClipSpec | None = None) -> None:
     """Drop the unit's duplicates, score the others (reusing scores by key), apply the thresholds. With
     ``clips`` (the bucket stage's clip plan) a video is scored and thresholded per clip
-    (:func:`_process_video_clips`)."""
+    (:func:`_process_video_clips`). Scores and embeddings already computed are found by key in the output
+    folder's catalog (``stages.catalog``)."""
+    with out.stage_dir.lookup() as found:
+        _process(cfg, unit, out, background, clips, found)
+
+
+def _process(cfg: CurateConfig, unit: WorkUnit, out: UnitOutput, background: tuple[int, int, int],
+             clips: ClipSpec | None, found: Lookup) -> None:
+    """:func:`process` with the catalog open."""
     names = cfg.active_scorers()
     prints = {name: scorer_fingerprint(cfg, name, background) for name in names}
     thresholds = cfg.thresholds()
     duplicates: dict[str, str] = unit.payload.get("duplicates") or {}
-    index = score_index(out.stage_dir.root)
     rows: dict[str, dict[str, Any]] = {}
     counts = {"scored": 0, "scores_reused": 0, "unscored": 0, "duplicates": 0, "below_threshold": 0}
     # near duplicates: the embedding of every kept sample, by key (stages/neardup.py)
     embed = ((lambda frames: curate_models.image_embeddings(cfg, [frames])[0]) if cfg.embeds_with_model()
              else None)  # None: the pixel thumbnail (neardup.thumbnail_embedding)
     embeds = (neardup.UnitEmbeddings(out.stage_dir.root, unit.unit_id, cfg.embedder_fingerprint(background),
-                                     embed) if cfg.dedup_threshold is not None else None)
-    for item in _score_unit(cfg, unit, prints, index, set(duplicates), background, keep_small=embeds is not None,
+                                     found, embed) if cfg.dedup_threshold is not None else None)
+    for item in _score_unit(cfg, unit, prints, found.score, set(duplicates), background, keep_small=embeds is not None,
                             per_clip=clips is not None):
         sample, meta, key = item.sample, item.meta, item.sample["__key__"]
         source, kind = meta.get("source", "?"), meta.get("kind") or "image"
@@ -667,7 +651,7 @@ def process(cfg: CurateConfig, unit: WorkUnit, out: UnitOutput,
             out.quarantine(key, source, "exact duplicate (same content sha256)", duplicate_of=duplicates[key])
             continue
         if clips is not None and kind == "video":
-            _process_video_clips(cfg, clips, item, prints, index.values, out, rows, counts, embeds, background)
+            _process_video_clips(cfg, clips, item, prints, found.score, out, rows, counts, embeds, background)
             continue
         if item.error is not None:  # quarantined where it is first decoded, not passed on to the cache
             counts["unscored"] += 1
@@ -699,7 +683,7 @@ def process(cfg: CurateConfig, unit: WorkUnit, out: UnitOutput,
 
 
 def _process_video_clips(cfg: CurateConfig, spec: ClipSpec, item: _Scored, prints: dict[str, dict[str, Any]],
-                         known: HexKeyTable, out: UnitOutput, rows: dict[str, dict[str, Any]],
+                         known: Callable[[str], float | None], out: UnitOutput, rows: dict[str, dict[str, Any]],
                          counts: dict[str, int], embeds: neardup.UnitEmbeddings | None,
                          background: tuple[int, int, int]) -> None:
     """One video scored per clip (:mod:`latentmill.stages.curate_clips`): its clips' verdicts go into its
@@ -712,7 +696,7 @@ def _process_video_clips(cfg: CurateConfig, spec: ClipSpec, item: _Scored, print
     names = list(prints)
     text = caption_text(sample, meta) if "clip_score" in names else None
     # the near-dup embedding stays per video: its frames join the decode pass when it is not stored yet
-    embed_missing = embeds is not None and embeds.index.get(neardup.embedding_key(embeds.fp_hash, meta)) is None
+    embed_missing = embeds is not None and embeds.stored(neardup.embedding_key(embeds.fp_hash, meta)) is None
     video = curate_clips.score_video(cfg, sample, meta, spec, prints, known, text, background,
                                      whole_frames=embed_missing)
     if video.error is not None:  # its clips could not be planned or decoded: quarantined, as an image
@@ -747,17 +731,23 @@ def _process_video_clips(cfg: CurateConfig, spec: ClipSpec, item: _Scored, print
 def report(records: list[UnitRecord]) -> dict[str, Any]:
     """Scorer calls, reused scores, duplicates and threshold drops of the units this run ran (a reused unit
     neither scores nor reuses), and quarantines per reason over the whole stage."""
-    ran = [r for r in records if not r.reused]
-    result: dict[str, Any] = {name: sum(int((r.extra.get("counts") or {}).get(name, 0)) for r in ran)
-                              for name in ("scored", "scores_reused", "unscored", "embedded", "embeddings_reused")}
+    per_clip = ("clips_scored", "clip_scores_reused", "clips_below_threshold")
+    names = ("scored", "scores_reused", "unscored", "embedded", "embeddings_reused") + per_clip
+    totals = dict.fromkeys(names, 0)
     reasons: dict[str, int] = {}
-    for record in records:
+    clip_counts = False
+    for record in records:  # one pass (a StageRecords reads each record from disk)
+        counts = record.extra.get("counts") or {}
+        clip_counts = clip_counts or any(name in counts for name in per_clip)
+        if not record.reused:
+            for name in names:
+                totals[name] += int(counts.get(name, 0))
         for q in record.quarantined:
             reasons[q["reason"]] = reasons.get(q["reason"], 0) + 1
+    result: dict[str, Any] = {name: totals[name] for name in names[:5]}
     result["quarantined_by_reason"] = dict(sorted(reasons.items()))
-    per_clip = ("clips_scored", "clip_scores_reused", "clips_below_threshold")
-    if any(name in (r.extra.get("counts") or {}) for r in records for name in per_clip):
-        result.update({name: sum(int((r.extra.get("counts") or {}).get(name, 0)) for r in ran) for name in per_clip})
+    if clip_counts:
+        result.update({name: totals[name] for name in per_clip})
     return result
 
 
@@ -778,16 +768,12 @@ def score_rows(records: list[UnitRecord]) -> list[dict[str, Any]]:
 SCORE_TEXT_COLUMNS = ("key", "source", "kind", "status", "threshold")
 
 
-def write_scores_table(records: list[UnitRecord], prep_dir: Path, names: list[str],
-                       stage_dir: StageDir | None = None) -> Path | None:
+def write_scores_table(records: Iterable[UnitRecord], prep_dir: Path, names: list[str]) -> Path | None:
     """``prep/scores.parquet`` from the stage's records (rewritten every run), when pyarrow is installed
     (``pip install 'latentmill[parquet]'``); None without it. Columns: key, source, kind, status,
     threshold (those that dropped the sample, comma-separated, or null), and one float column per scorer;
-    rows in key order (as :func:`score_rows`).
-
-    Built one record at a time into Arrow columns: records without their per-sample scores (the flow keeps
-    them slim) are read back from ``stage_dir`` (``neardup.with_detail``), so 100,000 rows never exist as
-    Python objects together.
+    rows in key order (as :func:`score_rows`). Built one record at a time into Arrow columns, so the rows
+    never exist as Python objects together.
     """
     try:
         import pyarrow as pa
@@ -796,7 +782,7 @@ def write_scores_table(records: list[UnitRecord], prep_dir: Path, names: list[st
         return None
     schema = pa.schema([(c, pa.string()) for c in SCORE_TEXT_COLUMNS] + [(n, pa.float64()) for n in names])
     parts = []
-    for record in neardup.with_detail(sorted(records, key=lambda r: r.unit_id), stage_dir):
+    for record in by_unit_id(records):
         rows = score_rows([record])
         if rows:
             parts.append(pa.table({**{c: pa.array([r[c] for r in rows], pa.string()) for c in SCORE_TEXT_COLUMNS},
@@ -807,8 +793,4 @@ def write_scores_table(records: list[UnitRecord], prep_dir: Path, names: list[st
     tmp = path.with_name(path.name + ".tmp")
     pq.write_table(table, tmp)
     tmp.replace(path)
-    del parts, table
-    # Arrow's allocator (mimalloc) keeps what the table used for later arrays that a prep never makes: at
-    # 100,000 rows ~50 MB resident for the rest of the prep (figure 15) unless handed back
-    pa.default_memory_pool().release_unused()
     return path

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 from latentmill.stages import curate_models, pixels
 from latentmill.stages.video import (
@@ -43,7 +43,6 @@ from PIL import Image
 
 if TYPE_CHECKING:
     from latentmill.stages.curate import CurateConfig
-    from latentmill.stages.keytable import HexKeyTable
 
 CLIP_KIND = "clip"  # the kind of a clip's row in prep/scores.parquet
 
@@ -129,10 +128,10 @@ class VideoScores:
 
 
 def score_video(cfg: "CurateConfig", sample: dict[str, Any], meta: dict[str, Any], spec: ClipSpec,
-                prints: dict[str, dict[str, Any]], known: HexKeyTable, caption: str | None,
+                prints: dict[str, dict[str, Any]], known: Callable[[str], float | None], caption: str | None,
                 background: tuple[int, int, int] = pixels.WHITE, whole_frames: bool = False) -> VideoScores:
-    """Plan the video's clips as the bucket stage will, look every clip's scores up by key in ``known``
-    (score key -> value), and decode the clips with a score missing in one pass to compute them.
+    """Plan the video's clips as the bucket stage will, look every clip's scores up by key with ``known``
+    (score key -> stored value or None), and decode the clips with a score missing in one pass to compute them.
 
     ``whole_frames``: also decode, in the same pass, the K frames the video is embedded from (its
     near-duplicate embedding), returned as ``small``. A planning or decode error is returned as ``error``
@@ -154,7 +153,7 @@ def score_video(cfg: "CurateConfig", sample: dict[str, Any], meta: dict[str, Any
         window = {"sha256": meta.get("sha256"), "clip": {"scored_frames": item.indices}}
         item.keys = {name: score_key(prints[name], window, caption if name == "clip_score" else None)
                      for name in names}
-        item.values = {name: v for name, k in item.keys.items() if (v := known.get(k)) is not None}
+        item.values = {name: v for name, k in item.keys.items() if (v := known(k)) is not None}
         item.computed = len(item.values) < len(item.keys)
         result.clips.append(item)
     todo = [c for c in result.clips if c.computed]

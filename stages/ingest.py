@@ -29,7 +29,6 @@ from typing import Any, Optional
 from latentmill.stages import pixels
 from latentmill.stages.filehashes import FileHashes
 from latentmill.stages.hashing import meta_bytes, sha256_bytes, sha256_file, stable_hash
-from latentmill.stages.memory import burst, rebuilt
 from latentmill.stages.shardio import StageDir, UnitOutput, UnitRecord, WorkUnit, check_shard_bytes
 from latentmill.stages.sources import (
     Entry,
@@ -288,19 +287,7 @@ def plan(cfg: IngestConfig, stage_dir: StageDir | None = None) -> list[WorkUnit]
     content identities, so a unit committed under another cut is never taken for this one. With
     ``stage_dir`` (the ingest stage's folder) planning keeps the last run's grouping and remembers file
     digests in ``<stage_dir>/file-hashes.sqlite``, so an unchanged file is not read again.
-
-    The units are rebuilt once everything the plan made per file is freed (``memory.rebuilt``): the plan of
-    a large folder makes a few small Python objects per file (entries, sizes, stat rows, hashes), and the
-    unit ids allocated among them would otherwise keep most of the arenas the plan grew alive through the
-    ingest stage, to be pinned for good by what the stage allocates meanwhile (at 100,000 files ~100 MB of
-    the prep's resident set, figure 15).
     """
-    with burst():  # the collection in between walks the plan's objects only, not the whole process's
-        return rebuilt(_plan(cfg, stage_dir), WorkUnit.to_json, WorkUnit.from_json)
-
-
-def _plan(cfg: IngestConfig, stage_dir: StageDir | None) -> list[WorkUnit]:
-    """:func:`plan`, before the units are rebuilt."""
     source = list_source(cfg.require_source(), cfg.path_column, cfg.caption_column)
     fp = fingerprint(cfg)
     if source.kind == "webdataset":
@@ -337,9 +324,8 @@ def _plan(cfg: IngestConfig, stage_dir: StageDir | None) -> list[WorkUnit]:
             unit_id = stable_hash({"fingerprint": fp, CUT_KEY: cut, "inputs": ids})
         if signature:
             hashes.remember_signature(signature, unit_id)
-        # the entries as one JSON string, read back by the unit (unit_items): one object per unit instead of
-        # a dict per file, so the plan of 100,000 files does not leave the process's small-object heap
-        # fragmented for the rest of the prep (figure 15: 49 MB less resident after the ingest stage at 100,000 files)
+        # the entries as one JSON string, read back by the unit (unit_items): one object per unit, not a dict
+        # per file
         payload = {"kind": "entries", "root": source.root, ITEMS_KEY: json.dumps([_entry_json(e) for e in members]),
                    CUT_KEY: cut, "estimated_bytes": sum(sizes[i] for i in group)}
         units.append(WorkUnit(unit_id=unit_id, inputs=ids, payload=payload, samples_in=len(members)))

@@ -8,8 +8,8 @@ Where each part runs (``docs/cache-format.md``, "Curation: near duplicates"):
   ``key = hash(embedder fingerprint, content sha256, clip window)``. A unit writes its embeddings to one
   ``.npy`` file beside its shards (``shards/curate-<unit>-embeddings.npy``, float32 ``[N, D]``) and lists the
   sample keys, embedding keys and the file's sha256 in its record (``extra["embeddings"]``); a unit that runs
-  again (a changed threshold) looks every embedding up by key before it decodes anything
-  (:class:`EmbeddingIndex`).
+  again (a changed threshold) looks every embedding up by key in the output folder's catalog
+  (``stages.catalog``) before it decodes anything.
 * **The index** (:class:`NearDupIndex`, ``prep/curate/neardup/<embedder>/``) is entered after the curate
   units of a run finish (:func:`update`): the samples of the stage's records not entered yet, in manifest
   order, become one batch. It keeps its own copy of every vector (``vectors.f32``, append-only), so old data is
@@ -40,8 +40,9 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator, Optional, Sequence
 
 import numpy as np
+from latentmill.stages.catalog import Lookup
 from latentmill.stages.hashing import stable_hash
-from latentmill.stages.shardio import PerProcess, RecordIndex, StageDir, UnitRecord
+from latentmill.stages.shardio import StageRecords, UnitRecord
 from PIL import Image
 
 EMBEDDER = "thumbnail"  # the model-free default (the CLIP embedder of the aesthetic scorer can take its place)
@@ -108,54 +109,18 @@ def _sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
-class EmbeddingIndex(RecordIndex):
-    """Embedding key -> (file, row), from every committed curate unit record (those of earlier thresholds
-    too); per process, refreshed incrementally (:class:`~latentmill.stages.shardio.RecordIndex`)."""
-
-    def __init__(self, stage_root: Path):
-        super().__init__(stage_root)
-        self.where: dict[str, tuple[str, int]] = {}
-        self._arrays: dict[str, np.ndarray] = {}
-
-    def read_record(self, path: Path) -> None:
-        try:
-            emb = (json.loads(path.read_text()).get("extra") or {}).get("embeddings")
-        except (OSError, ValueError):
-            return
-        if emb and (self.root / emb["file"]).is_file():
-            for row, ekey in enumerate(emb["ekeys"]):
-                self.where[ekey] = (emb["file"], row)
-
-    def get(self, ekey: str) -> np.ndarray | None:
-        """The stored embedding of key ``ekey``, or None (unknown, or its file is gone)."""
-        found = self.where.get(ekey)
-        if found is None:
-            return None
-        name, row = found
-        if name not in self._arrays:
-            try:
-                self._arrays[name] = np.load(self.root / name, mmap_mode="r")
-            except (OSError, ValueError):
-                return None
-        return np.array(self._arrays[name][row], np.float32)
-
-
-_indexes = PerProcess(EmbeddingIndex)
-embedding_index = _indexes.get  # the up-to-date embedding index of a curate folder (one per process)
-release_indexes = _indexes.release
-
-
 class UnitEmbeddings:
     """Collects one curate unit's embeddings (reused by key, or computed from the frames the unit decoded)
     and writes them beside the unit's shards when it ends."""
 
-    def __init__(self, stage_root: Path, unit_id: str, fingerprint: dict[str, Any],
+    def __init__(self, stage_root: Path, unit_id: str, fingerprint: dict[str, Any], found: Lookup,
                  embed: Callable[[list[Image.Image]], np.ndarray] | None = None):
         self.root = stage_root
         self.unit_id = unit_id
         self.fp_hash = stable_hash(fingerprint)
         self.embed = embed
-        self.index = embedding_index(stage_root)
+        self._found = found  # the catalog: embeddings stored by earlier units, by key
+        self._arrays: dict[str, np.ndarray] = {}
         self.keys: list[str] = []
         self.ekeys: list[str] = []
         self.vectors: list[np.ndarray] = []
@@ -165,7 +130,7 @@ class UnitEmbeddings:
         """Embed one kept sample: its stored embedding when its key is known, else ``embed(frames())``
         (``frames`` decodes only when called). A sample that cannot be decoded gets no embedding."""
         ekey = embedding_key(self.fp_hash, meta)
-        vector = self.index.get(ekey)
+        vector = self.stored(ekey)
         if vector is None:
             try:
                 vector = (self.embed or thumbnail_embedding)(frames())
@@ -177,6 +142,19 @@ class UnitEmbeddings:
         self.keys.append(key)
         self.ekeys.append(ekey)
         self.vectors.append(np.asarray(vector, np.float32))
+
+    def stored(self, ekey: str) -> np.ndarray | None:
+        """The embedding of key ``ekey`` an earlier unit stored, or None (unknown, or its file is gone)."""
+        where = self._found.embedding(ekey)
+        if where is None:
+            return None
+        name, row = where
+        if name not in self._arrays:
+            try:
+                self._arrays[name] = np.load(self.root / name, mmap_mode="r")
+            except (OSError, ValueError):
+                return None
+        return np.array(self._arrays[name][row], np.float32)
 
     def write(self, stage_dir_name: str = "curate") -> dict[str, Any] | None:
         """Write ``shards/<stage>-<unit>-embeddings.npy`` (atomically); the record's ``extra["embeddings"]``."""
@@ -624,40 +602,26 @@ def index_folder(curate_root: Path, fingerprint: dict[str, Any]) -> Path:
     return curate_root / NEARDUP_DIR / stable_hash(fingerprint)[:16]
 
 
-def _manifest_order(records: list[UnitRecord]) -> list[UnitRecord]:
-    """Records in manifest order: by the name of the first upstream shard each read (units group upstream
-    shards in name order), then unit id."""
-    return sorted(records, key=lambda r: ((r.extra.get("upstream") or [""])[0], r.unit_id))
+def _manifest_order(records: Iterable[UnitRecord], skip: set[str]) -> Iterator[UnitRecord]:
+    """The records not in ``skip``, in manifest order: by the name of the first upstream shard each read
+    (units group upstream shards in name order), then unit id. Holds one record at a time when ``records``
+    is a :class:`~latentmill.stages.shardio.StageRecords` (the order is found in a first pass)."""
+    order = sorted(((r.extra.get("upstream") or [""])[0], r.unit_id) for r in records if r.unit_id not in skip)
+    load = records.load if isinstance(records, StageRecords) else {r.unit_id: r for r in records}.__getitem__
+    return (load(unit_id) for _, unit_id in order)
 
 
-PER_SAMPLE_EXTRA = ("scores", "embeddings")  # a curate record's per-sample detail (the flow drops it)
-
-
-def with_detail(records: Iterable[UnitRecord], stage_dir: StageDir | None) -> Iterator[UnitRecord]:
-    """Each of ``records`` with its per-sample detail (``PER_SAMPLE_EXTRA``): as given when it has it, else
-    read back from its committed record file in ``stage_dir``, one at a time. The prep flow keeps curate
-    records without it (at 100,000 samples ~100 MB of small objects, held through the stage, that left the
-    process's heap fragmented for the rest of the prep)."""
-    for record in records:
-        if stage_dir is None or any(name in record.extra for name in PER_SAMPLE_EXTRA):
-            yield record
-        else:
-            yield stage_dir.load_record(record.unit_id) or record
-
-
-def update(curate_root: Path, records: list[UnitRecord], fingerprint: dict[str, Any], threshold: float,
-           kind: str = "auto", stage_dir: StageDir | None = None) -> dict[str, Any]:
+def update(curate_root: Path, records: Iterable[UnitRecord], fingerprint: dict[str, Any], threshold: float,
+           kind: str = "auto") -> dict[str, Any]:
     """Enter the samples of the stage's records that the index does not hold yet (one batch, manifest
     order) and decide every row not yet decided at ``threshold``. Reads the embedding files of records not
-    entered before only. Records without their per-sample detail are read back from ``stage_dir`` (see
-    :func:`with_detail`), only those not entered before. Returns the run summary's ``near_duplicates``."""
+    entered before only. Returns the run summary's ``near_duplicates``."""
     start = time.perf_counter()
     fp_hash = stable_hash(fingerprint)
     folder = index_folder(curate_root, fingerprint)
     done_units = NearDupIndex.entered_units_in(folder)
-    # records not entered before, with the embedder's embeddings, read (when slim) one at a time
-    todo = ((r, r.extra["embeddings"]) for r in with_detail(
-        (r for r in _manifest_order(records) if r.unit_id not in done_units), stage_dir)
+    # records not entered before, with the embedder's embeddings
+    todo = ((r, r.extra["embeddings"]) for r in _manifest_order(records, done_units)
             if (r.extra.get("embeddings") or {}).get("fingerprint") == fp_hash)
     first = next(todo, None)
     # nothing new to enter: the index's own width (a CLIP embedder's is not the thumbnail's)

@@ -4,6 +4,7 @@ Layout of one stage under ``<output_dir>/prep/<stage>/``::
 
     shards/<stage>-<unit id>-<part>.tar   webdataset tars, written as .tmp and renamed when complete
     units/<unit id>.json                  what one work unit produced (shards, quarantine), written last
+    ../catalog.sqlite                     the keys later units look up, one catalog per output folder
     manifest.json                         the stage's current output: every shard, counts, fingerprint
     quarantine.jsonl                      every sample the stage refused, with the reason
 
@@ -14,24 +15,23 @@ This module is the stages' bookkeeping over shards: writing a unit's shards (``_
 index together), unit records, manifests, sample iteration and unit planning. The layers beneath it, each
 importing nothing from here: ``tarshard`` (the tar format: member headers, reading samples, the header
 scan), ``shardindex`` (the ``.idx`` file beside each tar), ``hashing`` (content hashes, canonical JSON) and
-``memory`` (the glibc allocator tuning called after each unit).
+``catalog`` (the scores, embeddings and components that units look up, rows written in each unit's commit).
 """
 
 from __future__ import annotations
 
-import abc
+import contextlib
 import hashlib
 import json
 import os
 import tarfile
-import threading
 import time
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator
 
+from latentmill.stages.catalog import Catalog, Lookup, catalog_path
 from latentmill.stages.hashing import json_bytes, sha256_file, stable_hash
-from latentmill.stages.memory import release_memory
 from latentmill.stages.shardindex import bucket_of, build_shard_index, index_tar, write_index_file
 from latentmill.stages.tarshard import MAX_HEADER, TAR_BLOCK, read_shard, tar_bytes, tar_member_header
 
@@ -306,66 +306,15 @@ class UnitOutput:
             seconds=round(seconds, 4),
             extra=self.extra,
         )
-        durable.write_json(self.stage_dir.unit_path(self.unit.unit_id), record.to_json())
+        path = self.stage_dir.unit_path(self.unit.unit_id)
+        data = record.to_json()
+        durable.write_json(path, data)
+        self.stage_dir.catalog.enter(self.stage_dir.stage, data, path.stat().st_mtime_ns)
         return record
 
     def abort(self) -> None:
         for sink in self._sinks.values():
             sink.abort()
-
-
-class RecordIndex(abc.ABC):
-    """What a stage keeps from every committed unit record of its folder (curate's scores, the cache's
-    components, curate's embeddings), per process: :meth:`refresh` reads only the records not read before,
-    when the ``units/`` folder changed, so units committed by earlier runs or other workers are found without
-    re-reading every record for every unit. Subclasses say what to keep from one record
-    (:meth:`read_record`)."""
-
-    def __init__(self, stage_root: Path):
-        self.root = stage_root
-        self._seen: set[str] = set()
-        self._mtime = -1
-
-    @abc.abstractmethod
-    def read_record(self, path: Path) -> None:
-        """Keep what this index needs from the unit record at ``path`` (a damaged one is skipped)."""
-
-    def refresh(self):
-        units = self.root / "units"
-        mtime = units.stat().st_mtime_ns if units.is_dir() else -1
-        if mtime == self._mtime:
-            return self
-        self._mtime = mtime
-        for path in sorted(units.glob("*.json")) if units.is_dir() else []:
-            if path.name not in self._seen:
-                self._seen.add(path.name)
-                self.read_record(path)
-        return self
-
-
-class PerProcess:
-    """One :class:`RecordIndex` per stage folder in this process: ``get`` returns it refreshed; ``release``
-    forgets them all (their memory grows with the samples: the prep flow releases a stage's once the stage
-    is done; a later run in the process reads the records again)."""
-
-    def __init__(self, factory: Callable[[Path], RecordIndex]):
-        self._factory = factory
-        self._items: dict[str, RecordIndex] = {}
-        self._lock = threading.Lock()
-
-    def get(self, stage_root: Path):
-        with self._lock:
-            key = str(Path(stage_root).resolve())
-            if key not in self._items:
-                self._items[key] = self._factory(Path(stage_root))
-            return self._items[key].refresh()
-
-    def release(self) -> int:
-        """Forget every index; returns how many there were."""
-        with self._lock:
-            count = len(self._items)
-            self._items.clear()
-        return count
 
 
 class StageDir:
@@ -386,6 +335,19 @@ class StageDir:
 
     def unit_path(self, unit_id: str) -> Path:
         return self.unit_dir / f"{unit_id}.json"
+
+    @property
+    def catalog(self) -> Catalog:
+        """The output folder's catalog (``prep/catalog.sqlite``, beside the stage folders)."""
+        return Catalog(catalog_path(self.root))
+
+    @contextlib.contextmanager
+    def lookup(self) -> Iterator[Lookup]:
+        """The catalog, in line with this stage's committed records, for a unit's lookups."""
+        catalog = self.catalog
+        catalog.sync(self.stage, self.unit_dir)
+        with catalog.lookup() as found:
+            yield found
 
     def load_record(self, unit_id: str) -> UnitRecord | None:
         """The unit's record if the unit is complete (record present and every shard on disk)."""
@@ -439,27 +401,31 @@ class StageDir:
         except BaseException:
             out.abort()
             raise
-        finally:
-            release_memory()
         return out.commit(time.perf_counter() - start)
 
-    def write_manifest(self, records: list[UnitRecord], header: dict[str, Any]) -> dict[str, Any]:
-        """Write the stage manifest (last, atomically) and the quarantine list; return the manifest."""
+    def write_manifest(self, records: Iterable[UnitRecord], header: dict[str, Any]) -> dict[str, Any]:
+        """Write the stage manifest (last, atomically) and the quarantine list; return the manifest. One pass
+        over ``records`` (a :class:`StageRecords` reads them one at a time)."""
         self.ensure()
-        records = sorted(records, key=lambda r: r.unit_id)
-        shards = [{k: v for k, v in asdict(s).items() if k not in ("index", "buckets") or v is not None}
-                  for r in records for s in r.shards]
-        quarantined = [q for r in records for q in r.quarantined]
-        expanded = sum(int(r.extra.get("expanded", 0)) for r in records)
+        shards, units, quarantined = [], [], []
+        counts = {"in": 0, "out": 0, "expanded": 0}
+        for r in records:
+            units.append(r.unit_id)
+            shards += [{k: v for k, v in asdict(s).items() if k not in ("index", "buckets") or v is not None}
+                       for s in r.shards]
+            quarantined += r.quarantined
+            counts["in"] += r.samples_in
+            counts["out"] += r.samples_out
+            counts["expanded"] += int(r.extra.get("expanded", 0))
+        expanded = counts.pop("expanded")
         manifest = {
             "stage": self.stage,
             "format_version": FORMAT_VERSION,
             **header,
             "shards": sorted(shards, key=lambda s: s["name"]),
-            "units": [r.unit_id for r in records],
+            "units": sorted(units),
             "counts": {
-                "in": sum(r.samples_in for r in records),
-                "out": sum(r.samples_out for r in records),
+                **counts,
                 "quarantined": len(quarantined),
                 **({"expanded": expanded} if expanded else {}),  # clips beyond one per video
             },
@@ -475,6 +441,46 @@ class StageDir:
         return json.loads(self.manifest_path.read_text())
 
 
+class StageRecords:
+    """The committed records of a stage's units, read from their files each time they are iterated.
+
+    What a stage's manifest, report and summaries are computed from: each pass holds one record at a time,
+    so the per-sample detail of a whole stage (a curate unit's scores, a cache unit's component keys) never
+    sits in memory together. Iterated in unit id order; ``reused``: the ids of the units this run found
+    committed rather than ran.
+    """
+
+    def __init__(self, stage_dir: StageDir, unit_ids: Iterable[str], reused: Iterable[str] = ()):
+        self.stage_dir = stage_dir
+        self.unit_ids = sorted(set(unit_ids))
+        self.reused = set(reused)
+
+    def load(self, unit_id: str) -> UnitRecord:
+        """The committed record of one unit, as written (its ``reused`` as this run found it)."""
+        path = self.stage_dir.unit_path(unit_id)
+        try:
+            record = UnitRecord.from_json(json.loads(path.read_text()))
+        except FileNotFoundError:
+            raise FileNotFoundError(f"{path}: the record of a unit this run committed is gone: was the output "
+                                    "folder changed while the prep ran?") from None
+        record.reused = unit_id in self.reused
+        return record
+
+    def __len__(self) -> int:
+        return len(self.unit_ids)
+
+    def __iter__(self) -> Iterator[UnitRecord]:
+        return (self.load(unit_id) for unit_id in self.unit_ids)
+
+    def __getitem__(self, i: int) -> UnitRecord:
+        return self.load(self.unit_ids[i])
+
+
+def by_unit_id(records: Iterable[UnitRecord]) -> Iterable[UnitRecord]:
+    """``records`` in unit id order: as they are for :class:`StageRecords`, sorted otherwise."""
+    return records if isinstance(records, StageRecords) else sorted(records, key=lambda r: r.unit_id)
+
+
 def stage_report(stage: str, records: list[UnitRecord], seconds: float) -> dict[str, Any]:
     """Counts for the run summary: in + expanded = out + quarantined, and in = processed + reused.
 
@@ -483,21 +489,23 @@ def stage_report(stage: str, records: list[UnitRecord], seconds: float) -> dict[
     first of each video) in ``extra``, and the report carries them. ``in``, ``processed`` and ``reused``
     count input samples; ``out`` counts output samples (clips).
     """
-    report = {
-        "in": sum(r.samples_in for r in records),
-        "out": sum(r.samples_out for r in records),
-        "quarantined": sum(len(r.quarantined) for r in records),
-        "processed": sum(r.samples_in for r in records if not r.reused),
-        "reused": sum(r.samples_in for r in records if r.reused),
-        "shards": sum(len(r.shards) for r in records),
-        "units": len(records),
-        "seconds": round(seconds, 3),
-    }
-    expanded = sum(int(r.extra.get("expanded", 0)) for r in records)
-    if any("clips" in r.extra for r in records):
-        report["videos"] = sum(int(r.extra.get("videos", 0)) for r in records)
-        report["clips"] = sum(int(r.extra.get("clips", 0)) for r in records)
-        report["expanded"] = expanded
+    report = {"in": 0, "out": 0, "quarantined": 0, "processed": 0, "reused": 0, "shards": 0, "units": 0,
+              "seconds": round(seconds, 3)}
+    videos = clips = expanded = 0
+    has_clips = False
+    for r in records:  # one pass: a StageRecords reads its records from disk on each
+        report["in"] += r.samples_in
+        report["out"] += r.samples_out
+        report["quarantined"] += len(r.quarantined)
+        report["reused" if r.reused else "processed"] += r.samples_in
+        report["shards"] += len(r.shards)
+        report["units"] += 1
+        expanded += int(r.extra.get("expanded", 0))
+        videos += int(r.extra.get("videos", 0))
+        clips += int(r.extra.get("clips", 0))
+        has_clips = has_clips or "clips" in r.extra
+    if has_clips:
+        report.update(videos=videos, clips=clips, expanded=expanded)
     if report["in"] + expanded != report["out"] + report["quarantined"]:
         raise RuntimeError(f"{stage}: counts do not conserve: {report}")
     return report

@@ -62,32 +62,25 @@ def test_a_cache_unit_holds_one_batch_of_images_not_the_unit(tmp_path, tiny_flux
     assert got == expected
 
 
-def test_the_flow_keeps_no_per_sample_detail_of_cache_units_and_reports_the_same(tmp_path, tiny_flux, demo_images):
-    """The prep flow holds every record of a stage until the stage ends; a cache record's per-sample
-    ``components`` (~1 KB a sample in memory) are dropped on arrival (``slim_records``). What the flow
-    computes from its records (manifest header with ``encoded_on``, stage report, component report) must be
-    the same without them, and the record on disk keeps them (a later run and compaction read them)."""
-    import copy
-
-    from latentmill.pipelines.prep import manifest_header, run_stages_in_process, slim_records
+def test_the_flow_reads_cache_records_one_at_a_time_and_reports_the_same(tmp_path, tiny_flux, demo_images):
+    """The prep flow holds a stage's unit ids, not its records (``StageRecords``): a cache record's per-sample
+    ``components`` are read from its file for each pass and dropped after it. What the flow computes from
+    them (manifest header with ``encoded_on``, stage report, component report) is what the same records give
+    held in memory."""
+    from latentmill.pipelines.prep import manifest_header, run_stages_in_process
     from latentmill.stages import cache
-    from latentmill.stages.shardio import stage_report
+    from latentmill.stages.shardio import StageRecords, stage_report
 
     from latentmill.recipe import load_recipe
 
     recipe = load_recipe(DEMO_CONFIG, [f"output_dir={tmp_path / 'out'}", f"model.pretrained={tiny_flux}",
                                        f"ingest.source={demo_images}", "compaction.auto_after=0"])
     stage_dir, _, records = run_stages_in_process(recipe)["cache"]
-    full = [copy.deepcopy(r) for r in records]
+    assert isinstance(records, StageRecords) and set(vars(records)) == {"stage_dir", "unit_ids", "reused"}
+    full = list(records)
     samples = sum(len(r.extra["components"]) for r in full)
     assert samples == sum(r.samples_out for r in full) > 0
-    slim = slim_records("cache", records)
-    assert slim is records and all("components" not in r.extra for r in slim)
-    assert manifest_header("cache", recipe, slim) == manifest_header("cache", recipe, full)
-    assert stage_report("cache", slim, 1.0) == stage_report("cache", full, 1.0)
-    assert cache.component_report(slim) == cache.component_report(full)
-    on_disk = [stage_dir.load_record(r.unit_id) for r in slim]
-    assert [r.extra["components"] for r in on_disk] == [r.extra["components"] for r in full]
-    # other stages keep their per-sample extra (the curate stage's scores table reads it)
-    curate_record = copy.deepcopy(full[0])
-    assert slim_records("curate", [curate_record])[0].extra == full[0].extra
+    assert manifest_header("cache", recipe, records) == manifest_header("cache", recipe, full)
+    assert stage_report("cache", records, 1.0) == stage_report("cache", full, 1.0)
+    assert cache.component_report(records) == cache.component_report(full)
+    assert [r.unit_id for r in records] == sorted(r.unit_id for r in full)

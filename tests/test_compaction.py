@@ -193,7 +193,6 @@ def test_gc_after_compaction_frees_the_small_shards_and_a_removed_input_reuses_c
         output, tiny_flux):
     out, source = output
     cache = StageDir(out / "prep" / "cache", "cache")
-    cache_stage.component_index(cache.root)  # a long-lived worker process has read the records before
     report = compact(out)
     freed = gc(out, keep=1)
     shards = {p.name for p in (cache.root / "shards").glob("*.tar")}

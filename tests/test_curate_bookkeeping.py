@@ -121,7 +121,7 @@ def test_a_chunk_is_decoded_then_scored_and_a_broken_sample_goes_on_unscored(tmp
     cfg = curate.CurateConfig(batch_size=4)
     prints = {name: curate.scorer_fingerprint(cfg, name, (255, 255, 255)) for name in cfg.active_scorers()}
     unit = WorkUnit("u" * 64, [], {"shards": [str(tar)]}, 6)
-    items = list(curate._score_unit(cfg, unit, prints, curate.ScoreIndex(tmp_path / "curate"), set(),
+    items = list(curate._score_unit(cfg, unit, prints, lambda key: None, set(),
                                     (255, 255, 255)))
     assert calls == ["D"] * 4 + ["S"] * 3 + ["D"] * 2 + ["S"] * 2  # k2's decode failed: nothing to score
     assert [item.sample["__key__"] for item in items] == [f"k{i}" for i in range(6)]

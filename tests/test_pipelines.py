@@ -270,7 +270,8 @@ def test_started_run_tells_the_story(tiny_flux, demo_images, tmp_path, run_logs_
             return {run.name for run in runs}
 
         recipe = _recipe(tiny_flux, demo_images, out)
-        expected = {units_run_name({"stage": stage, "units": chunk})
+        expected = {units_run_name({"stage": stage, "unit_ids": [u.unit_id for u in chunk],
+                                    "samples": sum(u.samples_in for u in chunk)})
                     for stage in STAGES for chunk in task_chunks(plan_stage(stage, recipe), recipe.runner)}
         expected.add("train · 2 steps · full")
         names = _poll(task_run_names, lambda names: expected <= names)

@@ -90,21 +90,6 @@ def test_manifest_counts_conserve_and_parts_split(tmp_path):
     assert (report["in"], report["out"], report["quarantined"], report["processed"], report["reused"]) == (6, 5, 1, 6, 0)
 
 
-def test_allocator_controls_are_found_on_linux():
-    import sys
-
-    from latentmill.stages import memory
-
-    if sys.platform.startswith("linux"):
-        # otherwise prep's heap would silently never be trimmed nor its arenas capped
-        assert memory._malloc_trim is not None and memory._mallopt is not None
-        assert memory._mallinfo2 is not None and memory._mallinfo2().arena > 0
-    memory.tune_allocator()
-    for _ in range(2 * memory.TRIM_EVERY_UNITS):
-        memory.release_memory()
-    assert 0 <= memory._units_since_trim < memory.TRIM_EVERY_UNITS
-
-
 def test_shard_digest_is_hashed_while_writing_and_matches_the_file(tmp_path):
     import os
 
