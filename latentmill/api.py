@@ -10,7 +10,7 @@
 A recipe can also be built from its typed parts (``Recipe(output_dir=..., model=ModelConfig(...), ...)``).
 Each call is a Prefect flow run (``prep``, ``train``, ``prep-then-train``) that records the whole recipe, with
 the same artifacts and summary as ``latentmill prep|train|run``. A bad recipe raises
-:class:`~latentmill.config.ConfigError` before any work starts.
+:class:`~latentmill.core.config.ConfigError` before any work starts.
 """
 
 from __future__ import annotations

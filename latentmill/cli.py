@@ -295,7 +295,7 @@ def _run_flow(command: str, config: Path, overrides: list[str], nproc: int, nnod
 def _retention_command(args: argparse.Namespace) -> int:
     """``compact``, ``gc``, ``pin`` and ``unpin`` (``latentmill.pipelines.retention``, ``.compaction``): no
     Prefect, no models."""
-    from latentmill.config import ConfigError
+    from latentmill.core.config import ConfigError
     from latentmill.pipelines import retention
 
     if not args.output.is_dir():
@@ -393,7 +393,7 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180")
     if getattr(args, "summary_json", None):
         args.summary_json = args.summary_json.resolve()
-    from latentmill.config import ConfigError
+    from latentmill.core.config import ConfigError
     from latentmill.interrupt import Interrupted
     from latentmill.models import CacheMismatchError
     from latentmill.pipelines.retention import OutputBusyError

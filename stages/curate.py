@@ -48,7 +48,6 @@ from typing import Any, Callable, Iterator, Literal, NamedTuple, Optional
 import numpy as np
 from latentmill.stages import curate_models, neardup, pixels
 from latentmill.stages.curate_clips import ClipSpec
-from latentmill.stages.hashing import canonical_json, meta_bytes, sha256_bytes, stable_hash
 from latentmill.stages.keytable import HexKeyTable
 from latentmill.stages.shardindex import ShardIndexError, load_shard_index
 from latentmill.stages.shardio import (
@@ -68,6 +67,9 @@ from latentmill.stages.shardio import (
 )
 from latentmill.stages.tarshard import read_shard
 from PIL import Image
+
+from latentmill.core.config import ConfigError
+from latentmill.core.hashing import canonical_json, meta_bytes, sha256_bytes, stable_hash
 
 STAGE = "curate"
 # 2: a sample that cannot be decoded is quarantined here (1 passed it on unscored); 3: an image with
@@ -117,8 +119,6 @@ class CurateConfig:
     dedup_index: str = "auto"  # nearest-neighbour search: auto (exact, then lsh) | lsh | exact | usearch
 
     def validate(self) -> None:
-        from latentmill.config import ConfigError
-
         check_shard_bytes(self.shard_bytes, "curate.shard_bytes")
         unknown = [s for s in self.scorers if s not in SCORERS]
         if unknown:

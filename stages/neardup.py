@@ -40,9 +40,10 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator, Optional, Sequence
 
 import numpy as np
-from latentmill.stages.hashing import stable_hash
 from latentmill.stages.shardio import PerProcess, RecordIndex, StageDir, UnitRecord
 from PIL import Image
+
+from latentmill.core.hashing import stable_hash
 
 EMBEDDER = "thumbnail"  # the model-free default (the CLIP embedder of the aesthetic scorer can take its place)
 EMBEDDER_VERSION = 1

@@ -19,10 +19,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from latentmill.stages.hashing import json_bytes, sha256_bytes, sha256_file
 from latentmill.stages.tarshard import MAX_HEADER, HeaderError, TarSamples, index_shard, safetensors_entries
 
 from latentmill.core import durable
+from latentmill.core.hashing import json_bytes, sha256_bytes, sha256_file
 
 INDEX_SUFFIX = ".idx"
 INDEX_VERSION = 1

@@ -16,7 +16,7 @@ from latentmill.stages.shardio import sample_json
 from latentmill.stages.tarshard import read_shard
 from PIL import Image
 
-from latentmill.config import ConfigError
+from latentmill.core.config import ConfigError
 from latentmill.tiny_clip import TINY_CLIP, build_tiny_clip, build_tiny_siglip, save_head
 from tests.test_curate import _image_folder, _prep, checkerboard
 

@@ -15,12 +15,12 @@ from latentmill.stages import bucket, caption, curate, ingest, pixels
 from latentmill.stages.bucket import BucketConfig
 from latentmill.stages.caption import CaptionConfig
 from latentmill.stages.curate import CurateConfig
-from latentmill.stages.hashing import stable_hash
 from latentmill.stages.ingest import IngestConfig
 from latentmill.stages.shardio import StageDir, stage_report
 from latentmill.stages.tarshard import read_shard
 from PIL import Image
 
+from latentmill.core.hashing import stable_hash
 from tests.conftest import DEMO_IMAGES
 
 
