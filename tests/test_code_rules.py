@@ -83,10 +83,10 @@ def _with_parents(name: str, modules: dict[str, Path]) -> list[str]:
     return [".".join(parts[:i]) for i in range(1, len(parts) + 1) if ".".join(parts[:i]) in modules]
 
 
-def import_graph() -> dict[str, dict[str, int]]:
-    """For each package module, the package modules it imports (module level or inside a function), each
-    with the line of its first such import."""
-    modules = package_modules()
+def import_graph(modules: dict[str, Path] | None = None) -> dict[str, dict[str, int]]:
+    """For each module (default: the package's), the modules among them it imports (module level or inside a
+    function, relative imports resolved), each with the line of its first such import."""
+    modules = package_modules() if modules is None else modules
     graph: dict[str, dict[str, int]] = {name: {} for name in modules}
     for name, path in modules.items():
         is_package = path.name == "__init__.py"
@@ -107,7 +107,7 @@ def import_graph() -> dict[str, dict[str, int]]:
             for target in targets:
                 for module in _with_parents(target, modules):
                     if module != name:
-                        graph[name].setdefault(module, node.lineno)
+                        graph[name][module] = min(graph[name].get(module, node.lineno), node.lineno)
     return graph
 
 
@@ -144,6 +144,33 @@ def test_find_cycle_reports_the_path():
     graph = {"a": {"b": 1}, "b": {"c": 2}, "c": {"b": 3, "d": 4}, "d": {}}
     assert find_cycle(graph) == ["b", "c", "b"]
     assert find_cycle({"a": {"b": 1}, "b": {}, "c": {"b": 2}}) is None
+
+
+def test_import_graph_counts_function_level_relative_and_package_imports(tmp_path):
+    sources = {
+        "pkg/__init__.py": "from . import a\n",
+        "pkg/a.py": "def f():\n    from .b import g\n",
+        "pkg/b.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from pkg.c import C\n"
+                    "def g():\n    import pkg.c\n",
+        "pkg/c.py": "def h():\n    from pkg import a\n",
+    }
+    modules = {}
+    for rel, text in sources.items():
+        (tmp_path / rel).parent.mkdir(exist_ok=True)
+        (tmp_path / rel).write_text(text)
+        name = rel[:-3].replace("/", ".").removesuffix(".__init__")
+        modules[name] = tmp_path / rel
+    graph = import_graph(modules)
+    assert graph == {"pkg": {"pkg.a": 1}, "pkg.a": {"pkg": 2, "pkg.b": 2}, "pkg.b": {"pkg": 5, "pkg.c": 5},
+                     "pkg.c": {"pkg": 2, "pkg.a": 2}}
+    assert find_cycle(graph) == ["pkg", "pkg.a", "pkg"]  # importing pkg.a runs pkg/__init__, which imports it
+
+
+def test_no_import_cycles():
+    graph = import_graph()
+    assert "latentmill.stages.curate" in graph and "latentmill.core.durable" in graph
+    cycle = find_cycle(graph)
+    assert cycle is None, describe_cycle(cycle, graph)
 
 
 def test_core_imports_no_other_part_of_latentmill():

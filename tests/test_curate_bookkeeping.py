@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from latentmill.stages import curate
+from latentmill.stages import curate, curate_scores
 
 from latentmill.core import filehashes, fingerprints
 
@@ -24,11 +24,11 @@ def test_score_keyer_gives_score_keys_byte_for_byte():
     texts = [None, "", "a cat", 'quotes " and \\ back\nslash', "caf\u00e9 \u4e2d\u6587 \U0001f600"]
     keys = set()
     for fp in fingerprints:
-        keyer = curate.ScoreKeyer(fp)
+        keyer = curate_scores.ScoreKeyer(fp)
         for meta in metas:
             for text in texts:
                 key = keyer(meta, text)
-                assert key == curate.score_key(fp, meta, text), (fp["scorer"], meta, text)
+                assert key == curate_scores.score_key(fp, meta, text), (fp["scorer"], meta, text)
                 keys.add(key)
     # every part is in the key ({} and null sha256 / clip are the same sample: one key)
     assert len(keys) == len(fingerprints) * (len(metas) - 1) * len(texts)
