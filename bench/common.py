@@ -336,9 +336,10 @@ def write_latent_cache(root: Path, num_samples: int, spec: dict[str, Any] = FLUX
     Returns the manifest.
     """
     import torch
-    from latentmill.stages.hashing import json_bytes, sha256_bytes, stable_hash
     from latentmill.stages.shardio import StageDir, UnitOutput, WorkUnit
     from safetensors.torch import save as st_save
+
+    from latentmill.core.hashing import json_bytes, sha256_bytes, stable_hash
 
     dtype = getattr(torch, dtype_name)
     stage_dir = StageDir(root, "cache").ensure()
@@ -473,7 +474,7 @@ def reset_process_caches() -> list[str]:
 
     cleared = []
     for module, name in (("latentmill.stages.families", "_encoders"), ("latentmill.stages.cache", "_plans"),
-                         ("latentmill.stages.cache", "_indexes"), ("latentmill.models", "_memo")):
+                         ("latentmill.stages.cache", "_indexes"), ("latentmill.core.fingerprints", "_memo")):
         memo = getattr(importlib.import_module(module), name, None)
         if isinstance(memo, dict):
             memo.clear()

@@ -60,11 +60,11 @@ def _write_units(root: Path, sizes: list[int], spec: dict[str, Any], scale: int,
                  start_key: int = 0, tag: str = "u") -> list:
     """Commit one cache unit per entry of ``sizes`` (samples), each naming a made-up upstream shard."""
     import torch
-    from latentmill.stages.hashing import json_bytes, sha256_bytes, stable_hash
     from latentmill.stages.shardio import StageDir, UnitOutput, WorkUnit, grouped_unit_id
     from safetensors.torch import save as st_save
 
     from bench.common import sample_tensors
+    from latentmill.core.hashing import json_bytes, sha256_bytes, stable_hash
 
     stage = StageDir(root, "cache").ensure()
     gen = torch.Generator().manual_seed(start_key)
@@ -92,8 +92,9 @@ def _write_units(root: Path, sizes: list[int], spec: dict[str, Any], scale: int,
 
 
 def _manifest(root: Path, records: list, shard_bytes: int, scale: int) -> dict[str, Any]:
-    from latentmill.stages.hashing import sha256_bytes, stable_hash
     from latentmill.stages.shardio import StageDir
+
+    from latentmill.core.hashing import sha256_bytes, stable_hash
 
     empty = root / "empty_prompt.safetensors"
     if not empty.is_file():

@@ -352,12 +352,12 @@ class Calls:
     cache encoder loads (the real functions wrapped, not replaced)."""
 
     def __init__(self):
-        from latentmill.stages import cache, curate
+        from latentmill.stages import cache, curate_scores
 
         self.free = 0
         self.loads = 0
-        for name, fn in dict(curate.SCORE_FUNCTIONS).items():
-            curate.SCORE_FUNCTIONS[name] = self._count(fn, "free")
+        for name, fn in dict(curate_scores.SCORE_FUNCTIONS).items():
+            curate_scores.SCORE_FUNCTIONS[name] = self._count(fn, "free")
         cache._load_encoders = self._count(cache._load_encoders, "loads")
 
     def _count(self, fn, attr: str):

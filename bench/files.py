@@ -80,7 +80,6 @@ def _count(root: Path, stage: str, num: int) -> dict[str, Any]:
 
 def run(args) -> list:
     from latentmill.stages.cache import CacheConfig, sample_bytes_estimate
-    from latentmill.stages.hashing import stable_hash
     from latentmill.stages.ingest import DEFAULT_SHARD_BYTES as INGEST_SHARD_BYTES
     from latentmill.stages.ingest import JSON_TAR_BYTES, hash_byte_groups
     from latentmill.stages.shardio import (
@@ -92,6 +91,7 @@ def run(args) -> list:
     )
     from latentmill.stages.tarshard import TAR_BLOCK, read_shard
 
+    from latentmill.core.hashing import stable_hash
     from latentmill.models import ModelConfig
 
     num = 20_000 if args.quick else 100_000

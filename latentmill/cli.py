@@ -28,7 +28,6 @@ CONFIG is a recipe file, or the name of a shipped example recipe (``demo``, ``de
 from __future__ import annotations
 
 import argparse
-import contextlib
 import functools
 import json
 import os
@@ -256,44 +255,37 @@ def _checked_recipe(command: str, config: str | Path, overrides: list[str]) -> A
     return recipe
 
 
-def _run_flow(command: str, config: Path, overrides: list[str], nproc: int, nnodes: int = 1,
-              rdzv_endpoint: str | None = None, early_api: Any = None,
-              recipe: Any = None) -> tuple[dict, str]:
-    if recipe is None:
-        recipe = _checked_recipe(command, config, overrides)
-    from latentmill.pipelines.flows import Launch, check_launch, prep, prep_then_train, train
-    from latentmill.prefect_env import start_ephemeral_api
+def _run_flow(command: str, config: str | Path, overrides: list[str], recipe: Any, nproc: int = 1, nnodes: int = 1,
+              rdzv_endpoint: str | None = None) -> tuple[dict, str]:
+    """Run the flow of ``prep``, ``train`` or ``run`` on a checked recipe (``latentmill.prefect_env.run_command``);
+    the summary and the recipe's output_dir."""
+    from latentmill.prefect_env import run_command
 
-    if command != "prep":
-        check_launch(recipe, Launch(nproc, nnodes, rdzv_endpoint))
-    if command != "train" and recipe.prep.on_busy == "fail":  # fail before Prefect starts, naming the writer
-        from latentmill.pipelines.retention import check_not_busy
+    def prepare():
+        from latentmill.pipelines.flows import Launch, check_launch, prep, prep_then_train, train
 
-        check_not_busy(recipe.output_dir)
-    # Prefect's temporary API server ends with this process, even when it is killed; launched at the start of
-    # the command (early_api) it has booted during the imports and checks above
-    if early_api is not None:
-        if command != "train":
-            _import_encoders(recipe)  # while the server boots (the cache stage needs them, or a refresh's)
-        early_api.ready(float(os.environ["PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS"]))
-        using = early_api.settings()
-    else:
-        start_ephemeral_api()
-        using = contextlib.nullcontext()
-    with using:
+        if command != "prep":
+            check_launch(recipe, Launch(nproc, nnodes, rdzv_endpoint))
+        if command != "train" and recipe.prep.on_busy == "fail":  # fail before Prefect starts, naming the writer
+            from latentmill.pipelines.retention import check_not_busy
+
+            check_not_busy(recipe.output_dir)
         if command == "prep":
-            summary = prep(str(config), overrides)
-        elif command == "train":
-            summary = train(str(config), overrides, nproc, nnodes, rdzv_endpoint)
-        else:
-            summary = prep_then_train(str(config), overrides, nproc, nnodes, rdzv_endpoint)
+            return functools.partial(prep, str(config), overrides)
+        if command == "train":
+            return functools.partial(train, str(config), overrides, nproc, nnodes, rdzv_endpoint)
+        return functools.partial(prep_then_train, str(config), overrides, nproc, nnodes, rdzv_endpoint)
+
+    # the cache stage needs the encoder classes (a refresh's too): imported while the temporary server boots
+    while_booting = None if command == "train" else functools.partial(_import_encoders, recipe)
+    summary = run_command(prepare, while_booting=while_booting)
     return summary, recipe.output_dir
 
 
 def _retention_command(args: argparse.Namespace) -> int:
     """``compact``, ``gc``, ``pin`` and ``unpin`` (``latentmill.pipelines.retention``, ``.compaction``): no
     Prefect, no models."""
-    from latentmill.config import ConfigError
+    from latentmill.core.config import ConfigError
     from latentmill.pipelines import retention
 
     if not args.output.is_dir():
@@ -386,12 +378,12 @@ def main(argv: list[str] | None = None) -> int:
     # worker and flow runs inherit this environment, and their INFO lines are the runs' Logs tab.
     if args.command != "serve":
         os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING" if debug else "CRITICAL")
-    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
-    # A loaded machine can take longer than the default 20 s to start the temporary local API.
-    os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180")
+    from latentmill.prefect_env import set_command_environment
+
+    set_command_environment()  # no telemetry, a longer start-up for the temporary API (latentmill.prefect_env)
     if getattr(args, "summary_json", None):
         args.summary_json = args.summary_json.resolve()
-    from latentmill.config import ConfigError
+    from latentmill.core.config import ConfigError
     from latentmill.interrupt import Interrupted
     from latentmill.models import CacheMismatchError
     from latentmill.pipelines.retention import OutputBusyError
@@ -449,22 +441,17 @@ def main(argv: list[str] | None = None) -> int:
                                *(["--home", str(args.home)] if args.home else [])])
         recipe = _checked_recipe("run" if args.command == "demo" else args.command,
                                  DEMO_CONFIG if args.command == "demo" else args.config, args.overrides)
-        # flows ahead: Prefect's temporary API server boots while the flows are imported
         from latentmill.interrupt import stop_on_signals
-        from latentmill.prefect_env import start_api_early
 
         # Ctrl-C and SIGTERM stop the work at its next safe point (latentmill.interrupt), not where they land
         with stop_on_signals():
-            early_api = start_api_early()
             if args.command == "demo":
-                summary, out = _run_flow("run", DEMO_CONFIG, args.overrides, 1, early_api=early_api,
-                                         recipe=recipe)
+                summary, out = _run_flow("run", DEMO_CONFIG, args.overrides, recipe)
                 if summary["train"].get("export_dir"):
                     summary["sample"] = str(_sample_image(summary["train"], Path(out)))
             else:
-                summary, out = _run_flow(args.command, args.config, args.overrides, getattr(args, "nproc", 1),
-                                         getattr(args, "nnodes", 1), getattr(args, "rdzv_endpoint", None),
-                                         early_api=early_api, recipe=recipe)
+                summary, out = _run_flow(args.command, args.config, args.overrides, recipe, getattr(args, "nproc", 1),
+                                         getattr(args, "nnodes", 1), getattr(args, "rdzv_endpoint", None))
     except (ConfigError, CacheMismatchError, FileNotFoundError, FileExistsError, EmptySnapshotError,
             MissingExtra) as err:
         if debug:

@@ -446,7 +446,7 @@ def run_checks(output_dir: str | Path | None = None, *, device: str = "auto", wo
     checks.append(check_disk("hf cache", hf_cache, *_disk_usage(hf_cache), min_free_gib=min_free_gib))
     checks.append(check_persistent("hf cache", hf_cache, "HF_HOME", env.get("HF_HOME"), workspace))
     places = {"HF_HOME": env.get("HF_HOME") or str(Path(constants.HF_HOME).expanduser())}
-    from latentmill.models import hash_store_path
+    from latentmill.core.fingerprints import hash_store_path
 
     places["weight-hash store"] = env.get("LATENTMILL_HASH_STORE") or str(hash_store_path())
     places["PREFECT_HOME"] = env.get("PREFECT_HOME") or str(Path("~/.prefect").expanduser())

@@ -6,8 +6,8 @@ import json
 from collections import Counter
 from pathlib import Path
 
+from latentmill.core.hashing import sha256_file
 from latentmill.pipelines.snapshot import LATEST, resolve_snapshot
-from latentmill.stages.hashing import sha256_file
 from latentmill.stages.shardindex import verify_index
 from latentmill.stages.shardio import shard_buckets
 
@@ -114,7 +114,7 @@ def inspect_path(path: Path, overrides: list[str] | None = None) -> int:
     """Print a recipe, a snapshot's report, or each stage's counts, buckets, models and quarantine reasons.
 
     ``overrides`` (``key.path=value``) apply to a recipe, as ``prep``, ``train`` and ``run`` take them."""
-    from latentmill.config import ConfigError
+    from latentmill.core.config import ConfigError
     from latentmill.resources import find_recipe
 
     if (path.suffix in (".yaml", ".yml") and not path.is_dir()) or (not path.is_dir() and find_recipe(path)[1]):

@@ -1,10 +1,9 @@
-"""Where each model component comes from, and the fingerprint that travels with every latent.
+"""Where each model component of a recipe comes from, and whether a latent cache was made by those components.
 
 A recipe names a Diffusers pipeline (``model.pretrained``: a local folder or a hub id such as
 ``black-forest-labs/FLUX.1-dev``) and may override single components (``model.vae=PATH``). Everything that
-loads a component goes through :func:`component_source`, and everything that records or checks which
-weights produced a latent goes through :func:`component_fingerprint`, so cache keys follow the component
-actually used (contract 5).
+loads a component goes through :func:`component_source`; the fingerprints of what it finds are
+:mod:`latentmill.core.fingerprints`' (:func:`cached_model_fingerprints` takes those of the cached components).
 """
 
 from __future__ import annotations
@@ -17,9 +16,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, Optional
 
+from latentmill.core.fingerprints import ComponentSource, component_dir, component_fingerprint
+
 # Components whose outputs are cached; the trainer never loads them.
 CACHED_COMPONENTS = ("vae", "text_encoder", "text_encoder_2")
-_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".json", ".model", ".txt")
 
 
 class CacheMismatchError(RuntimeError):
@@ -39,21 +39,6 @@ class ModelConfig:
     tiny_recipe: Optional[str] = None
 
 
-@dataclass(frozen=True)
-class ComponentSource:
-    """Arguments for ``Cls.from_pretrained(path, subfolder=...)``."""
-
-    path: str
-    subfolder: Optional[str]
-
-    @property
-    def is_local(self) -> bool:
-        return Path(self.path).is_dir()
-
-    def kwargs(self) -> dict[str, Any]:
-        return {"subfolder": self.subfolder} if self.subfolder else {}
-
-
 def component_source(model: ModelConfig, name: str) -> ComponentSource:
     """Resolve component ``name`` (``vae``, ``text_encoder``, ``tokenizer``...) to a loadable source."""
     override = getattr(model, name, None)
@@ -63,72 +48,6 @@ def component_source(model: ModelConfig, name: str) -> ComponentSource:
             return ComponentSource(override, name)
         return ComponentSource(override, None)
     return ComponentSource(model.pretrained, name)
-
-
-def _local_dir(src: ComponentSource) -> Path:
-    if src.is_local:
-        root = Path(src.path)
-    else:  # a hub id: the files the user's from_pretrained call uses, from the local HF cache
-        from huggingface_hub import snapshot_download
-
-        pattern = f"{src.subfolder}/*" if src.subfolder else "*"
-        root = Path(snapshot_download(src.path, allow_patterns=[pattern]))
-    return root / src.subfolder if src.subfolder else root
-
-
-_memo: dict[tuple, str] = {}
-_memo_lock = threading.Lock()
-
-
-def hash_store_path() -> Path:
-    """Where weight-file digests are remembered across runs: ``$LATENTMILL_HASH_STORE``, else
-    ``$XDG_CACHE_HOME/latentmill/weight-hashes.sqlite`` (``~/.cache`` by default)."""
-    if os.environ.get("LATENTMILL_HASH_STORE"):
-        return Path(os.environ["LATENTMILL_HASH_STORE"])
-    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(base) / "latentmill" / "weight-hashes.sqlite"
-
-
-def _file_sha(path: Path, store=None) -> str:
-    st = path.stat()
-    # the file itself (device and inode, whatever path or link leads to it) as it is now (size, mtime): no
-    # ``resolve`` (a syscall per path component) to find a digest this process has taken
-    key = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
-    with _memo_lock:
-        if key in _memo:
-            return _memo[key]
-    if store is None:
-        from latentmill.stages.hashing import sha256_file
-
-        digest = sha256_file(path, chunk=1 << 22)
-    else:
-        digest = store.sha256(path.resolve())
-    with _memo_lock:
-        _memo[key] = digest
-    return digest
-
-
-class _StoreOnDemand:
-    """The weight-hash store (``FileHashes`` at :func:`hash_store_path`), opened on the first digest this
-    process has not memoised: fingerprinting a loaded model again (a curate scorer's, once per batch) then
-    costs a ``stat`` per file, not a SQLite connection."""
-
-    def __init__(self) -> None:
-        self.store = None
-
-    def sha256(self, path: Path) -> str:
-        if self.store is None:
-            from latentmill.stages.filehashes import FileHashes
-
-            self.store = FileHashes(hash_store_path())
-        return self.store.sha256(path)
-
-    def close(self) -> None:
-        """Remember what was hashed (a read-only home: only for this process) and close the store."""
-        if self.store is not None:
-            self.store.save(forget_unused=False)
-            self.store.close()
-            self.store = None
 
 
 class LoadedOnce:
@@ -155,38 +74,9 @@ class LoadedOnce:
         return count
 
 
-def component_fingerprint(src: ComponentSource) -> str:
-    """Hash of a component's config and weight files (names and bytes), independent of where it lives."""
-    root = _local_dir(src)
-    if not root.is_dir():
-        raise FileNotFoundError(f"model component folder {root} does not exist")
-    # Digests of unchanged weight files are remembered on disk (hash_store_path): a FLUX.1-dev-sized
-    # set is ~30 GB, which a prep would otherwise read in full on every run just to fingerprint it.
-    store = _StoreOnDemand()
-    try:
-        entries = []
-        for path in sorted(root.rglob("*")):
-            if path.is_file() and path.name.endswith(_WEIGHT_SUFFIXES):
-                entries.append((path.relative_to(root).as_posix(), _file_sha(path, store)))
-    finally:
-        store.close()
-    if not entries:
-        raise FileNotFoundError(f"no config or weight files under {root}")
-    return hashlib.sha256(json.dumps(entries).encode()).hexdigest()
-
-
-def file_fingerprint(path: str | os.PathLike[str]) -> str:
-    """sha256 of one weight file (a scorer head), remembered like :func:`component_fingerprint`'s digests."""
-    store = _StoreOnDemand()
-    try:
-        return _file_sha(Path(path), store)
-    finally:
-        store.close()
-
-
 def read_component_config(src: ComponentSource) -> dict[str, Any]:
     """The component's ``config.json`` as a dict."""
-    return json.loads((_local_dir(src) / "config.json").read_text())
+    return json.loads((component_dir(src) / "config.json").read_text())
 
 
 # A text encoder's output depends on its tokenizer too, so the tokenizer joins its fingerprint.

@@ -30,7 +30,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from latentmill.config import ConfigError
+from latentmill.core.config import ConfigError
 from latentmill.recipe import Recipe, load_recipe
 
 GIB = 1024**3

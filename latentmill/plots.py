@@ -258,7 +258,7 @@ def bucket_histogram(prep_dir: Path, out: Path) -> Plot | None:
 
 def slug(text: str, limit: int = 60) -> str:
     """A file-name-safe form of a reason: lower case, ``[a-z0-9-]``; a long one is cut and given a short hash."""
-    from latentmill.stages.hashing import stable_hash
+    from latentmill.core.hashing import stable_hash
 
     plain = re.sub(r"[^a-z0-9]+", "-", text.lower()).strip("-") or "reason"
     return plain if len(plain) <= limit else f"{plain[:limit].rstrip('-')}-{stable_hash(text)[:8]}"
@@ -468,7 +468,7 @@ INPUTS_FILE = "plots.json"  # a plots folder's inputs key and pictures, for upda
 def inputs_key(prep_dir: Path) -> str:
     """What the pictures of a prep are drawn from: the hashes of the stage manifests, quarantine lists and
     scores table (small files next to the data, never the shards), and this module's version."""
-    from latentmill.stages.hashing import sha256_file, stable_hash
+    from latentmill.core.hashing import sha256_file, stable_hash
 
     files = [prep_dir / "scores.parquet"] + [prep_dir / stage / name for stage in STAGE_ORDER
                                              for name in ("manifest.json", "quarantine.jsonl")]

@@ -1,4 +1,8 @@
-"""Prefect's temporary local API for command-line runs, tied to the life of the run.
+"""How a command runs its flow (the command line's and the Python API's alike), and Prefect's temporary local
+API for it, tied to the life of the run.
+
+:func:`run_command` is the one way a command runs: the command line (``latentmill.cli``) and the Python API
+(``latentmill.api``) both call it.
 
 With no ``PREFECT_API_URL``, Prefect 3 starts ``uvicorn prefect.server.api.server`` as a subprocess
 (``SubprocessASGIServer``) and stops it from an ``atexit`` hook. A ``kill`` (SIGTERM) or ``kill -9`` of the
@@ -10,15 +14,22 @@ moment of the run, so start-up costs what it did.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
+import logging
 import os
 import signal
 import subprocess
 import sys
 import threading
-from typing import Any, Callable
+from typing import Any, Callable, Iterator, TypeVar
 
 PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+# Prefect settings every command runs with unless the environment sets them: Prefect's telemetry service, left
+# on, wrote into the temporary server's SQLite file while a flow run did and lost the lock ("database is
+# locked"); a loaded machine can take longer than Prefect's 20 s to start the temporary API.
+COMMAND_SETTINGS = {"PREFECT_SERVER_ANALYTICS_ENABLED": "false", "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "180"}
+T = TypeVar("T")
 
 
 def _libc_prctl():
@@ -180,3 +191,72 @@ def start_api_early() -> EarlyAPI | None:
     server = _early = EarlyAPI(process, port)
     atexit.register(server.stop)
     return server
+
+
+def set_command_environment() -> None:
+    """Put :data:`COMMAND_SETTINGS` into this process's environment where it has no value (the command line,
+    before Prefect is imported): the servers, workers and training processes it starts inherit them."""
+    for name, value in COMMAND_SETTINGS.items():
+        os.environ.setdefault(name, value)
+
+
+class _NoPrefectInfo(logging.Filter):
+    """Drops Prefect's records below WARNING (run states, stage lines, the temporary server's notices)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.levelno >= logging.WARNING or not record.name.startswith("prefect")
+
+
+@contextlib.contextmanager
+def _quiet_console() -> Iterator[None]:
+    """Prefect's console without its INFO lines for the length of a call; its API handler keeps them all.
+
+    The command line gets this from ``PREFECT_LOGGING_LEVEL`` set before Prefect is imported; a library
+    cannot set that for its caller's process, so the filter goes on Prefect's console handler and comes off.
+    """
+    from prefect.logging.configuration import ensure_logging_setup
+    from prefect.logging.handlers import PrefectConsoleHandler
+
+    ensure_logging_setup()
+    quiet = _NoPrefectInfo()
+    consoles = [h for h in logging.getLogger().handlers if isinstance(h, PrefectConsoleHandler)]
+    for handler in consoles:
+        handler.addFilter(quiet)
+    try:
+        yield
+    finally:
+        for handler in consoles:
+            handler.removeFilter(quiet)
+
+
+def run_command(prepare: Callable[[], Callable[[], T]], *, while_booting: Callable[[], None] | None = None,
+                quiet_console: bool = False) -> T:
+    """Run one command's flow: the command line's and the Python API's one way to do it.
+
+    Prefect runs with :data:`COMMAND_SETTINGS` (a value in the environment wins). Prefect's temporary API server
+    of this process is launched first (:func:`start_api_early`), so that it boots while ``prepare()`` imports
+    the flows and checks what it must; ``prepare`` returns the call that runs the flow. ``while_booting()``
+    overlaps more of the boot (only when the server was launched here), and once the server answers the flow
+    runs against it. Without an early server (``PREFECT_API_URL`` set, no
+    ``prctl``, not the main thread) the flow uses the configured server or Prefect's own temporary one, started
+    here to die with this process where it can. ``quiet_console``: Prefect's INFO lines stay off the console
+    (:func:`_quiet_console`; the Python API, whose caller's logging is not the command line's to set).
+    """
+    import prefect.settings
+
+    # The environment's values, else the defaults, also when Prefect read its settings before they were set.
+    settings = {getattr(prefect.settings, name): os.environ.get(name, value) for name, value in COMMAND_SETTINGS.items()}
+    with prefect.settings.temporary_settings(settings):
+        with _quiet_console() if quiet_console else contextlib.nullcontext():
+            early_api = start_api_early()
+            call = prepare()
+            if early_api is not None:
+                if while_booting is not None:
+                    while_booting()
+                early_api.ready(float(prefect.settings.PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS.value()))
+                using = early_api.settings()
+            else:
+                start_ephemeral_api()
+                using = contextlib.nullcontext()
+            with using:
+                return call()

@@ -18,7 +18,7 @@ import os
 import re
 from pathlib import Path
 
-from latentmill.config import ConfigError
+from latentmill.core.config import ConfigError
 from latentmill.models import ModelConfig
 from latentmill.recipe import Recipe
 

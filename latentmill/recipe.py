@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal, Optional
 
-from latentmill.config import ConfigError, apply_overrides, from_dict, load_yaml, to_dict
+from latentmill.core.config import ConfigError, apply_overrides, from_dict, load_yaml, to_dict
 from latentmill.models import ModelConfig
 from latentmill.stages.bucket import BucketConfig
 from latentmill.stages.cache_config import CacheConfig

@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-from latentmill.config import ConfigError
+from latentmill.core.config import ConfigError
 from latentmill.timing import steady_state
 
 LORA_FILE = "pytorch_lora_weights.safetensors"

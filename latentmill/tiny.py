@@ -35,7 +35,7 @@ from typing import Any
 
 import yaml
 
-from latentmill.config import ConfigError
+from latentmill.core.config import ConfigError
 from latentmill.resources import resource_root
 from latentmill.tinyio import pipeline_folder, tiny_cli
 

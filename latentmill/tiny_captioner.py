@@ -36,7 +36,7 @@ from typing import Any
 
 import yaml
 
-from latentmill.config import ConfigError
+from latentmill.core.config import ConfigError
 from latentmill.tinyio import is_complete, save_folder, tiny_cli
 
 DEFAULT_RECIPE_PATH: Path = Path(__file__).resolve().parents[1] / "data" / "tiny-blip.yaml"

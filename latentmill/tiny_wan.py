@@ -30,7 +30,7 @@ from typing import Any
 
 import yaml
 
-from latentmill.config import ConfigError
+from latentmill.core.config import ConfigError
 from latentmill.tiny import build_t5_tokenizer, check_keys
 from latentmill.tinyio import pipeline_folder, tiny_cli
 

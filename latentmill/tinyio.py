@@ -14,7 +14,7 @@ import tempfile
 from pathlib import Path
 from typing import Callable, Sequence
 
-from latentmill.config import ConfigError
+from latentmill.core.config import ConfigError
 
 MODEL_INDEX = "model_index.json"
 

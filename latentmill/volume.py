@@ -45,7 +45,7 @@ class VolumeLayout:
 
 def check_volume(value: object, key: str = KEY) -> str | None:
     """Validate a volume setting: None, or an absolute path that is not a file (``ConfigError`` naming ``key``)."""
-    from latentmill.config import ConfigError
+    from latentmill.core.config import ConfigError
 
     if value is None:
         return None
@@ -104,7 +104,7 @@ def peek_recipe_volume(config: str | None, overrides: list[str] | None = None) -
     if config is None:
         return None
     try:
-        from latentmill.config import apply_overrides, load_yaml
+        from latentmill.core.config import apply_overrides, load_yaml
         from latentmill.resources import find_recipe
 
         found, _ = find_recipe(config)

@@ -24,7 +24,7 @@ from prefect import flow, task
 from prefect.cache_policies import NONE
 
 from latentmill import interrupt
-from latentmill.config import ConfigError
+from latentmill.core.config import ConfigError
 from latentmill.prefect_env import group_dying_with_parent
 from latentmill.recipe import Recipe, load_recipe, recipe_from_dict
 

@@ -28,7 +28,6 @@ from latentmill.pipelines.retention import OutputBusyError, writer_lock  # noqa:
 from latentmill.pipelines.snapshot import publish as publish_snapshot
 from latentmill.stages import bucket, cache, caption, curate, curate_clips, ingest, neardup, pixels
 from latentmill.stages.compact import compact_stage
-from latentmill.stages.hashing import stable_hash
 from latentmill.stages.shardio import StageDir, StageRecords, UnitOutput, UnitRecord, WorkUnit, stage_report
 from latentmill.stages.workers import number_worker
 from prefect import flow, task
@@ -38,6 +37,7 @@ from prefect.utilities.annotations import unmapped
 from tqdm.auto import tqdm
 
 from latentmill import interrupt
+from latentmill.core.hashing import stable_hash
 from latentmill.recipe import Recipe, RunnerConfig, load_recipe, recipe_from_dict
 
 STAGES = ("ingest", "caption", "curate", "bucket", "cache")

@@ -35,10 +35,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from latentmill.stages.hashing import stable_hash
-
-from latentmill.config import to_dict
 from latentmill.core import durable
+from latentmill.core.config import to_dict
+from latentmill.core.hashing import stable_hash
 from latentmill.recipe import Recipe
 
 LATEST = "LATEST"

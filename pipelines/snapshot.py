@@ -18,10 +18,10 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from latentmill.stages.hashing import stable_hash
 from latentmill.stages.shardio import StageDir, shard_buckets
 
 from latentmill.core import durable
+from latentmill.core.hashing import stable_hash
 
 LATEST = "LATEST"
 

@@ -40,7 +40,6 @@ import random
 from dataclasses import dataclass, field
 from typing import Any, Literal, Optional
 
-from latentmill.stages.hashing import meta_bytes, stable_hash
 from latentmill.stages.neardup import REASON as NEAR_DUP_REASON
 from latentmill.stages.neardup import decisions_for
 from latentmill.stages.shardindex import ShardIndexError, load_shard_index
@@ -70,6 +69,9 @@ from latentmill.stages.video import (
     read_frames,
     too_short_reason,
 )
+
+from latentmill.core.config import ConfigError
+from latentmill.core.hashing import meta_bytes, stable_hash
 
 STAGE = "bucket"
 FORMAT_VERSION = 2  # 2: tiers, no_upscale, random crop, video clips
@@ -107,8 +109,6 @@ class BucketConfig:
     shard_bytes: int = 256 << 20
 
     def validate(self) -> None:
-        from latentmill.config import ConfigError
-
         check_shard_bytes(self.shard_bytes, "bucket.shard_bytes")
 
         if self.step < 1 or self.step % 16:

@@ -36,7 +36,6 @@ from latentmill.stages.families import (
     get_encoders,
     prepare_cublas_determinism,
 )
-from latentmill.stages.hashing import meta_bytes, sha256_bytes, stable_hash
 from latentmill.stages.shardindex import ShardIndexError, load_shard_index
 from latentmill.stages.shardio import (
     StageDir,
@@ -55,6 +54,7 @@ from latentmill.stages.workers import unit_gpu
 from PIL import Image
 from safetensors.torch import save as safetensors_save
 
+from latentmill.core.hashing import meta_bytes, sha256_bytes, stable_hash
 from latentmill.models import ModelConfig, cached_model_fingerprints, component_source, read_component_config
 
 STAGE = "cache"

@@ -11,6 +11,8 @@ from typing import Literal, Union
 from latentmill.stages import pixels
 from latentmill.stages.shardio import DEFAULT_SHARD_BYTES, check_shard_bytes
 
+from latentmill.core.config import ConfigError
+
 
 @dataclass
 class CacheConfig:
@@ -45,8 +47,6 @@ class CacheConfig:
         return pixels.parse_background(self.alpha_background)
 
     def validate(self) -> None:
-        from latentmill.config import ConfigError
-
         try:
             pixels.parse_background(self.alpha_background)
         except ValueError:

@@ -41,7 +41,6 @@ from latentmill.stages.captioners.hf import TransformersCaptioner
 from latentmill.stages.captioners.postprocess import DEFAULT_STRIP_PREFIXES, CaptionRules
 from latentmill.stages.captioners.sidecar import SidecarCaptioner, sidecar_provenance
 from latentmill.stages.captioners.template import TemplateCaptioner, template_fields
-from latentmill.stages.hashing import meta_bytes
 from latentmill.stages.shardio import (
     StageDir,
     UnitOutput,
@@ -53,6 +52,9 @@ from latentmill.stages.shardio import (
     sibling_stage,
     units_by_bytes,
 )
+
+from latentmill.core.config import ConfigError
+from latentmill.core.hashing import meta_bytes
 
 STAGE = "caption"
 FORMAT_VERSION = 2  # 2: captions list, per-caption provenance, policies, post-processing rules
@@ -94,8 +96,6 @@ class CaptionConfig:
     shard_bytes: int = 256 << 20
 
     def validate(self) -> None:
-        from latentmill.config import ConfigError
-
         check_shard_bytes(self.shard_bytes, "caption.shard_bytes")
 
         for key in ("batch_size", "frames", "max_new_tokens", "num_beams"):
@@ -179,7 +179,7 @@ def fingerprint(cfg: CaptionConfig, captioner: Captioner | None = None) -> dict[
 
 def manifest_header(cfg: CaptionConfig, captioner: Captioner | None = None) -> dict[str, Any]:
     """The stage fingerprint and the captioner's settings, for the caption manifest."""
-    from latentmill.stages.hashing import stable_hash
+    from latentmill.core.hashing import stable_hash
 
     fp = fingerprint(cfg, captioner)
     described = dict(fp["captioner"])

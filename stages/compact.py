@@ -33,10 +33,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from latentmill.stages.hashing import sha256_file
 from latentmill.stages.killpoint import KillPoint
 from latentmill.stages.shardindex import load_shard_index
 from latentmill.stages.shardio import GROUP_KEY, StageDir, UnitOutput, UnitRecord, WorkUnit, grouped_unit_id
+
+from latentmill.core.config import ConfigError
+from latentmill.core.hashing import sha256_file
 
 PAUSE_ENV = "LATENTMILL_COMPACT_PAUSE_AFTER"  # tests: stop after this many samples copied (then get killed)
 
@@ -51,8 +53,6 @@ class CompactionConfig:
     auto_after: int = 8
 
     def validate(self) -> None:
-        from latentmill.config import ConfigError
-
         if not 0 < self.small_below <= 1:
             raise ConfigError(f"compaction.small_below: a fraction of cache.shard_bytes in (0, 1], got "
                               f"{self.small_below!r}")

@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable
 
 from latentmill.stages import curate_models, pixels
+from latentmill.stages.curate_scores import THRESHOLDS, score_frames, score_key
 from latentmill.stages.video import (
     Clip,
     ClipPolicy,
@@ -137,7 +138,6 @@ def score_video(cfg: "CurateConfig", sample: dict[str, Any], meta: dict[str, Any
     near-duplicate embedding), returned as ``small``. A planning or decode error is returned as ``error``
     (the curate stage then quarantines the video with that error)."""
     from latentmill.stages.captioners.media import media_member
-    from latentmill.stages.curate import score_key
 
     names = list(prints)
     try:
@@ -204,14 +204,12 @@ def _score_clips(cfg: "CurateConfig", todo: list[ClipScores], frames: list[list[
                  caption: str | None) -> None:
     """Compute the missing scores of each clip from its decoded frames: the model-free ones per clip, the
     model ones in one batched call for the video's clips (``curate.batch_size`` frames per forward)."""
-    from latentmill.stages.curate import MODEL_SCORERS, score_frames
-
     needs = []
     for item, clip_frames in zip(todo, frames):
         missing = [n for n in item.keys if n not in item.values]
         small = clip_frames if cfg.decode_side() == cfg.score_side else _shrink(clip_frames, cfg.score_side)
-        item.values.update(score_frames(small, [n for n in missing if n not in MODEL_SCORERS]))
-        needs.append([n for n in missing if n in MODEL_SCORERS])
+        item.values.update(score_frames(small, [n for n in missing if n not in curate_models.MODEL_SCORERS]))
+        needs.append([n for n in missing if n in curate_models.MODEL_SCORERS])
     waiting = [i for i, n in enumerate(needs) if n]
     if waiting:
         found = curate_models.model_scores(cfg, [frames[i] for i in waiting], [caption or ""] * len(waiting),
@@ -222,8 +220,6 @@ def _score_clips(cfg: "CurateConfig", todo: list[ClipScores], frames: list[list[
 
 def failures(scores: dict[str, float], thresholds: dict[str, float]) -> list[tuple[str, str, float]]:
     """``(threshold name, scorer, bound)`` of every threshold the scores fail, in ``THRESHOLDS`` order."""
-    from latentmill.stages.curate import THRESHOLDS
-
     return [(name, scorer, bound) for name, bound in thresholds.items()
             for scorer, side in [THRESHOLDS[name]]
             if scorer in scores and (scores[scorer] < bound if side == "min" else scores[scorer] > bound)]
@@ -255,7 +251,5 @@ def verdicts(video: VideoScores, names: list[str], thresholds: dict[str, float]
 
 def whole_video_reason(fails: list[list[tuple[str, str, float]]]) -> str:
     """The reason a video whose every clip fails is quarantined with: the thresholds its clips fail."""
-    from latentmill.stages.curate import THRESHOLDS
-
     seen = {name: (name, scorer, bound) for failed in fails for name, scorer, bound in failed}
     return ALL_CLIPS_FAIL + failure_reason([seen[n] for n in THRESHOLDS if n in seen])

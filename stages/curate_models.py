@@ -27,6 +27,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 from PIL import Image
 
+from latentmill.core.config import ConfigError
+from latentmill.core.fingerprints import file_fingerprint
 from latentmill.models import LoadedOnce
 
 if TYPE_CHECKING:
@@ -259,8 +261,6 @@ def get_model(cfg: "CurateConfig", model_id: str) -> EmbeddingModel:
 
 def get_head(cfg: "CurateConfig", model: EmbeddingModel) -> AestheticHead:
     """The aesthetic head for ``model``, loaded and checked once per process."""
-    from latentmill.models import file_fingerprint
-
     path = str(cfg.aesthetic_head)
     return _models.get(("head", path, file_fingerprint(path), model.embed_dim),
                        lambda: AestheticHead(path, model.embed_dim, model.model_id))
@@ -285,8 +285,6 @@ def fingerprint(cfg: "CurateConfig", name: str) -> dict[str, Any]:
     file and remembered), the head's for ``aesthetic``, the dtype setting, ``clip_score``'s scale."""
     from latentmill.stages.captioners.hf import model_fingerprint
 
-    from latentmill.models import file_fingerprint
-
     fp: dict[str, Any] = {"model": model_fingerprint(str(scorer_model(cfg, name))), "dtype": cfg.dtype}
     if name == "aesthetic":
         fp["head"] = file_fingerprint(str(cfg.aesthetic_head))
@@ -299,8 +297,6 @@ def check_config(cfg: "CurateConfig", active: list[str]) -> None:
     """Fail before any work when a model scorer lacks its model or head, a local model is not a CLIP or
     SigLIP folder, or the head does not fit it (hub ids are checked when they load)."""
     import json
-
-    from latentmill.config import ConfigError
 
     if "aesthetic" in active:
         if not cfg.aesthetic_model:

@@ -22,6 +22,7 @@ from typing import Any, ClassVar
 
 import torch
 
+from latentmill.core.config import ConfigError
 from latentmill.models import ModelConfig, component_source, read_component_config, tokenizer_source
 
 # model_index.json `_class_name` -> family
@@ -41,8 +42,6 @@ def detect_family(model: ModelConfig) -> str:
         index = json.loads(Path(hf_hub_download(model.pretrained, "model_index.json")).read_text())
     name = index.get("_class_name", "")
     if name not in PIPELINE_FAMILIES:
-        from latentmill.config import ConfigError
-
         raise ConfigError(f"model.family: cannot tell the family of a {name or 'unknown'} pipeline; set "
                           f"model.family to one of {', '.join(repr(f) for f in FAMILIES)}")
     return PIPELINE_FAMILIES[name]

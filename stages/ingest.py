@@ -27,8 +27,6 @@ from pathlib import Path
 from typing import Any, Optional
 
 from latentmill.stages import pixels
-from latentmill.stages.filehashes import FileHashes
-from latentmill.stages.hashing import meta_bytes, sha256_bytes, sha256_file, stable_hash
 from latentmill.stages.shardio import StageDir, UnitOutput, UnitRecord, WorkUnit, check_shard_bytes
 from latentmill.stages.sources import (
     Entry,
@@ -47,6 +45,10 @@ from latentmill.stages.sources import (
 from latentmill.stages.tarshard import TAR_BLOCK
 from latentmill.stages.video import VIDEO_EXTENSIONS, probe_video
 from PIL import Image, UnidentifiedImageError
+
+from latentmill.core.config import ConfigError
+from latentmill.core.filehashes import FileHashes
+from latentmill.core.hashing import meta_bytes, sha256_bytes, sha256_file, stable_hash
 
 STAGE = "ingest"
 FORMAT_VERSION = 4  # 2: sources, video references, source_uri, caption_origin, hash-grouped units; 3: video
@@ -75,16 +77,12 @@ class IngestConfig:
 
     def require_source(self) -> str:
         """``source``, or a ConfigError that says what to set (prep needs it; training alone does not)."""
-        from latentmill.config import ConfigError
-
         if not self.source:
             raise ConfigError("ingest.source: not set; name the media to prepare: a folder, a .txt file list, a "
                               ".csv/.jsonl/.parquet manifest or webdataset shards (e.g. ingest.source=/data/photos)")
         return self.source
 
     def validate(self) -> None:
-        from latentmill.config import ConfigError
-
         if not isinstance(self.shard_size, int) or self.shard_size < 1:
             raise ConfigError(f"ingest.shard_size: at most this many entries per unit, must be >= 1, got "
                               f"{self.shard_size!r}")

@@ -41,9 +41,10 @@ from typing import Any, Callable, Iterable, Iterator, Optional, Sequence
 
 import numpy as np
 from latentmill.stages.catalog import Lookup
-from latentmill.stages.hashing import stable_hash
 from latentmill.stages.shardio import StageRecords, UnitRecord
 from PIL import Image
+
+from latentmill.core.hashing import stable_hash
 
 EMBEDDER = "thumbnail"  # the model-free default (the CLIP embedder of the aesthetic scorer can take its place)
 EMBEDDER_VERSION = 1

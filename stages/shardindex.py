@@ -7,7 +7,7 @@ writer (``build_shard_index``, ``index_tar``, ``write_index_file``), the reader 
 
 The index is a file format of its own, read by the trainer and written by the stages, so it is kept apart
 from the unit and manifest bookkeeping of ``latentmill.stages.shardio``. It builds on the tar scan of
-``latentmill.stages.tarshard`` and the canonical bytes of ``latentmill.stages.hashing``; it must not import
+``latentmill.stages.tarshard`` and the canonical bytes of ``latentmill.core.hashing``; it must not import
 ``shardio`` (which imports it to write each shard's index).
 """
 
@@ -19,10 +19,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from latentmill.stages.hashing import json_bytes, sha256_bytes, sha256_file
 from latentmill.stages.tarshard import MAX_HEADER, HeaderError, TarSamples, index_shard, safetensors_entries
 
 from latentmill.core import durable
+from latentmill.core.hashing import json_bytes, sha256_bytes, sha256_file
 
 INDEX_SUFFIX = ".idx"
 INDEX_VERSION = 1

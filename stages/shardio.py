@@ -31,11 +31,12 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator
 
 from latentmill.stages.catalog import Catalog, Lookup, catalog_path
-from latentmill.stages.hashing import json_bytes, sha256_file, stable_hash
 from latentmill.stages.shardindex import bucket_of, build_shard_index, index_tar, write_index_file
 from latentmill.stages.tarshard import MAX_HEADER, TAR_BLOCK, read_shard, tar_bytes, tar_member_header
 
 from latentmill.core import durable
+from latentmill.core.config import ConfigError
+from latentmill.core.hashing import json_bytes, sha256_file, stable_hash
 
 FORMAT_VERSION = 1
 
@@ -641,8 +642,6 @@ def sibling_stage(upstream: StageDir, stage: str) -> StageDir:
 
 def check_shard_bytes(value: int, key: str) -> None:
     """Refuse a byte target below 1 (a ``ConfigError`` naming the key)."""
-    from latentmill.config import ConfigError
-
     if not isinstance(value, int) or value < 1:
         raise ConfigError(f"{key}: the target size of a shard in bytes, must be >= 1, got {value!r}")
 

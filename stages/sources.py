@@ -32,9 +32,10 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Iterator, Literal
 
-from latentmill.stages.filehashes import FileHashes
-from latentmill.stages.hashing import sha256_bytes, sha256_file, stable_hash
 from latentmill.stages.video import local_path
+
+from latentmill.core.filehashes import FileHashes
+from latentmill.core.hashing import sha256_bytes, sha256_file, stable_hash
 
 SIDECAR_EXTENSIONS = (".txt", ".json")
 LIST_SUFFIXES = (".txt", ".lst")

@@ -7,11 +7,11 @@ import json
 import pytest
 from latentmill.stages import bucket
 from latentmill.stages.bucket import BucketConfig, TooSmall, bucket_for, crop_for
-from latentmill.stages.hashing import json_bytes
 from latentmill.stages.shardio import StageDir, UnitOutput, WorkUnit, stage_report
 from latentmill.stages.tarshard import read_shard
 
-from latentmill.config import ConfigError, from_dict
+from latentmill.core.config import ConfigError, from_dict
+from latentmill.core.hashing import json_bytes
 
 
 @pytest.mark.parametrize("size, nearest, no_upscale", [

@@ -253,8 +253,9 @@ def test_verify_catches_a_flipped_byte(cached, tmp_path, capsys):
 def test_units_spread_evenly_over_gpus():
     from collections import Counter
 
-    from latentmill.stages.hashing import stable_hash
     from latentmill.stages.workers import unit_gpu as pick_gpu
+
+    from latentmill.core.hashing import stable_hash
 
     counts = Counter(pick_gpu(stable_hash(i), 4) for i in range(4000))
     assert set(counts) == {0, 1, 2, 3} and min(counts.values()) > 900
@@ -266,7 +267,8 @@ def test_component_keys_record_the_dtype_the_encoders_ran_in(tiny_flux, tiny_wan
     are not the CPU's bytes, so their keys differ; the CPU keys stay what they were before (float32 is
     not written into them)."""
     from latentmill.stages.cache import CachePlan
-    from latentmill.stages.hashing import stable_hash
+
+    from latentmill.core.hashing import stable_hash
 
     flux = ModelConfig(pretrained=str(tiny_flux))
     cpu, gpu = CachePlan.of(CacheConfig(device="cpu"), flux), CachePlan.of(CacheConfig(device="cuda"), flux)
@@ -283,9 +285,10 @@ def test_component_keys_record_the_dtype_the_encoders_ran_in(tiny_flux, tiny_wan
 def test_a_numbered_worker_process_keeps_to_one_gpu(monkeypatch):
     """A process-pool worker loads its encoders (and captioning model) on one GPU whatever its units, or
     8 workers on 8 GPUs would hold up to 8 copies per GPU."""
-    from latentmill.stages.hashing import stable_hash
     from latentmill.stages.workers import WORKER_INDEX_ENV, worker_gpu
     from latentmill.stages.workers import unit_gpu as pick_gpu
+
+    from latentmill.core.hashing import stable_hash
 
     assert worker_gpu(4) is None  # the test process is not a numbered worker
     monkeypatch.setenv(WORKER_INDEX_ENV, "5")
@@ -345,9 +348,8 @@ def test_weight_digests_are_remembered_across_processes(tiny_flux, tmp_path, mon
     import shutil
     import sqlite3
 
-    from latentmill.stages.hashing import sha256_file
-
-    from latentmill import models
+    from latentmill.core import fingerprints
+    from latentmill.core.hashing import sha256_file
 
     store = tmp_path / "weights.sqlite"
     monkeypatch.setenv("LATENTMILL_HASH_STORE", str(store))
@@ -356,21 +358,21 @@ def test_weight_digests_are_remembered_across_processes(tiny_flux, tmp_path, mon
     old = 1_700_000_000_000_000_000  # long ago: not within the racy window of FileHashes
     for w in (tmp_path / "model" / "vae").iterdir():
         os.utime(w, ns=(old, old))
-    src = models.ComponentSource(str(tmp_path / "model"), "vae")
-    monkeypatch.setattr(models, "_memo", {})
-    first = models.component_fingerprint(src)
+    src = fingerprints.ComponentSource(str(tmp_path / "model"), "vae")
+    monkeypatch.setattr(fingerprints, "_memo", {})
+    first = fingerprints.component_fingerprint(src)
     rows = dict(sqlite3.connect(store).execute("SELECT path, sha256 FROM files").fetchall())
     assert weights and all(rows[str(w.resolve())] == sha256_file(w) for w in weights)
     # a new process (empty memo) reads the digests back; a wrong digest in the store proves they are used
     with sqlite3.connect(store) as db:
         db.executemany("UPDATE files SET sha256 = ? WHERE path = ?", [("0" * 64, str(w.resolve())) for w in weights])
-    monkeypatch.setattr(models, "_memo", {})
-    assert models.component_fingerprint(src) != first
+    monkeypatch.setattr(fingerprints, "_memo", {})
+    assert fingerprints.component_fingerprint(src) != first
     # a weight file that changes (new mtime) is hashed again
     for w in weights:
         os.utime(w, ns=(old + 1, old + 1))
-    monkeypatch.setattr(models, "_memo", {})
-    assert models.component_fingerprint(src) == first
+    monkeypatch.setattr(fingerprints, "_memo", {})
+    assert fingerprints.component_fingerprint(src) == first
 
 
 def test_prefetch_auto_decodes_in_line_on_the_cpu(tiny_flux, tmp_path, monkeypatch):

@@ -16,12 +16,13 @@ from latentmill.stages.bucket import BucketConfig
 from latentmill.stages.cache import CacheConfig
 from latentmill.stages.caption import CaptionConfig
 from latentmill.stages.captioners.media import sample_frames, sample_frames_with_indices
-from latentmill.stages.hashing import json_bytes
 from latentmill.stages.ingest import IngestConfig
 from latentmill.stages.shardio import StageDir, WorkUnit, stage_report
 from latentmill.stages.tarshard import read_shard
 
-from latentmill.models import ComponentSource, ModelConfig, component_fingerprint
+from latentmill.core.fingerprints import ComponentSource, component_fingerprint
+from latentmill.core.hashing import json_bytes
+from latentmill.models import ModelConfig
 from latentmill.recipe import Recipe
 from tests.helpers import prep_in_process
 
@@ -89,7 +90,7 @@ def test_tiny_blip_is_reproducible_and_loads_like_a_hub_model(tiny_blip, tmp_pat
 def test_tiny_captioner_recipe_errors_name_the_key(tmp_path):
     import yaml
 
-    from latentmill.config import ConfigError
+    from latentmill.core.config import ConfigError
     from latentmill.tiny_captioner import DEFAULT_RECIPE_PATH, load_recipe
 
     data = yaml.safe_load(DEFAULT_RECIPE_PATH.read_text())

@@ -15,7 +15,7 @@ from latentmill.stages.ingest import IngestConfig
 from latentmill.stages.shardio import StageDir
 from latentmill.stages.tarshard import read_shard
 
-from latentmill.config import ConfigError, from_dict
+from latentmill.core.config import ConfigError, from_dict
 
 
 def _run(cfg, upstream, root):

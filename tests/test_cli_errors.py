@@ -10,9 +10,9 @@ import sys
 from pathlib import Path
 
 import pytest
-from latentmill.stages.hashing import sha256_file
 from latentmill.trainer.checkpoint import resolve_resume
 
+from latentmill.core.hashing import sha256_file
 from latentmill.inspect import inspect_path
 from tests.conftest import REPO_ROOT
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from latentmill.config import ConfigError
+from latentmill.core.config import ConfigError
 from latentmill.preflight import check_recipe, tiny_build_target
 from latentmill.recipe import load_recipe
 from tests.conftest import REPO_ROOT

@@ -26,13 +26,13 @@ from latentmill.pipelines.retention import gc
 from latentmill.pipelines.snapshot import latest_name, publish, resolve_snapshot
 from latentmill.stages import cache as cache_stage
 from latentmill.stages.compact import PAUSE_ENV, plan_compaction
-from latentmill.stages.hashing import sha256_file
 from latentmill.stages.shardindex import index_path, index_tar
 from latentmill.stages.shardio import StageDir
 from latentmill.stages.tarshard import read_shard
 from latentmill.trainer.loader import LatentLoader
 
-from latentmill.config import ConfigError
+from latentmill.core.config import ConfigError
+from latentmill.core.hashing import sha256_file
 from latentmill.inspect import verify_path
 from tests.conftest import DEMO_CONFIG, DEMO_IMAGES, REPO_ROOT
 

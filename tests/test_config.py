@@ -7,7 +7,7 @@ import dataclasses
 import pytest
 import yaml
 
-from latentmill.config import ConfigError, apply_overrides, from_dict, parse_override
+from latentmill.core.config import ConfigError, apply_overrides, from_dict, parse_override
 from latentmill.recipe import Recipe, load_recipe, recipe_from_dict
 from tests.conftest import DEMO_CONFIG
 

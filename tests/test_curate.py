@@ -10,7 +10,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from latentmill.stages import cache, curate
+from latentmill.stages import cache, curate, curate_scores
 from latentmill.stages.shardio import sample_json, stage_report
 from latentmill.stages.tarshard import read_shard
 from PIL import Image, ImageFilter
@@ -45,8 +45,8 @@ def blurred(img: Image.Image) -> Image.Image:
 
 def test_scores_of_synthetic_images():
     board = checkerboard()
-    sharp = curate.score_frames([board], ["sharpness", "exposure"])
-    soft = curate.score_frames([blurred(board)], ["sharpness", "exposure"])
+    sharp = curate_scores.score_frames([board], ["sharpness", "exposure"])
+    soft = curate_scores.score_frames([blurred(board)], ["sharpness", "exposure"])
     # The interior Laplacian of a 0/255 board: 0 inside a cell, ±255 (edges) and ±510 (corners) on borders;
     # recomputed here by the definition, from the same grey image.
     g = np.asarray(board.convert("L"), np.float64)
@@ -56,10 +56,10 @@ def test_scores_of_synthetic_images():
     assert sharp["exposure"] == 1.0  # every pixel of the board is 0 or 255
     assert soft["exposure"] < 0.05
     white = Image.new("RGB", (40, 30), (255, 255, 255))
-    assert curate.score_frames([white], ["sharpness", "exposure"]) == {"sharpness": 0.0, "exposure": 1.0}
+    assert curate_scores.score_frames([white], ["sharpness", "exposure"]) == {"sharpness": 0.0, "exposure": 1.0}
     half = np.full((20, 20), 128, np.uint8)
     half[:5] = 0  # a quarter black, the rest mid grey
-    assert curate.score_frames([Image.fromarray(half)], ["exposure"]) == {"exposure": 0.25}
+    assert curate_scores.score_frames([Image.fromarray(half)], ["exposure"]) == {"exposure": 0.25}
 
 
 def _write_video(path: Path, frame_RGB: np.ndarray, frames: int = 9) -> Path:
@@ -86,7 +86,7 @@ def test_video_is_scored_on_k_frames_through_the_frame_reader(tmp_path):
     for path in (sharp, soft):
         meta = {"kind": "video", "source_uri": str(path), "frames": 9, "rotation": 0}
         scores[path.stem] = curate.score_media({"json": b"{}"}, meta, cfg, ["sharpness", "exposure"])
-    image = curate.score_frames([Image.fromarray(board)], ["sharpness"])["sharpness"]
+    image = curate_scores.score_frames([Image.fromarray(board)], ["sharpness"])["sharpness"]
     # H.264 at crf 1 keeps the board within a few grey levels: the video scores as its frames do
     assert scores["sharp"]["sharpness"] == pytest.approx(image, rel=0.05)
     assert scores["soft"]["sharpness"] < scores["sharp"]["sharpness"] / 100
@@ -127,8 +127,8 @@ class ScorerCalls:
 
     def __init__(self, monkeypatch):
         self.calls = 0
-        for name, fn in dict(curate.SCORE_FUNCTIONS).items():
-            monkeypatch.setitem(curate.SCORE_FUNCTIONS, name, self._wrap(fn))
+        for name, fn in dict(curate_scores.SCORE_FUNCTIONS).items():
+            monkeypatch.setitem(curate_scores.SCORE_FUNCTIONS, name, self._wrap(fn))
 
     def _wrap(self, fn):
         def counted(grey_HW, *opaque_HW):

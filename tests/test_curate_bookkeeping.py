@@ -6,9 +6,9 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from latentmill.stages import curate, filehashes
+from latentmill.stages import curate, curate_scores
 
-from latentmill import models
+from latentmill.core import filehashes, fingerprints
 
 
 def test_score_keyer_gives_score_keys_byte_for_byte():
@@ -24,11 +24,11 @@ def test_score_keyer_gives_score_keys_byte_for_byte():
     texts = [None, "", "a cat", 'quotes " and \\ back\nslash', "caf\u00e9 \u4e2d\u6587 \U0001f600"]
     keys = set()
     for fp in fingerprints:
-        keyer = curate.ScoreKeyer(fp)
+        keyer = curate_scores.ScoreKeyer(fp)
         for meta in metas:
             for text in texts:
                 key = keyer(meta, text)
-                assert key == curate.score_key(fp, meta, text), (fp["scorer"], meta, text)
+                assert key == curate_scores.score_key(fp, meta, text), (fp["scorer"], meta, text)
                 keys.add(key)
     # every part is in the key ({} and null sha256 / clip are the same sample: one key)
     assert len(keys) == len(fingerprints) * (len(metas) - 1) * len(texts)
@@ -55,20 +55,20 @@ def test_a_model_fingerprint_taken_again_opens_no_store(tmp_path, monkeypatch):
         real_init(self, *args, **kwargs)
 
     monkeypatch.setattr(filehashes.FileHashes, "__init__", counted)
-    models._memo.clear()
-    first = models.component_fingerprint(models.ComponentSource(str(folder), None))
-    first_head = models.file_fingerprint(head)
+    fingerprints._memo.clear()
+    first = fingerprints.component_fingerprint(fingerprints.ComponentSource(str(folder), None))
+    first_head = fingerprints.file_fingerprint(head)
     assert len(opened) == 2 and (tmp_path / "hashes.sqlite").is_file()
     for _ in range(3):
-        assert models.component_fingerprint(models.ComponentSource(str(folder), None)) == first
-        assert models.file_fingerprint(head) == first_head
+        assert fingerprints.component_fingerprint(fingerprints.ComponentSource(str(folder), None)) == first
+        assert fingerprints.file_fingerprint(head) == first_head
     assert len(opened) == 2
     (folder / "model.safetensors").write_bytes(b"other weights" * 100)
     os.utime(folder / "model.safetensors", (1_000_000_100, 1_000_000_100))
-    assert models.component_fingerprint(models.ComponentSource(str(folder), None)) != first
+    assert fingerprints.component_fingerprint(fingerprints.ComponentSource(str(folder), None)) != first
     assert len(opened) == 3
-    models._memo.clear()  # a new process: the digests come from the store (no file is read)
-    assert models.file_fingerprint(head) == first_head
+    fingerprints._memo.clear()  # a new process: the digests come from the store (no file is read)
+    assert fingerprints.file_fingerprint(head) == first_head
 
 
 def test_fit_within_takes_a_fitting_rgb_frame_as_it_is():

@@ -11,12 +11,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from latentmill.stages import curate, curate_models
+from latentmill.stages import curate, curate_models, curate_scores
 from latentmill.stages.shardio import sample_json
 from latentmill.stages.tarshard import read_shard
 from PIL import Image
 
-from latentmill.config import ConfigError
+from latentmill.core.config import ConfigError
 from latentmill.tiny_clip import TINY_CLIP, build_tiny_clip, build_tiny_siglip, save_head
 from tests.test_curate import _image_folder, _prep, checkerboard
 
@@ -142,13 +142,13 @@ def test_model_scores_are_keyed_by_the_model_and_the_caption(tiny_clip, tmp_path
     other = build_tiny_clip(tmp_path / "other-clip", seed=1)
     cfg2 = _cfg((other, tiny_clip[1]))
     for name in ("aesthetic", "clip_score"):  # other weights: other keys
-        other_key = curate.score_key(curate.scorer_fingerprint(cfg2, name, white), meta)
-        assert other_key != curate.score_key(fp[name], meta)
+        other_key = curate_scores.score_key(curate.scorer_fingerprint(cfg2, name, white), meta)
+        assert other_key != curate_scores.score_key(fp[name], meta)
     head2 = save_head(tmp_path / "head2.safetensors", TINY_CLIP["projection_dim"], seed=2)
     cfg3 = _cfg((tiny_clip[0], head2))
     assert curate.scorer_fingerprint(cfg3, "aesthetic", white) != fp["aesthetic"]
     assert curate.scorer_fingerprint(cfg3, "clip_score", white) == fp["clip_score"]  # the head is not its
-    cat, dog = (curate.score_key(fp["clip_score"], meta, text) for text in ("a cat", "a dog"))
+    cat, dog = (curate_scores.score_key(fp["clip_score"], meta, text) for text in ("a cat", "a dog"))
     assert cat != dog
     # a model-free run's keys are what they were before model scorers existed (no decode_side in them)
     plain = curate.CurateConfig()

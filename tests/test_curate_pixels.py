@@ -11,16 +11,16 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from latentmill.stages import bucket, caption, curate, ingest, pixels
+from latentmill.stages import bucket, caption, curate, curate_scores, ingest, pixels
 from latentmill.stages.bucket import BucketConfig
 from latentmill.stages.caption import CaptionConfig
 from latentmill.stages.curate import CurateConfig
-from latentmill.stages.hashing import stable_hash
 from latentmill.stages.ingest import IngestConfig
 from latentmill.stages.shardio import StageDir, stage_report
 from latentmill.stages.tarshard import read_shard
 from PIL import Image
 
+from latentmill.core.hashing import stable_hash
 from tests.conftest import DEMO_IMAGES
 
 
@@ -124,11 +124,11 @@ def test_a_transparent_cutout_is_scored_on_its_opaque_pixels(mode, under):
     cfg = CurateConfig()
     scores = curate.score_media({"image": data}, meta, cfg, ["sharpness", "exposure"])
     # exactly the scores of the subject alone, as an opaque picture: whatever the background or the hidden colour
-    alone = curate.score_frames([Image.fromarray(_subject())], ["sharpness", "exposure"])
+    alone = curate_scores.score_frames([Image.fromarray(_subject())], ["sharpness", "exposure"])
     assert scores == alone
     assert scores["exposure"] == 0.0 and scores["sharpness"] > 1000
     # what it scored before: composited over white, 79% of the picture was blown out
-    shown = curate.score_frames([pixels.decode_rgb(data)], ["exposure"])
+    shown = curate_scores.score_frames([pixels.decode_rgb(data)], ["exposure"])
     assert shown["exposure"] == pytest.approx(1 - 40 * 40 / (96 * 80))
     for background in ((0, 0, 0), (255, 255, 255), (30, 200, 90)):
         assert curate.score_media({"image": data}, meta, cfg, ["sharpness", "exposure"], background) == alone
@@ -154,7 +154,7 @@ def test_an_opaque_image_scores_and_keys_as_before():
     rgb = Image.fromarray(rng.integers(0, 256, (70, 90, 3), dtype=np.uint8), "RGB")
     cfg = CurateConfig()
     names = ["sharpness", "exposure"]
-    before = curate.score_frames([rgb], names)  # the pixels scored as they always were: every one
+    before = curate_scores.score_frames([rgb], names)  # the pixels scored as they always were: every one
     for img in (rgb, rgb.convert("RGBA")):  # an alpha channel that is opaque everywhere changes nothing
         data = _png(img)
         assert curate.score_media({"image": data}, _meta(data), cfg, names) == before
@@ -162,28 +162,28 @@ def test_an_opaque_image_scores_and_keys_as_before():
     fp = curate.scorer_fingerprint(cfg, "exposure", pixels.WHITE)
     meta = _meta(_png(rgb))
     assert meta["alpha"] is False
-    assert curate.score_key(fp, meta) == stable_hash({"scorer": fp, "sha256": meta["sha256"], "clip": None})
+    assert curate_scores.score_key(fp, meta) == stable_hash({"scorer": fp, "sha256": meta["sha256"], "clip": None})
     cut = _meta(_cutout("RGBA"))
-    assert curate.score_key(fp, cut) == stable_hash({"scorer": fp, "sha256": cut["sha256"], "clip": None,
-                                                     "opaque": curate.OPAQUE_ALPHA})
+    assert curate_scores.score_key(fp, cut) == stable_hash({"scorer": fp, "sha256": cut["sha256"], "clip": None,
+                                                     "opaque": curate_scores.OPAQUE_ALPHA})
     for scorer in ("sharpness", "exposure", "aesthetic"):  # the fast keyer agrees, opaque part or not
         scorer_fp = {**fp, "scorer": scorer}
         for m in (meta, cut):
-            assert curate.ScoreKeyer(scorer_fp)(m) == curate.score_key(scorer_fp, m)
-    assert curate.score_key({**fp, "scorer": "aesthetic"}, cut) == stable_hash(
+            assert curate_scores.ScoreKeyer(scorer_fp)(m) == curate_scores.score_key(scorer_fp, m)
+    assert curate_scores.score_key({**fp, "scorer": "aesthetic"}, cut) == stable_hash(
         {"scorer": {**fp, "scorer": "aesthetic"}, "sha256": cut["sha256"], "clip": None})  # a model sees it shown
 
 
 def test_sharpness_and_exposure_on_a_mask():
     g = np.asarray(_subject(12), np.float64)
     everywhere = np.ones_like(g, bool)
-    assert curate.sharpness(g, everywhere) == curate.sharpness(g)
-    assert curate.exposure(g, everywhere) == curate.exposure(g)
+    assert curate_scores.sharpness(g, everywhere) == curate_scores.sharpness(g)
+    assert curate_scores.exposure(g, everywhere) == curate_scores.exposure(g)
     left = np.zeros_like(g, bool)
     left[:, :6] = True  # the stencil fits in columns 1..4: the interior of the 12x6 left half
-    assert curate.sharpness(g, left) == curate.sharpness(g[:, :6])
+    assert curate_scores.sharpness(g, left) == curate_scores.sharpness(g[:, :6])
     g[0, 0] = 255.0
-    assert curate.exposure(g, left) == 1 / 72
-    assert curate.sharpness(g, np.zeros_like(g, bool)) == 0.0
-    assert curate.opaque_mask(Image.new("L", (4, 4), 255)) is None  # all opaque: every pixel, as before
-    assert curate.opaque_mask(Image.new("L", (4, 4), 0)) is None  # all transparent: scored as shown
+    assert curate_scores.exposure(g, left) == 1 / 72
+    assert curate_scores.sharpness(g, np.zeros_like(g, bool)) == 0.0
+    assert curate_scores.opaque_mask(Image.new("L", (4, 4), 255)) is None  # all opaque: every pixel, as before
+    assert curate_scores.opaque_mask(Image.new("L", (4, 4), 0)) is None  # all transparent: scored as shown

@@ -186,7 +186,7 @@ def test_process_group_timeout_is_the_recipe_key():
 def test_export_and_timeout_keys_are_checked():
     from latentmill.trainer.config import ParallelConfig, TrainerConfig
 
-    from latentmill.config import ConfigError, from_dict
+    from latentmill.core.config import ConfigError, from_dict
 
     assert from_dict(TrainerConfig, {"export_dtype": "float16"}).export_dtype == "float16"
     assert TrainerConfig().export_dtype == "bfloat16"

@@ -155,7 +155,7 @@ def test_make_honours_the_volume(tmp_path):
 
 
 def test_recipe_key_and_env_place_the_output_dir_and_are_validated(tmp_path, monkeypatch):
-    from latentmill.config import ConfigError
+    from latentmill.core.config import ConfigError
     from latentmill.recipe import load_recipe
     from latentmill.volume import apply_volume
 

@@ -18,7 +18,7 @@ from latentmill.stages.shardio import StageDir
 from latentmill.stages.tarshard import read_shard
 from PIL import Image
 
-from latentmill.config import ConfigError
+from latentmill.core.config import ConfigError
 from latentmill.recipe import load_recipe
 from tests.conftest import DEMO_CONFIG
 
@@ -239,7 +239,7 @@ def test_unchanged_units_are_planned_from_file_metadata(photos, tmp_path, monkey
     import os
     import shutil
 
-    from latentmill.stages.filehashes import FileHashes
+    from latentmill.core.filehashes import FileHashes
 
     old = 1_700_000_000_000_000_000
     for path in photos.iterdir():

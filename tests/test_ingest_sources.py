@@ -301,8 +301,8 @@ def test_file_hashes_prefetch_answers_a_group_in_a_few_queries(tmp_path):
     SQLite nothing more for the group, and still re-hashes a file changed since it was remembered."""
     import os
 
-    from latentmill.stages.filehashes import FileHashes
-    from latentmill.stages.hashing import sha256_file
+    from latentmill.core.filehashes import FileHashes
+    from latentmill.core.hashing import sha256_file
 
     old = 1_700_000_000_000_000_000
     paths = []
@@ -333,8 +333,8 @@ def test_file_hashes_are_remembered_while_the_file_is_unchanged(tmp_path):
     import os
     import sqlite3
 
-    from latentmill.stages.filehashes import FileHashes
-    from latentmill.stages.hashing import sha256_file
+    from latentmill.core.filehashes import FileHashes
+    from latentmill.core.hashing import sha256_file
 
     path, store = tmp_path / "a.bin", tmp_path / "hashes.sqlite"
     path.write_bytes(b"x" * 1000)

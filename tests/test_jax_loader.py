@@ -16,10 +16,10 @@ import numpy as np
 import pytest
 import torch
 from latentmill.pipelines.snapshot import publish
-from latentmill.stages.hashing import sha256_file
 from latentmill.stages.shardindex import write_index_file
 from latentmill.trainer.loader import LatentLoader
 
+from latentmill.core.hashing import sha256_file
 from latentmill.jax import JaxLatentLoader, resolve_snapshot_dir
 from tests.trainer_helpers import write_fake_cache
 

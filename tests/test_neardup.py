@@ -208,7 +208,7 @@ def test_index_persists_across_processes_and_cuts_uncommitted_vectors(tmp_path):
 
 
 def test_bad_config_names_the_key():
-    from latentmill.config import ConfigError
+    from latentmill.core.config import ConfigError
 
     with pytest.raises(ConfigError, match="curate.dedup_threshold"):
         curate.CurateConfig(dedup_threshold=1.5).validate()

@@ -18,12 +18,12 @@ import torch
 from latentmill.stages import bucket, ingest, pixels
 from latentmill.stages.bucket import BucketConfig
 from latentmill.stages.cache import CacheConfig, CachePlan, decode_sample, load_pixels
-from latentmill.stages.hashing import stable_hash
 from latentmill.stages.ingest import IngestConfig
 from latentmill.stages.shardio import StageDir
 from latentmill.stages.tarshard import read_shard
 from PIL import Image
 
+from latentmill.core.hashing import stable_hash
 from tests import icc
 
 
@@ -306,7 +306,7 @@ def test_the_latent_key_changes_only_for_images_the_rules_change():
 
 
 def test_alpha_background_is_validated_and_reaches_the_pixels():
-    from latentmill.config import ConfigError, from_dict
+    from latentmill.core.config import ConfigError, from_dict
 
     assert CacheConfig(alpha_background="#102030").background == (16, 32, 48)
     with pytest.raises(ConfigError, match=r"cache.alpha_background: 'nope' is not a colour"):

@@ -20,7 +20,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from latentmill.config import ConfigError
+from latentmill.core.config import ConfigError
 from latentmill.plan import GIB, format_plan, plan_config, shipped_models_dir
 
 pytestmark = pytest.mark.slow

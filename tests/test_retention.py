@@ -29,9 +29,9 @@ from latentmill.pipelines.retention import (
     published,
 )
 from latentmill.pipelines.snapshot import latest_name
-from latentmill.stages.hashing import sha256_file
 from latentmill.stages.tarshard import read_shard
 
+from latentmill.core.hashing import sha256_file
 from latentmill.inspect import verify_path
 from tests.conftest import DEMO_CONFIG, DEMO_IMAGES, REPO_ROOT
 

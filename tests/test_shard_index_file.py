@@ -15,7 +15,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from latentmill.stages.hashing import sha256_bytes, sha256_file
 from latentmill.stages.shardindex import (
     ShardIndexError,
     build_shard_index,
@@ -30,6 +29,7 @@ from latentmill.trainer.loader import LatentLoader
 from latentmill.trainer.shard_index import layout_from_index, parse_safetensors_header
 from safetensors.torch import save as save_st
 
+from latentmill.core.hashing import sha256_bytes, sha256_file
 from tests.test_trainer_loader import _add_second_captions, _reference_batch
 from tests.trainer_helpers import write_fake_cache
 

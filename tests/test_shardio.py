@@ -6,9 +6,10 @@ import json
 
 import pytest
 import webdataset as wds
-from latentmill.stages.hashing import sha256_file
 from latentmill.stages.shardio import StageDir, WorkUnit, stage_report
 from latentmill.stages.tarshard import read_shard
+
+from latentmill.core.hashing import sha256_file
 
 
 def _samples(n):

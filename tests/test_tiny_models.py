@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from latentmill.config import ConfigError
+from latentmill.core.config import ConfigError
 from latentmill.tiny import DEFAULT_RECIPE_PATH, build_tiny_flux, ensure_tiny_flux, load_recipe, main
 
 pytestmark = pytest.mark.slow  # builds the tiny pipelines: not the unit tier

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from latentmill.config import ConfigError
+from latentmill.core.config import ConfigError
 from latentmill.tiny_wan import (
     DEFAULT_RECIPE_PATH,
     build_tiny_wan,

@@ -32,9 +32,10 @@ SHARDS, PER_SHARD = 3, 4
 
 def write_stage_cache(root: Path) -> dict:
     """A format-3 Flux cache of ``SHARDS`` shards of ``PER_SHARD`` samples, through the cache stage's writer."""
-    from latentmill.stages.hashing import json_bytes, sha256_bytes, stable_hash
     from latentmill.stages.shardio import StageDir, UnitOutput, WorkUnit
     from safetensors.torch import save
+
+    from latentmill.core.hashing import json_bytes, sha256_bytes, stable_hash
 
     stage = StageDir(root, "cache").ensure()
     gen = torch.Generator().manual_seed(0)

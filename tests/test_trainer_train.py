@@ -10,7 +10,7 @@ from latentmill.trainer import ParallelConfig, TrainerConfig, train
 from latentmill.trainer.checkpoint import list_checkpoints
 from safetensors.torch import load_file
 
-from latentmill.config import ConfigError, from_dict, to_dict
+from latentmill.core.config import ConfigError, from_dict, to_dict
 from tests.trainer_helpers import (
     build_tiny_transformer,
     read_metrics,

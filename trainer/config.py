@@ -1,7 +1,7 @@
 """Typed configuration of the trainer room: ``TrainerConfig`` (the ``trainer:`` recipe section) and
 ``ParallelConfig`` (the ``parallel:`` section).
 
-Both load through ``latentmill.config.from_dict``, which checks types and Literal choices and then calls
+Both load through ``latentmill.core.config.from_dict``, which checks types and Literal choices and then calls
 ``validate()`` for the cross-field rules below.
 """
 
@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal, Optional
 
-from latentmill.config import ConfigError
+from latentmill.core.config import ConfigError
 
 
 @dataclass

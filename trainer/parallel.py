@@ -29,7 +29,7 @@ import torch.distributed as dist
 from latentmill.trainer.config import ParallelConfig
 from torch import nn
 
-from latentmill.config import ConfigError
+from latentmill.core.config import ConfigError
 
 log = logging.getLogger(__name__)
 

@@ -46,7 +46,7 @@ from latentmill.trainer.validation import Validator
 from tqdm.auto import tqdm
 
 from latentmill import interrupt
-from latentmill.config import to_dict
+from latentmill.core.config import to_dict
 
 log = logging.getLogger(__name__)
 

@@ -29,9 +29,10 @@ from typing import Any
 from latentmill.stages import pixels
 from latentmill.stages.captioners import CaptionItem, CaptionResult
 from latentmill.stages.captioners.media import load_media
-from latentmill.stages.hashing import stable_hash
 
-from latentmill.models import ComponentSource, LoadedOnce, component_fingerprint
+from latentmill.core.fingerprints import ComponentSource, component_fingerprint
+from latentmill.core.hashing import stable_hash
+from latentmill.models import LoadedOnce
 
 DEFAULT_INSTRUCTION = "Describe this {media} in one or two sentences."
 # Prompts for models that need one and are given none: Florence-2 only captions when asked with a task token.

@@ -2,9 +2,8 @@
 
 ``stable_hash`` (over ``canonical_json``) names work units and fingerprints, ``json_bytes`` encodes records
 and index tables, ``meta_bytes`` a sample's ``json`` member, ``sha256_*`` shards, indexes and input files.
-Changing any of them changes every unit id, so they live together, in a module of their own that imports
-nothing from the repository: ``shardio``, ``shardindex``, ``filehashes``, the stages and the pipelines all
-build on it without an import cycle.
+Changing any of them changes every unit id, so they live together, on the ground floor (``latentmill.core``):
+the stages, the trainer, the pipelines and the model fingerprints all build on it.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 The ingest planner, the source listers and the model fingerprints hash files by their content; this keeps
 those digests by ``(size, mtime_ns, inode)`` so a refresh does not re-read unchanged bytes. It is a small
 persistent cache with its own locking and SQLite schema, not shard I/O, hence its own module (built on
-``latentmill.stages.hashing.sha256_file``).
+``latentmill.core.hashing.sha256_file``).
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import threading
 import time
 from pathlib import Path
 
-from latentmill.stages.hashing import sha256_file
+from latentmill.core.hashing import sha256_file
 
 
 class FileHashes:
