@@ -233,7 +233,7 @@ def test_a_unit_committed_without_index_gets_it_when_reused(tmp_path):
 
 
 def test_build_shard_index_takes_member_lists_directly():
-    """The writer the benchmark uses for sparse tars: same bytes as the scan would give."""
+    """The writer the benchmark uses for sparse tars: the columns the tar walk would give."""
     vae = save_st({"latents": torch.zeros(16, 2, 2, dtype=torch.bfloat16)})
     header = vae[8 : 8 + int.from_bytes(vae[:8], "little")]
     samples = [("a", {"json": (512, 10), "vae.safetensors": (1536, len(vae))})]
