@@ -308,7 +308,7 @@ def peak_rss_mb() -> float:
 
 
 # ---------------------------------------------------------------------------------------------------------
-# Generated data: latent shards in the cache-format v2 layout, and images with captions
+# Generated data: latent shards in the cache format (version 3), and images with captions
 # ---------------------------------------------------------------------------------------------------------
 
 # A Flux-class 512² sample: latent 16×64×64, T5 77×4096, CLIP pooled 768, all bf16 (~764 KB).
@@ -328,10 +328,11 @@ def sample_tensors(gen, spec: dict[str, Any], dtype, text_len: int | None = None
 def write_latent_cache(root: Path, num_samples: int, spec: dict[str, Any] = FLUX_512, *, shard_samples: int = 64,
                        seed: int = 0, trimmed: bool = False, pad_to: int | None = None,
                        text_lengths: list[int] | None = None, dtype_name: str = "bfloat16") -> dict[str, Any]:
-    """Write a cache-format v2 latent cache under ``root`` with the cache stage's shard writer.
+    """Write a latent cache (format 3) under ``root`` with the cache stage's shard writer: tars, an index
+    beside each, unit records and the manifest.
 
     ``num_samples`` random samples shaped as ``spec`` in shards of ``shard_samples``, one bucket; the manifest
-    has the v2 header fields the loader reads. With ``trimmed``, sample i's ``prompt_embeds`` hold
+    has the header fields the loader reads. With ``trimmed``, sample i's ``prompt_embeds`` hold
     ``text_lengths[i]`` tokens and the manifest says they are zero-padded to ``pad_to`` at batch time.
     Returns the manifest.
     """
@@ -363,7 +364,7 @@ def write_latent_cache(root: Path, num_samples: int, spec: dict[str, Any] = FLUX
                      "pooled_prompt_embeds": torch.zeros(spec["pooled_dim"], dtype=dtype)})
     (root / "empty_prompt.safetensors").write_bytes(empty)
     header = {
-        "format_version": 2,
+        "format_version": 3,
         "family": "flux",
         "fingerprint": stable_hash(["bench", spec, seed]),
         "models": {"vae": {"class": "AutoencoderKL", "fingerprint": "bench", "scaling_factor": 0.3611,

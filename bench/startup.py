@@ -4,9 +4,9 @@ Data: a synthetic cache of ``N`` Flux-512 samples (1,000,000; 100,000 with ``--q
 samples (what byte-sized shards make of ~760 KB samples), "written directly": each tar holds the real
 headers and members of the real sample size (``json``; ``text.safetensors``: T5 77×4096 + pooled 768 bf16;
 ``vae.safetensors``: 16×64×64 bf16), but the tensor payloads are holes (a sparse file: the tar header and
-the safetensors header are written, the payload is seeked over). Only the shards of the first 100,000
-samples get their headers written (the tar scan below reads them); the others are files of the right size
-holding nothing (the loader's start-up opens no tar: it cannot tell). The cache lives on ``/dev/shm``
+the safetensors header are written, the payload is seeked over). Only the first shard gets its headers
+written (``index_tar`` reads it back to check the index); the others are files of the right size holding
+nothing (the loader's start-up opens no tar: it cannot tell). The cache lives on ``/dev/shm``
 (tmpfs: ~0.8 GB of memory for the written headers), as freeing millions of sparse extents on this disk
 took minutes. Each shard's index is written by the cache stage's own index writer
 (``latentmill.stages.shardindex.build_shard_index``, the function ``index_tar`` calls at commit) from the
@@ -18,9 +18,7 @@ first:
 * index read (the floor): every index file read whole, in manifest order, parsed and checked
   (``read_shard_index``: numpy columns over the bytes) and kept, as the loader keeps them;
 * ours: ``LatentLoader(cache, 8, seed=0, dtype=bfloat16)`` constructed and its first batch read (manifest,
-  indexes, grouping by bucket, the epoch's batch order, the first batch's members);
-* the tar scan of cache format 2 (no index: every tar header read), on the first 100,000 samples and
-  scaled to a million (a full scan takes about a minute per million samples).
+  indexes, grouping by bucket, the epoch's batch order, the first batch's members).
 
 Run alone: ``python -m bench.startup --quick``. The synthetic cache is deleted afterwards (``--keep`` keeps it).
 """
@@ -39,7 +37,6 @@ from bench.common import FLUX_512, figure, fresh_dir, log, median, reps_of, run_
 setup_env()
 
 SHARD_SAMPLES = 10_000  # samples per shard: what ~10 GB shards (issue 17, item 1) hold of ~760 KB samples
-SCAN_SAMPLES = 100_000  # the format 2 tar scan is timed on this many samples and scaled to a million
 GOAL_S_PER_MILLION = 3.0
 
 
@@ -119,7 +116,7 @@ def write_sparse_cache(root: Path, num: int, spec: dict = FLUX_512, with_headers
                         fh.seek(offset)
                         fh.write(tar_header(key, ext, size) + prefix)
                     where[ext] = (offset + 512, size)
-                    headers[key, ext] = prefix[8:]
+                    headers[i - first, ext] = prefix[8:]
                     offset += 512 + size + (-size % 512)  # the payload: a hole
                 samples.append((key, where))
                 buckets.append(spec["bucket"])
@@ -178,7 +175,7 @@ def _measure(args, work: Path, num: int, reps: int) -> list:
 
     cache = work / "cache"
     start = time.perf_counter()
-    manifest = write_sparse_cache(cache, num, with_headers=SCAN_SAMPLES)
+    manifest = write_sparse_cache(cache, num, with_headers=SHARD_SAMPLES)
     write_s = time.perf_counter() - start
     first_tar = cache / manifest["shards"][0]["path"]
     assert index_tar(first_tar) == (cache / "shards" / manifest["shards"][0]["index"]["name"]).read_bytes()
@@ -212,7 +209,7 @@ def _measure(args, work: Path, num: int, reps: int) -> list:
         plan.append(time.perf_counter() - t2)
         construct.append(t1 - t0)
         ours.append(t2 - t0)
-        assert loader.indexed and batch["latents"].shape == (8, 16, 64, 64)
+        assert batch["latents"].shape == (8, 16, 64, 64)
         n = loader.num_samples
         loader.close()
         return n
@@ -237,24 +234,6 @@ def _measure(args, work: Path, num: int, reps: int) -> list:
     per_million = 1e6 / num
     log(f"startup: index read {median(floor):.3f} s, loader {median(ours):.3f} s for {num} samples")
 
-    # the tar scan of format 2 (no index), on the first SCAN_SAMPLES samples, scaled to a million
-    scan_dir = work / "scan"
-    scan_dir.mkdir()
-    (scan_dir / "shards").symlink_to(cache / "shards")
-    shutil.copy(cache / "empty_prompt.safetensors", scan_dir)
-    first = manifest["shards"][: max(1, SCAN_SAMPLES // SHARD_SAMPLES)]
-    scanned = sum(e["samples"] for e in first)
-    (scan_dir / "manifest.json").write_text(json.dumps({
-        **manifest, "format_version": 2, "shards": [{k: v for k, v in e.items() if k != "index"} for e in first]}))
-    LatentLoader(scan_dir, 8, seed=0).close()  # warm: every tar header read once
-    t0 = time.perf_counter()
-    scan_loader = LatentLoader(scan_dir, 8, seed=0, dtype=torch.bfloat16)
-    next(iter(scan_loader))
-    scan_s = time.perf_counter() - t0
-    assert not scan_loader.indexed and scan_loader.num_samples == scanned
-    scan_loader.close()
-    log(f"startup: format 2 tar scan {scan_s:.2f} s for {scanned} samples")
-
     inputs = {"samples": num, "shards": len(index_paths), "shard_samples": SHARD_SAMPLES,
               "sample": FLUX_512 | {"dtype": "bfloat16", "tar_bytes_per_sample": round(apparent / num)},
               "index_bytes_per_sample": round(index_bytes / num, 1),
@@ -266,8 +245,6 @@ def _measure(args, work: Path, num: int, reps: int) -> list:
                "construct_s_per_million": median([c * per_million for c in construct]),
                "construct_vs_index_read": median([c / f for c, f in zip(construct, floor)]),
                "epoch_order_s_per_million": median([p * per_million for p in plan]),
-               "tar_scan_s_per_million_extrapolated": round(scan_s * 1e6 / scanned, 2),
-               "tar_scan_samples": scanned,
                # issue 17 item 3: the manifest every rank parses holds shard entries only (per-sample detail is
                # in the indexes), so it grows with shards, not samples
                "manifest_bytes": (cache / "manifest.json").stat().st_size,
@@ -288,11 +265,6 @@ def _measure(args, work: Path, num: int, reps: int) -> list:
                [o * per_million for o in ours], [GOAL_S_PER_MILLION] * len(ours), "s per million samples",
                "< 1.0", inputs, "ratio: seconds per million samples / 3 s (the issue's goal: under 3 s)",
                details=details),
-        figure("11. format 2 tar-scan start-up vs index start-up, per million samples (hot)",
-               [scan_s * 1e6 / scanned] * len(ours), [o * per_million for o in ours], "s per million samples",
-               None, inputs | {"tar_scan_samples": scanned},
-               f"informational: the old start-up (every tar header read) timed once on the first {scanned} "
-               "samples and scaled linearly to a million, against the index start-up", details=details),
     ]
     return figures
 

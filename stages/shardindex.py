@@ -6,9 +6,9 @@ writer (``build_shard_index``, ``index_tar``, ``write_index_file``), the reader 
 ``load_shard_index``, ``ShardIndex``) and the manifest check (``verify_index``).
 
 The index is a file format of its own, read by the trainer and written by the stages, so it is kept apart
-from the unit and manifest bookkeeping of ``latentmill.stages.shardio``. It builds on the tar scan of
-``latentmill.stages.tarshard`` and the canonical bytes of ``latentmill.core.hashing``; it must not import
-``shardio`` (which imports it to write each shard's index).
+from the unit and manifest bookkeeping of ``latentmill.stages.shardio``. It builds on the member walker
+and grouping rule of ``latentmill.stages.tarshard`` and the canonical bytes of ``latentmill.core.hashing``;
+it must not import ``shardio`` (which imports it to write each shard's index).
 """
 
 from __future__ import annotations
@@ -19,7 +19,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from latentmill.stages.tarshard import MAX_HEADER, HeaderError, TarSamples, index_shard, safetensors_entries
+from latentmill.stages.tarshard import (
+    HEADER_READ,
+    MAX_HEADER,
+    HeaderError,
+    TarSamples,
+    index_shard,
+    safetensors_entries,
+)
 
 from latentmill.core import durable
 from latentmill.core.hashing import json_bytes, sha256_bytes, sha256_file
@@ -67,13 +74,13 @@ def bucket_of(meta_bytes_: bytes) -> list[int] | None:
 def build_shard_index(
     tar_size: int,
     samples: TarSamples,
-    headers: dict[tuple[str, str], bytes],
+    headers: dict[tuple[int, str], bytes],
     buckets: list[list[int] | None],
 ) -> bytes:
     """The bytes of a shard index (the index writer): a pure function of its arguments.
 
-    ``samples``: (key, {extension: (data offset, size)}) in tar order (``index_shard``); ``headers``: the
-    JSON header of each ``.safetensors`` member (a missing or invalid one gets no layout: the loader then
+    ``samples``: (key, {extension: (data offset, size)}) in tar order (``index_shard``); ``headers``: by
+    (sample number in ``samples``, extension), the JSON header of each ``.safetensors`` member (a missing or invalid one gets no layout: the loader then
     reads and checks that member's header itself, and names what is wrong with it); ``buckets``: per
     sample, its bucket or None. Names, buckets and layouts are numbered in order of first appearance.
     """
@@ -88,13 +95,13 @@ def build_shard_index(
     by_header: dict[bytes, int] = {}  # a header's bytes -> its layout id (-1: invalid)
     offsets, sizes, member_names, member_layouts, member_ends, key_ends, sample_buckets = ([] for _ in range(7))
     keys = bytearray()
-    for (key, members), bucket in zip(samples, buckets):
+    for number, ((key, members), bucket) in enumerate(zip(samples, buckets)):
         for ext, (offset, size) in members.items():
             offsets.append(offset)
             sizes.append(size)
             member_names.append(names.setdefault(ext, len(names)))
             layout = -1
-            header = headers.get((key, ext)) if ext.endswith(".safetensors") else None
+            header = headers.get((number, ext)) if ext.endswith(".safetensors") else None
             if header is not None:
                 layout = by_header.get(header, -2)
                 if layout == -2:
@@ -142,21 +149,24 @@ def build_shard_index(
 
 
 def index_tar(path: str | Path) -> bytes:
-    """The index of the tar at ``path``, from its bytes alone: the tar's headers, the safetensors headers of
-    its ``.safetensors`` members and the ``bucket`` field of each sample's ``json`` member."""
+    """The index of the tar at ``path``, from its bytes alone: its samples as ``index_shard`` lists them (the
+    one walker and grouping rule), the safetensors header of each ``.safetensors`` member and the ``bucket``
+    field of each sample's ``json`` member."""
     path = Path(path)
-    headers: dict[tuple[str, str], bytes] = {}
-    samples = index_shard(path, headers)
+    samples = index_shard(path)
+    headers: dict[tuple[int, str], bytes] = {}
     fd = os.open(path, os.O_RDONLY)
     try:
         tar_size = os.fstat(fd).st_size
         buckets: list[list[int] | None] = []
-        for key, members in samples:
+        for number, (_, members) in enumerate(samples):
             for ext, (offset, size) in members.items():
-                if ext.endswith(".safetensors") and (key, ext) not in headers and size >= 8:
-                    length = int.from_bytes(os.pread(fd, 8, offset), "little")
+                if ext.endswith(".safetensors") and size >= 8:
+                    head = os.pread(fd, min(size, HEADER_READ), offset)
+                    length = int.from_bytes(head[:8], "little")
                     if 8 + length <= size and length <= MAX_HEADER:
-                        headers[key, ext] = os.pread(fd, length, offset + 8)
+                        headers[number, ext] = head[8 : 8 + length] if 8 + length <= len(head) else \
+                            os.pread(fd, length, offset + 8)
             meta = members.get("json")
             buckets.append(bucket_of(os.pread(fd, meta[1], meta[0])) if meta is not None else None)
     finally:
@@ -279,8 +289,7 @@ def load_shard_index(tar_path: str | Path, entry: dict[str, Any] | None = None) 
     "sha256"}``) also its name and size (the sha256 is checked by ``verify_index``). ``ShardIndexError``
     names the shard and says what to do."""
     path = index_path(tar_path) if entry is None else Path(tar_path).with_name(entry["name"])
-    fix = ("re-run the prep: it rewrites a missing or damaged index from its tar, without re-encoding "
-           "(or train on a manifest of format 2, which scans the tars)")
+    fix = "re-run the prep: it rewrites a missing or damaged index from its tar, without re-encoding"
     try:
         data = path.read_bytes()
     except OSError as err:
@@ -296,7 +305,8 @@ def load_shard_index(tar_path: str | Path, entry: dict[str, Any] | None = None) 
 
 def verify_index(tar_path: str | Path, entry: dict[str, Any]) -> str | None:
     """What is wrong with the index of a shard against its manifest ``entry["index"]`` (name, size, sha256),
-    or None when it matches (also None for an entry without an index: format 2)."""
+    or None when it matches (also None for an entry without an index: a stage folder written before
+    indexes, which the next prep indexes)."""
     index = entry.get("index")
     if not index:
         return None

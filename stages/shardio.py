@@ -32,7 +32,14 @@ from typing import Any, Callable, Iterable, Iterator
 
 from latentmill.stages.catalog import Catalog, Lookup, catalog_path
 from latentmill.stages.shardindex import bucket_of, build_shard_index, index_tar, write_index_file
-from latentmill.stages.tarshard import MAX_HEADER, TAR_BLOCK, read_shard, tar_bytes, tar_member_header
+from latentmill.stages.tarshard import (
+    MAX_HEADER,
+    TAR_BLOCK,
+    group_samples,
+    read_shard,
+    tar_bytes,
+    tar_member_header,
+)
 
 from latentmill.core import durable
 from latentmill.core.config import ConfigError
@@ -55,8 +62,9 @@ class _ShardSink:
     two zero blocks, then zeros to a multiple of 10 KiB. Written here directly: the stream and ``TarFile``
     layers cost more than the header itself. mtime 0 and a fixed owner make the bytes a pure function of the
     samples; written front to back, hashing the writes hashes the file. Where each member's data lands is
-    known as it is written, so the shard index is built from it too (:func:`index_tar` reads it back only for
-    names it would not parse the same way).
+    known as it is written, so the shard index is built from it too, its members grouped into samples by the
+    readers' own rule (``tarshard.group_samples``; :func:`index_tar` reads the tar back only for names that
+    need a pax header).
     """
 
     def __init__(self, path: Path):
@@ -68,10 +76,9 @@ class _ShardSink:
         self.count = 0
         self.size = 2 * TAR_BLOCK  # the tar's bytes once closed (before its last record is padded)
         self.index: dict[str, Any] | None = None  # the index's manifest entry, set by ``commit``
-        # the index as index_shard / index_tar would read it back (None: read it back)
-        self._samples: dict[str, dict[str, tuple[int, int]]] | None = {}
-        self._st_headers: dict[tuple[str, str], bytes] = {}
-        self._json: dict[str, bytes] = {}  # key -> its (last) json member, for its bucket
+        # (name, (data offset, size, what the index reads of it)) of every member written, for the index: a
+        # json member's bytes (its sample's bucket), a safetensors member's header (None: read the tar back)
+        self._members: list[tuple[str, tuple[int, int, bytes | None]]] | None = []
 
     def _put(self, data: bytes) -> None:
         self._sha.update(data)
@@ -102,27 +109,20 @@ class _ShardSink:
         self.size += tar_bytes(sample)
 
     def _remember(self, name: str, data_at: int, data: bytes, plain: bool) -> None:
-        """Enter one member in the index as ``_index_shard_fast`` parses it back (the same rules)."""
-        if self._samples is None:
+        """Note one member for the index: where its data lies, and the bytes the index reads of it."""
+        if self._members is None:
             return
-        if not plain or name.endswith("/"):  # a pax header, or a v7 directory's name: let index_tar read it
-            self._samples = None
+        if not plain:  # a pax header: let index_tar read the name back as tarfile does
+            self._members = None
             return
-        dirname, _, basename = name.rpartition("/")
-        member_key, dot, ext = basename.partition(".")
-        if not dot:
-            return
-        member_key = f"{dirname}/{member_key}" if dirname else member_key
-        size = len(data)
-        self._samples.setdefault(member_key, {})[ext] = (data_at, size)
-        if ext == "json":
-            self._json[member_key] = bytes(data)
-        if ext.endswith(".safetensors") and size >= 8:
+        size, read = len(data), None
+        if name.endswith(".json"):
+            read = bytes(data)
+        elif name.endswith(".safetensors") and size >= 8:
             length = int.from_bytes(bytes(data[:8]), "little")
             if 8 + length <= size and length <= MAX_HEADER:
-                self._st_headers[member_key, ext] = bytes(data[8:8 + length])
-            else:
-                self._st_headers.pop((member_key, ext), None)
+                read = bytes(data[8:8 + length])
+        self._members.append((name, (data_at, size, read)))
 
     def _finish_tar(self) -> None:
         """The end of the archive, as ``TarFile.close`` writes it: two zero blocks, then a full record."""
@@ -137,10 +137,15 @@ class _ShardSink:
         self._fh.flush()
         os.fsync(self._fh.fileno())
         self._fh.close()
-        if self._samples is not None:
-            samples = list(self._samples.items())
-            data = build_shard_index(self._offset, samples, self._st_headers,
-                                     [bucket_of(self._json[k]) if k in self._json else None for k, _ in samples])
+        if self._members is not None:
+            samples, headers, buckets = [], {}, []
+            for key, members in group_samples(self._members, str(self.path)):
+                samples.append((key, {ext: (at, size) for ext, (at, size, _) in members.items()}))
+                headers.update({(len(samples) - 1, ext): read for ext, (_, _, read) in members.items()
+                                if read is not None and ext.endswith(".safetensors")})
+                meta = members.get("json")
+                buckets.append(bucket_of(meta[2]) if meta is not None else None)
+            data = build_shard_index(self._offset, samples, headers, buckets)
         else:
             data = index_tar(self.tmp)
         durable.replace(self.tmp, self.path)

@@ -32,6 +32,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Iterator, Literal
 
+from latentmill.stages.tarshard import group_samples
 from latentmill.stages.video import local_path
 
 from latentmill.core.filehashes import FileHashes
@@ -414,39 +415,25 @@ def _open_tar(uri: str) -> tarfile.TarFile:
 
 
 def count_shard_samples(uri: str) -> int:
-    """How many webdataset samples (distinct keys) a local shard holds; 0 for remote shards (unknown)."""
+    """How many webdataset samples a local shard holds (``tarshard.group_samples``, the rule every reader
+    groups by); 0 for remote shards (unknown)."""
     if is_remote(uri):
         return 0
-    keys = set()
     with tarfile.open(uri, mode="r") as tar:
-        for member in tar:
-            if member.isfile() and "." in os.path.basename(member.name):
-                keys.add(_split_member(member.name)[0])
-    return len(keys)
-
-
-def _split_member(name: str) -> tuple[str, str]:
-    base = os.path.basename(name)
-    prefix, ext = base.split(".", 1)
-    return os.path.join(os.path.dirname(name), prefix), ext
+        return sum(1 for _ in group_samples(((m.name, None) for m in tar if m.isfile()), uri))
 
 
 def iter_shard_samples(uri: str) -> Iterator[dict[str, Any]]:
-    """Yield ``{"__key__", "__members__": {ext: member name}, ext: bytes...}`` for each sample of a shard."""
-    current: dict[str, Any] | None = None
-    with _open_tar(uri) as tar:
-        for member in tar:
-            if not member.isfile() or "." not in os.path.basename(member.name):
-                continue
-            key, ext = _split_member(member.name)
-            if current is None or current["__key__"] != key:
-                if current is not None:
-                    yield current
-                current = {"__key__": key, "__members__": {}}
-            current[ext.lower()] = tar.extractfile(member).read()
-            current["__members__"][ext.lower()] = member.name
-    if current is not None:
-        yield current
+    """Yield ``{"__key__", "__members__": {ext: member name}, ext: bytes...}`` for each sample of a shard,
+    grouped by ``tarshard.group_samples`` (extensions lowercased here: a source's ``JPG`` is a ``jpg``)."""
+    with _open_tar(uri) as tar:  # each member read as the walk reaches it: a compressed tar is read once
+        files = ((m.name, (m.name, tar.extractfile(m).read())) for m in tar if m.isfile())
+        for key, members in group_samples(files, uri):
+            sample: dict[str, Any] = {"__key__": key, "__members__": {}}
+            for ext, (name, data) in members.items():
+                sample[ext.lower()] = data
+                sample["__members__"][ext.lower()] = name
+            yield sample
 
 
 def shard_member_uri(shard_uri: str, member: str) -> str:

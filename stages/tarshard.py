@@ -1,22 +1,25 @@
-"""Tar-level shard code: the bytes of our webdataset tars' member headers, reading a shard's samples, and
-the header-only scan (members' offsets and sizes, safetensors headers) that shard indexes are built from.
+"""Tar-level shard code: the bytes of our webdataset tars' member headers, the one walker of a tar's members
+and the one rule that groups them into samples, and safetensors headers.
 
 Every shard is an uncompressed tar as ``webdataset.TarWriter`` writes it. This module knows that format and
-nothing above it: no unit records, manifests or index files (``latentmill.stages.shardindex`` builds on the
-scan here, ``latentmill.stages.shardio`` writes shards with ``tar_member_header`` and reads them with
-``read_shard``). Plain ustar tars (every tar this repository writes) are parsed from their header blocks
-directly, a few times faster than ``tarfile``; anything else goes through ``tarfile`` with the same result.
-It imports nothing from the repository, so the trainer's readers and every stage can use it.
+nothing above it: no unit records, manifests or index files. Every reader of samples goes through
+:func:`tar_members` (the walker: plain ustar headers parsed directly, a few times faster than ``tarfile``,
+anything else through ``tarfile`` with the same result) and :func:`group_samples` (webdataset's grouping
+rule): ``read_shard`` (the stages), ``index_shard`` (the shard index writer of
+``latentmill.stages.shardindex``, which the trainer, ``verify`` and compaction read) and the shard writer of
+``latentmill.stages.shardio``, which groups what it wrote by the same rule to index it. It imports nothing
+from the repository, so the trainer's readers and every stage can use it.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import tarfile
 import zlib
 from pathlib import Path
-from typing import Any, Callable, Iterable, Iterator
+from typing import Any, Iterable, Iterator
 
 # ---------------------------------------------------------------------------------------------------------
 # Writing: a member's header, a sample's size in a tar
@@ -65,57 +68,91 @@ def tar_bytes(sample: dict[str, Any]) -> int:
 
 
 # ---------------------------------------------------------------------------------------------------------
-# Reading a shard's samples
+# Reading: the one member walker and the one rule that groups members into samples
 # ---------------------------------------------------------------------------------------------------------
+
+# (name, data offset, size) of one regular file of a tar
+TarMember = tuple[str, int, int]
+# (key, {extension: (data offset, size)}) per sample of a tar, in tar order
+TarSamples = list[tuple[str, dict[str, tuple[int, int]]]]
+_TAR_CHUNK = 4096  # bytes read per header pread: small members' data and the next headers come along
+_MEMBER_NAME = re.compile(r"^((?:.*/|)[^.]+)[.]([^/]*)$")  # webdataset's base_plus_ext, corners included
+
+
+def split_member(name: str) -> tuple[str, str] | None:
+    """``(key, extension)`` of a member name as webdataset splits it (``base_plus_ext``): the key is the name
+    up to the first dot of its basename (the folder kept), the extension the rest, as written (webdataset's
+    reader lowercases it by default); None for a name it does not split (no dot in the basename)."""
+    match = _MEMBER_NAME.match(name)
+    return (match.group(1), match.group(2)) if match else None
+
+
+def group_samples(members: Iterable[tuple[str, Any]], where: str = "tar") -> Iterator[tuple[str, dict[str, Any]]]:
+    """The samples of a tar's regular files ``(name, value)`` in tar order, as webdataset groups them:
+    consecutive members of one key (:func:`split_member`) make one sample, ``{extension: value}``; a name
+    without an extension is skipped. A key that comes back later starts another sample; an extension twice
+    in one sample raises ``ValueError`` naming ``where`` (webdataset refuses it too)."""
+    key: str | None = None
+    sample: dict[str, Any] = {}
+    for name, value in members:
+        split = split_member(name)
+        if split is None:
+            continue
+        if split[0] != key:
+            if key is not None:
+                yield key, sample
+            key, sample = split[0], {}
+        if split[1] in sample:
+            raise ValueError(f"{where}: member {name!r} repeats extension {split[1]!r} of sample {key!r}")
+        sample[split[1]] = value
+    if key is not None:
+        yield key, sample
+
+
+def tar_members(path: str | Path) -> list[TarMember]:
+    """``(name, data offset, size)`` of every regular file of an uncompressed tar, in order, as ``tarfile``
+    lists them (``member.isfile()``): the one walker of the tar format that every reader of samples uses.
+
+    A plain ustar tar (every tar this repository writes) is parsed from its header blocks directly
+    (``os.pread``, a few times faster than ``tarfile``); anything else (pax or GNU headers, non-ASCII
+    names, base-256 sizes, damage, no end-of-archive block) goes through ``tarfile``, with the same result."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        members = _ustar_members(fd)
+    finally:
+        os.close(fd)
+    if members is not None:
+        return members
+    with tarfile.open(path, "r:") as tar:  # uncompressed only: a compressed member has no offset to read at
+        return [(m.name, m.offset_data, m.size) for m in tar if m.isfile()]
+
+
+def index_shard(path: str | Path) -> TarSamples:
+    """``(key, {extension: (data offset, size)})`` per sample of an uncompressed tar, in tar order, from its
+    headers alone (:func:`tar_members` grouped by :func:`group_samples`)."""
+    return list(group_samples(((name, (offset, size)) for name, offset, size in tar_members(path)), str(path)))
 
 
 def read_shard(path: str | Path) -> Iterator[dict[str, Any]]:
-    """Yield the samples of a webdataset tar as ``{"__key__": key, ext: bytes, ...}``, in file order.
-
-    A plain ustar tar (every tar this repository writes) is read from its headers directly
-    (:func:`_tar_files_fast`), a few times faster than ``tarfile``; any other (pax or GNU headers, non-ASCII
-    names, compression, damage) goes through ``tarfile``. Both give the same samples."""
+    """Yield the samples of a webdataset tar as ``{"__key__": key, ext: bytes, ...}``, in file order
+    (:func:`index_shard`, then each sample's members read as it is yielded). A compressed tar, whose members
+    have no offsets to read at, is streamed through ``tarfile`` under the same grouping rule."""
+    try:
+        samples = index_shard(path)
+    except tarfile.ReadError:
+        with tarfile.open(path, "r") as tar:  # compressed (or not a tar: this raises again)
+            files = ((m.name, m) for m in tar if m.isfile())
+            for key, members in group_samples(files, str(path)):
+                yield {"__key__": key, **{ext: tar.extractfile(m).read() for ext, m in members.items()}}
+        return
     with open(path, "rb") as fh:
-        members = _tar_files_fast(fh.fileno())
-        if members is None:
-            yield from _read_shard_tarfile(path)
-            return
-
-        def reader(offset: int, size: int) -> Callable[[], bytes]:
-            def read() -> bytes:
-                fh.seek(offset)
-                return fh.read(size)
-            return read
-
-        yield from _group_samples((name, reader(offset, size)) for name, offset, size in members)
-
-
-def _read_shard_tarfile(path: str | Path) -> Iterator[dict[str, Any]]:
-    """:func:`read_shard` through ``tarfile``: every tar dialect it reads."""
-    with tarfile.open(path, "r") as tar:
-        yield from _group_samples((member.name, lambda m=member: tar.extractfile(m).read())
-                                  for member in tar if member.isfile())
-
-
-def _group_samples(files: Iterable[tuple[str, Callable[[], bytes]]]) -> Iterator[dict[str, Any]]:
-    """A tar's regular files ``(name, read)``, in order, as webdataset groups them: ``dir/key.ext`` is member
-    ``ext`` of sample ``dir/key``, consecutive files of one key make one sample, a name without an extension
-    is skipped (and not read)."""
-    current: dict[str, Any] | None = None
-    for name, read in files:
-        base = os.path.basename(name)
-        if "." not in base:
-            continue
-        prefix, ext = base.split(".", 1)
-        key = os.path.join(os.path.dirname(name), prefix)
-        data = read()
-        if current is None or current["__key__"] != key:
-            if current is not None:
-                yield current
-            current = {"__key__": key}
-        current[ext] = data
-    if current is not None:
-        yield current
+        for key, members in samples:
+            sample: dict[str, Any] = {"__key__": key}
+            for ext, (offset, size) in members.items():
+                sample[ext] = data = os.pread(fh.fileno(), size, offset)
+                if len(data) != size:
+                    raise ValueError(f"{path}: member {key}.{ext} ends past the file ({len(data)} of {size} bytes)")
+            yield sample
 
 
 def _ustar_header(block: bytes) -> tuple[bytes, int, bytes] | None:
@@ -142,13 +179,12 @@ def _ustar_header(block: bytes) -> tuple[bytes, int, bytes] | None:
     return name, size, typeflag
 
 
-def _tar_files_fast(fd: int) -> list[tuple[str, int, int]] | None:
-    """``(name, data offset, size)`` of every regular file of a plain ustar/v7 tar, in order, as ``tarfile``
-    lists them (``member.isfile()``), from its header blocks alone (``os.pread``, ``_TAR_CHUNK`` bytes at a
-    time). None for anything this does not read exactly as ``tarfile`` does: pax or GNU headers, other
+def _ustar_members(fd: int) -> list[TarMember] | None:
+    """:func:`tar_members` of a plain ustar/v7 tar, from its header blocks alone (``os.pread``, ``_TAR_CHUNK``
+    bytes at a time). None for anything this does not read exactly as ``tarfile`` does: pax or GNU headers, other
     member types, non-ASCII names, base-256 sizes, bad checksums, a member that passes the file's end, no
     end-of-archive block (a compressed, truncated or damaged file)."""
-    files: list[tuple[str, int, int]] = []
+    files: list[TarMember] = []
     file_size = os.fstat(fd).st_size
     chunk, chunk_start, offset = b"", 0, 0
     while True:
@@ -177,7 +213,7 @@ def _tar_files_fast(fd: int) -> list[tuple[str, int, int]] | None:
 
 
 # ---------------------------------------------------------------------------------------------------------
-# Tar header scan and safetensors headers (no tensor data is read)
+# Safetensors headers (no tensor data is read)
 # ---------------------------------------------------------------------------------------------------------
 
 # safetensors dtype names -> bytes per element (the dtypes torch can hold; the cache stage writes BF16/F16/F32)
@@ -187,12 +223,9 @@ SAFETENSORS_ITEMSIZE: dict[str, int] = {
 }
 HEADER_READ = 4096  # bytes read at a member's start: its safetensors header (typically < 300 bytes) fits
 MAX_HEADER = 100_000_000  # the safetensors library's own limit on the JSON header
-_TAR_CHUNK = 4096  # bytes read per tar index pread: small members' data and the next headers come along
 
 # One tensor of a safetensors member: (name, dtype name, shape, payload begin, end), bytes from the member's start
 TensorEntry = tuple[str, str, tuple[int, ...], int, int]
-# (key, {extension: (data offset, size)}) per sample of a tar, in tar order
-TarSamples = list[tuple[str, dict[str, tuple[int, int]]]]
 
 
 class HeaderError(ValueError):
@@ -254,88 +287,3 @@ def _tar_size(field: bytes) -> int | None:
         return int(field.split(b"\0", 1)[0].strip() or b"0", 8)
     except ValueError:
         return None
-
-
-def _st_header(chunk: bytes, at: int, size: int) -> bytes | None:
-    """The JSON header of the safetensors member of ``size`` bytes at ``chunk[at:]``; None if cut off."""
-    if at + 8 > len(chunk):
-        return None
-    end = at + 8 + int.from_bytes(chunk[at : at + 8], "little")
-    return chunk[at + 8 : end] if end <= len(chunk) and end <= at + size else None
-
-
-def _index_shard_fast(fd: int, headers: dict[tuple[str, str], bytes] | None = None) -> TarSamples | None:
-    """``index_shard`` for plain ustar/v7 tars (what ``webdataset.TarWriter`` writes for short ASCII names).
-
-    Reads the header blocks with ``os.pread`` (``_TAR_CHUNK`` bytes at a time, so a small member's data
-    and the next header come with one read). Returns None on anything it does not parse itself (pax or GNU
-    long-name headers, base-256 sizes, non-ASCII names, bad checksums), so the caller can use ``tarfile``.
-    ``headers``: filled with (key, extension) -> the JSON header of each ``.safetensors`` member that came
-    with the read of its tar header (unchecked bytes).
-    """
-    samples: dict[str, dict[str, tuple[int, int]]] = {}
-    file_size = os.fstat(fd).st_size
-    chunk, chunk_start, offset = b"", 0, 0
-    while offset + TAR_BLOCK <= file_size:
-        if not chunk_start <= offset <= chunk_start + len(chunk) - TAR_BLOCK:
-            chunk, chunk_start = os.pread(fd, _TAR_CHUNK, offset), offset
-            if len(chunk) < TAR_BLOCK:
-                return None
-        at = offset - chunk_start
-        block = chunk[at : at + TAR_BLOCK]
-        if block.count(0) == TAR_BLOCK:  # end-of-archive marker
-            break
-        header = _ustar_header(block)
-        if header is None:
-            return None
-        name, size, typeflag = header
-        data = offset + TAR_BLOCK
-        if typeflag != b"5" and not name.endswith(b"/"):  # a v7 directory: a name ending in "/"
-            dirname, _, basename = name.decode().rpartition("/")
-            key, dot, ext = basename.partition(".")
-            if dot:
-                key = f"{dirname}/{key}" if dirname else key
-                samples.setdefault(key, {})[ext] = (data, size)
-                if headers is not None and ext.endswith(".safetensors") and size >= 8:
-                    header = _st_header(chunk, at + TAR_BLOCK, size)
-                    if header is None and chunk_start != offset:  # cut by the chunk's end: read from here
-                        chunk, chunk_start = os.pread(fd, _TAR_CHUNK, offset), offset
-                        header = _st_header(chunk, TAR_BLOCK, size)
-                    if header is not None:
-                        headers[key, ext] = header
-        offset = data + -(-size // TAR_BLOCK) * TAR_BLOCK
-    return list(samples.items())
-
-
-def _index_shard_tarfile(path: Path) -> TarSamples:
-    """``index_shard`` through ``tarfile``: every tar dialect it reads (pax, GNU long names, ...)."""
-    samples: dict[str, dict[str, tuple[int, int]]] = {}
-    with tarfile.open(path, mode="r:") as tar:
-        for member in tar:
-            if not member.isfile():
-                continue
-            dirname, _, basename = member.name.rpartition("/")
-            key, dot, ext = basename.partition(".")
-            if not dot:
-                continue
-            key = f"{dirname}/{key}" if dirname else key
-            samples.setdefault(key, {})[ext] = (member.offset_data, member.size)
-    return list(samples.items())
-
-
-def index_shard(path: Path, headers: dict[tuple[str, str], bytes] | None = None) -> TarSamples:
-    """List (key, {extension: (offset, size)}) per sample of an uncompressed tar, reading headers only.
-
-    Plain ustar headers are parsed directly from ``os.pread`` blocks; any other tar dialect goes through
-    ``tarfile`` (same result, slower). ``headers``: see ``_index_shard_fast`` (left empty by ``tarfile``).
-    """
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        samples = _index_shard_fast(fd, headers)
-    finally:
-        os.close(fd)
-    if samples is None:
-        if headers is not None:
-            headers.clear()
-        samples = _index_shard_tarfile(path)
-    return samples

@@ -16,10 +16,8 @@ import numpy as np
 import pytest
 import torch
 from latentmill.pipelines.snapshot import publish
-from latentmill.stages.shardindex import write_index_file
 from latentmill.trainer.loader import LatentLoader
 
-from latentmill.core.hashing import sha256_file
 from latentmill.jax import JaxLatentLoader, resolve_snapshot_dir
 from tests.trainer_helpers import write_fake_cache
 
@@ -32,12 +30,6 @@ def make_snapshot(output_dir: Path, buckets=BUCKETS, **cache_options) -> Path:
     """A published snapshot (format 3: an index beside each tar) of a fake cache; returns its folder."""
     cache = output_dir / "prep" / "cache"
     write_fake_cache(cache, buckets, shards_per_bucket=2, **cache_options)
-    manifest = json.loads((cache / "manifest.json").read_text())
-    for entry in manifest["shards"]:
-        entry["index"] = write_index_file(cache / entry["path"])
-        entry["sha256"] = sha256_file(cache / entry["path"])
-    manifest["format_version"] = 3
-    (cache / "manifest.json").write_text(json.dumps(manifest))
     return Path(publish(output_dir, cache)["path"])
 
 

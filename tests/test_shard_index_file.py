@@ -1,15 +1,14 @@
 """Shard indexes (cache format 3): written at commit, a pure function of the tar, and the loader's start-up.
 
-The loader starts from the indexes and opens no tar; it yields the very same batches as the tar scan of
-format 2; a missing, damaged or stale index stops it with an error naming the shard and what to do; a prep
-re-run gives shards committed without an index (format 2) their index, re-encoding nothing.
+The loader starts from the indexes and opens no tar; its batches equal a reference decode of the members
+the walker lists; a missing, damaged or stale index stops it with an error naming the shard and what to do;
+a prep re-run gives shards committed without an index (format 2) their index, re-encoding nothing.
 """
 
 from __future__ import annotations
 
 import itertools
 import json
-import shutil
 import sys
 from pathlib import Path
 
@@ -21,7 +20,6 @@ from latentmill.stages.shardindex import (
     index_path,
     index_tar,
     read_shard_index,
-    write_index_file,
 )
 from latentmill.stages.shardio import StageDir, WorkUnit
 from latentmill.stages.tarshard import index_shard
@@ -29,9 +27,9 @@ from latentmill.trainer.loader import LatentLoader
 from latentmill.trainer.shard_index import layout_from_index, parse_safetensors_header
 from safetensors.torch import save as save_st
 
-from latentmill.core.hashing import sha256_bytes, sha256_file
+from latentmill.core.hashing import sha256_bytes
 from tests.test_trainer_loader import _add_second_captions, _reference_batch
-from tests.trainer_helpers import write_fake_cache
+from tests.trainer_helpers import old_cache, write_fake_cache
 
 _TAR_OPENS: list[str] | None = None  # while a list: every path opened that ends in .tar
 
@@ -52,17 +50,6 @@ def _tar_opens(build):
         return build(), _TAR_OPENS
     finally:
         _TAR_OPENS = None
-
-
-def _add_indexes(cache_dir: Path) -> dict:
-    """Turn a format 2 cache into format 3: an index beside each tar, named in the manifest."""
-    manifest = json.loads((cache_dir / "manifest.json").read_text())
-    for entry in manifest["shards"]:
-        entry["index"] = write_index_file(cache_dir / entry["path"])
-        entry["sha256"] = sha256_file(cache_dir / entry["path"])
-    manifest["format_version"] = 3
-    (cache_dir / "manifest.json").write_text(json.dumps(manifest))
-    return manifest
 
 
 def _cache_samples(n: int, buckets=((32, 16, 1),), seed: int = 0, tokens: int | None = None) -> list[dict]:
@@ -102,8 +89,7 @@ def test_commit_writes_an_index_that_describes_the_tar(tmp_path):
     manifest = stage.write_manifest([record], {"fingerprint": "f"})
     assert manifest["shards"][0]["index"] == shard.index
     index = read_shard_index(data)
-    headers: dict = {}
-    assert index.samples() == index_shard(tar, headers)  # keys, members, offsets and sizes as the scan
+    assert index.samples() == index_shard(tar)  # keys, members, offsets and sizes as the walker lists them
     assert index.tar_size == tar.stat().st_size
     c = index.columns
     assert [index.buckets[b] for b in c["sample_bucket"]] == [json.loads(s["json"])["bucket"] for s in samples]
@@ -134,50 +120,37 @@ def test_index_bytes_are_a_pure_function_of_the_tar(tmp_path):
     assert index_path(stage.root / record.shards[0].path).read_bytes() != indexes[0]
 
 
-def test_loader_starts_from_indexes_without_opening_a_tar_and_gives_the_same_batches(tmp_path):
+def test_loader_starts_from_indexes_without_opening_a_tar_and_reads_what_the_walker_lists(tmp_path):
     buckets = {(32, 16, 1): 11, (16, 16, 1): 6}
-    scan = tmp_path / "scan"
-    write_fake_cache(scan, buckets, trimmed=True, seq_len=9, latents="distribution", shards_per_bucket=2)
-    _add_second_captions(scan)
-    indexed = tmp_path / "indexed"
-    shutil.copytree(scan, indexed)
-    _add_indexes(indexed)
+    cache = tmp_path / "cache"
+    manifest = write_fake_cache(cache, buckets, trimmed=True, seq_len=9, latents="distribution", shards_per_bucket=2)
+    _add_second_captions(cache)
     seed, dropout = 4, 0.3
     options = dict(batch_size=4, seed=seed, caption_dropout=dropout, prefetch=False)
-    old, opened = _tar_opens(lambda: LatentLoader(scan, **options))
-    assert not old.indexed and len(opened) >= 4  # format 2: every tar's headers
-    new, opened = _tar_opens(lambda: LatentLoader(indexed, **options))
-    assert new.indexed and opened == []  # format 3: no tar opened
-    assert new.num_samples == old.num_samples == 17 and len(new) == len(old)
-    assert {b: [r.key for r in refs] for b, refs in new.buckets.items()} == {
-        b: [r.key for r in refs] for b, refs in old.buckets.items()
-    }
-    for bucket, refs in old.buckets.items():  # the same members, caption lists and checked headers
-        for a, b in zip(refs, new.buckets[bucket]):
-            assert (a.shard, a.key, a.members, a.texts, a.probe_at) == (b.shard, b.key, b.members, b.texts, b.probe_at)
-            assert a.layouts == b.layouts and set(b.layouts) == {"vae.safetensors", "text.safetensors",
-                                                               "text.1.safetensors"}
-    empty = new.empty_prompt
-    epochs = 3
-    got = list(itertools.islice(new, epochs * len(new)))
-    want = list(itertools.islice(old, epochs * len(old)))
+    loader, opened = _tar_opens(lambda: LatentLoader(cache, **options))
+    assert opened == [] and loader.num_samples == 17  # no tar opened at start-up
+    walked = {}  # key -> (shard number, members) as the one walker and grouping rule list them
+    for number, entry in enumerate(manifest["shards"]):
+        walked.update({key: (number, members) for key, members in index_shard(cache / entry["path"])})
+    for bucket, refs in loader.buckets.items():  # the same members, caption lists and checked headers
+        assert [r.key for r in refs] == [k for k in walked if (int(k[1:]) < 11) == (bucket == (32, 16, 1))]
+        for ref in refs:
+            assert (ref.shard, ref.members) == walked[ref.key]
+            assert ref.texts == ("text.safetensors", "text.1.safetensors")
+            assert set(ref.layouts) == {"vae.safetensors", "text.safetensors", "text.1.safetensors"}
+    empty = loader.empty_prompt
+    got = list(itertools.islice(loader, 3 * len(loader)))
     assert torch.cat([b["caption_dropped"] for b in got]).any()
-    for a, b in zip(got, want):
-        assert (a["keys"], a["bucket"], a["epoch"], a["index"]) == (b["keys"], b["bucket"], b["epoch"], b["index"])
-        tensors = [k for k, v in b.items() if isinstance(v, torch.Tensor)]
-        assert tensors and all(torch.equal(a[k], b[k]) for k in tensors)
-        reference = _reference_batch(new, a, seed, dropout, empty)
-        assert all(torch.equal(a[k], v) for k, v in reference.items())
-    same = ("epoch", "batch_index", "seed", "batch_size", "world_size")  # dataset_id: the sha256s were refreshed
-    assert [new.state_dict()[k] for k in same] == [old.state_dict()[k] for k in same]
-    new.close(), old.close()
+    for batch in got:
+        reference = _reference_batch(loader, batch, seed, dropout, empty)
+        assert all(torch.equal(batch[k], v) for k, v in reference.items())
+    loader.close()
 
 
 def test_a_shard_may_hold_several_buckets(tmp_path):
     """Per-sample buckets (what byte-sized shards will write): batches still hold one bucket each."""
     cache = tmp_path / "cache"
     write_fake_cache(cache, {(16, 16, 1): 4}, shards_per_bucket=1)
-    _add_indexes(cache)
     samples = _cache_samples(10, buckets=((32, 16, 1), (16, 16, 1), (16, 32, 1)), tokens=8)
     _, record = _commit(cache, samples)
     manifest = json.loads((cache / "manifest.json").read_text())
@@ -213,8 +186,7 @@ def _corrupt_cases(cache: Path, manifest: dict):
 @pytest.mark.parametrize("case", ["missing", "truncated", "garbage", "flipped", "stale"])
 def test_a_missing_or_damaged_index_stops_the_loader_naming_the_shard(tmp_path, case):
     cache = tmp_path / "cache"
-    write_fake_cache(cache, {(16, 16, 1): 6}, shards_per_bucket=3)
-    manifest = _add_indexes(cache)
+    manifest = write_fake_cache(cache, {(16, 16, 1): 6}, shards_per_bucket=3)
     shard = cache / manifest["shards"][1]["path"]
     damage, match = next((d, m) for name, d, m in _corrupt_cases(cache, manifest) if name == case)
     damage()
@@ -231,11 +203,10 @@ def test_a_missing_or_damaged_index_stops_the_loader_naming_the_shard(tmp_path, 
 
 def test_format_3_without_an_index_entry_is_refused(tmp_path):
     cache = tmp_path / "cache"
-    write_fake_cache(cache, {(16, 16, 1): 4}, shards_per_bucket=2)
-    manifest = _add_indexes(cache)
+    manifest = write_fake_cache(cache, {(16, 16, 1): 4}, shards_per_bucket=2)
     del manifest["shards"][0]["index"]
     (cache / "manifest.json").write_text(json.dumps(manifest))
-    with pytest.raises(ValueError, match="names no index for this shard; re-run the prep"):
+    with pytest.raises(ValueError, match=r"shard shards/.*\.tar has no index entry; re-run `latentmill prep <recipe>`"):
         LatentLoader(cache, batch_size=2)
 
 
@@ -262,11 +233,11 @@ def test_a_unit_committed_without_index_gets_it_when_reused(tmp_path):
 
 
 def test_build_shard_index_takes_member_lists_directly():
-    """The writer the benchmark uses for sparse tars: same bytes as the scan would give."""
+    """The writer the benchmark uses for sparse tars: the columns the tar walk would give."""
     vae = save_st({"latents": torch.zeros(16, 2, 2, dtype=torch.bfloat16)})
     header = vae[8 : 8 + int.from_bytes(vae[:8], "little")]
     samples = [("a", {"json": (512, 10), "vae.safetensors": (1536, len(vae))})]
-    data = build_shard_index(4096, samples, {("a", "vae.safetensors"): header}, [[16, 16, 1]])
+    data = build_shard_index(4096, samples, {(0, "vae.safetensors"): header}, [[16, 16, 1]])
     index = read_shard_index(data)
     assert index.samples() == samples and index.buckets == [[16, 16, 1]]
     assert layout_from_index(index.layouts[0]) == parse_safetensors_header(header)
@@ -278,8 +249,7 @@ def test_verify_checks_each_index(tmp_path, capsys):
     from latentmill.inspect import verify_path
 
     cache = tmp_path / "cache"
-    write_fake_cache(cache, {(16, 16, 1): 6}, shards_per_bucket=3)
-    manifest = _add_indexes(cache)
+    manifest = write_fake_cache(cache, {(16, 16, 1): 6}, shards_per_bucket=3)
     assert verify_path(cache) == 0
     idx = cache / manifest["shards"][1]["path"]
     idx = idx.with_name(manifest["shards"][1]["index"]["name"])
@@ -289,3 +259,43 @@ def test_verify_checks_each_index(tmp_path, capsys):
     assert verify_path(cache) == 1
     out = capsys.readouterr().out
     assert "sha256 differs from the manifest" in out and idx.name in out and "3 shards: 2 ok, 1 bad" in out
+
+
+def test_a_prep_re_run_indexes_an_old_cache_without_re_encoding(tiny_flux, tmp_path):
+    """A prep of format 2 (no index beside any tar) is refused by the trainer in one line; the same prep run
+    again reuses every unit, writes each index from its tar, and the manifest names them: format 3."""
+    from latentmill.stages.bucket import BucketConfig
+    from latentmill.stages.cache import CacheConfig
+    from latentmill.stages.ingest import IngestConfig
+    from latentmill.trainer.loader import CacheFormatError
+
+    from latentmill.models import ModelConfig
+    from latentmill.recipe import Recipe
+    from tests.conftest import DEMO_IMAGES
+    from tests.helpers import prep_in_process
+
+    recipe = Recipe(output_dir=str(tmp_path), model=ModelConfig(pretrained=str(tiny_flux)),
+                    ingest=IngestConfig(source=str(DEMO_IMAGES), shard_size=8),
+                    bucket=BucketConfig(resolution=64, aspect_ratios=[1.0]),
+                    cache=CacheConfig(batch_size=4, max_sequence_length=8, shard_bytes=65536))
+    first = prep_in_process(recipe)
+    cache_dir, manifest, _ = first["cache"]
+    indexes = {e["name"]: (cache_dir.root / e["path"]).with_name(e["index"]["name"]).read_bytes()
+               for e in manifest["shards"]}
+    assert manifest["format_version"] == 3 and len(indexes) > 1
+    for stage, (stage_dir, _, _) in first.items():  # what a prep before shard indexes left
+        old_cache(stage_dir.root, 2 if stage == "cache" else None)
+    assert not list(tmp_path.glob("prep/*/shards/*.idx"))
+    with pytest.raises(CacheFormatError, match="cache format 2 is no longer read; re-run `latentmill prep"):
+        LatentLoader(cache_dir.root, batch_size=2)
+
+    again = prep_in_process(recipe)
+    for stage, (_, _, records) in again.items():
+        assert records and all(r.reused for r in records), stage  # nothing ran: nothing re-encoded
+    _, upgraded, records = again["cache"]
+    assert upgraded["format_version"] == 3
+    assert upgraded["shards"] == manifest["shards"]
+    for entry in upgraded["shards"]:  # each index written from its tar equals the one written at commit
+        assert (cache_dir.root / entry["path"]).with_name(entry["index"]["name"]).read_bytes() == indexes[entry["name"]]
+    with LatentLoader(cache_dir.root, batch_size=2) as loader:
+        assert loader.num_samples == manifest["counts"]["out"] and next(iter(loader))["latents"].ndim == 4

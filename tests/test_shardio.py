@@ -192,39 +192,54 @@ def test_tar_member_header_is_tarfiles(tmp_path):
             assert tar_member_header(name, size) == expected, (name, size)
 
 
-def test_read_shard_reads_plain_tars_itself_and_others_through_tarfile(tmp_path):
-    """read_shard parses plain ustar headers itself and gives what tarfile gives; a pax, GNU, compressed,
-    truncated or damaged tar (or one with directories or extension-less members) goes through tarfile."""
+def _webdataset_samples(path) -> list[dict]:
+    """The samples webdataset's own grouping (``group_by_keys``, extensions kept as written) makes of the
+    regular files ``tarfile`` lists: the reference for the one walker and the one grouping rule."""
+    import tarfile
+
+    from webdataset.tariterators import group_by_keys
+
+    with tarfile.open(path, "r") as tar:
+        files = [{"fname": m.name, "data": tar.extractfile(m).read(), "__url__": "u"} for m in tar if m.isfile()]
+    return [{k: v for k, v in s.items() if k != "__url__"} for s in group_by_keys(iter(files), lcase=False)]
+
+
+def test_one_walker_and_one_rule_read_what_tarfile_and_webdataset_read(tmp_path):
+    """``tar_members`` lists what ``tarfile`` lists (plain ustar headers parsed directly, a pax, GNU, truncated
+    or damaged tar through tarfile) and ``read_shard`` groups it as webdataset does; a compressed tar is
+    streamed under the same rule; an extension twice in one sample is refused, as webdataset refuses it."""
     import gzip
     import io
     import os
     import tarfile
 
-    from latentmill.stages.tarshard import _read_shard_tarfile, _tar_files_fast
+    from latentmill.stages.tarshard import _ustar_members, index_shard, tar_members
 
     def fast_members(path):
         fd = os.open(path, os.O_RDONLY)
         try:
-            return _tar_files_fast(fd)
+            return _ustar_members(fd)
         finally:
             os.close(fd)
+
+    def add(tar, name, data):
+        info = tarfile.TarInfo(name)
+        if data is None:
+            info.type = tarfile.DIRTYPE
+            tar.addfile(info)
+        else:
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
 
     plain = tmp_path / "plain.tar"
     plain.write_bytes(_tarwriter_bytes(_awkward_samples()))
     pax = tmp_path / "pax.tar"
     pax.write_bytes(_tarwriter_bytes([{"__key__": "p" * 150, "txt": b"long name"}, {"__key__": "q", "txt": b"q"}]))
-    mixed = tmp_path / "mixed.tar"  # a directory, an extension-less file, a file in the directory
+    mixed = tmp_path / "mixed.tar"  # a directory, extension-less and dot-first files, a file in the directory
     with tarfile.open(mixed, "w", format=tarfile.USTAR_FORMAT) as tar:
-        for name, data in [("sub/", None), ("README", b"no extension"), ("sub/k1.txt", b"one"), ("sub/k1.json", b"{}")]:
-            info = tarfile.TarInfo(name)
-            if data is None:
-                info.type = tarfile.DIRTYPE
-                tar.addfile(info)
-            else:
-                info.size = len(data)
-                tar.addfile(info, io.BytesIO(data))
-    gz = tmp_path / "plain.tar.gz"
-    gz.write_bytes(gzip.compress(plain.read_bytes()))
+        for name, data in [("sub/", None), ("README", b"no extension"), ("sub/.hidden.txt", b"dot first"),
+                           ("sub/k1.txt", b"one"), ("sub/k1.json", b"{}"), ("k1.txt", b"other folder")]:
+            add(tar, name, data)
     truncated = tmp_path / "truncated.tar"
     truncated.write_bytes(plain.read_bytes()[:2048])
     damaged = tmp_path / "damaged.tar"
@@ -233,10 +248,29 @@ def test_read_shard_reads_plain_tars_itself_and_others_through_tarfile(tmp_path)
     damaged.write_bytes(bytes(data))
 
     assert fast_members(plain) is not None and fast_members(mixed) is not None
-    for path in (pax, gz, truncated, damaged):
+    for path in (pax, truncated, damaged):
         assert fast_members(path) is None, path.name
-    for path in (plain, pax, mixed, gz, truncated, damaged):  # tarfile stops at a cut or a bad header
-        assert list(read_shard(path)) == list(_read_shard_tarfile(path)), path.name
+    for path in (plain, pax, mixed, truncated, damaged):  # tarfile stops at a cut or a bad header
+        with tarfile.open(path, "r:") as tar:
+            assert tar_members(path) == [(m.name, m.offset_data, m.size) for m in tar if m.isfile()], path.name
+        assert list(read_shard(path)) == _webdataset_samples(path), path.name
+        assert [(s["__key__"], sorted(s)) for s in read_shard(path)] == [
+            (key, sorted(["__key__", *members])) for key, members in index_shard(path)]
     assert [s["__key__"] for s in read_shard(plain)] == ["a000", "dir/b001", "c", "d003", "a000"]
-    assert list(read_shard(mixed)) == [{"__key__": "sub/k1", "txt": b"one", "json": b"{}"}]
+    assert [s["__key__"] for s in read_shard(mixed)] == ["sub/", "sub/k1", "k1"]  # webdataset's corner: "sub/"
     assert [s["__key__"] for s in read_shard(damaged)] == ["a000"]
+
+    gz = tmp_path / "plain.tar.gz"
+    gz.write_bytes(gzip.compress(plain.read_bytes()))
+    assert list(read_shard(gz)) == list(read_shard(plain))
+    with pytest.raises(tarfile.ReadError):
+        tar_members(gz)
+
+    twice = tmp_path / "twice.tar"
+    with tarfile.open(twice, "w", format=tarfile.USTAR_FORMAT) as tar:
+        for name in ("k.txt", "k.json", "k.txt"):
+            add(tar, name, b"x")
+    with pytest.raises(ValueError, match="twice.tar: member 'k.txt' repeats extension 'txt' of sample 'k'"):
+        list(read_shard(twice))
+    with pytest.raises(ValueError, match="duplicate file name"):
+        _webdataset_samples(twice)

@@ -6,9 +6,10 @@ import json
 
 import pytest
 import torch
-from latentmill.trainer.loader import LatentLoader, read_manifest
+from latentmill.stages.tarshard import index_shard
+from latentmill.trainer.loader import CacheFormatError, LatentLoader, read_manifest
 
-from tests.trainer_helpers import write_fake_cache
+from tests.trainer_helpers import old_cache, reindex, write_fake_cache
 
 BUCKETS = {(48, 64, 1): 5, (64, 32, 1): 3, (32, 32, 1): 7}  # [width, height, frames] -> samples
 
@@ -106,7 +107,7 @@ def test_manifest_checks(tmp_path):
     manifest = write_fake_cache(tmp_path, {(16, 16, 1): 3})
     manifest["shards"][0]["samples"] = 4
     (tmp_path / "manifest.json").write_text(json.dumps(manifest))
-    with pytest.raises(ValueError, match="manifest says 4 samples, the tar holds 3"):
+    with pytest.raises(ValueError, match="manifest says 4 samples, the index holds 3"):
         LatentLoader(tmp_path, batch_size=2)
     manifest["shards"][0]["samples"] = 3
     manifest["stage"] = "bucket"
@@ -144,19 +145,31 @@ def test_ranks_share_each_epoch_equally_and_disjointly(cache, world_size):
     assert all(next(iter(loader))["epoch"] == 1 for loader in loaders)
 
 
-# --- cache format 2: family, trimmed text, posterior distribution, empty prompt / caption dropout ---
+# --- the cache format: 3 only; family, trimmed text, posterior distribution, empty prompt / caption dropout ---
 
 
-def test_format_1_and_2_are_read_and_family_defaults_to_flux(tmp_path):
-    v1 = write_fake_cache(tmp_path / "v1", {(16, 16, 1): 2}, format_version=1)
-    assert "family" not in v1 and LatentLoader(tmp_path / "v1", batch_size=2).family == "flux"
-    write_fake_cache(tmp_path / "v2", {(16, 16, 9): 2}, family="wan")
-    assert LatentLoader(tmp_path / "v2", batch_size=2).family == "wan"
-    manifest = json.loads((tmp_path / "v2" / "manifest.json").read_text())
+@pytest.mark.parametrize("version", [1, 2])
+def test_format_1_and_2_are_refused_with_one_line_that_says_how_to_upgrade(tmp_path, version):
+    write_fake_cache(tmp_path, {(16, 16, 1): 2})
+    old_cache(tmp_path, version)
+    path = tmp_path / "manifest.json"
+    want = (f"{path}: cache format {version} is no longer read; re-run `latentmill prep <recipe>` to index it "
+            "(nothing is re-encoded)")
+    for build in (lambda: read_manifest(tmp_path), lambda: LatentLoader(tmp_path, batch_size=2),
+                  lambda: LatentLoader(tmp_path, batch_size=2, manifest=json.loads(path.read_text()))):
+        with pytest.raises(CacheFormatError) as err:
+            build()
+        assert str(err.value) == want
+
+
+def test_format_3_is_read_and_another_version_is_refused(tmp_path):
+    write_fake_cache(tmp_path, {(16, 16, 9): 2}, family="wan")
+    assert LatentLoader(tmp_path, batch_size=2).family == "wan"
+    manifest = json.loads((tmp_path / "manifest.json").read_text())
     manifest["format_version"] = 4
-    (tmp_path / "v2" / "manifest.json").write_text(json.dumps(manifest))
-    with pytest.raises(ValueError, match="format_version 4, this trainer reads 1, 2 and 3"):
-        read_manifest(tmp_path / "v2")
+    (tmp_path / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(ValueError, match="format_version 4, this trainer reads 3"):
+        read_manifest(tmp_path)
 
 
 def test_trimmed_prompt_embeds_are_zero_padded_to_pad_to(tmp_path):
@@ -217,7 +230,9 @@ def test_caption_dropout_is_seeded_per_sample_and_epoch(tmp_path):
 
 
 def test_caption_dropout_needs_the_empty_prompt(tmp_path):
-    write_fake_cache(tmp_path, {(16, 16, 1): 2}, format_version=1)
+    manifest = write_fake_cache(tmp_path, {(16, 16, 1): 2})
+    del manifest["empty_prompt"]
+    (tmp_path / "manifest.json").write_text(json.dumps(manifest))
     with pytest.raises(ValueError, match="no empty_prompt entry"):
         LatentLoader(tmp_path, batch_size=2, caption_dropout=0.1)
 
@@ -263,6 +278,7 @@ def _add_second_captions(cache_dir, seed=1):
                     info.size = len(blob := save_st(other))
                     tar.addfile(info, io.BytesIO(blob))
         path.write_bytes(out.getvalue())
+    reindex(cache_dir)
 
 
 def _reference_batch(loader, batch, seed, dropout, empty):
@@ -379,8 +395,6 @@ def test_batches_of_samples_with_one_header_are_read_by_a_plan_and_equal_the_ref
 
 def _member_header(path, key, ext):
     """(file offset, bytes) of the JSON header of a safetensors member in a shard."""
-    from latentmill.trainer.shard_index import index_shard
-
     offset, _ = dict(index_shard(path))[key][ext]
     data = path.read_bytes()
     n = int.from_bytes(data[offset : offset + 8], "little")
@@ -406,6 +420,7 @@ def test_a_corrupt_member_header_names_the_shard_and_the_key(tmp_path, corrupt, 
     data = bytearray(shard.read_bytes())
     data[at : at + len(header)] = bad
     shard.write_bytes(bytes(data))
+    reindex(tmp_path)  # the index gives the bad header no layout: the loader reads and checks it itself
     loader = LatentLoader(tmp_path, batch_size=3)  # the index reads headers, it does not refuse samples
     with pytest.raises(ValueError, match=message) as err:
         next(iter(loader))
@@ -420,25 +435,26 @@ def test_a_header_length_past_the_member_is_refused(tmp_path):
     data = bytearray(shard.read_bytes())
     data[at - 8 : at] = (10**6).to_bytes(8, "little")
     shard.write_bytes(bytes(data))
+    reindex(tmp_path)
     with pytest.raises(ValueError, match=r"s00000.*text\.safetensors.*header length 1000000 runs past"):
         next(iter(LatentLoader(tmp_path, batch_size=2, prefetch=False)))
 
 
-def test_fast_tar_index_equals_tarfile(tmp_path):
+def test_the_index_lists_what_the_walker_lists_and_odd_tars_walk_as_tarfile_does(tmp_path):
     import io
     import tarfile
 
-    from latentmill.stages.tarshard import _index_shard_tarfile
-    from latentmill.trainer.shard_index import index_shard
+    from latentmill.stages.shardindex import load_shard_index
+    from latentmill.stages.tarshard import tar_members
 
     manifest = write_fake_cache(tmp_path, {(16, 16, 1): 5, (32, 16, 1): 3})
     for entry in manifest["shards"]:
         path = tmp_path / entry["path"]
-        headers = {}
-        assert index_shard(path, headers) == _index_shard_tarfile(path)
-        assert {ext for _, ext in headers} == {"vae.safetensors", "text.safetensors"}
-        assert len(headers) == 2 * entry["samples"]  # every safetensors header came with its tar header
-    # directories, a ustar prefix, a pax header (long name): the fast path or tarfile, the same index
+        index = load_shard_index(path, entry["index"])
+        assert index.samples() == index_shard(path)  # the writer's index is the one walker's and rule's
+        assert all(layout >= 0 for layout, name in zip(index.columns["member_layout"], index.columns["member_name"])
+                   if index.names[name].endswith(".safetensors"))  # every safetensors header came with it
+    # directories, a ustar prefix, a pax header (long name): the fast path or tarfile, the same members
     for fmt in (tarfile.USTAR_FORMAT, tarfile.PAX_FORMAT, tarfile.GNU_FORMAT):
         buf = io.BytesIO()
         with tarfile.open(fileobj=buf, mode="w", format=fmt) as tar:
@@ -456,7 +472,10 @@ def test_fast_tar_index_equals_tarfile(tmp_path):
                     tar.addfile(info, io.BytesIO(bytes(size)))
         path = tmp_path / f"odd-{fmt}.tar"
         path.write_bytes(buf.getvalue())
-        assert index_shard(path) == _index_shard_tarfile(path)
+        with tarfile.open(path) as tar:
+            assert tar_members(path) == [(m.name, m.offset_data, m.size) for m in tar if m.isfile()]
+        assert [key for key, _ in index_shard(path)] == ["d/a", "x" * 90 + "/" + "y" * 60] + (
+            ["z" * 120] if fmt != tarfile.USTAR_FORMAT else [])
 
 
 def test_read_ahead_in_a_thread_changes_neither_batches_nor_position(cache, monkeypatch):

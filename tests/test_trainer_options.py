@@ -1,5 +1,5 @@
 """Training options in the loop: gradient accumulation, activation checkpointing, compile, objective options,
-cache-format-2 inputs (posterior sampling, caption dropout) under an exact resume, and observability."""
+cache inputs (posterior sampling, caption dropout) under an exact resume, and observability."""
 
 import pytest
 import torch
@@ -16,7 +16,7 @@ from tests.trainer_helpers import (
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
-    """(pretrained, cache): 8 samples in two buckets, format 2 with posterior std, trimmed text."""
+    """(pretrained, cache): 8 samples in two buckets, with posterior std, trimmed text."""
     root = tmp_path_factory.mktemp("options")
     pretrained = build_tiny_transformer(root / "pretrained")
     cache = root / "cache"

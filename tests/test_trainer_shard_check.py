@@ -52,7 +52,7 @@ def write_stage_cache(root: Path) -> dict:
         records.append(out.commit(0.0))
     empty = save({"prompt_embeds": torch.zeros(SEQ_LEN, TEXT_DIM), "pooled_prompt_embeds": torch.zeros(POOLED_DIM)})
     (root / "empty_prompt.safetensors").write_bytes(empty)
-    header = {"format_version": 2, "family": "flux", "fingerprint": stable_hash(["shard-check"]),
+    header = {"format_version": 3, "family": "flux", "fingerprint": stable_hash(["shard-check"]),
               "models": {"vae": {"class": "AutoencoderKL", "fingerprint": "0", "scaling_factor": 0.3611,
                                  "shift_factor": 0.1159},
                          "text_encoder": {"class": "CLIPTextModel", "fingerprint": "1"},

@@ -1,21 +1,21 @@
 """Test helpers for the trainer room: tiny Flux / Wan transformers saved like a pipeline, and fake latent caches.
 
-The fake cache follows the cache stage's contract exactly (docs/cache-format.md, format 2: manifest.json with
-``family``, ``latents``, ``text``, ``empty_prompt`` + one-bucket webdataset tars with ``k.vae.safetensors``,
-``k.text.safetensors``, ``k.json``), so the trainer is tested through its real reading path.
+The fake cache is written as the cache stage writes it (docs/cache-format.md, format 3), through the stages'
+own shard writer (``latentmill.stages.shardio.StageDir`` / ``UnitOutput``): unit records, webdataset tars with
+``k.vae.safetensors``, ``k.text.safetensors``, ``k.json`` and an index beside each, a manifest with ``family``,
+``latents``, ``text``, ``empty_prompt`` and each shard's ``index``; so the trainer is tested through its real
+reading path.
 """
 
 from __future__ import annotations
 
 import contextlib
 import hashlib
-import io
 import json
 from collections.abc import Iterator
 from pathlib import Path
 
 import torch
-import webdataset as wds
 from safetensors.torch import save as save_safetensors
 
 TINY_TRANSFORMER = dict(
@@ -86,7 +86,6 @@ def write_fake_cache(
     channels: int = 16,
     smooth: bool = False,
     family: str = "flux",
-    format_version: int = 2,
     trimmed: bool = False,
     latents: str = "mean",
     same: bool = False,
@@ -98,22 +97,24 @@ def write_fake_cache(
     memorise in a few dozen steps); ``latents="distribution"`` adds a ``latents_std`` in [0.05, 0.15).
     Text embeddings are random normal; ``trimmed``: each sample holds 2..seq_len real tokens and the
     manifest says ``text: {trimmed: true, pad_to: seq_len}``. ``empty_prompt.safetensors`` holds the empty
-    caption's tensors (one token). Keys ``s00000``... are unique over the whole cache. ``format_version=1``
-    writes the older manifest (no family/latents/text/empty_prompt). ``same``: every sample of a bucket
-    holds the same tensors (its first sample's), so any batching of the bucket has the same content.
+    caption's tensors (one token). Keys ``s00000``... are unique over the whole cache. Each shard holds one
+    bucket; shards are one unit each, named in the order they are written (so the manifest lists them in
+    that order). ``same``: every sample of a bucket holds the same tensors (its first sample's), so any
+    batching of the bucket has the same content. ``old_cache`` turns the result into a format 1 or 2 cache.
     """
+    from latentmill.stages.shardio import StageDir, WorkUnit
+
     cache_dir = Path(cache_dir)
-    (cache_dir / "shards").mkdir(parents=True, exist_ok=True)
+    stage = StageDir(cache_dir, "cache").ensure()
     gen = torch.Generator().manual_seed(seed)
-    shards, n = [], 0
+    records, n = [], 0
     for bucket, count in buckets.items():
         width, height, frames = bucket
         bucket_start = gen.get_state()
         per_shard = -(-count // shards_per_bucket)
         for start in range(0, count, per_shard):
-            buf = io.BytesIO()
-            writer = wds.TarWriter(buf, mtime=0, encoder=False)
             in_shard = min(per_shard, count - start)
+            samples = []
             for _ in range(in_shard):
                 if same:
                     gen.set_state(bucket_start)
@@ -132,7 +133,7 @@ def write_fake_cache(
                 n_tokens = int(torch.randint(2, seq_len + 1, (1,), generator=gen)) if trimmed else seq_len
                 text = _text_tensors(family, n_tokens, text_dim, pooled_dim, dtype, gen)
                 meta = {"key": key, "bucket": list(bucket), "caption": f"caption {n}"}
-                writer.write(
+                samples.append(
                     {
                         "__key__": key,
                         "vae.safetensors": save_safetensors(vae),
@@ -141,20 +142,15 @@ def write_fake_cache(
                     }
                 )
                 n += 1
-            writer.close()
-            data = buf.getvalue()
-            sha = hashlib.sha256(data).hexdigest()
-            name = f"cache-{sha[:8]}.tar"
-            (cache_dir / "shards" / name).write_bytes(data)
-            shards.append(
-                {
-                    "name": name,
-                    "path": f"shards/{name}",
-                    "sha256": sha,
-                    "samples": in_shard,
-                    "bucket": list(bucket),
-                }
-            )
+            # the unit id leads with the shard's number: shard names sort in the order they were written
+            content = hashlib.sha256(b"".join(v for s in samples for k, v in sorted(s.items()) if k[0] != "_"))
+            unit = WorkUnit(f"{len(records):016x}{content.hexdigest()[16:]}", [], {}, in_shard)
+
+            def process(unit, out, samples=samples, bucket=bucket):
+                for sample in samples:
+                    out.add(sample, bucket=list(bucket))
+
+            records.append(stage.run_unit(unit, process))
     if family == "wan":
         models = {
             "vae": {
@@ -176,27 +172,60 @@ def write_fake_cache(
             "text_encoder": {"class": "CLIPTextModel", "fingerprint": "1" * 64},
             "text_encoder_2": {"class": "T5EncoderModel", "fingerprint": "2" * 64},
         }
-    manifest = {
-        "stage": "cache",
-        "format_version": format_version,
-        "fingerprint": hashlib.sha256(json.dumps(shards, sort_keys=True).encode()).hexdigest(),
+    empty = save_safetensors(_text_tensors(family, 1 if trimmed else seq_len, text_dim, pooled_dim, dtype, gen))
+    (cache_dir / "empty_prompt.safetensors").write_bytes(empty)
+    digests = [shard.sha256 for record in records for shard in record.shards]
+    header = {
+        "format_version": 3,
+        "family": family,
+        "fingerprint": hashlib.sha256(json.dumps(digests).encode()).hexdigest(),
         "models": models,
         "dtype": str(dtype).removeprefix("torch."),
+        "latents": latents,
         "max_sequence_length": seq_len,
-        "shards": shards,
+        "text": {"trimmed": trimmed, "pad_to": seq_len},
+        "empty_prompt": {"path": "empty_prompt.safetensors", "sha256": hashlib.sha256(empty).hexdigest()},
     }
-    if format_version >= 2:
-        empty = save_safetensors(
-            _text_tensors(family, 1 if trimmed else seq_len, text_dim, pooled_dim, dtype, gen)
-        )
-        (cache_dir / "empty_prompt.safetensors").write_bytes(empty)
-        manifest.update(
-            family=family,
-            latents=latents,
-            text={"trimmed": trimmed, "pad_to": seq_len},
-            empty_prompt={"path": "empty_prompt.safetensors", "sha256": hashlib.sha256(empty).hexdigest()},
-            counts={"in": n, "out": n, "quarantined": 0},
-        )
+    return stage.write_manifest(records, header)
+
+
+def reindex(cache_dir: str | Path) -> dict:
+    """After a test changed a cache's tars: each tar's index and sha256 written again, as a prep re-run
+    would (the index from the tar's bytes alone). Returns the manifest."""
+    from latentmill.stages.shardindex import write_index_file
+
+    from latentmill.core.hashing import sha256_file
+
+    cache_dir = Path(cache_dir)
+    manifest = json.loads((cache_dir / "manifest.json").read_text())
+    for entry in manifest["shards"]:
+        entry["index"] = write_index_file(cache_dir / entry["path"])
+        entry["sha256"] = sha256_file(cache_dir / entry["path"])
+    (cache_dir / "manifest.json").write_text(json.dumps(manifest, indent=2))
+    return manifest
+
+
+def old_cache(cache_dir: str | Path, version: int | None = 2) -> dict:
+    """Turn a cache into what a prep of cache format ``version`` (1 or 2) left: no index beside any tar, none
+    named in the manifest or the unit records (format 1: nor family, latents, text layout, empty prompt).
+    The tars are the very bytes those formats wrote. ``version=None``: another stage's folder, whose
+    manifest keeps its version. Returns the manifest."""
+    cache_dir = Path(cache_dir)
+    manifest = json.loads((cache_dir / "manifest.json").read_text())
+    for entry in manifest["shards"]:
+        index = entry.pop("index", None)
+        if index:
+            (cache_dir / entry["path"]).with_name(index["name"]).unlink(missing_ok=True)
+    for path in (cache_dir / "units").glob("*.json"):
+        record = json.loads(path.read_text())
+        for shard in record["shards"]:
+            shard["index"] = None
+        path.write_text(json.dumps(record))
+    if version is not None:
+        manifest["format_version"] = version
+    if version == 1:
+        for field in ("family", "latents", "text", "empty_prompt"):
+            manifest.pop(field, None)
     (cache_dir / "manifest.json").write_text(json.dumps(manifest, indent=2))
     return manifest
 

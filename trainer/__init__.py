@@ -7,7 +7,7 @@ Public API::
 
 Modules: ``config`` (typed recipe sections), ``objective`` (flow matching: timestep sampling, shift,
 interpolation, target, loss weighting), ``adapter`` / ``adapters`` (the per-family interface and registry),
-``flux`` (Flux-class images), ``wan`` (Wan-class videos), ``loader`` (``LatentLoader``, cache format 1 and 2),
+``flux`` (Flux-class images), ``wan`` (Wan-class videos), ``loader`` (``LatentLoader``, cache format 3),
 ``checkpoint`` (atomic step folders; DCP shards under FSDP2), ``parallel`` (none / DDP / FSDP2 / HSDP,
 activation checkpointing, compile), ``validation`` (sample grids), ``train`` (the loop).
 """

@@ -1,9 +1,8 @@
 """``LatentLoader``: batches of cached latents and text embeddings from the cache stage's shards.
 
-Contract read (``<cache_dir>/manifest.json``, written by the cache stage; docs/cache-format.md, format
-versions 1, 2 and 3): a list of uncompressed webdataset tar shards (format 3: each with an index file beside
-it, named in its manifest entry, that gives every sample's key, bucket and members; formats 1 and 2: each
-shard holds ONE bucket ``[width, height, frames]``, its entry's); per sample ``k.vae.safetensors`` (``latents``, and ``latents_std`` when the
+Contract read (``<cache_dir>/manifest.json``, written by the cache stage; docs/cache-format.md, format 3
+only): a list of uncompressed webdataset tar shards, each with an index file beside it, named in its
+manifest entry, that gives every sample's key, bucket and members; per sample ``k.vae.safetensors`` (``latents``, and ``latents_std`` when the
 manifest says ``"latents": "distribution"``), ``k.text.safetensors`` (``prompt_embeds``, and
 ``pooled_prompt_embeds`` for Flux) and ``k.json``; ``empty_prompt.safetensors`` holds the text tensors of
 the empty caption.
@@ -12,18 +11,18 @@ Design choices:
 
 * One bucket per batch, never mixed shapes. The order is a pure function of (seed, epoch, manifest): shuffle
   each bucket's samples, chunk them into batches of ``batch_size``, shuffle the list of batches.
-* Start-up: format 3 reads the shard indexes, each whole and in order, and no tar (samples are grouped by
-  bucket with numpy over the index columns; a sample's ``SampleRef`` is built when a batch needs it), so it
-  costs about the time to read the index files (~100 bytes per sample; every rank reads all of them).
-  Formats 1 and 2 read the tar *headers* instead (one ``pread`` per header block, 25-50 s per million
-  samples, hot). The epoch's order is kept as arrays (``BatchPlan``), not a list per batch.
-* Memory: the index columns (or the scanned byte ranges) per sample member. A batch reads its members from
+* Start-up reads the shard indexes, each whole and in order, and no tar (samples are grouped by bucket with
+  numpy over the index columns; a sample's ``SampleRef`` is built when a batch needs it), so it costs about
+  the time to read the index files (~100 bytes per sample; every rank reads all of them). A cache of format
+  1 or 2 (no indexes) is refused with one line (``CacheFormatError``): re-running the prep indexes it
+  without re-encoding. The epoch's order is kept as arrays (``BatchPlan``), not a list per batch.
+* Memory: the index columns per sample member. A batch reads its members from
   the shard files, so RAM holds one batch, whatever the dataset size, and each member is read exactly once
   per epoch. This needs local, uncompressed tars (what the cache stage writes); remote (fsspec) caches are
   not supported yet.
 * One copy per tensor: a member's safetensors header (8-byte little-endian length + JSON with dtype, shape
-  and ``data_offsets``) is read and checked first (:mod:`latentmill.trainer.shard_index`, which also indexes the
-  tars), then ``os.preadv`` reads each tensor's payload straight into its row of a preallocated batch
+  and ``data_offsets``) is read and checked first (from the shard index, else
+  :mod:`latentmill.trainer.shard_index`), then ``os.preadv`` reads each tensor's payload straight into its row of a preallocated batch
   tensor (``[B, ...]``, the stored dtype; :mod:`latentmill.trainer.batch_reader`). No per-sample decode, no
   ``torch.stack``; a different output ``dtype`` is one conversion per batch column.
 * Shards on disk: the kernel is asked (``POSIX_FADV_WILLNEED``) for the members of the next
@@ -58,52 +57,68 @@ from latentmill.trainer.shard_index import (
     MemberLayout,
     ShardIndex,
     ShardIndexError,
-    index_shard,
     layout_from_index,
     load_shard_index,
     verify_index,
 )
 from safetensors.torch import load as load_safetensors
 
+from latentmill.models import CacheMismatchError
+
 log = logging.getLogger(__name__)
 
-FORMAT_VERSIONS = (1, 2, 3)
-INDEXED_FORMAT = 3  # from this format on every shard has an index (docs/cache-format.md, "Shard index")
+FORMAT_VERSION = 3  # the one cache format read: every shard has an index (docs/cache-format.md, "Shard index")
 
 PREFETCH_MIN_CONSUMER_S = 200e-6  # read ahead only for a consumer this slow per batch (a hand-off: ~50-100µs)
 PREFETCH_DELAY_SHARE = 0.1  # the read-ahead starts this share of the consumer's time per batch later...
 PREFETCH_DELAY_MAX_S = 0.001  # ...and at most this much later
-INDEX_COLD_S_PER_SAMPLE = 75e-6  # the first shard indexed slower than this per sample: shards are on disk,
-INDEX_THREADS = 8  # so index the others with this many threads (reads in flight)
 INDEX_FILE_COLD_S = 0.002  # the first index file read slower than this (+ INDEX_FILE_COLD_S_PER_BYTE per
 INDEX_FILE_COLD_S_PER_BYTE = 2e-9  # byte): shards are on disk (see _on_disk_now)
 ADVISE_AHEAD_BATCHES = 2  # shards on disk: the kernel is asked to read this many batches ahead (WILLNEED)
 
 
+class CacheFormatError(CacheMismatchError, ValueError):
+    """A cache written in a format this trainer no longer reads (1 or 2: no shard indexes). A
+    ``CacheMismatchError``, so the command line prints it as one line."""
+
+
 def read_manifest(cache_dir: str | Path) -> dict:
-    """Load ``<cache_dir>/manifest.json`` and check that it is a cache-stage manifest this trainer reads."""
+    """Load ``<cache_dir>/manifest.json`` and check that it is a cache-stage manifest this trainer reads:
+    format 3, an index named for every shard. An older cache raises ``CacheFormatError``, one line that
+    says how to upgrade it."""
     path = Path(cache_dir) / "manifest.json"
     if not path.is_file():
         raise FileNotFoundError(f"no cache manifest at {path}: run the cache stage first")
     manifest = json.loads(path.read_text())
+    check_manifest(manifest, path)
+    return manifest
+
+
+def check_manifest(manifest: dict, path: str | Path) -> None:
+    """Raise what ``read_manifest`` raises for the manifest read from ``path`` (``ValueError``,
+    ``CacheFormatError``)."""
     if manifest.get("stage") != "cache":
         raise ValueError(
             f"{path} is a {manifest.get('stage')!r} manifest, the trainer needs the 'cache' stage's"
         )
-    if manifest.get("format_version") not in FORMAT_VERSIONS:
-        raise ValueError(
-            f"{path}: format_version {manifest.get('format_version')!r}, this trainer reads "
-            f"{', '.join(map(str, FORMAT_VERSIONS[:-1]))} and {FORMAT_VERSIONS[-1]}"
-        )
+    version = manifest.get("format_version", 1)
+    if version in (1, 2):
+        raise CacheFormatError(f"{path}: cache format {version} is no longer read; re-run `latentmill prep "
+                               "<recipe>` to index it (nothing is re-encoded)")
+    if version != FORMAT_VERSION:
+        raise ValueError(f"{path}: format_version {version!r}, this trainer reads {FORMAT_VERSION}")
     if not manifest.get("shards"):
         raise ValueError(f"{path} lists no shards: nothing to train on")
+    missing = next((e for e in manifest["shards"] if not e.get("index")), None)
+    if missing is not None:
+        raise CacheFormatError(f"{path}: shard {missing.get('path')} has no index entry; re-run `latentmill "
+                               "prep <recipe>` to index it (nothing is re-encoded)")
     if manifest.get("latents", "mean") not in ("mean", "sample", "distribution"):
         raise ValueError(f"{path}: latents {manifest['latents']!r} is not one of mean, sample, distribution")
-    return manifest
 
 
 def manifest_family(manifest: dict) -> str:
-    """The model family that produced the cache (``flux`` when the manifest does not say: format 1)."""
+    """The model family that produced the cache (``flux`` when the manifest does not say)."""
     return manifest.get("family") or "flux"
 
 
@@ -301,7 +316,11 @@ class LatentLoader:
             raise ValueError(f"rank {rank} is outside world_size {world_size}")
         self.rank, self.world_size = rank, world_size
         self.cache_dir = Path(cache_dir)
-        self.manifest = manifest if manifest is not None else read_manifest(self.cache_dir)
+        if manifest is None:
+            manifest = read_manifest(self.cache_dir)
+        else:
+            check_manifest(manifest, self.cache_dir / "manifest.json")
+        self.manifest = manifest
         self.batch_size, self.seed, self.dtype, self.drop_last = batch_size, seed, dtype, drop_last
         self.family = manifest_family(self.manifest)
         self.distribution = self.manifest.get("latents", "mean") == "distribution"
@@ -321,8 +340,8 @@ class LatentLoader:
         ]
         self.dataset_id = hashlib.sha256(json.dumps(shard_ids, sort_keys=True).encode()).hexdigest()
 
-        # --- index every shard's headers, grouped by bucket (manifest order, then tar order) ---
-        self._on_disk = False  # set by _index_shards: the shards were not in the page cache
+        # --- every shard's index read, samples grouped by bucket (manifest order, then tar order) ---
+        self._on_disk = False  # set by _buckets_from_indexes: the shards were not in the page cache
         self._nowait = hasattr(os, "RWF_NOWAIT")  # page-cache probes (Linux >= 4.14), see _on_disk_now
         self._probe = bytearray(1)
         for entry in self.manifest["shards"]:
@@ -339,26 +358,10 @@ class LatentLoader:
             self._check_owner = (check_rank, check_size)
             self._owned = sum(1 for s, e in enumerate(entries) if e.get("sha256") and s % check_size == check_rank)
             self.shard_check = LazyShardCheck(self._check_shard)
-        indexed = all(e.get("index") for e in entries)
-        if self.manifest.get("format_version", 1) >= INDEXED_FORMAT and not indexed:
-            missing = next(self.cache_dir / e["path"] for e in entries if not e.get("index"))
-            raise ValueError(
-                f"{missing}: the cache manifest (format {self.manifest['format_version']}) names no index for "
-                "this shard; re-run the prep: it writes missing indexes from the tars, without re-encoding"
-            )
-        self.indexed = indexed  # start-up from the shard indexes (else: a scan of every tar's headers)
         self._indexes: list[ShardIndex] = []
         self._shard_layouts: list[list[MemberLayout]] = []  # per shard: its index's layouts table
         self._shard_base: list[int] = []  # per shard: the global id of its first sample
-        if indexed:
-            self.buckets = self._buckets_from_indexes(entries)
-        else:
-            log.info(
-                "%s: no shard indexes (cache format %s): scanning every tar's headers at start-up (about a "
-                "minute per million samples); re-run the prep to add indexes, nothing is re-encoded",
-                self.cache_dir, self.manifest.get("format_version", 1),
-            )
-            self.buckets = self._buckets_from_tars(entries)
+        self.buckets = self._buckets_from_indexes(entries)
         self.num_samples = sum(len(refs) for refs in self.buckets.values())
 
         self.epoch, self.batch_index = 0, 0
@@ -366,44 +369,15 @@ class LatentLoader:
         self._order: BatchPlan | list = []
         self._global_epoch: int | None = None  # the global plan of that epoch (shard checks under a group)
         self._global: BatchPlan | list = []
-        if self.shard_check is not None and self.indexed:
+        if self.shard_check is not None:
             import numpy as np
 
             self._shard_base_np = np.asarray(self._shard_base, dtype=np.int64)
 
-    def _buckets_from_tars(self, entries: list[dict]) -> dict[tuple[int, ...], list[SampleRef]]:
-        """Format 1 and 2 (no index): every shard's tar headers scanned, samples grouped by their shard's
-        bucket (manifest order, then tar order)."""
-        by_bucket: dict[tuple[int, ...], list[SampleRef]] = {}
-        indexed = zip(entries, self._index_shards())
-        for shard_id, (entry, (samples, headers)) in enumerate(indexed):
-            path = self.shard_paths[shard_id]
-            if "samples" in entry and entry["samples"] != len(samples):
-                raise ValueError(
-                    f"{path}: manifest says {entry['samples']} samples, the tar holds {len(samples)}"
-                )
-            for key, members in samples:
-                if VAE_MEMBER not in members or TEXT_MEMBER not in members:
-                    missing = sorted({VAE_MEMBER, TEXT_MEMBER} - set(members))
-                    raise ValueError(f"{path}: sample {key!r} lacks {', '.join(missing)}")
-                layouts = {}
-                largest = (0, 0)  # (size, offset) of the largest member
-                for ext, (offset, size) in members.items():
-                    largest = max(largest, (size, offset))
-                    header = headers.get((key, ext))
-                    layout = self._reader.parsed(header) if header is not None else None
-                    if layout is not None and layout.size == size:  # else checked (and refused) when read
-                        layouts[ext] = layout
-                others = len(members) - 2 - (META_MEMBER in members)  # members beside vae, text and json
-                texts = tuple(text_members(members)) if others else (TEXT_MEMBER,)
-                ref = SampleRef(shard_id, key, members, texts, layouts, largest[1] + largest[0] // 2)
-                by_bucket.setdefault(tuple(entry["bucket"]), []).append(ref)
-        return {b: by_bucket[b] for b in sorted(by_bucket)}
-
     def _buckets_from_indexes(self, entries: list[dict]) -> dict[tuple[int, ...], "_IndexedRefs"]:
-        """Format 3: every shard's index read whole, in manifest order, and no tar opened; samples grouped by
-        their own bucket (the index's; the entry's for a sample without one), manifest order then tar order
-        within a bucket, as the tar scan groups them. Checked here, vectorised: each index against its
+        """Every shard's index read whole, in manifest order, and no tar opened; samples grouped by their own
+        bucket (the index's; the entry's for a sample without one), manifest order then tar order within a
+        bucket. Checked here, vectorised: each index against its
         manifest entry and its tar's size (``os.stat``), every sample holding a VAE and a text member."""
         import numpy as np
 
@@ -503,38 +477,13 @@ class LatentLoader:
         texts = tuple(text_members(members)) if others else (TEXT_MEMBER,)
         return SampleRef(shard, index.key(local), members, texts, found, largest[1] + largest[0] // 2)
 
-    def _index_shards(self) -> Iterator[tuple[list[tuple[str, dict[str, tuple[int, int]]]], dict]]:
-        """(``index_shard`` result, safetensors headers it read) of every shard, in order.
-
-        The first shard is indexed alone and timed: when that is slow (shards not in the page cache, one
-        disk round trip per tar header), the others are indexed by ``INDEX_THREADS`` threads at once, which
-        keeps that many reads in flight.
-        """
-
-        def one(path: Path) -> tuple[list[tuple[str, dict[str, tuple[int, int]]]], dict]:
-            headers: dict[tuple[str, str], bytes] = {}
-            return index_shard(path, headers), headers
-
-        if not self.shard_paths:
-            return
-        start = time.perf_counter()
-        first = one(self.shard_paths[0])
-        cold = time.perf_counter() - start > INDEX_COLD_S_PER_SAMPLE * max(1, len(first[0]))
-        self._on_disk = cold
-        yield first
-        if cold and len(self.shard_paths) > 1:
-            with ThreadPoolExecutor(max_workers=INDEX_THREADS, thread_name_prefix="latent-index") as pool:
-                yield from pool.map(one, self.shard_paths[1:])
-        else:
-            yield from map(one, self.shard_paths[1:])
-
     def _load_empty_prompt(self) -> dict[str, torch.Tensor]:
         """The text tensors of the empty caption (``manifest["empty_prompt"]``), checked against its sha256."""
         entry = self.manifest.get("empty_prompt")
         if not entry:
             raise ValueError(
                 f"{self.cache_dir}: trainer.caption_dropout needs the empty prompt's embeddings, and the cache "
-                "manifest has no empty_prompt entry (cache format 2 writes one); re-run the cache stage"
+                "manifest has no empty_prompt entry; re-run the cache stage"
             )
         path = self.cache_dir / entry["path"]
         data = path.read_bytes()
@@ -642,16 +591,12 @@ class LatentLoader:
                 self._global, self._global_epoch = self.global_batches(epoch), epoch
             batches = [self._global[g] for g in range(index * size, (index + 1) * size)]
         shards: set[int] = set()
-        for bucket, indices in batches:
-            refs = self.buckets[bucket]
-            if isinstance(refs, _IndexedRefs):  # global sample ids -> shard numbers, no SampleRef built
-                samples = refs.samples
-                ids = (np.asarray(indices, dtype=np.int64) + samples.start if isinstance(samples, range)
-                       else samples[indices])
-                found = np.searchsorted(self._shard_base_np, ids, side="right") - 1
-                shards.update(found.tolist())
-            else:
-                shards.update(refs[i].shard for i in indices)
+        for bucket, indices in batches:  # global sample ids -> shard numbers, no SampleRef built
+            samples = self.buckets[bucket].samples
+            ids = (np.asarray(indices, dtype=np.int64) + samples.start if isinstance(samples, range)
+                   else samples[indices])
+            found = np.searchsorted(self._shard_base_np, ids, side="right") - 1
+            shards.update(found.tolist())
         entries = self.manifest["shards"]
         self.shard_check.touch(sorted(s for s in shards if s % size == rank and entries[s].get("sha256")))
 
@@ -691,10 +636,9 @@ class LatentLoader:
 
     def _on_disk_now(self, ref: SampleRef) -> bool:
         """Whether sample ``ref`` reads from the disk: the middle byte of its largest member is not in the
-        page cache (a 1-byte ``RWF_NOWAIT`` read fails with EAGAIN). Not its first or last bytes: the
-        start-up index read the tar headers around them, and the kernel's read-ahead came with them. Where
-        the kernel or the file system cannot tell, what the start-up index saw (``_on_disk``: the first
-        shard indexed slowly)."""
+        page cache (a 1-byte ``RWF_NOWAIT`` read fails with EAGAIN). Not its first or last bytes: a batch's
+        header reads and the kernel's read-ahead may have brought the pages around them. Where the kernel or
+        the file system cannot tell, what the start-up saw (``_on_disk``: the first index file read slowly)."""
         if self._nowait:
             try:
                 os.preadv(self._reader.fd(ref.shard), [self._probe], ref.probe_at, os.RWF_NOWAIT)

@@ -1,8 +1,7 @@
-"""Where a latent shard's tensors are, without reading them: shard indexes, the tar scan, safetensors headers.
+"""Where a latent shard's tensors are, without reading them: shard indexes and safetensors headers.
 
-A cache of format 3 has an index file beside each tar (``latentmill.stages.shardindex.read_shard_index``: each
-member's offset and size, each sample's key and bucket, each safetensors member's tensors). ``index_shard``
-(format 2, or no index) lists each sample's members of an uncompressed tar from its headers alone;
+A cache (format 3) has an index file beside each tar (``latentmill.stages.shardindex.read_shard_index``: each
+member's offset and size, each sample's key and bucket, each safetensors member's tensors);
 ``parse_safetensors_header`` checks a member's JSON header (dtypes, shapes, byte ranges) and says where each
 tensor's payload lies, so that ``latentmill.trainer.loader.LatentLoader`` can read payloads straight into
 batch tensors. No tensor data is read here. The format code itself lives in ``latentmill.stages.shardindex``
@@ -25,7 +24,6 @@ from latentmill.stages.tarshard import (  # noqa: F401  (re-exported: the traine
     HEADER_READ,
     MAX_HEADER,
     HeaderError,
-    index_shard,
     safetensors_entries,
 )
 
