@@ -26,7 +26,7 @@ from latentmill.pipelines.report import (
 )
 from latentmill.pipelines.retention import OutputBusyError, writer_lock  # noqa: F401 (re-exported)
 from latentmill.pipelines.snapshot import publish as publish_snapshot
-from latentmill.stages import bucket, cache, caption, curate, curate_clips, ingest, neardup, pixels
+from latentmill.stages import bucket, cache, caption, curate, curate_clips, ingest, neardup
 from latentmill.stages.compact import compact_stage
 from latentmill.stages.shardio import StageDir, StageRecords, UnitOutput, UnitRecord, WorkUnit, stage_report
 from latentmill.stages.workers import number_worker

@@ -45,11 +45,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator, Literal, NamedTuple, Optional
 
-import numpy as np
 from latentmill.stages import curate_models, neardup, pixels
 from latentmill.stages.catalog import Lookup
 from latentmill.stages.curate_clips import ClipSpec
-from latentmill.stages.catalog import Lookup
 from latentmill.stages.curate_scores import THRESHOLDS, ScoreKeyer, opaque_mask, score_frames
 from latentmill.stages.shardindex import ShardIndexError, load_shard_index
 from latentmill.stages.shardio import (

@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import hashlib
 import itertools
-import json
 import math
 import sqlite3
 import time
