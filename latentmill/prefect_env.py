@@ -6,7 +6,7 @@ API for it, tied to the life of the run.
 
 With no ``PREFECT_API_URL``, Prefect 3 starts ``uvicorn prefect.server.api.server`` as a subprocess
 (``SubprocessASGIServer``) and stops it from an ``atexit`` hook. A ``kill`` (SIGTERM) or ``kill -9`` of the
-run skips ``atexit``, and the server, reparented to PID 1, stayed alive with ~220 MB. Here the server is
+run skips ``atexit``, and the server, reparented to PID 1, stayed alive. Here the server is
 started with a parent-death signal (Linux ``prctl(PR_SET_PDEATHSIG)``): the kernel sends it SIGTERM when the
 process that started it ends, however it ends. The server is the same one Prefect would start, at the same
 moment of the run, so start-up costs what it did.

@@ -684,9 +684,8 @@ def manifest_header(cfg: CacheConfig, model: ModelConfig, stage_dir: StageDir,
 def _encoded_on_field(cfg: CacheConfig, model: ModelConfig, stage_dir: StageDir,
                       records: list[UnitRecord] | None = None) -> dict[str, Any]:
     """``{"encoded_on": {"<device class> | torch ... [| cudnn ...]": {"vae": n, "text": n}}}`` over the units
-    of this cache (``records``, or the current plan's committed records, planned and read again: a refresh at
-    100,000 samples spent seconds on that); nothing when none of them recorded it (a cache written before the
-    field keeps its manifest, and so its snapshot name)."""
+    of this cache (``records``, or the current plan's committed records, planned and read again); nothing when
+    none of them recorded it (a cache written before the field keeps its manifest, and so its snapshot name)."""
     if records is not None:
         return {"encoded_on": encoded_on_total(records)} if any("encoded_on" in r.extra for r in records) else {}
     upstream = StageDir(stage_dir.root.parent / "bucket", "bucket")

@@ -26,8 +26,7 @@ class CacheConfig:
     trim_text: Literal["auto", "always", "never"] = "auto"  # see docs/cache-format.md
     seed: int = 0  # for latents: sample
     # Decode the next batch in a thread while the current one is encoded. "auto": on when encoding on a GPU;
-    # off on the CPU, where the decode thread fights the encoders' threads for the cores (measured: the
-    # cache stage took 1.06-1.16x as long with it, with 1 or 2 runner workers and 1 or 2 cache.threads).
+    # off on the CPU, where the decode thread fights the encoders' threads for the cores.
     prefetch: Union[bool, Literal["auto"]] = "auto"
     # CPU threads per encoder call. CPU kernels reduce in a thread-count-dependent order, so the count is
     # pinned: the same bytes whichever runner (threads, processes, Dask with OMP_NUM_THREADS=1) ran it.

@@ -463,8 +463,8 @@ def _score_unit(cfg: CurateConfig, unit: WorkUnit, prints: dict[str, dict[str, A
                 item.small = frames
 
     def flush() -> Iterator[_Scored]:
-        # The chunk's samples are decoded first, then scored: alternating a decode and the numpy scores
-        # sample by sample cost ~15% more per image (libjpeg's and numpy's buffers churned the allocator).
+        # The chunk's samples are decoded first, then scored: alternating the two sample by sample churns
+        # libjpeg's and numpy's buffers through the allocator.
         decoded: list[tuple[_Scored, Decoded]] = []
         for item in chunk:
             if item.missing:

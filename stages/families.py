@@ -138,8 +138,8 @@ class WanEncoders(_Encoders):
         from transformers import UMT5EncoderModel
 
         # The Wan VAE runs in float32 even on GPU: its causal 3-D convs are sensitive to bf16. It encodes
-        # 4 frames at a time with a feature cache, so a clip's activations do not grow with its length
-        # (figure 8's clip row), but they do grow with the batch: ``encode_pixels`` slices by sample.
+        # 4 frames at a time with a feature cache, so a clip's activations do not grow with its length, but
+        # they do grow with the batch: ``encode_pixels`` slices by sample.
         # Not tiled: tiles blended at their seams would give other latents than the whole-frame encode.
         self.vae = AutoencoderKLWan.from_pretrained(
             component_source(model, "vae").path, **component_source(model, "vae").kwargs(),

@@ -14,8 +14,8 @@ Where each part runs (``docs/cache-format.md``, "Curation: near duplicates"):
   units of a run finish (:func:`update`): the samples of the stage's records not entered yet, in manifest
   order, become one batch. It keeps its own copy of every vector (``vectors.f32``, append-only), so old data is
   never read again, and an approximate nearest-neighbour search over them: random-hyperplane LSH in numpy
-  (brute force on small indexes), or usearch's HNSW when the recipe asks for it (benchmark 18 measured it
-  slower than the LSH here, with a lower recall at 100k). Every candidate is re-checked with the exact cosine.
+  (brute force on small indexes), or usearch's HNSW when the recipe asks for it (docs/benchmarks.md compares
+  the two). Every candidate is re-checked with the exact cosine.
 * **Decisions** are stored per (embedder, threshold): within a batch, samples are visited by the keep rule
   (highest ``aesthetic`` score first when the sample has one, then oldest: entry order, i.e. manifest order);
   a sample whose cosine with a sample already kept (an earlier batch's, or one visited before it) is

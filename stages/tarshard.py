@@ -45,7 +45,7 @@ def tar_member_header(name: str, size: int) -> bytes:
 
     For a short ASCII name (every key and extension this repository writes) the header is one ustar block
     that differs from member to member only in its name, size and checksum fields: those are filled into a
-    template that ``tarfile`` made, about 10x faster than ``TarInfo.tobuf``. Any other name (or a size of
+    template that ``tarfile`` made, which costs far less than ``TarInfo.tobuf``. Any other name (or a size of
     8 GiB and more) goes through ``tobuf`` itself (pax extended header first)."""
     global _tar_template
     if not (len(name) <= _TAR_NAME_MAX and name.isascii() and 0 <= size < 8 ** 11):
