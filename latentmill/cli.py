@@ -151,6 +151,9 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _print_summary(summary: dict[str, Any], recipe_output: str | None) -> None:
+    if summary.get("unchanged_since"):
+        print(f"\nnothing changed since the prep that finished {summary['unchanged_since']} (recipe, inputs, "
+              "models): no stage ran, its outcome stands")
     stages = summary.get("stages") or {}
     if stages:
         print("\nstage      in   out  quar  processed  reused   seconds")
@@ -445,11 +448,16 @@ def main(argv: list[str] | None = None) -> int:
 
         # Ctrl-C and SIGTERM stop the work at its next safe point (latentmill.interrupt), not where they land
         with stop_on_signals():
-            if args.command == "demo":
+            summary, out = None, recipe.output_dir
+            if args.command == "prep":  # nothing changed since the last prep: its outcome, without Prefect
+                from latentmill.pipelines.unchanged import unchanged_summary
+
+                summary = unchanged_summary(recipe)
+            if summary is None and args.command == "demo":
                 summary, out = _run_flow("run", DEMO_CONFIG, args.overrides, recipe)
                 if summary["train"].get("export_dir"):
                     summary["sample"] = str(_sample_image(summary["train"], Path(out)))
-            else:
+            elif summary is None:
                 summary, out = _run_flow(args.command, args.config, args.overrides, recipe, getattr(args, "nproc", 1),
                                          getattr(args, "nnodes", 1), getattr(args, "rdzv_endpoint", None))
     except (ConfigError, CacheMismatchError, FileNotFoundError, FileExistsError, EmptySnapshotError,

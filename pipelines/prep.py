@@ -15,6 +15,7 @@ import threading
 import time
 from typing import Any, Callable, Iterable
 
+from latentmill.pipelines import unchanged
 from latentmill.pipelines.report import (
     PLOTS_DIR,
     RunLog,
@@ -366,6 +367,8 @@ def _prep_stages(recipe_data: dict, started_run: str | None) -> dict[str, Any]:
         chunks = [([u.unit_id for u in chunk], sum(u.samples_in for u in chunk))
                   for chunk in task_chunks(pending, recipe.runner)]
         unit_ids = [u.unit_id for u in units]
+        if stage == "ingest":
+            ingest_units = unit_ids  # the inputs' content, for the next prep's unchanged check
         total, todo = sum(u.samples_in for u in units), sum(u.samples_in for u in pending)
         del units, pending
         futures = (run_units.map(stage, unmapped(recipe_data), [c[0] for c in chunks], [c[1] for c in chunks])
@@ -410,7 +413,7 @@ def _prep_stages(recipe_data: dict, started_run: str | None) -> dict[str, Any]:
         if publish_prep_plots(recipe.prep_dir, run_log.warning, also=[started_run] if started_run else []):
             plots = str(recipe.prep_dir / PLOTS_DIR / "index.md")
     return {"stages": report, "snapshot": publish_snapshot(recipe.output_dir, recipe.stage_dir("cache")),
-            "plots": plots}
+            "plots": plots, "ingest_units": ingest_units}
 
 
 def run_prep(recipe: Recipe) -> dict[str, Any]:
@@ -426,7 +429,10 @@ def run_prep(recipe: Recipe) -> dict[str, Any]:
     runner_flow = prep_stages.with_options(task_runner=task_runner(recipe.runner))
     # One writer per output_dir: the CLI, a deployment run and the nodes of a multi-node run all pass here.
     with writer_lock(recipe.output_dir, "prep", on_busy=recipe.prep.on_busy):
-        return runner_flow(recipe.to_dict(), started_run=current_run_id())
+        base = unchanged.key_base(recipe)  # before the run: a file changed meanwhile is seen next time
+        result = runner_flow(recipe.to_dict(), started_run=current_run_id())
+        unchanged.remember(recipe, result, unchanged.run_key(base, result.pop("ingest_units")))
+        return result
 
 
 @flow(name="prep")

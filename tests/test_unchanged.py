@@ -1,0 +1,82 @@
+"""An unchanged ``latentmill prep`` reports the last run's outcome without Prefect, torch or a model
+(``pipelines/unchanged.py``); any change it can see runs the prep."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from latentmill.pipelines import unchanged
+
+from tests.conftest import REPO_ROOT
+
+# The CLI in a child process that says, at exit, whether it imported Prefect or torch.
+_CHILD = """
+import json, sys
+from latentmill.cli import main
+rc = main(sys.argv[2:])
+open(sys.argv[1], "w").write(json.dumps({"rc": rc, "prefect": "prefect" in sys.modules,
+                                         "torch": "torch" in sys.modules}))
+"""
+
+
+def _prep(recipe: Path, work: Path, tag: str) -> tuple[dict, dict]:
+    """``latentmill prep RECIPE`` in a fresh process: its summary and what it imported."""
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
+    env.pop("PREFECT_LOGGING_LEVEL", None)
+    facts, summary = work / f"{tag}.facts", work / f"{tag}.json"
+    done = subprocess.run([sys.executable, "-c", _CHILD, str(facts), "prep", str(recipe), "--summary-json",
+                           str(summary)], cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(summary.read_text()), {**json.loads(facts.read_text()), "stdout": done.stdout}
+
+
+@pytest.mark.slow
+def test_an_unchanged_prep_returns_without_prefect_and_a_change_runs_again(tmp_path, tiny_flux, demo_images):
+    import yaml
+
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(yaml.safe_dump({"output_dir": str(tmp_path / "out"), "model": {"pretrained": str(tiny_flux)},
+                                      "ingest": {"source": str(demo_images)}}))
+    first, _ = _prep(recipe, tmp_path, "first")
+    assert first["stages"]["cache"]["processed"] == 24 and "unchanged_since" not in first
+
+    again, facts = _prep(recipe, tmp_path, "again")
+    assert facts["rc"] == 0 and not facts["prefect"] and not facts["torch"]
+    assert again["unchanged_since"] and "nothing changed since the prep" in facts["stdout"]
+    assert again["snapshot"] == {**first["snapshot"], "new": False}
+    for name, counts in again["stages"].items():
+        before = first["stages"][name]
+        assert (counts["in"], counts["out"], counts["quarantined"]) == (before["in"], before["out"],
+                                                                       before["quarantined"])
+        assert (counts["processed"], counts["reused"]) == (0, before["in"])
+    assert again["stages"]["cache"]["components"]["vae"] == {"processed": 0, "reused": 24}
+    assert again["stages"]["curate"]["scored"] == 0
+
+    (demo_images / "img_000.png").rename(demo_images / "img_000_moved.png")  # a changed input
+    moved, facts = _prep(recipe, tmp_path, "moved")
+    assert facts["prefect"] and "unchanged_since" not in moved
+    assert moved["stages"]["ingest"]["processed"] > 0
+
+    model_file = next(p for p in sorted(tiny_flux.rglob("*.json")))
+    os.utime(model_file, ns=(model_file.stat().st_atime_ns, model_file.stat().st_mtime_ns + 1))  # a model touched
+    touched, facts = _prep(recipe, tmp_path, "touched")
+    assert facts["prefect"] and "unchanged_since" not in touched
+    assert touched["stages"]["cache"]["processed"] == 0  # the same bytes: every unit reused, by the full prep
+    assert _prep(recipe, tmp_path, "settled")[1]["prefect"] is False
+
+
+def test_a_hub_id_or_a_missing_last_run_always_runs_the_prep(tmp_path):
+    from latentmill.recipe import load_recipe
+
+    hub = load_recipe("demo", [f"output_dir={tmp_path / 'o'}", "model.pretrained=black-forest-labs/FLUX.1-dev"])
+    assert unchanged.key_base(hub) is None  # its files are where this cannot stat them
+    local = load_recipe("demo", [f"output_dir={tmp_path / 'o'}"])
+    base = unchanged.key_base(local)
+    assert base is not None and "runner" not in base["recipe"] and base["code"]
+    assert unchanged.run_key(base, ["a"]) != unchanged.run_key(base, ["b"])
+    assert unchanged.unchanged_summary(local) is None  # no prep yet
