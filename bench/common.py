@@ -468,19 +468,12 @@ def model_summary(pretrained: Path) -> dict[str, Any]:
 
 
 def reset_process_caches() -> list[str]:
-    """Forget what a long-lived prep process keeps between runs (loaded encoders, weight fingerprints,
-    component indexes), so that a timed prep pays what a fresh ``latentmill prep`` process pays (less the
-    imports and the Prefect start-up). Returns the names it cleared; a renamed one is skipped, not fatal."""
-    import importlib
+    """Forget what a long-lived prep process keeps between runs (loaded encoders, cache plans, weight
+    fingerprints), so that a timed prep pays what a fresh ``latentmill prep`` process pays (less the imports
+    and the Prefect start-up). Returns what it cleared."""
+    from latentmill.core.fingerprints import forget_digests
+    from latentmill.stages.cache import forget_plans
+    from latentmill.stages.families import release_encoders
 
-    cleared = []
-    for module, name in (("latentmill.stages.families", "_encoders"), ("latentmill.stages.cache", "_plans"),
-                         ("latentmill.stages.cache", "_indexes"), ("latentmill.core.fingerprints", "_memo")):
-        memo = getattr(importlib.import_module(module), name, None)
-        if isinstance(memo, dict):
-            memo.clear()
-            cleared.append(f"{module}.{name}")
-        elif hasattr(memo, "release"):  # a stages.shardio.PerProcess registry
-            memo.release()
-            cleared.append(f"{module}.{name}")
-    return cleared
+    return [f"{n} {what}" for n, what in ((release_encoders(), "encoder sets"), (forget_plans(), "cache plans"),
+                                          (forget_digests(), "weight digests"))]

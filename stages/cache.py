@@ -170,6 +170,14 @@ def cache_plan(cfg: CacheConfig, model: ModelConfig) -> CachePlan:
         return _plans[key]
 
 
+def forget_plans() -> int:
+    """Forget the cache plans this process computed (their weight fingerprints are found again); how many."""
+    with _plans_lock:
+        count = len(_plans)
+        _plans.clear()
+    return count
+
+
 def _config(model: ModelConfig, name: str) -> dict[str, Any]:
     """A component's config.json, or {} when it is not on this machine (the estimate then uses defaults)."""
     try:

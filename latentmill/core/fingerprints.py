@@ -54,6 +54,14 @@ _memo: dict[tuple, str] = {}
 _memo_lock = threading.Lock()
 
 
+def forget_digests() -> int:
+    """Forget the weight-file digests this process took (the store on disk keeps its own); how many."""
+    with _memo_lock:
+        count = len(_memo)
+        _memo.clear()
+    return count
+
+
 def hash_store_path() -> Path:
     """Where weight-file digests are remembered across runs: ``$LATENTMILL_HASH_STORE``, else
     ``$XDG_CACHE_HOME/latentmill/weight-hashes.sqlite`` (``~/.cache`` by default)."""
