@@ -471,9 +471,10 @@ def reset_process_caches() -> list[str]:
     """Forget what a long-lived prep process keeps between runs (loaded encoders, cache plans, weight
     fingerprints), so that a timed prep pays what a fresh ``latentmill prep`` process pays (less the imports
     and the Prefect start-up). Returns what it cleared."""
-    from latentmill.core.fingerprints import forget_digests
     from latentmill.stages.cache import forget_plans
     from latentmill.stages.families import release_encoders
+
+    from latentmill.core.fingerprints import forget_digests
 
     return [f"{n} {what}" for n, what in ((release_encoders(), "encoder sets"), (forget_plans(), "cache plans"),
                                           (forget_digests(), "weight digests"))]
