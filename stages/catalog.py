@@ -83,7 +83,8 @@ class Catalog:
         db = sqlite3.connect(str(self.path), timeout=BUSY_TIMEOUT_S, isolation_level=None)
         try:
             if not self._ready:
-                db.executescript(SCHEMA)  # idempotent; its own transaction
+                if db.execute("SELECT 1 FROM sqlite_master WHERE name = 'plans'").fetchall() == []:
+                    db.executescript(SCHEMA)  # idempotent, in its own transaction: only where it is missing
                 self._ready = True
             if not write:
                 yield db
