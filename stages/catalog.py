@@ -83,8 +83,7 @@ class Catalog:
         db = sqlite3.connect(str(self.path), timeout=BUSY_TIMEOUT_S, isolation_level=None)
         try:
             if not self._ready:
-                if db.execute("SELECT 1 FROM sqlite_master WHERE name = 'plans'").fetchall() == []:
-                    db.executescript(SCHEMA)  # idempotent, in its own transaction: only where it is missing
+                self._make_schema(db)
                 self._ready = True
             if not write:
                 yield db
@@ -98,6 +97,19 @@ class Catalog:
             db.execute("COMMIT")
         finally:
             db.close()
+
+    @staticmethod
+    def _make_schema(db: sqlite3.Connection) -> None:
+        """The tables, made where missing; a catalog of another schema version is emptied first (the unit
+        records refill it)."""
+        tables = {row[0] for row in db.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+        version = (db.execute("SELECT value FROM meta WHERE name = 'schema'").fetchall()
+                   if "meta" in tables else [])
+        if version and version[0][0] != str(SCHEMA_VERSION):
+            db.executescript("BEGIN;" + "".join(f"DROP TABLE IF EXISTS {t};" for t in sorted(tables)) + "COMMIT;")
+            tables = set()
+        if "plans" not in tables:
+            db.executescript(SCHEMA)  # idempotent, in its own transaction
 
     # -----------------------------------------------------------------------------------------------------
     # Writing: a unit's rows, and bringing a stage in line with its records

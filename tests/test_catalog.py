@@ -163,3 +163,17 @@ def test_a_near_duplicate_update_with_nothing_new_keeps_the_index_width(tmp_path
     entered = UnitRecord("u1", "curate", [], [], [], 2, 0.0, {})
     summary = neardup.update(tmp_path, [entered], fingerprint, 0.9)
     assert summary["entered"] == 0 and summary["indexed"] == 2
+
+
+def test_a_catalog_of_another_schema_is_emptied_and_refilled_from_the_records(tmp_path):
+    import sqlite3
+
+    curate = StageDir(tmp_path / "prep" / "curate", "curate")
+    _commit(curate, "u1", _curate_extra({_key(1): 0.25}))
+    db = sqlite3.connect(tmp_path / "prep" / FILE)
+    db.execute("UPDATE meta SET value = '0' WHERE name = 'schema'")
+    db.execute("INSERT INTO scores VALUES (?, 99, 0.5)", (raw_key(_key(2)),))  # a row the records do not hold
+    db.commit()
+    db.close()
+    with curate.lookup() as found:
+        assert found.score(_key(1)) == 0.25 and found.score(_key(2)) is None
