@@ -54,9 +54,10 @@ test: dev
 test-all: dev
 	$(VENV)/bin/python -m pytest -q -n $(TEST_WORKERS) --dist worksteal --durations=25
 
-# The unit tier: no pipeline built, no Prefect flow, no server, no launcher (under 2 minutes on 2 cores).
+# The unit tier: no model folder built, no Prefect flow, no server, no launcher (tests/conftest.py fails a test
+# of this tier that does one), in TEST_WORKERS processes.
 test-unit: dev
-	$(VENV)/bin/python -m pytest -q -m "not slow and not heavy and not served"
+	$(VENV)/bin/python -m pytest -q -n $(TEST_WORKERS) --dist worksteal -m "not slow and not heavy and not served"
 
 lint: dev
 	$(VENV)/bin/ruff check .
