@@ -45,8 +45,10 @@ demo: venv
 	$(VENV)/bin/latentmill demo --summary-json $(DEMO_DIR)/summary.json
 
 # make test leaves out the tests marked heavy (the wheel install, the gpu-check dry run, a second served start,
-# a memory test over a real flow) and runs the rest in TEST_WORKERS processes (pytest-xdist): about 10 minutes
-# on 2 cores (17 in one process); make test-all runs everything.
+# a memory test over a real flow, second variants of a path make test runs: Dask beside Ray, 4 ranks beside 2)
+# and runs the rest in TEST_WORKERS processes (pytest-xdist): 18.4 CPU-minutes (21.1 before issue 31 item 6),
+# so about 9 minutes of pytest on 2 idle cores (18 on the shared box, with other jobs). make test-all runs
+# everything.
 TEST_WORKERS ?= 2
 test: dev
 	$(VENV)/bin/python -m pytest -q -n $(TEST_WORKERS) --dist worksteal -m "not heavy" --durations=25
@@ -54,9 +56,10 @@ test: dev
 test-all: dev
 	$(VENV)/bin/python -m pytest -q -n $(TEST_WORKERS) --dist worksteal --durations=25
 
-# The unit tier: no pipeline built, no Prefect flow, no server, no launcher (under 2 minutes on 2 cores).
+# The unit tier: no model folder built, no Prefect flow, no server, no launcher (tests/conftest.py fails a test
+# of this tier that does one), in TEST_WORKERS processes: 51 s on the shared 2-core box (104 s in one process).
 test-unit: dev
-	$(VENV)/bin/python -m pytest -q -m "not slow and not heavy and not served"
+	$(VENV)/bin/python -m pytest -q -n $(TEST_WORKERS) --dist worksteal -m "not slow and not heavy and not served"
 
 lint: dev
 	$(VENV)/bin/ruff check .

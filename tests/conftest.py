@@ -25,15 +25,119 @@ DEMO_IMAGES = REPO_ROOT / "data" / "demo" / "images"
 DEMO_CONFIG = REPO_ROOT / "configs" / "demo.yaml"
 
 
-# Fixtures that build a model: a test that uses one (directly or through another fixture) is slow, so that
-# the unit tier (`make test-unit`: not slow, heavy or served) builds no model.
-MODEL_FIXTURES = frozenset({"tiny_flux", "tiny_wan", "tiny_blip"})
+# Fixtures that build a model folder (latentmill.tiny*): a test that uses one (directly or through another
+# fixture) is slow, so that the unit tier (`make test-unit`: not slow, heavy or served) builds no model.
+# tiny_clip (tests/test_curate_models.py) and tiny_llava (tests/test_caption_models.py) are module fixtures.
+MODEL_FIXTURES = frozenset({"tiny_flux", "tiny_wan", "tiny_blip", "tiny_clip", "tiny_llava"})
+
+# A migrated, empty Prefect database, made once per session (shared by the pytest-xdist workers) and copied into
+# the private PREFECT_HOME of each CLI process a test starts: a fresh home's temporary API server first spends
+# ~7 s of CPU creating its database (tests/test_interrupt.py, test_processes.py, test_writer_lock.py).
+_TEMPLATE_ENV = "LATENTMILL_TEST_PREFECT_TEMPLATE"
+
+
+def pytest_configure(config):
+    if _TEMPLATE_ENV not in os.environ:  # the controller (or a run without xdist): the workers inherit it
+        os.environ[_TEMPLATE_ENV] = tempfile.mkdtemp(prefix="latentmill-test-prefect-template-")
+        config._latentmill_template = os.environ[_TEMPLATE_ENV]
+
+
+def pytest_unconfigure(config):
+    template = getattr(config, "_latentmill_template", None)
+    if template:
+        shutil.rmtree(template, ignore_errors=True)
+
+
+def prefect_home(home: Path) -> str:
+    """``home`` as a private PREFECT_HOME for a process a test starts: a new one gets an empty database already
+    at Prefect's schema (what a first run creates), so that process does not spend its start creating one; one
+    that has a database keeps it (the same command run again)."""
+    import fcntl
+    import subprocess
+    import sys
+
+    if (home / "prefect.db").is_file():
+        return str(home)
+    template = Path(os.environ[_TEMPLATE_ENV])
+    db = template / "prefect.db"
+    with open(template / ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # one worker builds it, the other waits
+        if not db.is_file():
+            building = template / "building"
+            shutil.rmtree(building, ignore_errors=True)
+            env = {**os.environ, "PREFECT_HOME": str(building)}
+            env.pop("PREFECT_API_URL", None)
+            subprocess.run([sys.executable, "-c", "import asyncio\n"
+                            "from prefect.server.database import provide_database_interface\n"
+                            "asyncio.run(provide_database_interface().create_db())"],
+                           env=env, check=True, capture_output=True, timeout=300)
+            os.replace(building / "prefect.db", db)
+    home.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(db, home / "prefect.db")
+    return str(home)
 
 
 def pytest_collection_modifyitems(config, items):
     for item in items:
         if MODEL_FIXTURES & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.slow)
+
+
+# The unit tier keeps to its name: a test marked neither slow, heavy nor served that saves a tiny model folder,
+# runs a Prefect flow or launches torchrun fails, saying to mark it (checked in every run, make test included).
+_UNIT_TEST: list[str | None] = [None]
+_TIER_MARKERS = ("slow", "heavy", "served")
+
+
+def _unit_tier_refuses(what: str) -> None:
+    if _UNIT_TEST[0] is not None:
+        raise AssertionError(f"{_UNIT_TEST[0]} {what}, so it is no unit test: mark it @pytest.mark.slow "
+                             "(tests/conftest.py, the unit tier of `make test-unit`)")
+
+
+def pytest_collection_finish(session):
+    import subprocess
+    import sys
+
+    from latentmill import tinyio
+
+    publish = tinyio.publish
+
+    def guarded_publish(*args, **kwargs):
+        _unit_tier_refuses("builds a model folder (latentmill.tiny*)")
+        return publish(*args, **kwargs)
+
+    tinyio.publish = guarded_publish
+    popen_init = subprocess.Popen.__init__
+
+    def guarded_popen(self, args, *rest, **kwargs):
+        argv = [args] if isinstance(args, (str, bytes, os.PathLike)) else list(args)
+        if any(str(a) in ("torch.distributed.run", "torchrun") or str(a).endswith("/torchrun") for a in argv):
+            _unit_tier_refuses("launches torchrun")
+        return popen_init(self, args, *rest, **kwargs)
+
+    subprocess.Popen.__init__ = guarded_popen
+    flows = sys.modules.get("prefect.flows")  # imported by the collected modules that run flows
+    if flows is not None:
+        call = flows.Flow.__call__
+
+        def guarded_call(self, *args, **kwargs):
+            _unit_tier_refuses(f"runs the Prefect flow {self.name!r}")
+            return call(self, *args, **kwargs)
+
+        flows.Flow.__call__ = guarded_call
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_setup(item):
+    _UNIT_TEST[0] = None if any(item.get_closest_marker(m) for m in _TIER_MARKERS) else item.nodeid
+    yield
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_teardown(item):
+    yield
+    _UNIT_TEST[0] = None
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -172,11 +172,15 @@ def test_train_before_prep_and_nproc_without_ddp_say_so_in_one_line(tmp_path):
 @pytest.mark.slow  # a prep that fails in a stage: Prefect starts
 def test_an_unforeseen_failure_is_one_line_and_debug_shows_the_traceback(tmp_path):
     # An existing folder that is no pipeline passes the path checks and fails when the cache stage loads it.
+    # Two images: the stages before the cache have less to do, the failure is the same.
+    from tests.test_retention import IMAGES, _fill
+
     empty = tmp_path / "not-a-pipeline"
     empty.mkdir()
     (empty / "model_index.json").write_text("{ not json")
+    _fill(tmp_path / "images", IMAGES[:2])
     args = ("prep", "configs/demo.yaml", f"output_dir={tmp_path / 'out'}", f"model.pretrained={empty}",
-            "model.tiny_recipe=null")
+            "model.tiny_recipe=null", f"ingest.source={tmp_path / 'images'}")
     quiet = _cli(*args)
     assert quiet.returncode == 1 and "Traceback" not in quiet.stderr
     errors = [line for line in quiet.stderr.splitlines() if line.startswith("latentmill: error: ")]

@@ -110,6 +110,7 @@ def test_scores_equal_a_direct_forward_and_are_deterministic(tiny_clip):
     assert np.abs(rows[1] - (mean / mean.norm()).numpy()).max() < 1e-5
 
 
+@pytest.mark.slow  # builds a tiny SigLIP
 def test_siglip_folder_loads_through_auto_model_and_scores_as_a_direct_forward(tmp_path):
     from transformers import AutoProcessor, SiglipModel
 

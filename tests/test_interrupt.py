@@ -25,7 +25,7 @@ from latentmill.stages.shardio import StageDir, WorkUnit
 
 from latentmill import interrupt
 from latentmill.recipe import load_recipe
-from tests.conftest import DEMO_CONFIG, DEMO_IMAGES
+from tests.conftest import DEMO_CONFIG, DEMO_IMAGES, prefect_home
 from tests.helpers import prep_in_process
 
 EXIT_BOUND_S = 30  # generous: the box is slow and shared; before the fix a prep took 155 s, a train 79 s
@@ -98,7 +98,7 @@ def test_a_unit_stopped_between_samples_leaves_no_record_and_no_temporaries(tmp_
 
 # ------------------------------------------------------------------------------------------- real CLI processes
 def _env(tmp_path: Path) -> dict[str, str]:
-    env = {**os.environ, "PREFECT_HOME": str(tmp_path / "prefect-home")}
+    env = {**os.environ, "PREFECT_HOME": prefect_home(tmp_path / "prefect-home")}
     env.pop("PREFECT_API_URL", None)
     return env
 

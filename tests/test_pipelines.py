@@ -155,14 +155,32 @@ def test_process_workers_are_numbered_once_each():
     assert len(by_pid) == 2
 
 
-@pytest.mark.parametrize("kind", ["processes", "dask", "ray"])
-def test_other_runners_write_identical_bytes(tiny_flux, demo_images, tmp_path, kind):
+@pytest.fixture(scope="module")
+def threads_prep(tiny_flux, tmp_path_factory):
+    """The demo prepped once on the default threads runner: the bytes every other runner must write, from the
+    same images folder (the demo's, as ``demo_images`` copies it)."""
+    import shutil
+
+    from tests.conftest import DEMO_IMAGES
+
+    root = tmp_path_factory.mktemp("runners")
+    images = root / "images"
+    shutil.copytree(DEMO_IMAGES, images, ignore=shutil.ignore_patterns("overexposed_*"))
+    result = run_prep(_recipe(tiny_flux, images, root / "threads"))
+    return images, _processed(result), _shard_digests(root / "threads")
+
+
+@pytest.mark.parametrize("kind", ["processes", "ray", pytest.param("dask", marks=pytest.mark.heavy)])
+def test_other_runners_write_identical_bytes(tiny_flux, threads_prep, tmp_path, kind):
+    """Each runner writes the threads runner's bytes. Dask and Ray take the same path here (a Prefect
+    integration's task runner over worker processes, made in ``task_runner``): make test runs Ray (the quicker
+    to start), make test-all Dask too."""
     if kind in ("dask", "ray"):
         pytest.importorskip(f"prefect_{kind}")
-    threads = run_prep(_recipe(tiny_flux, demo_images, tmp_path / "threads"))
-    other = run_prep(_recipe(tiny_flux, demo_images, tmp_path / kind, f"runner.kind={kind}", "runner.workers=2"))
-    assert _processed(other) == _processed(threads)
-    assert _shard_digests(tmp_path / kind) == _shard_digests(tmp_path / "threads")
+    images, processed, digests = threads_prep
+    other = run_prep(_recipe(tiny_flux, images, tmp_path / kind, f"runner.kind={kind}", "runner.workers=2"))
+    assert _processed(other) == processed
+    assert _shard_digests(tmp_path / kind) == digests
 
 
 def test_progress_artifacts_follow_stages_with_several_task_runs(tiny_flux, demo_images, tmp_path):

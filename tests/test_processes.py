@@ -18,7 +18,7 @@ import urllib.request
 import psutil
 import pytest
 
-from tests.conftest import DEMO_CONFIG, DEMO_IMAGES
+from tests.conftest import DEMO_CONFIG, DEMO_IMAGES, prefect_home
 
 pytestmark = pytest.mark.slow
 
@@ -46,7 +46,7 @@ def _healthy(server: psutil.Process) -> bool:
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL], ids=["SIGTERM", "SIGKILL"])
 def test_killed_run_leaves_no_api_server(sig, tiny_flux, tmp_path):
     out = tmp_path / "run"
-    env = {**os.environ, "PREFECT_HOME": str(tmp_path / "prefect-home")}
+    env = {**os.environ, "PREFECT_HOME": prefect_home(tmp_path / "prefect-home")}
     env.pop("PREFECT_API_URL", None)
     cmd = [sys.executable, "-m", "latentmill.cli", "run", str(DEMO_CONFIG), f"output_dir={out}",
            f"model.pretrained={tiny_flux}", f"ingest.source={DEMO_IMAGES}", "trainer.max_steps=100000"]
@@ -84,17 +84,21 @@ def test_killed_run_leaves_no_api_server(sig, tiny_flux, tmp_path):
 
 def test_commands_run_in_one_process_share_one_api_server(tiny_flux, tmp_path):
     """``latentmill.cli.main`` called twice in one process (tests, a notebook) reuses the temporary API server
-    it launched first: a server per call (~200 MB each) piled up until the process ended."""
+    it launched first: a server per call (~200 MB each) piled up until the process ended. Two preps of four
+    demo images: the number of servers does not depend on the data."""
+    from tests.test_retention import IMAGES, _fill
+
+    _fill(tmp_path / "images", IMAGES[:4])
     script = f"""
 import psutil, sys
 from latentmill.cli import main
 for run in ("a", "b"):
     assert main(["prep", {str(DEMO_CONFIG)!r}, "output_dir={tmp_path}/" + run, "model.pretrained={tiny_flux}",
-                 "ingest.source={DEMO_IMAGES}"]) == 0
+                 "ingest.source={tmp_path / 'images'}"]) == 0
 servers = [c for c in psutil.Process().children(recursive=True) if "{SERVER_MODULE}" in " ".join(c.cmdline())]
 print("SERVERS", len(servers))
 """
-    env = {**os.environ, "PREFECT_HOME": str(tmp_path / "prefect-home")}
+    env = {**os.environ, "PREFECT_HOME": prefect_home(tmp_path / "prefect-home")}
     env.pop("PREFECT_API_URL", None)
     done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]

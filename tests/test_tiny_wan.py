@@ -120,6 +120,7 @@ def test_same_seed_same_bytes_other_seed_other_weights(wan_dir: Path, tmp_path: 
     assert _hashes(other)[key] != reference[key]
 
 
+@pytest.mark.slow  # builds a tiny Wan pipeline
 def test_ensure_builds_once_and_refuses_foreign_folders(tmp_path: Path) -> None:
     out = ensure_tiny_wan(tmp_path / "models" / "wan")
     index = out / "model_index.json"
@@ -150,6 +151,7 @@ def test_recipe_is_checked_before_building(tmp_path: Path) -> None:
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.slow  # builds a tiny Wan pipeline
 def test_cli_builds_and_prints_path(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main([str(tmp_path / "cli"), "--if-missing"]) == 0
     printed = capsys.readouterr().out.strip().splitlines()[-1]

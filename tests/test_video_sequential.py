@@ -215,7 +215,7 @@ def two_videos(tmp_path_factory):
     root = tmp_path_factory.mktemp("cache-seq")
     (root / "videos").mkdir()
     for name in ("a", "b"):
-        write_numbered_video(root / "videos" / f"{name}.mp4", frames=120)
+        write_numbered_video(root / "videos" / f"{name}.mp4", frames=96)
         (root / "videos" / f"{name}.txt").write_text(f"numbered video {name}")
     return root
 
@@ -231,8 +231,8 @@ def test_the_cache_stage_opens_each_video_once_per_unit(two_videos, tiny_wan):
     sd, units, records = _cache_units(root, bkt, model)
     assert len(units) == 1
     clips = records[0].samples_out
-    assert clips == 2 * 6 and not records[0].quarantined  # 120 frames at 24 -> 8 fps: 6 windows each
-    assert DECODE_COUNTS["decord"] == 2 and DECODE_COUNTS["pyav"] == 0  # clip by clip: 12 opens
+    assert clips == 2 * 4 and not records[0].quarantined  # 96 frames at 24 -> 8 fps (32): 4 windows each
+    assert DECODE_COUNTS["decord"] == 2 and DECODE_COUNTS["pyav"] == 0  # clip by clip: 8 opens
 
     # the cached latents encode the clip-by-clip pixels (read_frames)
     from diffusers import AutoencoderKLWan
@@ -257,7 +257,7 @@ def test_a_truncated_video_is_quarantined_and_the_rest_of_the_unit_cached(tmp_pa
     root = tmp_path
     (root / "videos").mkdir()
     for name in ("good", "cut"):
-        write_numbered_video(root / "videos" / f"{name}.mp4", frames=120)
+        write_numbered_video(root / "videos" / f"{name}.mp4", frames=96)
         (root / "videos" / f"{name}.txt").write_text(f"numbered video {name}")
     bkt = _bucketed(root)
     cut = root / "videos" / "cut.mp4"
@@ -266,9 +266,9 @@ def test_a_truncated_video_is_quarantined_and_the_rest_of_the_unit_cached(tmp_pa
     assert len(units) == 1
     (record,) = records
     planned = units[0].samples_in
-    assert planned == 2 * 6
+    assert planned == 2 * 4
     assert record.samples_out + len(record.quarantined) == planned  # counts conserve
-    assert record.samples_out == 6
+    assert record.samples_out == 4
     assert {q["source"] for q in record.quarantined} == {"cut.mp4"}
     assert all(q["reason"].startswith("cannot decode pixels: ") and q["stage"] == "cache"
                for q in record.quarantined)

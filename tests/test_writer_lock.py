@@ -19,7 +19,7 @@ from latentmill.pipelines.retention import LOCK_FILE, OutputBusyError, published
 from latentmill.pipelines.snapshot import latest_name
 
 from latentmill.inspect import verify_path
-from tests.conftest import DEMO_CONFIG, REPO_ROOT
+from tests.conftest import DEMO_CONFIG, REPO_ROOT, prefect_home
 from tests.test_retention import IMAGES, _fill, _gc_process, _recipe, _wait_for
 
 pytestmark = pytest.mark.slow
@@ -57,7 +57,7 @@ def test_writer_lock_fails_naming_the_holder_and_a_killed_holder_never_blocks(tm
 
 
 def _prep_process(out: Path, tiny_flux: Path, source: Path, log: Path, home: Path, *overrides: str):
-    env = {**os.environ, "PREFECT_HOME": str(home), "PYTHONPATH": str(REPO_ROOT)}
+    env = {**os.environ, "PREFECT_HOME": prefect_home(home), "PYTHONPATH": str(REPO_ROOT)}
     env.pop("PREFECT_API_URL", None)
     cmd = [sys.executable, "-m", "latentmill.cli", "prep", str(DEMO_CONFIG), f"output_dir={out}",
            f"model.pretrained={tiny_flux}", f"ingest.source={source}", *overrides]
