@@ -248,14 +248,15 @@ def _enter(db: sqlite3.Connection, stage: str, record: dict[str, Any], committed
     components)."""
     _forget(db, stage, record["unit_id"])
     extra = record.get("extra") or {}
-    device = (extra.get("device") or {}).get("key")
-    emb = extra.get("embeddings") or None
+    device = extra.get("device") if stage == "cache" else None  # the cache's device class (a captioner's is text)
+    device = device.get("key") if isinstance(device, dict) else None
+    emb = (extra.get("embeddings") or None) if stage == "curate" else None
     cur = db.execute("INSERT INTO units (stage, unit_id, committed_ns, shards, device, embeddings) "
                      "VALUES (?, ?, ?, ?, ?, ?)",
                      (stage, record["unit_id"], committed_ns, json.dumps([s["path"] for s in record["shards"]]),
                       device, emb["file"] if emb else None))
     unit = cur.lastrowid
-    scores = extra.get("scores") or {}
+    scores = (extra.get("scores") or {}) if stage == "curate" else {}
     db.executemany("INSERT OR REPLACE INTO scores VALUES (?, ?, ?)", (
         (raw, unit, float(row["values"][name])) for row in scores.values()
         for name, key in (row.get("keys") or {}).items()
@@ -265,7 +266,7 @@ def _enter(db: sqlite3.Connection, stage: str, record: dict[str, Any], committed
             (raw, unit, n) for n, key in enumerate(emb.get("ekeys") or ()) if (raw := raw_key(key)) is not None))
     foreign = extra.get("foreign") or {}
     rows = []
-    for sample, keys in (extra.get("components") or {}).items():
+    for sample, keys in ((extra.get("components") or {}) if stage == "cache" else {}).items():
         texts = keys["text"] if isinstance(keys["text"], list) else [keys["text"]]
         for kind, key, member in [("vae", keys["vae"], 0), *(("text", tk, j + 1) for j, tk in enumerate(texts))]:
             raw = raw_key(key)

@@ -177,3 +177,14 @@ def test_a_catalog_of_another_schema_is_emptied_and_refilled_from_the_records(tm
     db.close()
     with curate.lookup() as found:
         assert found.score(_key(1)) == 0.25 and found.score(_key(2)) is None
+
+
+def test_only_the_curate_and_cache_stages_enter_lookups(tmp_path):
+    """Another stage's record may carry fields of the same names with other meanings (the caption stage's
+    ``device`` is the captioner's, a string): its unit is entered, nothing of it is looked up."""
+    caption = StageDir(tmp_path / "prep" / "caption", "caption")
+    _commit(caption, "u1", {**_curate_extra({_key(1): 0.5}), **_cache_extra({"a": (_key(2), [_key(3)])}),
+                            "device": "cpu"})
+    now = time.time_ns()
+    with caption.lookup() as found:
+        assert found.score(_key(1)) is None and found.component(caption.root, "vae", _key(2), now) is None
