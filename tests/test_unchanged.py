@@ -62,12 +62,24 @@ def test_an_unchanged_prep_returns_without_prefect_and_a_change_runs_again(tmp_p
     assert facts["prefect"] and "unchanged_since" not in moved
     assert moved["stages"]["ingest"]["processed"] > 0
 
-    model_file = next(p for p in sorted(tiny_flux.rglob("*.json")))
-    os.utime(model_file, ns=(model_file.stat().st_atime_ns, model_file.stat().st_mtime_ns + 1))  # a model touched
-    touched, facts = _prep(recipe, tmp_path, "touched")
-    assert facts["prefect"] and "unchanged_since" not in touched
-    assert touched["stages"]["cache"]["processed"] == 0  # the same bytes: every unit reused, by the full prep
-    assert _prep(recipe, tmp_path, "settled")[1]["prefect"] is False
+
+def test_the_key_sees_the_recipe_the_model_files_and_the_code_but_not_the_runner(tmp_path):
+    import shutil
+
+    from latentmill.recipe import load_recipe
+    from tests.conftest import REPO_ROOT
+
+    model = tmp_path / "model"
+    shutil.copytree(REPO_ROOT / "data" / "demo" / "images", model / "vae")  # any files will do
+    recipe = load_recipe("demo", [f"output_dir={tmp_path / 'o'}", f"model.pretrained={model}"])
+    base = unchanged.key_base(recipe)
+    assert unchanged.key_base(load_recipe("demo", [f"output_dir={tmp_path / 'o'}", f"model.pretrained={model}",
+                                                   "runner.workers=7"])) == base
+    assert unchanged.key_base(load_recipe("demo", [f"output_dir={tmp_path / 'o'}", f"model.pretrained={model}",
+                                                   "cache.batch_size=3"])) != base
+    touched = next(p for p in sorted((model / "vae").iterdir()))
+    os.utime(touched, ns=(touched.stat().st_atime_ns, touched.stat().st_mtime_ns + 1))
+    assert unchanged.key_base(recipe)["files"] != base["files"]
 
 
 def test_a_hub_id_or_a_missing_last_run_always_runs_the_prep(tmp_path):
