@@ -26,19 +26,23 @@ class FileHashes:
 
     The store is never loaded whole (a million files cost no memory): it is looked up a file at a time, or
     a group of files in a few queries by ``prefetch`` (a planner's unit at a time: one query per file made
-    half of a 100,000-file refresh's listing time). It is written by ``save``; several processes may share
-    one (SQLite locks it). A missing, locked or damaged store only means hashing again. Thread-safe.
+    half of a refresh's listing time). Nor is what this instance learns held whole: new digests are written
+    to the store every ``FLUSH_ROWS``, and the paths asked for wait in a temporary table of its connection
+    (what ``save`` keeps when forgetting). It is written by ``save``; several processes may share one (SQLite
+    locks it). A missing, locked or damaged store only means hashing again. Thread-safe.
     """
 
     PREFETCH_CHUNK = 500  # paths per query (SQLite allows 999 parameters by default on old builds)
+    FLUSH_ROWS = 2048  # new digests, and paths asked for, held in memory before they go to SQLite
 
     RACY_SECONDS = 2.0
 
     def __init__(self, path: str | Path | None = None):
         self.path = Path(path) if path is not None else None
         self._db = None
-        self._new: dict[str, tuple[int, int, int, str]] = {}  # hashed by this instance, to remember
-        self._seen: set[str] = set()  # every file asked for (what ``save`` keeps when forgetting)
+        self._new: dict[str, tuple[int, int, int, str]] = {}  # hashed by this instance, not yet written
+        self._seen: set[str] = set()  # files asked for, not yet in the ``seen`` temporary table
+        self._seen_lost = False  # some path asked for could not be kept: ``save`` forgets nothing
         self._prefetched: dict[str, tuple] = {}  # the rows of the last ``prefetch`` (one group of files)
         self._signatures: dict[str, str] = {}  # signature -> value, remembered by this instance (``save``)
         self._lock = threading.Lock()
@@ -84,6 +88,8 @@ class FileHashes:
         keys = [os.path.abspath(p) for p in paths]
         with self._lock:
             self._seen.update(keys)
+            if len(self._seen) >= self.FLUSH_ROWS:
+                self._flush_seen()
 
     def signature(self, signature: str) -> str | None:
         """The value remembered for a metadata signature (the ingest planner's: a unit id), or None."""
@@ -126,6 +132,8 @@ class FileHashes:
         known = self._known(key)
         with self._lock:
             self._seen.add(key)
+            if len(self._seen) >= self.FLUSH_ROWS:
+                self._flush_seen()
         if known is not None and tuple(known[:3]) == stat:
             return known[3]
         digest = sha256_file(key)
@@ -133,7 +141,56 @@ class FileHashes:
             self.hashed += 1
             if time.time() - st.st_mtime_ns / 1e9 >= self.RACY_SECONDS:
                 self._new[key] = (*stat, digest)
+                if len(self._new) >= self.FLUSH_ROWS:
+                    self._flush_new()
         return digest
+
+    def _store(self):
+        """The store's connection, opened (and the store made) if need be; None when it cannot be."""
+        if self._db is None and self.path is not None:
+            try:
+                self.path.parent.mkdir(parents=True, exist_ok=True)
+            except OSError:
+                return None
+            self._db = self._connect()
+        return self._db
+
+    def _flush_seen(self) -> None:
+        """Move the paths asked for into the connection's ``seen`` table (the lock held)."""
+        import sqlite3
+
+        if self.path is None:  # nothing is saved: nothing to keep
+            self._seen.clear()
+            return
+        db = self._store()
+        try:
+            if db is None:
+                raise sqlite3.OperationalError("no store")
+            db.execute("CREATE TEMP TABLE IF NOT EXISTS seen (path TEXT PRIMARY KEY)")
+            db.executemany("INSERT OR IGNORE INTO temp.seen VALUES (?)", ((k,) for k in sorted(self._seen)))
+        except sqlite3.Error:
+            self._seen_lost = True
+        self._seen.clear()
+
+    def _flush_new(self) -> None:
+        """Write the digests hashed so far to the store (the lock held); without a store, or with a busy or
+        read-only one, they are dropped (those files are only hashed again)."""
+        import sqlite3
+
+        db = self._store()
+        try:
+            if db is not None:
+                db.execute("BEGIN IMMEDIATE")
+                try:
+                    db.executemany("INSERT OR REPLACE INTO files VALUES (?, ?, ?, ?, ?)",
+                                   [(k, *v) for k, v in sorted(self._new.items())])
+                    db.execute("COMMIT")
+                except BaseException:
+                    db.execute("ROLLBACK")
+                    raise
+        except sqlite3.Error:
+            pass
+        self._new.clear()
 
     def save(self, forget_unused: bool = True) -> None:
         """Remember the digests hashed since opening; with ``forget_unused`` also forget the files this
@@ -143,30 +200,26 @@ class FileHashes:
         if self.path is None or (not self._new and not self._signatures and not forget_unused):
             return
         try:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            if self._db is None:
-                self._db = self._connect()
-            if self._db is None:
-                return
             with self._lock:
+                db = self._store()
+                if db is None:
+                    return
+                if forget_unused:
+                    self._flush_seen()
                 rows = [(k, *v) for k, v in sorted(self._new.items())]
-                db = self._db
                 db.execute("BEGIN IMMEDIATE")
                 try:
                     db.executemany("INSERT OR REPLACE INTO files VALUES (?, ?, ?, ?, ?)", rows)
                     if forget_unused:
                         db.execute("DELETE FROM signatures")
                     db.executemany("INSERT OR REPLACE INTO signatures VALUES (?, ?)", sorted(self._signatures.items()))
-                    # Forgetting costs a temporary table of every path seen (seconds at 100,000 files), so it
-                    # runs only when the store holds more rows than files were asked for: some row is then
-                    # surely unused (a file deleted or moved). A leftover row is harmless: it is used only for
-                    # a file whose path, size, mtime and inode all match it.
-                    stored = db.execute("SELECT COUNT(*) FROM files").fetchone()[0] if forget_unused else 0
-                    if forget_unused and stored > len(self._seen):
-                        db.execute("CREATE TEMP TABLE IF NOT EXISTS seen (path TEXT PRIMARY KEY)")
-                        db.execute("DELETE FROM seen")
-                        db.executemany("INSERT OR IGNORE INTO seen VALUES (?)", ((k,) for k in self._seen))
-                        db.execute("DELETE FROM files WHERE path NOT IN (SELECT path FROM seen)")
+                    # Forgetting runs only when the store holds more rows than files were asked for: some row
+                    # is then surely unused (a file deleted or moved). A leftover row is harmless: it is used
+                    # only for a file whose path, size, mtime and inode all match it.
+                    if forget_unused and not self._seen_lost:
+                        stored = db.execute("SELECT COUNT(*) FROM files").fetchone()[0]
+                        if stored > db.execute("SELECT COUNT(*) FROM temp.seen").fetchone()[0]:
+                            db.execute("DELETE FROM files WHERE path NOT IN (SELECT path FROM temp.seen)")
                     db.execute("COMMIT")
                 except BaseException:
                     db.execute("ROLLBACK")
