@@ -1,14 +1,15 @@
 """A planner's scratch database: a source's entries streamed into SQLite, and ingest's grouping rule over them.
 
 Ingest's plan lists a source entry by entry into this table (its listing position, id, id hash, estimated
-bytes and JSON) and groups it with queries, so planning holds one unit's entries in memory, never the whole
+bytes and fields) and groups it with queries, so planning holds one unit's entries in memory, never the whole
 source; a refresh of a million files costs disk pages here, not Python objects. The folder lister keeps each
 folder's names here too (a flat folder of a million files is sorted by SQLite), and the list and manifest
 listers the counts that find repeated ids.
 
 The grouping rule (:meth:`Scratch.groups`) is the one :func:`latentmill.stages.ingest.layout` and
 :func:`latentmill.stages.ingest.hash_byte_groups` describe; those run it over an in-memory table. The file is
-private to one planner: no locking, no journal, deleted when closed.
+private to one planner: no locking, no journal, one transaction from opening to closing (a statement's own
+commit would cost more than the statement), deleted when closed.
 """
 
 from __future__ import annotations
@@ -28,9 +29,11 @@ HALF = 1 << 63  # id hashes are unsigned 64-bit; SQLite stores them shifted into
 
 SCHEMA = """
 CREATE TABLE entries (pos INTEGER PRIMARY KEY, id TEXT NOT NULL, digest BLOB NOT NULL, h INTEGER NOT NULL,
-    bytes INTEGER NOT NULL, entry TEXT, placed INTEGER NOT NULL DEFAULT 0);
+    bytes INTEGER NOT NULL, entry BLOB);
 CREATE TABLE previous (n INTEGER PRIMARY KEY, unit_id TEXT, ids TEXT NOT NULL, inputs TEXT);
 CREATE INDEX previous_unit ON previous (unit_id);
+CREATE TABLE members (n INTEGER NOT NULL, seq INTEGER NOT NULL, id TEXT NOT NULL, PRIMARY KEY (n, seq))
+    WITHOUT ROWID;
 CREATE TABLE fresh (rank INTEGER PRIMARY KEY, pos INTEGER NOT NULL, cum INTEGER NOT NULL);
 CREATE TABLE names (folder INTEGER NOT NULL, name TEXT NOT NULL, kind INTEGER NOT NULL,
     PRIMARY KEY (folder, name)) WITHOUT ROWID;
@@ -69,11 +72,14 @@ class Scratch:
         for pragma in ("journal_mode = OFF", "synchronous = OFF", "locking_mode = EXCLUSIVE"):
             self.db.execute(f"PRAGMA {pragma}")
         self.db.executescript(SCHEMA)
+        self.db.execute("BEGIN")
         self._folders = 0
         self._indexed = False
 
     def close(self) -> None:
         if self.db is not None:
+            if self.db.in_transaction:
+                self.db.execute("COMMIT")  # a rollback without a journal is undefined; the file goes anyway
             self.db.close()
             self.db = None
         if self.path is not None:
@@ -138,8 +144,9 @@ class Scratch:
     # Entries and the last run's groups
     # -----------------------------------------------------------------------------------------------------
 
-    def add_entries(self, rows: Iterable[tuple[str, int, str | None]]) -> int:
-        """Append ``(id, estimated bytes, the entry's JSON text)`` rows in listing order; returns the count."""
+    def add_entries(self, rows: Iterable[tuple[str, int, bytes | None]]) -> int:
+        """Append ``(id, estimated bytes, the entry as the caller packs it)`` rows in listing order; returns the
+        count."""
         count = self.db.execute("SELECT COUNT(*) FROM entries").fetchone()[0]
         for chunk in chunks(rows):
             values = []
@@ -147,16 +154,19 @@ class Scratch:
                 digest = id_digest(entry_id)
                 values.append((count, entry_id, digest, int.from_bytes(digest[:8], "big") - HALF, size, text))
                 count += 1
-            self.db.executemany("INSERT INTO entries VALUES (?, ?, ?, ?, ?, ?, 0)", values)
+            self.db.executemany("INSERT INTO entries VALUES (?, ?, ?, ?, ?, ?)", values)
         return count
 
     def add_previous(self, unit_id: str | None, ids: list[str], inputs: list[str] | None = None) -> None:
         """Append one group of the last run: its unit id, its entry ids in order, their identities."""
-        self.db.execute("INSERT INTO previous (unit_id, ids, inputs) VALUES (?, ?, ?)",
-                        (unit_id, json.dumps(ids), json.dumps(inputs) if inputs is not None else None))
+        n = self.db.execute("INSERT INTO previous (unit_id, ids, inputs) VALUES (?, ?, ?)",
+                            (unit_id, json.dumps(ids), json.dumps(inputs) if inputs is not None else None)).lastrowid
+        for chunk in chunks(enumerate(ids)):
+            self.db.executemany("INSERT INTO members VALUES (?, ?, ?)", ((n, seq, i) for seq, i in chunk))
 
     def clear_previous(self) -> None:
         self.db.execute("DELETE FROM previous")
+        self.db.execute("DELETE FROM members")
 
     def previous_unit(self, unit_id: str) -> tuple[list[str], list[str]] | None:
         """``(entry ids, input identities)`` of the last run's unit ``unit_id``, or None."""
@@ -164,18 +174,22 @@ class Scratch:
                               (unit_id,)).fetchone()
         return (json.loads(row[0]), json.loads(row[1])) if row and row[1] is not None else None
 
-    def entries_at(self, positions: list[int]) -> dict[int, tuple[str | None, int]]:
-        """``pos -> (the entry's JSON text, its estimated bytes)`` for the listing positions ``positions``."""
-        found: dict[int, tuple[str | None, int]] = {}
+    def entries_at(self, positions: list[int]) -> dict[int, tuple[bytes | None, int]]:
+        """``pos -> (the entry as packed, its estimated bytes)`` for the listing positions ``positions``."""
+        found: dict[int, tuple[bytes | None, int]] = {}
         for chunk in chunks(sorted(set(positions))):
             found.update((pos, (text, size)) for pos, text, size in self.db.execute(
                 f"SELECT pos, entry, bytes FROM entries WHERE pos IN ({','.join('?' * len(chunk))})", chunk))
         return found
 
     def _index(self) -> None:
+        """Index the entries once they are all in (built sorted: cheaper than kept up row by row), and find
+        the group that places each id of the last run: the first that holds it."""
         if not self._indexed:
             self.db.execute("CREATE INDEX entries_h ON entries (h, pos, bytes)")
             self.db.execute("CREATE INDEX entries_id ON entries (id, pos)")
+            self.db.execute("CREATE TABLE first AS SELECT id, MIN(n) AS n FROM members GROUP BY id")
+            self.db.execute("CREATE UNIQUE INDEX first_id ON first (id, n)")
             self._indexed = True
 
     # -----------------------------------------------------------------------------------------------------
@@ -196,11 +210,11 @@ class Scratch:
         self._index()
         kept, n = False, 0
         while True:
-            row = self.db.execute("SELECT n, ids FROM previous WHERE n > ? ORDER BY n LIMIT 1", (n,)).fetchone()
+            row = self.db.execute("SELECT n FROM previous WHERE n > ? ORDER BY n LIMIT 1", (n,)).fetchone()
             if row is None:
                 break
             n = row[0]
-            members = self._place(n, json.loads(row[1]))
+            members = self._place(n)
             if members:
                 kept = True
                 yield members
@@ -209,19 +223,12 @@ class Scratch:
         else:
             yield from self._pieces(max_size, target)
 
-    def _place(self, group: int, ids: list[str]) -> list[int]:
-        """The positions of the listed ``ids`` not placed by an earlier group, marked placed by ``group``."""
-        found: dict[str, tuple[int, int]] = {}
-        for chunk in chunks(sorted(set(ids))):
-            found.update((i, (pos, placed)) for i, pos, placed in self.db.execute(
-                "SELECT id, MAX(pos), placed FROM entries WHERE id IN "
-                f"({','.join('?' * len(chunk))}) GROUP BY id", chunk))
-        members = [found[i][0] for i in ids if i in found and found[i][1] == 0]
-        taken = sorted({i for i in ids if i in found and found[i][1] == 0})
-        for chunk in chunks(taken):
-            self.db.execute(f"UPDATE entries SET placed = ? WHERE id IN ({','.join('?' * len(chunk))})",
-                            (group, *chunk))
-        return members
+    def _place(self, group: int) -> list[int]:
+        """The listing positions of the last run's group ``group``: its ids, in its order, that are listed (an
+        id listed twice: its last listing) and that no earlier group holds."""
+        return [pos for (pos,) in self.db.execute(
+            "SELECT (SELECT MAX(e.pos) FROM entries e WHERE e.id = m.id) AS pos FROM members m "
+            "JOIN first f ON f.id = m.id AND f.n = m.n WHERE m.n = ? AND pos IS NOT NULL ORDER BY m.seq", (group,))]
 
     def _ranges(self, lo: int, bits: int, max_size: int, target: int | None) -> Iterator[list[int]]:
         """The id-hash range ``[lo, lo + 2**bits)``, halved while it holds more than ``max_size`` entries or
@@ -247,8 +254,9 @@ class Scratch:
         ``count`` even pieces: the fewest by count and by bytes, one more while a piece of several entries is
         over ``target``. When there are more pieces than entries some are empty, and are groups still."""
         self.db.execute("DELETE FROM fresh")
-        self.db.execute("INSERT INTO fresh SELECT ROW_NUMBER() OVER w, pos, SUM(bytes) OVER w FROM entries "
-                        "WHERE placed = 0 WINDOW w AS (ORDER BY digest, pos ROWS UNBOUNDED PRECEDING)")
+        self.db.execute("INSERT INTO fresh SELECT ROW_NUMBER() OVER w, pos, SUM(bytes) OVER w FROM entries e "
+                        "WHERE NOT EXISTS (SELECT 1 FROM first f WHERE f.id = e.id) "
+                        "WINDOW w AS (ORDER BY digest, pos ROWS UNBOUNDED PRECEDING)")
         size, total = self.db.execute("SELECT COUNT(*), COALESCE(MAX(cum), 0) FROM fresh").fetchone()
         if not size:
             return
