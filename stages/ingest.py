@@ -256,7 +256,8 @@ def plan(cfg: IngestConfig, stage_dir: StageDir | None = None) -> Iterator[WorkU
     content identities, so a unit committed under another cut is never taken for this one. With
     ``stage_dir`` (the ingest stage's folder) planning keeps the last run's grouping and remembers file
     digests in ``<stage_dir>/file-hashes.sqlite``, so an unchanged file is not read again. The listing waits
-    in a scratch database (a temporary file in ``stage_dir``, removed when the plan ends or is closed).
+    in a scratch database (:mod:`latentmill.stages.scratch`: a temporary file, gone when the plan ends or is
+    closed).
     """
     source = list_source(cfg.require_source(), cfg.path_column, cfg.caption_column)
     fp = fingerprint(cfg)
@@ -269,8 +270,7 @@ def plan(cfg: IngestConfig, stage_dir: StageDir | None = None) -> Iterator[WorkU
             unit_id = stable_hash({"fingerprint": fp, "inputs": ids})
             yield WorkUnit(unit_id, ids, {"kind": "shard", "shard": shard}, count_shard_samples(shard))
         return
-    folder = stage_dir.root if stage_dir is not None else None
-    with Scratch(folder) as scratch:
+    with Scratch() as scratch:
         hashes = FileHashes(stage_dir.root / HASHES_FILE if stage_dir is not None else None)
         try:
             yield from _plan_entries(cfg, stage_dir, source, scratch, hashes, fp)

@@ -8,19 +8,17 @@ listers the counts that find repeated ids.
 
 The grouping rule (:meth:`Scratch.groups`) is the one :func:`latentmill.stages.ingest.layout` and
 :func:`latentmill.stages.ingest.hash_byte_groups` describe; those run it over an in-memory table. The file is
-private to one planner: no locking, no journal, one transaction from opening to closing (a statement's own
-commit would cost more than the statement), deleted when closed.
+SQLite's own private temporary file (in ``SQLITE_TMPDIR`` or ``TMPDIR``, else ``/var/tmp`` or ``/tmp``),
+which SQLite deletes when it is closed and leaves nothing behind when a process is killed; no journal, one
+transaction from opening to closing (a statement's own commit would cost more than the statement).
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-import os
 import sqlite3
-import tempfile
 from itertools import islice
-from pathlib import Path
 from typing import Any, Iterable, Iterator
 
 CHUNK = 500  # rows per statement (SQLite allows 999 parameters by default on old builds)
@@ -55,20 +53,11 @@ def chunks(items: Iterable[Any], size: int = CHUNK) -> Iterator[list[Any]]:
 
 
 class Scratch:
-    """A scratch SQLite database for one plan: a temporary file in ``folder`` (removed by :meth:`close`), a
-    private temporary file of SQLite's own without one, or memory with ``memory=True`` (small inputs)."""
+    """A scratch SQLite database for one plan: a private temporary file, or memory with ``memory=True``
+    (inputs that are in memory already)."""
 
-    def __init__(self, folder: str | Path | None = None, memory: bool = False):
-        self.path: Path | None = None
-        if memory:
-            target = ":memory:"
-        elif folder is not None and Path(folder).is_dir():
-            fd, name = tempfile.mkstemp(prefix=".plan-scratch-", suffix=".sqlite", dir=folder)
-            os.close(fd)
-            self.path = target = Path(name)
-        else:
-            target = ""  # SQLite's private temporary file, deleted when the connection closes
-        self.db = sqlite3.connect(str(target), isolation_level=None)
+    def __init__(self, memory: bool = False):
+        self.db = sqlite3.connect(":memory:" if memory else "", isolation_level=None)
         for pragma in ("journal_mode = OFF", "synchronous = OFF", "locking_mode = EXCLUSIVE"):
             self.db.execute(f"PRAGMA {pragma}")
         self.db.executescript(SCHEMA)
@@ -79,12 +68,9 @@ class Scratch:
     def close(self) -> None:
         if self.db is not None:
             if self.db.in_transaction:
-                self.db.execute("COMMIT")  # a rollback without a journal is undefined; the file goes anyway
+                self.db.execute("COMMIT")  # a rollback without a journal is undefined (the file goes anyway)
             self.db.close()
             self.db = None
-        if self.path is not None:
-            self.path.unlink(missing_ok=True)
-            self.path = None
 
     def __enter__(self) -> "Scratch":
         return self
@@ -107,11 +93,10 @@ class Scratch:
     def folder_names(self, folder: int, page: int = CHUNK // 2) -> Iterator[list[tuple[str, int]]]:
         """A folder's ``(name, kind)`` pairs in sorted order, a page at a time. Pages are read by key, not
         from an open statement, so the caller may list other folders between two pages."""
-        after = None
+        after = ""  # sorts before every name; a range on the key, so each page is a seek, not a scan
         while True:
-            rows = self.db.execute(
-                "SELECT name, kind FROM names WHERE folder = ? AND (? IS NULL OR name > ?) ORDER BY name LIMIT ?",
-                (folder, after, after, page)).fetchall()
+            rows = self.db.execute("SELECT name, kind FROM names WHERE folder = ? AND name > ? ORDER BY name LIMIT ?",
+                                   (folder, after, page)).fetchall()
             if not rows:
                 return
             yield rows
