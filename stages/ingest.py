@@ -187,8 +187,8 @@ def hash_byte_groups(ids: list[str], sizes: list[int] | None, max_size: int,
 
     ``sizes[n]`` is the estimated bytes of ``ids[n]``. The 64-bit id hashes (the first 8 bytes of the ids'
     sha256) are split in halves, recursively, while a range holds more than ``max_size`` ids or more than
-    ``target`` bytes (one id larger than the target keeps a range of its own); groups come in hash order, each
-    in hash order. Adding an id changes only the range it falls into: every other group, and so every other
+    ``target`` bytes (one id larger than the target keeps a range of its own); the groups come in ascending
+    hash order, each ordered by hash, then index. Adding an id changes only the range it falls into: every other group, and so every other
     unit id, stays as it was (sorted chunking would shift every group after the insertion point). Without
     ``sizes`` (or ``target``) only the count bounds a range. The rule of a plan's first run
     (:meth:`latentmill.stages.scratch.Scratch.groups`), here over a list.

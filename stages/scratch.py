@@ -135,9 +135,9 @@ class Scratch:
         count = self.db.execute("SELECT COUNT(*) FROM entries").fetchone()[0]
         for chunk in chunks(rows):
             values = []
-            for entry_id, size, text in chunk:
+            for entry_id, size, packed in chunk:
                 digest = id_digest(entry_id)
-                values.append((count, entry_id, digest, int.from_bytes(digest[:8], "big") - HALF, size, text))
+                values.append((count, entry_id, digest, int.from_bytes(digest[:8], "big") - HALF, size, packed))
                 count += 1
             self.db.executemany("INSERT INTO entries VALUES (?, ?, ?, ?, ?, ?)", values)
         return count
@@ -163,7 +163,7 @@ class Scratch:
         """``pos -> (the entry as packed, its estimated bytes)`` for the listing positions ``positions``."""
         found: dict[int, tuple[bytes | None, int]] = {}
         for chunk in chunks(sorted(set(positions))):
-            found.update((pos, (text, size)) for pos, text, size in self.db.execute(
+            found.update((pos, (packed, size)) for pos, packed, size in self.db.execute(
                 f"SELECT pos, entry, bytes FROM entries WHERE pos IN ({','.join('?' * len(chunk))})", chunk))
         return found
 
