@@ -129,7 +129,7 @@ def run_stage(recipe, stage: str):
 
     stage_dir = stage_dir_for(recipe, stage).ensure()
     start = time.perf_counter()
-    units = plan_stage(stage, recipe)
+    units = list(plan_stage(stage, recipe))  # ingest's plan streams: time all of it
     planned = time.perf_counter() - start
     process = stage_processor(stage, recipe)
     records = [stage_dir.run_unit(u, process) for u in units]

@@ -13,7 +13,7 @@ import os
 import signal
 import threading
 import time
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, NamedTuple
 
 from latentmill.pipelines import unchanged
 from latentmill.pipelines.report import (
@@ -44,6 +44,14 @@ from latentmill.recipe import Recipe, RunnerConfig, load_recipe, recipe_from_dic
 STAGES = ("ingest", "caption", "curate", "bucket", "cache")
 MAX_UNITS_PER_TASK = 16
 MIN_TASK_SAMPLES = 16  # auto grouping: fewer pending samples than this per task run are not split further
+PLAN_BATCH = 256  # planned units stored in the catalog per transaction
+
+
+class Pending(NamedTuple):
+    """A planned unit the flow has to run, as the flow holds it (its payload waits in the catalog)."""
+
+    unit_id: str
+    samples_in: int
 
 
 def stage_dir_for(recipe: Recipe, stage: str) -> StageDir:
@@ -76,8 +84,9 @@ def update_near_dups(recipe: Recipe, curate_dir: StageDir, records: Iterable[Uni
     return neardup.update(curate_dir.root, records, spec["embedder"], spec["threshold"], recipe.curate.dedup_index)
 
 
-def plan_stage(stage: str, recipe: Recipe) -> list[WorkUnit]:
-    """The work units of ``stage`` given the upstream stage's committed manifest."""
+def plan_stage(stage: str, recipe: Recipe) -> Iterable[WorkUnit]:
+    """The work units of ``stage`` given the upstream stage's committed manifest (ingest's come one at a
+    time, as its plan streams them: iterate once)."""
     if stage == "ingest":
         return ingest.plan(recipe.ingest, stage_dir_for(recipe, "ingest"))
     upstream = stage_dir_for(recipe, STAGES[STAGES.index(stage) - 1])
@@ -249,8 +258,8 @@ def run_units(stage: str, recipe_data: dict, unit_ids: list[str], samples: int) 
     return committed
 
 
-def task_chunks(units: list[WorkUnit], runner: RunnerConfig) -> list[list[WorkUnit]]:
-    """The units of one stage grouped into task runs.
+def task_chunks(units: Iterable[Any], runner: RunnerConfig) -> list[list[Any]]:
+    """The units of one stage (anything with ``unit_id`` and ``samples_in``) grouped into task runs.
 
     A Prefect task run costs the API server ~50 ms of CPU (state changes, events), about what encoding a
     small unit costs on a CPU, so units travel in groups: ``runner.units_per_task``, or by default as many
@@ -258,6 +267,7 @@ def task_chunks(units: list[WorkUnit], runner: RunnerConfig) -> list[list[WorkUn
     retries on large stages), and fewer task runs when there are fewer than ``MIN_TASK_SAMPLES`` samples
     for each (a refresh's few new samples: one task run, not one per worker).
     """
+    units = list(units)
     if not units:
         return []
     samples = sum(unit.samples_in for unit in units)
@@ -346,6 +356,36 @@ def prep_stages(recipe_data: dict, started_run: str | None = None) -> dict[str, 
         return _prep_stages(recipe_data, started_run)
 
 
+def plan_pending(stage: str, recipe: Recipe, stage_dir: StageDir) -> tuple[list[str], set[str], list[Pending], int]:
+    """Plan ``stage`` as the flow runs it: ``(every unit id in plan order, the ids of the units found committed,
+    the units to run, the samples of every unit)``, holding ids and sample counts only.
+
+    A unit whose record is committed is reused, without a task run: a refresh that adds 1% of the data pays
+    task runs (and worker round trips) for that 1% only. Task runs carry unit ids; the units to run wait in
+    the catalog (their payloads are per sample), stored a batch at a time as the plan streams."""
+    unit_ids: list[str] = []
+    reused: set[str] = set()
+    pending: list[Pending] = []
+    batch: list[tuple[str, str]] = []
+    total = 0
+    catalog = stage_dir.catalog
+    catalog.put_plan(stage, [])  # the stage's last plan is replaced
+    for unit in plan_stage(stage, recipe):
+        unit_ids.append(unit.unit_id)
+        total += unit.samples_in
+        if stage_dir.load_record(unit.unit_id) is not None:
+            reused.add(unit.unit_id)
+            continue
+        pending.append(Pending(unit.unit_id, unit.samples_in))
+        batch.append((unit.unit_id, json.dumps(unit.to_json(), separators=(",", ":"))))
+        if len(batch) >= PLAN_BATCH:
+            catalog.put_plan(stage, batch, replace=False)
+            batch = []
+    if batch:
+        catalog.put_plan(stage, batch, replace=False)
+    return unit_ids, reused, pending, total
+
+
 def _prep_stages(recipe_data: dict, started_run: str | None) -> dict[str, Any]:
     """The body of ``prep_stages``."""
     recipe = recipe_from_dict(recipe_data)
@@ -356,21 +396,13 @@ def _prep_stages(recipe_data: dict, started_run: str | None) -> dict[str, Any]:
         interrupt.check()
         start = time.perf_counter()
         stage_dir = stage_dir_for(recipe, stage).ensure()
-        units = plan_stage(stage, recipe)
-        # A unit whose record is committed is reused here, without a task run: a refresh that adds 1% of
-        # the data pays task runs (and worker round trips) for that 1% only.
-        reused = {u.unit_id for u in units if stage_dir.load_record(u.unit_id) is not None}
-        pending = [u for u in units if u.unit_id not in reused]
-        # task runs carry unit ids; the units themselves wait in the catalog (their payloads are per sample)
-        stage_dir.catalog.put_plan(stage, ((u.unit_id, json.dumps(u.to_json(), separators=(",", ":")))
-                                          for u in pending))
+        unit_ids, reused, pending, total = plan_pending(stage, recipe, stage_dir)
         chunks = [([u.unit_id for u in chunk], sum(u.samples_in for u in chunk))
                   for chunk in task_chunks(pending, recipe.runner)]
-        unit_ids = [u.unit_id for u in units]
+        todo = sum(u.samples_in for u in pending)
+        del pending
         if stage == "ingest":
             ingest_units = unit_ids  # the inputs' content, for the next prep's unchanged check
-        total, todo = sum(u.samples_in for u in units), sum(u.samples_in for u in pending)
-        del units, pending
         futures = (run_units.map(stage, unmapped(recipe_data), [c[0] for c in chunks], [c[1] for c in chunks])
                    if chunks else [])
         # The UI's progress artifact follows the work to do; none when every unit is reused or the work is

@@ -159,10 +159,12 @@ class Catalog:
     # Plans: task runs carry unit ids
     # -----------------------------------------------------------------------------------------------------
 
-    def put_plan(self, stage: str, units: Iterable[tuple[str, str]]) -> None:
-        """Store a stage's planned units, ``(unit id, its JSON text)`` each, replacing its earlier plan."""
+    def put_plan(self, stage: str, units: Iterable[tuple[str, str]], replace: bool = True) -> None:
+        """Store a stage's planned units, ``(unit id, its JSON text)`` each, replacing its earlier plan; with
+        ``replace=False`` adding to it (a plan stored a batch at a time as it streams)."""
         with self._db(write=True) as db:
-            db.execute("DELETE FROM plans WHERE stage = ?", (stage,))
+            if replace:
+                db.execute("DELETE FROM plans WHERE stage = ?", (stage,))
             db.executemany("INSERT OR REPLACE INTO plans VALUES (?, ?, ?)", ((stage, i, t) for i, t in units))
 
     def planned(self, stage: str, unit_ids: list[str]) -> list[Any]:

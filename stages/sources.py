@@ -11,27 +11,32 @@
   optional ``sha256`` column;
 * existing webdataset shards: ``shards/train-{000..003}.tar`` (brace notation) or one ``.tar``.
 
+A source is listed one entry at a time (:meth:`Source.iter_entries`): what the listing must remember (a
+folder's names in order, the ids already listed) waits in the planner's scratch database
+(:mod:`latentmill.stages.scratch`), not in memory.
+
 Lists, manifests, shards and the paths inside them are read through fsspec: local paths, ``file://``,
 ``http(s)://`` (with aiohttp installed), ``s3://`` / ``gs://`` when s3fs / gcsfs are installed.
 
 An entry's id is what it is called in the source (the path relative to the folder or list, the URL, or
 ``<shard>/<key>.<ext>``). A first ingest run groups entries into work units by a hash of that id
-(:func:`hash_groups`); later runs keep each entry in its unit and put new entries into new units
-(:func:`latentmill.stages.ingest.layout`), so every unchanged unit keeps its id (contract 1).
+(:func:`latentmill.stages.ingest.hash_byte_groups`); later runs keep each entry in its unit and put new
+entries into new units (:func:`latentmill.stages.ingest.layout`), so every unchanged unit keeps its id
+(contract 1).
 """
 
 from __future__ import annotations
 
 import csv
-import hashlib
 import io
 import json
 import os
 import tarfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Iterator, Literal
+from typing import Any, Iterable, Iterator, Literal
 
+from latentmill.stages.scratch import FILE, FOLDER, LINK, Scratch, chunks
 from latentmill.stages.tarshard import group_samples
 from latentmill.stages.video import local_path
 
@@ -42,6 +47,7 @@ SIDECAR_EXTENSIONS = (".txt", ".json")
 LIST_SUFFIXES = (".txt", ".lst")
 MANIFEST_SUFFIXES = (".csv", ".jsonl", ".parquet")
 PATH_COLUMNS = ("path", "url")
+CHUNK_ROWS = 1024  # Parquet manifest rows read at a time
 CAPTION_FIELDS = ("caption", "text", "prompt")  # read from a sidecar .json or a shard's .json member
 
 SourceKind = Literal["folder", "list", "manifest", "webdataset"]
@@ -77,12 +83,38 @@ class Entry:
 
 @dataclass
 class Source:
-    """A listed source: its entries (folder, list, manifest) or its shards (webdataset)."""
+    """A source to list: its entries (folder, list, manifest: :meth:`iter_entries`) or its shards
+    (webdataset)."""
 
     kind: SourceKind
     root: str  # the folder, or the folder of the list / manifest, or the source string for shards
-    entries: list[Entry]
     shards: list[str]
+    spec: str = ""  # ingest.source as given (what a list or manifest source reads)
+    path_column: str | None = None
+    caption_column: str | None = "caption"
+
+    def iter_entries(self, scratch: Scratch | None = None) -> Iterator[Entry]:
+        """The entries in listing order, one at a time (none for webdataset shards). ``scratch`` keeps what
+        the listing remembers; without it a private one lives as long as the iteration."""
+        if self.kind == "webdataset":
+            return
+        own = scratch is None
+        scratch = Scratch() if scratch is None else scratch
+        try:
+            if self.kind == "folder":
+                yield from _list_folder(Path(self.root), scratch)
+            elif self.kind == "list":
+                yield from _list_file(self.spec, scratch)
+            else:
+                yield from _list_manifest(self.spec, self.path_column, self.caption_column, scratch)
+        finally:
+            if own:
+                scratch.close()
+
+    @property
+    def entries(self) -> list[Entry]:
+        """Every entry at once, for small sources (planning streams :meth:`iter_entries` instead)."""
+        return list(self.iter_entries())
 
 
 def is_remote(uri: str) -> bool:
@@ -135,42 +167,50 @@ def _split_suffix(name: str) -> tuple[str, str]:
     return name, ""
 
 
-def _walk(folder: str, rel: tuple[str, ...], out: list[tuple[tuple[str, ...], str, bool, set[str]]]) -> None:
-    """Every visible file below ``folder``: ``(parts relative to the root, path, is a symlink, the names of
-    the files beside it)``. One ``scandir`` per folder (no ``stat`` per file where the file system reports
-    types), hidden names skipped, symlinked folders not followed (as ``Path.rglob``)."""
-    files, dirs = [], []
+def _visible(it: Iterator[os.DirEntry]) -> Iterator[tuple[str, int]]:
+    """``(name, kind)`` of each visible file, link to a file and folder of a ``scandir``: hidden names skipped,
+    symlinked folders and broken links left out (as ``Path.rglob``), no ``stat`` where the file system reports
+    types."""
+    for entry in it:
+        if entry.name.startswith("."):
+            continue
+        if entry.is_dir(follow_symlinks=False):
+            yield entry.name, FOLDER
+        elif entry.is_file():  # a file, or a symlink to one
+            yield entry.name, LINK if entry.is_symlink() else FILE
+
+
+def _walk(folder: str, rel: str, scratch: Scratch) -> Iterator[Entry]:
+    """The entries below ``folder`` (``rel``: its path below the root, ``""`` or ending in ``/``) in path order.
+
+    One ``scandir`` per folder, its names sorted in ``scratch`` (a flat folder of a million files costs no
+    memory) and each subfolder walked where its name sorts among the files: the order of sorting every
+    file's path parts. A file's sidecars are the ``.txt`` / ``.json`` files beside it with its stem.
+    """
     with os.scandir(folder) as it:
-        for entry in it:
-            if entry.name.startswith("."):
-                continue
-            if entry.is_dir(follow_symlinks=False):
-                dirs.append(entry)
-            elif entry.is_file():  # a file, or a symlink to one
-                files.append(entry)
-    names = {e.name for e in files}
-    out.extend(((*rel, e.name), e.path, e.is_symlink(), names) for e in files)
-    for entry in dirs:
-        _walk(entry.path, (*rel, entry.name), out)
+        number = scratch.add_folder(_visible(it))
+    for page in scratch.folder_names(number):
+        split = {name: _split_suffix(name) for name, kind in page if kind != FOLDER}
+        media = {name: stem for name, (stem, suffix) in split.items() if suffix.lower() not in SIDECAR_EXTENSIONS}
+        present = scratch.files_among(number, [stem + ext for stem in media.values() for ext in SIDECAR_EXTENSIONS])
+        for name, kind in page:
+            path = os.path.join(folder, name)
+            if kind == FOLDER:
+                yield from _walk(path, rel + name + "/", scratch)
+            elif name in media:
+                stem = media[name]
+                sidecars = tuple(os.path.join(folder, stem + ext) for ext in SIDECAR_EXTENSIONS
+                                 if stem + ext in present)
+                yield Entry(rel + name, os.path.realpath(path) if kind == LINK else path, sidecars=sidecars)
+    scratch.drop_folder(number)
 
 
-def _list_folder(root: Path) -> list[Entry]:
+def _list_folder(root: Path, scratch: Scratch) -> Iterator[Entry]:
     """Every visible non-sidecar file below ``root``, in path order, with its sidecars. A refresh lists the
     whole folder again, so this costs one ``scandir`` per folder, not a ``stat`` (or three) per file."""
     if not root.is_dir():
         raise FileNotFoundError(f"ingest.source {root} is not a folder")
-    found: list[tuple[tuple[str, ...], str, bool, set[str]]] = []
-    _walk(str(root), (), found)
-    found.sort(key=lambda f: f[0])
-    entries = []
-    for parts, path, link, names in found:
-        stem, suffix = _split_suffix(parts[-1])
-        if suffix.lower() in SIDECAR_EXTENSIONS:
-            continue
-        folder = os.path.dirname(path)
-        sidecars = tuple(os.path.join(folder, stem + ext) for ext in SIDECAR_EXTENSIONS if stem + ext in names)
-        entries.append(Entry("/".join(parts), os.path.realpath(path) if link else path, sidecars=sidecars))
-    return entries
+    yield from _walk(str(root), "", scratch)
 
 
 def _open_text(uri: str):
@@ -193,8 +233,9 @@ def _rows(uri: str) -> Iterator[dict[str, Any]]:
         import fsspec
         import pyarrow.parquet as pq
 
-        with fsspec.open(uri, "rb") as fh:
-            yield from pq.read_table(fh).to_pylist()
+        with fsspec.open(uri, "rb") as fh:  # a batch of rows at a time, not the whole table
+            for batch in pq.ParquetFile(fh).iter_batches(batch_size=CHUNK_ROWS):
+                yield from batch.to_pylist()
 
 
 def _entry_for(ref: str, base: str) -> Entry:
@@ -203,45 +244,55 @@ def _entry_for(ref: str, base: str) -> Entry:
     return Entry(ref, uri, sidecars=sidecars)
 
 
-def _dedupe(entries: list[Entry], where: str) -> list[Entry]:
-    """Keep ids unique: a repeated entry is quarantined (its key would collide), not dropped."""
-    seen: dict[str, int] = {}
-    out = []
-    for entry in entries:
-        n = seen.get(entry.id, 0)
-        seen[entry.id] = n + 1
-        if n:
-            entry = Entry(f"{entry.id}#dup{n}", entry.uri, error=f"listed again in {where} ({entry.id})")
-        out.append(entry)
-    return out
+def _dedupe(entries: Iterable[Entry], where: str, scratch: Scratch) -> Iterator[Entry]:
+    """Keep ids unique: a repeated entry is quarantined (its key would collide), not dropped. How often each
+    id was listed is counted in ``scratch``, a chunk of entries at a time."""
+    for chunk in chunks(entries):
+        seen = scratch.count_listed([entry.id for entry in chunk])
+        out = []
+        for entry in chunk:
+            n = seen.get(entry.id, 0)
+            seen[entry.id] = n + 1
+            if n:
+                entry = Entry(f"{entry.id}#dup{n}", entry.uri, error=f"listed again in {where} ({entry.id})")
+            out.append(entry)
+        scratch.set_listed(seen)
+        yield from out
 
 
-def _list_file(uri: str) -> list[Entry]:
+def _list_file(uri: str, scratch: Scratch) -> Iterator[Entry]:
     base = _parent(uri)
-    with _open_text(uri) as fh:
-        refs = [line.strip() for line in fh]
-    entries = [_entry_for(ref, base) for ref in refs if ref and not ref.startswith("#")]
-    return _dedupe(entries, Path(uri).name)
+
+    def listed() -> Iterator[Entry]:
+        with _open_text(uri) as fh:
+            for line in fh:
+                ref = line.strip()
+                if ref and not ref.startswith("#"):
+                    yield _entry_for(ref, base)
+
+    return _dedupe(listed(), Path(uri).name, scratch)
 
 
-def _list_manifest(uri: str, path_column: str | None, caption_column: str | None) -> list[Entry]:
+def _list_manifest(uri: str, path_column: str | None, caption_column: str | None, scratch: Scratch) -> Iterator[Entry]:
     base, name = _parent(uri), uri.rsplit("/", 1)[-1]
-    entries = []
-    for n, row in enumerate(_rows(uri), start=1):
-        column = path_column or next((c for c in PATH_COLUMNS if row.get(c)), None)
-        ref = row.get(column) if column else None
-        if not ref:
-            wanted = path_column or " or ".join(PATH_COLUMNS)
-            entries.append(Entry(f"{name}#row{n}", "", error=f"{name} row {n} has no {wanted} value"))
-            continue
-        entry = _entry_for(str(ref), base)
-        caption = row.get(caption_column) if caption_column else None
-        if isinstance(caption, str) and caption.strip():
-            entry.caption, entry.caption_origin = caption.strip(), f"{name}:{caption_column}"
-        if row.get("sha256"):
-            entry.sha256 = str(row["sha256"]).lower()
-        entries.append(entry)
-    return _dedupe(entries, name)
+
+    def listed() -> Iterator[Entry]:
+        for n, row in enumerate(_rows(uri), start=1):
+            column = path_column or next((c for c in PATH_COLUMNS if row.get(c)), None)
+            ref = row.get(column) if column else None
+            if not ref:
+                wanted = path_column or " or ".join(PATH_COLUMNS)
+                yield Entry(f"{name}#row{n}", "", error=f"{name} row {n} has no {wanted} value")
+                continue
+            entry = _entry_for(str(ref), base)
+            caption = row.get(caption_column) if caption_column else None
+            if isinstance(caption, str) and caption.strip():
+                entry.caption, entry.caption_origin = caption.strip(), f"{name}:{caption_column}"
+            if row.get("sha256"):
+                entry.sha256 = str(row["sha256"]).lower()
+            yield entry
+
+    return _dedupe(listed(), name, scratch)
 
 
 def _expand_shards(spec: str) -> list[str]:
@@ -259,16 +310,13 @@ def _expand_shards(spec: str) -> list[str]:
 
 
 def list_source(spec: str, path_column: str | None = None, caption_column: str | None = "caption") -> Source:
-    """List ``ingest.source``: its kind, root and entries (or shards for webdataset)."""
+    """``ingest.source``: its kind, root and shards (webdataset), or what lists its entries
+    (:meth:`Source.iter_entries`)."""
     kind = source_kind(spec)
     if kind == "webdataset":
-        return Source(kind, spec, [], _expand_shards(spec))
-    if kind == "folder":
-        root = Path(local_path(spec)).resolve()
-        return Source(kind, str(root), _list_folder(root), [])
-    if kind == "list":
-        return Source(kind, _parent(spec), _list_file(spec), [])
-    return Source(kind, _parent(spec), _list_manifest(spec, path_column, caption_column), [])
+        return Source(kind, spec, _expand_shards(spec))
+    root = str(Path(local_path(spec)).resolve()) if kind == "folder" else _parent(spec)
+    return Source(kind, root, [], spec, path_column, caption_column)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -322,33 +370,6 @@ def content_identity(entry: Entry, hashes: FileHashes | None = None) -> str:
 def shard_identity(uri: str) -> str:
     """Content identity of an input webdataset shard."""
     return remote_identity(uri) if is_remote(uri) else sha256_file(uri)
-
-
-def hash_groups(ids: list[str], max_size: int) -> list[list[int]]:
-    """Group ``ids`` (their indices) into hash ranges of at most ``max_size`` each.
-
-    The 64-bit id hashes are split in halves, recursively, while a range holds more than ``max_size``
-    ids. Adding an id changes only the range it falls into (which splits in two when it overflows);
-    every other group, and so every other unit id, stays as it was. Sorted chunking would instead shift
-    every group after the insertion point.
-    """
-    if max_size < 1:
-        raise ValueError("max_size must be >= 1")
-    keyed = sorted((int(hashlib.sha256(i.encode()).hexdigest()[:16], 16), n) for n, i in enumerate(ids))
-    groups: list[list[int]] = []
-
-    def split(items: list[tuple[int, int]], lo: int, bits: int) -> None:
-        if not items:
-            return
-        if len(items) <= max_size or bits == 0:
-            groups.append([n for _, n in items])
-            return
-        mid = lo + (1 << (bits - 1))
-        split([x for x in items if x[0] < mid], lo, bits - 1)
-        split([x for x in items if x[0] >= mid], mid, bits - 1)
-
-    split(keyed, 0, 64)
-    return groups
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -53,7 +53,7 @@ def _estimate(path: Path) -> int:
 
 def _run(cfg: IngestConfig, sd: StageDir, units=None):
     """One ingest run as ``prep`` does it: plan against the stage folder, run units, manifest last."""
-    units = ingest.plan(cfg, sd) if units is None else units
+    units = list(ingest.plan(cfg, sd)) if units is None else units
     records = [sd.run_unit(u, lambda unit, out: ingest.process(cfg, unit, out)) for u in units]
     sd.write_manifest(records, {"shard_size": cfg.shard_size})
     return units, records
@@ -97,12 +97,12 @@ def test_units_follow_the_byte_target(photos, tmp_path):
         assert 0.8 * unit.payload["estimated_bytes"] <= size <= unit.payload["estimated_bytes"] + 10240
         assert record.extra["cut"] == [TARGET, 10_000]
     # shard_size stays an upper bound on entries; a file larger than the target makes a unit alone
-    few = ingest.plan(IngestConfig(source=str(photos), shard_bytes=TARGET, shard_size=3))
+    few = list(ingest.plan(IngestConfig(source=str(photos), shard_bytes=TARGET, shard_size=3)))
     assert max(u.samples_in for u in few) <= 3 and sum(u.samples_in for u in few) == 40
-    tiny = ingest.plan(IngestConfig(source=str(photos), shard_bytes=4096))
+    tiny = list(ingest.plan(IngestConfig(source=str(photos), shard_bytes=4096)))
     assert len(tiny) == 40 and all(u.samples_in == 1 for u in tiny)
     # the default target (256 MiB) puts these 40 photos in one unit
-    assert len(ingest.plan(IngestConfig(source=str(photos)))) == 1
+    assert len(list(ingest.plan(IngestConfig(source=str(photos))))) == 1
 
 
 def test_a_refresh_keeps_old_shards_and_adds_units_for_new_files_only(photos, tmp_path):
@@ -141,7 +141,7 @@ def test_a_killed_run_resumes_to_the_bytes_of_a_straight_run(photos, tmp_path):
     straight = StageDir(tmp_path / "straight", "ingest").ensure()
     _run(cfg, straight)
     killed = StageDir(tmp_path / "killed", "ingest").ensure()
-    units = ingest.plan(cfg, killed)
+    units = list(ingest.plan(cfg, killed))
     for unit in units[:2]:  # two units committed, then the process died: no manifest
         killed.run_unit(unit, lambda u, out: ingest.process(cfg, u, out))
     again, records = _run(cfg, killed)
@@ -257,7 +257,7 @@ def test_unchanged_units_are_planned_from_file_metadata(photos, tmp_path, monkey
     first, _ = _run(cfg, sd)
     assert len(first) >= 3 and calls["sha256"] == 80  # 40 images + 40 sidecars, digests looked up once
     calls["sha256"] = 0
-    again = ingest.plan(cfg, sd)
+    again = list(ingest.plan(cfg, sd))
     assert calls["sha256"] == 0
     assert sorted((u.unit_id, u.inputs) for u in again) == sorted((u.unit_id, u.inputs) for u in first)
 
@@ -266,7 +266,7 @@ def test_unchanged_units_are_planned_from_file_metadata(photos, tmp_path, monkey
     _noise_jpeg(changed, 30, seed=999)
     os.utime(changed, ns=(old + 10**9, old + 10**9))
     calls["sha256"] = 0
-    third = ingest.plan(cfg, sd)
+    third = list(ingest.plan(cfg, sd))
     holder = next(u for u in first if "p007.jpg" in _ids(u))
     assert calls["sha256"] == 2 * len(holder.inputs)
     assert {u.unit_id for u in third} ^ {u.unit_id for u in first} == {
@@ -280,7 +280,7 @@ def test_unchanged_units_are_planned_from_file_metadata(photos, tmp_path, monkey
     copy_sd = StageDir(tmp_path / "copy-ingest", "ingest").ensure()
     shutil.copytree(sd.root, copy_sd.root, dirs_exist_ok=True)
     calls["sha256"] = 0
-    copied = ingest.plan(IngestConfig(source=str(copy), shard_bytes=TARGET), copy_sd)
+    copied = list(ingest.plan(IngestConfig(source=str(copy), shard_bytes=TARGET), copy_sd))
     assert calls["sha256"] == 80
     assert sorted(u.unit_id for u in copied) == sorted(u.unit_id for u in third)
 

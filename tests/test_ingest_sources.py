@@ -18,7 +18,7 @@ import torch
 from latentmill.stages import ingest
 from latentmill.stages.ingest import IngestConfig, unit_items
 from latentmill.stages.shardio import StageDir
-from latentmill.stages.sources import hash_groups, list_source, source_kind
+from latentmill.stages.sources import list_source, source_kind
 from latentmill.stages.tarshard import read_shard
 from latentmill.stages.video import read_frames
 
@@ -222,12 +222,12 @@ def test_manifest_of_http_urls(media, http_root, tmp_path):
 
 def test_hash_groups_are_bounded_and_local():
     ids = [f"file_{i:04d}.jpg" for i in range(500)]
-    groups = hash_groups(ids, 16)
+    groups = ingest.hash_byte_groups(ids, None, 16)
     assert sorted(i for g in groups for i in g) == list(range(500))
     assert max(len(g) for g in groups) <= 16
     before = {frozenset(ids[i] for i in g) for g in groups}
     more = ids + ["new_a.jpg", "new_b.jpg", "new_c.jpg"]
-    after = {frozenset(more[i] for i in g) for g in hash_groups(more, 16)}
+    after = {frozenset(more[i] for i in g) for g in ingest.hash_byte_groups(more, None, 16)}
     changed, removed = after - before, before - after
     # only groups holding a new id change; a group that overflows splits in two, and then its other half
     # (old ids only) is a new group too
@@ -239,7 +239,7 @@ def test_hash_groups_are_bounded_and_local():
 
 
 def _ingest_run(cfg, sd):
-    units = ingest.plan(cfg, sd)
+    units = list(ingest.plan(cfg, sd))
     records = [sd.run_unit(u, lambda unit, out: ingest.process(cfg, unit, out)) for u in units]
     sd.write_manifest(records, {"shard_size": cfg.shard_size})
     return units, records
@@ -293,7 +293,7 @@ def test_layout_keeps_old_units_and_splits_new_entries_evenly():
     assert [[ids[n] for n in g] for g in groups[:2]] == [["f000", "f001"], ["f002", "f003"]]
     rest = groups[2:]
     assert sorted(ids[n] for g in rest for n in g) == ids[4:] and sorted(len(g) for g in rest) == [3, 3]
-    assert ingest.layout(ids, [], 4) == hash_groups(ids, 4)
+    assert ingest.layout(ids, [], 4) == ingest.hash_byte_groups(ids, None, 4)
 
 
 def test_file_hashes_prefetch_answers_a_group_in_a_few_queries(tmp_path):

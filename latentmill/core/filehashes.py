@@ -26,11 +26,16 @@ class FileHashes:
 
     The store is never loaded whole (a million files cost no memory): it is looked up a file at a time, or
     a group of files in a few queries by ``prefetch`` (a planner's unit at a time: one query per file made
-    half of a 100,000-file refresh's listing time). It is written by ``save``; several processes may share
-    one (SQLite locks it). A missing, locked or damaged store only means hashing again. Thread-safe.
+    half of a refresh's listing time). Nor is what this instance learns held whole: past ``FLUSH_ROWS``, its
+new digests and the paths it was asked for are appended to temporary tables of its connection (SQLite's
+temporary files, never synced; appended, not indexed, so each row is written about once), which ``save``
+writes from. The store is written by ``save`` alone, in one
+transaction; several processes may share one (SQLite locks it). A missing, locked or damaged store only
+means hashing again. Thread-safe.
     """
 
     PREFETCH_CHUNK = 500  # paths per query (SQLite allows 999 parameters by default on old builds)
+    FLUSH_ROWS = 2048  # new digests, and paths asked for, held in memory before they move to SQLite
 
     RACY_SECONDS = 2.0
 
@@ -38,7 +43,9 @@ class FileHashes:
         self.path = Path(path) if path is not None else None
         self._db = None
         self._new: dict[str, tuple[int, int, int, str]] = {}  # hashed by this instance, to remember
-        self._seen: set[str] = set()  # every file asked for (what ``save`` keeps when forgetting)
+        self._seen: set[str] = set()  # files asked for (what ``save`` keeps when forgetting)
+        self._moved = 0  # digests moved to the ``new`` temporary table (and the paths to ``seen``) by ``_flush``
+        self._seen_lost = False  # some path asked for could not be kept: ``save`` forgets nothing
         self._prefetched: dict[str, tuple] = {}  # the rows of the last ``prefetch`` (one group of files)
         self._signatures: dict[str, str] = {}  # signature -> value, remembered by this instance (``save``)
         self._lock = threading.Lock()
@@ -84,6 +91,8 @@ class FileHashes:
         keys = [os.path.abspath(p) for p in paths]
         with self._lock:
             self._seen.update(keys)
+            if len(self._seen) >= self.FLUSH_ROWS:
+                self._flush()
 
     def signature(self, signature: str) -> str | None:
         """The value remembered for a metadata signature (the ingest planner's: a unit id), or None."""
@@ -126,6 +135,8 @@ class FileHashes:
         known = self._known(key)
         with self._lock:
             self._seen.add(key)
+            if len(self._seen) >= self.FLUSH_ROWS:
+                self._flush()
         if known is not None and tuple(known[:3]) == stat:
             return known[3]
         digest = sha256_file(key)
@@ -133,45 +144,84 @@ class FileHashes:
             self.hashed += 1
             if time.time() - st.st_mtime_ns / 1e9 >= self.RACY_SECONDS:
                 self._new[key] = (*stat, digest)
+                if len(self._new) >= self.FLUSH_ROWS:
+                    self._flush()
         return digest
+
+    def _store(self):
+        """The store's connection, opened (and the store made) if need be; None when it cannot be."""
+        if self._db is None and self.path is not None:
+            try:
+                self.path.parent.mkdir(parents=True, exist_ok=True)
+            except OSError:
+                return None
+            self._db = self._connect()
+        return self._db
+
+    def _flush(self) -> None:
+        """Move the new digests and the paths asked for into the connection's temporary tables ``new`` and
+        ``seen`` (the lock held). Without a connection they are dropped: those files are only hashed again,
+        and ``save`` forgets nothing."""
+        import sqlite3
+
+        db = self._store()
+        try:
+            if db is None:
+                raise sqlite3.OperationalError("no store")
+            db.execute("CREATE TEMP TABLE IF NOT EXISTS seen (path TEXT)")
+            db.execute("CREATE TEMP TABLE IF NOT EXISTS new (path TEXT, size INTEGER, mtime_ns INTEGER, ino INTEGER, "
+                       "sha256 TEXT)")
+            db.execute("BEGIN")  # one transaction, not one per row (the connection commits each statement)
+            try:
+                db.executemany("INSERT INTO temp.seen VALUES (?)", ((k,) for k in self._seen))
+                db.executemany("INSERT INTO temp.new VALUES (?, ?, ?, ?, ?)", ((k, *v) for k, v in self._new.items()))
+                db.execute("COMMIT")
+            except BaseException:
+                db.execute("ROLLBACK")
+                raise
+            self._moved += len(self._new)
+        except sqlite3.Error:
+            self._seen_lost = True
+        self._seen.clear()
+        self._new.clear()
 
     def save(self, forget_unused: bool = True) -> None:
         """Remember the digests hashed since opening; with ``forget_unused`` also forget the files this
         instance was not asked for (a dataset's own store), without it keep them (a shared store)."""
         import sqlite3
 
-        if self.path is None or (not self._new and not self._signatures and not forget_unused):
+        if self.path is None or (not self._new and not self._moved and not self._signatures and not forget_unused):
             return
         try:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            if self._db is None:
-                self._db = self._connect()
-            if self._db is None:
-                return
             with self._lock:
-                rows = [(k, *v) for k, v in sorted(self._new.items())]
-                db = self._db
+                db = self._store()
+                if db is None:
+                    return
+                self._flush()
                 db.execute("BEGIN IMMEDIATE")
                 try:
-                    db.executemany("INSERT OR REPLACE INTO files VALUES (?, ?, ?, ?, ?)", rows)
+                    if self._moved:  # in path order; a path hashed twice: its last digest
+                        db.execute("INSERT OR REPLACE INTO files SELECT path, size, mtime_ns, ino, sha256 FROM temp.new "
+                                   "ORDER BY path, rowid")
                     if forget_unused:
                         db.execute("DELETE FROM signatures")
                     db.executemany("INSERT OR REPLACE INTO signatures VALUES (?, ?)", sorted(self._signatures.items()))
-                    # Forgetting costs a temporary table of every path seen (seconds at 100,000 files), so it
-                    # runs only when the store holds more rows than files were asked for: some row is then
-                    # surely unused (a file deleted or moved). A leftover row is harmless: it is used only for
-                    # a file whose path, size, mtime and inode all match it.
-                    stored = db.execute("SELECT COUNT(*) FROM files").fetchone()[0] if forget_unused else 0
-                    if forget_unused and stored > len(self._seen):
-                        db.execute("CREATE TEMP TABLE IF NOT EXISTS seen (path TEXT PRIMARY KEY)")
-                        db.execute("DELETE FROM seen")
-                        db.executemany("INSERT OR IGNORE INTO seen VALUES (?)", ((k,) for k in self._seen))
-                        db.execute("DELETE FROM files WHERE path NOT IN (SELECT path FROM seen)")
+                    # Forgetting runs only when the store holds more rows than files were asked for: some row
+                    # is then surely unused (a file deleted or moved). A leftover row is harmless: it is used
+                    # only for a file whose path, size, mtime and inode all match it.
+                    if forget_unused and not self._seen_lost:
+                        db.execute("CREATE INDEX IF NOT EXISTS temp.seen_path ON seen (path)")  # built sorted, once
+                        stored = db.execute("SELECT COUNT(*) FROM files").fetchone()[0]
+                        if stored > db.execute("SELECT COUNT(DISTINCT path) FROM temp.seen").fetchone()[0]:
+                            db.execute("DELETE FROM files WHERE NOT EXISTS "
+                                       "(SELECT 1 FROM temp.seen s WHERE s.path = files.path)")
                     db.execute("COMMIT")
                 except BaseException:
                     db.execute("ROLLBACK")
                     raise
-                self._new.clear()
+                if self._moved:
+                    db.execute("DELETE FROM temp.new")
+                    self._moved = 0
                 self._signatures.clear()
         except (sqlite3.Error, OSError):
             pass  # a read-only or busy store: the digests are only remembered for this process
