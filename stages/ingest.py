@@ -288,6 +288,8 @@ def _plan_entries(cfg: IngestConfig, stage_dir: StageDir | None, source, scratch
     cut = [cfg.shard_bytes, cfg.shard_size]
     kept = previous_groups(stage_dir, cfg.shard_size, cfg.shard_bytes, scratch)
     for group in scratch.groups(cfg.shard_size, cfg.shard_bytes):
+        if not group:  # new entries each over the byte target split into more pieces than entries
+            continue
         rows = scratch.entries_at(group)
         members = sorted((_unpacked(rows[pos][0]) for pos in group), key=lambda e: e.id)
         paths = [p for e in members if not is_remote(e.uri) for p in (e.uri, *e.sidecars)]

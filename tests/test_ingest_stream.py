@@ -243,3 +243,18 @@ def test_a_plans_memory_does_not_grow_with_the_files(tmp_path):
     assert FileHashes.FLUSH_ROWS < small
     per_file = (_peak_of_plan(tmp_path, large) - _peak_of_plan(tmp_path, small)) / (large - small)
     assert per_file < 150, per_file
+
+
+def test_a_refresh_of_entries_over_the_byte_target_plans_no_empty_unit(tmp_path):
+    """New entries each larger than ``ingest.shard_bytes`` are split into more pieces than there are entries;
+    the empty pieces are not units (they were: samples_in 0, all of one id)."""
+    src = tmp_path / "src"
+    _tree(src, [f"f{i:03d}.jpg" for i in range(6)], random.Random(3))
+    cfg = IngestConfig(source=str(src), shard_size=50, shard_bytes=1)
+    sd = StageDir(tmp_path / "ingest", "ingest").ensure()
+    records = [sd.run_unit(u, lambda unit, out: ingest.process(cfg, unit, out)) for u in ingest.plan(cfg, sd)]
+    sd.write_manifest(records, {"shard_size": cfg.shard_size})
+    _tree(src, [f"new{i}.jpg" for i in range(3)], random.Random(4))
+    units = list(ingest.plan(cfg, sd))
+    assert sum(u.samples_in for u in units) == 9 and all(u.samples_in == 1 for u in units)
+    assert len({u.unit_id for u in units}) == len(units) == 9
