@@ -127,6 +127,20 @@ def _as_reused(name: str, counts: dict[str, Any]) -> dict[str, Any]:
     return counts
 
 
+def _snapshot_on_disk(folder: Path) -> bool:
+    """Whether the snapshot's manifest, every shard it names and each shard's index (at its size) are there."""
+    try:
+        manifest = json.loads((folder / "manifest.json").read_text())
+        for shard in manifest["shards"]:
+            tar = folder / shard["path"]
+            index = shard.get("index")
+            if not tar.is_file() or (index and tar.with_name(index["name"]).stat().st_size != index["size"]):
+                return False
+    except (OSError, ValueError, KeyError, TypeError):
+        return False
+    return True
+
+
 def unchanged_summary(recipe: Any) -> dict[str, Any] | None:
     """The summary of a prep of ``recipe`` that would change nothing, from the last one; None when it might.
 
@@ -145,7 +159,7 @@ def unchanged_summary(recipe: Any) -> dict[str, Any] | None:
     snapshot = summary.get("snapshot") or {}
     if not snapshot or latest_name(recipe.output_dir) != snapshot.get("name"):
         return None
-    if not (Path(snapshot.get("path", "")) / "manifest.json").is_file():
+    if not _snapshot_on_disk(Path(snapshot.get("path", ""))):
         return None
     base = key_base(recipe)
     if base is None:

@@ -57,6 +57,13 @@ def test_an_unchanged_prep_returns_without_prefect_and_a_change_runs_again(tmp_p
     assert again["stages"]["cache"]["components"]["vae"] == {"processed": 0, "reused": 24}
     assert again["stages"]["curate"]["scored"] == 0
 
+    snapshot = Path(first["snapshot"]["path"])
+    shard = snapshot / json.loads((snapshot / "manifest.json").read_text())["shards"][0]["path"]
+    shard.rename(shard.with_name("gone"))  # a shard deleted by hand: the prep runs and writes it again
+    rewritten, facts = _prep(recipe, tmp_path, "rewritten")
+    assert facts["prefect"] and "unchanged_since" not in rewritten and shard.is_file()
+    assert rewritten["stages"]["cache"]["processed"] > 0
+
     (demo_images / "img_000.png").rename(demo_images / "img_000_moved.png")  # a changed input
     moved, facts = _prep(recipe, tmp_path, "moved")
     assert facts["prefect"] and "unchanged_since" not in moved
