@@ -96,8 +96,8 @@ def load_scores(prep_dir: Path, light: bool = False) -> dict[str, Any]:
     """The scores table as columns (lists): ``prep/scores.parquet`` when pyarrow reads it, else the same rows
     built from the curate unit records (``extra["scores"]``). Empty when the prep has no curate stage.
 
-    ``light``: only ``status`` and the scores, from the table as numpy arrays (a null score is NaN), for the
-    histograms (a million rows in about a second instead of several)."""
+    ``light``: only the scores and ``status``, from the table as numpy arrays, for the histograms: a score is
+    float (null: NaN) and ``status`` is True where the sample was quarantined (no string object per row)."""
     table = prep_dir / "scores.parquet"
     if table.is_file():
         try:
@@ -108,8 +108,11 @@ def load_scores(prep_dir: Path, light: bool = False) -> dict[str, Any]:
             if not light:
                 return pq.read_table(table).to_pydict()
             names = [c for c in pq.read_schema(table).names if c == "status" or c not in SCORE_META_COLUMNS]
+            import pyarrow.compute as pc
+
             read = pq.read_table(table, columns=names)
-            return {c: read.column(c).to_numpy(zero_copy_only=False) for c in names}
+            return {c: (pc.equal(read.column(c), "quarantined").fill_null(False) if c == "status" else read.column(c))
+                    .to_numpy(zero_copy_only=False) for c in names}
     manifest = _manifest(prep_dir, "curate")
     if manifest is None:
         return {}
@@ -182,9 +185,10 @@ def score_histogram(name: str, columns: dict[str, Any], thresholds: dict[str, fl
     column = columns[name]
     values = (column.astype(np.float64) if isinstance(column, np.ndarray)
               else np.asarray([np.nan if v is None else float(v) for v in column], np.float64))
-    status = np.asarray(columns["status"]) if "status" in columns else np.full(len(values), "kept")
+    status = np.asarray(columns["status"]) if "status" in columns else np.zeros(len(values), bool)
+    dropped = status if status.dtype == bool else status == "quarantined"  # load_scores(light=True): a mask
     scored = np.isfinite(values)  # a null (NaN) or infinite score is not drawn
-    kept_values, quarantined_values = values[scored & (status != "quarantined")], values[scored & (status == "quarantined")]
+    kept_values, quarantined_values = values[scored & ~dropped], values[scored & dropped]
     lo, hi = (float(values[scored].min()), float(values[scored].max())) if scored.any() else (0.0, 1.0)
     # one value: a unit-wide range around it
     edges = np.linspace(lo, hi, bins + 1) if hi > lo else np.linspace(lo - 0.5, hi + 0.5, bins + 1)
