@@ -82,11 +82,31 @@ def _local_source(source: str) -> Path | None:
     return Path(source).expanduser()
 
 
+def _has_media(folder: str, accepted: set[str]) -> bool:
+    """Whether a visible file with an accepted extension is below ``folder``, found without listing the
+    whole tree first (a folder of a million inputs costs one entry at a time)."""
+    try:
+        with os.scandir(folder) as it:
+            subfolders = []
+            for entry in it:
+                if entry.name.startswith("."):
+                    continue
+                if entry.is_dir(follow_symlinks=False):
+                    subfolders.append(entry.path)
+                elif os.path.splitext(entry.name)[1].lower() in accepted and entry.is_file():
+                    return True
+    except OSError:
+        return False
+    return any(_has_media(path, accepted) for path in subfolders)
+
+
 def check_media_folder(folder: Path, extensions: list[str], shown: int = 3) -> None:
     """ConfigError unless ``folder`` holds at least one file with an accepted media extension (as the ingest
     stage lists a folder: recursively, hidden names skipped); the walk stops at the first one found."""
     accepted = {e.lower() for e in extensions}
-    skipped: list[str] = []
+    if _has_media(str(folder), accepted):
+        return
+    skipped: list[str] = []  # the refusal names what it skipped, in the order ingest lists it
     for parent, dirs, files in os.walk(folder):
         dirs[:] = sorted(d for d in dirs if not d.startswith("."))
         for name in sorted(files):
