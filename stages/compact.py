@@ -26,12 +26,13 @@ the shards the next stage's units name, and re-run those units.
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 from latentmill.stages.killpoint import KillPoint
 from latentmill.stages.shardindex import load_shard_index
@@ -65,17 +66,16 @@ def _unit_bytes(stage: StageDir, record: UnitRecord) -> int:
     return sum((stage.root / s.path).stat().st_size for s in record.shards)
 
 
-def _records(stage: StageDir, manifest: dict[str, Any]) -> list[UnitRecord]:
-    """The records of the manifest's units (read, not checked: a merged unit's shards are read through their
-    indexes, which are checked then)."""
-    records = []
+def _records(stage: StageDir, manifest: dict[str, Any]) -> Iterator[UnitRecord]:
+    """The records of the manifest's units, read one at a time (not checked: a merged unit's shards are read
+    through their indexes, which are checked then)."""
     for unit_id in manifest.get("units") or []:
         try:
-            records.append(UnitRecord.from_json(json.loads(stage.unit_path(unit_id).read_text())))
+            record = UnitRecord.from_json(json.loads(stage.unit_path(unit_id).read_text()))
         except (OSError, ValueError, TypeError, KeyError) as err:
             raise FileNotFoundError(f"{stage.unit_path(unit_id)}: a unit of {stage.manifest_path} cannot be read "
                                     f"({err}); re-run the prep, which redoes it, then compact") from None
-    return records
+        yield record
 
 
 def _pack(units: list[UnitRecord], sizes: dict[str, int], target: int) -> list[list[UnitRecord]]:
@@ -121,11 +121,14 @@ def plan_compaction(stage: StageDir, small_below: float, min_units: int = 2,
     if not target or "stage_fingerprint" not in manifest:
         raise ValueError(f"{stage.manifest_path} was written before compaction existed (no shard_bytes or "
                          "stage_fingerprint): run `latentmill prep` once with this version, then compact")
-    records = _records(stage, manifest)
-    sizes = {r.unit_id: _unit_bytes(stage, r) for r in records}
-    small = [r for r in records if sizes[r.unit_id] < small_below * target and r.extra.get(GROUP_KEY)]
+    sizes: dict[str, int] = {}
+    small = []  # only the small units' records are kept (a whole cache's would grow with its samples)
+    for record in _records(stage, manifest):
+        sizes[record.unit_id] = _unit_bytes(stage, record)
+        if sizes[record.unit_id] < small_below * target and record.extra.get(GROUP_KEY):
+            small.append(record)
     small.sort(key=lambda r: (r.extra[GROUP_KEY][0], r.unit_id))
-    seen = {"units": len(records), "small_units": len(small), "shard_bytes": target, "small_below": small_below}
+    seen = {"units": len(sizes), "small_units": len(small), "shard_bytes": target, "small_below": small_below}
     if min_units <= 2:
         return _pack(small, sizes, target), seen
     tiers: dict[int, list[UnitRecord]] = {}
@@ -253,14 +256,14 @@ def compact_stage(stage: StageDir, small_below: float = 0.5, min_units: int = 2,
             return {**report, "seconds": round(time.perf_counter() - start, 3)}
     pause = KillPoint(PAUSE_ENV, "compact", "samples")
     replaced = {r.unit_id for r in merged}
-    records = [r for r in _records(stage, manifest) if r.unit_id not in replaced]
     new_records, copied = [], 0
     for group in groups:
         record, nbytes = merge_units(stage, group, fingerprint, pause)
         new_records.append(record)
         copied += nbytes
     header = {k: v for k, v in manifest.items() if k not in ("stage", "shards", "units", "counts")}
-    stage.write_manifest(records + new_records, header)
+    kept = (r for r in _records(stage, manifest) if r.unit_id not in replaced)
+    stage.write_manifest(itertools.chain(kept, new_records), header)
     member_bytes = 0
     for record in merged:
         for shard in record.shards:
