@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.common import REPO_ROOT, TINY_RECIPE, figure, fresh_dir, log, model_dir, run_benchmark, setup_env
-from bench.scale import calibrate, make_images, sizes, write_recipe
+from bench.scale import calibrate, make_inputs, sizes, write_recipe
 
 setup_env()
 
@@ -63,12 +63,7 @@ def run(args) -> list:
     big, small = sizes(args)
     pretrained = model_dir(TINY_RECIPE)
     work = fresh_dir("heap")
-    images, small_images = work / "images", work / "images-small"
-    make_images(images, 0, big)
-    small_images.mkdir()
-    for i in range(small):  # the first `small` inputs, hard-linked
-        for ext in (".jpg", ".txt"):
-            os.link(images / f"img{i:07d}{ext}", small_images / f"img{i:07d}{ext}")
+    images, small_images = make_inputs(work, big, small)
     try:
         layout = calibrate(work, images, pretrained)
         runs = {}

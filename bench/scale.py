@@ -208,19 +208,24 @@ def sizes(args) -> tuple[int, int]:
     return (20_000, 2_000) if args.quick else (100_000, 10_000)
 
 
+def make_inputs(work: Path, big: int, small: int) -> tuple[Path, Path]:
+    """``big`` images in ``work/images`` and the first ``small`` of them, hard-linked, in ``work/images-small``."""
+    t0 = time.perf_counter()
+    images, small_images = work / "images", work / "images-small"
+    make_images(images, 0, big)
+    small_images.mkdir()
+    for i in range(small):
+        for ext in (".jpg", ".txt"):
+            os.link(images / f"img{i:07d}{ext}", small_images / f"img{i:07d}{ext}")
+    log(f"generated {big} images in {time.perf_counter() - t0:.0f} s")
+    return images, small_images
+
+
 def run(args) -> list:
     big, small = sizes(args)
     pretrained = model_dir(TINY_RECIPE)
     work = fresh_dir("scale")
-    t0 = time.perf_counter()
-    images = work / "images"
-    make_images(images, 0, big)
-    small_images = work / "images-small"
-    small_images.mkdir()
-    for i in range(small):  # the first `small` inputs, hard-linked
-        for ext in (".jpg", ".txt"):
-            os.link(images / f"img{i:07d}{ext}", small_images / f"img{i:07d}{ext}")
-    log(f"generated {big} images in {time.perf_counter() - t0:.0f} s")
+    images, small_images = make_inputs(work, big, small)
     try:
         layout = calibrate(work, images, pretrained)
         runs = {}
