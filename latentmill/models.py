@@ -14,7 +14,7 @@ import os
 import threading
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal, Optional
+from typing import Any, Optional
 
 from latentmill.core.fingerprints import ComponentSource, component_dir, component_fingerprint
 
@@ -31,7 +31,8 @@ class ModelConfig:
     """Which pretrained pipeline to use, with optional per-component overrides."""
 
     pretrained: str
-    family: Literal["auto", "flux", "wan"] = "auto"  # auto: read from the pipeline's model_index.json
+    # "auto": read from the pipeline's model_index.json; else a family of latentmill.stages.families.FAMILIES
+    family: str = "auto"
     vae: Optional[str] = None
     text_encoder: Optional[str] = None
     text_encoder_2: Optional[str] = None

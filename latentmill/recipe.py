@@ -94,8 +94,11 @@ class Recipe:
     def validate(self) -> None:
         """Check ``volume`` and place a relative ``output_dir`` under the volume in force (recipe key, else
         ``$LATENTMILL_VOLUME``); an absolute ``output_dir`` is explicit and wins."""
+        from latentmill.stages.families import family_class
         from latentmill.volume import check_volume, resolve_output_dir, volume_root
 
+        if self.model.family != "auto":
+            family_class(self.model.family)  # a ConfigError naming the known families
         self.volume = check_volume(self.volume)
         self.output_dir = resolve_output_dir(self.output_dir, volume_root(self.volume)[0])
 

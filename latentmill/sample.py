@@ -281,7 +281,10 @@ def sample(source: str | Path, prompts: list[str], *, out: str | Path, base: str
     loaded = load_pipeline(source, base=base, device=dev)
     load_s = time.perf_counter() - start
     if size is None:
-        size = [512, 512, 33] if loaded.family == "wan" else [512, 512]
+        from latentmill.trainer.adapters import get_adapter
+
+        video = get_adapter(loaded.family).latent_ndim == 4
+        size = [512, 512, 33] if video else [512, 512]
     compiled = _compile(loaded.pipe, compile_backend) if compile else []
     autocast = torch.autocast("cuda", dtype=torch.bfloat16) if dev.type == "cuda" else None
 

@@ -105,3 +105,18 @@ def tiny_cli(argv: Sequence[str] | None, prog: str, description: str, build: Cal
         parser.exit(2, f"error: {err}\n")
     print(path)
     return 0
+
+
+# The tiny model set of each family, as "module:function" (an ``ensure_tiny_*(out_dir, recipe=...)``).
+TINY_BUILDERS = {"flux": "latentmill.tiny:ensure_tiny_flux", "wan": "latentmill.tiny_wan:ensure_tiny_wan"}
+
+
+def ensure_tiny(family: str, out_dir: str | os.PathLike[str], recipe: str | os.PathLike[str]) -> Path:
+    """Build ``family``'s tiny pipeline from ``recipe`` into ``out_dir`` unless it is there already."""
+    import importlib
+
+    if family not in TINY_BUILDERS:
+        raise ConfigError(f"model.family: {family!r} has no tiny model set; model.tiny_recipe builds one of "
+                          f"{', '.join(repr(f) for f in TINY_BUILDERS)}")
+    module, name = TINY_BUILDERS[family].split(":")
+    return getattr(importlib.import_module(module), name)(out_dir, recipe=recipe)

@@ -333,13 +333,12 @@ def ensure_models(recipe: Recipe) -> None:
 
     target = tiny_build_target(recipe.model)
     if target is not None and not (target / "model_index.json").is_file():
-        from latentmill.tiny import ensure_tiny_flux
-        from latentmill.tiny_wan import ensure_tiny_wan
+        from latentmill.tinyio import ensure_tiny
 
         # The folder does not exist yet, so its family cannot be read from it: the recipe says it.
-        build = ensure_tiny_wan if recipe.model.family == "wan" else ensure_tiny_flux
+        family = "flux" if recipe.model.family == "auto" else recipe.model.family
         print(f"building tiny models from {recipe.model.tiny_recipe} into {recipe.model.pretrained}")
-        build(recipe.model.pretrained, recipe=recipe.model.tiny_recipe)
+        ensure_tiny(family, recipe.model.pretrained, recipe.model.tiny_recipe)
 
 
 @flow(name="prep-stages")

@@ -25,6 +25,7 @@ from typing import Any, Callable
 import torch
 from latentmill.stages import pixels
 from latentmill.stages.cache_config import CacheConfig
+from latentmill.stages.encoders import numel
 from latentmill.stages.families import (
     compute_dtypes,
     describe_components,
@@ -32,6 +33,7 @@ from latentmill.stages.families import (
     deterministic_encoding,
     device_description,
     encoded_on_key,
+    family_class,
     family_components,
     get_encoders,
     prepare_cublas_determinism,
@@ -108,8 +110,9 @@ def _pin_threads(cfg: CacheConfig) -> None:
 
 
 def trims_text(cfg: CacheConfig, family: str) -> bool:
-    """Whether text embeddings are stored at their real length (see docs/cache-format.md)."""
-    return cfg.trim_text == "always" or (cfg.trim_text == "auto" and family == "wan")
+    """Whether text embeddings are stored at their real length (see docs/cache-format.md): ``auto`` trims
+    the streams the model sees zero-padded or masked, not those whose padding it attends to."""
+    return cfg.trim_text == "always" or (cfg.trim_text == "auto" and family_class(family).text_pad() in ("zeros", "mask"))
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -195,26 +198,24 @@ def sample_bytes_estimate(cfg: CacheConfig, model: ModelConfig, family: str) -> 
     json member and tar headers. Used only to group units: the shard bytes themselves never depend on it.
     """
     itemsize = DTYPES[cfg.dtype].itemsize
-    vae = _config(model, "vae")
-    if family == "wan":
-        channels = int(vae.get("z_dim", 16))
-        spatial = 2 ** (len(vae.get("dim_mult", [1, 2, 4, 4])) - 1)
-        temporal = 2 ** sum(bool(t) for t in vae.get("temperal_downsample", [False, True, True]))
-        dim, pooled = int(_config(model, "text_encoder").get("d_model", 4096)), 0
-    else:
-        channels = int(vae.get("latent_channels", 16))
-        spatial, temporal = 2 ** (len(vae.get("block_out_channels", [1, 2, 3, 4])) - 1), 0
-        dim = int(_config(model, "text_encoder_2").get("d_model", 4096))
-        pooled = int(_config(model, "text_encoder").get("hidden_size", 768))
+    family_cls = family_class(family)
+    configs: dict[str, dict[str, Any]] = {}
+
+    def config(name: str) -> dict[str, Any]:
+        if name not in configs:
+            configs[name] = _config(model, name)
+        return configs[name]
+
     copies = 2 if cfg.latents == "distribution" else 1
-    text = (cfg.max_sequence_length * dim + pooled) * itemsize + 256 + 3 * TAR_BLOCK  # + header, tar blocks
-    overhead = 1024 + 2 * TAR_BLOCK  # the json member, the VAE member's tar header
+    # the json member, the VAE member's tar header; a text member's safetensors header and tar blocks
+    overhead, text_overhead = 1024 + 2 * TAR_BLOCK, 256 + 3 * TAR_BLOCK
+    components = {s.name: s.component for s in family_cls.STREAMS}
 
     def estimate(bucket: list[int]) -> int:
-        width, height = int(bucket[0]), int(bucket[1])
-        frames = (int(bucket[2]) - 1) // temporal + 1 if temporal and len(bucket) > 2 else 1
-        latent = channels * frames * (height // spatial) * (width // spatial) * itemsize * copies + 256
-        return latent + text + overhead
+        shapes = family_cls.sample_shapes(config, bucket, cfg.max_sequence_length)
+        vae = sum(numel(shape) for name, shape in shapes.items() if components[name] == "vae")
+        text = sum(numel(shape) for name, shape in shapes.items() if components[name] == "text")
+        return vae * copies * itemsize + 256 + text * itemsize + text_overhead + overhead
 
     return estimate
 
@@ -475,11 +476,13 @@ def _tensor_bytes(tensors: dict[str, torch.Tensor], dtype: torch.dtype) -> bytes
     return safetensors_save({k: v.to(dtype).contiguous() for k, v in tensors.items()})
 
 
-def _text_tensors(encoded: dict[str, Any], i: int, trim: bool) -> dict[str, torch.Tensor]:
-    embeds = encoded["prompt_embeds"][i]
-    tensors = {"prompt_embeds": embeds[: encoded["lengths"][i]] if trim else embeds}
-    if "pooled_prompt_embeds" in encoded:
-        tensors["pooled_prompt_embeds"] = encoded["pooled_prompt_embeds"][i]
+def _text_tensors(encoded: dict[str, Any], i: int, trim: bool, family: str) -> dict[str, torch.Tensor]:
+    """Caption ``i``'s tensors of the family's text streams; with ``trim``, a token axis holds the real
+    tokens only."""
+    tensors = {}
+    for stream in family_class(family).streams("text"):
+        tensor = encoded[stream.name][i]
+        tensors[stream.name] = tensor[: encoded["lengths"][i]] if trim and stream.pad != "none" else tensor
     return tensors
 
 
@@ -621,7 +624,7 @@ def process(cfg: CacheConfig, model: ModelConfig, unit: WorkUnit, out: UnitOutpu
             with deterministic_encoding(described["deterministic"]):
                 encoded = encoders.encode_text(list(need_text.values()), cfg.max_sequence_length)
             for j, tk in enumerate(need_text):
-                text_bytes[tk] = _tensor_bytes(_text_tensors(encoded, j, trim), dtype)
+                text_bytes[tk] = _tensor_bytes(_text_tensors(encoded, j, trim, plan_.family), dtype)
         for i in keep:
             vk, tks = keys[i]
             vae = old_vae.get(vk) or vae_bytes[vk]
@@ -657,7 +660,8 @@ def ensure_empty_prompt(cfg: CacheConfig, model: ModelConfig, stage_dir: StageDi
         encoders = _load_encoders(cfg, model, plan_.family, _device(cfg))
         with deterministic_encoding(_deterministic(cfg)):
             encoded = encoders.encode_text([""], cfg.max_sequence_length)
-        data = _tensor_bytes(_text_tensors(encoded, 0, trims_text(cfg, plan_.family)), DTYPES[cfg.dtype])
+        data = _tensor_bytes(_text_tensors(encoded, 0, trims_text(cfg, plan_.family), plan_.family),
+                             DTYPES[cfg.dtype])
         tmp = path.with_name(name + ".tmp")
         tmp.write_bytes(data)
         tmp.replace(path)
@@ -684,6 +688,7 @@ def manifest_header(cfg: CacheConfig, model: ModelConfig, stage_dir: StageDir,
         "latents": cfg.latents,
         "max_sequence_length": cfg.max_sequence_length,
         "text": {"trimmed": trims_text(cfg, plan_.family), "pad_to": cfg.max_sequence_length},
+        "streams": [stream.to_json() for stream in family_class(plan_.family).STREAMS],
         "empty_prompt": ensure_empty_prompt(cfg, model, stage_dir),
         **_encoded_on_field(cfg, model, stage_dir, records),
     }

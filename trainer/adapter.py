@@ -147,7 +147,8 @@ class ModelAdapter(ABC):
     family: str = ""
     transformer_class: str = ""  # diffusers class names, imported on use
     pipeline_class: str = ""
-    text_keys: tuple[str, ...] = ("prompt_embeds",)  # tensors of k.text.safetensors the forward needs
+    # the cache streams (batch columns) the forward reads, checked against the cache manifest's streams
+    streams: tuple[str, ...] = ("latents", "prompt_embeds")
     latent_ndim: int = 3  # of one sample: 3 = image [C, H, W], 4 = video [C, F, H, W]
 
     @staticmethod
@@ -175,6 +176,15 @@ class ModelAdapter(ABC):
     def seq_len(self, latents: torch.Tensor) -> int:
         """Transformer tokens of one sample of ``latents`` [B, ...]."""
         ...
+
+    def resolution_mu(self, image_seq_len: int, cfg: Any) -> float:
+        """``mu`` of the resolution-dependent shift (``trainer.shift_mode: resolution``, shift = exp(mu)) as
+        the family's pipeline computes it at inference: by default Flux's ``calculate_shift``, linear in the
+        token count between the cfg's ``base_shift`` / ``max_shift`` values."""
+        from latentmill.trainer.objective import resolution_mu
+
+        return resolution_mu(image_seq_len, cfg.base_image_seq_len, cfg.max_image_seq_len, cfg.base_shift,
+                             cfg.max_shift)
 
     @abstractmethod
     def forward(

@@ -167,19 +167,19 @@ class ShardReader:
         *,
         empty_prompt: dict[str, torch.Tensor] | None = None,
         distribution: bool = False,
-        pad_to: int | None = None,
+        pad: dict[str, int] | None = None,
     ) -> dict[str, torch.Tensor]:
         """One batch tensor per column (``latents``, ``latents_std`` with ``distribution``, the text
         tensors), rows in ``refs`` order, each in its stored dtype: the members' headers first, then each
         tensor payload straight into its row.
 
         ``texts``: per sample, the text member it reads, or None for the empty prompt's tensors
-        (``empty_prompt``, caption dropout). ``pad_to``: a trimmed cache's ``prompt_embeds`` are
-        zero-padded to that many tokens. Everything done here is ``os.preadv`` and numpy copies (no
+        (``empty_prompt``, caption dropout). ``pad``: the token-axis streams of a trimmed cache, each
+        zero-padded to its number of tokens. Everything done here is ``os.preadv`` and numpy copies (no
         multi-threaded torch op, which would fight a training step's OpenMP team for the cores), except
         for rows stored in another dtype than their column (not what the cache stage writes).
         """
-        plan = self._plan(refs, texts, empty_prompt, distribution, pad_to)
+        plan = self._plan(refs, texts, empty_prompt, distribution, pad)
         if plan is not None:
             return self._read_planned(plan, refs, texts)
         # The general case (samples of different headers, or an empty prompt of another dtype):
@@ -208,7 +208,7 @@ class ShardReader:
             rows.append(sample)
 
         # 2. one batch tensor per column, [B, *row shape] in the rows' (stored) dtype
-        columns = {name: _column(bucket, name, [row[name] for row in rows], pad_to) for name in rows[0]}
+        columns = {name: _column(bucket, name, [row[name] for row in rows], pad) for name in rows[0]}
 
         # 3. payloads: the bytes of each row of each column, read in place; padding and empty prompts filled
         # (shard, member offset) -> (sample, member, [(file offset, buffer)])
@@ -257,7 +257,7 @@ class ShardReader:
         texts: list[str | None],
         empty_prompt: dict[str, torch.Tensor] | None,
         distribution: bool,
-        pad_to: int | None,
+        pad: dict[str, int] | None,
     ) -> _Plan | None:
         """The read plan of a batch whose samples all share one VAE header and one text header, as read by
         the start-up index (a bucket's samples usually do); None for anything else (``read_batch``'s
@@ -277,10 +277,10 @@ class ShardReader:
             text = refs[0].layouts.get(refs[0].texts[0])
         if vae is None or text is None:
             return None
-        key = (id(vae), id(text), id(empty_prompt), distribution, pad_to)
+        key = (id(vae), id(text), id(empty_prompt), distribution, tuple(sorted((pad or {}).items())))
         plan = self._plans.get(key)
         if plan is None:
-            plan = _make_plan(vae, text, empty_prompt, distribution, pad_to)
+            plan = _make_plan(vae, text, empty_prompt, distribution, pad)
             if plan is None:
                 return None
             if len(self._plans) >= 4096:  # many distinct headers (unusual): stay bounded
@@ -364,16 +364,16 @@ class ShardReader:
         self._fds.clear()
 
 
-def _column(bucket: tuple[int, ...], name: str, sources: list[_Source], pad_to: int | None) -> torch.Tensor:
-    """An uninitialised batch tensor for column ``name``: the rows' common shape (``prompt_embeds`` of a
-    trimmed cache: ``pad_to`` tokens) and dtype (promoted as ``torch.stack`` would, if they differ)."""
+def _column(bucket: tuple[int, ...], name: str, sources: list[_Source], pad: dict[str, int] | None) -> torch.Tensor:
+    """An uninitialised batch tensor for column ``name``: the rows' common shape (a padded stream of a
+    trimmed cache: ``pad[name]`` tokens) and dtype (promoted as ``torch.stack`` would, if they differ)."""
     shapes, dtypes = set(), set()
     for source in sources:
         if isinstance(source, torch.Tensor):
             shape, dtype = tuple(source.shape), source.dtype
         else:
             shape, dtype = source[2].shape, source[2].dtype
-        shapes.add(_padded(name, shape, pad_to))
+        shapes.add(_padded(name, shape, pad))
         dtypes.add(dtype)
     if len(shapes) > 1:
         raise ValueError(f"bucket {list(bucket)} holds samples of different shapes: {name} {sorted(shapes)}")
@@ -402,15 +402,15 @@ def _adjacent(items: list[tuple[int, int, Any]]) -> list[tuple[int, list[Any], i
     return runs
 
 
-def _padded(name: str, shape: tuple[int, ...], pad_to: int | None) -> tuple[int, ...]:
-    """A row's shape in its batch column: ``prompt_embeds`` of a trimmed cache hold ``pad_to`` tokens."""
-    if pad_to is None or name != "prompt_embeds" or not shape:
+def _padded(name: str, shape: tuple[int, ...], pad: dict[str, int] | None) -> tuple[int, ...]:
+    """A row's shape in its batch column: a padded stream of a trimmed cache holds ``pad[name]`` tokens."""
+    if not pad or name not in pad or not shape:
         return shape
-    if shape[0] > pad_to:
+    if shape[0] > pad[name]:
         raise ValueError(
-            f"prompt_embeds hold {shape[0]} tokens, more than the manifest's text.pad_to ({pad_to})"
+            f"{name} hold {shape[0]} tokens, more than the manifest's text.pad_to ({pad[name]})"
         )
-    return (pad_to, *shape[1:])
+    return (pad[name], *shape[1:])
 
 
 def _make_plan(
@@ -418,10 +418,10 @@ def _make_plan(
     text: MemberLayout,
     empty_prompt: dict[str, torch.Tensor] | None,
     distribution: bool,
-    pad_to: int | None,
+    pad: dict[str, int] | None,
 ) -> _Plan | None:
     """The ``_Plan`` of batches of samples with these headers; None where ``read_batch``'s general path
-    must decide (a missing tensor, more tokens than ``pad_to``, empty tensors: it raises or copes)."""
+    must decide (a missing tensor, more tokens than ``pad``, empty tensors: it raises or copes)."""
     if "latents" not in vae.tensors or (distribution and "latents_std" not in vae.tensors):
         return None
     sources = [("latents", 0, vae.tensors["latents"])]  # (column name, member: 0 vae / 1 text, tensor)
@@ -431,7 +431,7 @@ def _make_plan(
     if len({name for name, _, _ in sources}) != len(sources):
         return None
     names = [name for name, _, _ in sources]
-    shapes = [_padded(name, spec.shape, pad_to) for name, _, spec in sources]  # raises as the general path
+    shapes = [_padded(name, spec.shape, pad) for name, _, spec in sources]  # raises as the general path
     dtypes = [spec.dtype for _, _, spec in sources]
     if any(math.prod(shape) == 0 for shape in shapes):
         return None
@@ -444,8 +444,8 @@ def _make_plan(
                 continue
             tensor = empty_prompt[name]
             try:
-                fits = tensor.dtype == dtypes[c] and _padded(name, tuple(tensor.shape), pad_to) == shapes[c]
-            except ValueError:  # more tokens than pad_to
+                fits = tensor.dtype == dtypes[c] and _padded(name, tuple(tensor.shape), pad) == shapes[c]
+            except ValueError:  # more tokens than pad
                 fits = False
             if not fits:  # the general path promotes, or refuses (for a batch that drops a caption)
                 empty_rows = None

@@ -137,7 +137,7 @@ class FluxAdapter(ModelAdapter):
     family = "flux"
     transformer_class = "FluxTransformer2DModel"
     pipeline_class = "FluxPipeline"
-    text_keys = ("prompt_embeds", "pooled_prompt_embeds")
+    streams = ("latents", "prompt_embeds", "pooled_prompt_embeds")
     latent_ndim = 3
 
     def blocks(self, transformer: nn.Module) -> list[nn.Module]:

@@ -82,6 +82,10 @@ class CacheFormatError(CacheMismatchError, ValueError):
     ``CacheMismatchError``, so the command line prints it as one line."""
 
 
+class CacheFamilyError(CacheMismatchError, ValueError):
+    """A cache made for another model family, or without a stream the model reads (one line too)."""
+
+
 def read_manifest(cache_dir: str | Path) -> dict:
     """Load ``<cache_dir>/manifest.json`` and check that it is a cache-stage manifest this trainer reads:
     format 3, an index named for every shard. An older cache raises ``CacheFormatError``, one line that
@@ -120,6 +124,32 @@ def check_manifest(manifest: dict, path: str | Path) -> None:
 def manifest_family(manifest: dict) -> str:
     """The model family that produced the cache (``flux`` when the manifest does not say)."""
     return manifest.get("family") or "flux"
+
+
+def manifest_streams(manifest: dict) -> list[dict[str, Any]]:
+    """The streams of the cache's samples (``docs/cache-format.md``, "Streams"): the manifest's, or, for a
+    manifest written before streams were recorded, those its family (FLUX.1 or Wan 2.1) always cached."""
+    if manifest.get("streams"):
+        return list(manifest["streams"])
+    family = manifest_family(manifest)
+    streams = [{"name": "latents", "component": "vae", "pad": "none"},
+               {"name": "prompt_embeds", "component": "text", "pad": "zeros" if family == "wan" else "keep"}]
+    if family == "flux":
+        streams.append({"name": "pooled_prompt_embeds", "component": "text", "pad": "none"})
+    return streams
+
+
+def check_streams(manifest: dict, family: str, needed: tuple[str, ...], where: str) -> None:
+    """Refuse a cache made for another family, or one that lacks a stream the model reads, in one line."""
+    have = manifest_family(manifest)
+    if have != family:
+        raise CacheFamilyError(f"{where}: this cache was made for the {have!r} family, the recipe trains "
+                               f"{family!r}; prep a cache with the recipe's model (latentmill prep <recipe>)")
+    names = {s["name"] for s in manifest_streams(manifest)}
+    missing = [name for name in needed if name not in names]
+    if missing:
+        raise CacheFamilyError(f"{where}: the cache holds the streams {sorted(names)}, the {family!r} model "
+                               f"reads {list(needed)}: {', '.join(missing)} missing; re-run latentmill prep")
 
 
 def _unit_interval(*parts: object) -> float:
@@ -323,9 +353,15 @@ class LatentLoader:
         self.manifest = manifest
         self.batch_size, self.seed, self.dtype, self.drop_last = batch_size, seed, dtype, drop_last
         self.family = manifest_family(self.manifest)
+        self.streams = manifest_streams(self.manifest)
         self.distribution = self.manifest.get("latents", "mean") == "distribution"
         text = self.manifest.get("text") or {}
         self.pad_to: int | None = int(text["pad_to"]) if text.get("trimmed") else None
+        # a trimmed cache's token-axis streams, zero-padded to pad_to tokens in a batch; a "mask" stream also
+        # gets a "<name>_mask" column (True on real tokens)
+        token_streams = [s["name"] for s in self.streams if s["component"] == "text" and s.get("pad", "none") != "none"]
+        self.pad = {name: self.pad_to for name in token_streams} if self.pad_to is not None else {}
+        self.masked = [s["name"] for s in self.streams if s.get("pad") == "mask"]
         if not 0.0 <= caption_dropout <= 1.0:
             raise ValueError(f"caption_dropout must be in [0, 1], got {caption_dropout}")
         self.caption_dropout = caption_dropout
@@ -726,8 +762,10 @@ class LatentLoader:
         refs = [self.buckets[bucket][i] for i in indices]
         texts = [self._text_member(ref, epoch) for ref in refs]
         columns = self._reader.read_batch(
-            bucket, refs, texts, empty_prompt=self.empty_prompt, distribution=self.distribution, pad_to=self.pad_to
+            bucket, refs, texts, empty_prompt=self.empty_prompt, distribution=self.distribution, pad=self.pad
         )
+        for name in self.masked:
+            columns[f"{name}_mask"] = self._token_mask(name, columns[name].shape[1], refs, texts)
         batch = {
             **columns,
             "keys": [r.key for r in refs],
@@ -735,6 +773,18 @@ class LatentLoader:
             "caption_dropped": torch.tensor([text is None for text in texts], dtype=torch.bool),
         }
         return self._convert(batch) if convert else batch
+
+    def _token_mask(self, name: str, tokens: int, refs: list[SampleRef], texts: list[str | None]) -> torch.Tensor:
+        """[B, tokens] bool, True on each row's real tokens of stream ``name`` (its stored length)."""
+        mask = torch.zeros(len(refs), tokens, dtype=torch.bool)
+        for i, (ref, member) in enumerate(zip(refs, texts)):
+            if member is None:
+                length = self.empty_prompt[name].shape[0]
+            else:
+                layout = ref.layouts.get(member) or self._reader.layout(ref, member)
+                length = layout.tensors[name].shape[0]
+            mask[i, :length] = True
+        return mask
 
     def _convert(self, batch: dict[str, Any]) -> dict[str, Any]:
         """The batch's tensors in the loader's ``dtype`` (one conversion per column)."""

@@ -19,7 +19,7 @@ shifted by ``sigma' = s * sigma / (1 + (s - 1) * sigma)``: ``s = shift`` (fixed)
 from __future__ import annotations
 
 import math
-from typing import Protocol
+from typing import Any, Callable, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -53,10 +53,14 @@ def resolution_mu(
     return image_seq_len * m + (base_shift - m * base_seq_len)
 
 
-def shift_for(cfg, image_seq_len: int) -> float:
-    """The shift of a batch whose latents are ``image_seq_len`` transformer tokens, per ``cfg.shift_mode``."""
+def shift_for(cfg, image_seq_len: int, mu_for: Callable[[int, Any], float] | None = None) -> float:
+    """The shift of a batch whose latents are ``image_seq_len`` transformer tokens, per ``cfg.shift_mode``:
+    ``resolution`` takes ``exp(mu)``, mu from ``mu_for(image_seq_len, cfg)`` (the family's rule, its
+    adapter's ``resolution_mu``), by default Flux's ``calculate_shift`` over the cfg's base/max values."""
     if getattr(cfg, "shift_mode", "fixed") == "fixed":
         return cfg.shift
+    if mu_for is not None:
+        return math.exp(mu_for(image_seq_len, cfg))
     mu = resolution_mu(
         image_seq_len, cfg.base_image_seq_len, cfg.max_image_seq_len, cfg.base_shift, cfg.max_shift
     )

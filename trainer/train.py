@@ -29,7 +29,7 @@ from latentmill.trainer.adapters import get_adapter
 from latentmill.trainer.checkpoint import list_checkpoints, load_checkpoint, resolve_resume, save_checkpoint
 from latentmill.trainer.config import ParallelConfig, TrainerConfig
 from latentmill.trainer.export import export_trained
-from latentmill.trainer.loader import LatentLoader, manifest_family, read_manifest
+from latentmill.trainer.loader import LatentLoader, check_streams, manifest_family, read_manifest
 from latentmill.trainer.model_load import load_for_training
 from latentmill.trainer.objective import (
     flow_matching_loss,
@@ -305,6 +305,7 @@ class _Run:
         if check_cache is not None:
             check_cache(self.manifest)
         self.adapter = get_adapter(manifest_family(self.manifest))
+        check_streams(self.manifest, self.adapter.family, self.adapter.streams, str(cache_dir / "manifest.json"))
         self.loader = LatentLoader(
             cache_dir, cfg.batch_size, self.seed, dtype=torch.float32, drop_last=cfg.drop_last,
             verify=cfg.verify_shards, manifest=self.manifest, rank=ctx.rank, world_size=ctx.world_size,
@@ -369,7 +370,7 @@ class _Run:
         inputs = {k: v.to(device, non_blocking=True) for k, v in batch.items() if isinstance(v, torch.Tensor)}
         latents = inputs["latents"]
         eps, sigmas, noise = self._draw(latents.shape, posterior="latents_std" in inputs,
-                                        shift=shift_for(cfg, adapter.seq_len(latents)))
+                                        shift=shift_for(cfg, adapter.seq_len(latents), adapter.resolution_mu))
         if eps is not None:  # a fresh draw from the cached posterior each time
             latents = latents + inputs["latents_std"] * eps
         noisy = interpolate(latents, noise, sigmas)

@@ -69,7 +69,7 @@ class WanAdapter(ModelAdapter):
     family = "wan"
     transformer_class = "WanTransformer3DModel"
     pipeline_class = "WanPipeline"
-    text_keys = ("prompt_embeds",)
+    streams = ("latents", "prompt_embeds")
     latent_ndim = 4
 
     def blocks(self, transformer: nn.Module) -> list[nn.Module]:
