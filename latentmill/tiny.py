@@ -349,6 +349,11 @@ def _pretokenize(backend: Any, texts: Iterable[str]) -> Counter[str]:
     return words
 
 
+# Public names of the BPE learner's parts, for the other tiny model sets (latentmill.tiny_flux2).
+learn_bpe = _learn_bpe
+pretokenize = _pretokenize
+
+
 def build_clip_tokenizer(vocab_size: int, settings: dict[str, Any], corpus: Sequence[str] = CORPUS) -> Any:
     """Learn a byte-level BPE CLIP tokenizer of exactly ``vocab_size`` tokens from ``corpus``.
 

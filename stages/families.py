@@ -5,7 +5,8 @@ Transformers components, loaded once per worker, that declares its streams (:cla
 holds the registry and what every family shares:
 
 - ``flux`` (FLUX.1): :mod:`latentmill.stages.family_flux`;
-- ``wan`` (Wan 2.1): :mod:`latentmill.stages.family_wan`.
+- ``wan`` (Wan 2.1): :mod:`latentmill.stages.family_wan`;
+- ``flux2`` (FLUX.2 [dev]) and ``flux2-klein`` (FLUX.2 [klein]): :mod:`latentmill.stages.family_flux2`.
 
 Adding a family = one module with an ``Encoders`` subclass and one entry in ``FAMILIES``.
 """
@@ -32,16 +33,19 @@ from latentmill.stages.devices import (  # noqa: F401  (the public names of the 
 )
 from latentmill.stages.encoders import Encoders, Stream
 from latentmill.stages.family_flux import FluxEncoders
+from latentmill.stages.family_flux2 import Flux2Encoders, Flux2KleinEncoders
 from latentmill.stages.family_wan import WanEncoders
 
 from latentmill.core.config import ConfigError
 from latentmill.models import ModelConfig, component_source, read_component_config
 
-FAMILIES: dict[str, type[Encoders]] = {cls.name: cls for cls in (FluxEncoders, WanEncoders)}
+FAMILIES: dict[str, type[Encoders]] = {cls.name: cls for cls in (FluxEncoders, WanEncoders, Flux2Encoders,
+                                                                Flux2KleinEncoders)}
 # model_index.json `_class_name` -> family
 PIPELINE_FAMILIES = {pipeline: cls.name for cls in FAMILIES.values() for pipeline in cls.PIPELINES}
 
-__all__ = ["FAMILIES", "PIPELINE_FAMILIES", "Encoders", "Stream", "FluxEncoders", "WanEncoders"]
+__all__ = ["FAMILIES", "PIPELINE_FAMILIES", "Encoders", "Stream", "FluxEncoders", "WanEncoders", "Flux2Encoders",
+           "Flux2KleinEncoders"]
 
 
 def family_class(family: str) -> type[Encoders]:

@@ -28,7 +28,8 @@ DEMO_CONFIG = REPO_ROOT / "configs" / "demo.yaml"
 # Fixtures that build a model folder (latentmill.tiny*): a test that uses one (directly or through another
 # fixture) is slow, so that the unit tier (`make test-unit`: not slow, heavy or served) builds no model.
 # tiny_clip (tests/test_curate_models.py) and tiny_llava (tests/test_caption_models.py) are module fixtures.
-MODEL_FIXTURES = frozenset({"tiny_flux", "tiny_wan", "tiny_blip", "tiny_clip", "tiny_llava"})
+MODEL_FIXTURES = frozenset({"tiny_flux", "tiny_wan", "tiny_blip", "tiny_clip", "tiny_llava", "tiny_flux2_klein",
+                            "tiny_flux2_dev"})
 
 # A migrated, empty Prefect database, made once per session (shared by the pytest-xdist workers) and copied into
 # the private PREFECT_HOME of each CLI process a test starts: a fresh home's temporary API server first spends
@@ -152,6 +153,22 @@ def tiny_flux(tmp_path_factory) -> Path:
     from latentmill.tiny import build_tiny_flux
 
     return build_tiny_flux(tmp_path_factory.mktemp("models") / "tiny-flux", seed=0)
+
+
+@pytest.fixture(scope="session")
+def tiny_flux2_klein(tmp_path_factory) -> Path:
+    """A complete tiny Flux2KleinPipeline folder built from data/tiny-flux2-klein.yaml with seed 0."""
+    from latentmill.tiny_flux2 import KLEIN_RECIPE_PATH, build_tiny_flux2
+
+    return build_tiny_flux2(tmp_path_factory.mktemp("models") / "tiny-flux2-klein", KLEIN_RECIPE_PATH, seed=0)
+
+
+@pytest.fixture(scope="session")
+def tiny_flux2_dev(tmp_path_factory) -> Path:
+    """A complete tiny Flux2Pipeline (FLUX.2 [dev]) folder built from data/tiny-flux2.yaml with seed 0."""
+    from latentmill.tiny_flux2 import DEV_RECIPE_PATH, build_tiny_flux2
+
+    return build_tiny_flux2(tmp_path_factory.mktemp("models") / "tiny-flux2", DEV_RECIPE_PATH, seed=0)
 
 
 @pytest.fixture()

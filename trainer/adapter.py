@@ -63,6 +63,21 @@ def load_transformer(
     ).to(device)
 
 
+def peft_targets(transformer: nn.Module, targets: list[str] | tuple[str, ...]) -> list[str]:
+    """``targets`` as PEFT's ``target_modules``: each name as given, unless it also names a container (a
+    ModuleList: FLUX.2's ``to_out`` is the single blocks' output Linear and the double blocks' ModuleList around
+    ``to_out.0``), which PEFT cannot wrap; such a name becomes the full names of the Linear layers it matches."""
+    modules = dict(transformer.named_modules())
+    out: list[str] = []
+    for target in targets:
+        matched = [name for name in modules if name == target or name.endswith("." + target)]
+        if any(isinstance(modules[name], (nn.ModuleList, nn.ModuleDict, nn.Sequential)) for name in matched):
+            out += [name for name in matched if isinstance(modules[name], nn.Linear)]
+        else:
+            out.append(target)
+    return out
+
+
 def make_trainable(
     transformer: nn.Module,
     *,
@@ -87,7 +102,7 @@ def make_trainable(
                 r=lora_rank,
                 lora_alpha=lora_alpha,
                 init_lora_weights="gaussian",
-                target_modules=list(lora_target_modules or DEFAULT_LORA_TARGETS),
+                target_modules=peft_targets(transformer, list(lora_target_modules or DEFAULT_LORA_TARGETS)),
             )
         )
         for param in transformer.parameters():

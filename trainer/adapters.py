@@ -8,13 +8,15 @@ from __future__ import annotations
 
 from latentmill.trainer.adapter import ModelAdapter
 from latentmill.trainer.flux import FluxAdapter
+from latentmill.trainer.flux2 import Flux2Adapter, Flux2KleinAdapter
 from latentmill.trainer.wan import WanAdapter
 
-ADAPTERS: dict[str, type[ModelAdapter]] = {"flux": FluxAdapter, "wan": WanAdapter}
+ADAPTERS: dict[str, type[ModelAdapter]] = {"flux": FluxAdapter, "wan": WanAdapter, "flux2": Flux2Adapter,
+                                            "flux2-klein": Flux2KleinAdapter}
 
 
 def get_adapter(family: str) -> ModelAdapter:
-    """The adapter of ``family`` (``flux`` | ``wan``); ``ValueError`` lists the known families otherwise."""
+    """The adapter of ``family`` (``flux`` | ``wan`` | ``flux2`` | ``flux2-klein``); ``ValueError`` lists the known families otherwise."""
     try:
         return ADAPTERS[family]()
     except KeyError:

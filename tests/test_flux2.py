@@ -1,0 +1,264 @@
+"""FLUX.2 families (flux2-klein, flux2): the cache equals the pipelines' own encoding, the adapter calls the
+transformer like the pipelines, the shift is FLUX.2's, training (full, LoRA) exports what the pipelines load."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from latentmill.stages.bucket import BucketConfig
+from latentmill.stages.cache import CacheConfig, load_pixels
+from latentmill.stages.curate import CurateConfig
+from latentmill.stages.family_flux2 import Flux2Encoders, Flux2KleinEncoders
+from latentmill.stages.families import FAMILIES, PIPELINE_FAMILIES
+from latentmill.stages.ingest import IngestConfig
+from latentmill.stages.shardio import StageDir
+from latentmill.stages.tarshard import read_shard
+from latentmill.trainer import TrainerConfig, train
+from latentmill.trainer.adapters import get_adapter
+from latentmill.trainer.flux2 import (
+    LORA_TARGETS,
+    SHIFT_NUM_STEPS,
+    Flux2Adapter,
+    Flux2KleinAdapter,
+    check_flux2_batch_fits,
+    flux2_forward,
+)
+from latentmill.trainer.objective import shift_sigmas
+from safetensors.torch import load as load_tensors
+
+from latentmill.models import ModelConfig
+from latentmill.recipe import Recipe
+from tests.helpers import prep_in_process
+from tests.trainer_helpers import read_metrics, torch_threads
+
+SEQ = 32  # cache.max_sequence_length of these tests (the chat template alone is ~20 tokens)
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    with torch_threads(1):
+        yield
+
+
+def test_registries_name_both_families():
+    assert FAMILIES["flux2-klein"] is Flux2KleinEncoders and FAMILIES["flux2"] is Flux2Encoders
+    assert PIPELINE_FAMILIES["Flux2KleinPipeline"] == "flux2-klein" and PIPELINE_FAMILIES["Flux2Pipeline"] == "flux2"
+    assert isinstance(get_adapter("flux2-klein"), Flux2KleinAdapter)
+    assert type(get_adapter("flux2")) is Flux2Adapter
+    assert Flux2KleinEncoders.OUT_LAYERS == (9, 18, 27) and Flux2Encoders.OUT_LAYERS == (10, 20, 30)
+    assert [s.name for s in Flux2KleinEncoders.STREAMS] == ["latents", "prompt_embeds"]
+    assert Flux2KleinEncoders.text_pad() == "keep"  # the transformer sees the padded positions
+    shapes = Flux2KleinEncoders.sample_shapes(lambda name: {}, [1024, 768, 1], 512)
+    assert shapes == {"latents": (128, 48, 64), "prompt_embeds": (512, 3 * 2560)}
+    assert Flux2Encoders.sample_shapes(lambda name: {}, [512, 512, 1], 512)["prompt_embeds"] == (512, 15360)
+
+
+# ---------------------------------------------------------------------------------------------------- cache
+
+
+def _prep(root, pretrained, cache_cfg):
+    from tests.conftest import DEMO_IMAGES
+
+    recipe = Recipe(output_dir=str(root), model=ModelConfig(pretrained=str(pretrained)),
+                    ingest=IngestConfig(source=str(DEMO_IMAGES), shard_size=8), curate=CurateConfig(max_exposure=0.5),
+                    bucket=BucketConfig(resolution=64, aspect_ratios=[0.75, 1.0, 1.3333]), cache=cache_cfg)
+    return prep_in_process(recipe)["cache"]
+
+
+def _first_samples(sd, manifest, n):
+    out = []
+    for shard in manifest["shards"]:
+        for sample in read_shard(sd.root / shard["path"]):
+            out.append(sample)
+            if len(out) == n:
+                return out
+    return out
+
+
+def _pixels_of(sd, sample):
+    meta = json.loads(sample["json"])
+    src = StageDir(sd.root.parent / "bucket", "bucket")
+    raw = next(s for b in src.read_manifest()["shards"] for s in read_shard(src.root / b["path"])
+               if s["__key__"] == sample["__key__"])
+    return load_pixels(raw["image"], meta["crop"], meta["bucket"])
+
+
+@pytest.fixture(scope="module")
+def klein_cache(tiny_flux2_klein, tmp_path_factory):
+    root = tmp_path_factory.mktemp("klein-prep")
+    cfg = CacheConfig(dtype="float32", batch_size=4, max_sequence_length=SEQ, shard_bytes=1 << 20)
+    return _prep(root, tiny_flux2_klein, cfg)
+
+
+def test_klein_cache_equals_the_pipeline_encoding(tiny_flux2_klein, klein_cache):
+    from diffusers import Flux2KleinPipeline
+
+    sd, manifest, _ = klein_cache
+    assert manifest["counts"] == {"in": 24, "out": 24, "quarantined": 0}
+    assert manifest["family"] == "flux2-klein" and manifest["text"] == {"trimmed": False, "pad_to": SEQ}
+    assert [s["name"] for s in manifest["streams"]] == ["latents", "prompt_embeds"]
+    assert manifest["models"]["vae"]["class"] == "AutoencoderKLFlux2"
+    assert manifest["models"]["text_encoder"]["class"] == "Qwen3ForCausalLM"
+    pipe = Flux2KleinPipeline.from_pretrained(tiny_flux2_klein)
+    assert pipe.vae.bn.running_mean.abs().max() > 0.05  # the tiny VAE's normalisation is not the identity
+    samples = _first_samples(sd, manifest, 3)
+    for sample in samples:
+        width, height, _ = json.loads(sample["json"])["bucket"]
+        latents = load_tensors(sample["vae.safetensors"])["latents"]
+        text = load_tensors(sample["text.safetensors"])
+        assert latents.shape == (64, height // 16, width // 16) and set(text) == {"prompt_embeds"}
+        with torch.no_grad():
+            expected = pipe._encode_vae_image(_pixels_of(sd, sample)[None], generator=None)[0]
+            embeds, text_ids = pipe.encode_prompt(json.loads(sample["json"])["caption"], max_sequence_length=SEQ)
+        torch.testing.assert_close(latents, expected, atol=1e-5, rtol=1e-5)
+        assert text["prompt_embeds"].shape == (SEQ, 48)
+        torch.testing.assert_close(text["prompt_embeds"], embeds[0], atol=1e-5, rtol=1e-5)
+    # two captions, two embeddings: the cached text is each caption's own
+    a, b = (load_tensors(s["text.safetensors"])["prompt_embeds"] for s in samples[:2])
+    assert not torch.equal(a, b)
+
+
+# ---------------------------------------------------------------------------------------------------- adapter
+
+
+def _tiny_transformer(guidance: bool):
+    from diffusers import Flux2Transformer2DModel
+
+    torch.manual_seed(0)
+    return Flux2Transformer2DModel(in_channels=64, num_layers=1, num_single_layers=1, attention_head_dim=16,
+                                   num_attention_heads=2, joint_attention_dim=24, axes_dims_rope=[4, 4, 4, 4],
+                                   guidance_embeds=guidance).eval()
+
+
+@pytest.mark.parametrize(("adapter", "pipeline"), [(Flux2KleinAdapter, "Flux2KleinPipeline"),
+                                                   (Flux2Adapter, "Flux2Pipeline")])
+def test_forward_calls_the_transformer_like_the_pipeline(adapter, pipeline):
+    import diffusers
+
+    pipe_cls = getattr(diffusers, pipeline)
+    guidance = adapter is Flux2Adapter
+    model = _tiny_transformer(guidance)
+    gen = torch.Generator().manual_seed(1)
+    B, H, W, L = 2, 3, 5, 7
+    noisy = torch.randn(B, 64, H, W, generator=gen)
+    sigmas = torch.rand(B, generator=gen)
+    prompt = torch.randn(B, L, 24, generator=gen)
+    cfg = TrainerConfig(guidance_scale=4.0)
+    with torch.no_grad():
+        pred = adapter().forward(model, noisy, sigmas, {"latents": noisy, "prompt_embeds": prompt}, cfg)
+        # the pipeline's __call__: packed latents with their ids, timestep = t / 1000 for t = 1000 sigma
+        ids = pipe_cls._prepare_latent_ids(noisy)
+        reference = model(
+            hidden_states=pipe_cls._pack_latents(noisy),
+            timestep=(sigmas * 1000) / 1000,
+            guidance=torch.full([1], 4.0).expand(B) if guidance else None,
+            encoder_hidden_states=prompt,
+            txt_ids=pipe_cls._prepare_text_ids(prompt),
+            img_ids=ids,
+            return_dict=False,
+        )[0]
+        reference = pipe_cls._unpack_latents_with_ids(reference, ids, H, W) if pipeline == "Flux2KleinPipeline" \
+            else pipe_cls._unpack_latents_with_ids(reference, ids)
+    assert pred.shape == noisy.shape
+    torch.testing.assert_close(pred, reference)
+    if guidance:  # the guidance value reaches the model
+        other = flux2_forward(model, noisy, sigmas, prompt, guidance_scale=1.0)
+        assert not torch.allclose(other, pred)
+    assert adapter().seq_len(noisy) == H * W
+
+
+def test_resolution_shift_is_the_pipelines_empirical_mu_at_50_steps():
+    from diffusers import FlowMatchEulerDiscreteScheduler
+    from diffusers.pipelines.flux2.pipeline_flux2 import compute_empirical_mu
+
+    adapter = Flux2KleinAdapter()
+    for seq in (16, 1024, 4096, 6000):
+        assert adapter.resolution_mu(seq, TrainerConfig()) == compute_empirical_mu(seq, SHIFT_NUM_STEPS)
+    # the scheduler's shifted sigmas at that mu are the trainer's shift map with shift = exp(mu)
+    sched = FlowMatchEulerDiscreteScheduler(shift=3.0, use_dynamic_shifting=True, time_shift_type="exponential")
+    mu = adapter.resolution_mu(4096, TrainerConfig())
+    base = np.linspace(1.0, 1 / SHIFT_NUM_STEPS, SHIFT_NUM_STEPS)
+    sched.set_timesteps(SHIFT_NUM_STEPS, sigmas=base, mu=mu)
+    expected = shift_sigmas(torch.tensor(base, dtype=torch.float32), float(np.exp(mu)))
+    torch.testing.assert_close(sched.sigmas[:-1].float(), expected, atol=1e-5, rtol=1e-5)
+    assert 7.5 < np.exp(mu) < 7.6  # 1024² at 50 steps: a strong shift, far from FLUX.1's exp(1.15) = 3.16
+
+
+def test_mismatched_cache_is_refused_with_the_difference():
+    model = _tiny_transformer(False)
+    check_flux2_batch_fits(model, torch.zeros(1, 64, 2, 2), torch.zeros(1, 3, 24))
+    with pytest.raises(ValueError, match="latents have 16 channels .* in_channels is 64"):
+        check_flux2_batch_fits(model, torch.zeros(1, 16, 4, 4), torch.zeros(1, 3, 24))
+    with pytest.raises(ValueError, match="prompt_embeds width is 4096, transformer joint_attention_dim is 24"):
+        check_flux2_batch_fits(model, torch.zeros(1, 64, 2, 2), torch.zeros(1, 3, 4096))
+
+
+def test_lora_targets_reach_both_block_kinds():
+    from latentmill.trainer.adapter import make_trainable
+
+    model = make_trainable(_tiny_transformer(False), mode="lora", lora_rank=2, lora_target_modules=list(LORA_TARGETS))
+    wrapped = {n.rsplit(".lora_A", 1)[0] for n, _ in model.named_parameters() if ".lora_A." in n}
+    assert "single_transformer_blocks.0.attn.to_out" in wrapped  # linear2 of the BFL layout
+    assert "single_transformer_blocks.0.attn.to_qkv_mlp_proj" in wrapped  # linear1
+    double = {n.removeprefix("transformer_blocks.0.") for n in wrapped if n.startswith("transformer_blocks.0.")}
+    assert double == {"attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0", "attn.add_q_proj", "attn.add_k_proj",
+                      "attn.add_v_proj", "attn.to_add_out", "ff.linear_in", "ff.linear_out", "ff_context.linear_in",
+                      "ff_context.linear_out"}
+
+
+# ---------------------------------------------------------------------------------------------------- training
+
+
+def test_klein_full_training_exports_a_pipeline_that_loads(tiny_flux2_klein, klein_cache, tmp_path):
+    from diffusers import DiffusionPipeline, Flux2KleinPipeline
+    from safetensors.torch import load_file
+
+    sd, _, _ = klein_cache
+    cfg = TrainerConfig(mode="full", max_steps=4, batch_size=2, learning_rate=1e-3, save_every=4,
+                        shift_mode="resolution")
+    summary = train(cfg, cache_dir=sd.root, pretrained=str(tiny_flux2_klein), train_dir=tmp_path / "train",
+                    export_dir=tmp_path / "export", progress=False)
+    losses = [r["loss"] for r in read_metrics(tmp_path / "train")]
+    assert summary["family"] == "flux2-klein" and len(losses) == 4 and all(0 < x < 10 for x in losses)
+    pipe = DiffusionPipeline.from_pretrained(summary["export_dir"])
+    assert isinstance(pipe, Flux2KleinPipeline)
+    trained = load_file(tmp_path / "train" / "checkpoints" / "step-000004" / "model.safetensors")
+    exported = pipe.transformer.state_dict()
+    base = Flux2KleinPipeline.from_pretrained(tiny_flux2_klein).transformer.state_dict()
+    assert any(not torch.equal(base[k], exported[k]) for k in trained)
+    files = load_file(tmp_path / "export" / "transformer" / "diffusion_pytorch_model.safetensors")
+    assert {v.dtype for v in files.values()} == {torch.bfloat16}  # trainer.export_dtype's default
+    assert all(torch.equal(exported[k], v.to(torch.bfloat16).to(exported[k].dtype)) for k, v in trained.items())
+    image = pipe(prompt="a red square", height=64, width=48, num_inference_steps=2, max_sequence_length=SEQ,
+                 generator=torch.Generator().manual_seed(0)).images[0]
+    assert image.size == (48, 64)
+
+
+def test_klein_lora_export_loads_into_the_base_pipeline(tiny_flux2_klein, klein_cache, tmp_path):
+    from diffusers import Flux2KleinPipeline
+
+    sd, _, _ = klein_cache
+    cfg = TrainerConfig(mode="lora", max_steps=3, batch_size=2, learning_rate=1e-2, lora_rank=4, save_every=0,
+                        lora_target_modules=list(LORA_TARGETS), validate_every=3, validation_prompts=["a red square"],
+                        validation_steps=1, validation_size=[48, 64])
+    summary = train(cfg, cache_dir=sd.root, pretrained=str(tiny_flux2_klein), train_dir=tmp_path / "train",
+                    export_dir=tmp_path / "lora", progress=False)
+    assert (tmp_path / "lora" / "pytorch_lora_weights.safetensors").is_file()
+    from PIL import Image
+
+    (grid,) = summary["validation"]
+    assert Image.open(grid).size == (48, 64)
+    pipe = Flux2KleinPipeline.from_pretrained(tiny_flux2_klein)
+    before = pipe(prompt="a red square", height=64, width=48, num_inference_steps=2, max_sequence_length=SEQ,
+                  generator=torch.Generator().manual_seed(0), output_type="np").images
+    pipe.load_lora_weights(summary["export_dir"])
+    (name,) = pipe.get_active_adapters()
+    assert pipe.transformer.peft_config[name].r == 4
+    loaded = {n for n, _ in pipe.transformer.named_modules() if n.endswith(".lora_A")}
+    assert "single_transformer_blocks.1.attn.to_out.lora_A" in loaded
+    after = pipe(prompt="a red square", height=64, width=48, num_inference_steps=2, max_sequence_length=SEQ,
+                 generator=torch.Generator().manual_seed(0), output_type="np").images
+    assert after.shape == before.shape == (1, 64, 48, 3) and not np.allclose(after, before)
