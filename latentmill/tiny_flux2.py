@@ -8,8 +8,9 @@ run in seconds on a CPU, with nothing downloaded. ``build_tiny_flux2`` builds on
 * ``data/tiny-flux2-klein.yaml`` (``variant: klein``): ``Flux2KleinPipeline`` with a ``Qwen3ForCausalLM`` text
   encoder and a ``Qwen2Tokenizer`` (byte-level BPE learned on the tiny Flux corpus, Qwen3's chat template);
 * ``data/tiny-flux2.yaml`` (``variant: dev``): ``Flux2Pipeline`` with a ``Mistral3ForConditionalGeneration``
-  text encoder (Mistral text model + Pixtral vision tower) and a ``PixtralProcessor`` (byte-level BPE
-  tokenizer, Mistral Small 3's chat template with its ``[SYSTEM_PROMPT]`` / ``[INST]`` tokens).
+  text encoder (Mistral text model + Pixtral vision tower) and a byte-level BPE tokenizer with Mistral Small 3's
+  chat template and its ``[SYSTEM_PROMPT]`` / ``[INST]`` tokens (the real repo's ``PixtralProcessor`` wraps such a
+  tokenizer; transformers builds that processor only with torchvision installed).
 
 Every component is constructed after ``torch.manual_seed(seed)``: the same recipe and seed give byte-identical
 weight files. The folder is written beside ``out_dir`` and renamed into place when complete. The result loads
@@ -59,13 +60,13 @@ QWEN3_SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</t
 
 # Mistral Small 3.x's chat template for text parts (images as [IMG] placeholders the processor expands).
 MISTRAL3_CHAT_TEMPLATE = (
-    "{{- bos_token }}{%- for message in messages %}"
-    "{%- if message['content'] is string %}{%- set text = message['content'] %}{%- else %}{%- set text = '' %}"
-    "{%- for part in message['content'] %}{%- if part['type'] == 'text' %}{%- set text = text + part['text'] %}"
-    "{%- elif part['type'] == 'image' %}{%- set text = text + '[IMG]' %}{%- endif %}{%- endfor %}{%- endif %}"
-    "{%- if message['role'] == 'system' %}{{- '[SYSTEM_PROMPT]' + text + '[/SYSTEM_PROMPT]' }}"
-    "{%- elif message['role'] == 'user' %}{{- '[INST]' + text + '[/INST]' }}"
-    "{%- elif message['role'] == 'assistant' %}{{- text + eos_token }}{%- endif %}{%- endfor %}"
+    "{{- bos_token }}{%- for message in messages %}{%- set ns = namespace(text='') %}"
+    "{%- if message['content'] is string %}{%- set ns.text = message['content'] %}{%- else %}"
+    "{%- for part in message['content'] %}{%- if part['type'] == 'text' %}{%- set ns.text = ns.text + part['text'] %}"
+    "{%- elif part['type'] == 'image' %}{%- set ns.text = ns.text + '[IMG]' %}{%- endif %}{%- endfor %}{%- endif %}"
+    "{%- if message['role'] == 'system' %}{{- '[SYSTEM_PROMPT]' + ns.text + '[/SYSTEM_PROMPT]' }}"
+    "{%- elif message['role'] == 'user' %}{{- '[INST]' + ns.text + '[/INST]' }}"
+    "{%- elif message['role'] == 'assistant' %}{{- ns.text + eos_token }}{%- endif %}{%- endfor %}"
 )
 MISTRAL3_SPECIALS = ("<unk>", "<s>", "</s>", "[INST]", "[/INST]", "[SYSTEM_PROMPT]", "[/SYSTEM_PROMPT]", "[IMG]",
                      "[IMG_BREAK]", "[IMG_END]", "<pad>")
@@ -121,14 +122,15 @@ def load_recipe(recipe: str | os.PathLike[str] = DEFAULT_RECIPE_PATH) -> dict[st
 # Tokenizers
 
 
-def _byte_bpe(empty: Any, vocab_size: int, specials: Sequence[str], what: str) -> tuple[dict[str, int], list]:
-    """(vocab, merges) of a byte-level BPE of exactly ``vocab_size`` tokens learned on the tiny corpus, words
-    split by ``empty``'s pre-tokenizer; the special tokens take the last ids."""
+def _byte_bpe(empty: Any, vocab_size: int, specials: Sequence[str], what: str,
+              corpus: Sequence[str] = CORPUS) -> tuple[dict[str, int], list]:
+    """(vocab, merges) of a byte-level BPE of exactly ``vocab_size`` tokens learned on ``corpus``, words split by
+    ``empty``'s pre-tokenizer; the special tokens take the last ids."""
     alphabet = [bytes_to_unicode()[b] for b in range(256)]
     n_new = vocab_size - len(alphabet) - len(specials)
     if n_new < 0:
         raise ConfigError(f"{what}: {vocab_size} < {len(alphabet) + len(specials)} (bytes + special tokens)")
-    words = pretokenize(empty.backend_tokenizer, CORPUS)
+    words = pretokenize(empty.backend_tokenizer, corpus)
     merges, learned, _ = learn_bpe(Counter({tuple(w): c for w, c in words.items()}), set(alphabet), n_new, what)
     return {t: i for i, t in enumerate(alphabet + learned + list(specials))}, merges
 
@@ -147,14 +149,18 @@ def build_qwen3_tokenizer(vocab_size: int, settings: dict[str, Any]) -> Any:
     return tokenizer
 
 
-def build_mistral3_processor(data: dict[str, Any]) -> Any:
-    """A ``PixtralProcessor``: byte-level BPE tokenizer (Mistral's special tokens) + Pixtral image processor."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PixtralProcessor, PreTrainedTokenizerFast
-    from transformers.models.pixtral.image_processing_pil_pixtral import PixtralImageProcessorPil
+def build_mistral3_tokenizer(data: dict[str, Any]) -> Any:
+    """A byte-level BPE tokenizer with Mistral's special tokens and Mistral Small 3's chat template.
 
-    text = data["components"]["text_encoder"]["text_config"]
-    vision = data["components"]["text_encoder"]["vision_config"]
+    FLUX.2 [dev] ships a ``PixtralProcessor`` (this tokenizer + a Pixtral image processor) in ``tokenizer/``; the
+    pipeline only uses its ``apply_chat_template`` on text, which a tokenizer with the same template does alike
+    (the processor renders the template and calls the tokenizer). transformers' ``PixtralProcessor`` requires
+    torchvision, which a CPU-only install of latentmill does not have, so the tiny set ships the tokenizer alone.
+    """
+    from diffusers.pipelines.flux2.system_messages import SYSTEM_MESSAGE
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
     settings = data["tokenizers"]["tokenizer"]
 
     def tokenizer_of(vocab: dict[str, int], merges: list) -> Any:
@@ -166,17 +172,15 @@ def build_mistral3_processor(data: dict[str, Any]) -> Any:
                                        model_max_length=int(settings["model_max_length"]))
 
     alphabet = {bytes_to_unicode()[b]: b for b in range(256)}
-    vocab, merges = _byte_bpe(tokenizer_of(alphabet, []), text["vocab_size"], MISTRAL3_SPECIALS,
-                              "components.text_encoder.text_config.vocab_size")
+    vocab, merges = _byte_bpe(tokenizer_of(alphabet, []), data["components"]["text_encoder"]["text_config"]["vocab_size"],
+                              MISTRAL3_SPECIALS, "components.text_encoder.text_config.vocab_size",
+                              # the pipeline's system message, weighted, is learned too: fewer tokens in every prompt
+                              corpus=(*CORPUS, *[SYSTEM_MESSAGE] * 8))
     tokenizer = tokenizer_of(vocab, merges)
     tokenizer.add_special_tokens({"additional_special_tokens": [t for t in MISTRAL3_SPECIALS
                                                                 if t not in ("<unk>", "<s>", "</s>", "<pad>")]})
-    image_processor = PixtralImageProcessorPil(patch_size=vision["patch_size"],
-                                               size={"longest_edge": vision["image_size"]})
-    return PixtralProcessor(image_processor=image_processor, tokenizer=tokenizer, patch_size=vision["patch_size"],
-                            spatial_merge_size=data["components"]["text_encoder"].get("spatial_merge_size", 2),
-                            chat_template=MISTRAL3_CHAT_TEMPLATE, image_token="[IMG]",
-                            image_break_token="[IMG_BREAK]", image_end_token="[IMG_END]")
+    tokenizer.chat_template = MISTRAL3_CHAT_TEMPLATE
+    return tokenizer
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -220,8 +224,7 @@ def _build_pipeline(data: dict[str, Any], seed: int) -> Any:
     from diffusers import Flux2Pipeline
     from transformers import Mistral3Config, Mistral3ForConditionalGeneration
 
-    processor = build_mistral3_processor(data)
-    tokenizer = processor.tokenizer
+    tokenizer = build_mistral3_tokenizer(data)
     if len(tokenizer) != te["text_config"]["vocab_size"]:
         raise AssertionError(f"tokenizer: {len(tokenizer)} tokens, text encoder expects "
                              f"{te['text_config']['vocab_size']}")
@@ -232,7 +235,7 @@ def _build_pipeline(data: dict[str, Any], seed: int) -> Any:
                                                                             "model_type": "pixtral"},
                                "image_token_index": ids["image"]})
     text_encoder = seeded(lambda: Mistral3ForConditionalGeneration(config).eval())
-    return Flux2Pipeline(scheduler=scheduler, vae=vae, text_encoder=text_encoder, tokenizer=processor,
+    return Flux2Pipeline(scheduler=scheduler, vae=vae, text_encoder=text_encoder, tokenizer=tokenizer,
                          transformer=transformer)
 
 

@@ -11,8 +11,8 @@ import torch
 from latentmill.stages.bucket import BucketConfig
 from latentmill.stages.cache import CacheConfig, load_pixels
 from latentmill.stages.curate import CurateConfig
-from latentmill.stages.family_flux2 import Flux2Encoders, Flux2KleinEncoders
 from latentmill.stages.families import FAMILIES, PIPELINE_FAMILIES
+from latentmill.stages.family_flux2 import Flux2Encoders, Flux2KleinEncoders
 from latentmill.stages.ingest import IngestConfig
 from latentmill.stages.shardio import StageDir
 from latentmill.stages.tarshard import read_shard
@@ -34,7 +34,8 @@ from latentmill.recipe import Recipe
 from tests.helpers import prep_in_process
 from tests.trainer_helpers import read_metrics, torch_threads
 
-SEQ = 32  # cache.max_sequence_length of these tests (the chat template alone is ~20 tokens)
+SEQ = 32  # klein's cache.max_sequence_length in these tests (its chat template alone is 15 tokens)
+DEV_SEQ = 64  # dev's (its system message and template are 32 tokens of the tiny tokenizer)
 
 
 @pytest.fixture(autouse=True)
@@ -93,16 +94,28 @@ def klein_cache(tiny_flux2_klein, tmp_path_factory):
     return _prep(root, tiny_flux2_klein, cfg)
 
 
-def test_klein_cache_equals_the_pipeline_encoding(tiny_flux2_klein, klein_cache):
-    from diffusers import Flux2KleinPipeline
+@pytest.fixture(scope="module")
+def dev_cache(tiny_flux2_dev, tmp_path_factory):
+    root = tmp_path_factory.mktemp("dev-prep")
+    cfg = CacheConfig(dtype="float32", batch_size=4, max_sequence_length=DEV_SEQ, shard_bytes=1 << 20)
+    return _prep(root, tiny_flux2_dev, cfg)
 
-    sd, manifest, _ = klein_cache
+
+@pytest.mark.slow  # builds the tiny models through request.getfixturevalue
+@pytest.mark.parametrize(("variant", "family", "text_class", "seq"),
+                         [("klein", "flux2-klein", "Qwen3ForCausalLM", SEQ),
+                          ("dev", "flux2", "Mistral3ForConditionalGeneration", DEV_SEQ)])
+def test_cache_equals_the_pipeline_encoding(request, variant, family, text_class, seq):
+    from diffusers import DiffusionPipeline
+
+    pretrained = request.getfixturevalue(f"tiny_flux2_{variant}")
+    sd, manifest, _ = request.getfixturevalue(f"{variant}_cache")
     assert manifest["counts"] == {"in": 24, "out": 24, "quarantined": 0}
-    assert manifest["family"] == "flux2-klein" and manifest["text"] == {"trimmed": False, "pad_to": SEQ}
+    assert manifest["family"] == family and manifest["text"] == {"trimmed": False, "pad_to": seq}
     assert [s["name"] for s in manifest["streams"]] == ["latents", "prompt_embeds"]
     assert manifest["models"]["vae"]["class"] == "AutoencoderKLFlux2"
-    assert manifest["models"]["text_encoder"]["class"] == "Qwen3ForCausalLM"
-    pipe = Flux2KleinPipeline.from_pretrained(tiny_flux2_klein)
+    assert manifest["models"]["text_encoder"]["class"] == text_class
+    pipe = DiffusionPipeline.from_pretrained(pretrained)
     assert pipe.vae.bn.running_mean.abs().max() > 0.05  # the tiny VAE's normalisation is not the identity
     samples = _first_samples(sd, manifest, 3)
     for sample in samples:
@@ -110,11 +123,11 @@ def test_klein_cache_equals_the_pipeline_encoding(tiny_flux2_klein, klein_cache)
         latents = load_tensors(sample["vae.safetensors"])["latents"]
         text = load_tensors(sample["text.safetensors"])
         assert latents.shape == (64, height // 16, width // 16) and set(text) == {"prompt_embeds"}
-        with torch.no_grad():
+        with torch.no_grad():  # the pipeline's own VAE path (mode, patchify, batch-norm statistics) and encode_prompt
             expected = pipe._encode_vae_image(_pixels_of(sd, sample)[None], generator=None)[0]
-            embeds, text_ids = pipe.encode_prompt(json.loads(sample["json"])["caption"], max_sequence_length=SEQ)
+            embeds, _ = pipe.encode_prompt(json.loads(sample["json"])["caption"], max_sequence_length=seq)
         torch.testing.assert_close(latents, expected, atol=1e-5, rtol=1e-5)
-        assert text["prompt_embeds"].shape == (SEQ, 48)
+        assert text["prompt_embeds"].shape == (seq, 48)
         torch.testing.assert_close(text["prompt_embeds"], embeds[0], atol=1e-5, rtol=1e-5)
     # two captions, two embeddings: the cached text is each caption's own
     a, b = (load_tensors(s["text.safetensors"])["prompt_embeds"] for s in samples[:2])
@@ -212,27 +225,33 @@ def test_lora_targets_reach_both_block_kinds():
 # ---------------------------------------------------------------------------------------------------- training
 
 
-def test_klein_full_training_exports_a_pipeline_that_loads(tiny_flux2_klein, klein_cache, tmp_path):
-    from diffusers import DiffusionPipeline, Flux2KleinPipeline
+@pytest.mark.slow
+@pytest.mark.parametrize(("variant", "family", "pipeline", "seq"), [("klein", "flux2-klein", "Flux2KleinPipeline", SEQ),
+                                                                    ("dev", "flux2", "Flux2Pipeline", DEV_SEQ)])
+def test_full_training_exports_a_pipeline_that_loads(request, variant, family, pipeline, seq, tmp_path):
+    import diffusers
+    from diffusers import DiffusionPipeline
     from safetensors.torch import load_file
 
-    sd, _, _ = klein_cache
+    pipe_cls = getattr(diffusers, pipeline)
+    pretrained = request.getfixturevalue(f"tiny_flux2_{variant}")
+    sd, _, _ = request.getfixturevalue(f"{variant}_cache")
     cfg = TrainerConfig(mode="full", max_steps=4, batch_size=2, learning_rate=1e-3, save_every=4,
                         shift_mode="resolution")
-    summary = train(cfg, cache_dir=sd.root, pretrained=str(tiny_flux2_klein), train_dir=tmp_path / "train",
+    summary = train(cfg, cache_dir=sd.root, pretrained=str(pretrained), train_dir=tmp_path / "train",
                     export_dir=tmp_path / "export", progress=False)
     losses = [r["loss"] for r in read_metrics(tmp_path / "train")]
-    assert summary["family"] == "flux2-klein" and len(losses) == 4 and all(0 < x < 10 for x in losses)
+    assert summary["family"] == family and len(losses) == 4 and all(0 < x < 10 for x in losses)
     pipe = DiffusionPipeline.from_pretrained(summary["export_dir"])
-    assert isinstance(pipe, Flux2KleinPipeline)
+    assert type(pipe) is pipe_cls
     trained = load_file(tmp_path / "train" / "checkpoints" / "step-000004" / "model.safetensors")
     exported = pipe.transformer.state_dict()
-    base = Flux2KleinPipeline.from_pretrained(tiny_flux2_klein).transformer.state_dict()
+    base = pipe_cls.from_pretrained(pretrained).transformer.state_dict()
     assert any(not torch.equal(base[k], exported[k]) for k in trained)
     files = load_file(tmp_path / "export" / "transformer" / "diffusion_pytorch_model.safetensors")
     assert {v.dtype for v in files.values()} == {torch.bfloat16}  # trainer.export_dtype's default
     assert all(torch.equal(exported[k], v.to(torch.bfloat16).to(exported[k].dtype)) for k, v in trained.items())
-    image = pipe(prompt="a red square", height=64, width=48, num_inference_steps=2, max_sequence_length=SEQ,
+    image = pipe(prompt="a red square", height=64, width=48, num_inference_steps=2, max_sequence_length=seq,
                  generator=torch.Generator().manual_seed(0)).images[0]
     assert image.size == (48, 64)
 
