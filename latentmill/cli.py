@@ -229,8 +229,11 @@ def _sample_image(train: dict[str, Any], output_dir: Path) -> Path:
             base = json.loads((Path(train["run_dir"]) / "run.json").read_text())["summary"]["pretrained"]
             pipe = DiffusionPipeline.from_pretrained(base)
             pipe.load_lora_weights(export)
-        image = pipe("a red circle on a blue background", height=128, width=128, num_inference_steps=8,
-                     generator=torch.Generator().manual_seed(0), max_sequence_length=32).images[0]
+        # prompt by keyword: Flux2KleinPipeline's first argument is a reference image. FLUX.2 [dev]'s system
+        # message alone fills 32 tokens (of the tiny tokenizer; ~40 of the real one): 64 leave room for the prompt.
+        tokens = 64 if type(pipe).__name__ == "Flux2Pipeline" else 32
+        image = pipe(prompt="a red circle on a blue background", height=128, width=128, num_inference_steps=8,
+                     generator=torch.Generator().manual_seed(0), max_sequence_length=tokens).images[0]
         image.save(path)
     relink(output_dir / "sample.png", path)
     return output_dir / "sample.png"

@@ -5,7 +5,8 @@
   anything else must look like a Hugging Face id (``owner/name``). A tiny-model recipe
   (``model.tiny_recipe``) builds only into its own folder (:func:`tiny_target`), so a typo in
   ``model.pretrained`` never becomes a new model with random weights; a hub id or an existing folder in
-  ``model.pretrained`` takes the normal ``from_pretrained`` path and the tiny recipe is not used;
+  ``model.pretrained`` takes the normal ``from_pretrained`` path and the tiny recipe is not used; the components
+  in local folders are all of the recipe's family (``latentmill.stages.family_classes``);
 * ``ingest.source`` (``prep``, ``run``): set, present when it is a local path, and a local folder holds at
   least one image or video;
 * ``train``: a published snapshot to train on (``run`` publishes one first);
@@ -20,6 +21,7 @@ from pathlib import Path
 
 from latentmill.core.config import ConfigError
 from latentmill.models import ModelConfig
+from latentmill.stages.family_classes import check_family_components
 from latentmill.recipe import Recipe
 
 # owner/name, as the Hub allows them (letters, digits, '-', '_', '.'; not starting with '.' or '-')
@@ -130,6 +132,7 @@ def check_recipe(recipe: Recipe, command: str) -> None:
     check_model_ref("model.pretrained", model.pretrained, model.tiny_recipe, pipeline=True)
     for name in ("vae", "text_encoder", "text_encoder_2"):
         check_model_ref(f"model.{name}", getattr(model, name))
+    check_family_components(model)  # every local component of one family: no FLUX.1 VAE under FLUX.2
     if command in ("prep", "run", "demo"):
         source = recipe.ingest.require_source()
         local = _local_source(source)

@@ -256,12 +256,6 @@ def ensure_tiny_flux2(out_dir: str | os.PathLike[str], recipe: str | os.PathLike
     return pipeline_folder(out_dir, lambda: _build_pipeline(load_recipe(recipe), seed), replace=False)
 
 
-def ensure_tiny_flux2_dev(out_dir: str | os.PathLike[str], recipe: str | os.PathLike[str] = DEV_RECIPE_PATH,
-                          seed: int = 0) -> Path:
-    """``ensure_tiny_flux2`` with the FLUX.2 [dev] recipe as the default."""
-    return ensure_tiny_flux2(out_dir, recipe, seed)
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     """``python -m latentmill.tiny_flux2 OUT_DIR [--seed N] [--recipe PATH] [--if-missing]``."""
     return tiny_cli(argv, "python -m latentmill.tiny_flux2", __doc__.splitlines()[0], build_tiny_flux2,

@@ -281,3 +281,72 @@ def test_klein_lora_export_loads_into_the_base_pipeline(tiny_flux2_klein, klein_
     after = pipe(prompt="a red square", height=64, width=48, num_inference_steps=2, max_sequence_length=SEQ,
                  generator=torch.Generator().manual_seed(0), output_type="np").images
     assert after.shape == before.shape == (1, 64, 48, 3) and not np.allclose(after, before)
+
+
+# ---------------------------------------------------------------------------------------------------- bad input
+
+
+def _fake_pipeline(root, pipeline, classes):
+    """A pipeline folder of config files only: model_index.json and each component's config.json."""
+    root.mkdir(parents=True)
+    (root / "model_index.json").write_text(json.dumps({"_class_name": pipeline}))
+    for name, cls in classes.items():
+        (root / name).mkdir()
+        key = {"_class_name": cls} if "Model" in cls and "For" not in cls or cls.startswith("Autoencoder") \
+            else {"architectures": [cls]}
+        (root / name / "config.json").write_text(json.dumps(key))
+    return root
+
+
+def test_family_tables_agree():
+    from latentmill.stages.family_classes import COMPONENT_CLASSES, PIPELINE_CLASSES
+
+    assert set(COMPONENT_CLASSES) == set(FAMILIES) and PIPELINE_CLASSES == PIPELINE_FAMILIES
+    for family, cls in FAMILIES.items():
+        assert set(COMPONENT_CLASSES[family]) == {"transformer", *cls.COMPONENTS}
+
+
+def test_a_recipe_mixing_families_stops_in_preflight_with_one_line(tmp_path):
+    from latentmill.core.config import ConfigError
+    from latentmill.preflight import check_recipe
+
+    klein = _fake_pipeline(tmp_path / "klein", "Flux2KleinPipeline",
+                           {"transformer": "Flux2Transformer2DModel", "vae": "AutoencoderKLFlux2",
+                            "text_encoder": "Qwen3ForCausalLM"})
+    flux1 = _fake_pipeline(tmp_path / "flux1", "FluxPipeline",
+                           {"transformer": "FluxTransformer2DModel", "vae": "AutoencoderKL",
+                            "text_encoder": "CLIPTextModel", "text_encoder_2": "T5EncoderModel"})
+    dev = _fake_pipeline(tmp_path / "dev", "Flux2Pipeline",
+                         {"transformer": "Flux2Transformer2DModel", "vae": "AutoencoderKLFlux2",
+                          "text_encoder": "Mistral3ForConditionalGeneration"})
+
+    def check(**model):
+        check_recipe(Recipe(output_dir=str(tmp_path / "out"), model=ModelConfig(**model)), "train-free")
+
+    check(pretrained=str(klein))
+    check(pretrained=str(klein), vae=str(dev / "vae"))  # dev and klein share the VAE class
+    with pytest.raises(ConfigError) as err:
+        check(pretrained=str(klein), vae=str(flux1 / "vae"))
+    assert str(err.value) == (f"model.vae: {flux1 / 'vae'} is a AutoencoderKL (a flux vae); the 'flux2-klein' family's "
+                              "vae is a AutoencoderKLFlux2: the recipe mixes components of different model families")
+    with pytest.raises(ConfigError, match="model.text_encoder: .* is a Mistral3ForConditionalGeneration \\(a flux2 "
+                                          "text_encoder\\); the 'flux2-klein' family's text_encoder is a Qwen3"):
+        check(pretrained=str(klein), text_encoder=str(dev))
+    with pytest.raises(ConfigError, match="model.pretrained: .*transformer is a FluxTransformer2DModel \\(a flux "
+                                          "transformer\\); the 'flux2' family's transformer is a Flux2Transformer"):
+        check(pretrained=str(flux1), family="flux2")
+    with pytest.raises(ConfigError, match="model.vae: .* is a AutoencoderKLFlux2 \\(a flux2/flux2-klein vae\\); "
+                                          "the 'flux' family's vae is a AutoencoderKL"):
+        check(pretrained=str(flux1), vae=str(klein))  # a pipeline folder as the override: its vae/ subfolder
+
+
+def test_the_cli_refuses_a_flux1_vae_under_flux2_before_any_work(tmp_path):
+    from tests.test_cli_errors import _cli, _one_error_line
+
+    flux1 = _fake_pipeline(tmp_path / "flux1", "FluxPipeline", {"vae": "AutoencoderKL"})
+    out = tmp_path / "out"
+    line = _one_error_line(_cli("prep", "configs/demo-flux2-klein.yaml", f"output_dir={out}",
+                                f"model.vae={flux1 / 'vae'}"))
+    assert line.startswith(f"latentmill: error: model.vae: {flux1 / 'vae'} is a AutoencoderKL (a flux vae); the "
+                           "'flux2-klein' family's vae is a AutoencoderKLFlux2")
+    assert not out.exists()  # nothing ran, nothing was written
