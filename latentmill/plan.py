@@ -44,6 +44,17 @@ SHIPPED_CONFIGS: dict[str, tuple[str, torch.dtype]] = {
     "black-forest-labs/FLUX.1-dev": ("FLUX.1-dev", torch.bfloat16),
     "Wan-AI/Wan2.1-T2V-14B-Diffusers": ("Wan2.1-T2V-14B-Diffusers", torch.float32),
     "Wan-AI/Wan2.1-T2V-1.3B-Diffusers": ("Wan2.1-T2V-1.3B-Diffusers", torch.float32),
+    # FLUX.2, published in bfloat16. The transformer configs are Flux2Transformer2DModel's defaults (written for
+    # FLUX.2 [dev]: 8 double + 48 single blocks, 48 heads x 128, joint_attention_dim 15360 = 3 x Mistral Small's
+    # 5120) with klein's sizes: 4B 5 + 20 blocks, 24 heads, 7680 = 3 x Qwen3-4B's 2560; 9B 8 + 24 blocks, 32 heads,
+    # 12288 = 3 x Qwen3-8B's 4096; no guidance embedding. On meta: 32.2B, 3.88B and 9.08B parameters, the published
+    # sizes (tests/test_plan.py). The step-distilled klein repos share the architecture of the base ones (their
+    # model_index.json says is_distilled: true); training starts from the base models.
+    "black-forest-labs/FLUX.2-dev": ("FLUX.2-dev", torch.bfloat16),
+    "black-forest-labs/FLUX.2-klein-base-4B": ("FLUX.2-klein-base-4B", torch.bfloat16),
+    "black-forest-labs/FLUX.2-klein-base-9B": ("FLUX.2-klein-base-9B", torch.bfloat16),
+    "black-forest-labs/FLUX.2-klein-4B": ("FLUX.2-klein-base-4B", torch.bfloat16),
+    "black-forest-labs/FLUX.2-klein-9B": ("FLUX.2-klein-base-9B", torch.bfloat16),
 }
 # safetensors header dtype names
 _ST_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "F64": torch.float64}

@@ -176,3 +176,48 @@ def test_one_process_plan_of_a_folder_with_weights(tiny_flux):
     assert r["params_bytes"] == r["grads_bytes"] == r["host_load_peak_bytes"] == n * 4
     assert r["optimizer_bytes"] == 2 * n * 4 and r["gathered_bytes"] == 0
     assert not dist.is_initialized()
+
+
+# FLUX.2: the transformer sizes BFL publishes (dev 32B, klein 4B and 9B), from the shipped configs on meta.
+FLUX2_PARAMS = {"FLUX.2-dev": 32_223_281_152, "FLUX.2-klein-base-4B": 3_875_544_576,
+                "FLUX.2-klein-base-9B": 9_078_581_248}
+
+
+@pytest.mark.parametrize(("recipe", "folder", "published"), [
+    ("configs/flux2-dev-full.yaml", "FLUX.2-dev", 32e9), ("configs/flux2-klein-4b-full.yaml", "FLUX.2-klein-base-4B", 4e9),
+    ("configs/flux2-klein-9b-full.yaml", "FLUX.2-klein-base-9B", 9e9)])
+def test_flux2_full_plans_count_the_published_sizes(recipe, folder, published):
+    import diffusers
+
+    cls = diffusers.Flux2Transformer2DModel
+    with torch.device("meta"):
+        model = cls.from_config(cls.load_config(str(shipped_models_dir() / folder), subfolder="transformer"))
+    total = sum(p.numel() for p in model.parameters())
+    assert total == FLUX2_PARAMS[folder] and abs(total - published) / published < 0.05
+    nnodes = 2 if "dev" in recipe else 1
+    result = plan_config(recipe, nproc=8, nnodes=nnodes)
+    assert not dist.is_initialized()
+    assert result["total_params"] == result["trainable_params"] == total
+    assert result["config"]["family"] == ("flux2" if "dev" in recipe else "flux2-klein")
+    assert result["per_rank"]["params_bytes"] == _rank0_elements(model, 8 * nnodes) * 4  # float32 shards
+    assert result["fits"] and result["config"]["shipped_configs"]
+
+
+def test_flux2_klein_lora_reaches_the_single_blocks():
+    from latentmill.trainer.flux2 import LORA_TARGETS
+
+    result = plan_config("configs/flux2-klein-4b-lora.yaml", nproc=8)
+    import diffusers
+
+    cls = diffusers.Flux2Transformer2DModel
+    with torch.device("meta"):
+        model = cls.from_config(cls.load_config(str(shipped_models_dir() / "FLUX.2-klein-base-4B"),
+                                                subfolder="transformer"))
+    modules = dict(model.named_modules())
+    wrapped = [m for name, m in modules.items() if isinstance(m, torch.nn.Linear)
+               and any(name.endswith("." + t) for t in LORA_TARGETS)]
+    assert len(wrapped) == 5 * 12 + 20 * 2  # 12 Linear layers per double block, 2 per single block
+    lora = sum(32 * (m.in_features + m.out_features) for m in wrapped)
+    assert result["trainable_params"] == lora
+    assert result["total_params"] == FLUX2_PARAMS["FLUX.2-klein-base-4B"] + lora
+    assert result["config"]["strategy"] == "ddp" and result["fits"]

@@ -35,6 +35,12 @@ def test_recipe_loads(path):
         ("flux-dev-full.yaml", "black-forest-labs/FLUX.1-dev", "flux", "full", "fsdp2"),
         ("wan2.1-1.3b.yaml", "Wan-AI/Wan2.1-T2V-1.3B-Diffusers", "wan", "full", "fsdp2"),
         ("wan2.1-14b.yaml", "Wan-AI/Wan2.1-T2V-14B-Diffusers", "wan", "full", "fsdp2"),
+        ("flux2-klein-4b-lora.yaml", "black-forest-labs/FLUX.2-klein-base-4B", "flux2-klein", "lora", "ddp"),
+        ("flux2-klein-4b-full.yaml", "black-forest-labs/FLUX.2-klein-base-4B", "flux2-klein", "full", "fsdp2"),
+        ("flux2-klein-9b-lora.yaml", "black-forest-labs/FLUX.2-klein-base-9B", "flux2-klein", "lora", "ddp"),
+        ("flux2-klein-9b-full.yaml", "black-forest-labs/FLUX.2-klein-base-9B", "flux2-klein", "full", "fsdp2"),
+        ("flux2-dev-lora.yaml", "black-forest-labs/FLUX.2-dev", "flux2", "lora", "fsdp2"),
+        ("flux2-dev-full.yaml", "black-forest-labs/FLUX.2-dev", "flux2", "full", "fsdp2"),
     ],
 )
 def test_real_model_recipes(name, pretrained, family, mode, strategy):
@@ -45,6 +51,12 @@ def test_real_model_recipes(name, pretrained, family, mode, strategy):
     if family == "wan":
         assert len(recipe.trainer.validation_size) == 3  # width, height, frames
         assert recipe.bucket.frame_step == 4 and recipe.cache.max_sequence_length == 512
+    if family.startswith("flux2"):  # as the pipelines encode and sample: 512 tokens, FLUX.2's own shift
+        assert recipe.cache.max_sequence_length == 512 and recipe.trainer.shift_mode == "resolution"
+        if mode == "lora":
+            from latentmill.trainer.flux2 import LORA_TARGETS
+
+            assert tuple(recipe.trainer.lora_target_modules) == LORA_TARGETS
 
 
 DEPLOY = Path(__file__).resolve().parents[1] / "deploy"
