@@ -21,8 +21,8 @@ from pathlib import Path
 
 from latentmill.core.config import ConfigError
 from latentmill.models import ModelConfig
-from latentmill.stages.family_classes import check_family_components
 from latentmill.recipe import Recipe
+from latentmill.stages.family_classes import check_family_components
 
 # owner/name, as the Hub allows them (letters, digits, '-', '_', '.'; not starting with '.' or '-')
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*$")
