@@ -4,6 +4,7 @@ transformer like the pipelines, the shift is FLUX.2's, training (full, LoRA) exp
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -350,3 +351,44 @@ def test_the_cli_refuses_a_flux1_vae_under_flux2_before_any_work(tmp_path):
     assert line.startswith(f"latentmill: error: model.vae: {flux1 / 'vae'} is a AutoencoderKL (a flux vae); the "
                            "'flux2-klein' family's vae is a AutoencoderKLFlux2")
     assert not out.exists()  # nothing ran, nothing was written
+
+
+# ---------------------------------------------------------------------------------------------------- parallel
+
+
+@pytest.mark.slow
+def test_fsdp2_resumes_exactly_and_ddp_lora_trains_on_klein(tiny_flux2_klein, klein_cache, tmp_path):
+    """One 2-rank torchrun launch (gloo, CPU): FSDP2 full (the adapter's blocks as units) with an exact resume
+    from its step-2 checkpoint, and DDP LoRA (single-block targets included), on the real klein cache."""
+    from latentmill.trainer.checkpoint import list_checkpoints
+
+    from tests.test_trainer_fsdp import WORKER, _torchrun
+
+    sd, _, _ = klein_cache
+    (tmp_path / "worker.py").write_text(WORKER)
+    base = {"max_steps": 4, "batch_size": 2, "learning_rate": 1e-3, "save_every": 2, "keep_latest_k": 0,
+            "export": False, "shift_mode": "resolution"}
+
+    def job(name, parallel, **cfg):
+        return {"cfg": {**base, **cfg}, "cache": str(sd.root), "pretrained": str(tiny_flux2_klein),
+                "train_dir": str(tmp_path / name), "parallel": parallel}
+
+    step2 = tmp_path / "a" / "checkpoints" / "step-000002"
+    jobs = [job("a", {"strategy": "fsdp2"}, mode="full", export=True),
+            job("b", {"strategy": "fsdp2"}, mode="full", resume=str(step2)),
+            job("c", {"strategy": "ddp"}, mode="lora", lora_rank=4, learning_rate=1e-2,
+                lora_target_modules=list(LORA_TARGETS), export=True)]
+    summaries = dict(zip("abc", _torchrun(tmp_path, jobs)))
+    rank0, rank1 = summaries["a"]
+    assert rank0["family"] == "flux2-klein" and rank0["steps"] == rank1["steps"] == 4
+    assert rank0["final_loss"] == rank1["final_loss"]
+    losses = [r["loss"] for r in read_metrics(tmp_path / "a")]
+    assert len(losses) == 4 and all(0 < x < 10 for x in losses)
+    assert len(list((list_checkpoints(tmp_path / "a" / "checkpoints")[0][1] / "dcp").glob("*.distcp"))) == 2
+    assert [r["loss"] for r in read_metrics(tmp_path / "b")] == losses[2:]  # bit for bit from step 3 on
+    from diffusers import DiffusionPipeline, Flux2KleinPipeline
+
+    assert isinstance(DiffusionPipeline.from_pretrained(rank0["export_dir"]), Flux2KleinPipeline)
+    lora0, lora1 = summaries["c"]
+    assert lora0["steps"] == 4 and lora1["export_dir"] is None
+    assert (Path(lora0["export_dir"]) / "pytorch_lora_weights.safetensors").is_file()
