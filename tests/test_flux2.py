@@ -257,31 +257,54 @@ def test_full_training_exports_a_pipeline_that_loads(request, variant, family, p
     assert image.size == (48, 64)
 
 
-def test_klein_lora_export_loads_into_the_base_pipeline(tiny_flux2_klein, klein_cache, tmp_path):
-    from diffusers import Flux2KleinPipeline
+@pytest.mark.slow
+@pytest.mark.parametrize(("variant", "pipeline", "seq"), [("klein", "Flux2KleinPipeline", SEQ),
+                                                         ("dev", "Flux2Pipeline", DEV_SEQ)])
+def test_lora_export_loads_into_the_base_pipeline(request, variant, pipeline, seq, tmp_path):
+    import diffusers
+    from PIL import Image
 
-    sd, _, _ = klein_cache
+    pipe_cls = getattr(diffusers, pipeline)
+    pretrained = request.getfixturevalue(f"tiny_flux2_{variant}")
+    sd, _, _ = request.getfixturevalue(f"{variant}_cache")
     cfg = TrainerConfig(mode="lora", max_steps=3, batch_size=2, learning_rate=1e-2, lora_rank=4, save_every=0,
                         lora_target_modules=list(LORA_TARGETS), validate_every=3, validation_prompts=["a red square"],
                         validation_steps=1, validation_size=[48, 64])
-    summary = train(cfg, cache_dir=sd.root, pretrained=str(tiny_flux2_klein), train_dir=tmp_path / "train",
+    summary = train(cfg, cache_dir=sd.root, pretrained=str(pretrained), train_dir=tmp_path / "train",
                     export_dir=tmp_path / "lora", progress=False)
     assert (tmp_path / "lora" / "pytorch_lora_weights.safetensors").is_file()
-    from PIL import Image
-
     (grid,) = summary["validation"]
     assert Image.open(grid).size == (48, 64)
-    pipe = Flux2KleinPipeline.from_pretrained(tiny_flux2_klein)
-    before = pipe(prompt="a red square", height=64, width=48, num_inference_steps=2, max_sequence_length=SEQ,
-                  generator=torch.Generator().manual_seed(0), output_type="np").images
+    pipe = pipe_cls.from_pretrained(pretrained)
+    call = dict(prompt="a red square", height=64, width=48, num_inference_steps=2, max_sequence_length=seq,
+                output_type="np")
+    before = pipe(generator=torch.Generator().manual_seed(0), **call).images
     pipe.load_lora_weights(summary["export_dir"])
     (name,) = pipe.get_active_adapters()
     assert pipe.transformer.peft_config[name].r == 4
     loaded = {n for n, _ in pipe.transformer.named_modules() if n.endswith(".lora_A")}
-    assert "single_transformer_blocks.1.attn.to_out.lora_A" in loaded
-    after = pipe(prompt="a red square", height=64, width=48, num_inference_steps=2, max_sequence_length=SEQ,
-                 generator=torch.Generator().manual_seed(0), output_type="np").images
+    assert "single_transformer_blocks.1.attn.to_out.lora_A" in loaded  # linear2 of the single blocks
+    assert "transformer_blocks.0.ff_context.linear_out.lora_A" in loaded
+    after = pipe(generator=torch.Generator().manual_seed(0), **call).images
     assert after.shape == before.shape == (1, 64, 48, 3) and not np.allclose(after, before)
+
+
+@pytest.mark.slow
+def test_the_dev_demo_recipe_preps_trains_and_exports(tiny_flux2_dev, tmp_path):
+    """configs/demo-flux2.yaml through the CLI (prep -> train -> export) on the demo images, a few steps."""
+    from diffusers import DiffusionPipeline, Flux2Pipeline
+
+    from latentmill.cli import main
+    from tests.conftest import REPO_ROOT
+
+    out = tmp_path / "run"
+    assert main(["run", str(REPO_ROOT / "configs" / "demo-flux2.yaml"), f"output_dir={out}",
+                 f"model.pretrained={tiny_flux2_dev}", "trainer.max_steps=6", "trainer.save_every=0"]) == 0
+    manifest = json.loads((out / "prep" / "cache" / "manifest.json").read_text())
+    assert manifest["family"] == "flux2" and manifest["counts"]["out"] == 24
+    losses = [json.loads(line)["loss"] for line in (out / "train" / "metrics.jsonl").read_text().splitlines()]
+    assert len(losses) == 6 and all(0 < x < 10 for x in losses)
+    assert isinstance(DiffusionPipeline.from_pretrained(out / "export"), Flux2Pipeline)
 
 
 # ---------------------------------------------------------------------------------------------------- bad input
