@@ -40,6 +40,18 @@ class ModelConfig:
     tiny_recipe: Optional[str] = None
 
 
+def known_families() -> list[str]:
+    """The model families latentmill caches and trains, found without importing them (no torch): one module
+    ``stages/family_<name>.py`` each, ``_`` in the module name for ``-`` in the family's
+    (``latentmill.stages.families.FAMILIES`` registers their classes)."""
+    import pkgutil
+
+    import latentmill.stages
+
+    return sorted(module.name.removeprefix("family_").replace("_", "-")
+                  for module in pkgutil.iter_modules(latentmill.stages.__path__) if module.name.startswith("family_"))
+
+
 def component_source(model: ModelConfig, name: str) -> ComponentSource:
     """Resolve component ``name`` (``vae``, ``text_encoder``, ``tokenizer``...) to a loadable source."""
     override = getattr(model, name, None)

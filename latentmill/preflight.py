@@ -83,14 +83,15 @@ def check_components(model: ModelConfig) -> None:
     """An explicit ``model.family`` matches the pipeline folder's, and each component override is of the
     class the pipeline names in its ``model_index.json``: one line naming the key otherwise. A hub id (or a
     tiny folder not built yet) is checked when it loads."""
-    from latentmill.stages.families import PIPELINE_FAMILIES
-
     root = Path(model.pretrained).expanduser()
     if not (root / "model_index.json").is_file():
         return
     index = json.loads((root / "model_index.json").read_text())
     pipeline = index.get("_class_name", "?")
-    family = PIPELINE_FAMILIES.get(pipeline)
+    if model.family != "auto":
+        from latentmill.stages.families import PIPELINE_FAMILIES  # (imports torch: only when it decides)
+
+        family = PIPELINE_FAMILIES.get(pipeline)
     if model.family != "auto" and family is not None and family != model.family:
         raise ConfigError(f"model.family: {model.family!r}, but {model.pretrained} is a {pipeline} (the "
                           f"{family!r} family); set model.family to {family!r} or 'auto'")
