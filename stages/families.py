@@ -6,7 +6,8 @@ holds the registry and what every family shares:
 
 - ``flux`` (FLUX.1): :mod:`latentmill.stages.family_flux`;
 - ``wan`` (Wan 2.1): :mod:`latentmill.stages.family_wan`;
-- ``flux2`` (FLUX.2 [dev]) and ``flux2-klein`` (FLUX.2 [klein]): :mod:`latentmill.stages.family_flux2`.
+- ``flux2`` (FLUX.2 [dev]): :mod:`latentmill.stages.family_flux2`;
+- ``flux2-klein`` (FLUX.2 [klein]): :mod:`latentmill.stages.family_flux2_klein` (the VAE side is flux2's).
 
 Adding a family = one module with an ``Encoders`` subclass and one entry in ``FAMILIES``.
 """
@@ -33,7 +34,8 @@ from latentmill.stages.devices import (  # noqa: F401  (the public names of the 
 )
 from latentmill.stages.encoders import Encoders, Stream
 from latentmill.stages.family_flux import FluxEncoders
-from latentmill.stages.family_flux2 import Flux2Encoders, Flux2KleinEncoders
+from latentmill.stages.family_flux2 import Flux2Encoders
+from latentmill.stages.family_flux2_klein import Flux2KleinEncoders
 from latentmill.stages.family_wan import WanEncoders
 
 from latentmill.core.config import ConfigError

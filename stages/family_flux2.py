@@ -1,8 +1,9 @@
-"""FLUX.2 (``flux2``: FLUX.2 [dev]; ``flux2-klein``: FLUX.2 [klein] 4B / 9B): ``AutoencoderKLFlux2`` latents,
+"""FLUX.2 [dev] (``flux2``), and the VAE side both FLUX.2 families share: ``AutoencoderKLFlux2`` latents,
 2x2-patchified and normalised by the VAE's batch-norm running statistics; one wide text embedding of three stacked
 hidden layers of a decoder LLM, computed exactly as ``Flux2Pipeline`` / ``Flux2KleinPipeline.encode_prompt``.
 
-The two variants share the VAE side (:class:`Flux2VaeEncoders`) and differ in the text side:
+The two families share :class:`Flux2VaeEncoders` (here) and differ in the text side (FLUX.2 [klein]:
+:mod:`latentmill.stages.family_flux2_klein`):
 
 - ``flux2``: ``Mistral3ForConditionalGeneration`` (Mistral Small 3) with its ``PixtralProcessor``; the prompt is a
   system turn (``SYSTEM_MESSAGE``) + a user turn through the processor's chat template, padded to
@@ -102,34 +103,6 @@ class Flux2VaeEncoders(Encoders):
                                        use_cache=False)
         embeds = stack_layers(output.hidden_states, self.OUT_LAYERS)
         return {"prompt_embeds": embeds.float().cpu(), "lengths": attention_mask.sum(1).tolist()}
-
-
-class Flux2KleinEncoders(Flux2VaeEncoders):
-    """FLUX.2 [klein]: ``Qwen3ForCausalLM``, one user turn through the chat template, layers (9, 18, 27)."""
-
-    name = "flux2-klein"
-    PIPELINES = ("Flux2KleinPipeline",)
-    OUT_LAYERS = (9, 18, 27)
-    DEFAULT_TEXT_WIDTH = 2560  # Qwen3-4B (klein 4B); Qwen3-8B (klein 9B): 4096
-    CLASS_IMPORTS = (("diffusers", "AutoencoderKLFlux2"), ("transformers", "Qwen3ForCausalLM"),
-                     ("transformers", "AutoTokenizer"))
-
-    def __init__(self, model: ModelConfig, device: torch.device):
-        super().__init__(model, device)
-        from transformers import Qwen3ForCausalLM
-
-        self.text_encoder = self._load(Qwen3ForCausalLM, "text_encoder")
-        self.tokenizer = self._tokenizer("text_encoder")
-
-    @torch.no_grad()
-    def encode_text(self, captions: list[str], max_sequence_length: int) -> dict[str, Any]:
-        """``prompt_embeds`` [B, L, 3D] as ``Flux2KleinPipeline._get_qwen3_prompt_embeds`` computes them."""
-        texts = [self.tokenizer.apply_chat_template([{"role": "user", "content": c}], tokenize=False,
-                                                    add_generation_prompt=True, enable_thinking=False)
-                 for c in captions]
-        inputs = self.tokenizer(texts, return_tensors="pt", padding="max_length", truncation=True,
-                                max_length=max_sequence_length)
-        return self._encode(inputs["input_ids"], inputs["attention_mask"])
 
 
 class Flux2Encoders(Flux2VaeEncoders):

@@ -13,7 +13,8 @@ from latentmill.stages.bucket import BucketConfig
 from latentmill.stages.cache import CacheConfig, load_pixels
 from latentmill.stages.curate import CurateConfig
 from latentmill.stages.families import FAMILIES, PIPELINE_FAMILIES
-from latentmill.stages.family_flux2 import Flux2Encoders, Flux2KleinEncoders
+from latentmill.stages.family_flux2 import Flux2Encoders
+from latentmill.stages.family_flux2_klein import Flux2KleinEncoders
 from latentmill.stages.ingest import IngestConfig
 from latentmill.stages.shardio import StageDir
 from latentmill.stages.tarshard import read_shard
@@ -322,14 +323,6 @@ def _fake_pipeline(root, pipeline, classes):
     return root
 
 
-def test_family_tables_agree():
-    from latentmill.stages.family_classes import COMPONENT_CLASSES, PIPELINE_CLASSES
-
-    assert set(COMPONENT_CLASSES) == set(FAMILIES) and PIPELINE_CLASSES == PIPELINE_FAMILIES
-    for family, cls in FAMILIES.items():
-        assert set(COMPONENT_CLASSES[family]) == {"transformer", *cls.COMPONENTS}
-
-
 def test_a_recipe_mixing_families_stops_in_preflight_with_one_line(tmp_path):
     from latentmill.core.config import ConfigError
     from latentmill.preflight import check_recipe
@@ -345,34 +338,34 @@ def test_a_recipe_mixing_families_stops_in_preflight_with_one_line(tmp_path):
                           "text_encoder": "Mistral3ForConditionalGeneration"})
 
     def check(**model):
-        check_recipe(Recipe(output_dir=str(tmp_path / "out"), model=ModelConfig(**model)), "train-free")
+        check_recipe(Recipe(output_dir=str(tmp_path / "out"), model=ModelConfig(**model)), "check")
 
     check(pretrained=str(klein))
     check(pretrained=str(klein), vae=str(dev / "vae"))  # dev and klein share the VAE class
     with pytest.raises(ConfigError) as err:
         check(pretrained=str(klein), vae=str(flux1 / "vae"))
-    assert str(err.value) == (f"model.vae: {flux1 / 'vae'} is a AutoencoderKL (a flux vae); the 'flux2-klein' family's "
-                              "vae is a AutoencoderKLFlux2: the recipe mixes components of different model families")
-    with pytest.raises(ConfigError, match="model.text_encoder: .* is a Mistral3ForConditionalGeneration \\(a flux2 "
-                                          "text_encoder\\); the 'flux2-klein' family's text_encoder is a Qwen3"):
-        check(pretrained=str(klein), text_encoder=str(dev))
-    with pytest.raises(ConfigError, match="model.pretrained: .*transformer is a FluxTransformer2DModel \\(a flux "
-                                          "transformer\\); the 'flux2' family's transformer is a Flux2Transformer"):
+    assert str(err.value) == (f"model.vae: {flux1 / 'vae'} is a AutoencoderKL; the Flux2KleinPipeline at {klein} "
+                              "takes a AutoencoderKLFlux2: a recipe cannot mix components of different model families")
+    with pytest.raises(ConfigError, match="model.text_encoder: .* is a Mistral3ForConditionalGeneration; the "
+                                          "Flux2KleinPipeline at .* takes a Qwen3ForCausalLM"):
+        check(pretrained=str(klein), text_encoder=str(dev))  # a pipeline folder as the override: its subfolder
+    with pytest.raises(ConfigError, match="model.family: 'flux2', but .* is a FluxPipeline \\(the 'flux' family\\)"):
         check(pretrained=str(flux1), family="flux2")
-    with pytest.raises(ConfigError, match="model.vae: .* is a AutoencoderKLFlux2 \\(a flux2/flux2-klein vae\\); "
-                                          "the 'flux' family's vae is a AutoencoderKL"):
-        check(pretrained=str(flux1), vae=str(klein))  # a pipeline folder as the override: its vae/ subfolder
+    with pytest.raises(ConfigError, match="model.vae: .* is a AutoencoderKLFlux2; the FluxPipeline at .* takes a "
+                                          "AutoencoderKL"):
+        check(pretrained=str(flux1), vae=str(klein))
 
 
-def test_the_cli_refuses_a_flux1_vae_under_flux2_before_any_work(tmp_path):
+def test_the_cli_refuses_a_flux1_vae_under_flux2_before_any_work(tiny_flux2_klein, tmp_path):
     from tests.test_cli_errors import _cli, _one_error_line
 
     flux1 = _fake_pipeline(tmp_path / "flux1", "FluxPipeline", {"vae": "AutoencoderKL"})
     out = tmp_path / "out"
     line = _one_error_line(_cli("prep", "configs/demo-flux2-klein.yaml", f"output_dir={out}",
-                                f"model.vae={flux1 / 'vae'}"))
-    assert line.startswith(f"latentmill: error: model.vae: {flux1 / 'vae'} is a AutoencoderKL (a flux vae); the "
-                           "'flux2-klein' family's vae is a AutoencoderKLFlux2")
+                                f"model.pretrained={tiny_flux2_klein}", f"model.vae={flux1 / 'vae'}"))
+    assert line == (f"latentmill: error: model.vae: {flux1 / 'vae'} is a AutoencoderKL; the Flux2KleinPipeline at "
+                    f"{tiny_flux2_klein} takes a AutoencoderKLFlux2: a recipe cannot mix components of different "
+                    "model families")
     assert not out.exists()  # nothing ran, nothing was written
 
 
