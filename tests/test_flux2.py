@@ -314,7 +314,9 @@ def test_the_dev_demo_recipe_preps_trains_and_exports(tiny_flux2_dev, tmp_path):
 def _fake_pipeline(root, pipeline, classes):
     """A pipeline folder of config files only: model_index.json and each component's config.json."""
     root.mkdir(parents=True)
-    (root / "model_index.json").write_text(json.dumps({"_class_name": pipeline}))
+    index = {name: ["diffusers" if "Model" in cls and "For" not in cls else "transformers", cls]
+             for name, cls in classes.items()}
+    (root / "model_index.json").write_text(json.dumps({"_class_name": pipeline, **index}))
     for name, cls in classes.items():
         (root / name).mkdir()
         key = {"_class_name": cls} if "Model" in cls and "For" not in cls or cls.startswith("Autoencoder") \
