@@ -219,7 +219,8 @@ def _generate(pipe: Any, prompts: list[str], size: list[int], steps: int, seed: 
     if len(size) == 3:
         frames = pipe(prompt=prompts, num_frames=size[2], output_type="np", **kwargs).frames  # [B, F, H, W, 3]
         return [[Image.fromarray((f * 255).round().astype("uint8")) for f in video] for video in frames]
-    return [[image] for image in pipe(prompts, output_type="pil", **kwargs).images]
+    # prompt by keyword: Flux2KleinPipeline's first argument is a reference image
+    return [[image] for image in pipe(prompt=prompts, output_type="pil", **kwargs).images]
 
 
 def _compile(pipe: Any, backend: str) -> list[str]:

@@ -256,6 +256,18 @@ def test_full_training_exports_a_pipeline_that_loads(request, variant, family, p
     image = pipe(prompt="a red square", height=64, width=48, num_inference_steps=2, max_sequence_length=seq,
                  generator=torch.Generator().manual_seed(0)).images[0]
     assert image.size == (48, 64)
+    # `latentmill sample` generates from the export too (its prompt goes by keyword: klein's first argument is
+    # a reference image)
+    from PIL import Image
+
+    from latentmill.sample import sample
+
+    sample(summary["export_dir"], ["a red square", "a blue circle"], out=tmp_path / "samples", steps=2,
+           size=[48, 64], repeat=0, max_sequence_length=seq, device="cpu")
+    pngs = sorted((tmp_path / "samples" / "images").glob("*.png"))
+    assert len(pngs) == 2 and all(Image.open(p).size == (48, 64) for p in pngs)
+    timing = json.loads((tmp_path / "samples" / "timing.json").read_text())
+    assert timing["family"] == family and timing["kind"] == "full-export"
 
 
 @pytest.mark.slow
