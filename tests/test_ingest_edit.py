@@ -10,6 +10,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 from latentmill.stages import bucket, ingest
 from latentmill.stages.cache import load_pixels
 from latentmill.stages.ingest import REFERENCE_MEMBER, IngestConfig
@@ -125,3 +126,81 @@ def test_an_edit_recipe_over_data_without_pairs_stops_before_any_work(tmp_path):
         check_edit_source(str(tmp_path / "m.csv"), tmp_path / "m.csv", None)
     _image(tmp_path / "plain" / "a.src.jpg", (32, 32), (1, 1, 1))
     check_edit_source(str(tmp_path / "plain"), tmp_path / "plain", None)  # a pair: no error
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The cache and the loader: a family with a stream of the source image
+# ---------------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture()
+def edit_flux(monkeypatch):
+    """The tiny Flux family with one more stream, ``reference_latents`` of the pair's source image (what
+    Qwen-Image-Edit's cache holds), registered as ``flux`` for the test."""
+    from latentmill.stages import cache as cache_stage
+    from latentmill.stages import families
+    from latentmill.stages.encoders import Stream
+    from latentmill.stages.family_flux import FluxEncoders
+
+    class EditFlux(FluxEncoders):
+        STREAMS = (*FluxEncoders.STREAMS,
+                   Stream("reference_latents", "vae", "[C, H/8, W/8]", "(z - shift_factor) * scaling_factor",
+                          from_reference=True))
+
+    monkeypatch.setitem(families.FAMILIES, "flux", EditFlux)
+    families.release_encoders()
+    cache_stage.forget_plans()
+    yield EditFlux
+    families.release_encoders()
+    cache_stage.forget_plans()
+
+
+@pytest.mark.slow  # builds the tiny Flux set, runs the stages
+def test_a_reference_stream_is_the_source_image_encoded_at_the_targets_bucket(edit_flux, tiny_flux, tmp_path):
+    from latentmill.stages.bucket import BucketConfig
+    from latentmill.stages.cache import CacheConfig
+    from latentmill.stages.families import get_encoders
+    from latentmill.trainer.loader import LatentLoader
+    from safetensors.torch import load
+
+    from latentmill.models import ModelConfig
+    from latentmill.recipe import Recipe
+    from tests.helpers import prep_in_process
+
+    src = tmp_path / "edits"
+    for i, (size, colour) in enumerate([((64, 48), (200, 0, 0)), ((48, 64), (0, 200, 0)), ((64, 64), (0, 0, 200))]):
+        _image(src / f"p{i}.jpg", size, colour)
+        _image(src / f"p{i}.src.png", (40 + 8 * i, 40), tuple(255 - c for c in colour))
+        (src / f"p{i}.txt").write_text(f"invert the colours of picture {i}\n")
+    model = ModelConfig(pretrained=str(tiny_flux))
+
+    def prep(root, edit):
+        recipe = Recipe(output_dir=str(root), model=model, ingest=IngestConfig(source=str(src), edit=edit),
+                        bucket=BucketConfig(resolution=64, aspect_ratios=[0.75, 1.0, 1.3333]),
+                        cache=CacheConfig(dtype="float32", max_sequence_length=16))
+        return prep_in_process(recipe)["cache"]
+
+    sd, manifest, records = prep(tmp_path / "out", edit=True)
+    assert manifest["counts"] == {"in": 3, "out": 3, "quarantined": 0}
+    assert [s["name"] for s in manifest["streams"]][-1] == "reference_latents"
+    encoders = get_encoders(model, "flux", torch.device("cpu"))
+    for shard in manifest["shards"]:
+        for sample in read_shard(sd.root / shard["path"]):
+            meta = json.loads(sample["json"])
+            vae = load(sample["vae.safetensors"])
+            bucket_dir = sd.root.parent / "bucket"
+            source = next(s for sh in json.loads((bucket_dir / "manifest.json").read_text())["shards"]
+                          for s in read_shard(bucket_dir / sh["path"]) if s["__key__"] == sample["__key__"])
+            expected = encoders.encode_pixels(load_pixels(source[REFERENCE_MEMBER], meta[REFERENCE_MEMBER]["crop"],
+                                                          meta["bucket"]).unsqueeze(0))[0][0]
+            assert vae["reference_latents"].shape == vae["latents"].shape
+            assert torch.equal(vae["reference_latents"], expected), sample["__key__"]
+    with LatentLoader(sd.root, batch_size=1, seed=0) as loader:
+        batch = next(iter(loader))
+    assert batch["reference_latents"].shape == batch["latents"].shape
+
+    # the same pictures prepared without ingest.edit: no pair reaches the cache of a family that needs one
+    _, manifest, records = prep(tmp_path / "plain", edit=False)
+    reasons = {q["reason"] for r in records for q in r.quarantined}
+    assert manifest["counts"]["out"] == 0 and reasons == {
+        'no source image: the flux family trains on edit pairs (ingest.edit: true, docs/prep.md "Edit datasets")'}
