@@ -422,3 +422,42 @@ def test_fsdp2_resumes_exactly_and_ddp_lora_trains_on_klein(tiny_flux2_klein, kl
     lora0, lora1 = summaries["c"]
     assert lora0["steps"] == 4 and lora1["export_dir"] is None
     assert (Path(lora0["export_dir"]) / "pytorch_lora_weights.safetensors").is_file()
+
+
+# ---------------------------------------------------------------------------------------------------- tiny models
+
+
+@pytest.mark.slow
+def test_tiny_builds_are_byte_reproducible(tiny_flux2_klein, tmp_path):
+    from latentmill.core.hashing import sha256_file
+    from latentmill.tiny_flux2 import KLEIN_RECIPE_PATH, build_tiny_flux2
+
+    again = build_tiny_flux2(tmp_path / "again", KLEIN_RECIPE_PATH, seed=0)
+    files = sorted(p.relative_to(tiny_flux2_klein) for p in tiny_flux2_klein.rglob("*") if p.is_file())
+    assert files == sorted(p.relative_to(again) for p in again.rglob("*") if p.is_file())
+    weights = [f for f in files if f.suffix == ".safetensors"]
+    assert len(weights) == 3  # transformer, vae, text_encoder
+    assert all(sha256_file(tiny_flux2_klein / f) == sha256_file(again / f) for f in files)
+
+
+def test_tiny_recipes_are_checked_before_anything_is_built(tmp_path):
+    import yaml
+
+    from latentmill.core.config import ConfigError
+    from latentmill.tiny_flux2 import DEV_RECIPE_PATH, KLEIN_RECIPE_PATH, load_recipe
+
+    assert load_recipe(KLEIN_RECIPE_PATH)["variant"] == "klein" and load_recipe(DEV_RECIPE_PATH)["variant"] == "dev"
+    data = yaml.safe_load(KLEIN_RECIPE_PATH.read_text())
+    cases = [
+        (("transformer", "joint_attention_dim", 32), "joint_attention_dim: 32 != 3 x components.text_encoder.hidden_size"),
+        (("text_encoder", "num_hidden_layers", 20), "num_hidden_layers: 20 < 27; the pipeline reads hidden layers"),
+        (("transformer", "in_channels", 128), "in_channels: 128 != 4 x components.vae.latent_channels"),
+        (("transformer", "guidance_embeds", True), "FLUX.2 \\[dev\\] has a guidance embedding, \\[klein\\] has none"),
+    ]
+    for (component, key, value), message in cases:
+        changed = yaml.safe_load(yaml.safe_dump(data))
+        changed["components"][component][key] = value
+        path = tmp_path / "recipe.yaml"
+        path.write_text(yaml.safe_dump(changed))
+        with pytest.raises(ConfigError, match=message):
+            load_recipe(path)
