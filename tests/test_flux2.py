@@ -211,6 +211,20 @@ def test_mismatched_cache_is_refused_with_the_difference():
         check_flux2_batch_fits(model, torch.zeros(1, 64, 2, 2), torch.zeros(1, 3, 4096))
 
 
+def test_peft_targets_leave_other_families_targets_as_given():
+    """Only a name that also matches a container is expanded: FLUX.1's and Wan's targets reach PEFT unchanged
+    (their LoRA exports keep the same adapter config)."""
+    from diffusers import FluxTransformer2DModel
+    from latentmill.trainer.adapter import DEFAULT_LORA_TARGETS, peft_targets
+
+    flux1 = FluxTransformer2DModel(in_channels=16, num_layers=1, num_single_layers=1, attention_head_dim=8,
+                                   num_attention_heads=2, joint_attention_dim=16, pooled_projection_dim=16,
+                                   axes_dims_rope=[2, 2, 4])
+    assert peft_targets(flux1, list(DEFAULT_LORA_TARGETS)) == list(DEFAULT_LORA_TARGETS)
+    expanded = peft_targets(_tiny_transformer(False), ["to_q", "to_out"])
+    assert expanded == ["to_q", "single_transformer_blocks.0.attn.to_out"]
+
+
 def test_lora_targets_reach_both_block_kinds():
     from latentmill.trainer.adapter import make_trainable
 
