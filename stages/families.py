@@ -33,11 +33,12 @@ from latentmill.stages.devices import (  # noqa: F401  (the public names of the 
 from latentmill.stages.encoders import Encoders, Stream
 from latentmill.stages.family_flux import FluxEncoders
 from latentmill.stages.family_wan import WanEncoders
+from latentmill.stages.family_zimage import ZImageEncoders
 
 from latentmill.core.config import ConfigError
 from latentmill.models import ModelConfig, component_source, read_component_config
 
-FAMILIES: dict[str, type[Encoders]] = {cls.name: cls for cls in (FluxEncoders, WanEncoders)}
+FAMILIES: dict[str, type[Encoders]] = {cls.name: cls for cls in (FluxEncoders, WanEncoders, ZImageEncoders)}
 # model_index.json `_class_name` -> family
 PIPELINE_FAMILIES = {pipeline: cls.name for cls in FAMILIES.values() for pipeline in cls.PIPELINES}
 
