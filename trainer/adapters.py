@@ -9,8 +9,9 @@ from __future__ import annotations
 from latentmill.trainer.adapter import ModelAdapter
 from latentmill.trainer.flux import FluxAdapter
 from latentmill.trainer.wan import WanAdapter
+from latentmill.trainer.zimage import ZImageAdapter
 
-ADAPTERS: dict[str, type[ModelAdapter]] = {"flux": FluxAdapter, "wan": WanAdapter}
+ADAPTERS: dict[str, type[ModelAdapter]] = {"flux": FluxAdapter, "wan": WanAdapter, "z-image": ZImageAdapter}
 
 
 def get_adapter(family: str) -> ModelAdapter:
