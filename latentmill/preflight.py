@@ -123,6 +123,12 @@ def check_media_folder(folder: Path, extensions: list[str], shown: int = 3) -> N
                       "accepted are ingest.extensions)")
 
 
+def check_family_components(model) -> None:
+    from latentmill.family_check import check_family_components as check
+
+    check(model)
+
+
 def check_recipe(recipe: Recipe, command: str) -> None:
     """Everything about ``recipe`` that can be checked before work starts, for ``command``
     (``prep``, ``train``, ``run`` or ``demo``); ConfigError or FileNotFoundError naming the key."""
@@ -130,6 +136,7 @@ def check_recipe(recipe: Recipe, command: str) -> None:
     check_model_ref("model.pretrained", model.pretrained, model.tiny_recipe, pipeline=True)
     for name in ("vae", "text_encoder", "text_encoder_2"):
         check_model_ref(f"model.{name}", getattr(model, name))
+    check_family_components(model)  # e.g. a Wan VAE under a Z-Image transformer
     if command in ("prep", "run", "demo"):
         source = recipe.ingest.require_source()
         local = _local_source(source)
