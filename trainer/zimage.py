@@ -78,7 +78,7 @@ def check_zimage_batch_fits(transformer: nn.Module, latents_BCHW: torch.Tensor, 
     else:
         lengths = mask_BL.sum(1)
         if bool((lengths == 0).any()):
-            problems.append("a sample has no real text token (ZImagePipeline's template gives at least 5)")
+            problems.append("a sample has no real text token (ZImagePipeline's chat template alone gives several)")
         else:
             last = prompt_embeds_BLD[torch.arange(len(lengths)), lengths - 1]
             if bool((last == 0).all(-1).any()):
