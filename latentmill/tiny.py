@@ -349,6 +349,10 @@ def _pretokenize(backend: Any, texts: Iterable[str]) -> Counter[str]:
     return words
 
 
+# The BPE learner and pre-tokenizer walk, for the tokenizers of the other tiny model sets (latentmill.tiny_zimage).
+learn_bpe, pretokenize = _learn_bpe, _pretokenize
+
+
 def build_clip_tokenizer(vocab_size: int, settings: dict[str, Any], corpus: Sequence[str] = CORPUS) -> Any:
     """Learn a byte-level BPE CLIP tokenizer of exactly ``vocab_size`` tokens from ``corpus``.
 

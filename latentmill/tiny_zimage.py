@@ -33,7 +33,7 @@ import yaml
 
 from latentmill.core.config import ConfigError
 from latentmill.resources import resource_root
-from latentmill.tiny import CORPUS, _learn_bpe, _pretokenize, bytes_to_unicode, check_keys
+from latentmill.tiny import CORPUS, bytes_to_unicode, check_keys, learn_bpe, pretokenize
 from latentmill.tinyio import pipeline_folder, tiny_cli
 
 DEFAULT_RECIPE_PATH: Path = resource_root() / "data" / "tiny-z-image.yaml"
@@ -103,13 +103,13 @@ def build_qwen_tokenizer(vocab_size: int, settings: dict[str, Any], corpus: Sequ
     Qwen3-style chat template."""
     from transformers import Qwen2Tokenizer
 
-    words = _pretokenize(Qwen2Tokenizer().backend_tokenizer, corpus)
+    words = pretokenize(Qwen2Tokenizer().backend_tokenizer, corpus)
     base = list(bytes_to_unicode().values())
     n_new = vocab_size - len(base) - len(SPECIAL_TOKENS)
     if n_new < 0:
         raise ConfigError(f"components.text_encoder.vocab_size: {vocab_size} < {len(base) + len(SPECIAL_TOKENS)} "
                           "(byte-level alphabet + special tokens)")
-    merges, learned, _ = _learn_bpe(Counter({tuple(w): c for w, c in words.items()}), set(base), n_new,
+    merges, learned, _ = learn_bpe(Counter({tuple(w): c for w, c in words.items()}), set(base), n_new,
                                     "components.text_encoder.vocab_size")
     vocab = {token: i for i, token in enumerate(base + learned + list(SPECIAL_TOKENS))}
     tokenizer = Qwen2Tokenizer(vocab=vocab, merges=merges, unk_token=None, bos_token=None, eos_token="<|im_end|>",
