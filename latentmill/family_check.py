@@ -1,19 +1,25 @@
 """A recipe whose components belong to different model families stops before any work, in one line.
 
-``model.pretrained`` names a pipeline (its ``model_index.json`` says which family); ``model.family`` may name one
-too, and ``model.vae`` / ``model.text_encoder`` / ``model.text_encoder_2`` may swap single components. A Wan VAE
-under a Z-Image transformer, or a T5 encoder where Qwen3 is expected, would otherwise fail deep inside the cache
-stage or, worse, cache latents the transformer cannot read. Checked from config files only (no weights):
+``model.pretrained`` names a pipeline; ``model.vae`` / ``model.text_encoder`` / ``model.text_encoder_2`` may swap
+single components. A Wan VAE under a Z-Image transformer, or a T5 encoder where Qwen3 is expected, would
+otherwise fail deep inside the cache stage or, worse, cache latents the transformer cannot read. Checked from
+config files only: ``model.family``, when set, must be the family of the pipeline's ``_class_name``; and an
+overridden local component must be of the kind the pipeline's own component is:
 
-* the pipeline's family (its ``_class_name``) must be ``model.family`` when that is set;
-* an overridden component must be of the kind the pipeline's own component is: the same Diffusers class for a
-  VAE, the same ``model_type`` for a Transformers text encoder; without a local pipeline folder (a hub id not on
-  this machine, a tiny model still to build), the classes the family declares (``COMPONENT_CLASSES``), if any.
+* when the pipeline's component folder is on this machine: the same Diffusers ``_class_name`` (a VAE), the same
+  Transformers ``model_type`` (a text encoder);
+* else by the class its ``model_index.json`` names (a local folder, the local Hugging Face cache, or the
+  published ``model_index.json`` shipped in ``configs/models/<name>/`` for plan): the same Diffusers class, or
+  a Transformers class of the same architecture stem (``T5EncoderModel`` ~ ``T5ForConditionalGeneration``,
+  ``Qwen3Model`` ~ ``Qwen3ForCausalLM``, but not ``UMT5EncoderModel``).
+
+Nothing is downloaded: a component or pipeline not on this machine is not checked here.
 """
 
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -21,35 +27,49 @@ from latentmill.core.config import ConfigError
 from latentmill.models import ModelConfig, component_source, read_component_config
 
 OVERRIDABLE = ("vae", "text_encoder", "text_encoder_2")
+_HEADS = re.compile(r"(Encoder)?(Model|TextModel|TextModelWithProjection|ForCausalLM|ForConditionalGeneration)$")
 
 
-def _kind(config: dict[str, Any]) -> tuple[str, str]:
-    """(class, model_type) of a component config: a Diffusers ``_class_name`` or Transformers architecture."""
-    cls = config.get("_class_name") or (config.get("architectures") or [""])[0]
-    return cls, str(config.get("model_type") or "")
+def _stem(cls: str) -> str:
+    """The architecture of a Transformers class name: ``T5EncoderModel`` -> ``T5``, ``Qwen3ForCausalLM`` -> ``Qwen3``."""
+    return _HEADS.sub("", cls)
 
 
-def _same_kind(have: tuple[str, str], want: tuple[str, str]) -> bool:
-    if have[1] and want[1]:  # transformers: the model type (clip_text_model within clip, t5, umt5, qwen3...)
-        return have[1] == want[1] or have[1].startswith(want[1]) or want[1].startswith(have[1])
-    return have[0] == want[0]
+def _model_index(pretrained: str) -> dict[str, Any] | None:
+    """The pipeline's ``model_index.json`` from a local folder, the local HF cache or the shipped published
+    configs (``configs/models/<repo name>``); None when none is on this machine."""
+    root = Path(pretrained).expanduser()
+    if (root / "model_index.json").is_file():
+        return json.loads((root / "model_index.json").read_text())
+    if root.exists() or pretrained.count("/") != 1:
+        return None
+    try:
+        from huggingface_hub import try_to_load_from_cache
+
+        cached = try_to_load_from_cache(pretrained, "model_index.json")
+    except Exception:  # noqa: BLE001 (an id the hub client refuses: nothing cached)
+        cached = None
+    if isinstance(cached, str):
+        return json.loads(Path(cached).read_text())
+    from latentmill.resources import resource_root
+
+    shipped = resource_root() / "configs" / "models" / pretrained.split("/")[1] / "model_index.json"
+    return json.loads(shipped.read_text()) if shipped.is_file() else None
 
 
 def check_family_components(model: ModelConfig) -> None:
-    """ConfigError naming the first component of ``model`` that belongs to another family (see module doc)."""
-    from latentmill.stages.families import PIPELINE_FAMILIES, family_class
+    """ConfigError naming ``model.family`` when the pipeline is another family's, or the first overridden
+    component of ``model`` that is not of its pipeline's kind."""
+    index = None
+    if model.family != "auto":  # (the recipe's validation has imported the registry already)
+        from latentmill.stages.families import PIPELINE_FAMILIES
 
-    root = Path(model.pretrained).expanduser()
-    index_path = root / "model_index.json"
-    index = json.loads(index_path.read_text()) if index_path.is_file() else None
-    pipeline_family = PIPELINE_FAMILIES.get((index or {}).get("_class_name", ""))
-    if model.family != "auto" and pipeline_family and pipeline_family != model.family:
-        raise ConfigError(f"model.family: {model.family!r}, but model.pretrained {model.pretrained} is a "
-                          f"{index['_class_name']} (family {pipeline_family!r}); use one family's components")
-    family = model.family if model.family != "auto" else pipeline_family
-    if family is None:
-        return
-    declared = getattr(family_class(family), "COMPONENT_CLASSES", {})
+        index = _model_index(model.pretrained) or {}
+        other = PIPELINE_FAMILIES.get(index.get("_class_name", ""))
+        if other is not None and other != model.family:
+            raise ConfigError(f"model.family: {model.family!r}, but model.pretrained {model.pretrained} is a "
+                              f"{index['_class_name']} (family {other!r}): components of different model "
+                              "families cannot be mixed")
     for name in OVERRIDABLE:
         if not getattr(model, name, None):
             continue
@@ -57,16 +77,29 @@ def check_family_components(model: ModelConfig) -> None:
         if not src.is_local:
             continue  # a hub id: its config is not read before work starts (that would download)
         try:
-            have = _kind(read_component_config(src))
+            have = read_component_config(src)
         except (OSError, ValueError):
             continue  # no config to read (check_model_ref reports a missing folder)
-        if index is not None and name in index and (root / name / "config.json").is_file():
-            want = _kind(read_component_config(component_source(ModelConfig(pretrained=model.pretrained), name)))
-            if not _same_kind(have, want):
-                raise ConfigError(f"model.{name}: {getattr(model, name)} ({have[0] or have[1]}) does not match the "
-                                  f"{family} pipeline's {name} ({want[0] or want[1]}): components of different "
-                                  "model families cannot be mixed")
-        elif name in declared and have[0] not in declared[name]:
-            raise ConfigError(f"model.{name}: {getattr(model, name)} ({have[0] or have[1]}) is not a {family} "
-                              f"{name} ({' or '.join(declared[name])}): components of different model families "
-                              "cannot be mixed")
+        have_cls = have.get("_class_name") or (have.get("architectures") or [""])[0]
+        own = Path(model.pretrained).expanduser() / name / "config.json"
+        if own.is_file():
+            want = json.loads(own.read_text())
+            want_cls = want.get("_class_name") or (want.get("architectures") or [""])[0]
+            if have.get("model_type") and want.get("model_type"):
+                same = have["model_type"].startswith(want["model_type"]) or want["model_type"].startswith(
+                    have["model_type"])  # clip_text_model within clip
+            else:
+                same = have_cls == want_cls
+        else:
+            index = index if index is not None else (_model_index(model.pretrained) or {})
+            entry = index.get(name)
+            if not entry:
+                continue
+            want_cls = entry[1]
+            same = have_cls == want_cls if entry[0] == "diffusers" else _stem(have_cls) == _stem(want_cls)
+        if not same:
+            pipeline = (index or {}).get("_class_name") or _model_index(model.pretrained) or {}
+            pipeline = pipeline if isinstance(pipeline, str) else pipeline.get("_class_name", "pipeline")
+            raise ConfigError(f"model.{name}: {getattr(model, name)} ({have_cls}) does not match the {pipeline}'s "
+                              f"{name} ({want_cls}) of model.pretrained {model.pretrained}: components of "
+                              "different model families cannot be mixed")
