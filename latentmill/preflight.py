@@ -8,18 +8,22 @@
   ``model.pretrained`` takes the normal ``from_pretrained`` path and the tiny recipe is not used;
 * ``ingest.source`` (``prep``, ``run``): set, present when it is a local path, and a local folder holds at
   least one image or video;
+* the model family: an explicit ``model.family`` agrees with the pipeline folder's, and a component override
+  (``model.vae``, ``model.text_encoder``...) is of the class the pipeline's ``model_index.json`` names, so a
+  recipe never mixes components of two families (a FLUX.1 VAE under a FLUX.2 transformer);
 * ``train``: a published snapshot to train on (``run`` publishes one first);
 * the process layout (``--nproc``, ``--nnodes``) against ``parallel.strategy``.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import re
 from pathlib import Path
 
 from latentmill.core.config import ConfigError
-from latentmill.models import ModelConfig
+from latentmill.models import ModelConfig, component_source, read_component_config
 from latentmill.recipe import Recipe
 
 # owner/name, as the Hub allows them (letters, digits, '-', '_', '.'; not starting with '.' or '-')
@@ -75,6 +79,40 @@ def check_model_ref(key: str, value: str | None, tiny_recipe: str | None = None,
     raise ConfigError(f"{key}: {value} does not exist, and is not a Hugging Face id (owner/name)")
 
 
+def check_components(model: ModelConfig) -> None:
+    """An explicit ``model.family`` matches the pipeline folder's, and each component override is of the
+    class the pipeline names in its ``model_index.json``: one line naming the key otherwise. A hub id (or a
+    tiny folder not built yet) is checked when it loads."""
+    root = Path(model.pretrained).expanduser()
+    if not (root / "model_index.json").is_file():
+        return
+    index = json.loads((root / "model_index.json").read_text())
+    pipeline = index.get("_class_name", "?")
+    if model.family != "auto":
+        from latentmill.stages.families import PIPELINE_FAMILIES  # (imports torch: only when it decides)
+
+        family = PIPELINE_FAMILIES.get(pipeline)
+    if model.family != "auto" and family is not None and family != model.family:
+        raise ConfigError(f"model.family: {model.family!r}, but {model.pretrained} is a {pipeline} (the "
+                          f"{family!r} family); set model.family to {family!r} or 'auto'")
+    for name in ("vae", "text_encoder", "text_encoder_2"):
+        override = getattr(model, name, None)
+        if not override:
+            continue
+        expected = (index.get(name) or [None, None])[1]
+        if expected is None:
+            raise ConfigError(f"model.{name}: the {pipeline} at {model.pretrained} has no {name}; remove "
+                              f"model.{name}")
+        try:
+            config = read_component_config(component_source(model, name))
+        except Exception:  # a hub id not downloaded yet: from_pretrained checks it when it loads
+            continue
+        have = config.get("_class_name") or (config.get("architectures") or [None])[0]
+        if have is not None and have != expected:
+            raise ConfigError(f"model.{name}: {override} is a {have}; the {pipeline} at {model.pretrained} "
+                              f"takes a {expected}: a recipe cannot mix components of different model families")
+
+
 def _local_source(source: str) -> Path | None:
     """The local path ``ingest.source`` names, or None for URLs, fsspec URIs and brace patterns."""
     if "://" in source or "::" in source or any(c in source for c in "{}*?["):
@@ -123,12 +161,6 @@ def check_media_folder(folder: Path, extensions: list[str], shown: int = 3) -> N
                       "accepted are ingest.extensions)")
 
 
-def check_family_components(model) -> None:
-    from latentmill.family_check import check_family_components as check
-
-    check(model)
-
-
 def check_recipe(recipe: Recipe, command: str) -> None:
     """Everything about ``recipe`` that can be checked before work starts, for ``command``
     (``prep``, ``train``, ``run`` or ``demo``); ConfigError or FileNotFoundError naming the key."""
@@ -136,7 +168,7 @@ def check_recipe(recipe: Recipe, command: str) -> None:
     check_model_ref("model.pretrained", model.pretrained, model.tiny_recipe, pipeline=True)
     for name in ("vae", "text_encoder", "text_encoder_2"):
         check_model_ref(f"model.{name}", getattr(model, name))
-    check_family_components(model)  # e.g. a Wan VAE under a Z-Image transformer
+    check_components(model)
     if command in ("prep", "run", "demo"):
         source = recipe.ingest.require_source()
         local = _local_source(source)

@@ -33,7 +33,7 @@ from latentmill.stages.devices import (  # noqa: F401  (the public names of the 
 from latentmill.stages.encoders import Encoders, Stream
 from latentmill.stages.family_flux import FluxEncoders
 from latentmill.stages.family_wan import WanEncoders
-from latentmill.stages.family_zimage import ZImageEncoders
+from latentmill.stages.family_z_image import ZImageEncoders
 
 from latentmill.core.config import ConfigError
 from latentmill.models import ModelConfig, component_source, read_component_config

@@ -305,10 +305,12 @@ def _plan_entries(cfg: IngestConfig, stage_dir: StageDir | None, source, scratch
             unit_id = stable_hash({"fingerprint": fp, CUT_KEY: cut, "inputs": ids})
         if signature:
             hashes.remember_signature(signature, unit_id)
-        # the entries as one JSON string, read back by the unit (unit_items): one object per unit, not a dict
-        # per file
-        payload = {"kind": "entries", "root": source.root, ITEMS_KEY: json.dumps([_entry_json(e) for e in members]),
-                   CUT_KEY: cut, "estimated_bytes": sum(rows[pos][1] for pos in group)}
+        payload = {"kind": "entries", "root": source.root, CUT_KEY: cut,
+                   "estimated_bytes": sum(rows[pos][1] for pos in group)}
+        if stage_dir is None or stage_dir.load_record(unit_id) is None:
+            # the entries as one JSON string, read back by the unit (unit_items): one object per unit, not a
+            # dict per file; a committed unit never runs, so a refresh writes none for what it reuses
+            payload[ITEMS_KEY] = json.dumps([_entry_json(e) for e in members])
         yield WorkUnit(unit_id=unit_id, inputs=ids, payload=payload, samples_in=len(members))
 
 
@@ -417,6 +419,9 @@ def _add(out: UnitOutput, key: str, meta: dict[str, Any], data: bytes | None) ->
 
 def unit_items(unit: WorkUnit) -> list[dict[str, Any]]:
     """The entries (``Entry.to_json()`` each) of an ingest unit of files, in order."""
+    if ITEMS_KEY not in unit.payload:
+        raise RuntimeError(f"ingest unit {unit.unit_id} was planned as committed, and its record is gone: run "
+                           "the prep again")
     return json.loads(unit.payload[ITEMS_KEY])
 
 
