@@ -15,6 +15,7 @@ from latentmill.trainer import TrainerConfig, train
 from latentmill.trainer.adapters import get_adapter
 from latentmill.trainer.objective import shift_sigmas
 from latentmill.trainer.zimage import (
+    LORA_REGEX,
     LORA_TARGETS,
     ZImageAdapter,
     caption_list,
@@ -31,14 +32,10 @@ TINY = yaml.safe_load((REPO_ROOT / "data" / "tiny-z-image.yaml").read_text())["c
 def fake_cache(cache_dir: Path, buckets: dict, **kwargs) -> dict:
     """``write_fake_cache`` for z-image, its manifest recording the family's streams as the cache stage does
     (``prompt_embeds`` a ``mask`` stream: the loader adds ``prompt_embeds_mask``)."""
-    import json
-
     from latentmill.stages.families import family_streams
 
-    manifest = write_fake_cache(cache_dir, buckets, family="z-image", trimmed=True, **kwargs)
-    manifest["streams"] = [s.to_json() for s in family_streams("z-image")]
-    (Path(cache_dir) / "manifest.json").write_text(json.dumps(manifest))
-    return manifest
+    return write_fake_cache(cache_dir, buckets, family="z-image", trimmed=True,
+                            streams=[s.to_json() for s in family_streams("z-image")], **kwargs)
 
 
 def tiny_transformer(seed: int = 0) -> ZImageTransformer2DModel:
@@ -113,7 +110,8 @@ def test_mismatched_cache_is_refused_with_the_difference():
         check_zimage_batch_fits(model, latents, embeds, torch.ones(2, 16, dtype=torch.bool))
 
 
-def test_lora_targets_every_attention_and_feed_forward_projection(tmp_path):
+def test_lora_targets_attention_and_feed_forward_of_the_main_layers(tmp_path):
+    """As musubi-tuner / ai-toolkit Z-Image LoRAs: the main layers' attention and SwiGLU, not the refiners."""
     tiny_transformer().save_pretrained(tmp_path / "transformer")
     lora = ZImageAdapter().load(str(tmp_path), mode="lora", lora_rank=4, lora_alpha=4,
                                 lora_target_modules=list(LORA_TARGETS))
@@ -121,8 +119,21 @@ def test_lora_targets_every_attention_and_feed_forward_projection(tmp_path):
     assert all(".lora_" in n for n, p in lora.named_parameters() if p.requires_grad)
     per_block = {"attention.to_q", "attention.to_k", "attention.to_v", "attention.to_out.0",
                  "feed_forward.w1", "feed_forward.w2", "feed_forward.w3"}
-    blocks = ["noise_refiner.0", "context_refiner.0", "layers.0", "layers.1"]
-    assert trainable == {f"{b}.{m}" for b in blocks for m in per_block}
+    assert trainable == {f"layers.{i}.{m}" for i in (0, 1) for m in per_block}
+    # the plain suffix form still works (and reaches the refiners too)
+    suffixes = ZImageAdapter().load(str(tmp_path), mode="lora", lora_rank=4, lora_target_modules=["to_q"])
+    assert {n.split(".lora_")[0] for n, p in suffixes.named_parameters() if p.requires_grad} == {
+        f"{b}.attention.to_q" for b in ("noise_refiner.0", "context_refiner.0", "layers.0", "layers.1")}
+
+
+def test_regex_targets_are_checked_by_the_recipe():
+    from latentmill.core.config import ConfigError
+
+    TrainerConfig(mode="lora", lora_target_modules=list(LORA_TARGETS)).validate()
+    with pytest.raises(ConfigError, match="'re:<regex>' entry must be the only one"):
+        TrainerConfig(mode="lora", lora_target_modules=[*LORA_TARGETS, "to_q"]).validate()
+    with pytest.raises(ConfigError, match="is not a regex"):
+        TrainerConfig(mode="lora", lora_target_modules=["re:layers\\.(("]).validate()
 
 
 @pytest.fixture(scope="module")
@@ -246,8 +257,8 @@ def test_lora_export_loads_into_the_base_pipeline(tiny_zimage, export_cache, tmp
     pipe.load_lora_weights(summary["export_dir"])
     (name,) = pipe.get_active_adapters()
     config = pipe.transformer.peft_config[name]
-    assert config.r == 4 and set(config.target_modules) == set(LORA_TARGETS)
+    assert config.r == 4 and config.target_modules == LORA_REGEX
     lora_keys = [k for k in pipe.transformer.state_dict() if "lora_B" in k]
-    assert len(lora_keys) == 4 * 7  # 4 blocks x 7 projections
+    assert len(lora_keys) == 2 * 7 and all(k.startswith("layers.") for k in lora_keys)  # 2 layers x 7
     after = pipe(generator=torch.Generator().manual_seed(0), **GENERATE).images
     assert after.shape == (1, 64, 48, 3) and not torch.allclose(torch.tensor(before), torch.tensor(after))

@@ -1,5 +1,5 @@
 """Z-Image under torchrun on CPU (gloo, 2 ranks): DDP LoRA and FSDP2 full (with activation checkpointing over the
-adapter's 34-style blocks: refiners and main layers) train, resume exactly from a checkpoint, and export what
+adapter's blocks: refiners and main layers) train, resume exactly from a checkpoint, and export what
 ZImagePipeline loads."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import torch
 from latentmill.trainer.checkpoint import list_checkpoints
 
 from tests.test_trainer_fsdp import WORKER
-from tests.test_trainer_zimage import LORA_TARGETS, fake_cache
+from tests.test_trainer_zimage import LORA_REGEX, LORA_TARGETS, fake_cache
 from tests.trainer_helpers import read_metrics
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -78,9 +78,9 @@ def test_ddp_lora_resumes_exactly_and_exports(runs, tiny_zimage):
     pipe = ZImagePipeline.from_pretrained(tiny_zimage)
     pipe.load_lora_weights(rank0["export_dir"])
     (name,) = pipe.get_active_adapters()
-    assert set(pipe.transformer.peft_config[name].target_modules) == set(LORA_TARGETS)
+    assert pipe.transformer.peft_config[name].target_modules == LORA_REGEX
     lora_b = [v for k, v in pipe.transformer.state_dict().items() if "lora_B" in k]
-    assert len(lora_b) == 4 * 7 and all(bool(v.abs().sum() > 0) for v in lora_b)  # every B trained from 0
+    assert len(lora_b) == 2 * 7 and all(bool(v.abs().sum() > 0) for v in lora_b)  # every B trained from 0
     image = pipe("a red square", height=32, width=32, num_inference_steps=2, guidance_scale=0.0,
                  max_sequence_length=32).images[0]
     assert image.size == (32, 32)

@@ -30,9 +30,11 @@ import torch
 from latentmill.trainer.adapter import ModelAdapter
 from torch import nn
 
-# What community Z-Image LoRAs train (ai-toolkit, musubi-tuner): every attention projection and the SwiGLU
-# feed-forward of the main layers and the noise / context refiners (diffusers names).
-LORA_TARGETS = ("to_q", "to_k", "to_v", "to_out.0", "feed_forward.w1", "feed_forward.w2", "feed_forward.w3")
+# What community Z-Image LoRAs train (musubi-tuner's networks.lora_zimage, ai-toolkit): the attention projections
+# and the SwiGLU feed-forward of the 30 main layers, not the noise / context refiner blocks, the embedders or the
+# adaLN modulation (diffusers names; trainer.lora_target_modules as one "re:" regex on the full module name).
+LORA_REGEX = r"layers\.\d+\.(attention\.(to_q|to_k|to_v|to_out\.0)|feed_forward\.(w1|w2|w3))"
+LORA_TARGETS = ("re:" + LORA_REGEX,)
 
 
 def caption_list(prompt_embeds_BLD: torch.Tensor, mask_BL: torch.Tensor) -> list[torch.Tensor]:
