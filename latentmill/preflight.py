@@ -161,6 +161,45 @@ def check_media_folder(folder: Path, extensions: list[str], shown: int = 3) -> N
                       "accepted are ingest.extensions)")
 
 
+def _has_edit_pair(folder: str) -> bool:
+    """Whether an image ``<name>.src.<ext>`` is below ``folder`` (stops at the first one)."""
+    from latentmill.stages.pixels import IMAGE_EXTENSIONS
+    from latentmill.stages.sources import REFERENCE_MARK
+
+    for _, dirs, files in os.walk(folder):
+        dirs[:] = [d for d in dirs if not d.startswith(".")]
+        for name in files:
+            stem, suffix = os.path.splitext(name)
+            if stem.endswith(REFERENCE_MARK) and suffix.lower() in IMAGE_EXTENSIONS and not name.startswith("."):
+                return True
+    return False
+
+
+def check_edit_source(source: str, local: Path | None, reference_column: str | None) -> None:
+    """ConfigError unless an edit recipe's source holds pairs: paired ``source/`` and ``target/`` folders or
+    a ``<name>.src.<ext>`` image in a folder, or a manifest with the source column."""
+    from latentmill.stages.sources import (
+        PAIRED_FOLDERS,
+        REFERENCE_COLUMN,
+        edit_layout,
+        manifest_rows,
+        source_kind,
+    )
+
+    if local is not None and local.is_dir():
+        if edit_layout(local) == "paired" or _has_edit_pair(str(local)):
+            return
+        raise ConfigError(f"ingest.edit: {source} holds no edit pairs; put each source image beside its target "
+                          f"as <name>.src.<ext>, or the two sets in {PAIRED_FOLDERS[0]}/ and {PAIRED_FOLDERS[1]}/ "
+                          "folders with the same names (docs/prep.md, \"Edit datasets\")")
+    if source_kind(source) == "manifest":
+        column = reference_column or REFERENCE_COLUMN
+        first = next(manifest_rows(source), None)
+        if first is None or column not in first:
+            raise ConfigError(f"ingest.edit: the manifest {source} has no {column!r} column of source images; "
+                              "name it with ingest.reference_column")
+
+
 def check_recipe(recipe: Recipe, command: str) -> None:
     """Everything about ``recipe`` that can be checked before work starts, for ``command``
     (``prep``, ``train``, ``run`` or ``demo``); ConfigError or FileNotFoundError naming the key."""
@@ -176,6 +215,8 @@ def check_recipe(recipe: Recipe, command: str) -> None:
             raise ConfigError(f"ingest.source: {source} does not exist")
         if local is not None and local.is_dir():
             check_media_folder(local, recipe.ingest.extensions)
+        if recipe.ingest.edit:
+            check_edit_source(source, local, recipe.ingest.reference_column)
         if recipe.caption.captioner == "transformers":
             check_model_ref("caption.model", recipe.caption.model)
     if command == "train":

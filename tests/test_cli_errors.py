@@ -185,6 +185,14 @@ def test_a_recipe_that_mixes_families_stops_before_any_work(tmp_path, overrides,
     assert not out.exists()
 
 
+def test_an_edit_recipe_over_data_without_pairs_stops_before_any_work(tmp_path):
+    out = tmp_path / "out"
+    line = _one_error_line(_cli("prep", "configs/demo.yaml", f"output_dir={out}", "ingest.edit=true"))
+    assert line.startswith(f"latentmill: error: ingest.edit: {REPO_ROOT / 'data' / 'demo' / 'images'} holds no edit "
+                           "pairs; put each source image beside its target as <name>.src.<ext>")
+    assert not out.exists()
+
+
 def test_a_wrong_source_leaves_no_folders(tmp_path):
     out = tmp_path / "out"
     line = _one_error_line(_cli("prep", "configs/demo.yaml", f"output_dir={out}",
