@@ -148,11 +148,12 @@ def setup(tmp_path_factory):
 
 
 @pytest.mark.slow
+# measured (last 5 / first 5 steps' mean loss): full 0.56; lora (rank 8, the main layers' 7 projections) 0.81
 @pytest.mark.parametrize(("mode", "max_ratio"), [("full", 0.75), ("lora", 0.9)])
 def test_trains_on_cached_latents(setup, tmp_path, mode, max_ratio):
     pretrained, cache = setup
     cfg = TrainerConfig(mode=mode, max_steps=30, batch_size=4, learning_rate=3e-3 if mode == "full" else 1e-2,
-                        lora_rank=4, lora_target_modules=list(LORA_TARGETS), shift=3.0, save_every=0, export=False)
+                        lora_rank=8, lora_target_modules=list(LORA_TARGETS), shift=3.0, save_every=0, export=False)
     summary = train(cfg, cache_dir=cache, pretrained=pretrained, train_dir=tmp_path, progress=False)
     losses = [r["loss"] for r in read_metrics(tmp_path)]
     assert summary["family"] == "z-image" and len(losses) == 30
