@@ -69,9 +69,23 @@ def _flux2(pipe, pixels_BCHW, captions: list[str], max_sequence_length: int) -> 
     return [latents, embeds]
 
 
+def _zimage(pipe, pixels_BCHW, captions: list[str], max_sequence_length: int) -> list:
+    """ZImagePipeline: ``encode_prompt`` (Qwen3 ``hidden_states[-2]`` in the chat template, each prompt's real
+    tokens), the VAE mean normalised (z - shift) * scale."""
+    import torch
+
+    embeds, _ = pipe.encode_prompt(list(captions), do_classifier_free_guidance=False,  # (it rewrites the list)
+                                   max_sequence_length=max_sequence_length)
+    with torch.no_grad():
+        z = pipe.vae.encode(pixels_BCHW.to(pipe.vae.dtype)).latent_dist.mode()
+    latents = (z - pipe.vae.config.shift_factor) * pipe.vae.config.scaling_factor
+    return [latents, *embeds]
+
+
 # family -> the pipeline's own encode calls on one batch: (pipe, pixels [B, 3, H, W] in [-1, 1], captions,
 # max_sequence_length) -> the tensors a cache stores. A new image family adds its line here.
-PIPELINE_ENCODE: dict[str, Callable[..., list]] = {"flux": _flux, "flux2": _flux2, "flux2-klein": _flux2}
+PIPELINE_ENCODE: dict[str, Callable[..., list]] = {"flux": _flux, "z-image": _zimage, "flux2": _flux2,
+                                                   "flux2-klein": _flux2}
 
 
 def tiny_pipeline(family: str) -> Path:

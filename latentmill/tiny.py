@@ -349,9 +349,9 @@ def _pretokenize(backend: Any, texts: Iterable[str]) -> Counter[str]:
     return words
 
 
-# Public names of the BPE learner's parts, for the other tiny model sets (latentmill.tiny_flux2).
-learn_bpe = _learn_bpe
-pretokenize = _pretokenize
+# The BPE learner and pre-tokenizer walk, for the tokenizers of the other tiny model sets (latentmill.tiny_zimage,
+# latentmill.tiny_flux2).
+learn_bpe, pretokenize = _learn_bpe, _pretokenize
 
 
 def build_clip_tokenizer(vocab_size: int, settings: dict[str, Any], corpus: Sequence[str] = CORPUS) -> Any:

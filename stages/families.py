@@ -37,12 +37,13 @@ from latentmill.stages.family_flux import FluxEncoders
 from latentmill.stages.family_flux2 import Flux2Encoders
 from latentmill.stages.family_flux2_klein import Flux2KleinEncoders
 from latentmill.stages.family_wan import WanEncoders
+from latentmill.stages.family_z_image import ZImageEncoders
 
 from latentmill.core.config import ConfigError
 from latentmill.models import ModelConfig, component_source, read_component_config
 
-FAMILIES: dict[str, type[Encoders]] = {cls.name: cls for cls in (FluxEncoders, WanEncoders, Flux2Encoders,
-                                                                Flux2KleinEncoders)}
+FAMILIES: dict[str, type[Encoders]] = {cls.name: cls for cls in (FluxEncoders, WanEncoders, ZImageEncoders,
+                                                                Flux2Encoders, Flux2KleinEncoders)}
 # model_index.json `_class_name` -> family
 PIPELINE_FAMILIES = {pipeline: cls.name for cls in FAMILIES.values() for pipeline in cls.PIPELINES}
 
