@@ -5,7 +5,8 @@ Transformers components, loaded once per worker, that declares its streams (:cla
 holds the registry and what every family shares:
 
 - ``flux`` (FLUX.1): :mod:`latentmill.stages.family_flux`;
-- ``wan`` (Wan 2.1): :mod:`latentmill.stages.family_wan`.
+- ``wan`` (Wan 2.1): :mod:`latentmill.stages.family_wan`;
+- ``qwen-image`` (Qwen-Image): :mod:`latentmill.stages.family_qwen_image`.
 
 Adding a family = one module with an ``Encoders`` subclass and one entry in ``FAMILIES``.
 """
@@ -32,12 +33,13 @@ from latentmill.stages.devices import (  # noqa: F401  (the public names of the 
 )
 from latentmill.stages.encoders import Encoders, Stream
 from latentmill.stages.family_flux import FluxEncoders
+from latentmill.stages.family_qwen_image import QwenImageEncoders
 from latentmill.stages.family_wan import WanEncoders
 
 from latentmill.core.config import ConfigError
 from latentmill.models import ModelConfig, component_source, read_component_config
 
-FAMILIES: dict[str, type[Encoders]] = {cls.name: cls for cls in (FluxEncoders, WanEncoders)}
+FAMILIES: dict[str, type[Encoders]] = {cls.name: cls for cls in (FluxEncoders, WanEncoders, QwenImageEncoders)}
 # model_index.json `_class_name` -> family
 PIPELINE_FAMILIES = {pipeline: cls.name for cls in FAMILIES.values() for pipeline in cls.PIPELINES}
 
