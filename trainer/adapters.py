@@ -8,9 +8,10 @@ from __future__ import annotations
 
 from latentmill.trainer.adapter import ModelAdapter
 from latentmill.trainer.flux import FluxAdapter
+from latentmill.trainer.qwen_image import QwenImageAdapter
 from latentmill.trainer.wan import WanAdapter
 
-ADAPTERS: dict[str, type[ModelAdapter]] = {"flux": FluxAdapter, "wan": WanAdapter}
+ADAPTERS: dict[str, type[ModelAdapter]] = {"flux": FluxAdapter, "wan": WanAdapter, "qwen-image": QwenImageAdapter}
 
 
 def get_adapter(family: str) -> ModelAdapter:
