@@ -8,6 +8,9 @@
   ``model.pretrained`` takes the normal ``from_pretrained`` path and the tiny recipe is not used;
 * ``ingest.source`` (``prep``, ``run``): set, present when it is a local path, and a local folder holds at
   least one image or video;
+* components of one family: for a family that declares ``COMPONENT_CLASSES`` (``qwen-image``), a local
+  pipeline or component folder of another family's class (a FLUX.1 VAE in a Qwen-Image recipe) fails in one
+  line naming the key, the class found and the class needed (:func:`check_component_classes`);
 * ``train``: a published snapshot to train on (``run`` publishes one first);
 * the process layout (``--nproc``, ``--nnodes``) against ``parallel.strategy``.
 """
@@ -123,6 +126,51 @@ def check_media_folder(folder: Path, extensions: list[str], shown: int = 3) -> N
                       "accepted are ingest.extensions)")
 
 
+def _local_class(folder: Path) -> str | None:
+    """The class a local component folder's config names, or None when there is no such folder."""
+    import json
+
+    config = folder / "config.json"
+    if not config.is_file():
+        return None
+    data = json.loads(config.read_text())
+    return data.get("_class_name") or (data.get("architectures") or [None])[0]
+
+
+def check_component_classes(model: ModelConfig) -> None:
+    """Refuse, before any work, a recipe whose local components belong to different families: the recipe's
+    family (``model.family``, or the family of ``model.pretrained``'s pipeline) declares each component's class
+    (``COMPONENT_CLASSES``); a pipeline of another family, or a ``model.vae`` / ``model.text_encoder`` folder
+    of another class, is a ConfigError in one line. Hub ids are not looked up (nothing is downloaded here)."""
+    import json
+
+    from latentmill.models import component_source
+    from latentmill.stages.families import FAMILIES, PIPELINE_FAMILIES
+
+    root = Path(model.pretrained).expanduser()
+    index = root / "model_index.json"
+    pipeline = json.loads(index.read_text()).get("_class_name", "") if index.is_file() else ""
+    family = model.family if model.family != "auto" else PIPELINE_FAMILIES.get(pipeline)
+    declared = {f: getattr(FAMILIES.get(f), "COMPONENT_CLASSES", None) for f in (family, PIPELINE_FAMILIES.get(pipeline))}
+    if not any(declared.values()):
+        return
+    if pipeline in PIPELINE_FAMILIES and PIPELINE_FAMILIES[pipeline] != family:
+        raise ConfigError(f"model.pretrained: {model.pretrained} is a {pipeline} ({PIPELINE_FAMILIES[pipeline]} "
+                          f"family), model.family is {family!r}: the components of one recipe must be of one family")
+    expected = declared[family] or {}
+    for name, needed in expected.items():
+        override = getattr(model, name, None)
+        if name == "transformer" or not override:
+            key, folder = "model.pretrained", root / name
+        else:
+            src = component_source(model, name)
+            key, folder = f"model.{name}", Path(src.path).expanduser() / (src.subfolder or "")
+        found = _local_class(folder)
+        if found is not None and found != needed:
+            raise ConfigError(f"{key}: {folder} holds {found}, the {family} family needs {needed} "
+                              f"({name}); the components of one recipe must be of one family")
+
+
 def check_recipe(recipe: Recipe, command: str) -> None:
     """Everything about ``recipe`` that can be checked before work starts, for ``command``
     (``prep``, ``train``, ``run`` or ``demo``); ConfigError or FileNotFoundError naming the key."""
@@ -130,6 +178,7 @@ def check_recipe(recipe: Recipe, command: str) -> None:
     check_model_ref("model.pretrained", model.pretrained, model.tiny_recipe, pipeline=True)
     for name in ("vae", "text_encoder", "text_encoder_2"):
         check_model_ref(f"model.{name}", getattr(model, name))
+    check_component_classes(model)
     if command in ("prep", "run", "demo"):
         source = recipe.ingest.require_source()
         local = _local_source(source)

@@ -43,6 +43,10 @@ class QwenImageEncoders(Encoders):
     CLASS_IMPORTS = (("diffusers", "AutoencoderKLQwenImage"),
                      ("transformers", "Qwen2_5_VLForConditionalGeneration"), ("transformers", "AutoTokenizer"))
     VAE_FLOAT32 = True  # the Wan-style causal 3-D convs, as for Wan
+    # Each component's class (its config's ``_class_name``, or ``architectures[0]``): the preflight check
+    # (``latentmill.preflight.check_component_classes``) refuses a recipe that mixes in another family's.
+    COMPONENT_CLASSES = {"transformer": "QwenImageTransformer2DModel", "vae": "AutoencoderKLQwenImage",
+                         "text_encoder": "Qwen2_5_VLForConditionalGeneration"}
     PROMPT_TEMPLATE = PROMPT_TEMPLATE
     TEMPLATE_START_IDX = TEMPLATE_START_IDX
 
