@@ -57,7 +57,9 @@ def test_plan_builds_the_published_20b_transformer():
     from latentmill.plan import plan_config
 
     result = plan_config("configs/qwen-image-full.yaml", [], nproc=8, nnodes=4)
-    assert result["total_params"] == result["trainable_params"] == QWEN_IMAGE_PARAMS
+    assert result["total_params"] == QWEN_IMAGE_PARAMS
+    # the last block's to_add_out and txt_mlp (84,953,088) are frozen: their output never reaches the prediction
+    assert result["trainable_params"] == QWEN_IMAGE_PARAMS - 84_953_088
     assert (result["world_size"], result["mesh"]) == (32, [2, 16])
     assert result["config"]["family"] == "qwen-image"
     # float32 masters: rank 0 holds the ceil-chunked dim-0 rows of every parameter over 16 shards
@@ -71,8 +73,10 @@ def test_plan_builds_the_published_20b_transformer():
     rank0 = sum(math.ceil(p.shape[0] / 16) * (p.numel() // p.shape[0]) for p in model.parameters())
     assert result["per_rank"]["params_bytes"] == rank0 * 4
     lora = plan_config("configs/qwen-image-lora.yaml", [], nproc=8, nnodes=1)
-    assert lora["trainable_params"] == 147_456_000  # rank 16 on the 14 Linear layers of each of 60 blocks
-    assert lora["total_params"] == QWEN_IMAGE_PARAMS + lora["trainable_params"]
+    # rank 16 on the 14 Linear layers of each of 60 blocks (147,456,000), less the last block's to_add_out and
+    # txt_mlp (589,824: frozen, their output never reaches the prediction)
+    assert lora["trainable_params"] == 147_456_000 - 589_824
+    assert lora["total_params"] == QWEN_IMAGE_PARAMS + 147_456_000
 
 
 @pytest.fixture(scope="module")

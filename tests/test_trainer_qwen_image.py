@@ -96,6 +96,25 @@ def test_padded_masked_batch_predicts_each_caption_alone():
         assert (unmasked[:1] - alone0).abs().max() > 1e-3
 
 
+def test_unused_modules_are_exactly_those_without_a_gradient(tmp_path):
+    """The last block's text output (to_add_out, txt_mlp) never reaches the prediction: no gradient. The
+    adapter's load freezes them (DDP refuses parameters unused in the loss)."""
+    from latentmill.trainer.qwen_image import unused_modules
+
+    model = _model().train()
+    noisy, sigmas, prompt = _inputs()
+    qwen_image_forward(model, noisy, sigmas, prompt).square().mean().backward()
+    no_grad = {n for n, p in model.named_parameters() if p.grad is None}
+    frozen = {f"{prefix}.{n}" for m in unused_modules(model) for prefix in [
+        next(k for k, v in model.named_modules() if v is m)] for n, _ in m.named_parameters()}
+    assert no_grad == frozen == {f"transformer_blocks.1.{n}" for n in (
+        "attn.to_add_out.weight", "attn.to_add_out.bias", "txt_mlp.net.0.proj.weight", "txt_mlp.net.0.proj.bias",
+        "txt_mlp.net.2.weight", "txt_mlp.net.2.bias")}
+    model.save_pretrained(tmp_path / "transformer")
+    loaded = QwenImageAdapter().load(str(tmp_path), mode="full")
+    assert {n for n, p in loaded.named_parameters() if not p.requires_grad} == frozen
+
+
 def test_trim_to_longest():
     embeds = torch.randn(2, 6, 4)
     mask = torch.tensor([[1, 1, 0, 0, 0, 0], [1, 1, 1, 1, 0, 0]], dtype=torch.bool)

@@ -49,6 +49,15 @@ QWEN_IMAGE_LORA_TARGETS = (
 )
 
 
+def unused_modules(transformer: nn.Module) -> list[nn.Module]:
+    """The modules whose output never reaches the prediction: the last block's text-stream attention output
+    projection and text MLP (the model reads only the image stream after the last block). Their parameters
+    (and LoRA layers on them) get no gradient; DDP refuses parameters unused in the loss, and training them
+    would change nothing the model predicts."""
+    last = transformer.transformer_blocks[-1]
+    return [last.attn.to_add_out, last.txt_mlp]
+
+
 def trim_to_longest(prompt_embeds_BLD: torch.Tensor, mask_BL: torch.Tensor | None):
     """Drop the token positions no sample of the batch uses; the mask becomes None when every position left is
     real (what ``QwenImagePipeline.encode_prompt`` passes for one caption, or for captions of equal length)."""
@@ -112,6 +121,9 @@ class QwenImageAdapter(ModelAdapter):
     pipeline_class = "QwenImagePipeline"
     streams = ("latents", "prompt_embeds")  # and the loader's prompt_embeds_mask column (a "mask" stream)
     latent_ndim = 3
+
+    def unused_modules(self, transformer: nn.Module) -> list[nn.Module]:
+        return unused_modules(transformer)
 
     def blocks(self, transformer: nn.Module) -> list[nn.Module]:
         return list(transformer.transformer_blocks)
