@@ -8,7 +8,7 @@
   ``model.pretrained`` takes the normal ``from_pretrained`` path and the tiny recipe is not used;
 * ``ingest.source`` (``prep``, ``run``): set, present when it is a local path, and a local folder holds at
   least one image or video;
-* components of one family: for a family that declares ``COMPONENT_CLASSES`` (``qwen-image``), a local
+* components of one family: for a family that declares its classes (``latentmill.component_classes``), a local
   pipeline or component folder of another family's class (a FLUX.1 VAE in a Qwen-Image recipe) fails in one
   line naming the key, the class found and the class needed (:func:`check_component_classes`);
 * ``train``: a published snapshot to train on (``run`` publishes one first);
@@ -138,33 +138,34 @@ def _local_class(folder: Path) -> str | None:
 
 
 def check_component_classes(model: ModelConfig) -> None:
-    """Refuse, before any work, a recipe whose local components belong to different families: the recipe's
-    family (``model.family``, or the family of ``model.pretrained``'s pipeline) declares each component's class
-    (``COMPONENT_CLASSES``); a pipeline of another family, or a ``model.vae`` / ``model.text_encoder`` folder
-    of another class, is a ConfigError in one line. Hub ids are not looked up (nothing is downloaded here)."""
+    """Refuse, before any work, a recipe whose local components belong to different families: a family that
+    declares its classes (``latentmill.component_classes``) and is the recipe's (``model.family``, or the family
+    of ``model.pretrained``'s pipeline) needs its own pipeline and, in ``model.vae`` / ``model.text_encoder``
+    folders, its own component classes; anything else is a ConfigError in one line. Hub ids are not looked
+    up (nothing is downloaded here), and nothing imports torch."""
     import json
 
-    from latentmill.models import component_source
-    from latentmill.stages.families import FAMILIES, PIPELINE_FAMILIES
+    from latentmill.component_classes import FAMILY_CLASSES, component_classes, pipeline_family
 
     root = Path(model.pretrained).expanduser()
     index = root / "model_index.json"
     pipeline = json.loads(index.read_text()).get("_class_name", "") if index.is_file() else ""
-    family = model.family if model.family != "auto" else PIPELINE_FAMILIES.get(pipeline)
-    declared = {f: getattr(FAMILIES.get(f), "COMPONENT_CLASSES", None) for f in (family, PIPELINE_FAMILIES.get(pipeline))}
-    if not any(declared.values()):
-        return
-    if pipeline in PIPELINE_FAMILIES and PIPELINE_FAMILIES[pipeline] != family:
-        raise ConfigError(f"model.pretrained: {model.pretrained} is a {pipeline} ({PIPELINE_FAMILIES[pipeline]} "
+    family = model.family if model.family != "auto" else pipeline_family(pipeline)
+    expected = component_classes(family)
+    if pipeline and family in FAMILY_CLASSES and pipeline not in FAMILY_CLASSES[family]["pipelines"]:
+        raise ConfigError(f"model.pretrained: {model.pretrained} is a {pipeline}, model.family {family!r} needs a "
+                          f"{' or '.join(FAMILY_CLASSES[family]['pipelines'])}: the components of one recipe must "
+                          "be of one family")
+    if pipeline_family(pipeline) and family != pipeline_family(pipeline):
+        raise ConfigError(f"model.pretrained: {model.pretrained} is a {pipeline} ({pipeline_family(pipeline)} "
                           f"family), model.family is {family!r}: the components of one recipe must be of one family")
-    expected = declared[family] or {}
     for name, needed in expected.items():
         override = getattr(model, name, None)
         if name == "transformer" or not override:
             key, folder = "model.pretrained", root / name
         else:
-            src = component_source(model, name)
-            key, folder = f"model.{name}", Path(src.path).expanduser() / (src.subfolder or "")
+            path = Path(override).expanduser()
+            key, folder = f"model.{name}", path / name if (path / name / "config.json").is_file() else path
         found = _local_class(folder)
         if found is not None and found != needed:
             raise ConfigError(f"{key}: {folder} holds {found}, the {family} family needs {needed} "

@@ -31,7 +31,7 @@ from typing import Any
 import yaml
 
 from latentmill.core.config import ConfigError
-from latentmill.tiny import CORPUS, _learn_bpe, _pretokenize, bytes_to_unicode, check_keys
+from latentmill.tiny import CORPUS, bytes_to_unicode, check_keys, learn_bpe, pretokenize
 from latentmill.tinyio import pipeline_folder, tiny_cli
 
 DEFAULT_RECIPE_PATH: Path = Path(__file__).resolve().parents[1] / "data" / "tiny-qwen-image.yaml"
@@ -105,14 +105,14 @@ def build_qwen_tokenizer(vocab_size: int, settings: dict[str, Any], corpus: Sequ
     plain = Qwen2Tokenizer(vocab={t: i for i, t in enumerate(alphabet)}, merges=[], unk_token=None)
     pieces = [p for p in PROMPT_TEMPLATE.format("").replace("<|im_start|>", "\0").replace("<|im_end|>", "\0")
               .split("\0") if p]
-    words = _pretokenize(plain.backend_tokenizer, list(corpus))
-    for word, count in _pretokenize(plain.backend_tokenizer, pieces).items():
+    words = pretokenize(plain.backend_tokenizer, list(corpus))
+    for word, count in pretokenize(plain.backend_tokenizer, pieces).items():
         words[word] += 1000 * count  # the template's words are merged first, into whole tokens
     n_new = vocab_size - len(alphabet) - len(SPECIALS)
     if n_new < 0:
         raise ConfigError(f"components.text_encoder.text_config.vocab_size: {vocab_size} < "
                           f"{len(alphabet) + len(SPECIALS)} (byte alphabet + special tokens)")
-    merges, learned, _ = _learn_bpe(Counter({tuple(w): c for w, c in words.items()}), set(alphabet), n_new,
+    merges, learned, _ = learn_bpe(Counter({tuple(w): c for w, c in words.items()}), set(alphabet), n_new,
                                     "components.text_encoder.text_config.vocab_size")
     vocab = {t: i for i, t in enumerate(alphabet + learned)}
     tokenizer = Qwen2Tokenizer(vocab=vocab, merges=merges, unk_token=None, bos_token=None,

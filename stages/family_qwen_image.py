@@ -16,6 +16,7 @@ from typing import Any, Callable
 import torch
 from latentmill.stages.encoders import Encoders, Stream
 
+from latentmill.component_classes import component_classes
 from latentmill.models import ModelConfig
 
 # QwenImagePipeline.prompt_template_encode / prompt_template_encode_start_idx / tokenizer_max_length
@@ -43,10 +44,9 @@ class QwenImageEncoders(Encoders):
     CLASS_IMPORTS = (("diffusers", "AutoencoderKLQwenImage"),
                      ("transformers", "Qwen2_5_VLForConditionalGeneration"), ("transformers", "AutoTokenizer"))
     VAE_FLOAT32 = True  # the Wan-style causal 3-D convs, as for Wan
-    # Each component's class (its config's ``_class_name``, or ``architectures[0]``): the preflight check
-    # (``latentmill.preflight.check_component_classes``) refuses a recipe that mixes in another family's.
-    COMPONENT_CLASSES = {"transformer": "QwenImageTransformer2DModel", "vae": "AutoencoderKLQwenImage",
-                         "text_encoder": "Qwen2_5_VLForConditionalGeneration"}
+    # Each component's class (its config's ``_class_name``, or ``architectures[0]``), declared torch-free in
+    # latentmill.component_classes: the preflight check refuses a recipe that mixes in another family's.
+    COMPONENT_CLASSES = component_classes("qwen-image")
     PROMPT_TEMPLATE = PROMPT_TEMPLATE
     TEMPLATE_START_IDX = TEMPLATE_START_IDX
 

@@ -101,7 +101,7 @@ def test_a_recipe_mixing_families_fails_before_any_work(tiny_models, tmp_path, c
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1, err
     if override == "model.family=qwen-image":
-        assert "is a FluxPipeline (flux family), model.family is 'qwen-image'" in err[0]
+        assert "is a FluxPipeline, model.family 'qwen-image' needs a QwenImagePipeline" in err[0]
     elif "text_encoder" in override:
         assert "model.text_encoder:" in err[0] and "holds CLIPTextModel, the qwen-image family needs " \
             "Qwen2_5_VLForConditionalGeneration" in err[0]
