@@ -40,6 +40,18 @@ class ModelConfig:
     tiny_recipe: Optional[str] = None
 
 
+def known_families() -> list[str]:
+    """The model families latentmill caches and trains, found without importing them (no torch): one module
+    ``stages/family_<name>.py`` each, ``_`` in the module name for ``-`` in the family's
+    (``latentmill.stages.families.FAMILIES`` registers their classes)."""
+    import pkgutil
+
+    import latentmill.stages
+
+    return sorted(module.name.removeprefix("family_").replace("_", "-")
+                  for module in pkgutil.iter_modules(latentmill.stages.__path__) if module.name.startswith("family_"))
+
+
 def component_source(model: ModelConfig, name: str) -> ComponentSource:
     """Resolve component ``name`` (``vae``, ``text_encoder``, ``tokenizer``...) to a loadable source."""
     override = getattr(model, name, None)
@@ -104,14 +116,18 @@ def cached_model_fingerprints(model: ModelConfig, components: tuple[str, ...] = 
     return prints
 
 
-def check_cache_compatible(manifest: dict[str, Any], model: ModelConfig) -> None:
-    """Refuse a latent cache whose producing models differ from the recipe's, saying what differs."""
+def check_cache_compatible(manifest: dict[str, Any], model: ModelConfig, family: str | None = None) -> None:
+    """Refuse a latent cache whose producing models differ from the recipe's, saying what differs.
+    ``family``: the recipe's model family when ``model.family`` is ``auto`` (read from its pipeline)."""
+    cached = manifest.get("family", "flux")
+    wanted = model.family if model.family != "auto" else family
+    if wanted is not None and wanted != cached:
+        raise CacheMismatchError(f"the latent cache was made for the {cached!r} family, the recipe's model "
+                                 f"({model.pretrained}) is {wanted!r}: run `latentmill prep` with this recipe "
+                                 "to cache its latents")
     recorded = manifest.get("models") or {}
     expected = cached_model_fingerprints(model, tuple(recorded) or CACHED_COMPONENTS)
     problems = []
-    family = manifest.get("family", "flux")
-    if model.family != "auto" and model.family != family:
-        problems.append(f"family: cache holds {family!r} latents, recipe's model.family is {model.family!r}")
     for name, fp in expected.items():
         have = (recorded.get(name) or {}).get("fingerprint")
         if have != fp:

@@ -8,21 +8,22 @@
   ``model.pretrained`` takes the normal ``from_pretrained`` path and the tiny recipe is not used;
 * ``ingest.source`` (``prep``, ``run``): set, present when it is a local path, and a local folder holds at
   least one image or video;
-* components of one family: for a family that declares its classes (``latentmill.component_classes``), a local
-  pipeline or component folder of another family's class (a FLUX.1 VAE in a Qwen-Image recipe) fails in one
-  line naming the key, the class found and the class needed (:func:`check_component_classes`);
+* the model family: an explicit ``model.family`` agrees with the pipeline folder's, and a component override
+  (``model.vae``, ``model.text_encoder``...) is of the class the pipeline's ``model_index.json`` names, so a
+  recipe never mixes components of two families (a FLUX.1 VAE under a FLUX.2 transformer);
 * ``train``: a published snapshot to train on (``run`` publishes one first);
 * the process layout (``--nproc``, ``--nnodes``) against ``parallel.strategy``.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import re
 from pathlib import Path
 
 from latentmill.core.config import ConfigError
-from latentmill.models import ModelConfig
+from latentmill.models import ModelConfig, component_source, read_component_config
 from latentmill.recipe import Recipe
 
 # owner/name, as the Hub allows them (letters, digits, '-', '_', '.'; not starting with '.' or '-')
@@ -78,6 +79,40 @@ def check_model_ref(key: str, value: str | None, tiny_recipe: str | None = None,
     raise ConfigError(f"{key}: {value} does not exist, and is not a Hugging Face id (owner/name)")
 
 
+def check_components(model: ModelConfig) -> None:
+    """An explicit ``model.family`` matches the pipeline folder's, and each component override is of the
+    class the pipeline names in its ``model_index.json``: one line naming the key otherwise. A hub id (or a
+    tiny folder not built yet) is checked when it loads."""
+    root = Path(model.pretrained).expanduser()
+    if not (root / "model_index.json").is_file():
+        return
+    index = json.loads((root / "model_index.json").read_text())
+    pipeline = index.get("_class_name", "?")
+    if model.family != "auto":
+        from latentmill.stages.families import PIPELINE_FAMILIES  # (imports torch: only when it decides)
+
+        family = PIPELINE_FAMILIES.get(pipeline)
+    if model.family != "auto" and family is not None and family != model.family:
+        raise ConfigError(f"model.family: {model.family!r}, but {model.pretrained} is a {pipeline} (the "
+                          f"{family!r} family); set model.family to {family!r} or 'auto'")
+    for name in ("vae", "text_encoder", "text_encoder_2"):
+        override = getattr(model, name, None)
+        if not override:
+            continue
+        expected = (index.get(name) or [None, None])[1]
+        if expected is None:
+            raise ConfigError(f"model.{name}: the {pipeline} at {model.pretrained} has no {name}; remove "
+                              f"model.{name}")
+        try:
+            config = read_component_config(component_source(model, name))
+        except Exception:  # a hub id not downloaded yet: from_pretrained checks it when it loads
+            continue
+        have = config.get("_class_name") or (config.get("architectures") or [None])[0]
+        if have is not None and have != expected:
+            raise ConfigError(f"model.{name}: {override} is a {have}; the {pipeline} at {model.pretrained} "
+                              f"takes a {expected}: a recipe cannot mix components of different model families")
+
+
 def _local_source(source: str) -> Path | None:
     """The local path ``ingest.source`` names, or None for URLs, fsspec URIs and brace patterns."""
     if "://" in source or "::" in source or any(c in source for c in "{}*?["):
@@ -126,50 +161,43 @@ def check_media_folder(folder: Path, extensions: list[str], shown: int = 3) -> N
                       "accepted are ingest.extensions)")
 
 
-def _local_class(folder: Path) -> str | None:
-    """The class a local component folder's config names, or None when there is no such folder."""
-    import json
+def _has_edit_pair(folder: str) -> bool:
+    """Whether an image ``<name>.src.<ext>`` is below ``folder`` (stops at the first one)."""
+    from latentmill.stages.pixels import IMAGE_EXTENSIONS
+    from latentmill.stages.sources import REFERENCE_MARK
 
-    config = folder / "config.json"
-    if not config.is_file():
-        return None
-    data = json.loads(config.read_text())
-    return data.get("_class_name") or (data.get("architectures") or [None])[0]
+    for _, dirs, files in os.walk(folder):
+        dirs[:] = [d for d in dirs if not d.startswith(".")]
+        for name in files:
+            stem, suffix = os.path.splitext(name)
+            if stem.endswith(REFERENCE_MARK) and suffix.lower() in IMAGE_EXTENSIONS and not name.startswith("."):
+                return True
+    return False
 
 
-def check_component_classes(model: ModelConfig) -> None:
-    """Refuse, before any work, a recipe whose local components belong to different families: a family that
-    declares its classes (``latentmill.component_classes``) and is the recipe's (``model.family``, or the family
-    of ``model.pretrained``'s pipeline) needs its own pipeline and, in ``model.vae`` / ``model.text_encoder``
-    folders, its own component classes; anything else is a ConfigError in one line. Hub ids are not looked
-    up (nothing is downloaded here), and nothing imports torch."""
-    import json
+def check_edit_source(source: str, local: Path | None, reference_column: str | None) -> None:
+    """ConfigError unless an edit recipe's source holds pairs: paired ``source/`` and ``target/`` folders or
+    a ``<name>.src.<ext>`` image in a folder, or a manifest with the source column."""
+    from latentmill.stages.sources import (
+        PAIRED_FOLDERS,
+        REFERENCE_COLUMN,
+        edit_layout,
+        manifest_rows,
+        source_kind,
+    )
 
-    from latentmill.component_classes import FAMILY_CLASSES, component_classes, pipeline_family
-
-    root = Path(model.pretrained).expanduser()
-    index = root / "model_index.json"
-    pipeline = json.loads(index.read_text()).get("_class_name", "") if index.is_file() else ""
-    family = model.family if model.family != "auto" else pipeline_family(pipeline)
-    expected = component_classes(family)
-    if pipeline and family in FAMILY_CLASSES and pipeline not in FAMILY_CLASSES[family]["pipelines"]:
-        raise ConfigError(f"model.pretrained: {model.pretrained} is a {pipeline}, model.family {family!r} needs a "
-                          f"{' or '.join(FAMILY_CLASSES[family]['pipelines'])}: the components of one recipe must "
-                          "be of one family")
-    if pipeline_family(pipeline) and family != pipeline_family(pipeline):
-        raise ConfigError(f"model.pretrained: {model.pretrained} is a {pipeline} ({pipeline_family(pipeline)} "
-                          f"family), model.family is {family!r}: the components of one recipe must be of one family")
-    for name, needed in expected.items():
-        override = getattr(model, name, None)
-        if name == "transformer" or not override:
-            key, folder = "model.pretrained", root / name
-        else:
-            path = Path(override).expanduser()
-            key, folder = f"model.{name}", path / name if (path / name / "config.json").is_file() else path
-        found = _local_class(folder)
-        if found is not None and found != needed:
-            raise ConfigError(f"{key}: {folder} holds {found}, the {family} family needs {needed} "
-                              f"({name}); the components of one recipe must be of one family")
+    if local is not None and local.is_dir():
+        if edit_layout(local) == "paired" or _has_edit_pair(str(local)):
+            return
+        raise ConfigError(f"ingest.edit: {source} holds no edit pairs; put each source image beside its target "
+                          f"as <name>.src.<ext>, or the two sets in {PAIRED_FOLDERS[0]}/ and {PAIRED_FOLDERS[1]}/ "
+                          "folders with the same names (docs/prep.md, \"Edit datasets\")")
+    if source_kind(source) == "manifest":
+        column = reference_column or REFERENCE_COLUMN
+        first = next(manifest_rows(source), None)
+        if first is None or column not in first:
+            raise ConfigError(f"ingest.edit: the manifest {source} has no {column!r} column of source images; "
+                              "name it with ingest.reference_column")
 
 
 def check_recipe(recipe: Recipe, command: str) -> None:
@@ -179,7 +207,7 @@ def check_recipe(recipe: Recipe, command: str) -> None:
     check_model_ref("model.pretrained", model.pretrained, model.tiny_recipe, pipeline=True)
     for name in ("vae", "text_encoder", "text_encoder_2"):
         check_model_ref(f"model.{name}", getattr(model, name))
-    check_component_classes(model)
+    check_components(model)
     if command in ("prep", "run", "demo"):
         source = recipe.ingest.require_source()
         local = _local_source(source)
@@ -187,6 +215,8 @@ def check_recipe(recipe: Recipe, command: str) -> None:
             raise ConfigError(f"ingest.source: {source} does not exist")
         if local is not None and local.is_dir():
             check_media_folder(local, recipe.ingest.extensions)
+        if recipe.ingest.edit:
+            check_edit_source(source, local, recipe.ingest.reference_column)
         if recipe.caption.captioner == "transformers":
             check_model_ref("caption.model", recipe.caption.model)
     if command == "train":

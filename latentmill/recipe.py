@@ -94,11 +94,12 @@ class Recipe:
     def validate(self) -> None:
         """Check ``volume`` and place a relative ``output_dir`` under the volume in force (recipe key, else
         ``$LATENTMILL_VOLUME``); an absolute ``output_dir`` is explicit and wins."""
-        from latentmill.stages.families import family_class
+        from latentmill.models import known_families
         from latentmill.volume import check_volume, resolve_output_dir, volume_root
 
-        if self.model.family != "auto":
-            family_class(self.model.family)  # a ConfigError naming the known families
+        if self.model.family != "auto" and self.model.family not in known_families():
+            raise ConfigError(f"model.family: {self.model.family!r} is not a known family; allowed: 'auto', "
+                              f"{', '.join(repr(f) for f in known_families())}")
         self.volume = check_volume(self.volume)
         self.output_dir = resolve_output_dir(self.output_dir, volume_root(self.volume)[0])
 

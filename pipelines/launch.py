@@ -41,12 +41,22 @@ def train_recipe(recipe: Recipe, run_dir: str | Path, progress: bool = True,
             export_dir=run_dir / "export",
             parallel=recipe.parallel,
             progress=progress,
-            check_cache=lambda manifest: check_cache_compatible(manifest, recipe.model),
+            check_cache=lambda manifest: check_cache_compatible(manifest, recipe.model, _family(recipe)),
             on_step=on_step,
             provenance={"snapshot": cache_dir.name, "snapshot_content_id": manifest["snapshot"]["content_id"],
                         "run": run_dir.name, "output_dir": str(recipe.output_dir),
                         "pretrained": recipe.model.pretrained, "mode": recipe.trainer.mode},
         )
+
+
+def _family(recipe: Recipe) -> str | None:
+    """The recipe's model family, or None when it cannot be read here (a hub id not downloaded)."""
+    from latentmill.stages.families import detect_family
+
+    try:
+        return detect_family(recipe.model)
+    except Exception:
+        return None
 
 
 def main(argv: list[str] | None = None) -> int:

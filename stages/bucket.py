@@ -406,6 +406,8 @@ def process(cfg: BucketConfig, unit: WorkUnit, out: UnitOutput) -> None:
             continue
         meta["bucket"] = list(bucket)
         meta["crop"] = _crop(cfg, meta, bucket, sample["__key__"])
+        if isinstance(meta.get("reference"), dict):  # an edit pair: its source image fills the same bucket
+            meta["reference"]["crop"] = _crop(cfg, meta["reference"], bucket, sample["__key__"])
         out.add({**sample, "json": meta_bytes(meta)}, part="image", bucket=list(bucket))
     out.extra.update(videos=videos, clips=clips, expanded=expanded)  # clips_below_threshold: _video_clips
     if near_dups:

@@ -64,6 +64,7 @@ FORMAT_VERSION = 2  # in the component keys: what decides a latent's bytes (unch
 MANIFEST_VERSION = 3  # the cache format the manifest declares: 3 adds a shard index beside each tar
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 VAE_MEMBER, TEXT_MEMBER = "vae.safetensors", "text.safetensors"
+REFERENCE = "reference"  # an edit pair's source image: its member in the bucket shards, its facts in the json
 
 
 def text_member(j: int) -> str:
@@ -154,9 +155,15 @@ class CachePlan:
         # over the background, colour profile...) join its key; a plain image keeps the key it always had.
         parts = [self.vae_fp, meta["sha256"], meta.get("clip"), meta["bucket"], meta.get("crop")]
         rules = pixels.pixel_rules(meta, self.background)
-        return stable_hash(parts + [rules] if rules else parts)
+        parts = parts + [rules] if rules else parts
+        if any(s.from_reference for s in family_class(self.family).STREAMS):  # an edit pair: its source too
+            reference = meta.get(REFERENCE) or {}
+            parts.append([reference.get("sha256"), reference.get("crop"), pixels.pixel_rules(reference, self.background)])
+        return stable_hash(parts)
 
-    def text_key(self, caption: str) -> str:
+    def text_key(self, caption: str, meta: dict[str, Any] | None = None) -> str:
+        if meta is not None and family_class(self.family).TEXT_SEES_REFERENCE:  # the caption and the image
+            return stable_hash([self.text_fp, caption, (meta.get(REFERENCE) or {}).get("sha256")])
         return stable_hash([self.text_fp, caption])
 
 
@@ -556,7 +563,11 @@ def process(cfg: CacheConfig, model: ModelConfig, unit: WorkUnit, out: UnitOutpu
     metas = samples.metas
     # Every caption of a sample is encoded (the trainer picks one per step); the first is the primary.
     captions = [m.get("captions") or [m["caption"]] for m in metas]
-    keys = [(plan_.vae_key(m), [plan_.text_key(c) for c in caps]) for m, caps in zip(metas, captions)]
+    keys = [(plan_.vae_key(m), [plan_.text_key(c, m) for c in caps]) for m, caps in zip(metas, captions)]
+    family = family_class(plan_.family)
+    reference_streams = [s.name for s in family.STREAMS if s.from_reference]
+    # an edit family's samples without a source image (data prepared without ingest.edit) are quarantined
+    unpaired = {i for i, m in enumerate(metas) if family.needs_reference() and not isinstance(m.get(REFERENCE), dict)}
     before = unit.payload.get("reuse_before_ns", 0)
     vae_hits, text_hits, origins = stored_components(out.stage_dir, keys, before)
     old_vae, old_text = _fetch(vae_hits), _fetch(text_hits)
@@ -583,15 +594,21 @@ def process(cfg: CacheConfig, model: ModelConfig, unit: WorkUnit, out: UnitOutpu
     # the clips of one source video are decoded in one pass, in the order the loop below asks for them
     passes = SourcePasses([(i, m) for i, m in enumerate(metas) if keys[i][0] not in old_vae and _source_clip(m)])
 
-    def decode(batch: list[int]) -> dict[int, torch.Tensor | Exception]:
-        decoded: dict[int, torch.Tensor | Exception] = {}
+    def decode(batch: list[int]) -> dict[int, Any]:
+        """Pixels of the samples whose latents are not reused: a tensor each, or (target, source image) for
+        an edit family's pair, or the exception that quarantines the sample."""
+        decoded: dict[int, Any] = {}
         for i in batch:
-            if keys[i][0] not in old_vae:
+            if keys[i][0] not in old_vae and i not in unpaired:
                 try:
                     if i in passes:
                         decoded[i] = clip_pixels(passes.frames(i), metas[i])
                     else:
-                        decoded[i] = decode_sample(samples.sample(i), metas[i], plan_.background)
+                        sample = samples.sample(i)
+                        decoded[i] = decode_sample(sample, metas[i], plan_.background)
+                        if reference_streams:
+                            decoded[i] = (decoded[i], load_pixels(sample[REFERENCE], metas[i][REFERENCE]["crop"],
+                                                                  metas[i]["bucket"], plan_.background))
                 except Exception as err:  # any undecodable input is quarantined, never fatal
                     decoded[i] = err
         return decoded
@@ -608,21 +625,33 @@ def process(cfg: CacheConfig, model: ModelConfig, unit: WorkUnit, out: UnitOutpu
             if isinstance(value, Exception):
                 out.quarantine(samples.keys[i], metas[i].get("source", "?"), f"cannot decode pixels: {value}")
                 del decoded[i]
-        keep = [i for i in batch if keys[i][0] in old_vae or i in decoded]
+        for i in unpaired.intersection(batch):
+            out.quarantine(samples.keys[i], metas[i].get("source", "?"), f"no source image: the {plan_.family} "
+                           "family trains on edit pairs (ingest.edit: true, docs/prep.md \"Edit datasets\")")
+        keep = [i for i in batch if i not in unpaired and (keys[i][0] in old_vae or i in decoded)]
         need_vae = [i for i in keep if keys[i][0] not in old_vae]
-        need_text = {tk: captions[i][j] for i in keep for j, tk in enumerate(keys[i][1]) if tk not in old_text}
+        need_text = {tk: (captions[i][j], i) for i in keep for j, tk in enumerate(keys[i][1]) if tk not in old_text}
         if (need_vae or need_text) and encoders is None:
             encoders = _load_encoders(cfg, model, plan_.family, device)
         vae_bytes: dict[str, bytes] = {}
         if need_vae:
+            targets = [decoded[i][0] if reference_streams else decoded[i] for i in need_vae]
             with deterministic_encoding(described["deterministic"]):
-                mean, std = encoders.encode_pixels(torch.stack([decoded[i] for i in need_vae]))
+                mean, std = encoders.encode_pixels(torch.stack(targets))
+                if reference_streams:  # the source images at the target's bucket, the distribution's mean
+                    reference_mean = encoders.encode_pixels(torch.stack([decoded[i][1] for i in need_vae]))[0]
             for j, i in enumerate(need_vae):
-                vae_bytes[keys[i][0]] = _tensor_bytes(_latent_tensors(mean[j], std[j], cfg, keys[i][0]), dtype)
+                tensors = _latent_tensors(mean[j], std[j], cfg, keys[i][0])
+                tensors.update({name: reference_mean[j] for name in reference_streams})
+                vae_bytes[keys[i][0]] = _tensor_bytes(tensors, dtype)
         text_bytes: dict[str, bytes] = {}
         if need_text:
+            texts = [caption for caption, _ in need_text.values()]
+            images = ([pixels.decode_rgb(samples.sample(i)[REFERENCE], plan_.background) for _, i in need_text.values()]
+                      if family.TEXT_SEES_REFERENCE else None)
             with deterministic_encoding(described["deterministic"]):
-                encoded = encoders.encode_text(list(need_text.values()), cfg.max_sequence_length)
+                encoded = (encoders.encode_text(texts, cfg.max_sequence_length, images=images) if images is not None
+                           else encoders.encode_text(texts, cfg.max_sequence_length))
             for j, tk in enumerate(need_text):
                 text_bytes[tk] = _tensor_bytes(_text_tensors(encoded, j, trim, plan_.family), dtype)
         for i in keep:

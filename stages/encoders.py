@@ -39,6 +39,9 @@ class Stream:
     shape: str  # the shape of one sample, in the cache format's words: "[C, H/8, W/8]", "[L, D]"
     normalisation: str = ""  # what was applied to the encoder's output, as a formula over the config's names
     pad: Pad = "none"  # the token axis of a text stream (see ``Pad``); "none" for a tensor without one
+    # a vae stream of an edit pair's source image (the sample's ``reference``, ingest.edit), encoded like the
+    # target's ``latents`` (the distribution's mean) at the target's bucket
+    from_reference: bool = False
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -58,6 +61,9 @@ class Encoders:
     # (module, class) pairs the encoders are built from: imported ahead by the CLI (import_encoder_classes)
     CLASS_IMPORTS: ClassVar[tuple[tuple[str, str], ...]] = ()
     VAE_FLOAT32: ClassVar[bool] = False  # the VAE runs in float32 even on a GPU
+    # the text encoder sees the edit pair's source image: encode_text gets ``images`` (PIL, one per caption)
+    # and a text component is keyed by the caption and that image's bytes
+    TEXT_SEES_REFERENCE: ClassVar[bool] = False
 
     def __init__(self, model: ModelConfig, device: torch.device):
         self.model = model
@@ -78,6 +84,11 @@ class Encoders:
     def streams(cls, component: str | None = None) -> tuple[Stream, ...]:
         """The family's streams, or those of one component."""
         return tuple(s for s in cls.STREAMS if component is None or s.component == component)
+
+    @classmethod
+    def needs_reference(cls) -> bool:
+        """Whether the family trains on edit pairs (a stream, or its text encoder, takes the source image)."""
+        return cls.TEXT_SEES_REFERENCE or any(s.from_reference for s in cls.STREAMS)
 
     @classmethod
     def text_pad(cls) -> Pad:
@@ -115,9 +126,10 @@ class Encoders:
         [B, 3, H, W], clips [B, 3, F, H, W]): the ``vae`` stream named ``latents``, float32, on the CPU."""
         raise NotImplementedError
 
-    def encode_text(self, captions: list[str], max_sequence_length: int) -> dict[str, Any]:
+    def encode_text(self, captions: list[str], max_sequence_length: int, images: list | None = None) -> dict[str, Any]:
         """The ``text`` streams of ``captions`` (float32, on the CPU, batch first) and ``lengths``: per
-        caption, its real token count (the stored length of a trimmed ``zeros`` / ``mask`` stream)."""
+        caption, its real token count (the stored length of a trimmed ``zeros`` / ``mask`` stream).
+        ``images``: with ``TEXT_SEES_REFERENCE``, each caption's source image (PIL RGB, as ingested)."""
         raise NotImplementedError
 
 

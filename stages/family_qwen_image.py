@@ -16,7 +16,6 @@ from typing import Any, Callable
 import torch
 from latentmill.stages.encoders import Encoders, Stream
 
-from latentmill.component_classes import component_classes
 from latentmill.models import ModelConfig
 
 # QwenImagePipeline.prompt_template_encode / prompt_template_encode_start_idx / tokenizer_max_length
@@ -44,9 +43,6 @@ class QwenImageEncoders(Encoders):
     CLASS_IMPORTS = (("diffusers", "AutoencoderKLQwenImage"),
                      ("transformers", "Qwen2_5_VLForConditionalGeneration"), ("transformers", "AutoTokenizer"))
     VAE_FLOAT32 = True  # the Wan-style causal 3-D convs, as for Wan
-    # Each component's class (its config's ``_class_name``, or ``architectures[0]``), declared torch-free in
-    # latentmill.component_classes: the preflight check refuses a recipe that mixes in another family's.
-    COMPONENT_CLASSES = component_classes("qwen-image")
     PROMPT_TEMPLATE = PROMPT_TEMPLATE
     TEMPLATE_START_IDX = TEMPLATE_START_IDX
 
@@ -107,12 +103,14 @@ class QwenImageEncoders(Encoders):
         return out.hidden_states[-1], inputs.attention_mask
 
     @torch.no_grad()
-    def encode_text(self, captions: list[str], max_sequence_length: int) -> dict[str, Any]:
+    def encode_text(self, captions: list[str], max_sequence_length: int, images: list | None = None) -> dict[str, Any]:
         """``prompt_embeds`` [B, max_sequence_length, D]: each caption's real tokens after the template's
         first ``TEMPLATE_START_IDX`` tokens, at most ``max_sequence_length`` of them, zero beyond; ``lengths``.
 
         The pipeline tokenizes at most ``tokenizer_max_length + drop`` tokens, keeps the attended ones, drops
         the prefix and cuts to ``max_sequence_length`` (``encode_prompt``): the same tokens as here.
+        ``images`` is for a family whose text encoder sees the edit's source image (``TEXT_SEES_REFERENCE``:
+        Qwen-Image-Edit); Qwen-Image's does not.
         """
         limit = min(max_sequence_length, TOKENIZER_MAX_LENGTH)
         hidden_BTD, mask_BT = self._hidden_states(captions, limit + self.TEMPLATE_START_IDX)

@@ -33,6 +33,8 @@ from latentmill.stages import pixels
 from latentmill.stages.scratch import Scratch
 from latentmill.stages.shardio import StageDir, UnitOutput, WorkUnit, check_shard_bytes
 from latentmill.stages.sources import (
+    REFERENCE_COLUMN,
+    REFERENCE_MARK,
     Entry,
     content_identity,
     count_shard_samples,
@@ -62,6 +64,7 @@ DEFAULT_SHARD_BYTES = 256 << 20  # ingest.shard_bytes
 JSON_TAR_BYTES = 4 * TAR_BLOCK  # a sample's json member in a raw shard: header + ~1.5 KB (with a caption)
 REMOTE_IMAGE_BYTES = 256 << 10  # a remote image's size is not asked for at planning: this is its estimate
 IMAGE_EXTENSIONS = {ext: pixels.IMAGE_MEMBER for ext in pixels.IMAGE_EXTENSIONS}
+REFERENCE_MEMBER = "reference"  # an edit pair's source image in a raw shard, and its facts in the json
 MEDIA_EXTENSIONS = {**IMAGE_EXTENSIONS, **VIDEO_EXTENSIONS}
 
 
@@ -78,6 +81,10 @@ class IngestConfig:
     extensions: list[str] = field(default_factory=lambda: sorted(MEDIA_EXTENSIONS))
     path_column: Optional[str] = None  # manifest column with the media path or URL (default: path, url)
     caption_column: Optional[str] = "caption"  # manifest column with a caption (absent column: none)
+    # An edit dataset: each sample is a target image, its source image and an instruction (the caption);
+    # stages.sources' docstring lists the layouts. reference_column: an edit manifest's source column.
+    edit: bool = False
+    reference_column: Optional[str] = None  # default "source"
 
     def require_source(self) -> str:
         """``source``, or a ConfigError that says what to set (prep needs it; training alone does not)."""
@@ -103,10 +110,13 @@ class IngestConfig:
 
 def fingerprint(cfg: IngestConfig) -> dict[str, Any]:
     """What, besides the input bytes, decides ingest's output (the source location does not)."""
-    return {"stage": STAGE, "version": FORMAT_VERSION, "max_bytes": cfg.max_bytes,
-            "max_video_bytes": cfg.max_video_bytes, "max_pixels": cfg.max_pixels,
-            "extensions": sorted(e.lower() for e in cfg.extensions),
-            "path_column": cfg.path_column, "caption_column": cfg.caption_column}
+    fp = {"stage": STAGE, "version": FORMAT_VERSION, "max_bytes": cfg.max_bytes,
+          "max_video_bytes": cfg.max_video_bytes, "max_pixels": cfg.max_pixels,
+          "extensions": sorted(e.lower() for e in cfg.extensions),
+          "path_column": cfg.path_column, "caption_column": cfg.caption_column}
+    if cfg.edit:  # (a recipe without edit data keeps its fingerprint, and so its unit ids)
+        fp["edit"] = {"reference_column": cfg.reference_column or REFERENCE_COLUMN}
+    return fp
 
 
 def _entry_identity(entry: Entry, hashes: FileHashes | None = None) -> str:
@@ -169,7 +179,7 @@ def stat_signature(members: list[Entry], fp: dict[str, Any], cut: list[int]) -> 
         if entry.error or is_remote(entry.uri):
             return None
         stats = []
-        for path in (entry.uri, *entry.sidecars):
+        for path in (entry.uri, *entry.sidecars, *([entry.reference] if entry.reference else [])):
             try:
                 st = os.stat(path)
             except OSError:
@@ -177,7 +187,10 @@ def stat_signature(members: list[Entry], fp: dict[str, Any], cut: list[int]) -> 
             if now - st.st_mtime_ns / 1e9 < FileHashes.RACY_SECONDS:
                 return None
             stats.append((st.st_size, st.st_mtime_ns, st.st_ino))
-        rows.append([entry.id, entry.uri, entry.caption, entry.sha256, stats])
+        if entry.reference is not None and is_remote(entry.reference):
+            return None
+        rows.append([entry.id, entry.uri, entry.caption, entry.sha256, stats]
+                    + ([entry.reference] if entry.reference is not None else []))
     return stable_hash({"fingerprint": fp, CUT_KEY: cut, "stats": rows})
 
 
@@ -259,7 +272,7 @@ def plan(cfg: IngestConfig, stage_dir: StageDir | None = None) -> Iterator[WorkU
     in a scratch database (:mod:`latentmill.stages.scratch`: a temporary file, gone when the plan ends or is
     closed).
     """
-    source = list_source(cfg.require_source(), cfg.path_column, cfg.caption_column)
+    source = list_source(cfg.require_source(), cfg.path_column, cfg.caption_column, cfg.edit, cfg.reference_column)
     fp = fingerprint(cfg)
     if source.kind == "webdataset":
         for shard in source.shards:
@@ -292,7 +305,8 @@ def _plan_entries(cfg: IngestConfig, stage_dir: StageDir | None, source, scratch
             continue
         rows = scratch.entries_at(group)
         members = sorted((_unpacked(rows[pos][0]) for pos in group), key=lambda e: e.id)
-        paths = [p for e in members if not is_remote(e.uri) for p in (e.uri, *e.sidecars)]
+        paths = [p for e in members if not is_remote(e.uri)
+                 for p in (e.uri, *e.sidecars, *([e.reference] if e.reference and not is_remote(e.reference) else []))]
         signature = stat_signature(members, fp, cut)
         known = hashes.signature(signature) if signature and kept else None  # a unit id of the last run
         record = scratch.previous_unit(known) if known else None
@@ -305,10 +319,12 @@ def _plan_entries(cfg: IngestConfig, stage_dir: StageDir | None, source, scratch
             unit_id = stable_hash({"fingerprint": fp, CUT_KEY: cut, "inputs": ids})
         if signature:
             hashes.remember_signature(signature, unit_id)
-        # the entries as one JSON string, read back by the unit (unit_items): one object per unit, not a dict
-        # per file
-        payload = {"kind": "entries", "root": source.root, ITEMS_KEY: json.dumps([_entry_json(e) for e in members]),
-                   CUT_KEY: cut, "estimated_bytes": sum(rows[pos][1] for pos in group)}
+        payload = {"kind": "entries", "root": source.root, CUT_KEY: cut,
+                   "estimated_bytes": sum(rows[pos][1] for pos in group)}
+        if stage_dir is None or stage_dir.load_record(unit_id) is None:
+            # the entries as one JSON string, read back by the unit (unit_items): one object per unit, not a
+            # dict per file; a committed unit never runs, so a refresh writes none for what it reuses
+            payload[ITEMS_KEY] = json.dumps([_entry_json(e) for e in members])
         yield WorkUnit(unit_id=unit_id, inputs=ids, payload=payload, samples_in=len(members))
 
 
@@ -406,17 +422,39 @@ def _media_meta(key: str, source: str, root: str, uri: str, kind: str, ext: str,
     return meta
 
 
-def _add(out: UnitOutput, key: str, meta: dict[str, Any], data: bytes | None) -> None:
+def _add(out: UnitOutput, key: str, meta: dict[str, Any], data: bytes | None, reference: bytes | None = None) -> None:
     """Write one raw sample: images and video references go to shards of their own (``part``), so every
-    sample of a shard has the same members (``json`` and, for an image, ``image``)."""
+    sample of a shard has the same members (``json`` and, for an image, ``image``; an edit pair's source
+    image in ``reference``)."""
     sample = {"__key__": key, "json": meta_bytes(meta)}
     if data is not None:
         sample[pixels.IMAGE_MEMBER] = data
+    if reference is not None:
+        sample[REFERENCE_MEMBER] = reference
     out.add(sample, part=meta["kind"])
+
+
+def _reference_sample(entry: Entry, kind: str, cfg: IngestConfig) -> tuple[dict[str, Any], bytes]:
+    """An edit pair's source image: its header facts (as the json's ``reference``) and its bytes; refused,
+    naming the pair, when the target is not an image or the source image is missing or unreadable."""
+    if kind != "image":
+        raise _Refused("edit pair: the target is a video; edit datasets pair images")
+    if entry.reference is None:
+        raise _Refused(f"edit pair: no source image for {entry.id} ({Path(entry.id).stem}{REFERENCE_MARK}.<ext> "
+                       f"beside it, the same name under source/, or the manifest's "
+                       f"{cfg.reference_column or REFERENCE_COLUMN} column)")
+    try:
+        header, data = _entry_sample(Entry(entry.id, entry.reference), "image", cfg)
+    except _Refused as why:
+        raise _Refused(f"edit pair: source image {entry.reference}: {why}") from None
+    return {"source_uri": entry.reference, **header}, data
 
 
 def unit_items(unit: WorkUnit) -> list[dict[str, Any]]:
     """The entries (``Entry.to_json()`` each) of an ingest unit of files, in order."""
+    if ITEMS_KEY not in unit.payload:
+        raise RuntimeError(f"ingest unit {unit.unit_id} was planned as committed, and its record is gone: run "
+                           "the prep again")
     return json.loads(unit.payload[ITEMS_KEY])
 
 
@@ -441,6 +479,7 @@ def _process_entries(cfg: IngestConfig, unit: WorkUnit, out: UnitOutput) -> None
         kind = "video" if suffix in VIDEO_EXTENSIONS else "image"
         try:
             header, data = _entry_sample(entry, kind, cfg)
+            reference = _reference_sample(entry, kind, cfg) if cfg.edit else None
         except _Refused as why:
             out.quarantine(key, entry.id, str(why))
             continue
@@ -448,7 +487,9 @@ def _process_entries(cfg: IngestConfig, unit: WorkUnit, out: UnitOutput) -> None
         meta = _media_meta(key, entry.id, root, entry.uri, kind, MEDIA_EXTENSIONS[suffix], header, caption, origin)
         if caption is None and entry.sidecars:
             meta["sidecar_problem"] = sidecar_problem(entry.sidecars)
-        _add(out, key, meta, data)
+        if reference is not None:
+            meta[REFERENCE_MEMBER] = reference[0]
+        _add(out, key, meta, data, reference[1] if reference is not None else None)
 
 
 def _process_shard(cfg: IngestConfig, unit: WorkUnit, out: UnitOutput) -> None:

@@ -11,6 +11,13 @@
   optional ``sha256`` column;
 * existing webdataset shards: ``shards/train-{000..003}.tar`` (brace notation) or one ``.tar``.
 
+Edit datasets (``ingest.edit``: a source image, a target image and an instruction per sample): the target is
+the entry and the source its ``reference``, found by one of three layouts (:func:`edit_layout`):
+``<name>.src.<ext>`` beside ``<name>.<ext>`` in a folder; ``source/`` and ``target/`` folders holding the same
+relative names (any image extension); a manifest's ``source`` column (``ingest.reference_column``) beside its
+``target`` (or ``path``) column. The instruction is the caption (a sidecar ``.txt`` of the target, or the
+manifest's caption column).
+
 A source is listed one entry at a time (:meth:`Source.iter_entries`): what the listing must remember (a
 folder's names in order, the ids already listed) waits in the planner's scratch database
 (:mod:`latentmill.stages.scratch`), not in memory.
@@ -36,6 +43,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Iterable, Iterator, Literal
 
+from latentmill.stages.pixels import IMAGE_EXTENSIONS
 from latentmill.stages.scratch import FILE, FOLDER, LINK, Scratch, chunks
 from latentmill.stages.tarshard import group_samples
 from latentmill.stages.video import local_path
@@ -44,6 +52,10 @@ from latentmill.core.filehashes import FileHashes
 from latentmill.core.hashing import sha256_bytes, sha256_file, stable_hash
 
 SIDECAR_EXTENSIONS = (".txt", ".json")
+REFERENCE_MARK = ".src"  # <name>.src.<ext>: the source image of <name>.<ext> in an edit folder
+PAIRED_FOLDERS = ("source", "target")  # an edit folder of two trees with the same relative names
+EDIT_PATH_COLUMNS = ("target", "path", "url")  # an edit manifest's target image
+REFERENCE_COLUMN = "source"  # an edit manifest's source image (ingest.reference_column)
 LIST_SUFFIXES = (".txt", ".lst")
 MANIFEST_SUFFIXES = (".csv", ".jsonl", ".parquet")
 PATH_COLUMNS = ("path", "url")
@@ -65,6 +77,7 @@ class Entry:
     sha256: str | None = None  # declared by the manifest, checked against the bytes
     error: str | None = None  # a listing problem: the entry is quarantined with this reason
     digest: str | None = None  # sha256 of a local file's bytes, found while planning
+    reference: str | None = None  # an edit pair's source image (uri); None outside edit datasets
 
     @property
     def suffix(self) -> str:
@@ -92,6 +105,8 @@ class Source:
     spec: str = ""  # ingest.source as given (what a list or manifest source reads)
     path_column: str | None = None
     caption_column: str | None = "caption"
+    edit: bool = False  # entries are edit targets with their source images (module docstring)
+    reference_column: str | None = None
 
     def iter_entries(self, scratch: Scratch | None = None) -> Iterator[Entry]:
         """The entries in listing order, one at a time (none for webdataset shards). ``scratch`` keeps what
@@ -101,12 +116,15 @@ class Source:
         own = scratch is None
         scratch = Scratch() if scratch is None else scratch
         try:
-            if self.kind == "folder":
+            if self.kind == "folder" and self.edit:
+                yield from _list_edit_folder(Path(self.root), scratch)
+            elif self.kind == "folder":
                 yield from _list_folder(Path(self.root), scratch)
             elif self.kind == "list":
                 yield from _list_file(self.spec, scratch)
             else:
-                yield from _list_manifest(self.spec, self.path_column, self.caption_column, scratch)
+                reference = (self.reference_column or REFERENCE_COLUMN) if self.edit else None
+                yield from _list_manifest(self.spec, self.path_column, self.caption_column, scratch, reference)
         finally:
             if own:
                 scratch.close()
@@ -180,29 +198,75 @@ def _visible(it: Iterator[os.DirEntry]) -> Iterator[tuple[str, int]]:
             yield entry.name, LINK if entry.is_symlink() else FILE
 
 
-def _walk(folder: str, rel: str, scratch: Scratch) -> Iterator[Entry]:
+def _walk(folder: str, rel: str, scratch: Scratch, edit: bool = False) -> Iterator[Entry]:
     """The entries below ``folder`` (``rel``: its path below the root, ``""`` or ending in ``/``) in path order.
 
     One ``scandir`` per folder, its names sorted in ``scratch`` (a flat folder of a million files costs no
     memory) and each subfolder walked where its name sorts among the files: the order of sorting every
-    file's path parts. A file's sidecars are the ``.txt`` / ``.json`` files beside it with its stem.
+    file's path parts. A file's sidecars are the ``.txt`` / ``.json`` files beside it with its stem. With
+    ``edit``, an image ``<name>.src.<ext>`` is not an entry but the ``reference`` of ``<name>.<ext>``.
     """
     with os.scandir(folder) as it:
         number = scratch.add_folder(_visible(it))
     for page in scratch.folder_names(number):
         split = {name: _split_suffix(name) for name, kind in page if kind != FOLDER}
-        media = {name: stem for name, (stem, suffix) in split.items() if suffix.lower() not in SIDECAR_EXTENSIONS}
+        media = {name: stem for name, (stem, suffix) in split.items() if suffix.lower() not in SIDECAR_EXTENSIONS
+                 and not (edit and stem.endswith(REFERENCE_MARK) and suffix.lower() in IMAGE_EXTENSIONS)}
         present = scratch.files_among(number, [stem + ext for stem in media.values() for ext in SIDECAR_EXTENSIONS])
+        if edit:  # the source images of this page's targets (the target's own extension first), and the
+            # targets of its source images: one without a target is quarantined, not dropped
+            wanted = {name: [stem + REFERENCE_MARK + ext for ext in (split[name][1], *IMAGE_EXTENSIONS)]
+                      for name, stem in media.items()}
+            sources = {name: stem[: -len(REFERENCE_MARK)] for name, (stem, suffix) in split.items()
+                       if name not in media and stem.endswith(REFERENCE_MARK) and suffix.lower() in IMAGE_EXTENSIONS}
+            present |= scratch.files_among(number, sorted({n for names in wanted.values() for n in names} | {
+                base + ext for base in sources.values() for ext in IMAGE_EXTENSIONS}))
         for name, kind in page:
             path = os.path.join(folder, name)
             if kind == FOLDER:
-                yield from _walk(path, rel + name + "/", scratch)
+                yield from _walk(path, rel + name + "/", scratch, edit)
             elif name in media:
                 stem = media[name]
                 sidecars = tuple(os.path.join(folder, stem + ext) for ext in SIDECAR_EXTENSIONS
                                  if stem + ext in present)
-                yield Entry(rel + name, os.path.realpath(path) if kind == LINK else path, sidecars=sidecars)
+                entry = Entry(rel + name, os.path.realpath(path) if kind == LINK else path, sidecars=sidecars)
+                if edit:
+                    found = next((n for n in wanted[name] if n in present), None)
+                    entry.reference = os.path.join(folder, found) if found else None
+                yield entry
+            elif edit and name in sources and not any(sources[name] + ext in present for ext in IMAGE_EXTENSIONS):
+                yield Entry(rel + name, path, error=f"edit pair: a source image without its target "
+                                                    f"({rel}{sources[name]}.<image extension>)")
     scratch.drop_folder(number)
+
+
+def edit_layout(root: Path) -> str:
+    """How an edit folder pairs its images: ``paired`` (``source/`` and ``target/`` folders) or ``sidecar``
+    (``<name>.src.<ext>`` beside ``<name>.<ext>``)."""
+    return "paired" if all((root / name).is_dir() for name in PAIRED_FOLDERS) else "sidecar"
+
+
+def _list_edit_folder(root: Path, scratch: Scratch) -> Iterator[Entry]:
+    """The targets of an edit folder, each with its source image as ``reference`` (None when it has none)."""
+    if not root.is_dir():
+        raise FileNotFoundError(f"ingest.source {root} is not a folder")
+    if edit_layout(root) == "sidecar":
+        yield from _walk(str(root), "", scratch, edit=True)
+        return
+    source, target = (str(root / name) for name in PAIRED_FOLDERS)
+
+    def partner(folder: str, rel: str) -> str | None:  # the same relative name in ``folder``, any image ext
+        stem, suffix = os.path.splitext(rel)
+        candidates = (stem + suffix, *(stem + ext for ext in IMAGE_EXTENSIONS if ext != suffix.lower()))
+        return next((p for c in candidates if os.path.isfile(p := os.path.join(folder, c))), None)
+
+    for entry in _walk(target, "", scratch):
+        entry.reference = partner(source, entry.id)
+        yield entry
+    for entry in _walk(source, "", scratch):  # a source image without a target is quarantined, not dropped
+        if partner(target, entry.id) is None:
+            yield Entry(f"{PAIRED_FOLDERS[0]}/{entry.id}", entry.uri,
+                        error=f"edit pair: a source image without its target ({PAIRED_FOLDERS[1]}/{entry.id})")
 
 
 def _list_folder(root: Path, scratch: Scratch) -> Iterator[Entry]:
@@ -219,7 +283,8 @@ def _open_text(uri: str):
     return fsspec.open(uri, "rt", encoding="utf-8")
 
 
-def _rows(uri: str) -> Iterator[dict[str, Any]]:
+def manifest_rows(uri: str) -> Iterator[dict[str, Any]]:
+    """The rows of a CSV, JSONL or Parquet manifest as dicts, one at a time (Parquet: a batch of rows at a time)."""
     lower = uri.split("?", 1)[0].lower()
     if lower.endswith(".csv"):
         with _open_text(uri) as fh:
@@ -273,12 +338,17 @@ def _list_file(uri: str, scratch: Scratch) -> Iterator[Entry]:
     return _dedupe(listed(), Path(uri).name, scratch)
 
 
-def _list_manifest(uri: str, path_column: str | None, caption_column: str | None, scratch: Scratch) -> Iterator[Entry]:
+def _list_manifest(uri: str, path_column: str | None, caption_column: str | None, scratch: Scratch,
+                   reference_column: str | None = None) -> Iterator[Entry]:
+    """A manifest's rows as entries; with ``reference_column`` (an edit manifest), each row's source image
+    from that column becomes the entry's ``reference``, its target from ``path_column`` or the first of
+    ``target``, ``path``, ``url``."""
     base, name = _parent(uri), uri.rsplit("/", 1)[-1]
+    columns = EDIT_PATH_COLUMNS if reference_column else PATH_COLUMNS
 
     def listed() -> Iterator[Entry]:
-        for n, row in enumerate(_rows(uri), start=1):
-            column = path_column or next((c for c in PATH_COLUMNS if row.get(c)), None)
+        for n, row in enumerate(manifest_rows(uri), start=1):
+            column = path_column or next((c for c in columns if row.get(c)), None)
             ref = row.get(column) if column else None
             if not ref:
                 wanted = path_column or " or ".join(PATH_COLUMNS)
@@ -290,6 +360,8 @@ def _list_manifest(uri: str, path_column: str | None, caption_column: str | None
                 entry.caption, entry.caption_origin = caption.strip(), f"{name}:{caption_column}"
             if row.get("sha256"):
                 entry.sha256 = str(row["sha256"]).lower()
+            if reference_column and row.get(reference_column):
+                entry.reference = _join(base, str(row[reference_column]))
             yield entry
 
     return _dedupe(listed(), name, scratch)
@@ -309,14 +381,15 @@ def _expand_shards(spec: str) -> list[str]:
     return shards
 
 
-def list_source(spec: str, path_column: str | None = None, caption_column: str | None = "caption") -> Source:
+def list_source(spec: str, path_column: str | None = None, caption_column: str | None = "caption",
+                edit: bool = False, reference_column: str | None = None) -> Source:
     """``ingest.source``: its kind, root and shards (webdataset), or what lists its entries
-    (:meth:`Source.iter_entries`)."""
+    (:meth:`Source.iter_entries`); ``edit``: entries of an edit dataset, each with its source image."""
     kind = source_kind(spec)
     if kind == "webdataset":
         return Source(kind, spec, _expand_shards(spec))
     root = str(Path(local_path(spec)).resolve()) if kind == "folder" else _parent(spec)
-    return Source(kind, root, [], spec, path_column, caption_column)
+    return Source(kind, root, [], spec, path_column, caption_column, edit, reference_column)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -364,7 +437,14 @@ def content_identity(entry: Entry, hashes: FileHashes | None = None) -> str:
         except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
             data_id = "missing"
     sidecars = {os.path.splitext(p)[1]: file_sha(p) for p in entry.sidecars}
-    return stable_hash([entry.id, data_id, sidecars, entry.caption])
+    if entry.reference is None:
+        return stable_hash([entry.id, data_id, sidecars, entry.caption])
+    # an edit pair: its source image's location and bytes too (an entry outside edit data keeps its identity)
+    try:
+        reference = remote_identity(entry.reference) if is_remote(entry.reference) else file_sha(entry.reference)
+    except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
+        reference = "missing"
+    return stable_hash([entry.id, data_id, sidecars, entry.caption, entry.reference, reference])
 
 
 def shard_identity(uri: str) -> str:

@@ -299,8 +299,25 @@ def test_a_numbered_worker_process_keeps_to_one_gpu(monkeypatch):
 def test_family_mismatch_is_refused(cached):
     model, _, _, manifest, _ = cached
     wrong = ModelConfig(pretrained=model.pretrained, family="wan")
-    with pytest.raises(CacheMismatchError, match="family: cache holds 'flux' latents, recipe's model.family is 'wan'"):
+    with pytest.raises(CacheMismatchError, match="made for the 'flux' family, the recipe's model .* is 'wan'"):
         check_cache_compatible(manifest, wrong)
+    # model.family auto: the family read from the recipe's pipeline decides (a Wan pipeline over a Flux cache)
+    with pytest.raises(CacheMismatchError, match="made for the 'flux' family"):
+        check_cache_compatible(manifest, model, family="wan")
+    check_cache_compatible(manifest, model, family="flux")  # no error
+
+
+def test_manifest_records_the_family_streams(cached):
+    """The manifest names each stream of a sample (docs/cache-format.md, "Streams"), as the family declares
+    them, and the samples hold exactly those tensors."""
+    from latentmill.stages.families import FluxEncoders
+
+    _, _, sd, manifest, _ = cached
+    assert manifest["streams"] == [s.to_json() for s in FluxEncoders.STREAMS]
+    assert [(s["name"], s["component"], s["pad"]) for s in manifest["streams"]] == [
+        ("latents", "vae", "none"), ("prompt_embeds", "text", "keep"), ("pooled_prompt_embeds", "text", "none")]
+    sample = next(read_shard(sd.root / manifest["shards"][0]["path"]))
+    assert set(load_tensors(sample["text.safetensors"])) == {"prompt_embeds", "pooled_prompt_embeds"}
 
 
 def test_every_caption_is_cached_and_the_loader_picks_one_per_epoch(tiny_flux, tmp_path):

@@ -153,6 +153,46 @@ def test_a_missing_model_folder_fails_before_any_stage(tmp_path, override, messa
     assert not out.exists()
 
 
+def _pipeline_folder(root: Path, pipeline: str, components: dict[str, str]) -> Path:
+    """A pipeline folder of config files only: its model_index.json and each component's config.json."""
+    root.mkdir(parents=True)
+    index = {"_class_name": pipeline}
+    for name, cls in components.items():
+        index[name] = ["diffusers" if cls.startswith("Autoencoder") else "transformers", cls]
+        (root / name).mkdir()
+        key = "_class_name" if cls.startswith("Autoencoder") else "architectures"
+        (root / name / "config.json").write_text(json.dumps({key: cls if key == "_class_name" else [cls]}))
+    (root / "model_index.json").write_text(json.dumps(index))
+    return root
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["model.vae={wan}/vae"], "model.vae: {wan}/vae is a AutoencoderKLWan; the FluxPipeline at {flux} takes a "
+                              "AutoencoderKL: a recipe cannot mix components of different model families"),
+    (["model.family=wan"], "model.family: 'wan', but {flux} is a FluxPipeline (the 'flux' family); set "
+                           "model.family to 'flux' or 'auto'"),
+    (["model.family=sd3"], "model.family: 'sd3' is not a known family; allowed: 'auto', 'flux', 'wan'"),
+])
+def test_a_recipe_that_mixes_families_stops_before_any_work(tmp_path, overrides, message):
+    flux = _pipeline_folder(tmp_path / "flux", "FluxPipeline", {"vae": "AutoencoderKL", "text_encoder": "CLIPTextModel",
+                                                                 "text_encoder_2": "T5EncoderModel"})
+    wan = _pipeline_folder(tmp_path / "wan", "WanPipeline", {"vae": "AutoencoderKLWan",
+                                                              "text_encoder": "UMT5EncoderModel"})
+    out = tmp_path / "out"
+    line = _one_error_line(_cli("prep", "configs/demo.yaml", f"output_dir={out}", "model.tiny_recipe=null",
+                                f"model.pretrained={flux}", *(o.format(wan=wan) for o in overrides)))
+    assert line == "latentmill: error: " + message.format(wan=wan, flux=flux)
+    assert not out.exists()
+
+
+def test_an_edit_recipe_over_data_without_pairs_stops_before_any_work(tmp_path):
+    out = tmp_path / "out"
+    line = _one_error_line(_cli("prep", "configs/demo.yaml", f"output_dir={out}", "ingest.edit=true"))
+    assert line.startswith(f"latentmill: error: ingest.edit: {REPO_ROOT / 'data' / 'demo' / 'images'} holds no edit "
+                           "pairs; put each source image beside its target as <name>.src.<ext>")
+    assert not out.exists()
+
+
 def test_a_wrong_source_leaves_no_folders(tmp_path):
     out = tmp_path / "out"
     line = _one_error_line(_cli("prep", "configs/demo.yaml", f"output_dir={out}",

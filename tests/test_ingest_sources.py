@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 from latentmill.stages import ingest
-from latentmill.stages.ingest import IngestConfig, unit_items
+from latentmill.stages.ingest import ITEMS_KEY, IngestConfig, unit_items
 from latentmill.stages.shardio import StageDir
 from latentmill.stages.sources import list_source, source_kind
 from latentmill.stages.tarshard import read_shard
@@ -270,7 +270,9 @@ def test_adding_three_files_reruns_only_their_units(demo_images, tmp_path):
     rerun = [u for u, r in zip(units, third) if not r.reused]
     held = [{i["id"] for i in unit_items(u)} for u in rerun]
     assert 1 <= len(rerun) <= 2 and any(changed.name in h for h in held)
-    assert not any(removed.name in {i["id"] for i in unit_items(u)} for u in units)
+    # a reused unit carries no entries (it never runs); every other unit names its own
+    assert all((ITEMS_KEY in u.payload) == (not r.reused) for u, r in zip(units, third))
+    assert not any(removed.name in {i["id"] for i in unit_items(u)} for u in rerun)
     assert len(units) == len(second) and sum(u.samples_in for u in units) == 26 + 3 - 1
 
 

@@ -101,13 +101,13 @@ def test_a_recipe_mixing_families_fails_before_any_work(tiny_models, tmp_path, c
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1, err
     if override == "model.family=qwen-image":
-        assert "is a FluxPipeline, model.family 'qwen-image' needs a QwenImagePipeline" in err[0]
+        assert "model.family: 'qwen-image', but" in err[0] and "is a FluxPipeline (the 'flux' family)" in err[0]
     elif "text_encoder" in override:
-        assert "model.text_encoder:" in err[0] and "holds CLIPTextModel, the qwen-image family needs " \
-            "Qwen2_5_VLForConditionalGeneration" in err[0]
+        assert err[0].startswith("latentmill: error: model.text_encoder:") and "is a CLIPTextModel; the " \
+            "QwenImagePipeline" in err[0] and "takes a Qwen2_5_VLForConditionalGeneration" in err[0]
     else:
-        assert "model.vae:" in err[0] and "holds AutoencoderKL, the qwen-image family needs " \
-            "AutoencoderKLQwenImage" in err[0]
+        assert err[0].startswith("latentmill: error: model.vae:") and "is a AutoencoderKL; the QwenImagePipeline" \
+            in err[0] and "takes a AutoencoderKLQwenImage" in err[0]
     assert not out.exists()
 
 

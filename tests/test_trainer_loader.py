@@ -189,6 +189,50 @@ def test_trimmed_prompt_embeds_are_zero_padded_to_pad_to(tmp_path):
         assert not batch["prompt_embeds"][i, n:].any()  # zeros, like WanPipeline's padding
 
 
+MASKED_STREAMS = [{"name": "latents", "component": "vae", "shape": "[C, F', H/8, W/8]", "normalisation": "",
+                   "pad": "none"},
+                  {"name": "prompt_embeds", "component": "text", "shape": "[L, D]", "normalisation": "",
+                   "pad": "mask"}]
+
+
+def test_a_mask_stream_gets_its_mask_column(tmp_path):
+    """A text stream declared with pad "mask" (Qwen-Image, Z-Image) is zero-padded to pad_to like a "zeros"
+    stream, and the batch carries ``<name>_mask``: True on exactly the tokens each sample stored, also for
+    a caption dropped to the (one-token) empty prompt."""
+    from safetensors.torch import load as load_st
+
+    write_fake_cache(tmp_path, {(32, 16, 9): 6}, family="wan", trimmed=True, seq_len=12, streams=MASKED_STREAMS)
+    loader = LatentLoader(tmp_path, batch_size=6, seed=0, caption_dropout=0.5)
+    batch = next(iter(loader))
+    assert batch["prompt_embeds"].shape == (6, 12, 32)
+    mask = batch["prompt_embeds_mask"]
+    assert mask.dtype == torch.bool and mask.shape == (6, 12)
+    assert 0 < int(batch["caption_dropped"].sum()) < 6  # both kinds of row in the batch
+    for i, key in enumerate(batch["keys"]):
+        ref = next(r for r in loader.buckets[(32, 16, 9)] if r.key == key)
+        n = 1 if batch["caption_dropped"][i] else load_st(loader._read(ref, "text.safetensors"))["prompt_embeds"].shape[0]
+        assert mask[i].tolist() == [True] * n + [False] * (12 - n)
+        assert not batch["prompt_embeds"][i, n:].any()
+    # a cache without the rule (Wan's "zeros") has no mask column
+    write_fake_cache(tmp_path / "zeros", {(32, 16, 9): 2}, family="wan", trimmed=True, seq_len=12)
+    assert "prompt_embeds_mask" not in next(iter(LatentLoader(tmp_path / "zeros", batch_size=2, seed=0)))
+
+
+def test_streams_of_a_manifest_and_the_family_check(tmp_path):
+    """A manifest without ``streams`` (written before they were recorded) has its family's; the trainer
+    refuses a cache of another family, or one without a stream the model reads, in one line."""
+    from latentmill.trainer.loader import CacheFamilyError, check_streams, manifest_streams
+
+    manifest = write_fake_cache(tmp_path, {(32, 32, 1): 2})
+    assert "streams" not in manifest
+    assert [s["name"] for s in manifest_streams(manifest)] == ["latents", "prompt_embeds", "pooled_prompt_embeds"]
+    check_streams(manifest, "flux", ("latents", "prompt_embeds", "pooled_prompt_embeds"), "m.json")
+    with pytest.raises(CacheFamilyError, match="made for the 'flux' family, the recipe trains 'wan'"):
+        check_streams(manifest, "wan", ("latents", "prompt_embeds"), "m.json")
+    with pytest.raises(CacheFamilyError, match="prompt_embeds_2 missing"):
+        check_streams(manifest, "flux", ("latents", "prompt_embeds_2"), "m.json")
+
+
 def test_pad_tokens_refuses_more_tokens_than_pad_to():
     from latentmill.trainer.loader import pad_tokens
 

@@ -89,6 +89,7 @@ def write_fake_cache(
     trimmed: bool = False,
     latents: str = "mean",
     same: bool = False,
+    streams: list[dict] | None = None,
 ) -> dict:
     """Write a cache-stage output: ``buckets`` maps [width, height, frames] -> sample count. Returns the manifest.
 
@@ -100,7 +101,8 @@ def write_fake_cache(
     caption's tensors (one token). Keys ``s00000``... are unique over the whole cache. Each shard holds one
     bucket; shards are one unit each, named in the order they are written (so the manifest lists them in
     that order). ``same``: every sample of a bucket holds the same tensors (its first sample's), so any
-    batching of the bucket has the same content. ``old_cache`` turns the result into a format 1 or 2 cache.
+    batching of the bucket has the same content. ``streams``: the manifest's streams (none by default: the
+    family's, as a manifest written before streams were recorded). ``old_cache`` turns the result into a format 1 or 2 cache.
     """
     from latentmill.stages.shardio import StageDir, WorkUnit
 
@@ -185,6 +187,7 @@ def write_fake_cache(
         "max_sequence_length": seq_len,
         "text": {"trimmed": trimmed, "pad_to": seq_len},
         "empty_prompt": {"path": "empty_prompt.safetensors", "sha256": hashlib.sha256(empty).hexdigest()},
+        **({"streams": streams} if streams is not None else {}),
     }
     return stage.write_manifest(records, header)
 

@@ -189,7 +189,10 @@ class ShardReader:
             vae = self.layout(ref, VAE_MEMBER)
             if "latents" not in vae.tensors:
                 raise ValueError(f"{self.where(ref, VAE_MEMBER)}: no 'latents' tensor")
-            sample: dict[str, _Source] = {"latents": (ref, VAE_MEMBER, vae.tensors["latents"])}
+            # every tensor of the VAE member is a column (an edit family's reference_latents too), bar
+            # latents_std outside "distribution" caches
+            sample: dict[str, _Source] = {name: (ref, VAE_MEMBER, spec) for name, spec in vae.tensors.items()
+                                          if name != "latents_std"}
             if member is None:
                 if empty_prompt is None:
                     raise ValueError(f"sample {ref.key!r}: no text member and no empty prompt to use")
@@ -424,7 +427,8 @@ def _make_plan(
     must decide (a missing tensor, more tokens than ``pad``, empty tensors: it raises or copes)."""
     if "latents" not in vae.tensors or (distribution and "latents_std" not in vae.tensors):
         return None
-    sources = [("latents", 0, vae.tensors["latents"])]  # (column name, member: 0 vae / 1 text, tensor)
+    # (column name, member: 0 vae / 1 text, tensor): every VAE tensor (bar latents_std), then the text's
+    sources = [(name, 0, spec) for name, spec in vae.tensors.items() if name != "latents_std"]
     sources += [(name, 1, spec) for name, spec in text.tensors.items()]
     if distribution:
         sources.append(("latents_std", 0, vae.tensors["latents_std"]))

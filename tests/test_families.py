@@ -1,0 +1,36 @@
+"""The family registry: every ``stages/family_<name>.py`` is registered, and what each family declares holds
+together (its streams, components and pipelines), without loading a model."""
+
+from __future__ import annotations
+
+from latentmill.stages.encoders import Encoders, Stream
+from latentmill.stages.families import FAMILIES, PIPELINE_FAMILIES
+
+from latentmill.models import known_families
+
+
+def test_every_family_module_is_registered_under_its_name():
+    assert sorted(FAMILIES) == known_families()
+    for name, cls in FAMILIES.items():
+        assert issubclass(cls, Encoders) and cls.name == name
+        assert cls.__module__ == "latentmill.stages.family_" + name.replace("-", "_")
+        assert all(PIPELINE_FAMILIES[p] == name for p in cls.PIPELINES)
+
+
+def test_each_family_declares_one_latents_stream_and_named_text_streams():
+    for name, cls in FAMILIES.items():
+        streams = cls.STREAMS
+        assert all(isinstance(s, Stream) for s in streams)
+        assert [s.name for s in streams if s.component == "vae"][0] == "latents", name
+        assert len({s.name for s in streams}) == len(streams), f"{name}: a stream name twice"
+        assert {s.pad for s in streams if s.component == "vae"} <= {"none"}, name
+        assert "vae" in cls.COMPONENTS and any(c != "vae" for c in cls.COMPONENTS), name
+
+
+def test_the_byte_estimate_covers_every_stream():
+    """``sample_shapes`` gives a shape for exactly the declared streams (the cache's byte estimate sums them),
+    from the real model's defaults when no config is on this machine."""
+    for name, cls in FAMILIES.items():
+        shapes = cls.sample_shapes(lambda component: {}, [512, 512, 17], 128)
+        assert set(shapes) == {s.name for s in cls.STREAMS}, name
+        assert all(all(d > 0 for d in shape) for shape in shapes.values()), (name, shapes)
