@@ -91,10 +91,12 @@ class QwenImageEncoders(Encoders):
     def encode_pixels(self, pixels_BCHW: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return self.encode_latents(pixels_BCHW)
 
-    def _hidden_states(self, captions: list[str], max_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def _hidden_states(self, captions: list[str], max_tokens: int,
+                       images: list | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """The text encoder's last hidden layer [B, T, D] over the templated captions and their attention
         mask [B, T]: ``QwenImagePipeline._get_qwen_prompt_embeds``'s call. Tokens past ``max_tokens`` are cut
-        before the encoder: the model is causal, so the kept tokens' states do not depend on them."""
+        before the encoder: the model is causal, so the kept tokens' states do not depend on them.
+        ``images``: unused here; an Edit family's override feeds them to the processor with its template."""
         inputs = self.tokenizer([self.PROMPT_TEMPLATE.format(c) for c in captions], max_length=max_tokens,
                                 padding=True, truncation=True, return_tensors="pt")
         with self.lock:
@@ -113,7 +115,7 @@ class QwenImageEncoders(Encoders):
         Qwen-Image-Edit); Qwen-Image's does not.
         """
         limit = min(max_sequence_length, TOKENIZER_MAX_LENGTH)
-        hidden_BTD, mask_BT = self._hidden_states(captions, limit + self.TEMPLATE_START_IDX)
+        hidden_BTD, mask_BT = self._hidden_states(captions, limit + self.TEMPLATE_START_IDX, images)
         hidden_BTD = hidden_BTD.float().cpu()
         embeds = hidden_BTD.new_zeros(len(captions), max_sequence_length, hidden_BTD.shape[-1])
         lengths = []

@@ -66,6 +66,25 @@ def test_forward_calls_transformer_like_the_pipeline():
     torch.testing.assert_close(pred, unpacked)
 
 
+def test_reference_latents_are_appended_as_the_edit_pipeline_does():
+    """For the Qwen-Image-Edit family to come: QwenImageEditPipeline.__call__ concatenates the packed reference
+    latents after the noisy ones, gives img_shapes both grids and keeps the first (H/2)*(W/2) predicted tokens."""
+    model = _model()
+    noisy, sigmas, prompt = _inputs()
+    reference = torch.randn(2, 16, 6, 4, generator=torch.Generator().manual_seed(3))  # another size than noisy
+    B, C, H, W = noisy.shape
+    with torch.no_grad():
+        pred = qwen_image_forward(model, noisy, sigmas, prompt, reference_BCHW=reference)
+        tokens = torch.cat([QwenImagePipeline._pack_latents(noisy, B, C, H, W),
+                            QwenImagePipeline._pack_latents(reference, B, C, 6, 4)], dim=1)
+        reference_pred = model(hidden_states=tokens, timestep=sigmas, encoder_hidden_states=prompt,
+                               encoder_hidden_states_mask=None, img_shapes=[[(1, H // 2, W // 2), (1, 3, 2)]] * B,
+                               return_dict=False)[0][:, : (H // 2) * (W // 2)]
+        plain = qwen_image_forward(model, noisy, sigmas, prompt)
+    torch.testing.assert_close(pred, QwenImagePipeline._unpack_latents(reference_pred, H * 8, W * 8, 8)[:, :, 0])
+    assert (pred - plain).abs().max() > 1e-3  # the reference tokens take part in the attention
+
+
 def test_padded_masked_batch_predicts_each_caption_alone():
     """Two captions of 3 and 7 tokens, zero-padded to 10 with the mask, predict per sample what each caption at
     its own length predicts in a batch of one (as the pipeline calls it), within float tolerance: the

@@ -21,9 +21,10 @@ shows it within float tolerance). The adapter still trims a batch to its longest
 a batch whose captions are all as long as that passes no mask, exactly the pipeline's call.
 
 The velocity target is ``noise - x0``, as for Flux. ``QwenImageAdapter`` is written to be subclassed by the
-Qwen-Image-Edit family: the transformer input is built by :meth:`transformer_inputs` (an Edit adapter
-appends the reference latent's tokens and its shape to ``img_shapes`` and keeps the first ``N`` predicted
-tokens).
+Qwen-Image-Edit family: :meth:`transformer_inputs` names what the transformer reads; an Edit adapter returns
+its reference-latent stream as ``reference_BCHW`` too, which :func:`qwen_image_forward` appends as the
+Edit pipeline does (its tokens after the noisy ones, its shape in ``img_shapes``, the prediction cut to the
+noisy tokens).
 
 Shape legend: B batch, C latent channels (16), H/W latent height/width (pixels / 8), N = (H/2)*(W/2) image
 tokens, L text tokens, D text width (3584 for Qwen2.5-VL-7B).
@@ -76,22 +77,32 @@ def qwen_image_forward(
     sigmas_B: torch.Tensor,
     prompt_embeds_BLD: torch.Tensor,
     prompt_embeds_mask_BL: torch.Tensor | None = None,
+    reference_BCHW: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Predict the flow velocity [B, C, H, W], calling the transformer like ``QwenImagePipeline.__call__``
-    (the batch trimmed to its longest caption first). ``transformer`` may be wrapped in DDP."""
+    (the batch trimmed to its longest caption first). ``transformer`` may be wrapped in DDP.
+
+    ``reference_BCHW`` (for the Qwen-Image-Edit family, not used by Qwen-Image): clean latents of a reference
+    image, packed and appended after the noisy tokens with their own ``img_shapes`` entry, the prediction cut
+    to the noisy tokens, as ``QwenImageEditPipeline.__call__`` does.
+    """
     B, _, H, W = noisy_latents_BCHW.shape
     device, dtype = noisy_latents_BCHW.device, noisy_latents_BCHW.dtype
     embeds, mask = trim_to_longest(prompt_embeds_BLD.to(device=device, dtype=dtype), prompt_embeds_mask_BL)
+    tokens, shapes = pack_latents(noisy_latents_BCHW), [(1, H // 2, W // 2)]
+    if reference_BCHW is not None:
+        tokens = torch.cat([tokens, pack_latents(reference_BCHW.to(device=device, dtype=dtype))], dim=1)
+        shapes.append((1, reference_BCHW.shape[2] // 2, reference_BCHW.shape[3] // 2))
     pred_BNK = transformer(
-        hidden_states=pack_latents(noisy_latents_BCHW),
+        hidden_states=tokens,
         timestep=sigmas_B.to(device=device, dtype=dtype),
         guidance=None,
         encoder_hidden_states_mask=mask,
         encoder_hidden_states=embeds,
-        img_shapes=[[(1, H // 2, W // 2)]] * B,
+        img_shapes=[shapes] * B,
         return_dict=False,
     )[0]
-    return unpack_latents(pred_BNK, H, W)
+    return unpack_latents(pred_BNK[:, : (H // 2) * (W // 2)], H, W)
 
 
 def check_qwen_batch_fits(transformer: nn.Module, latents_BCHW: torch.Tensor, prompt_embeds_BLD: torch.Tensor) -> None:
@@ -134,13 +145,13 @@ class QwenImageAdapter(ModelAdapter):
     def seq_len(self, latents: torch.Tensor) -> int:
         return (latents.shape[-2] // 2) * (latents.shape[-1] // 2)  # packed 2x2 tokens
 
-    def transformer_inputs(self, batch: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The text the transformer reads: ``prompt_embeds`` and its mask (None when the cache has none)."""
-        return batch["prompt_embeds"], batch.get("prompt_embeds_mask")
+    def transformer_inputs(self, batch: dict[str, Any]) -> dict[str, Any]:
+        """What the transformer reads besides the noisy latents: ``prompt_embeds`` and its mask (None when the
+        cache has none); an Edit adapter adds ``reference_BCHW`` (its reference-latent stream)."""
+        return {"prompt_embeds_BLD": batch["prompt_embeds"], "prompt_embeds_mask_BL": batch.get("prompt_embeds_mask")}
 
     def forward(self, model: nn.Module, noisy, sigmas_B, batch: dict, cfg) -> torch.Tensor:
-        embeds, mask = self.transformer_inputs(batch)
-        return qwen_image_forward(model, noisy, sigmas_B, embeds, mask)
+        return qwen_image_forward(model, noisy, sigmas_B, **self.transformer_inputs(batch))
 
     def validation_images(self, pipe, prompts, *, size, steps, generator, max_sequence_length, guidance_scale):
         """Sampled as the Qwen-Image model card does: true CFG at ``guidance_scale`` (``true_cfg_scale``)
