@@ -14,6 +14,7 @@ from latentmill.trainer.checkpoint import resolve_resume
 
 from latentmill.core.hashing import sha256_file
 from latentmill.inspect import inspect_path
+from latentmill.models import known_families
 from tests.conftest import REPO_ROOT
 
 STAGES = ("ingest", "caption", "curate", "bucket", "cache")
@@ -171,7 +172,8 @@ def _pipeline_folder(root: Path, pipeline: str, components: dict[str, str]) -> P
                               "AutoencoderKL: a recipe cannot mix components of different model families"),
     (["model.family=wan"], "model.family: 'wan', but {flux} is a FluxPipeline (the 'flux' family); set "
                            "model.family to 'flux' or 'auto'"),
-    (["model.family=sd3"], "model.family: 'sd3' is not a known family; allowed: 'auto', 'flux', 'wan'"),
+    (["model.family=sd3"], "model.family: 'sd3' is not a known family; allowed: 'auto', "
+                           + ", ".join(repr(f) for f in known_families())),  # 'flux', ... (every family module)
 ])
 def test_a_recipe_that_mixes_families_stops_before_any_work(tmp_path, overrides, message):
     flux = _pipeline_folder(tmp_path / "flux", "FluxPipeline", {"vae": "AutoencoderKL", "text_encoder": "CLIPTextModel",
