@@ -240,3 +240,33 @@ def test_lora_export_loads_into_the_base_pipeline(tiny_qwen_image, fake_cache, t
     assert set(pipe.transformer.peft_config[adapter].target_modules) == set(QWEN_IMAGE_LORA_TARGETS)
     after = pipe(generator=torch.Generator().manual_seed(0), **GENERATE).images
     assert after.shape == (1, 32, 48, 3) and abs(after - before).max() > 0  # the trained LoRA changes the image
+
+
+def test_resolution_shift_is_the_pipelines():
+    """With the recipes' values, the trainer's shift of a bucket is the one QwenImagePipeline samples it with:
+    mu = calculate_shift(tokens, scheduler config), and shift_sigmas(sigma, exp(mu)) is the scheduler's
+    exponential time shift (before its shift_terminal stretch, a sampling-only detail)."""
+    import json
+    import math
+    from pathlib import Path
+
+    from diffusers import FlowMatchEulerDiscreteScheduler
+    from diffusers.pipelines.qwenimage.pipeline_qwenimage import calculate_shift
+    from latentmill.trainer.objective import shift_for, shift_sigmas
+
+    from latentmill.recipe import load_recipe
+
+    repo = Path(__file__).resolve().parents[1]
+    config = json.loads((repo / "configs/models/Qwen-Image/scheduler/scheduler_config.json").read_text())
+    cfg = load_recipe(repo / "configs/qwen-image-lora.yaml").trainer
+    adapter = QwenImageAdapter()
+    sigmas = torch.linspace(0.05, 0.95, 7)
+    for width, height in ((1328, 1328), (1664, 928), (512, 512)):
+        tokens = adapter.seq_len(torch.zeros(1, 16, height // 8, width // 8))
+        mu = calculate_shift(tokens, config["base_image_seq_len"], config["max_image_seq_len"], config["base_shift"],
+                             config["max_shift"])
+        shift = shift_for(cfg, tokens, adapter.resolution_mu)
+        assert shift == pytest.approx(math.exp(mu), rel=1e-12)
+        scheduler = FlowMatchEulerDiscreteScheduler.from_config({**config, "shift_terminal": None})
+        torch.testing.assert_close(shift_sigmas(sigmas, shift), scheduler.time_shift(mu, 1.0, sigmas))
+    assert shift_for(cfg, 6889, adapter.resolution_mu) == pytest.approx(2.30, abs=0.01)  # 1328 x 1328
