@@ -58,6 +58,18 @@ def _flux(pipe, pixels_BCHW, captions: list[str], max_sequence_length: int) -> l
     return [latents, embeds, pooled]
 
 
+def _zimage(pipe, pixels_BCHW, captions: list[str], max_sequence_length: int) -> list:
+    """ZImagePipeline: ``encode_prompt`` (Qwen3 ``hidden_states[-2]`` in the chat template, each prompt's real
+    tokens), the VAE mean normalised (z - shift) * scale."""
+    import torch
+
+    embeds, _ = pipe.encode_prompt(list(captions), do_classifier_free_guidance=False,  # (it rewrites the list)
+                                   max_sequence_length=max_sequence_length)
+    with torch.no_grad():
+        z = pipe.vae.encode(pixels_BCHW.to(pipe.vae.dtype)).latent_dist.mode()
+    latents = (z - pipe.vae.config.shift_factor) * pipe.vae.config.scaling_factor
+    return [latents, *embeds]
+
 
 def _qwen_image(pipe, pixels_BCHW, captions: list[str], max_sequence_length: int) -> list:
     """QwenImagePipeline: ``encode_prompt`` (Qwen2.5-VL over the chat template, the prefix dropped, padded to
@@ -75,7 +87,7 @@ def _qwen_image(pipe, pixels_BCHW, captions: list[str], max_sequence_length: int
 
 # family -> the pipeline's own encode calls on one batch: (pipe, pixels [B, 3, H, W] in [-1, 1], captions,
 # max_sequence_length) -> the tensors a cache stores. A new image family adds its line here.
-PIPELINE_ENCODE: dict[str, Callable[..., list]] = {"flux": _flux}
+PIPELINE_ENCODE: dict[str, Callable[..., list]] = {"flux": _flux, "z-image": _zimage}
 PIPELINE_ENCODE["qwen-image"] = _qwen_image
 
 

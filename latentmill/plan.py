@@ -44,6 +44,7 @@ SHIPPED_CONFIGS: dict[str, tuple[str, torch.dtype]] = {
     "black-forest-labs/FLUX.1-dev": ("FLUX.1-dev", torch.bfloat16),
     "Wan-AI/Wan2.1-T2V-14B-Diffusers": ("Wan2.1-T2V-14B-Diffusers", torch.float32),
     "Wan-AI/Wan2.1-T2V-1.3B-Diffusers": ("Wan2.1-T2V-1.3B-Diffusers", torch.float32),
+    "Tongyi-MAI/Z-Image-Turbo": ("Z-Image-Turbo", torch.bfloat16),
     "Qwen/Qwen-Image": ("Qwen-Image", torch.bfloat16),
 }
 # safetensors header dtype names

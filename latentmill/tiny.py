@@ -321,10 +321,6 @@ def _apply_merge(symbols: tuple[str, ...], pair: tuple[str, str], merged: str) -
     return tuple(out)
 
 
-# The BPE learner and pre-tokenizer, shared with the other tiny model sets' tokenizers (latentmill.tiny_qwen_image).
-learn_bpe = _learn_bpe
-
-
 def bytes_to_unicode() -> dict[int, str]:
     """GPT-2 / CLIP byte -> printable unicode character table (the byte-level BPE alphabet, in CLIP's order)."""
     bs = (
@@ -353,7 +349,9 @@ def _pretokenize(backend: Any, texts: Iterable[str]) -> Counter[str]:
     return words
 
 
-pretokenize = _pretokenize
+# The BPE learner and pre-tokenizer walk, for the tokenizers of the other tiny model sets (latentmill.tiny_zimage,
+# latentmill.tiny_qwen_image).
+learn_bpe, pretokenize = _learn_bpe, _pretokenize
 
 
 def build_clip_tokenizer(vocab_size: int, settings: dict[str, Any], corpus: Sequence[str] = CORPUS) -> Any:

@@ -108,7 +108,8 @@ def tiny_cli(argv: Sequence[str] | None, prog: str, description: str, build: Cal
 
 
 # The tiny model set of each family, as "module:function" (an ``ensure_tiny_*(out_dir, recipe=...)``).
-TINY_BUILDERS = {"flux": "latentmill.tiny:ensure_tiny_flux", "wan": "latentmill.tiny_wan:ensure_tiny_wan"}
+TINY_BUILDERS = {"flux": "latentmill.tiny:ensure_tiny_flux", "wan": "latentmill.tiny_wan:ensure_tiny_wan",
+                 "z-image": "latentmill.tiny_zimage:ensure_tiny_zimage"}
 TINY_BUILDERS["qwen-image"] = "latentmill.tiny_qwen_image:ensure_tiny_qwen_image"
 
 

@@ -35,11 +35,13 @@ from latentmill.stages.encoders import Encoders, Stream
 from latentmill.stages.family_flux import FluxEncoders
 from latentmill.stages.family_qwen_image import QwenImageEncoders
 from latentmill.stages.family_wan import WanEncoders
+from latentmill.stages.family_z_image import ZImageEncoders
 
 from latentmill.core.config import ConfigError
 from latentmill.models import ModelConfig, component_source, read_component_config
 
-FAMILIES: dict[str, type[Encoders]] = {cls.name: cls for cls in (FluxEncoders, WanEncoders, QwenImageEncoders)}
+FAMILIES: dict[str, type[Encoders]] = {cls.name: cls for cls in (FluxEncoders, WanEncoders, ZImageEncoders,
+                                                                 QwenImageEncoders)}
 # model_index.json `_class_name` -> family
 PIPELINE_FAMILIES = {pipeline: cls.name for cls in FAMILIES.values() for pipeline in cls.PIPELINES}
 

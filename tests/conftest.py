@@ -28,7 +28,7 @@ DEMO_CONFIG = REPO_ROOT / "configs" / "demo.yaml"
 # Fixtures that build a model folder (latentmill.tiny*): a test that uses one (directly or through another
 # fixture) is slow, so that the unit tier (`make test-unit`: not slow, heavy or served) builds no model.
 # tiny_clip (tests/test_curate_models.py) and tiny_llava (tests/test_caption_models.py) are module fixtures.
-MODEL_FIXTURES = frozenset({"tiny_flux", "tiny_wan", "tiny_blip", "tiny_clip", "tiny_llava"})
+MODEL_FIXTURES = frozenset({"tiny_flux", "tiny_wan", "tiny_blip", "tiny_clip", "tiny_llava", "tiny_zimage"})
 
 # A migrated, empty Prefect database, made once per session (shared by the pytest-xdist workers) and copied into
 # the private PREFECT_HOME of each CLI process a test starts: a fresh home's temporary API server first spends
@@ -177,3 +177,11 @@ def tiny_wan(tmp_path_factory) -> Path:
     from latentmill.tiny_wan import build_tiny_wan
 
     return build_tiny_wan(tmp_path_factory.mktemp("models") / "tiny-wan", seed=0)
+
+
+@pytest.fixture(scope="session")
+def tiny_zimage(tmp_path_factory) -> Path:
+    """A complete tiny ZImagePipeline folder built from data/tiny-z-image.yaml with seed 0."""
+    from latentmill.tiny_zimage import build_tiny_zimage
+
+    return build_tiny_zimage(tmp_path_factory.mktemp("models") / "tiny-z-image", seed=0)

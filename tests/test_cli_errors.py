@@ -173,7 +173,7 @@ def _pipeline_folder(root: Path, pipeline: str, components: dict[str, str]) -> P
     (["model.family=wan"], "model.family: 'wan', but {flux} is a FluxPipeline (the 'flux' family); set "
                            "model.family to 'flux' or 'auto'"),
     (["model.family=sd3"], "model.family: 'sd3' is not a known family; allowed: 'auto', "
-                           + ", ".join(repr(f) for f in known_families())),  # 'flux', ... (every family module)
+                           + ", ".join(repr(f) for f in known_families())),
 ])
 def test_a_recipe_that_mixes_families_stops_before_any_work(tmp_path, overrides, message):
     flux = _pipeline_folder(tmp_path / "flux", "FluxPipeline", {"vae": "AutoencoderKL", "text_encoder": "CLIPTextModel",

@@ -17,6 +17,9 @@ def test_there_are_example_recipes_for_real_models():
         "flux-dev-full.yaml",
         "wan2.1-1.3b.yaml",
         "wan2.1-14b.yaml",
+        "z-image-lora.yaml",
+        "z-image-full.yaml",
+        "demo-z-image.yaml",
     } <= names
 
 
@@ -35,6 +38,8 @@ def test_recipe_loads(path):
         ("flux-dev-full.yaml", "black-forest-labs/FLUX.1-dev", "flux", "full", "fsdp2"),
         ("wan2.1-1.3b.yaml", "Wan-AI/Wan2.1-T2V-1.3B-Diffusers", "wan", "full", "fsdp2"),
         ("wan2.1-14b.yaml", "Wan-AI/Wan2.1-T2V-14B-Diffusers", "wan", "full", "fsdp2"),
+        ("z-image-lora.yaml", "Tongyi-MAI/Z-Image-Turbo", "z-image", "lora", "ddp"),
+        ("z-image-full.yaml", "Tongyi-MAI/Z-Image-Turbo", "z-image", "full", "fsdp2"),
     ],
 )
 def test_real_model_recipes(name, pretrained, family, mode, strategy):
@@ -45,6 +50,9 @@ def test_real_model_recipes(name, pretrained, family, mode, strategy):
     if family == "wan":
         assert len(recipe.trainer.validation_size) == 3  # width, height, frames
         assert recipe.bucket.frame_step == 4 and recipe.cache.max_sequence_length == 512
+    if family == "z-image":  # the pipeline's static shift, its 512 tokens, the real tokens only
+        assert (recipe.trainer.shift_mode, recipe.trainer.shift) == ("fixed", 3.0)
+        assert recipe.cache.max_sequence_length == 512 and recipe.cache.trim_text == "auto"
 
 
 DEPLOY = Path(__file__).resolve().parents[1] / "deploy"

@@ -30,6 +30,17 @@ from latentmill.tinyio import apply_umask
 # Files that mark a folder as an earlier export (safe to replace).
 EXPORT_MARKERS = ("model_index.json", "pytorch_lora_weights.safetensors")
 DEFAULT_LORA_TARGETS = ("to_k", "to_q", "to_v", "to_out.0")
+REGEX_PREFIX = "re:"  # trainer.lora_target_modules: ["re:<regex>"] selects the modules whose full name matches
+
+
+def lora_targets(modules: list[str] | tuple[str, ...] | None) -> list[str] | str:
+    """PEFT ``target_modules`` of ``trainer.lora_target_modules``: module-name suffixes (``to_q`` matches
+    ``blocks.3.attn.to_q``), or one ``re:<regex>`` entry, a regex the full module name must match (PEFT's
+    string form; e.g. Z-Image's main layers without its refiner blocks)."""
+    modules = list(modules or DEFAULT_LORA_TARGETS)
+    if len(modules) == 1 and modules[0].startswith(REGEX_PREFIX):
+        return modules[0][len(REGEX_PREFIX):]
+    return modules
 
 
 def load_transformer(
@@ -87,7 +98,7 @@ def make_trainable(
                 r=lora_rank,
                 lora_alpha=lora_alpha,
                 init_lora_weights="gaussian",
-                target_modules=list(lora_target_modules or DEFAULT_LORA_TARGETS),
+                target_modules=lora_targets(lora_target_modules),
             )
         )
         for param in transformer.parameters():

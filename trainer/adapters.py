@@ -10,8 +10,10 @@ from latentmill.trainer.adapter import ModelAdapter
 from latentmill.trainer.flux import FluxAdapter
 from latentmill.trainer.qwen_image import QwenImageAdapter
 from latentmill.trainer.wan import WanAdapter
+from latentmill.trainer.zimage import ZImageAdapter
 
-ADAPTERS: dict[str, type[ModelAdapter]] = {"flux": FluxAdapter, "wan": WanAdapter, "qwen-image": QwenImageAdapter}
+ADAPTERS: dict[str, type[ModelAdapter]] = {"flux": FluxAdapter, "wan": WanAdapter, "z-image": ZImageAdapter,
+                                           "qwen-image": QwenImageAdapter}
 
 
 def get_adapter(family: str) -> ModelAdapter:

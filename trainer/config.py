@@ -136,6 +136,16 @@ class TrainerConfig:
                 raise ConfigError(f"trainer.lora_rank: must be >= 1, got {self.lora_rank}")
             if not self.lora_target_modules:
                 raise ConfigError("trainer.lora_target_modules: must name at least one module in lora mode")
+            regexes = [m for m in self.lora_target_modules if str(m).startswith("re:")]
+            if regexes and len(self.lora_target_modules) > 1:
+                raise ConfigError("trainer.lora_target_modules: a 're:<regex>' entry must be the only one")
+            if regexes:
+                import re
+
+                try:
+                    re.compile(regexes[0][3:])
+                except re.error as err:
+                    raise ConfigError(f"trainer.lora_target_modules: {regexes[0]!r} is not a regex: {err}") from None
         if self.resume is not None and not str(self.resume).strip():
             raise ConfigError("trainer.resume: use 'latest', a checkpoint folder path, or null")
         if self.validate_every and not self.validation_prompts:
