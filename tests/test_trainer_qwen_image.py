@@ -153,6 +153,12 @@ def test_mismatched_cache_is_refused_with_the_difference():
         check_qwen_batch_fits(model, torch.zeros(2, 16, 1, 4, 6), prompt)
     with pytest.raises(ValueError, match="in_channels is 64"):
         check_qwen_batch_fits(model, torch.zeros(2, 4, 4, 6), prompt)
+    # a cache stored padded (cache.trim_text: never): the mask from the stored length covers zero rows
+    padded = prompt.clone()
+    padded[1, 5:] = 0
+    check_qwen_batch_fits(model, noisy, padded, torch.tensor([[True] * 7, [True] * 5 + [False] * 2]))
+    with pytest.raises(ValueError, match="stored padded \\(zeros inside the mask\\)"):
+        check_qwen_batch_fits(model, noisy, padded, torch.ones(2, 7, dtype=torch.bool))
 
 
 def test_lora_targets_are_every_block_linear():

@@ -105,8 +105,10 @@ def qwen_image_forward(
     return unpack_latents(pred_BNK[:, : (H // 2) * (W // 2)], H, W)
 
 
-def check_qwen_batch_fits(transformer: nn.Module, latents_BCHW: torch.Tensor, prompt_embeds_BLD: torch.Tensor) -> None:
-    """Raise ``ValueError`` saying what differs when cached tensors do not fit a ``QwenImageTransformer2DModel``."""
+def check_qwen_batch_fits(transformer: nn.Module, latents_BCHW: torch.Tensor, prompt_embeds_BLD: torch.Tensor,
+                          mask_BL: torch.Tensor | None = None) -> None:
+    """Raise ``ValueError`` saying what differs when cached tensors do not fit a ``QwenImageTransformer2DModel``
+    (with ``mask_BL``: also a cache stored padded, whose zeros the mask would take for real tokens)."""
     cfg = getattr(transformer, "module", transformer).config
     problems = []
     if latents_BCHW.ndim != 4:
@@ -120,6 +122,13 @@ def check_qwen_batch_fits(transformer: nn.Module, latents_BCHW: torch.Tensor, pr
     if prompt_embeds_BLD.shape[-1] != cfg.joint_attention_dim:
         problems.append(f"prompt_embeds width is {prompt_embeds_BLD.shape[-1]}, transformer joint_attention_dim "
                         f"is {cfg.joint_attention_dim}")
+    if mask_BL is not None:
+        lengths = mask_BL.sum(1)
+        if bool((lengths == 0).any()):
+            problems.append("a sample has no real text token (QwenImagePipeline's template alone gives 5)")
+        elif bool((prompt_embeds_BLD[torch.arange(len(lengths)), lengths - 1] == 0).all(-1).any()):
+            problems.append("prompt_embeds are stored padded (zeros inside the mask): prep the cache with "
+                            "cache.trim_text: auto (or always), which stores the real tokens only")
     if problems:
         raise ValueError("cached latents do not match the transformer: " + "; ".join(problems))
 
@@ -140,7 +149,7 @@ class QwenImageAdapter(ModelAdapter):
         return list(transformer.transformer_blocks)
 
     def check_batch(self, transformer: nn.Module, batch: dict) -> None:
-        check_qwen_batch_fits(transformer, batch["latents"], batch["prompt_embeds"])
+        check_qwen_batch_fits(transformer, batch["latents"], batch["prompt_embeds"], batch.get("prompt_embeds_mask"))
 
     def seq_len(self, latents: torch.Tensor) -> int:
         return (latents.shape[-2] // 2) * (latents.shape[-1] // 2)  # packed 2x2 tokens
