@@ -82,10 +82,25 @@ def _zimage(pipe, pixels_BCHW, captions: list[str], max_sequence_length: int) ->
     return [latents, *embeds]
 
 
+def _qwen_image(pipe, pixels_BCHW, captions: list[str], max_sequence_length: int) -> list:
+    """QwenImagePipeline: ``encode_prompt`` (Qwen2.5-VL over the chat template, the prefix dropped, padded to
+    the batch's longest with its mask), the VAE mean of one-frame clips normalised ``(z - mean) / std`` (the
+    pipelines' ``_encode_vae_image`` with the mode)."""
+    import torch
+
+    embeds, mask = pipe.encode_prompt(captions, max_sequence_length=max_sequence_length)
+    with torch.no_grad():
+        z = pipe.vae.encode(pixels_BCHW[:, :, None].to(pipe.vae.dtype)).latent_dist.mode()
+    mean = torch.tensor(pipe.vae.config.latents_mean).view(1, -1, 1, 1, 1).to(z)
+    std = torch.tensor(pipe.vae.config.latents_std).view(1, -1, 1, 1, 1).to(z)
+    return [((z - mean) / std)[:, :, 0], embeds] + ([] if mask is None else [mask])
+
+
 # family -> the pipeline's own encode calls on one batch: (pipe, pixels [B, 3, H, W] in [-1, 1], captions,
 # max_sequence_length) -> the tensors a cache stores. A new image family adds its line here.
 PIPELINE_ENCODE: dict[str, Callable[..., list]] = {"flux": _flux, "z-image": _zimage, "flux2": _flux2,
                                                    "flux2-klein": _flux2}
+PIPELINE_ENCODE["qwen-image"] = _qwen_image
 
 
 def tiny_pipeline(family: str) -> Path:

@@ -350,7 +350,7 @@ def _pretokenize(backend: Any, texts: Iterable[str]) -> Counter[str]:
 
 
 # The BPE learner and pre-tokenizer walk, for the tokenizers of the other tiny model sets (latentmill.tiny_zimage,
-# latentmill.tiny_flux2).
+# latentmill.tiny_qwen_image, latentmill.tiny_flux2).
 learn_bpe, pretokenize = _learn_bpe, _pretokenize
 
 

@@ -56,6 +56,7 @@ from latentmill.stages.workers import unit_gpu
 from PIL import Image
 from safetensors.torch import save as safetensors_save
 
+from latentmill.core.config import ConfigError
 from latentmill.core.hashing import meta_bytes, sha256_bytes, stable_hash
 from latentmill.models import ModelConfig, cached_model_fingerprints, component_source, read_component_config
 
@@ -134,6 +135,9 @@ class CachePlan:
     @classmethod
     def of(cls, cfg: CacheConfig, model: ModelConfig) -> CachePlan:
         family = detect_family(model)
+        if cfg.trim_text == "never" and family_class(family).text_pad() == "mask":
+            raise ConfigError(f"cache.trim_text: 'never' stores the padding as tokens, which the {family} family's "
+                              "masked text stream cannot tell from real ones; use 'auto' or 'always'")
         prints = cached_model_fingerprints(model, family_components(family))
         # the encoders' own dtype too (bf16 on a GPU): a GPU-made latent is not the CPU-made one's bytes
         compute = compute_dtypes(family, torch.device("cuda" if _on_gpu(cfg) else "cpu"))

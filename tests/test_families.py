@@ -34,3 +34,22 @@ def test_the_byte_estimate_covers_every_stream():
         shapes = cls.sample_shapes(lambda component: {}, [512, 512, 17], 128)
         assert set(shapes) == {s.name for s in cls.STREAMS}, name
         assert all(all(d > 0 for d in shape) for shape in shapes.values()), (name, shapes)
+
+
+def test_a_masked_text_stream_cannot_be_stored_untrimmed(tmp_path):
+    """``cache.trim_text: never`` would store padding that a mask stream's mask column calls real: refused
+    when the cache is planned, naming the key (a family whose padding is kept or zeroed is not concerned)."""
+    import json
+
+    import pytest
+    from latentmill.stages.cache import CacheConfig, CachePlan
+    from latentmill.stages.families import PIPELINE_FAMILIES
+
+    from latentmill.core.config import ConfigError
+    from latentmill.models import ModelConfig
+
+    masked = [p for p, f in PIPELINE_FAMILIES.items() if FAMILIES[f].text_pad() == "mask"]
+    assert masked  # Qwen-Image, Z-Image
+    (tmp_path / "model_index.json").write_text(json.dumps({"_class_name": masked[0]}))
+    with pytest.raises(ConfigError, match="cache.trim_text: 'never' stores the padding as tokens"):
+        CachePlan.of(CacheConfig(trim_text="never"), ModelConfig(pretrained=str(tmp_path)))

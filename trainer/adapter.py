@@ -186,8 +186,20 @@ class ModelAdapter(ABC):
         return getattr(diffusers, name)
 
     def load(self, pretrained: str, **kwargs: Any) -> nn.Module:
-        """The trainable transformer of ``pretrained`` (see ``load_transformer`` for the keyword arguments)."""
-        return load_transformer(self.diffusers_class(self.transformer_class), pretrained, **kwargs)
+        """The trainable transformer of ``pretrained`` (see ``load_transformer`` for the keyword arguments),
+        its :meth:`unused_modules` frozen."""
+        return self.freeze_unused(load_transformer(self.diffusers_class(self.transformer_class), pretrained, **kwargs))
+
+    def unused_modules(self, transformer: nn.Module) -> list[nn.Module]:
+        """Modules whose output never reaches the prediction (none by default). They are frozen wherever the
+        trainable model is built: no gradient ever reaches them, which DDP refuses and for which the optimizer
+        would hold no state (a sharded checkpoint would then lack their state)."""
+        return []
+
+    def freeze_unused(self, transformer: nn.Module) -> nn.Module:
+        for module in self.unused_modules(transformer):
+            module.requires_grad_(False)
+        return transformer
 
     @abstractmethod
     def blocks(self, transformer: nn.Module) -> list[nn.Module]:

@@ -234,7 +234,9 @@ def _load_dcp(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer, sc
         optimizer,
         model_state_dict=state["model"],
         optim_state_dict=state["optimizer"],
-        options=StateDictOptions(ignore_frozen_params=True),
+        # strict=False: the frozen parameters are not in a state dict taken with ignore_frozen_params (and the
+        # trainable ones were all checked by dcp.load above), which a strict load reports as missing
+        options=StateDictOptions(ignore_frozen_params=True, strict=False),
     )
     scheduler.load_state_dict(
         torch.load(path / SCHED_FILE, map_location="cpu", weights_only=True)["scheduler"]

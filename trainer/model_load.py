@@ -185,7 +185,7 @@ def trainable_skeleton(
         for key, buffer in module.named_buffers(recurse=False):
             if buffer is not None:
                 module._buffers[key] = torch.empty(buffer.shape, dtype=buffer.dtype, device="meta")
-    return transformer, initial
+    return adapter.freeze_unused(transformer), initial
 
 
 class SafetensorsReader:
