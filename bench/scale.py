@@ -110,8 +110,9 @@ def make_images(folder: Path, start: int, count: int) -> None:
 
 
 def write_recipe(path: Path, source: Path, output_dir: Path, pretrained: Path,
-                 shard_bytes: dict[str, int] | None = None) -> Path:
-    """The bench recipe; ``shard_bytes`` (stage -> bytes) sets each stage's ``shard_bytes``."""
+                 shard_bytes: dict[str, int] | None = None, runner: str = "threads") -> Path:
+    """The bench recipe; ``shard_bytes`` (stage -> bytes) sets each stage's ``shard_bytes``; ``runner``: the
+    ``runner.kind`` (2 workers)."""
     import yaml
 
     stages: dict[str, dict[str, Any]] = {
@@ -125,7 +126,7 @@ def write_recipe(path: Path, source: Path, output_dir: Path, pretrained: Path,
         stages[stage]["shard_bytes"] = int(value)
     path.write_text(yaml.safe_dump({
         "output_dir": str(output_dir), "seed": 0, "model": {"pretrained": str(pretrained)},
-        "runner": {"kind": "threads", "workers": 2}, **stages}))
+        "runner": {"kind": runner, "workers": 2}, **stages}))
     return path
 
 
