@@ -154,9 +154,11 @@ def _load_checkpoint(folder: Path, base: str | None, device: torch.device) -> Lo
     pipe, family = _from_pretrained(base, device)
     transformer = pipe.transformer
     if mode == "lora":
+        from latentmill.trainer.adapters import get_adapter
+
         make_trainable(transformer, mode="lora", lora_rank=int(cfg.get("lora_rank", 16)),
                        lora_alpha=float(cfg.get("lora_alpha", 16.0)),
-                       lora_target_modules=cfg.get("lora_target_modules"))
+                       lora_target_modules=get_adapter(family).targets(cfg.get("lora_target_modules")))
     else:
         transformer.requires_grad_(True)  # full: every parameter is in the checkpoint
     weights = _checkpoint_weights(folder, transformer)

@@ -238,6 +238,25 @@ def test_lora_targets_reach_both_block_kinds():
                       "ff_context.linear_out"}
 
 
+def test_a_lora_without_named_targets_trains_the_familys(tmp_path):
+    """``trainer.lora_target_modules`` null (the default): each family's adapter names what its community
+    LoRAs train, so a FLUX.2 LoRA reaches the single blocks too, where FLUX.1's default would not."""
+    from latentmill.trainer.adapters import ADAPTERS, get_adapter
+    from latentmill.trainer.config import TrainerConfig
+
+    assert TrainerConfig().lora_target_modules is None
+    model = get_adapter("flux2-klein").freeze_unused(_tiny_transformer(False))
+    from latentmill.trainer.adapter import make_trainable
+
+    model = make_trainable(model, mode="lora", lora_rank=2,
+                           lora_target_modules=get_adapter("flux2-klein").targets(None))
+    wrapped = {n.rsplit(".lora_A", 1)[0] for n, _ in model.named_parameters() if ".lora_A." in n}
+    assert "single_transformer_blocks.0.attn.to_qkv_mlp_proj" in wrapped
+    assert get_adapter("flux").targets(None) == ["to_k", "to_q", "to_v", "to_out.0"]
+    assert get_adapter("flux2").targets(["to_q"]) == ["to_q"]  # a recipe's own list wins
+    assert all(get_adapter(family).targets(None) for family in ADAPTERS)
+
+
 # ---------------------------------------------------------------------------------------------------- training
 
 

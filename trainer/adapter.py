@@ -174,6 +174,9 @@ class ModelAdapter(ABC):
     family: str = ""
     transformer_class: str = ""  # diffusers class names, imported on use
     pipeline_class: str = ""
+    # the modules a LoRA trains when trainer.lora_target_modules names none: what the community's LoRAs of
+    # the family train (module-name suffixes, or one "re:<regex>" entry)
+    lora_targets: tuple[str, ...] = DEFAULT_LORA_TARGETS
     # the cache streams (batch columns) the forward reads, checked against the cache manifest's streams
     streams: tuple[str, ...] = ("latents", "prompt_embeds")
     latent_ndim: int = 3  # of one sample: 3 = image [C, H, W], 4 = video [C, F, H, W]
@@ -186,9 +189,15 @@ class ModelAdapter(ABC):
         return getattr(diffusers, name)
 
     def load(self, pretrained: str, **kwargs: Any) -> nn.Module:
-        """The trainable transformer of ``pretrained`` (see ``load_transformer`` for the keyword arguments),
-        its :meth:`unused_modules` frozen."""
+        """The trainable transformer of ``pretrained`` (see ``load_transformer`` for the keyword arguments;
+        LoRA without ``lora_target_modules``: the family's :attr:`lora_targets`), its :meth:`unused_modules`
+        frozen."""
+        kwargs["lora_target_modules"] = self.targets(kwargs.get("lora_target_modules"))
         return self.freeze_unused(load_transformer(self.diffusers_class(self.transformer_class), pretrained, **kwargs))
+
+    def targets(self, lora_target_modules: list[str] | tuple[str, ...] | None) -> list[str]:
+        """``trainer.lora_target_modules``, or, when the recipe names none, the family's :attr:`lora_targets`."""
+        return list(lora_target_modules or self.lora_targets)
 
     def unused_modules(self, transformer: nn.Module) -> list[nn.Module]:
         """Modules whose output never reaches the prediction (none by default). They are frozen wherever the

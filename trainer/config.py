@@ -59,7 +59,8 @@ class TrainerConfig:
     # --- LoRA (mode: lora) ---
     lora_rank: int = 16
     lora_alpha: float = 16.0
-    lora_target_modules: list[str] = field(default_factory=lambda: ["to_k", "to_q", "to_v", "to_out.0"])
+    # module-name suffixes, or one "re:<regex>" entry; null: the family's (its adapter's lora_targets)
+    lora_target_modules: Optional[list[str]] = None
     # --- memory and speed, applied from outside to the unmodified model ---
     activation_checkpointing: bool = False  # recompute each transformer block in backward
     compile: bool = False  # torch.compile each transformer block
@@ -134,9 +135,10 @@ class TrainerConfig:
         if self.mode == "lora":
             if self.lora_rank < 1:
                 raise ConfigError(f"trainer.lora_rank: must be >= 1, got {self.lora_rank}")
-            if not self.lora_target_modules:
-                raise ConfigError("trainer.lora_target_modules: must name at least one module in lora mode")
-            regexes = [m for m in self.lora_target_modules if str(m).startswith("re:")]
+            if self.lora_target_modules is not None and not self.lora_target_modules:
+                raise ConfigError("trainer.lora_target_modules: must name at least one module in lora mode, or be "
+                                  "null (the model family's)")
+            regexes = [m for m in self.lora_target_modules or [] if str(m).startswith("re:")]
             if regexes and len(self.lora_target_modules) > 1:
                 raise ConfigError("trainer.lora_target_modules: a 're:<regex>' entry must be the only one")
             if regexes:

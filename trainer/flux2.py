@@ -125,6 +125,7 @@ class Flux2Adapter(ModelAdapter):
     pipeline_class = "Flux2Pipeline"
     streams = ("latents", "prompt_embeds")
     latent_ndim = 3
+    lora_targets = LORA_TARGETS
 
     def blocks(self, transformer: nn.Module) -> list[nn.Module]:
         return [*transformer.transformer_blocks, *transformer.single_transformer_blocks]

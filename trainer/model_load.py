@@ -172,7 +172,8 @@ def trainable_skeleton(
             frame = torch.empty((), dtype=dtype).expand(param.shape) if mode == "lora" else param.to(dtype)
             module._parameters[key] = nn.Parameter(frame, requires_grad=param.requires_grad)
     transformer = make_trainable(
-        transformer, mode=mode, lora_rank=lora_rank, lora_alpha=lora_alpha, lora_target_modules=lora_target_modules
+        transformer, mode=mode, lora_rank=lora_rank, lora_alpha=lora_alpha,
+        lora_target_modules=adapter.targets(lora_target_modules),
     )
     initial = {name: b.detach().clone() for name, b in transformer.named_buffers()}
     for name, module in transformer.named_modules():

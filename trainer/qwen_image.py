@@ -141,6 +141,7 @@ class QwenImageAdapter(ModelAdapter):
     pipeline_class = "QwenImagePipeline"
     streams = ("latents", "prompt_embeds")  # and the loader's prompt_embeds_mask column (a "mask" stream)
     latent_ndim = 3
+    lora_targets = QWEN_IMAGE_LORA_TARGETS
 
     def unused_modules(self, transformer: nn.Module) -> list[nn.Module]:
         return unused_modules(transformer)

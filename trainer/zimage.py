@@ -98,6 +98,7 @@ class ZImageAdapter(ModelAdapter):
     pipeline_class = "ZImagePipeline"
     streams = ("latents", "prompt_embeds")  # and the loader's prompt_embeds_mask (a "mask" stream)
     latent_ndim = 3
+    lora_targets = LORA_TARGETS
 
     def blocks(self, transformer: nn.Module) -> list[nn.Module]:
         # forward order: the noise refiner (image tokens), the context refiner (caption tokens), the main layers
