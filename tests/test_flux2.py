@@ -336,6 +336,7 @@ def test_lora_export_loads_into_the_base_pipeline(request, variant, pipeline, se
 
 
 @pytest.mark.slow
+@pytest.mark.heavy  # the demo path make test runs for FLUX.1 and Qwen-Image (make test-all)
 def test_the_dev_demo_recipe_preps_trains_and_exports(tiny_flux2_dev, tmp_path):
     """configs/demo-flux2.yaml through the CLI (prep -> train -> export) on the demo images, a few steps."""
     from diffusers import DiffusionPipeline, Flux2Pipeline

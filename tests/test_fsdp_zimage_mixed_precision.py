@@ -20,7 +20,8 @@ from pathlib import Path
 import pytest
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-pytestmark = pytest.mark.slow
+# heavy: the mixed-precision path make test runs for FLUX.1 and Wan (make test-all)
+pytestmark = [pytest.mark.slow, pytest.mark.heavy]
 
 WORKER = r"""
 import copy, json, os, sys

@@ -169,8 +169,9 @@ SHIFTS = {"shift-1": ["trainer.shift_mode=fixed", "trainer.shift=1.0"], "flux2-e
 
 
 @pytest.mark.parametrize(("variant", "shift"), [
-    ("klein", "shift-1"), ("klein", "flux2-empirical-mu"),
-    # the same for FLUX.2 [dev] (guidance embedding, Mistral text side): make test-all
+    # make test runs klein at FLUX.2's own shift; make test-all also shift 1.0 and the same for FLUX.2 [dev]
+    # (guidance embedding, Mistral text side)
+    pytest.param("klein", "shift-1", marks=pytest.mark.heavy), ("klein", "flux2-empirical-mu"),
     pytest.param("dev", "shift-1", marks=pytest.mark.heavy),
     pytest.param("dev", "flux2-empirical-mu", marks=pytest.mark.heavy)])
 def test_flux2_generates_the_detail_it_was_shown(request, variant, shift, tmp_path):

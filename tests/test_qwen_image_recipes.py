@@ -53,6 +53,7 @@ def test_demo_recipe_uses_the_tiny_set_and_the_family_shift():
 
 
 @pytest.mark.slow
+@pytest.mark.heavy  # the meta-device plan path make test runs for FLUX.1, Wan and Z-Image (make test-all)
 def test_plan_builds_the_published_20b_transformer():
     from latentmill.plan import plan_config
 

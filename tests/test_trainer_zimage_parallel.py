@@ -20,7 +20,8 @@ from tests.test_trainer_zimage import LORA_REGEX, LORA_TARGETS, fake_cache
 from tests.trainer_helpers import read_metrics
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-pytestmark = pytest.mark.slow
+# heavy: the DDP and FSDP2 paths make test runs for FLUX.1, Wan, FLUX.2 klein and Qwen-Image (make test-all)
+pytestmark = [pytest.mark.slow, pytest.mark.heavy]
 
 
 @pytest.fixture(scope="module")
