@@ -41,6 +41,7 @@ from bench.common import (
     setup_env,
     sync,
 )
+from bench.prep import quiet_prep
 
 setup_env()
 
@@ -155,16 +156,6 @@ def bare_cache(family: str, bucket_dir: Path, pretrained: Path, max_sequence_len
             count += len(batch)
     sync("cpu")
     return count
-
-
-def quiet_prep(recipe) -> dict[str, Any]:
-    import contextlib
-    import io
-
-    from latentmill.pipelines.prep import run_prep
-
-    with contextlib.redirect_stderr(io.StringIO()):
-        return run_prep(recipe)
 
 
 def family_figure(family: str, src: Path, work: Path, reps: int, n: int):

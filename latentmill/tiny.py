@@ -247,6 +247,24 @@ def load_recipe(recipe: str | os.PathLike[str] = DEFAULT_RECIPE_PATH) -> dict[st
     return data
 
 
+def read_sections(path: Path, components: Sequence[str], tokenizers: Sequence[str]
+                  ) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
+    """A tiny-model recipe's YAML as ``(data, components, tokenizers)``: exactly the named components, each
+    a mapping of constructor arguments, and the named tokenizers (a ConfigError naming the key otherwise)."""
+    with Path(path).open(encoding="utf-8") as handle:
+        data = yaml.safe_load(handle)
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: expected a mapping with 'components' and 'tokenizers'")
+    check_keys(data, ("components", "tokenizers"), f"{path}")
+    comps, toks = data["components"], data["tokenizers"]
+    check_keys(comps, components, f"{path}: components")
+    check_keys(toks, tokenizers, f"{path}: tokenizers")
+    for name in components:
+        if not isinstance(comps[name], dict):
+            raise ConfigError(f"components.{name}: expected a mapping of constructor arguments")
+    return data, comps, toks
+
+
 def check_keys(section: dict[str, Any], expected: Sequence[str], where: str) -> None:
     """Raise ``ConfigError`` naming ``where`` if ``section`` has a key not in ``expected`` or lacks one of them."""
     unknown = sorted(set(section) - set(expected))

@@ -28,10 +28,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from latentmill.core.config import ConfigError
-from latentmill.tiny import CORPUS, bytes_to_unicode, check_keys, learn_bpe, pretokenize
+from latentmill.tiny import CORPUS, bytes_to_unicode, learn_bpe, pretokenize, read_sections
 from latentmill.tinyio import pipeline_folder, tiny_cli
 
 DEFAULT_RECIPE_PATH: Path = Path(__file__).resolve().parents[1] / "data" / "tiny-qwen-image.yaml"
@@ -52,17 +50,7 @@ TEMPLATE_START_IDX = 34
 def load_recipe(recipe: str | os.PathLike[str] = DEFAULT_RECIPE_PATH) -> dict[str, Any]:
     """Read a tiny Qwen-Image recipe and check that its parts fit together (ConfigError naming the keys)."""
     path = Path(recipe)
-    with path.open(encoding="utf-8") as handle:
-        data = yaml.safe_load(handle)
-    if not isinstance(data, dict):
-        raise ConfigError(f"{path}: expected a mapping with 'components' and 'tokenizers'")
-    check_keys(data, ("components", "tokenizers"), f"{path}")
-    comps, toks = data["components"], data["tokenizers"]
-    check_keys(comps, _COMPONENTS, f"{path}: components")
-    check_keys(toks, _TOKENIZERS, f"{path}: tokenizers")
-    for name in _COMPONENTS:
-        if not isinstance(comps[name], dict):
-            raise ConfigError(f"components.{name}: expected a mapping of constructor arguments")
+    data, comps, toks = read_sections(path, _COMPONENTS, _TOKENIZERS)
     tr, vae, te = comps["transformer"], comps["vae"], comps["text_encoder"]
     for key in ("text_config", "vision_config"):
         if not isinstance(te.get(key), dict):

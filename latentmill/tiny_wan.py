@@ -28,10 +28,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from latentmill.core.config import ConfigError
-from latentmill.tiny import build_t5_tokenizer, check_keys
+from latentmill.tiny import build_t5_tokenizer, read_sections
 from latentmill.tinyio import pipeline_folder, tiny_cli
 
 DEFAULT_RECIPE_PATH: Path = Path(__file__).resolve().parents[1] / "data" / "tiny-wan.yaml"
@@ -53,17 +51,7 @@ def load_recipe(recipe: str | os.PathLike[str] = DEFAULT_RECIPE_PATH) -> dict[st
             ``transformer.text_dim`` != ``text_encoder.d_model``). The message names the keys.
     """
     path = Path(recipe)
-    with path.open(encoding="utf-8") as handle:
-        data = yaml.safe_load(handle)
-    if not isinstance(data, dict):
-        raise ConfigError(f"{path}: expected a mapping with 'components' and 'tokenizers'")
-    check_keys(data, ("components", "tokenizers"), f"{path}")
-    comps, toks = data["components"], data["tokenizers"]
-    check_keys(comps, _COMPONENTS, f"{path}: components")
-    check_keys(toks, _TOKENIZERS, f"{path}: tokenizers")
-    for name in _COMPONENTS:
-        if not isinstance(comps[name], dict):
-            raise ConfigError(f"components.{name}: expected a mapping of constructor arguments")
+    data, comps, toks = read_sections(path, _COMPONENTS, _TOKENIZERS)
     if not isinstance(toks["tokenizer"], dict):
         raise ConfigError("tokenizers.tokenizer: expected a mapping of tokenizer settings")
 

@@ -11,7 +11,42 @@ from latentmill.stages.encoders import Encoders, Stream
 from latentmill.models import ModelConfig
 
 
-class FluxEncoders(Encoders):
+class KLVaeEncoders(Encoders):
+    """The VAE side of the families whose pipelines take ``AutoencoderKL`` latents normalised
+    ``(z - shift_factor) * scaling_factor`` (FLUX.1, Z-Image); a subclass adds its text side."""
+
+    def _load_vae(self) -> None:
+        from diffusers import AutoencoderKL
+
+        self.vae = self._load(AutoencoderKL, "vae")
+        if self.device.type == "cuda":
+            # encode() then runs one image at a time: peak memory of one 1024² image, not of a batch of 16
+            self.vae.enable_slicing()
+        self.scaling_factor = float(self.vae.config.scaling_factor)
+        self.shift_factor = float(self.vae.config.shift_factor or 0.0)
+
+    @classmethod
+    def describe_vae(cls, vae_config: dict[str, Any]) -> dict[str, Any]:
+        return {"scaling_factor": float(vae_config.get("scaling_factor", 1.0)),
+                "shift_factor": float(vae_config.get("shift_factor") or 0.0)}
+
+    @staticmethod
+    def latent_shape(vae_config: dict[str, Any], bucket: list[int]) -> tuple[int, int, int]:
+        """[C, H/8, W/8] of one image of ``bucket`` (the real VAE's defaults when its config is not here)."""
+        channels = int(vae_config.get("latent_channels", 16))
+        spatial = 2 ** (len(vae_config.get("block_out_channels", [1, 2, 3, 4])) - 1)
+        return channels, int(bucket[1]) // spatial, int(bucket[0]) // spatial
+
+    @torch.no_grad()
+    def encode_pixels(self, pixels_BCHW: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(mean, std) of the normalised latent distribution of images in [-1, 1]."""
+        with self.lock:
+            dist = self.vae.encode(pixels_BCHW.to(self.device, self.compute_dtype)).latent_dist
+        mean = (dist.mean.float() - self.shift_factor) * self.scaling_factor
+        return mean.cpu(), (dist.std.float() * self.scaling_factor).cpu()
+
+
+class FluxEncoders(KLVaeEncoders):
     """AutoencoderKL + CLIP (pooled) + T5 (sequence), as FluxPipeline uses them."""
 
     name = "flux"
@@ -28,42 +63,20 @@ class FluxEncoders(Encoders):
 
     def __init__(self, model: ModelConfig, device: torch.device):
         super().__init__(model, device)
-        from diffusers import AutoencoderKL
         from transformers import CLIPTextModel, T5EncoderModel
 
-        self.vae = self._load(AutoencoderKL, "vae")
+        self._load_vae()
         self.text_encoder = self._load(CLIPTextModel, "text_encoder")
         self.text_encoder_2 = self._load(T5EncoderModel, "text_encoder_2")
         self.tokenizer = self._tokenizer("text_encoder")
         self.tokenizer_2 = self._tokenizer("text_encoder_2")
-        if device.type == "cuda":
-            # encode() then runs one image at a time: peak memory of one 1024² image, not of a batch of 16
-            self.vae.enable_slicing()
-        self.scaling_factor = float(self.vae.config.scaling_factor)
-        self.shift_factor = float(self.vae.config.shift_factor or 0.0)
-
-    @classmethod
-    def describe_vae(cls, vae_config: dict[str, Any]) -> dict[str, Any]:
-        return {"scaling_factor": float(vae_config.get("scaling_factor", 1.0)),
-                "shift_factor": float(vae_config.get("shift_factor") or 0.0)}
 
     @classmethod
     def sample_shapes(cls, config: Callable[[str], dict[str, Any]], bucket: list[int],
                       max_sequence_length: int) -> dict[str, tuple[int, ...]]:
-        vae = config("vae")
-        channels = int(vae.get("latent_channels", 16))
-        spatial = 2 ** (len(vae.get("block_out_channels", [1, 2, 3, 4])) - 1)
-        return {"latents": (channels, int(bucket[1]) // spatial, int(bucket[0]) // spatial),
+        return {"latents": cls.latent_shape(config("vae"), bucket),
                 "prompt_embeds": (max_sequence_length, int(config("text_encoder_2").get("d_model", 4096))),
                 "pooled_prompt_embeds": (int(config("text_encoder").get("hidden_size", 768)),)}
-
-    @torch.no_grad()
-    def encode_pixels(self, pixels_BCHW: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(mean, std) of the normalised latent distribution of images in [-1, 1]."""
-        with self.lock:
-            dist = self.vae.encode(pixels_BCHW.to(self.device, self.compute_dtype)).latent_dist
-        mean = (dist.mean.float() - self.shift_factor) * self.scaling_factor
-        return mean.cpu(), (dist.std.float() * self.scaling_factor).cpu()
 
     @torch.no_grad()
     def encode_text(self, captions: list[str], max_sequence_length: int) -> dict[str, Any]:

@@ -15,7 +15,8 @@ from __future__ import annotations
 from typing import Any, Callable
 
 import torch
-from latentmill.stages.encoders import Encoders, Stream
+from latentmill.stages.encoders import Stream
+from latentmill.stages.family_flux import KLVaeEncoders
 
 from latentmill.models import ModelConfig
 
@@ -26,7 +27,7 @@ def chat_prompt(tokenizer: Any, caption: str) -> str:
                                          add_generation_prompt=True, enable_thinking=True)
 
 
-class ZImageEncoders(Encoders):
+class ZImageEncoders(KLVaeEncoders):
     """AutoencoderKL + Qwen3 (second-to-last hidden state, real tokens only), as ZImagePipeline uses them."""
 
     name = "z-image"
@@ -39,44 +40,21 @@ class ZImageEncoders(Encoders):
     )
     CLASS_IMPORTS = (("diffusers", "AutoencoderKL"), ("transformers", "AutoModel"),
                      ("transformers", "AutoTokenizer"))
-    # the classes a recipe's components must be (a Wan VAE or a T5 encoder with this transformer is refused)
-    COMPONENT_CLASSES = {"vae": ("AutoencoderKL",), "text_encoder": ("Qwen3Model", "Qwen3ForCausalLM")}
 
     def __init__(self, model: ModelConfig, device: torch.device):
         super().__init__(model, device)
-        from diffusers import AutoencoderKL
         from transformers import AutoModel
 
-        self.vae = self._load(AutoencoderKL, "vae")
+        self._load_vae()
         # Qwen3Model as the pipeline's model_index names it (AutoModel: the base model of any Qwen3 checkpoint)
         self.text_encoder = self._load(AutoModel, "text_encoder")
         self.tokenizer = self._tokenizer("text_encoder")
-        if device.type == "cuda":
-            self.vae.enable_slicing()  # one image at a time in the encoder: peak memory of one image
-        self.scaling_factor = float(self.vae.config.scaling_factor)
-        self.shift_factor = float(self.vae.config.shift_factor or 0.0)
-
-    @classmethod
-    def describe_vae(cls, vae_config: dict[str, Any]) -> dict[str, Any]:
-        return {"scaling_factor": float(vae_config.get("scaling_factor", 1.0)),
-                "shift_factor": float(vae_config.get("shift_factor") or 0.0)}
 
     @classmethod
     def sample_shapes(cls, config: Callable[[str], dict[str, Any]], bucket: list[int],
                       max_sequence_length: int) -> dict[str, tuple[int, ...]]:
-        vae = config("vae")
-        channels = int(vae.get("latent_channels", 16))
-        spatial = 2 ** (len(vae.get("block_out_channels", [1, 2, 3, 4])) - 1)
-        return {"latents": (channels, int(bucket[1]) // spatial, int(bucket[0]) // spatial),
+        return {"latents": cls.latent_shape(config("vae"), bucket),
                 "prompt_embeds": (max_sequence_length, int(config("text_encoder").get("hidden_size", 2560)))}
-
-    @torch.no_grad()
-    def encode_pixels(self, pixels_BCHW: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(mean, std) of the normalised latent distribution of images in [-1, 1]."""
-        with self.lock:
-            dist = self.vae.encode(pixels_BCHW.to(self.device, self.compute_dtype)).latent_dist
-        mean = (dist.mean.float() - self.shift_factor) * self.scaling_factor
-        return mean.cpu(), (dist.std.float() * self.scaling_factor).cpu()
 
     @torch.no_grad()
     def encode_text(self, captions: list[str], max_sequence_length: int) -> dict[str, Any]:
