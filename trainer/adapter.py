@@ -168,6 +168,19 @@ def export_pipeline(
     return replace_export(tmp, export_dir)
 
 
+def mask_problems(prompt_embeds_BLD: torch.Tensor, mask_BL: torch.Tensor, template: str) -> list[str]:
+    """What is wrong with a batch of a ``mask`` text stream: a sample without a real token (``template``
+    says what the pipeline's prompt template alone gives), or embeddings stored padded (zeros inside the
+    mask: a cache whose text was not trimmed to its real tokens)."""
+    lengths = mask_BL.sum(1)
+    if bool((lengths == 0).any()):
+        return [f"a sample has no real text token ({template})"]
+    if bool((prompt_embeds_BLD[torch.arange(len(lengths)), lengths - 1] == 0).all(-1).any()):
+        return ["prompt_embeds are stored padded (zeros inside the mask): prep the cache with "
+                "cache.trim_text: auto (or always), which stores the real tokens only"]
+    return []
+
+
 class ModelAdapter(ABC):
     """Base of the per-family adapters; subclasses set the class names and implement the model-specific parts."""
 

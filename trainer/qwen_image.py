@@ -35,7 +35,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from latentmill.trainer.adapter import ModelAdapter
+from latentmill.trainer.adapter import ModelAdapter, mask_problems
 from latentmill.trainer.flux import pack_latents, unpack_latents
 from torch import nn
 
@@ -123,12 +123,7 @@ def check_qwen_batch_fits(transformer: nn.Module, latents_BCHW: torch.Tensor, pr
         problems.append(f"prompt_embeds width is {prompt_embeds_BLD.shape[-1]}, transformer joint_attention_dim "
                         f"is {cfg.joint_attention_dim}")
     if mask_BL is not None:
-        lengths = mask_BL.sum(1)
-        if bool((lengths == 0).any()):
-            problems.append("a sample has no real text token (QwenImagePipeline's template alone gives 5)")
-        elif bool((prompt_embeds_BLD[torch.arange(len(lengths)), lengths - 1] == 0).all(-1).any()):
-            problems.append("prompt_embeds are stored padded (zeros inside the mask): prep the cache with "
-                            "cache.trim_text: auto (or always), which stores the real tokens only")
+        problems += mask_problems(prompt_embeds_BLD, mask_BL, "QwenImagePipeline's template alone gives 5")
     if problems:
         raise ValueError("cached latents do not match the transformer: " + "; ".join(problems))
 

@@ -27,7 +27,7 @@ D text width (Qwen3 hidden size, ``cap_feat_dim``).
 from __future__ import annotations
 
 import torch
-from latentmill.trainer.adapter import ModelAdapter
+from latentmill.trainer.adapter import ModelAdapter, mask_problems
 from torch import nn
 
 # What community Z-Image LoRAs train (musubi-tuner's networks.lora_zimage, ai-toolkit): the attention projections
@@ -78,14 +78,7 @@ def check_zimage_batch_fits(transformer: nn.Module, latents_BCHW: torch.Tensor, 
         problems.append("no prompt_embeds_mask column: the cache manifest does not declare prompt_embeds as a "
                         "'mask' stream (a z-image cache made by `latentmill prep` does)")
     else:
-        lengths = mask_BL.sum(1)
-        if bool((lengths == 0).any()):
-            problems.append("a sample has no real text token (ZImagePipeline's chat template alone gives several)")
-        else:
-            last = prompt_embeds_BLD[torch.arange(len(lengths)), lengths - 1]
-            if bool((last == 0).all(-1).any()):
-                problems.append("prompt_embeds are stored padded (zeros inside the mask): prep the cache with "
-                                "cache.trim_text: auto (or always), which stores the real tokens only")
+        problems += mask_problems(prompt_embeds_BLD, mask_BL, "ZImagePipeline's chat template alone gives several")
     if problems:
         raise ValueError("cached latents do not match the transformer: " + "; ".join(problems))
 
