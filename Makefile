@@ -45,10 +45,10 @@ demo: venv
 	$(VENV)/bin/latentmill demo --summary-json $(DEMO_DIR)/summary.json
 
 # make test leaves out the tests marked heavy (the wheel install, the gpu-check dry run, a second served start,
-# a memory test over a real flow, second variants of a path make test runs: Dask beside Ray, 4 ranks beside 2)
-# and runs the rest in TEST_WORKERS processes (pytest-xdist): 18.4 CPU-minutes (21.1 before issue 31 item 6),
-# so about 9 minutes of pytest on 2 idle cores (18 on the shared box, with other jobs). make test-all runs
-# everything.
+# a memory test over a real flow, second variants of a path make test runs: Dask beside Ray, 4 ranks beside 2,
+# the learning, parallel and demo runs of a family beside those of FLUX.1, Wan and FLUX.2 klein) and runs the
+# rest in TEST_WORKERS processes (pytest-xdist): about 10 minutes of pytest on the 2-core box. make test-all
+# runs everything.
 TEST_WORKERS ?= 2
 test: dev
 	$(VENV)/bin/python -m pytest -q -n $(TEST_WORKERS) --dist worksteal -m "not heavy" --durations=25

@@ -421,6 +421,7 @@ def test_the_cli_refuses_a_flux1_vae_under_flux2_before_any_work(tiny_flux2_klei
 
 
 @pytest.mark.slow
+@pytest.mark.heavy  # the FSDP2 and DDP paths make test runs for FLUX.1, Wan and Qwen-Image (make test-all)
 def test_fsdp2_resumes_exactly_and_ddp_lora_trains_on_klein(tiny_flux2_klein, klein_cache, tmp_path):
     """One 2-rank torchrun launch (gloo, CPU): FSDP2 full (the adapter's blocks as units) with an exact resume
     from its step-2 checkpoint, and DDP LoRA (single-block targets included), on the real klein cache."""
