@@ -92,9 +92,9 @@ def check_components(model: ModelConfig) -> None:
         from latentmill.stages.families import PIPELINE_FAMILIES  # (imports torch: only when it decides)
 
         family = PIPELINE_FAMILIES.get(pipeline)
-    if model.family != "auto" and family is not None and family != model.family:
-        raise ConfigError(f"model.family: {model.family!r}, but {model.pretrained} is a {pipeline} (the "
-                          f"{family!r} family); set model.family to {family!r} or 'auto'")
+        if family is not None and family != model.family:
+            raise ConfigError(f"model.family: {model.family!r}, but {model.pretrained} is a {pipeline} (the "
+                              f"{family!r} family); set model.family to {family!r} or 'auto'")
     for name in ("vae", "text_encoder", "text_encoder_2"):
         override = getattr(model, name, None)
         if not override:
