@@ -14,6 +14,7 @@ re-encodes latents only.
 from __future__ import annotations
 
 import json
+import math
 import os
 import threading
 import time
@@ -25,7 +26,6 @@ from typing import Any, Callable
 import torch
 from latentmill.stages import pixels
 from latentmill.stages.cache_config import CacheConfig
-from latentmill.stages.encoders import numel
 from latentmill.stages.families import (
     compute_dtypes,
     describe_components,
@@ -224,8 +224,8 @@ def sample_bytes_estimate(cfg: CacheConfig, model: ModelConfig, family: str) -> 
 
     def estimate(bucket: list[int]) -> int:
         shapes = family_cls.sample_shapes(config, bucket, cfg.max_sequence_length)
-        vae = sum(numel(shape) for name, shape in shapes.items() if components[name] == "vae")
-        text = sum(numel(shape) for name, shape in shapes.items() if components[name] == "text")
+        vae = sum(math.prod(shape) for name, shape in shapes.items() if components[name] == "vae")
+        text = sum(math.prod(shape) for name, shape in shapes.items() if components[name] == "text")
         return vae * copies * itemsize + 256 + text * itemsize + text_overhead + overhead
 
     return estimate
@@ -571,7 +571,8 @@ def process(cfg: CacheConfig, model: ModelConfig, unit: WorkUnit, out: UnitOutpu
     family = family_class(plan_.family)
     reference_streams = [s.name for s in family.STREAMS if s.from_reference]
     # an edit family's samples without a source image (data prepared without ingest.edit) are quarantined
-    unpaired = {i for i, m in enumerate(metas) if family.needs_reference() and not isinstance(m.get(REFERENCE), dict)}
+    unpaired = ({i for i, m in enumerate(metas) if not isinstance(m.get(REFERENCE), dict)}
+                if family.needs_reference() else set())
     before = unit.payload.get("reuse_before_ns", 0)
     vae_hits, text_hits, origins = stored_components(out.stage_dir, keys, before)
     old_vae, old_text = _fetch(vae_hits), _fetch(text_hits)

@@ -12,8 +12,8 @@ components it caches, how it encodes) plus one line in ``latentmill.stages.famil
 
 from __future__ import annotations
 
-import math
 import threading
+from abc import ABC, abstractmethod
 from dataclasses import asdict, dataclass
 from typing import Any, Callable, ClassVar, Literal
 
@@ -47,7 +47,7 @@ class Stream:
         return asdict(self)
 
 
-class Encoders:
+class Encoders(ABC):
     """A family's encoders for the cache stage, over unmodified Diffusers / Transformers components.
 
     Subclasses set the class attributes and implement ``__init__`` (load), :meth:`encode_pixels` and
@@ -101,12 +101,12 @@ class Encoders:
         return {}
 
     @classmethod
+    @abstractmethod
     def sample_shapes(cls, config: Callable[[str], dict[str, Any]], bucket: list[int],
                       max_sequence_length: int) -> dict[str, tuple[int, ...]]:
         """Each stream's shape for one sample of ``bucket`` ``[W, H(, F)]`` with one caption at
         ``max_sequence_length`` tokens, from the components' configs (``config(name)``; {} when a component
         is not on this machine: use the real model's defaults). Only estimates shard bytes."""
-        raise NotImplementedError
 
     # --- with weights ---------------------------------------------------------------------------------
 
@@ -121,17 +121,13 @@ class Encoders:
         src = tokenizer_source(self.model, encoder)
         return AutoTokenizer.from_pretrained(src.path, **src.kwargs())
 
+    @abstractmethod
     def encode_pixels(self, pixels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(mean, std) of the normalised latent distribution of a batch of pixels in [-1, 1] (images
         [B, 3, H, W], clips [B, 3, F, H, W]): the ``vae`` stream named ``latents``, float32, on the CPU."""
-        raise NotImplementedError
 
+    @abstractmethod
     def encode_text(self, captions: list[str], max_sequence_length: int, images: list | None = None) -> dict[str, Any]:
         """The ``text`` streams of ``captions`` (float32, on the CPU, batch first) and ``lengths``: per
         caption, its real token count (the stored length of a trimmed ``zeros`` / ``mask`` stream).
         ``images``: with ``TEXT_SEES_REFERENCE``, each caption's source image (PIL RGB, as ingested)."""
-        raise NotImplementedError
-
-
-def numel(shape: tuple[int, ...]) -> int:
-    return math.prod(shape)
