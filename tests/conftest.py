@@ -142,8 +142,26 @@ def pytest_runtest_teardown(item):
 
 
 @pytest.fixture(scope="session", autouse=True)
-def _remove_prefect_home():
-    yield
+def _prefect_home_and_api(request):
+    """One Prefect API server per test process (pytest-xdist worker), when the session has tests beyond the unit
+    tier: the flows of this process and of every `latentmill` command a test starts (PREFECT_API_URL exported)
+    use it, where each command booted a temporary server of its own (seconds of CPU). Tests about the temporary
+    server remove the URL from their subprocesses' environment."""
+    import contextlib
+
+    with contextlib.ExitStack() as stack:
+        if any(item.get_closest_marker(m) for item in request.session.items for m in _TIER_MARKERS):
+            from latentmill.prefect_env import start_api_early
+
+            prefect_home(Path(_PREFECT_HOME))  # with the migrated database, not a fresh one to create
+            server = start_api_early()  # in a process group of its own, ends with this process
+            if server is not None:
+                stack.callback(server.stop)
+                server.ready(180)
+                os.environ["PREFECT_API_URL"] = server.api_url
+                stack.callback(os.environ.pop, "PREFECT_API_URL", None)
+                stack.enter_context(server.settings())  # Prefect read its settings at import, without the URL
+        yield
     shutil.rmtree(_PREFECT_HOME, ignore_errors=True)
 
 
