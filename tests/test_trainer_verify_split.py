@@ -25,6 +25,7 @@ WORKER = """
 import json, os, sys
 import torch
 import torch.distributed as dist
+from latentmill.trainer.parallel import end_process_group
 import latentmill.trainer.loader as loader_mod
 
 torch.set_num_threads(1)
@@ -47,8 +48,7 @@ try:
 except ValueError as exc:
     out["error"] = str(exc)
 open(sys.argv[2] + f"-{rank}.json", "w").write(json.dumps(out))
-dist.barrier()  # every rank done with its collectives before any tears gloo down
-dist.destroy_process_group()
+end_process_group()
 """
 
 
