@@ -8,7 +8,8 @@ holds the registry and what every family shares:
 - ``wan`` (Wan 2.1): :mod:`latentmill.stages.family_wan`;
 - ``qwen-image`` (Qwen-Image): :mod:`latentmill.stages.family_qwen_image`;
 - ``flux2`` (FLUX.2 [dev]): :mod:`latentmill.stages.family_flux2`;
-- ``flux2-klein`` (FLUX.2 [klein]): :mod:`latentmill.stages.family_flux2_klein` (the VAE side is flux2's).
+- ``flux2-klein`` (FLUX.2 [klein]): :mod:`latentmill.stages.family_flux2_klein` (the VAE side is flux2's);
+- ``wan2.2-ti2v`` (Wan 2.2 TI2V-5B): :mod:`latentmill.stages.family_wan2_2_ti2v`.
 
 Adding a family = one module with an ``Encoders`` subclass and one entry in ``FAMILIES``.
 """
@@ -39,13 +40,15 @@ from latentmill.stages.family_flux2 import Flux2Encoders
 from latentmill.stages.family_flux2_klein import Flux2KleinEncoders
 from latentmill.stages.family_qwen_image import QwenImageEncoders
 from latentmill.stages.family_wan import WanEncoders
+from latentmill.stages.family_wan2_2_ti2v import WanTI2VEncoders
 from latentmill.stages.family_z_image import ZImageEncoders
 
 from latentmill.core.config import ConfigError
 from latentmill.models import ModelConfig, component_source, read_component_config
 
 FAMILIES: dict[str, type[Encoders]] = {cls.name: cls for cls in (FluxEncoders, WanEncoders, ZImageEncoders,
-                                                                QwenImageEncoders, Flux2Encoders, Flux2KleinEncoders)}
+                                                                QwenImageEncoders, Flux2Encoders, Flux2KleinEncoders,
+                                                                WanTI2VEncoders)}
 # model_index.json `_class_name` -> family
 PIPELINE_FAMILIES = {pipeline: cls.name for cls in FAMILIES.values() for pipeline in cls.PIPELINES}
 

@@ -13,7 +13,7 @@ def test_every_family_module_is_registered_under_its_name():
     assert sorted(FAMILIES) == known_families()
     for name, cls in FAMILIES.items():
         assert issubclass(cls, Encoders) and cls.name == name
-        assert cls.__module__ == "latentmill.stages.family_" + name.replace("-", "_")
+        assert cls.__module__ == "latentmill.stages.family_" + name.replace("-", "_").replace(".", "_")
         assert all(PIPELINE_FAMILIES[p] == name for p in cls.PIPELINES)
 
 
