@@ -20,8 +20,10 @@ class WanTI2VEncoders(WanEncoders):
     """The Wan 2.2 VAE (48 channels, 16x spatial) + UMT5, as WanPipeline / WanImageToVideoPipeline use them."""
 
     name = "wan2.2-ti2v"
-    # Wan2.2-TI2V-5B-Diffusers declares WanPipeline, which reads as Wan 2.1 (``wan``): recipes name the family
-    PIPELINES = ()
+    # Wan2.2-TI2V-5B-Diffusers is a WanPipeline (as Wan 2.1) with expand_timesteps; its I2V class the same
+    PIPELINES = ("WanPipeline", "WanImageToVideoPipeline")
+    PIPELINE_CONFIG = {"expand_timesteps": True}
+    PIXEL_MULTIPLE = 32  # 16x VAE x 2 x 2 patches
     STREAMS = (
         Stream("latents", "vae", "[C, 1 + (F - 1)/4, H/16, W/16]", "(z - latents_mean) / latents_std"),
         Stream("prompt_embeds", "text", "[L, D]", pad="zeros"),

@@ -4,7 +4,7 @@ together (its streams, components and pipelines), without loading a model."""
 from __future__ import annotations
 
 from latentmill.stages.encoders import Encoders, Stream
-from latentmill.stages.families import FAMILIES, PIPELINE_FAMILIES
+from latentmill.stages.families import FAMILIES, PIPELINE_FAMILIES, index_family
 
 from latentmill.models import known_families
 
@@ -14,7 +14,7 @@ def test_every_family_module_is_registered_under_its_name():
     for name, cls in FAMILIES.items():
         assert issubclass(cls, Encoders) and cls.name == name
         assert cls.__module__ == "latentmill.stages.family_" + name.replace("-", "_").replace(".", "_")
-        assert all(PIPELINE_FAMILIES[p] == name for p in cls.PIPELINES)
+        assert all(index_family({"_class_name": p, **cls.PIPELINE_CONFIG}) == name for p in cls.PIPELINES)
 
 
 def test_each_family_declares_one_latents_stream_and_named_text_streams():

@@ -177,3 +177,22 @@ def test_adapter_calls_the_transformer_like_the_pipeline(t2v, i2v, task):
         with torch.no_grad():
             pred = adapter.forward(pipe.transformer, hidden, sigma, batch, None)
         assert torch.equal(pred, call["out"])
+
+
+def test_the_pipeline_config_tells_ti2v_from_wan21(tmp_path):
+    from latentmill.preflight import check_bucket_step, check_components
+    from latentmill.stages.families import index_family
+
+    assert index_family({"_class_name": "WanPipeline", "expand_timesteps": True}) == "wan2.2-ti2v"
+    assert index_family({"_class_name": "WanImageToVideoPipeline", "expand_timesteps": True}) == "wan2.2-ti2v"
+    assert index_family({"_class_name": "WanPipeline"}) == "wan"
+    assert index_family({"_class_name": "WanPipeline", "expand_timesteps": False}) == "wan"
+    assert index_family({"_class_name": "WanImageToVideoPipeline"}) is None  # Wan 2.1 I2V (CLIP image embeds)
+    (tmp_path / "model_index.json").write_text('{"_class_name": "WanPipeline", "expand_timesteps": true}')
+    check_components(ModelConfig(str(tmp_path), family="wan2.2-ti2v"))
+    with pytest.raises(ConfigError, match="model.family: 'wan', but .* is a WanPipeline \\(the 'wan2.2-ti2v' family"):
+        check_components(ModelConfig(str(tmp_path), family="wan"))
+    check_bucket_step("wan2.2-ti2v", 64)
+    check_bucket_step("wan", 16)
+    with pytest.raises(ConfigError, match="bucket.step: 16 px, but wan2.2-ti2v needs sizes in multiples of 32 px"):
+        check_bucket_step("wan2.2-ti2v", 16)
