@@ -180,8 +180,9 @@ def test_adapter_calls_the_transformer_like_the_pipeline(t2v, i2v, task):
 
 
 def test_the_pipeline_config_tells_ti2v_from_wan21(tmp_path):
-    from latentmill.preflight import check_bucket_step, check_components
     from latentmill.stages.families import index_family
+
+    from latentmill.preflight import check_bucket_step, check_components
 
     assert index_family({"_class_name": "WanPipeline", "expand_timesteps": True}) == "wan2.2-ti2v"
     assert index_family({"_class_name": "WanImageToVideoPipeline", "expand_timesteps": True}) == "wan2.2-ti2v"
@@ -196,3 +197,43 @@ def test_the_pipeline_config_tells_ti2v_from_wan21(tmp_path):
     check_bucket_step("wan", 16)
     with pytest.raises(ConfigError, match="bucket.step: 16 px, but wan2.2-ti2v needs sizes in multiples of 32 px"):
         check_bucket_step("wan2.2-ti2v", 16)
+
+
+def test_recipes_sample_as_ti2v():
+    from latentmill.stages.bucket import bucket_sizes
+
+    from latentmill.recipe import load_recipe
+    from latentmill.tiny_wan import DEFAULT_RECIPE_PATH
+
+    configs = DEFAULT_RECIPE_PATH.parents[1] / "configs"
+    for name, mode in (("wan2.2-ti2v-5b-lora.yaml", "lora"), ("wan2.2-ti2v-5b-full.yaml", "full")):
+        recipe = load_recipe(configs / name)
+        assert (recipe.model.pretrained, recipe.model.family) == ("Wan-AI/Wan2.2-TI2V-5B-Diffusers", "wan2.2-ti2v")
+        assert (recipe.trainer.mode, recipe.parallel.strategy) == (mode, "fsdp2")
+        assert (recipe.trainer.shift_mode, recipe.trainer.shift, recipe.trainer.i2v_probability) == ("fixed", 5.0, 0.5)
+        assert (recipe.bucket.frame_step, recipe.bucket.max_frames, recipe.cache.max_sequence_length) == (4, 121, 512)
+        sizes = bucket_sizes(recipe.bucket)
+        assert sizes[1.7778] == (1280, 704) and all(w % 32 == 0 and h % 32 == 0 for w, h in sizes.values())
+    demo = load_recipe(configs / "demo-wan2.2-ti2v.yaml")
+    assert demo.model.family == "wan2.2-ti2v" and demo.model.tiny_recipe.endswith("data/tiny-wan2.2-ti2v.yaml")
+    assert demo.bucket.step == 32 and demo.trainer.i2v_probability == 0.5
+
+
+@pytest.mark.slow
+def test_plan_counts_the_published_5b():
+    from diffusers import WanTransformer3DModel as cls
+
+    from latentmill.plan import plan_config, shipped_models_dir
+
+    with torch.device("meta"):
+        model = cls.from_config(cls.load_config(str(shipped_models_dir() / "Wan2.2-TI2V-5B-Diffusers"),
+                                                subfolder="transformer"))
+    total = sum(p.numel() for p in model.parameters())
+    assert total == 4_999_787_712 and len(model.blocks) == 30  # "5B"
+    full = plan_config("configs/wan2.2-ti2v-5b-full.yaml", nproc=8)
+    assert full["total_params"] == full["trainable_params"] == total and full["config"]["shipped_configs"]
+    assert full["per_rank"]["optimizer_bytes"] == 2 * full["per_rank"]["params_bytes"] and full["fits"]
+    lora = plan_config("configs/wan2.2-ti2v-5b-lora.yaml", nproc=8)
+    # rank 32 on to_q/k/v/out.0 of both attentions of 30 blocks, 3072 wide
+    assert lora["trainable_params"] == 30 * 8 * 32 * (3072 + 3072) == 47_185_920
+    assert lora["total_params"] == total + lora["trainable_params"]
