@@ -53,8 +53,8 @@ FAMILIES: dict[str, type[Encoders]] = {cls.name: cls for cls in (FluxEncoders, W
 PIPELINE_FAMILIES = {pipeline: cls.name for cls in FAMILIES.values() if not cls.PIPELINE_CONFIG
                      for pipeline in cls.PIPELINES}
 
-__all__ = ["FAMILIES", "PIPELINE_FAMILIES", "index_family", "Encoders", "Stream", "FluxEncoders", "WanEncoders", "Flux2Encoders",
-           "Flux2KleinEncoders"]
+__all__ = ["FAMILIES", "PIPELINE_FAMILIES", "index_family", "Encoders", "Stream", "FluxEncoders", "WanEncoders",
+           "Flux2Encoders", "Flux2KleinEncoders"]
 
 
 def family_class(family: str) -> type[Encoders]:

@@ -115,3 +115,14 @@ def test_lora_export_loads_into_both_pipelines(tiny_wan_ti2v, cache, tmp_path):
         (adapter,) = pipe.get_active_adapters()
         assert pipe.transformer.peft_config[adapter].r == 4
     _generate_both(t2v, i2v)
+
+
+def test_a_one_frame_sample_trains_text_to_video(tiny_wan_ti2v, tmp_path):
+    """An image in a video cache (1 latent frame) has no frame to learn after a clean first one: it trains as
+    text-to-video (a mask over nothing would divide by zero)."""
+    write_fake_cache(tmp_path / "cache", {(64, 32, 1): 2}, family="wan2.2-ti2v", channels=48, seq_len=16)
+    cfg = TrainerConfig(mode="full", max_steps=2, batch_size=2, save_every=0, export=False, i2v_probability=1.0)
+    summary = train(cfg, cache_dir=tmp_path / "cache", pretrained=str(tiny_wan_ti2v), train_dir=tmp_path / "t",
+                    progress=False)
+    losses = [r["loss"] for r in read_metrics(tmp_path / "t")]
+    assert summary["steps"] == 2 and all(0 < x < 1e3 for x in losses), losses

@@ -379,7 +379,9 @@ class _Run:
         noisy = interpolate(latents, noise, sigmas)
         target = velocity_target(latents, noise)
         mask = None
-        if clean_first is not None:  # image-to-video: frame 0 is the image latent (the pipeline's argmax encode)
+        # image-to-video: frame 0 is the image latent (the pipeline's argmax encode); a one-frame sample (an
+        # image) has no later frame to learn from it and trains as text-to-video
+        if clean_first is not None and latents.shape[2] > 1:
             mask = inputs["first_frame_mask"] = first_frame_mask(latents.shape, clean_first)
             noisy = mask * noisy + (1 - mask) * inputs["latents"]
         weights = loss_weights(sigmas, cfg.loss_weighting) if cfg.loss_weighting != "none" else None
