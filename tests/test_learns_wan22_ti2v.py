@@ -17,7 +17,7 @@ from latentmill.cli import main
 from tests.conftest import REPO_ROOT
 from tests.test_learns import CORNERS, SHADES, _assert_nearest_own, _cached_latents, _losses, _write_clip
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.heavy]  # 2-4 minutes each on 2 busy cores (make test-all)
 
 
 def _marked_clips(folder, size: int = 64, mark: int = 16) -> None:
@@ -32,7 +32,9 @@ def _marked_clips(folder, size: int = 64, mark: int = 16) -> None:
             (folder / f"{name}.txt").write_text(f"a light square with a dark mark in the {corner} corner")
 
 
-@pytest.mark.parametrize(("shift", "steps"), [pytest.param(1.0, 1000, marks=pytest.mark.heavy), (5.0, 600)])
+# at shift 1.0 the rarer high-noise steps, where the sampler decides what the clip shows, need more steps: at 600
+# its captions generated latents only 0.47-0.71 x as far from their own corner as from the nearest other
+@pytest.mark.parametrize(("shift", "steps"), [(1.0, 1000), (5.0, 600)])
 def test_ti2v_generates_the_detail_it_was_shown(tiny_wan_ti2v, tmp_path, shift, steps):
     clips = tmp_path / "clips"
     _marked_clips(clips)
@@ -44,7 +46,8 @@ def test_ti2v_generates_the_detail_it_was_shown(tiny_wan_ti2v, tmp_path, shift, 
                  "trainer.save_every=0", f"trainer.shift={shift}",
                  "curate.min_motion=null"]) == 0  # still clips: the demo's motion threshold drops them
     losses = _losses(out)
-    assert np.mean(losses[-60:]) < 0.5 * np.mean(losses[:60]), (np.mean(losses[:60]), np.mean(losses[-60:]))
+    # measured, first 60 steps -> last 60: shift 1.0 1.39 -> 0.145, shift 5.0 1.65 -> 0.061
+    assert np.mean(losses[-60:]) < 0.2 * np.mean(losses[:60]), (np.mean(losses[:60]), np.mean(losses[-60:]))
 
     reference = _cached_latents(out / "prep" / "cache")
     assert sorted(reference) == sorted(f"a light square with a dark mark in the {c} corner" for c in CORNERS)
@@ -57,5 +60,6 @@ def test_ti2v_generates_the_detail_it_was_shown(tiny_wan_ti2v, tmp_path, shift, 
                    output_type="latent", max_sequence_length=32, generator=torch.Generator().manual_seed(0)).frames
     generated = dict(zip(prompts, latents))
     assert next(iter(generated.values())).shape == next(iter(reference.values())).shape == (48, 2, 4, 4)
-    distances = _assert_nearest_own(generated, reference, margin=0.5)
-    print({p[-20:]: {q[-20:]: round(v, 4) for q, v in d.items()} for p, d in distances.items()})
+    # measured (8 sampling steps at the pipeline's flow_shift 5.0): shift 1.0 own 0.049-0.095, nearest other
+    # 0.18-0.31 (ratios 0.22-0.33); shift 5.0 own 0.025-0.039, nearest other 0.17-0.27 (ratios 0.13-0.20)
+    _assert_nearest_own(generated, reference, margin=0.5)
