@@ -1,8 +1,8 @@
 """A planner's scratch database: a source's entries streamed into SQLite, and ingest's grouping rule over them.
 
 Ingest's plan lists a source entry by entry into this table (its listing position, id, id hash, estimated
-bytes and fields) and groups it with queries, so planning holds one unit's entries in memory, never the whole
-source; a refresh of a million files costs disk pages here, not Python objects. The folder lister keeps each
+bytes, fields and metadata signature) and groups it with queries, so planning holds one unit's entries in
+memory, never the whole source; a refresh of a million files costs disk pages here, not Python objects. The folder lister keeps each
 folder's names here too (a flat folder of a million files is sorted by SQLite), and the list and manifest
 listers the counts that find repeated ids.
 
@@ -27,7 +27,7 @@ HALF = 1 << 63  # id hashes are unsigned 64-bit; SQLite stores them shifted into
 
 SCHEMA = """
 CREATE TABLE entries (pos INTEGER PRIMARY KEY, id TEXT NOT NULL, digest BLOB NOT NULL, h INTEGER NOT NULL,
-    bytes INTEGER NOT NULL, entry BLOB);
+    bytes INTEGER NOT NULL, entry BLOB, sig BLOB);
 CREATE TABLE previous (n INTEGER PRIMARY KEY, unit_id TEXT, ids TEXT NOT NULL, inputs TEXT);
 CREATE INDEX previous_unit ON previous (unit_id);
 CREATE TABLE members (n INTEGER NOT NULL, seq INTEGER NOT NULL, id TEXT NOT NULL, PRIMARY KEY (n, seq))
@@ -129,17 +129,17 @@ class Scratch:
     # Entries and the last run's groups
     # -----------------------------------------------------------------------------------------------------
 
-    def add_entries(self, rows: Iterable[tuple[str, int, bytes | None]]) -> int:
-        """Append ``(id, estimated bytes, the entry as the caller packs it)`` rows in listing order; returns the
-        count."""
+    def add_entries(self, rows: Iterable[tuple[str, int, bytes | None, bytes | None]]) -> int:
+        """Append ``(id, estimated bytes, the entry as the caller packs it, its metadata signature)`` rows in
+        listing order; returns the count."""
         count = self.db.execute("SELECT COUNT(*) FROM entries").fetchone()[0]
         for chunk in chunks(rows):
             values = []
-            for entry_id, size, packed in chunk:
+            for entry_id, size, packed, sig in chunk:
                 digest = id_digest(entry_id)
-                values.append((count, entry_id, digest, int.from_bytes(digest[:8], "big") - HALF, size, packed))
+                values.append((count, entry_id, digest, int.from_bytes(digest[:8], "big") - HALF, size, packed, sig))
                 count += 1
-            self.db.executemany("INSERT INTO entries VALUES (?, ?, ?, ?, ?, ?)", values)
+            self.db.executemany("INSERT INTO entries VALUES (?, ?, ?, ?, ?, ?, ?)", values)
         return count
 
     def add_previous(self, unit_id: str | None, ids: list[str], inputs: list[str] | None = None) -> None:
@@ -159,12 +159,27 @@ class Scratch:
                               (unit_id,)).fetchone()
         return (json.loads(row[0]), json.loads(row[1])) if row and row[1] is not None else None
 
-    def entries_at(self, positions: list[int]) -> dict[int, tuple[bytes | None, int]]:
-        """``pos -> (the entry as packed, its estimated bytes)`` for the listing positions ``positions``."""
-        found: dict[int, tuple[bytes | None, int]] = {}
+    def entries_at(self, positions: list[int]) -> dict[int, tuple[str, int, bytes | None]]:
+        """``pos -> (id, estimated bytes, metadata signature)`` for the listing positions ``positions``."""
+        return self._rows("id, bytes, sig", positions)
+
+    def packed_at(self, positions: list[int]) -> dict[int, bytes | None]:
+        """``pos -> the entry as packed`` for the listing positions ``positions``."""
+        return {pos: row[0] for pos, row in self._rows("entry", positions).items()}
+
+    def every_packed(self) -> Iterator[bytes | None]:
+        """Every entry as packed, in listing order, a page at a time (read by key, as :meth:`folder_names`)."""
+        after = -1
+        while rows := self.db.execute("SELECT pos, entry FROM entries WHERE pos > ? ORDER BY pos LIMIT ?",
+                                      (after, CHUNK)).fetchall():
+            yield from (packed for _, packed in rows)
+            after = rows[-1][0]
+
+    def _rows(self, columns: str, positions: list[int]) -> dict[int, tuple]:
+        found: dict[int, tuple] = {}
         for chunk in chunks(sorted(set(positions))):
-            found.update((pos, (packed, size)) for pos, packed, size in self.db.execute(
-                f"SELECT pos, entry, bytes FROM entries WHERE pos IN ({','.join('?' * len(chunk))})", chunk))
+            found.update((row[0], row[1:]) for row in self.db.execute(
+                f"SELECT pos, {columns} FROM entries WHERE pos IN ({','.join('?' * len(chunk))})", chunk))
         return found
 
     def _index(self) -> None:
