@@ -186,7 +186,7 @@ def _unit_signature(head: bytes, signatures: list[bytes | None]) -> str | None:
     """A unit's signature from its entries' (``entry_stat``), in id order; None when one has none."""
     if not all(signatures):
         return None
-    return hashlib.sha256(head + b"".join(signatures)).hexdigest()  # fixed-size digests: unambiguous
+    return hashlib.sha256(head + b"".join(signatures)).hexdigest()  # (marshal's bytes delimit themselves)
 
 
 def _local_files(entry: Entry) -> list[str]:
@@ -199,23 +199,26 @@ def _local_files(entry: Entry) -> list[str]:
 
 def entry_stat(entry: Entry, now: float) -> tuple[int, bytes | None, int]:
     """One ``stat`` of each of an entry's local files: its estimated bytes (:func:`entry_bytes`), its share
-    of a unit's :func:`stat_signature` (a 32-byte digest, None when it has none; ``now`` is the time racy
-    files are judged against) and how many local files it has."""
+    of a unit's :func:`stat_signature` (its id, location, caption and stats, marshalled; None when it has
+    none; ``now`` is the time racy files are judged against) and how many local files it has."""
     files = _local_files(entry)
     if entry.error or not files or (entry.reference is not None and is_remote(entry.reference)):
         return _estimate(entry, None), None, len(files)
     stats = []
+    newest = 0
     for path in files:
         try:
             st = os.stat(path)
         except OSError:
-            break
+            return _estimate(entry, stats[0][0] if stats else 0), None, len(files)
         stats.append((st.st_size, st.st_mtime_ns, st.st_ino))
-    size = _estimate(entry, stats[0][0] if stats else 0)
-    if len(stats) < len(files) or any(now - mtime_ns / 1e9 < FileHashes.RACY_SECONDS for _, mtime_ns, _ in stats):
+        newest = max(newest, st.st_mtime_ns)
+    size = _estimate(entry, stats[0][0])
+    if now - newest / 1e9 < FileHashes.RACY_SECONDS:
         return size, None, len(files)
-    row = (entry.id, entry.uri, entry.caption, entry.sha256, tuple(stats), entry.reference)
-    return size, hashlib.sha256(marshal.dumps(row)).digest(), len(files)
+    # marshal version 2: no back-references, whose use depends on reference counts, so equal rows give equal bytes
+    row = (entry.id, entry.uri, entry.caption, entry.sha256, stats, entry.reference)
+    return size, marshal.dumps(row, 2), len(files)
 
 
 def hash_byte_groups(ids: list[str], sizes: list[int] | None, max_size: int,
@@ -249,7 +252,7 @@ def layout(ids: list[str], previous: list[list[str]], max_size: int, sizes: list
         scratch.add_entries((i, sizes[n] if sizes is not None else 0, None, None) for n, i in enumerate(ids))
         for group in previous:
             scratch.add_previous(None, group)
-        return list(scratch.groups(max_size, target if sizes is not None else None))
+        return [[row[0] for row in group] for group in scratch.groups(max_size, target if sizes is not None else None)]
 
 
 def entry_bytes(entry: Entry) -> int:
@@ -346,14 +349,15 @@ def _plan_entries(cfg: IngestConfig, stage_dir: StageDir | None, source, scratch
     for group in scratch.groups(cfg.shard_size, cfg.shard_bytes):
         if not group:  # new entries each over the byte target split into more pieces than entries
             continue
-        rows_at = scratch.entries_at(group)
-        order = sorted(group, key=lambda pos: rows_at[pos][0])  # (stable: an id listed twice keeps its order)
-        signature = _unit_signature(head, [rows_at[pos][2] for pos in order])
+        group.sort(key=lambda row: row[1])  # by id (stable: an id listed twice keeps its order)
+        order = [row[0] for row in group]
+        signature = _unit_signature(head, [row[3] for row in group])
         known = hashes.signature(signature) if signature and kept else None  # a unit id of the last run
         record = scratch.previous_unit(known) if known else None
-        members = None
-        if record is not None and record[0] == [rows_at[pos][0] for pos in order]:
+        members, committed = None, False
+        if record is not None and record[0] == [row[1] for row in group]:
             unit_id, ids = known, record[1]  # unchanged files: no digest looked up
+            committed = True  # (previous_groups read its record, shards and all)
         else:
             members = _members(scratch, order)
             hashes.prefetch([p for e in members for p in _local_files(e)])
@@ -362,8 +366,8 @@ def _plan_entries(cfg: IngestConfig, stage_dir: StageDir | None, source, scratch
         if signature:
             hashes.remember_signature(signature, unit_id)
         payload = {"kind": "entries", "root": source.root, CUT_KEY: cut,
-                   "estimated_bytes": sum(rows_at[pos][1] for pos in group)}
-        if stage_dir is None or stage_dir.load_record(unit_id) is None:
+                   "estimated_bytes": sum(row[2] for row in group)}
+        if not committed and (stage_dir is None or stage_dir.load_record(unit_id) is None):
             # the entries as one JSON string, read back by the unit (unit_items): one object per unit, not a
             # dict per file; a committed unit never runs, so a refresh writes none for what it reuses
             members = members if members is not None else _members(scratch, order)
