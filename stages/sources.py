@@ -239,7 +239,7 @@ def _walk(folder: str, rel: str, scratch: Scratch, edit: bool = False) -> Iterat
                     entry.reference = prefix + found if found else None
                 yield entry
             elif edit and name in sources and not any(sources[name] + ext in present for ext in IMAGE_EXTENSIONS):
-                yield Entry(rel + name, path, error=f"edit pair: a source image without its target "
+                yield Entry(rel + name, prefix + name, error=f"edit pair: a source image without its target "
                                                     f"({rel}{sources[name]}.<image extension>)")
     scratch.drop_folder(number)
 
