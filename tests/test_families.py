@@ -43,7 +43,6 @@ def test_a_masked_text_stream_cannot_be_stored_untrimmed(tmp_path):
 
     import pytest
     from latentmill.stages.cache import CacheConfig, CachePlan
-    from latentmill.stages.families import PIPELINE_FAMILIES
 
     from latentmill.core.config import ConfigError
     from latentmill.models import ModelConfig
