@@ -20,6 +20,8 @@ The result loads like the real thing::
 
 The Wan 2.2 TI2V-5B-class set (``data/tiny-wan2.2-ti2v.yaml``) is built by the same code: its recipe adds a
 ``pipeline`` section (``expand_timesteps: true``) and the Wan 2.2 VAE's options (``is_residual``, ``patch_size``).
+The Wan 2.1 I2V-class set (``data/tiny-wan2.1-i2v.yaml``) adds an ``image_encoder`` (``CLIPVisionModel``) and its
+``image_processor`` (``CLIPImageProcessor``) and is saved as a ``WanImageToVideoPipeline``.
 
 Command line: ``python -m latentmill.tiny_wan OUT_DIR [--seed N] [--recipe PATH] [--if-missing]``.
 """
@@ -39,8 +41,11 @@ DEFAULT_RECIPE_PATH: Path = Path(__file__).resolve().parents[1] / "data" / "tiny
 """The recipe shipped with the repository (``data/tiny-wan.yaml``)."""
 TI2V_RECIPE_PATH: Path = DEFAULT_RECIPE_PATH.with_name("tiny-wan2.2-ti2v.yaml")
 """The Wan 2.2 TI2V-5B-class recipe (``data/tiny-wan2.2-ti2v.yaml``)."""
+I2V_RECIPE_PATH: Path = DEFAULT_RECIPE_PATH.with_name("tiny-wan2.1-i2v.yaml")
+"""The Wan 2.1 I2V-class recipe (``data/tiny-wan2.1-i2v.yaml``): CLIP image conditioning, 36 input channels."""
 
 _COMPONENTS = ("transformer", "vae", "text_encoder", "scheduler")
+_IMAGE_COMPONENTS = ("image_encoder", "image_processor")  # a Wan 2.1 I2V recipe's CLIP image side
 _TOKENIZERS = ("tokenizer",)
 _PIPELINE_OPTIONS = ("expand_timesteps",)  # the WanPipeline config keys a recipe's ``pipeline`` section may set
 
@@ -56,8 +61,13 @@ def load_recipe(recipe: str | os.PathLike[str] = DEFAULT_RECIPE_PATH) -> dict[st
         ConfigError: a section is missing or unknown, or two components disagree on a shared size (for example
             ``transformer.text_dim`` != ``text_encoder.d_model``). The message names the keys.
     """
+    import yaml
+
     path = Path(recipe)
-    data, comps, toks = read_sections(path, _COMPONENTS, _TOKENIZERS, optional=("pipeline",))
+    raw = yaml.safe_load(path.read_text(encoding="utf-8"))
+    image = isinstance(raw, dict) and "image_encoder" in (raw.get("components") or {})
+    names = _COMPONENTS + _IMAGE_COMPONENTS if image else _COMPONENTS
+    data, comps, toks = read_sections(path, names, _TOKENIZERS, optional=("pipeline",))
     options = data.get("pipeline") or {}
     if not isinstance(options, dict) or set(options) - set(_PIPELINE_OPTIONS):
         raise ConfigError(f"pipeline: expected a mapping of {', '.join(_PIPELINE_OPTIONS)}; got {options!r}")
@@ -91,11 +101,18 @@ def load_recipe(recipe: str | os.PathLike[str] = DEFAULT_RECIPE_PATH) -> dict[st
             raise ConfigError(message)
 
     z = vae["z_dim"]
+    # I2V: the noisy latents, a 4-channel first-frame mask and the condition latents, stacked on channels
+    z_in = 2 * z + 4 if image else z
     require(
-        tr["in_channels"] == z and tr["out_channels"] == z,
+        tr["in_channels"] == z_in and tr["out_channels"] == z,
         f"components.transformer.in_channels/out_channels: {tr['in_channels']}/{tr['out_channels']} != "
-        f"components.vae.z_dim ({z})",
+        f"{z_in}/{z} (vae.z_dim {z}{', in: 2 x z_dim + 4 with an image_encoder' if image else ''})",
     )
+    if image:
+        width = comps["image_encoder"].get("hidden_size")
+        require(tr.get("image_dim") == width,
+                f"components.transformer.image_dim: {tr.get('image_dim')} != components.image_encoder.hidden_size "
+                f"({width})")
     require(
         tr["text_dim"] == te["d_model"],
         f"components.transformer.text_dim: {tr['text_dim']} != components.text_encoder.d_model ({te['d_model']})",
@@ -202,6 +219,15 @@ def _build_pipeline(data: dict[str, Any], seed: int) -> Any:
     vae = seeded(lambda: AutoencoderKLWan(**comps["vae"]))
     text_encoder = seeded(lambda: UMT5EncoderModel(UMT5Config(**comps["text_encoder"])))
     scheduler = UniPCMultistepScheduler(**comps["scheduler"])
+    if "image_encoder" in comps:
+        from diffusers import WanImageToVideoPipeline
+        from transformers import CLIPImageProcessor, CLIPVisionConfig, CLIPVisionModel
+
+        image_encoder = seeded(lambda: CLIPVisionModel(CLIPVisionConfig(**comps["image_encoder"])))
+        return WanImageToVideoPipeline(
+            tokenizer=tokenizer, text_encoder=text_encoder.eval(), vae=vae.eval(), scheduler=scheduler,
+            image_processor=CLIPImageProcessor(**comps["image_processor"]), image_encoder=image_encoder.eval(),
+            transformer=transformer.eval(), **(data.get("pipeline") or {}))
     return WanPipeline(
         tokenizer=tokenizer,
         text_encoder=text_encoder.eval(),

@@ -141,10 +141,14 @@ class CachePlan:
         prints = cached_model_fingerprints(model, family_components(family))
         # the encoders' own dtype too (bf16 on a GPU): a GPU-made latent is not the CPU-made one's bytes
         compute = compute_dtypes(family, torch.device("cuda" if _on_gpu(cfg) else "cpu"))
+        pixel_side = family_class(family).PIXEL_COMPONENTS
+        # a family whose pixels meet more than the VAE (an image encoder) keys its vae member with them too
+        others = {k: prints[k] for k in pixel_side if k != "vae"}
         vae_fp = stable_hash({"family": family, "vae": prints["vae"], "dtype": cfg.dtype, "latents": cfg.latents,
                               "seed": cfg.seed if cfg.latents == "sample" else None, "resample": "lanczos",
-                              "version": FORMAT_VERSION, **_compute(compute["vae"])})
-        text_fp = stable_hash({"family": family, "encoders": {k: v for k, v in prints.items() if k != "vae"},
+                              "version": FORMAT_VERSION, **_compute(compute["vae"]),
+                              **({"pixel_encoders": others} if others else {})})
+        text_fp = stable_hash({"family": family, "encoders": {k: v for k, v in prints.items() if k not in pixel_side},
                                "dtype": cfg.dtype, "max_sequence_length": cfg.max_sequence_length,
                                "trim": trims_text(cfg, family), "version": FORMAT_VERSION,
                                **_compute(compute["text"])})
@@ -645,8 +649,10 @@ def process(cfg: CacheConfig, model: ModelConfig, unit: WorkUnit, out: UnitOutpu
                 mean, std = encoders.encode_pixels(torch.stack(targets))
                 if reference_streams:  # the source images at the target's bucket, the distribution's mean
                     reference_mean = encoders.encode_pixels(torch.stack([decoded[i][1] for i in need_vae]))[0]
+                conditions = encoders.encode_conditions(torch.stack(targets))
             for j, i in enumerate(need_vae):
                 tensors = _latent_tensors(mean[j], std[j], cfg, keys[i][0])
+                tensors.update({name: tensor[j] for name, tensor in conditions.items()})
                 tensors.update({name: reference_mean[j] for name in reference_streams})
                 vae_bytes[keys[i][0]] = _tensor_bytes(tensors, dtype)
         text_bytes: dict[str, bytes] = {}
