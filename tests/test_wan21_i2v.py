@@ -7,6 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 from latentmill.stages.families import FAMILIES, WanI2VEncoders, index_family
+from latentmill.trainer.adapters import get_adapter
+from latentmill.trainer.loader import CacheFamilyError, check_streams
+from latentmill.trainer.wan21_i2v import WanI2VAdapter, first_frame_channels, wan_prompt_embeds
 
 from latentmill.core.config import ConfigError
 from latentmill.models import ModelConfig
@@ -94,3 +97,51 @@ def test_cache_equals_the_pipelines_encode_path(tiny_wan_i2v, pipe):
     mean, _ = encoders.encode_pixels(pixels)
     assert float((mean[:, :, 1:] - condition[:, :, 1:]).abs().max()) > 0.1  # zeros after frame 0 are not the clip
     assert not torch.equal(embeds[0], embeds[1])
+
+
+def test_a_cache_without_the_conditioning_streams_is_refused_in_one_line():
+    adapter = get_adapter("wan2.1-i2v")
+    assert isinstance(adapter, WanI2VAdapter)
+    streams = [s.to_json() for s in WanI2VEncoders.STREAMS]
+    check_streams({"family": "wan2.1-i2v", "streams": streams}, "wan2.1-i2v", adapter.streams, "m.json")
+    lacking = [s for s in streams if s["name"] != "image_embeds"]
+    with pytest.raises(CacheFamilyError, match=r"^m.json: the cache holds the streams \['condition_latents', "
+                                               r"'latents', 'prompt_embeds'\], the 'wan2.1-i2v' model reads .*: "
+                                               r"image_embeds missing; re-run latentmill prep$"):
+        check_streams({"family": "wan2.1-i2v", "streams": lacking}, "wan2.1-i2v", adapter.streams, "m.json")
+
+
+def _capture(transformer):
+    """Record the kwargs and output of every transformer call."""
+    calls = []
+    pre = transformer.register_forward_pre_hook(lambda m, a, kw: calls.append(dict(kw)), with_kwargs=True)
+    post = transformer.register_forward_hook(lambda m, a, kw, out: calls[-1].update(out=out[0]), with_kwargs=True)
+    return calls, (pre, post)
+
+
+@pytest.mark.slow
+def test_adapter_calls_the_transformer_like_the_pipeline(pipe):
+    """On the pipeline's own input (its noisy latents, timestep / 1000 as sigma, prompt and image embeddings,
+    condition latents), the adapter's forward gives the pipeline's transformer output, bit for bit; the mask
+    channels the pipeline stacks are the adapter's."""
+    calls, hooks = _capture(pipe.transformer)
+    with torch.no_grad():
+        pipe(image=first_image(clip()), prompt_embeds=wan_prompt_embeds(pipe, ["a red ball"], 16), height=32, width=48, num_frames=9,
+             num_inference_steps=2, guidance_scale=1.0, output_type="latent", generator=torch.Generator().manual_seed(0))
+    for hook in hooks:
+        hook.remove()
+    assert len(calls) == 2
+    adapter = get_adapter("wan2.1-i2v")
+    for call in calls:
+        hidden, timestep = call["hidden_states"], call["timestep"]
+        assert hidden.shape == (1, 36, 3, 4, 6) and timestep.shape == (1,)
+        noisy = hidden[:, :16]
+        assert torch.equal(hidden[:, 16:20], first_frame_channels(noisy))
+        batch = {"prompt_embeds": call["encoder_hidden_states"], "condition_latents": hidden[:, 20:],
+                 "image_embeds": call["encoder_hidden_states_image"]}
+        adapter.check_batch(pipe.transformer, {**batch, "latents": noisy})
+        with torch.no_grad():
+            pred = adapter.forward(pipe.transformer, noisy, timestep / 1000.0, batch, None)
+        assert torch.equal(pred, call["out"])
+    with pytest.raises(ValueError, match=r"image_embeds width is 8, transformer image_dim is 32"):
+        adapter.check_batch(pipe.transformer, {**batch, "latents": noisy, "image_embeds": torch.zeros(1, 17, 8)})

@@ -11,6 +11,7 @@ from latentmill.trainer.flux import FluxAdapter
 from latentmill.trainer.flux2 import Flux2Adapter, Flux2KleinAdapter
 from latentmill.trainer.qwen_image import QwenImageAdapter
 from latentmill.trainer.wan import WanAdapter
+from latentmill.trainer.wan21_i2v import WanI2VAdapter
 from latentmill.trainer.wan22_ti2v import WanTI2VAdapter
 from latentmill.trainer.zimage import ZImageAdapter
 
@@ -20,6 +21,7 @@ ADAPTERS: dict[str, type[ModelAdapter]] = {"flux": FluxAdapter, "wan": WanAdapte
                                             "qwen-image": QwenImageAdapter, "flux2": Flux2Adapter,
                                             "flux2-klein": Flux2KleinAdapter}
 ADAPTERS["wan2.2-ti2v"] = WanTI2VAdapter
+ADAPTERS["wan2.1-i2v"] = WanI2VAdapter
 
 
 def get_adapter(family: str) -> ModelAdapter:
