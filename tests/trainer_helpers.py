@@ -130,6 +130,9 @@ def write_fake_cache(
                 else:
                     x = torch.randn(channels, *space, generator=gen)
                 vae = {"latents": x.to(dtype).contiguous()}
+                if family == "wan2.1-i2v":  # the first-frame conditioning (the tiny CLIP: 17 tokens of 32)
+                    vae["condition_latents"] = torch.randn(x.shape, generator=gen).to(dtype).contiguous()
+                    vae["image_embeds"] = torch.randn(17, 32, generator=gen).to(dtype).contiguous()
                 if latents == "distribution":
                     std = 0.05 + 0.1 * torch.rand(channels, *space, generator=gen)
                     vae["latents_std"] = std.to(dtype).contiguous()
