@@ -45,6 +45,7 @@ SHIPPED_CONFIGS: dict[str, tuple[str, torch.dtype]] = {
     "Wan-AI/Wan2.1-T2V-14B-Diffusers": ("Wan2.1-T2V-14B-Diffusers", torch.float32),
     "Wan-AI/Wan2.1-T2V-1.3B-Diffusers": ("Wan2.1-T2V-1.3B-Diffusers", torch.float32),
     "Wan-AI/Wan2.2-TI2V-5B-Diffusers": ("Wan2.2-TI2V-5B-Diffusers", torch.float32),
+    "Wan-AI/Wan2.1-I2V-14B-480P-Diffusers": ("Wan2.1-I2V-14B-480P-Diffusers", torch.float32),
     "Tongyi-MAI/Z-Image-Turbo": ("Z-Image-Turbo", torch.bfloat16),
     "Qwen/Qwen-Image": ("Qwen-Image", torch.bfloat16),
     # FLUX.2, published in bfloat16. The transformer configs are Flux2Transformer2DModel's defaults (written for

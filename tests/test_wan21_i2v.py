@@ -145,3 +145,112 @@ def test_adapter_calls_the_transformer_like_the_pipeline(pipe):
         assert torch.equal(pred, call["out"])
     with pytest.raises(ValueError, match=r"image_embeds width is 8, transformer image_dim is 32"):
         adapter.check_batch(pipe.transformer, {**batch, "latents": noisy, "image_embeds": torch.zeros(1, 17, 8)})
+
+
+@pytest.fixture(scope="module")
+def i2v_cache(tiny_wan_i2v, tmp_path_factory):
+    """The cache stage over two demo videos with configs/demo-wan2.1-i2v.yaml (no Prefect)."""
+    import shutil
+
+    from latentmill.recipe import load_recipe
+    from tests.conftest import REPO_ROOT
+    from tests.helpers import prep_in_process
+
+    videos = tmp_path_factory.mktemp("videos")
+    for name in ("ball_64x48_24fps", "square_64x64_8fps"):
+        for ext in (".mp4", ".txt"):
+            shutil.copy(REPO_ROOT / "data" / "demo" / "videos" / (name + ext), videos)
+    out = tmp_path_factory.mktemp("i2v-prep")
+    recipe = load_recipe(REPO_ROOT / "configs" / "demo-wan2.1-i2v.yaml",
+                         [f"output_dir={out}", f"model.pretrained={tiny_wan_i2v}", f"ingest.source={videos}"])
+    sd, manifest, _ = prep_in_process(recipe)["cache"]
+    return sd, manifest
+
+
+@pytest.mark.slow
+def test_the_cache_stage_stores_the_pipelines_conditioning(i2v_cache, pipe):
+    """Each cached clip's VAE member holds condition_latents and image_embeds equal to what
+    WanImageToVideoPipeline computes from the clip's first frame; the manifest records the streams."""
+    import json
+
+    from latentmill.stages.cache import load_clip_pixels
+    from latentmill.stages.tarshard import read_shard
+    from safetensors.torch import load as load_tensors
+
+    sd, manifest = i2v_cache
+    assert [s["name"] for s in manifest["streams"]] == ["latents", "condition_latents", "image_embeds",
+                                                        "prompt_embeds"]
+    assert set(manifest["models"]) == {"vae", "text_encoder", "image_encoder"}
+    samples = [s for shard in manifest["shards"] for s in read_shard(sd.root / shard["path"])]
+    assert len(samples) >= 2
+    for sample in samples[:2]:
+        meta, vae = json.loads(sample["json"]), load_tensors(sample["vae.safetensors"])
+        assert set(vae) == {"latents", "condition_latents", "image_embeds"}
+        pixels = load_clip_pixels(meta, sample)[None]
+        frames, height, width = pixels.shape[2:]
+        with torch.no_grad():
+            _, packed = pipe.prepare_latents(pixels[:, :, 0], 1, 16, height, width, frames, torch.float32,
+                                             torch.device("cpu"), torch.Generator().manual_seed(0))
+            image_embeds = pipe.encode_image(first_image(pixels), torch.device("cpu"))
+        # (encoded in a batch, on the prep's threads: float rounding apart, measured 2.4e-7)
+        torch.testing.assert_close(vae["condition_latents"][None], packed[:, 4:], rtol=0, atol=1e-5)
+        torch.testing.assert_close(vae["image_embeds"][None], image_embeds, rtol=0, atol=1e-5)
+
+
+@pytest.mark.slow
+def test_the_image_encoder_keys_the_vae_member_not_the_text(tiny_wan_i2v, tmp_path):
+    """A changed image encoder re-encodes every clip's VAE member (its streams come from it) and no caption."""
+    import shutil
+
+    from latentmill.stages.cache import CacheConfig, CachePlan
+    from safetensors.torch import load_file, save_file
+
+    other = tmp_path / "other"
+    shutil.copytree(tiny_wan_i2v, other)
+    (weights,) = (other / "image_encoder").glob("*.safetensors")
+    tensors = load_file(weights)
+    name = sorted(tensors)[0]
+    tensors[name] = tensors[name] + 1
+    save_file(tensors, weights)
+    cfg = CacheConfig()
+    base = CachePlan.of(cfg, ModelConfig(str(tiny_wan_i2v), family="wan2.1-i2v"))
+    changed = CachePlan.of(cfg, ModelConfig(str(other), family="wan2.1-i2v"))
+    assert base.vae_fp != changed.vae_fp and base.text_fp == changed.text_fp
+    assert set(base.prints) == {"vae", "text_encoder", "image_encoder"}
+    (other / "image_processor" / "preprocessor_config.json").write_text(
+        (tiny_wan_i2v / "image_processor" / "preprocessor_config.json").read_text().replace("32", "64"))
+    shutil.copy(tiny_wan_i2v / "image_encoder" / weights.name, weights)
+    processed = CachePlan.of(cfg, ModelConfig(str(other), family="wan2.1-i2v"))
+    assert processed.vae_fp not in (base.vae_fp, changed.vae_fp)  # the processor is part of the image encoder
+
+
+def test_recipes_train_wan21_i2v():
+    from latentmill.recipe import load_recipe
+    from tests.conftest import REPO_ROOT
+
+    recipe = load_recipe(REPO_ROOT / "configs" / "wan2.1-i2v-14b.yaml")
+    assert (recipe.model.pretrained, recipe.model.family) == ("Wan-AI/Wan2.1-I2V-14B-480P-Diffusers", "wan2.1-i2v")
+    assert (recipe.trainer.mode, recipe.parallel.strategy, recipe.trainer.shift) == ("lora", "fsdp2", 3.0)
+    assert (recipe.bucket.frame_step, recipe.bucket.max_frames, recipe.cache.max_sequence_length) == (4, 81, 512)
+    demo = load_recipe(REPO_ROOT / "configs" / "demo-wan2.1-i2v.yaml")
+    assert demo.model.family == "wan2.1-i2v" and demo.model.tiny_recipe.endswith("data/tiny-wan2.1-i2v.yaml")
+
+
+@pytest.mark.slow
+def test_plan_counts_the_published_14b():
+    from diffusers import WanTransformer3DModel as cls
+
+    from latentmill.plan import plan_config, shipped_models_dir
+
+    with torch.device("meta"):
+        model = cls.from_config(cls.load_config(str(shipped_models_dir() / "Wan2.1-I2V-14B-480P-Diffusers"),
+                                                subfolder="transformer"))
+    total = sum(p.numel() for p in model.parameters())
+    # Wan2.1-T2V-14B's 14,288,491,584 + the 36-channel patch embedding, the image projection and the image keys
+    # and values of the 40 cross-attentions
+    assert total == 16_394_878_784 and len(model.blocks) == 40
+    lora = plan_config("configs/wan2.1-i2v-14b.yaml", nproc=8)
+    assert lora["config"]["shipped_configs"] and lora["fits"]
+    # rank 32 on to_q/k/v/out.0 of both attentions of 40 blocks, 5120 wide
+    assert lora["trainable_params"] == 40 * 8 * 32 * (5120 + 5120) == 104_857_600
+    assert lora["total_params"] == total + lora["trainable_params"]
