@@ -10,7 +10,10 @@ way ``latentmill.tiny.build_tiny_flux`` builds the tiny Flux set:
   builds with the same seed give byte-identical ``*.safetensors`` files;
 * the tokenizer is the deterministic offline T5 Unigram tokenizer of ``latentmill.tiny.build_t5_tokenizer``
   (Wan uses the T5-style ``google/umt5-xxl`` tokenizer);
-* the pipeline is written to a hidden temporary folder next to ``out_dir`` and renamed into place at the end.
+* the pipeline is written to a hidden temporary folder next to ``out_dir`` and renamed into place at the end;
+* a recipe with a ``pipeline: {boundary_ratio: r}`` section (``data/tiny-wan2.2.yaml``) builds the Wan 2.2
+  A14B layout: a second expert ``transformer_2`` of the same architecture (seeded ``seed + 1``, so the two
+  differ) and ``boundary_ratio`` in ``model_index.json``.
 
 The result loads like the real thing::
 
@@ -51,7 +54,12 @@ def load_recipe(recipe: str | os.PathLike[str] = DEFAULT_RECIPE_PATH) -> dict[st
             ``transformer.text_dim`` != ``text_encoder.d_model``). The message names the keys.
     """
     path = Path(recipe)
-    data, comps, toks = read_sections(path, _COMPONENTS, _TOKENIZERS)
+    data, comps, toks = read_sections(path, _COMPONENTS, _TOKENIZERS, optional=("pipeline",))
+    pipeline = data.get("pipeline", {})
+    if not isinstance(pipeline, dict) or set(pipeline) - {"boundary_ratio"}:
+        raise ConfigError("pipeline: expected a mapping with boundary_ratio only (Wan 2.2's two experts)")
+    if "boundary_ratio" in pipeline and not 0.0 < float(pipeline["boundary_ratio"]) < 1.0:
+        raise ConfigError(f"pipeline.boundary_ratio: must be in (0, 1), got {pipeline['boundary_ratio']}")
     if not isinstance(toks["tokenizer"], dict):
         raise ConfigError("tokenizers.tokenizer: expected a mapping of tokenizer settings")
 
@@ -188,12 +196,19 @@ def _build_pipeline(data: dict[str, Any], seed: int) -> Any:
     vae = seeded(lambda: AutoencoderKLWan(**comps["vae"]))
     text_encoder = seeded(lambda: UMT5EncoderModel(UMT5Config(**comps["text_encoder"])))
     scheduler = UniPCMultistepScheduler(**comps["scheduler"])
+    boundary = data.get("pipeline", {}).get("boundary_ratio")
+    experts = {}
+    if boundary is not None:  # Wan 2.2 A14B: the low-noise expert, other weights than the high-noise one
+        torch.manual_seed(seed + 1)
+        with torch.no_grad():
+            experts = {"transformer_2": WanTransformer3DModel(**tr_kwargs).eval(), "boundary_ratio": float(boundary)}
     return WanPipeline(
         tokenizer=tokenizer,
         text_encoder=text_encoder.eval(),
         vae=vae.eval(),
         scheduler=scheduler,
         transformer=transformer.eval(),
+        **experts,
     )
 
 

@@ -18,6 +18,9 @@ class TrainerConfig:
     """How to train: mode, optimiser, schedule, timestep sampling, checkpointing, LoRA, validation, export."""
 
     mode: Literal["full", "lora"] = "full"
+    # a pipeline of two experts (Wan 2.2 A14B: high-noise transformer, low-noise transformer_2): the one this run
+    # trains, on the noise levels it serves (sigma >= boundary_ratio: high); null for a one-transformer pipeline
+    expert: Optional[Literal["high", "low"]] = None
     max_steps: int = 100  # optimizer steps
     batch_size: int = 4  # per rank and micro-batch
     grad_accum_steps: int = 1  # micro-batches per optimizer step (global batch = batch x accum x ranks)

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 import torch
+from latentmill.trainer.adapter import choose_experts
 from latentmill.trainer.adapters import get_adapter
 from latentmill.trainer.checkpoint import list_checkpoints, load_checkpoint, resolve_resume, save_checkpoint
 from latentmill.trainer.config import ParallelConfig, TrainerConfig
@@ -36,6 +37,7 @@ from latentmill.trainer.objective import (
     interpolate,
     loss_weights,
     sample_sigmas,
+    sample_sigmas_within,
     shift_for,
     velocity_target,
 )
@@ -46,7 +48,7 @@ from latentmill.trainer.validation import Validator
 from tqdm.auto import tqdm
 
 from latentmill import interrupt
-from latentmill.core.config import to_dict
+from latentmill.core.config import ConfigError, to_dict
 
 log = logging.getLogger(__name__)
 
@@ -295,7 +297,8 @@ class _Run:
         self.resume_path: Path | None = None
         self.stop_signal: int | None = None  # a stop request every rank agreed on (train_step)
         # the VAE and text encoders of validation: loaded at the first validation, kept on the CPU in between
-        self.validator = Validator(self.adapter, pretrained, self.device) if cfg.validate_every else None
+        self.validator = Validator(self.adapter, pretrained, self.device, component=self.expert.component) \
+            if cfg.validate_every else None
 
     # ---------------------------------------------------------------- building
     def _build_data(self, cache_dir: Path, check_cache: Callable[[dict], None] | None) -> None:
@@ -318,11 +321,12 @@ class _Run:
     def _build_model(self) -> None:
         """The transformer (``self.transformer``: save and export it) and what forward runs on (``self.model``)."""
         cfg, ctx = self.cfg, self.ctx
+        (self.expert,) = choose_experts(self.adapter.experts(self.pretrained), cfg.expert, self.pretrained)
         # FSDP2: built on the meta device, sharded, and each rank reads only its own rows of the checkpoint;
         # a LoRA run's frozen base is bf16 on CUDA (float32 LoRA weights and masters)
         self.transformer, self.model = load_for_training(
             self.adapter, self.pretrained, cfg=cfg, parallel=self.parallel, ctx=ctx,
-            init_seed=derive_seed(self.seed, "init"))
+            init_seed=derive_seed(self.seed, "init"), component=self.expert.component)
         self.trainable = [p for p in self.transformer.parameters() if p.requires_grad]
         # how many ranks hold each gradient element: all (DDP), one (FSDP2), the replicas (HSDP)
         self.grad_replicas = (self.parallel.hsdp_replicate if ctx.sharded else ctx.world_size) if ctx.initialized \
@@ -345,6 +349,9 @@ class _Run:
         if self.resume_path is not None:
             state = load_checkpoint(self.resume_path, model=self.transformer, optimizer=self.optimizer,
                                     scheduler=self.scheduler, sampling_generator=self.sampling_gen, rank=ctx.rank)
+            if state.get("expert", "all") != self.expert.name:  # same shapes: it would load without a word
+                raise ConfigError(f"trainer.expert: {self.resume_path} trained expert {state.get('expert', 'all')!r}, "
+                                  f"this run {self.expert.name!r}; resume with the same trainer.expert")
             self.loader.load_state_dict(state["loader"])
             _follow_current_schedule(self.scheduler, self.cfg.learning_rate)
             self.start_step = self.step = int(state["step"])
@@ -393,10 +400,15 @@ class _Run:
         micro-batches: accumulation 2 at batch B sees the same noise as accumulation 1 at batch 2B.
         """
         eps, sigmas, noise = [], [], []
+        expert = self.expert
         for _ in range(shape[0]):
             if posterior:
                 eps.append(torch.randn(shape[1:], generator=self.sampling_gen, dtype=torch.float32))
-            sigmas.append(sample_sigmas(1, self.cfg, self.sampling_gen, shift=shift))
+            if expert.name == "all":
+                sigmas.append(sample_sigmas(1, self.cfg, self.sampling_gen, shift=shift))
+            else:  # only the noise levels this expert serves
+                sigmas.append(sample_sigmas_within(self.cfg, self.sampling_gen, shift, expert.sigma_min,
+                                                   expert.sigma_max))
             noise.append(torch.randn(shape[1:], generator=self.sampling_gen, dtype=torch.float32))
         to = self.device
         return (torch.stack(eps).to(to) if posterior else None, torch.cat(sigmas).to(to), torch.stack(noise).to(to))
@@ -538,6 +550,7 @@ class _Run:
             "world_size": self.ctx.world_size,
             "mode": self.cfg.mode,
             "family": self.adapter.family,
+            "expert": self.expert.name,
             "strategy": self.parallel.strategy,
             "config": to_dict(self.cfg),
             "manifest_fingerprint": self.manifest.get("fingerprint"),
@@ -557,7 +570,8 @@ class _Run:
         """
         cfg = self.cfg
         exported = export_trained(self.adapter, self.transformer, mode=cfg.mode, pretrained=self.pretrained,
-                                  export_dir=export_dir, ctx=self.ctx, export_dtype=cfg.export_dtype)
+                                  export_dir=export_dir, ctx=self.ctx, export_dtype=cfg.export_dtype,
+                                  component=self.expert.component, lora_subfolder=self.expert.lora_folder)
         if exported is not None:
             _write_provenance(exported, self.provenance, cfg, self.step, self.last_loss, self.manifest)
             log.info("exported %s weights to %s", cfg.mode, exported)

@@ -83,8 +83,10 @@ class Validator:
     transformer=...)`` (the user's loading path) in ``component_dtypes``; between calls they stay on the CPU.
     """
 
-    def __init__(self, adapter: ModelAdapter, pretrained: str, device: torch.device | str) -> None:
+    def __init__(self, adapter: ModelAdapter, pretrained: str, device: torch.device | str,
+                 component: str = "transformer") -> None:
         self.adapter, self.pretrained, self.device = adapter, pretrained, torch.device(device)
+        self.component = component  # the pipeline's slot of the in-training model (an expert's)
         self.dtypes = component_dtypes(adapter.family, self.device)
         self.pipe: Any = None  # loaded by the first run
 
@@ -96,19 +98,19 @@ class Validator:
             # torch_dtype only when not the default (diffusers 0.42 deprecates the name, older releases lack
             # `dtype`); a dict: the VAE in its own dtype, every other loaded component in the text encoders'
             extra = {"torch_dtype": {"vae": vae, "default": text}} if (vae, text) != (torch.float32,) * 2 else {}
-            self.pipe = pipeline_cls.from_pretrained(self.pretrained, transformer=transformer, **extra)
+            self.pipe = pipeline_cls.from_pretrained(self.pretrained, **{self.component: transformer}, **extra)
             self.pipe.set_progress_bar_config(disable=True)
             for component in self._components():
                 component.eval()
             if getattr(self.pipe, "vae", None) is not None:
                 decode_in_own_dtype(self.pipe.vae)
         else:
-            self.pipe.register_modules(transformer=transformer)
+            self.pipe.register_modules(**{self.component: transformer})
         return self.pipe
 
     def _components(self) -> list[nn.Module]:
         """The pipeline's modules other than the transformer (VAE, text encoders)."""
-        return [c for name, c in self.pipe.components.items() if isinstance(c, nn.Module) and name != "transformer"]
+        return [c for name, c in self.pipe.components.items() if isinstance(c, nn.Module) and name != self.component]
 
     def _move(self, device: torch.device) -> None:
         for component in self._components():
@@ -149,7 +151,7 @@ class Validator:
         finally:
             transformer.train(was_training)
             self._move(torch.device("cpu"))
-            pipe.register_modules(transformer=None)  # the pipeline does not keep the training model alive
+            pipe.register_modules(**{self.component: None})  # the pipeline does not keep the training model alive
             gc.collect()
             if cuda:
                 torch.cuda.empty_cache()
