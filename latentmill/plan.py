@@ -44,6 +44,8 @@ SHIPPED_CONFIGS: dict[str, tuple[str, torch.dtype]] = {
     "black-forest-labs/FLUX.1-dev": ("FLUX.1-dev", torch.bfloat16),
     "Wan-AI/Wan2.1-T2V-14B-Diffusers": ("Wan2.1-T2V-14B-Diffusers", torch.float32),
     "Wan-AI/Wan2.1-T2V-1.3B-Diffusers": ("Wan2.1-T2V-1.3B-Diffusers", torch.float32),
+    # two experts of Wan2.1-14B's architecture (transformer: high noise, transformer_2: low), boundary_ratio 0.875
+    "Wan-AI/Wan2.2-T2V-A14B-Diffusers": ("Wan2.2-T2V-A14B-Diffusers", torch.bfloat16),
     "Tongyi-MAI/Z-Image-Turbo": ("Z-Image-Turbo", torch.bfloat16),
     "Qwen/Qwen-Image": ("Qwen-Image", torch.bfloat16),
     # FLUX.2, published in bfloat16. The transformer configs are Flux2Transformer2DModel's defaults (written for
@@ -291,6 +293,7 @@ def plan(recipe: Recipe, *, nproc: int | None = None, nnodes: int | None = None,
     import torch.distributed as dist
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
+    from latentmill.trainer.adapter import choose_experts
     from latentmill.trainer.adapters import get_adapter
     from latentmill.trainer.model_load import meta_transformer
     from latentmill.trainer.parallel import DistContext, build_mesh, parallelize
@@ -303,6 +306,8 @@ def plan(recipe: Recipe, *, nproc: int | None = None, nnodes: int | None = None,
         adapter = get_adapter(family)
     except ValueError as err:
         raise ConfigError(f"model.family: {err}") from None
+    # a two-expert pipeline (Wan 2.2 A14B): the expert the run trains; the other is not loaded
+    (expert,) = choose_experts(adapter.experts(str(source.path)), cfg.expert, recipe.model.pretrained)
     world = lay.world_size
     sharded = parallel.strategy == "fsdp2"
     # what the trainer loads on CUDA (latentmill.trainer.model_load.load_for_training): float32 masters in a
@@ -316,7 +321,10 @@ def plan(recipe: Recipe, *, nproc: int | None = None, nnodes: int | None = None,
 
     model = meta_transformer(adapter, str(source.path), mode=cfg.mode, lora_rank=cfg.lora_rank,
                              lora_alpha=cfg.lora_alpha, lora_target_modules=cfg.lora_target_modules,
-                             base_dtype=base_dtype)
+                             base_dtype=base_dtype, component=expert.component)
+    if expert.name != "all":
+        notes.append(f"trainer.expert {expert.name}: {expert.component} only (one expert per run; the other "
+                     "expert is neither loaded nor trained)")
     total_params = sum(p.numel() for p in model.parameters())
     trainable_params = sum(p.numel() for p in model.parameters() if p.requires_grad)
     largest_fp32 = max(p.numel() for p in model.parameters()) * 4
@@ -402,7 +410,7 @@ def plan(recipe: Recipe, *, nproc: int | None = None, nnodes: int | None = None,
     static = params_bytes + buffers_bytes + grads_bytes + optimizer_bytes + gathered_bytes
     gpu_bytes = int(gpu_memory_gib * GIB)
     return {
-        "config": {"pretrained": recipe.model.pretrained, "family": family, "mode": cfg.mode,
+        "config": {"pretrained": recipe.model.pretrained, "family": family, "mode": cfg.mode, "expert": cfg.expert,
                    "strategy": parallel.strategy, "hsdp_replicate": parallel.hsdp_replicate,
                    "mixed_precision": parallel.mixed_precision, "grad_accum_steps": cfg.grad_accum_steps,
                    "batch_size": cfg.batch_size, "configs_from": str(source.path),

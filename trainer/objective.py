@@ -90,7 +90,7 @@ def sample_sigmas(
 
 
 # draws of sample_sigmas_within before it gives up: the range holds (almost) none of the distribution
-MAX_DRAWS = 100_000
+MAX_DRAWS = 10_000
 
 
 def sample_sigmas_within(cfg: SigmaSampling, generator: torch.Generator | None, shift: float, low: float,

@@ -1,0 +1,142 @@
+"""Wan 2.2 A14B's two experts, one per run (``trainer.expert: high | low``): the boundary read from the pipeline,
+sigmas drawn only from the trained expert's range, the expert's component loaded, checkpointed and exported into
+its slot of ``WanPipeline`` (``transformer`` / ``transformer_2``), LoRAs that load the way the pipeline loads
+them (``load_lora_weights(..., load_into_transformer_2=True)`` for the low-noise one)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from diffusers import UniPCMultistepScheduler
+from latentmill.trainer import TrainerConfig, train
+from latentmill.trainer.adapter import ONE_EXPERT, choose_experts
+from latentmill.trainer.objective import sample_sigmas, sample_sigmas_within
+from latentmill.trainer.wan import WanAdapter
+
+from latentmill.core.config import ConfigError, from_dict
+from tests.conftest import REPO_ROOT
+from tests.trainer_helpers import read_metrics, torch_threads, write_fake_cache
+
+A14B = REPO_ROOT / "configs" / "models" / "Wan2.2-T2V-A14B-Diffusers"
+WAN21 = REPO_ROOT / "configs" / "models" / "Wan2.1-T2V-14B-Diffusers"
+GENERATE = dict(prompt="a red ball", height=32, width=48, num_frames=9, num_inference_steps=4, output_type="np",
+                max_sequence_length=16)
+
+
+def test_the_published_pipeline_has_two_experts_split_at_its_boundary():
+    high, low = WanAdapter().experts(str(A14B))
+    assert (high.name, high.component, high.sigma_min) == ("high", "transformer", 0.875)
+    assert (low.name, low.component, low.sigma_min, low.sigma_max) == ("low", "transformer_2", 0.0, 0.875)
+    assert (high.lora_folder, low.lora_folder) == ("high_noise", "low_noise")
+    assert WanAdapter().experts(str(WAN21)) == ONE_EXPERT
+    assert choose_experts(WanAdapter().experts(str(A14B)), "low", "A14B") == (low,)
+
+
+def test_experts_and_timesteps_route_like_the_pipeline():
+    """WanPipeline: t >= boundary_ratio * num_train_timesteps -> transformer, else transformer_2, with the
+    scheduler's timesteps (sigma * 1000) at Wan 2.2 T2V's sample shift 12."""
+    high, low = WanAdapter().experts(str(A14B))
+    sched = UniPCMultistepScheduler(prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=12.0)
+    sched.set_timesteps(40)
+    sigmas, timesteps = sched.sigmas[:-1], sched.timesteps
+    pipeline_high = timesteps >= 0.875 * sched.config.num_train_timesteps
+    assert 0 < int(pipeline_high.sum()) < 40
+    assert torch.equal(high.serves(sigmas), pipeline_high) and torch.equal(low.serves(sigmas), ~pipeline_high)
+
+
+def test_one_expert_draws_only_its_own_sigmas_from_the_recipes_distribution():
+    cfg = TrainerConfig(timestep_sampling="logit_normal", shift=3.0)
+    gen = torch.Generator().manual_seed(0)
+    high = torch.cat([sample_sigmas_within(cfg, gen, 3.0, 0.875, float("inf")) for _ in range(400)])
+    low = torch.cat([sample_sigmas_within(cfg, gen, 3.0, 0.0, 0.875) for _ in range(400)])
+    assert bool((high >= 0.875).all()) and bool((low < 0.875).all())
+    # the same distribution, restricted: compare with the recipe's own draws that fall in each range
+    every = sample_sigmas(40000, cfg, torch.Generator().manual_seed(1), shift=3.0)
+    assert float(high.mean()) == pytest.approx(float(every[every >= 0.875].mean()), abs=0.005)
+    assert float(low.mean()) == pytest.approx(float(every[every < 0.875].mean()), abs=0.02)
+    with pytest.raises(ValueError, match=r"trainer.expert: no sigma in \[0.999999, 1\].*change trainer.shift"):
+        sample_sigmas_within(TrainerConfig(shift=0.01), gen, 0.01, 0.999999, float("inf"))
+
+
+def test_bad_expert_values_fail_naming_the_key():
+    with pytest.raises(ConfigError, match=r"trainer.expert: 'middle' does not fit 'high' \| 'low' or null"):
+        from_dict(TrainerConfig, {"expert": "middle"}, "trainer")
+    experts = WanAdapter().experts(str(A14B))
+    with pytest.raises(ConfigError, match=r"trainer.expert: A14B has 2 experts \(high: transformer, sigma in "
+                                          r"\[0.875, 1\]; low: transformer_2, sigma in \[0, 0.875\)\); set "
+                                          r"trainer.expert to one of 'high', 'low'"):
+        choose_experts(experts, None, "A14B")
+    with pytest.raises(ConfigError, match="trainer.expert: 'high' needs a pipeline with two experts"):
+        choose_experts(WanAdapter().experts(str(WAN21)), "high", "Wan2.1")
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory):
+    """A ``wan`` cache (the family of Wan 2.1 and 2.2 A14B alike): 32x48 px, 9 frames, UMT5 padded to 16."""
+    root = tmp_path_factory.mktemp("wan22-cache")
+    write_fake_cache(root, {(48, 32, 9): 4}, family="wan", trimmed=True, seq_len=16, latents="distribution")
+    return root
+
+
+def _train(cache: Path, pretrained: Path, out: Path, **cfg) -> dict:
+    cfg = {"max_steps": 3, "batch_size": 2, "learning_rate": 1e-3, "save_every": 3, **cfg}
+    with torch_threads(1):
+        return train(TrainerConfig(**cfg), cache_dir=cache, pretrained=str(pretrained), train_dir=out / "train",
+                     export_dir=out / "export", progress=False)
+
+
+@pytest.mark.slow
+def test_low_expert_full_trains_transformer_2_and_exports_both(tiny_wan22, cache, tmp_path):
+    from diffusers import DiffusionPipeline, WanPipeline
+    from safetensors.torch import load_file
+
+    summary = _train(cache, tiny_wan22, tmp_path, mode="full", expert="low")
+    state = json.loads((tmp_path / "train" / "checkpoints" / "step-000003" / "trainer_state.json").read_text())
+    assert state["expert"] == "low" and summary["family"] == "wan"
+    pipe = DiffusionPipeline.from_pretrained(summary["export_dir"])
+    assert isinstance(pipe, WanPipeline) and pipe.config.boundary_ratio == 0.875
+    base = WanPipeline.from_pretrained(tiny_wan22)
+    trained = load_file(tmp_path / "train" / "checkpoints" / "step-000003" / "model.safetensors")
+    low = pipe.transformer_2.state_dict()
+    assert all(torch.equal(low[k], v.to(torch.bfloat16).to(low[k].dtype)) or torch.equal(low[k], v)
+               for k, v in trained.items())
+    assert any(not torch.equal(base.transformer_2.state_dict()[k], low[k]) for k in trained)
+    # the high-noise expert is the pretrained one, file for file
+    high = pipe.transformer.state_dict()
+    assert all(torch.equal(v, high[k]) for k, v in base.transformer.state_dict().items())
+    frames = pipe(generator=torch.Generator().manual_seed(0), **GENERATE).frames
+    assert frames.shape == (1, 9, 32, 48, 3)
+    # resuming as the other expert would load low-noise weights into the high-noise model: refused
+    with pytest.raises(ConfigError, match="trainer.expert: .*step-000003 trained expert 'low', this run 'high'"):
+        _train(cache, tiny_wan22, tmp_path, mode="full", expert="high", resume="latest", max_steps=4)
+
+
+@pytest.mark.slow
+def test_lora_exports_load_into_their_experts(tiny_wan22, cache, tmp_path):
+    from diffusers import WanPipeline
+
+    runs = {}
+    for expert in ("high", "low"):
+        runs[expert] = _train(cache, tiny_wan22, tmp_path / expert, mode="lora", expert=expert, lora_rank=4,
+                              learning_rate=1e-2, save_every=0, validate_every=3, validation_prompts=["a red ball"],
+                              validation_steps=2, validation_size=[48, 32, 9])
+        assert (Path(runs[expert]["export_dir"]) / f"{expert}_noise" / "pytorch_lora_weights.safetensors").is_file()
+        assert len(read_metrics(tmp_path / expert / "train")) == 3
+        assert len(runs[expert]["validation"]) == 1
+    # one export folder for both, as a user gathers them: high_noise/ and low_noise/
+    both = tmp_path / "both"
+    for expert in ("high", "low"):
+        shutil.copytree(Path(runs[expert]["export_dir"]) / f"{expert}_noise", both / f"{expert}_noise")
+    pipe = WanPipeline.from_pretrained(tiny_wan22)
+    pipe.load_lora_weights(both / "high_noise", adapter_name="high")
+    pipe.load_lora_weights(both / "low_noise", adapter_name="low", load_into_transformer_2=True)
+    assert list(pipe.transformer.peft_config) == ["high"] and list(pipe.transformer_2.peft_config) == ["low"]
+    for model in (pipe.transformer, pipe.transformer_2):
+        lora_b = [v for k, v in model.state_dict().items() if "lora_B" in k]
+        assert lora_b and all(bool(v.abs().sum() > 0) for v in lora_b)  # trained from B = 0
+    frames = pipe(generator=torch.Generator().manual_seed(0), **GENERATE).frames
+    assert frames.shape == (1, 9, 32, 48, 3)
