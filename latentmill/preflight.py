@@ -12,7 +12,8 @@
   (``model.vae``, ``model.text_encoder``...) is of the class the pipeline's ``model_index.json`` names, so a
   recipe never mixes components of two families (a FLUX.1 VAE under a FLUX.2 transformer);
 * ``train``: a published snapshot to train on (``run`` publishes one first);
-* the process layout (``--nproc``, ``--nnodes``) against ``parallel.strategy``.
+* the process layout (``--nproc``, ``--nnodes``) against ``parallel.strategy``;
+* ``trainer.expert`` against a local pipeline's experts (a Wan 2.2 A14B folder needs ``high`` or ``low``).
 """
 
 from __future__ import annotations
@@ -200,6 +201,20 @@ def check_edit_source(source: str, local: Path | None, reference_column: str | N
                               "name it with ingest.reference_column")
 
 
+def check_expert(recipe: Recipe) -> None:
+    """``trainer.expert`` fits the local pipeline folder's experts (Wan 2.2 A14B: high, low; one-transformer
+    pipelines: null). A hub id or a folder not built yet is checked when the trainer loads it."""
+    root = Path(recipe.model.pretrained).expanduser()
+    if not (root / "model_index.json").is_file():
+        return
+    from latentmill.stages.families import detect_family
+    from latentmill.trainer.adapter import choose_experts
+    from latentmill.trainer.adapters import get_adapter
+
+    adapter = get_adapter(detect_family(recipe.model))
+    choose_experts(adapter.experts(str(root)), recipe.trainer.expert, recipe.model.pretrained)
+
+
 def check_recipe(recipe: Recipe, command: str) -> None:
     """Everything about ``recipe`` that can be checked before work starts, for ``command``
     (``prep``, ``train``, ``run`` or ``demo``); ConfigError or FileNotFoundError naming the key."""
@@ -219,6 +234,8 @@ def check_recipe(recipe: Recipe, command: str) -> None:
             check_edit_source(source, local, recipe.ingest.reference_column)
         if recipe.caption.captioner == "transformers":
             check_model_ref("caption.model", recipe.caption.model)
+    if command in ("train", "run", "demo"):
+        check_expert(recipe)
     if command == "train":
         from latentmill.pipelines.snapshot import resolve_snapshot
 

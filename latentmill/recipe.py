@@ -113,11 +113,16 @@ class Recipe:
 
     @property
     def train_dir(self) -> Path:
-        return Path(self.output_dir) / "train"
+        return Path(self.output_dir) / f"train{self._expert_suffix}"
 
     @property
     def export_dir(self) -> Path:
-        return Path(self.output_dir) / "export"
+        return Path(self.output_dir) / f"export{self._expert_suffix}"
+
+    @property
+    def _expert_suffix(self) -> str:
+        # one run per expert of a two-expert pipeline (Wan 2.2 A14B) on one snapshot: each its own folders
+        return f"-{self.trainer.expert}" if self.trainer.expert else ""
 
     def to_dict(self) -> dict:
         return to_dict(self)

@@ -140,3 +140,22 @@ def test_lora_exports_load_into_their_experts(tiny_wan22, cache, tmp_path):
         assert lora_b and all(bool(v.abs().sum() > 0) for v in lora_b)  # trained from B = 0
     frames = pipe(generator=torch.Generator().manual_seed(0), **GENERATE).frames
     assert frames.shape == (1, 9, 32, 48, 3)
+
+
+@pytest.mark.slow
+def test_a_wan21_cache_feeds_a_wan22_run(tiny_wan, tiny_wan22):
+    """The experts share Wan 2.1's VAE and UMT5: the manifest's family (wan) and the fingerprints of a cache made
+    with the tiny Wan 2.1 set pass the recipe check of the tiny Wan 2.2 A14B set."""
+    from latentmill.models import (
+        CacheMismatchError,
+        ModelConfig,
+        cached_model_fingerprints,
+        check_cache_compatible,
+    )
+
+    made_with = cached_model_fingerprints(ModelConfig(pretrained=str(tiny_wan), family="wan"), ("vae", "text_encoder"))
+    manifest = {"family": "wan", "models": {name: {"fingerprint": fp} for name, fp in made_with.items()}}
+    check_cache_compatible(manifest, ModelConfig(pretrained=str(tiny_wan22), family="wan"))
+    other = {**manifest, "models": {**manifest["models"], "vae": {"fingerprint": "0" * 64}}}
+    with pytest.raises(CacheMismatchError, match="vae: cache was made with fingerprint 000000000000"):
+        check_cache_compatible(other, ModelConfig(pretrained=str(tiny_wan22), family="wan"))
