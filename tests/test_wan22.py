@@ -63,7 +63,7 @@ def test_one_expert_draws_only_its_own_sigmas_from_the_recipes_distribution():
 
 
 def test_bad_expert_values_fail_naming_the_key():
-    with pytest.raises(ConfigError, match=r"trainer.expert: 'middle' does not fit 'high' \| 'low' or null"):
+    with pytest.raises(ConfigError, match=r"trainer.expert: 'middle' does not fit 'high' \| 'low' \| 'both' or null"):
         from_dict(TrainerConfig, {"expert": "middle"}, "trainer")
     experts = WanAdapter().experts(str(A14B))
     with pytest.raises(ConfigError, match=r"trainer.expert: A14B has 2 experts \(high: transformer, sigma in "

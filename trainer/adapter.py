@@ -76,7 +76,8 @@ def pipeline_index(pretrained: str) -> dict[str, Any]:
 
 
 def choose_experts(experts: tuple[Expert, ...], expert: str | None, pretrained: str) -> tuple[Expert, ...]:
-    """The experts a run trains for ``trainer.expert`` (null: the only one; a name: that one; ``both``: all);
+    """The experts a run trains for ``trainer.expert`` (null: the only one; a name: that one; ``both``: all of a
+    two-expert pipeline);
     a ConfigError naming the key and the pipeline's experts when they do not fit."""
     names = [e.name for e in experts]
     if len(experts) == 1:
@@ -89,7 +90,9 @@ def choose_experts(experts: tuple[Expert, ...], expert: str | None, pretrained: 
                           f"{']' if e.sigma_max > 1 else ')'}" for e in experts)
     if expert is None:
         raise ConfigError(f"trainer.expert: {pretrained} has {len(experts)} experts ({described}); set "
-                          f"trainer.expert to one of {', '.join(map(repr, names))} (one per run)")
+                          f"trainer.expert to one of {', '.join(map(repr, names))} (one per run) or 'both'")
+    if expert == "both":
+        return experts
     if expert not in names:
         raise ConfigError(f"trainer.expert: {expert!r} is not one of {', '.join(map(repr, names))} "
                           f"({pretrained}: {described})")
