@@ -290,6 +290,8 @@ def plan(recipe: Recipe, *, nproc: int | None = None, nnodes: int | None = None,
          gpu_memory_gib: float = 80.0) -> dict[str, Any]:
     """Per-rank memory of ``recipe`` at ``nproc`` x ``nnodes`` processes, from the real sharding path on
     the meta device under a fake process group. Returns the JSON-shaped plan (see the module docstring)."""
+    if recipe.trainer.expert == "both":
+        return _plan_both(recipe, nproc=nproc, nnodes=nnodes, gpu_memory_gib=gpu_memory_gib)
     import torch.distributed as dist
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
@@ -439,6 +441,40 @@ def plan(recipe: Recipe, *, nproc: int | None = None, nnodes: int | None = None,
                   f"checkpoint dtype {str(source.checkpoint_dtype).removeprefix('torch.')}: {source.dtype_note}",
                   *notes],
     }
+
+
+def _plan_both(recipe: Recipe, **kwargs: Any) -> dict[str, Any]:
+    """``trainer.expert: both``: each expert planned on its own, as the trainer builds and shards it, and added up
+    the way a run holds them: parameters, buffers and AdamW state of every expert stay resident; gradients and
+    gathered units are one expert's at a time (an expert drops its gradients before the other trains); host
+    RAM peaks are one expert's (they load and export one after the other)."""
+    import dataclasses
+
+    from latentmill.trainer.adapter import choose_experts
+    from latentmill.trainer.adapters import get_adapter
+
+    source = resolve_model(recipe.model.pretrained)
+    adapter = get_adapter(_family(recipe, source.path))
+    experts = choose_experts(adapter.experts(str(source.path)), "both", recipe.model.pretrained)
+    plans = [plan(dataclasses.replace(recipe, trainer=dataclasses.replace(recipe.trainer, expert=e.name)), **kwargs)
+             for e in experts]
+    combined = {**plans[0], "config": {**plans[0]["config"], "expert": "both"}}
+    for key in ("total_params", "trainable_params"):
+        combined[key] = sum(p[key] for p in plans)
+    ranks = [p["per_rank"] for p in plans]
+    per_rank = {key: sum(r[key] for r in ranks) for key in ("params_bytes", "buffers_bytes", "optimizer_bytes")}
+    per_rank.update({key: max(r[key] for r in ranks) for key in ("grads_bytes", "gathered_bytes",
+                                                                  "host_load_peak_bytes", "host_export_peak_bytes")})
+    per_rank["static_bytes"] = sum(per_rank[key] for key in ("params_bytes", "buffers_bytes", "grads_bytes",
+                                                            "optimizer_bytes", "gathered_bytes"))
+    combined["per_rank"] = per_rank
+    combined["fits"] = per_rank["static_bytes"] <= combined["gpu_memory_bytes"]
+    combined["margin_bytes"] = combined["gpu_memory_bytes"] - per_rank["static_bytes"]
+    combined["notes"] = [n for n in plans[0]["notes"] if not n.startswith("trainer.expert")] + [
+        f"trainer.expert both: {' + '.join(e.component for e in experts)}, each sharded on its own; parameters, "
+        "buffers and AdamW state of both resident, gradients and gathered units of one at a time (an expert "
+        "drops its gradients before the other trains)"]
+    return combined
 
 
 def _gib(n: int) -> str:

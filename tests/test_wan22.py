@@ -159,3 +159,103 @@ def test_a_wan21_cache_feeds_a_wan22_run(tiny_wan, tiny_wan22):
     other = {**manifest, "models": {**manifest["models"], "vae": {"fingerprint": "0" * 64}}}
     with pytest.raises(CacheMismatchError, match="vae: cache was made with fingerprint 000000000000"):
         check_cache_compatible(other, ModelConfig(pretrained=str(tiny_wan22), family="wan"))
+
+
+def _route_seed(cfg: TrainerConfig, wanted: list[bool]) -> int:
+    """A run seed whose first step routes its micro-batches as ``wanted`` (True: high), by the trainer's rule."""
+    from latentmill.trainer.train import derive_seed
+
+    for seed in range(100):
+        sigmas = [sample_sigmas(1, cfg, torch.Generator().manual_seed(derive_seed(seed, f"expert:0:{micro}")))
+                  for micro in range(len(wanted))]
+        if [bool(s >= 0.875) for s in sigmas] == wanted:
+            return seed
+    raise AssertionError("no seed routes so")
+
+
+@pytest.mark.slow
+def test_both_experts_route_micro_batches_resume_exactly_and_export_both(tiny_wan22, cache, tmp_path):
+    from diffusers import DiffusionPipeline, WanPipeline
+
+    cfg = {"mode": "full", "expert": "both", "max_steps": 4, "batch_size": 1, "grad_accum_steps": 2,
+           "save_every": 2, "shift": 3.0}
+    seed = _route_seed(TrainerConfig(shift=3.0), [True, False])
+    with torch_threads(1):
+        summary = train(TrainerConfig(**cfg), cache_dir=cache, pretrained=str(tiny_wan22), train_dir=tmp_path / "a",
+                        export_dir=tmp_path / "export", progress=False, seed=seed)
+        records = read_metrics(tmp_path / "a")
+        assert summary["expert"] == "both" and [sum(r["expert_micro_batches"].values()) for r in records] == [2] * 4
+        assert records[0]["expert_micro_batches"] == {"high": 1, "low": 1}  # one step, two experts
+        assert records[0]["grad_norm"] == pytest.approx(
+            sum(n * n for n in records[0]["expert_grad_norms"].values()) ** 0.5)
+        step2 = tmp_path / "a" / "checkpoints" / "step-000002"
+        assert (step2 / "model.safetensors").is_file() and (step2 / "transformer_2" / "model.safetensors").is_file()
+        train(TrainerConfig(**cfg, resume=str(step2), export=False), cache_dir=cache, pretrained=str(tiny_wan22),
+              train_dir=tmp_path / "b", progress=False, seed=seed)
+    assert [r["loss"] for r in read_metrics(tmp_path / "b")] == [r["loss"] for r in records[2:]]  # bit for bit
+    pipe = DiffusionPipeline.from_pretrained(summary["export_dir"])
+    base = WanPipeline.from_pretrained(tiny_wan22)
+    for slot in ("transformer", "transformer_2"):
+        trained, untrained = getattr(pipe, slot).state_dict(), getattr(base, slot).state_dict()
+        assert any(not torch.equal(trained[k], untrained[k].to(trained[k].dtype)) for k in untrained), slot
+    assert pipe(generator=torch.Generator().manual_seed(0), **GENERATE).frames.shape == (1, 9, 32, 48, 3)
+
+
+@pytest.mark.slow
+def test_both_experts_average_each_experts_gradients_over_its_own_micro_batches(tiny_wan22, cache, tmp_path):
+    """A step whose 2 micro-batches of 1 both go to the low expert trains it exactly like a low-expert run at
+    batch 2: the same samples, sigmas (drawn in the low range) and noise, the gradient averaged over 2."""
+    from safetensors.torch import load_file
+
+    seed = _route_seed(TrainerConfig(shift=3.0), [False, False])
+    runs = {"both": {"expert": "both", "batch_size": 1, "grad_accum_steps": 2},
+            "low": {"expert": "low", "batch_size": 2, "grad_accum_steps": 1}}
+    with torch_threads(1):
+        for name, cfg in runs.items():
+            train(TrainerConfig(mode="full", max_steps=1, save_every=1, shift=3.0, export=False, **cfg),
+                  cache_dir=cache, pretrained=str(tiny_wan22), train_dir=tmp_path / name, progress=False, seed=seed)
+    (both,), (low,) = read_metrics(tmp_path / "both"), read_metrics(tmp_path / "low")
+    assert both["expert_micro_batches"] == {"low": 2}
+    assert both["loss"] == pytest.approx(low["loss"], rel=1e-6)
+    assert both["grad_norm"] == pytest.approx(low["grad_norm"], rel=1e-5)
+    trained = load_file(tmp_path / "both" / "checkpoints" / "step-000001" / "transformer_2" / "model.safetensors")
+    reference = load_file(tmp_path / "low" / "checkpoints" / "step-000001" / "model.safetensors")
+    assert trained.keys() == reference.keys()
+    assert all(torch.allclose(trained[k], reference[k], rtol=1e-5, atol=1e-7) for k in reference)
+
+
+@pytest.mark.slow
+def test_both_experts_lora_export_loads_into_both_slots(tiny_wan22, cache, tmp_path):
+    from diffusers import WanPipeline
+
+    summary = _train(cache, tiny_wan22, tmp_path, mode="lora", expert="both", lora_rank=4, learning_rate=1e-2,
+                     batch_size=1, grad_accum_steps=2, save_every=0, shift=3.0,
+                     validate_every=3, validation_prompts=["a red ball"], validation_steps=2,
+                     validation_size=[48, 32, 9])
+    export = Path(summary["export_dir"])
+    assert sorted(p.name for p in export.iterdir() if p.is_dir()) == ["high_noise", "low_noise"]
+    assert len(summary["validation"]) == 1
+    pipe = WanPipeline.from_pretrained(tiny_wan22)
+    pipe.load_lora_weights(export / "high_noise", adapter_name="high")
+    pipe.load_lora_weights(export / "low_noise", adapter_name="low", load_into_transformer_2=True)
+    assert list(pipe.transformer.peft_config) == ["high"] and list(pipe.transformer_2.peft_config) == ["low"]
+    assert pipe(generator=torch.Generator().manual_seed(0), **GENERATE).frames.shape == (1, 9, 32, 48, 3)
+
+
+@pytest.mark.slow
+def test_plan_counts_one_expert_or_both_from_the_published_configs():
+    """One expert: Wan2.1-14B's architecture, counted alone. Both: parameters and AdamW state of the two
+    experts resident, gradients and gathered units of one at a time."""
+    from latentmill.plan import plan_config
+
+    args = ["model.pretrained=Wan-AI/Wan2.2-T2V-A14B-Diffusers", "parallel.hsdp_replicate=1"]
+    high = plan_config("configs/wan2.2-a14b-lora.yaml", args, nproc=2)
+    both = plan_config("configs/wan2.2-a14b-lora.yaml", [*args, "trainer.expert=both"], nproc=2)
+    assert high["config"]["expert"] == "high" and both["config"]["expert"] == "both"
+    assert high["total_params"] == 14_288_491_584 + high["trainable_params"]  # the A14B expert + its LoRA
+    assert both["total_params"] == 2 * high["total_params"]
+    one, two = high["per_rank"], both["per_rank"]
+    assert two["params_bytes"] == 2 * one["params_bytes"] and two["optimizer_bytes"] == 2 * one["optimizer_bytes"]
+    assert (two["grads_bytes"], two["gathered_bytes"]) == (one["grads_bytes"], one["gathered_bytes"])
+    assert two["static_bytes"] == one["static_bytes"] + one["params_bytes"] + one["optimizer_bytes"]
+    assert any("trainer.expert both" in note for note in both["notes"])

@@ -91,9 +91,11 @@ class Validator:
         self.dtypes = component_dtypes(adapter.family, self.device)
         self.pipe: Any = None  # loaded by the first run
 
-    def _pipeline(self, models: dict[str, nn.Module]) -> Any:
-        """The pipeline around the in-training ``models`` (by slot); its other components loaded on first use,
-        on the CPU."""
+    def _pipeline(self, transformer: nn.Module, others: dict[str, nn.Module] | None = None) -> Any:
+        """The pipeline around the in-training ``transformer`` (and ``others`` by slot); its other components
+        loaded on first use, on the CPU."""
+        models = {self.component: transformer, **(others or {})}
+        self.slots = set(models)
         if self.pipe is None:
             pipeline_cls = self.adapter.diffusers_class(self.adapter.pipeline_class)
             vae, text = self.dtypes["vae"], self.dtypes["text"]
@@ -136,9 +138,8 @@ class Validator:
         Returns the PNG path on the main rank (None elsewhere). Every rank calls it (FSDP2: collective).
         """
         device, cuda = self.device, self.device.type == "cuda"
+        pipe = self._pipeline(transformer, others)
         models = {self.component: transformer, **(others or {})}
-        self.slots = set(models)
-        pipe = self._pipeline(models)
         was_training = {slot: model.training for slot, model in models.items()}
         for model in models.values():
             model.eval()
