@@ -1,6 +1,7 @@
-"""Wan 2.2 A14B experts under torchrun on CPU (gloo, 2 ranks), FSDP2: the low-noise expert full (transformer_2, built
-on meta and filled from its own folder rank by rank) and the high-noise expert as a LoRA train, resume exactly
-from a step-4 checkpoint, and export into their slots of WanPipeline."""
+"""Wan 2.2 A14B experts under torchrun on CPU (gloo, 2 ranks), FSDP2: both experts in one run (each sharded on its
+own, micro-batches routed alike on every rank), the low-noise expert alone (transformer_2, built on meta and
+filled from its own folder rank by rank) and the high-noise expert as a LoRA train, resume exactly from a step-4
+checkpoint, and export into their slots of WanPipeline."""
 
 from __future__ import annotations
 
@@ -51,6 +52,23 @@ def _launch(root: Path, pretrained: Path, name: str, **cfg) -> dict:
     return summaries[0]
 
 
+def test_fsdp2_both_experts_full_resume_exactly_and_export_both(tiny_wan22, tmp_path):
+    from diffusers import DiffusionPipeline, WanPipeline
+
+    rank0 = _launch(tmp_path, tiny_wan22, "both", mode="full", expert="both", batch_size=1, grad_accum_steps=2)
+    routed = [r["expert_micro_batches"] for r in read_metrics(tmp_path / "both")]
+    assert {name for r in routed for name in r} == {"high", "low"} and all(sum(r.values()) == 2 for r in routed)
+    step4 = list_checkpoints(tmp_path / "both" / "checkpoints")[0][1]
+    assert len(list((step4 / "transformer_2" / "dcp").glob("*.distcp"))) == 2  # the second expert, sharded apart
+    pipe = DiffusionPipeline.from_pretrained(rank0["export_dir"])
+    base = WanPipeline.from_pretrained(tiny_wan22)
+    for slot in ("transformer", "transformer_2"):
+        trained, untrained = getattr(pipe, slot).state_dict(), getattr(base, slot).state_dict()
+        assert any(not torch.equal(untrained[k], trained[k].to(untrained[k].dtype)) for k in untrained), slot
+    assert pipe(generator=torch.Generator().manual_seed(0), **GENERATE).frames.shape == (1, 9, 32, 48, 3)
+
+
+@pytest.mark.heavy  # a second variant: one expert alone (the low-noise one, from its own folder)
 def test_fsdp2_low_expert_full_resumes_exactly_and_exports(tiny_wan22, tmp_path):
     from diffusers import DiffusionPipeline, WanPipeline
 
