@@ -202,26 +202,30 @@ def test_both_experts_route_micro_batches_resume_exactly_and_export_both(tiny_wa
 
 
 @pytest.mark.slow
-def test_both_experts_average_each_experts_gradients_over_its_own_micro_batches(tiny_wan22, cache, tmp_path):
-    """A step whose 2 micro-batches of 1 both go to the low expert trains it exactly like a low-expert run at
-    batch 2: the same samples, sigmas (drawn in the low range) and noise, the gradient averaged over 2."""
+def test_a_step_of_both_experts_trains_the_routed_expert_like_a_run_of_it_alone(tiny_wan22, cache, tmp_path):
+    """A step whose 2 micro-batches both go to the low expert is, bit for bit, a step of a low-expert run: the
+    same samples, sigmas (drawn in the low range) and noise, the gradient averaged over its 2 micro-batches;
+    the high expert, which got none, does not move."""
     from safetensors.torch import load_file
 
     seed = _route_seed(TrainerConfig(shift=3.0), [False, False])
-    runs = {"both": {"expert": "both", "batch_size": 1, "grad_accum_steps": 2},
-            "low": {"expert": "low", "batch_size": 2, "grad_accum_steps": 1}}
     with torch_threads(1):
-        for name, cfg in runs.items():
-            train(TrainerConfig(mode="full", max_steps=1, save_every=1, shift=3.0, export=False, **cfg),
-                  cache_dir=cache, pretrained=str(tiny_wan22), train_dir=tmp_path / name, progress=False, seed=seed)
+        for expert in ("both", "low"):
+            train(TrainerConfig(mode="full", expert=expert, max_steps=1, batch_size=1, grad_accum_steps=2,
+                                save_every=1, shift=3.0, export=False),
+                  cache_dir=cache, pretrained=str(tiny_wan22), train_dir=tmp_path / expert, progress=False, seed=seed)
     (both,), (low,) = read_metrics(tmp_path / "both"), read_metrics(tmp_path / "low")
     assert both["expert_micro_batches"] == {"low": 2}
-    assert both["loss"] == pytest.approx(low["loss"], rel=1e-6)
-    assert both["grad_norm"] == pytest.approx(low["grad_norm"], rel=1e-5)
-    trained = load_file(tmp_path / "both" / "checkpoints" / "step-000001" / "transformer_2" / "model.safetensors")
-    reference = load_file(tmp_path / "low" / "checkpoints" / "step-000001" / "model.safetensors")
-    assert trained.keys() == reference.keys()
-    assert all(torch.allclose(trained[k], reference[k], rtol=1e-5, atol=1e-7) for k in reference)
+    assert (both["loss"], both["grad_norm"]) == (low["loss"], low["grad_norm"])
+    step = "step-000001"
+    trained = load_file(tmp_path / "both" / "checkpoints" / step / "transformer_2" / "model.safetensors")
+    reference = load_file(tmp_path / "low" / "checkpoints" / step / "model.safetensors")
+    assert trained.keys() == reference.keys() and all(torch.equal(trained[k], reference[k]) for k in reference)
+    from diffusers import WanTransformer3DModel
+
+    high = load_file(tmp_path / "both" / "checkpoints" / step / "model.safetensors")
+    base = WanTransformer3DModel.from_pretrained(tiny_wan22, subfolder="transformer").state_dict()
+    assert all(torch.equal(high[k], base[k]) for k in high)
 
 
 @pytest.mark.slow
@@ -242,6 +246,7 @@ def test_both_experts_lora_export_loads_into_both_slots(tiny_wan22, cache, tmp_p
     assert pipe(generator=torch.Generator().manual_seed(0), **GENERATE).frames.shape == (1, 9, 32, 48, 3)
 
 
+@pytest.mark.heavy  # three plans of a 14B model on meta (3 minutes on 2 shared cores)
 @pytest.mark.slow
 def test_plan_counts_one_expert_or_both_from_the_published_configs():
     """One expert: Wan2.1-14B's architecture, counted alone. Both: parameters and AdamW state of the two
@@ -257,5 +262,5 @@ def test_plan_counts_one_expert_or_both_from_the_published_configs():
     one, two = high["per_rank"], both["per_rank"]
     assert two["params_bytes"] == 2 * one["params_bytes"] and two["optimizer_bytes"] == 2 * one["optimizer_bytes"]
     assert (two["grads_bytes"], two["gathered_bytes"]) == (one["grads_bytes"], one["gathered_bytes"])
-    assert two["static_bytes"] == one["static_bytes"] + one["params_bytes"] + one["optimizer_bytes"]
+    assert two["static_bytes"] == one["static_bytes"] + one["params_bytes"] + one["buffers_bytes"] + one["optimizer_bytes"]
     assert any("trainer.expert both" in note for note in both["notes"])

@@ -2,6 +2,7 @@
 
 An adapter stands between cached latents and an unmodified Diffusers transformer. The loop only ever calls:
 
+* ``experts(pretrained)``              the pipeline's denoisers and their noise ranges (one, or Wan 2.2's two);
 * ``load(pretrained, mode=..., ...)``   the transformer, trainable (full, or frozen base + PEFT LoRA);
 * ``blocks(transformer)``              the repeated blocks (FSDP2 units, activation checkpointing, compile);
 * ``check_batch(transformer, batch)``  a clear error when cached tensors do not fit the model;
