@@ -46,6 +46,7 @@ SHIPPED_CONFIGS: dict[str, tuple[str, torch.dtype]] = {
     "Wan-AI/Wan2.1-T2V-1.3B-Diffusers": ("Wan2.1-T2V-1.3B-Diffusers", torch.float32),
     # two experts of Wan2.1-14B's architecture (transformer: high noise, transformer_2: low), boundary_ratio 0.875
     "Wan-AI/Wan2.2-T2V-A14B-Diffusers": ("Wan2.2-T2V-A14B-Diffusers", torch.bfloat16),
+    "Wan-AI/Wan2.2-TI2V-5B-Diffusers": ("Wan2.2-TI2V-5B-Diffusers", torch.float32),
     "Tongyi-MAI/Z-Image-Turbo": ("Z-Image-Turbo", torch.bfloat16),
     "Qwen/Qwen-Image": ("Qwen-Image", torch.bfloat16),
     # FLUX.2, published in bfloat16. The transformer configs are Flux2Transformer2DModel's defaults (written for
@@ -166,13 +167,14 @@ def resolve_model(pretrained: str) -> ModelSource:
 def _family(recipe: Recipe, folder: Path) -> str:
     if recipe.model.family != "auto":
         return recipe.model.family
-    from latentmill.stages.families import PIPELINE_FAMILIES
+    from latentmill.stages.families import FAMILIES, index_family
 
-    name = json.loads((folder / "model_index.json").read_text()).get("_class_name", "")
-    if name not in PIPELINE_FAMILIES:
-        raise ConfigError(f"model.family: cannot tell the family of a {name or 'unknown'} pipeline; set "
-                          f"model.family to one of {', '.join(sorted(set(PIPELINE_FAMILIES.values())))}")
-    return PIPELINE_FAMILIES[name]
+    index = json.loads((folder / "model_index.json").read_text())
+    family = index_family(index)
+    if family is None:
+        raise ConfigError(f"model.family: cannot tell the family of a {index.get('_class_name') or 'unknown'} "
+                          f"pipeline; set model.family to one of {', '.join(sorted(FAMILIES))}")
+    return family
 
 
 def layout(recipe: Recipe, nproc: int | None, nnodes: int | None) -> Layout:

@@ -21,6 +21,9 @@ The result loads like the real thing::
     frames = pipe("a red ball", height=32, width=48, num_frames=9, num_inference_steps=2,
                   output_type="np").frames                            # (1, 9, 32, 48, 3)
 
+The Wan 2.2 TI2V-5B-class set (``data/tiny-wan2.2-ti2v.yaml``) is built by the same code: its recipe adds a
+``pipeline`` section (``expand_timesteps: true``) and the Wan 2.2 VAE's options (``is_residual``, ``patch_size``).
+
 Command line: ``python -m latentmill.tiny_wan OUT_DIR [--seed N] [--recipe PATH] [--if-missing]``.
 """
 
@@ -37,9 +40,13 @@ from latentmill.tinyio import pipeline_folder, tiny_cli
 
 DEFAULT_RECIPE_PATH: Path = Path(__file__).resolve().parents[1] / "data" / "tiny-wan.yaml"
 """The recipe shipped with the repository (``data/tiny-wan.yaml``)."""
+TI2V_RECIPE_PATH: Path = DEFAULT_RECIPE_PATH.with_name("tiny-wan2.2-ti2v.yaml")
+"""The Wan 2.2 TI2V-5B-class recipe (``data/tiny-wan2.2-ti2v.yaml``)."""
 
 _COMPONENTS = ("transformer", "vae", "text_encoder", "scheduler")
 _TOKENIZERS = ("tokenizer",)
+# the WanPipeline config keys a recipe's ``pipeline`` section may set (boundary_ratio: also a second expert)
+_PIPELINE_OPTIONS = ("expand_timesteps", "boundary_ratio")
 
 
 def load_recipe(recipe: str | os.PathLike[str] = DEFAULT_RECIPE_PATH) -> dict[str, Any]:
@@ -55,11 +62,11 @@ def load_recipe(recipe: str | os.PathLike[str] = DEFAULT_RECIPE_PATH) -> dict[st
     """
     path = Path(recipe)
     data, comps, toks = read_sections(path, _COMPONENTS, _TOKENIZERS, optional=("pipeline",))
-    pipeline = data.get("pipeline", {})
-    if not isinstance(pipeline, dict) or set(pipeline) - {"boundary_ratio"}:
-        raise ConfigError("pipeline: expected a mapping with boundary_ratio only (Wan 2.2's two experts)")
-    if "boundary_ratio" in pipeline and not 0.0 < float(pipeline["boundary_ratio"]) < 1.0:
-        raise ConfigError(f"pipeline.boundary_ratio: must be in (0, 1), got {pipeline['boundary_ratio']}")
+    options = data.get("pipeline") or {}
+    if not isinstance(options, dict) or set(options) - set(_PIPELINE_OPTIONS):
+        raise ConfigError(f"pipeline: expected a mapping of {', '.join(_PIPELINE_OPTIONS)}; got {options!r}")
+    if "boundary_ratio" in options and not 0.0 < float(options["boundary_ratio"]) < 1.0:
+        raise ConfigError(f"pipeline.boundary_ratio: must be in (0, 1), got {options['boundary_ratio']}")
     if not isinstance(toks["tokenizer"], dict):
         raise ConfigError("tokenizers.tokenizer: expected a mapping of tokenizer settings")
 
@@ -111,10 +118,15 @@ def load_recipe(recipe: str | os.PathLike[str] = DEFAULT_RECIPE_PATH) -> dict[st
         f"components.vae.temperal_downsample: {len(down)} entries, expected len(dim_mult) - 1 "
         f"({len(vae['dim_mult']) - 1})",
     )
+    patch = vae.get("patch_size") or 1  # the Wan 2.2 VAE patchifies pixels (2 x 2) before its encoder
     require(
-        vae["scale_factor_spatial"] == 2 ** len(down),
-        f"components.vae.scale_factor_spatial: {vae['scale_factor_spatial']} != 2 ** {len(down)} "
-        "(one spatial downsampling per temperal_downsample entry)",
+        vae["scale_factor_spatial"] == 2 ** len(down) * patch,
+        f"components.vae.scale_factor_spatial: {vae['scale_factor_spatial']} != 2 ** {len(down)} x {patch} "
+        "(one spatial downsampling per temperal_downsample entry, times vae.patch_size)",
+    )
+    require(
+        vae.get("in_channels", 3) == vae.get("out_channels", 3) == 3 * patch**2,
+        f"components.vae.in_channels/out_channels: expected 3 x patch_size ** 2 = {3 * patch**2}",
     )
     require(
         vae["scale_factor_temporal"] == 2 ** sum(bool(d) for d in down),
@@ -196,18 +208,18 @@ def _build_pipeline(data: dict[str, Any], seed: int) -> Any:
     vae = seeded(lambda: AutoencoderKLWan(**comps["vae"]))
     text_encoder = seeded(lambda: UMT5EncoderModel(UMT5Config(**comps["text_encoder"])))
     scheduler = UniPCMultistepScheduler(**comps["scheduler"])
-    boundary = data.get("pipeline", {}).get("boundary_ratio")
     experts = {}
-    if boundary is not None:  # Wan 2.2 A14B: the low-noise expert, other weights than the high-noise one
-        torch.manual_seed(seed + 1)
+    if (data.get("pipeline") or {}).get("boundary_ratio") is not None:  # Wan 2.2 A14B: the low-noise expert
+        torch.manual_seed(seed + 1)  # other weights than the high-noise one
         with torch.no_grad():
-            experts = {"transformer_2": WanTransformer3DModel(**tr_kwargs).eval(), "boundary_ratio": float(boundary)}
+            experts = {"transformer_2": WanTransformer3DModel(**tr_kwargs).eval()}
     return WanPipeline(
         tokenizer=tokenizer,
         text_encoder=text_encoder.eval(),
         vae=vae.eval(),
         scheduler=scheduler,
         transformer=transformer.eval(),
+        **(data.get("pipeline") or {}),
         **experts,
     )
 
