@@ -113,6 +113,7 @@ TINY_BUILDERS = {"flux": "latentmill.tiny:ensure_tiny_flux", "wan": "latentmill.
                  "flux2-klein": "latentmill.tiny_flux2:ensure_tiny_flux2",
                  "flux2": "latentmill.tiny_flux2:ensure_tiny_flux2"}
 TINY_BUILDERS["qwen-image"] = "latentmill.tiny_qwen_image:ensure_tiny_qwen_image"
+TINY_BUILDERS["qwen-image-edit"] = "latentmill.tiny_qwen_image:ensure_tiny_qwen_image_edit"
 
 
 def ensure_tiny(family: str, out_dir: str | os.PathLike[str], recipe: str | os.PathLike[str]) -> Path:

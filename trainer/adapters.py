@@ -9,12 +9,13 @@ from __future__ import annotations
 from latentmill.trainer.adapter import ModelAdapter
 from latentmill.trainer.flux import FluxAdapter
 from latentmill.trainer.flux2 import Flux2Adapter, Flux2KleinAdapter
-from latentmill.trainer.qwen_image import QwenImageAdapter
+from latentmill.trainer.qwen_image import QwenImageAdapter, QwenImageEditAdapter
 from latentmill.trainer.wan import WanAdapter
 from latentmill.trainer.zimage import ZImageAdapter
 
 ADAPTERS: dict[str, type[ModelAdapter]] = {"flux": FluxAdapter, "wan": WanAdapter, "z-image": ZImageAdapter,
-                                            "qwen-image": QwenImageAdapter, "flux2": Flux2Adapter,
+                                            "qwen-image": QwenImageAdapter, "qwen-image-edit": QwenImageEditAdapter,
+                                            "flux2": Flux2Adapter,
                                             "flux2-klein": Flux2KleinAdapter}
 
 

@@ -167,3 +167,29 @@ class QwenImageAdapter(ModelAdapter):
         out = pipe(prompts, height=height, width=width, num_inference_steps=steps, generator=generator,
                    max_sequence_length=max_sequence_length, **cfg)
         return [[image] for image in out.images]
+
+
+class QwenImageEditAdapter(QwenImageAdapter):
+    """Qwen-Image-Edit (Qwen/Qwen-Image-Edit): the same ``QwenImageTransformer2DModel``, called as
+    ``QwenImageEditPipeline`` calls it: the edit's source latents (``reference_latents``) appended after the
+    noisy tokens with their grid in ``img_shapes``; the prediction, and so the loss, covers the target's tokens
+    only. LoRA targets: Qwen-Image's (the community's Edit LoRAs train the same layers)."""
+
+    family = "qwen-image-edit"
+    pipeline_class = "QwenImageEditPipeline"
+    streams = ("latents", "prompt_embeds", "reference_latents")
+
+    def check_batch(self, transformer: nn.Module, batch: dict) -> None:
+        super().check_batch(transformer, batch)
+        latents, reference = batch["latents"], batch["reference_latents"]
+        if reference.shape[:2] != latents.shape[:2] or reference.ndim != latents.ndim:
+            raise ValueError(f"cached latents do not match the transformer: reference_latents have shape "
+                             f"{tuple(reference.shape)}, latents {tuple(latents.shape)} (expected [B, C, H, W] both)")
+
+    def transformer_inputs(self, batch: dict[str, Any]) -> dict[str, Any]:
+        return {**super().transformer_inputs(batch), "reference_BCHW": batch["reference_latents"]}
+
+    def validation_images(self, pipe, prompts, *, size, steps, generator, max_sequence_length, guidance_scale):
+        raise ValueError("trainer.validate_every: the qwen-image-edit family samples from a source image, which "
+                         "validation prompts do not give; set trainer.validate_every: 0 (sample the export with "
+                         "QwenImageEditPipeline and an image instead)")
