@@ -3,10 +3,10 @@
 template with its fixed prefix dropped, the real tokens only (a ``mask`` stream), as
 ``QwenImagePipeline.encode_prompt`` computes them (diffusers 0.42).
 
-``QwenImageEncoders`` is written to be subclassed by the Qwen-Image-Edit family: the template, the number of
-its leading tokens to drop and the text-encoder call are class attributes / methods (``PROMPT_TEMPLATE``,
-``TEMPLATE_START_IDX``, :meth:`_hidden_states`), and the one-frame VAE path is :meth:`encode_latents`, which
-an Edit family reuses for its reference-image stream.
+``QwenImageEncoders`` is subclassed by the Qwen-Image-Edit family (``stages/family_qwen_image_edit.py``): the
+template, the number of its leading tokens to drop, the cap on the kept tokens and the text-encoder call are
+class attributes / methods (``PROMPT_TEMPLATE``, ``TEMPLATE_START_IDX``, ``TOKENIZER_MAX_LENGTH``,
+:meth:`_hidden_states`), and the one-frame VAE path (:meth:`encode_latents`) encodes its reference images too.
 """
 
 from __future__ import annotations

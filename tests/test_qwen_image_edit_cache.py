@@ -121,3 +121,27 @@ def test_a_new_source_image_reencodes_the_text(tiny_qwen_image_edit, tmp_path):
     out = encoders.encode_text(["make it green"] * 2, MAX_LEN, images=images)
     assert out["lengths"][0] == out["lengths"][1]
     assert (out["prompt_embeds"][0] - out["prompt_embeds"][1]).abs().max() > 1e-3
+
+
+@pytest.mark.slow
+def test_tiny_set_is_reproducible_and_its_template_prefix_is_the_pipelines(tiny_qwen_image_edit, tmp_path):
+    import hashlib
+
+    from diffusers import QwenImageEditPipeline
+
+    from latentmill.tiny_qwen_image import EDIT_TEMPLATE_START_IDX, build_tiny_qwen_image_edit
+
+    def hashes(folder: Path) -> dict[str, str]:
+        return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
+                for p in sorted(folder.rglob("*")) if p.is_file()}
+
+    again = build_tiny_qwen_image_edit(tmp_path / "again", seed=0)
+    assert hashes(again) == hashes(tiny_qwen_image_edit) and "processor/preprocessor_config.json" in hashes(again)
+    pipe = QwenImageEditPipeline.from_pretrained(again, processor=None)
+    assert EDIT_TEMPLATE_START_IDX == pipe.prompt_template_encode_start_idx == 64
+    tokens = pipe.tokenizer.convert_ids_to_tokens(pipe.tokenizer(pipe.prompt_template_encode.format("x")).input_ids)
+    # the real Qwen2.5-VL tokenizer's split: the dropped prefix ends with the user turn's header
+    assert tokens[61:67] == ["<|im_start|>", "user", "Ċ", "<|vision_start|>", "<|image_pad|>", "<|vision_end|>"]
+    config = pipe.text_encoder.config
+    assert config.image_token_id == pipe.tokenizer.convert_tokens_to_ids("<|image_pad|>")
+    assert len(pipe.tokenizer) == config.text_config.vocab_size == 1024

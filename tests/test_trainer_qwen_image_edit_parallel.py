@@ -38,6 +38,7 @@ dist.destroy_process_group()
 def _run(root: Path, parallel: dict, **cfg) -> tuple[Path, Path, dict]:
     """Train 8 steps (checkpoint at 4) and resume from step 4 on 2 ranks; the runs' folders and summaries."""
     from latentmill.stages.families import family_streams
+
     from latentmill.tiny_qwen_image import build_tiny_qwen_image_edit
 
     pretrained = build_tiny_qwen_image_edit(root / "tiny-qwen-image-edit")

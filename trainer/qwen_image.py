@@ -20,11 +20,10 @@ gives the image tokens the same prediction as its real tokens alone (``tests/tes
 shows it within float tolerance). The adapter still trims a batch to its longest caption: fewer tokens, and
 a batch whose captions are all as long as that passes no mask, exactly the pipeline's call.
 
-The velocity target is ``noise - x0``, as for Flux. ``QwenImageAdapter`` is written to be subclassed by the
-Qwen-Image-Edit family: :meth:`transformer_inputs` names what the transformer reads; an Edit adapter returns
-its reference-latent stream as ``reference_BCHW`` too, which :func:`qwen_image_forward` appends as the
-Edit pipeline does (its tokens after the noisy ones, its shape in ``img_shapes``, the prediction cut to the
-noisy tokens).
+The velocity target is ``noise - x0``, as for Flux. ``QwenImageEditAdapter`` (Qwen-Image-Edit) subclasses
+``QwenImageAdapter``: its :meth:`transformer_inputs` also return the ``reference_latents`` stream as
+``reference_BCHW``, which :func:`qwen_image_forward` appends as the Edit pipeline does (its tokens after the
+noisy ones, its shape in ``img_shapes``, the prediction cut to the noisy tokens).
 
 Shape legend: B batch, C latent channels (16), H/W latent height/width (pixels / 8), N = (H/2)*(W/2) image
 tokens, L text tokens, D text width (3584 for Qwen2.5-VL-7B).
