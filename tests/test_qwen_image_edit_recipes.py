@@ -87,6 +87,8 @@ def demo_run(tmp_path_factory):
 
 
 @pytest.mark.slow
+@pytest.mark.heavy  # make test-all: the demo path make test runs for Qwen-Image; edit prep, training and the
+# export are each in make test (test_qwen_image_edit_cache.py, test_trainer_qwen_image_edit.py)
 def test_demo_runs_end_to_end_and_the_export_edits_an_image(demo_run):
     from diffusers import DiffusionPipeline, QwenImageEditPipeline
     from PIL import Image
@@ -111,6 +113,7 @@ def test_demo_runs_end_to_end_and_the_export_edits_an_image(demo_run):
 
 
 @pytest.mark.slow
+@pytest.mark.heavy  # on the demo run's cache (make test-all); tests/test_trainer_loader.py checks the rule itself
 def test_a_cache_of_the_other_qwen_family_is_refused_in_one_line(demo_run, tmp_path, capsys):
     from latentmill.tiny_qwen_image import build_tiny_qwen_image
 
@@ -124,7 +127,6 @@ def test_a_cache_of_the_other_qwen_family_is_refused_in_one_line(demo_run, tmp_p
                           "recipe's model") and "is 'qwen-image': run `latentmill prep` with this recipe" in err
 
 
-@pytest.mark.slow  # (builds the tiny set to check the folder's pipeline class)
 def test_an_edit_recipe_without_pairs_fails_before_any_work(tmp_path, capsys):
     out = tmp_path / "never"
     demo = REPO / "configs/demo-qwen-image-edit.yaml"
