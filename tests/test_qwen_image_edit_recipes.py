@@ -138,3 +138,12 @@ def test_an_edit_recipe_without_pairs_fails_before_any_work(tmp_path, capsys):
     assert err[1] == ("latentmill: error: ingest.edit: the qwen-image-edit family trains on edit pairs; set "
                       "ingest.edit: true over a source of pairs (docs/prep.md, \"Edit datasets\")")
     assert not out.exists()
+
+
+def test_init_copies_the_recipes_the_tiny_recipe_and_the_demo_pairs(tmp_path):
+    from latentmill.resources import init_folder
+
+    copied = {str(p.relative_to(tmp_path)) for p in init_folder(tmp_path)}
+    assert {"configs/demo-qwen-image-edit.yaml", "configs/qwen-image-edit-lora.yaml",
+            "configs/qwen-image-edit-full.yaml", "data/tiny-qwen-image-edit.yaml",
+            "data/demo/edits/edit_000.src.png", "data/demo/edits/edit_011.txt"} <= copied
