@@ -313,16 +313,24 @@ def peak_rss_mb() -> float:
 
 # A Flux-class 512² sample: latent 16×64×64, T5 77×4096, CLIP pooled 768, all bf16 (~764 KB).
 FLUX_512 = {"latent": [16, 64, 64], "text_len": 77, "text_dim": 4096, "pooled_dim": 768, "bucket": [512, 512, 1]}
+# The largest image family's sample (issue 32): FLUX.2 dev at 1024², its patchified latent and three stacked
+# Mistral layers padded to 512 tokens, no pooled vector (~16 MiB in bf16).
+FLUX2_DEV_1024 = {"latent": [128, 64, 64], "text_len": 512, "text_dim": 15360, "pooled_dim": None,
+                  "bucket": [1024, 1024, 1], "family": "flux2",
+                  "models": {"vae": {"class": "AutoencoderKLFlux2", "fingerprint": "bench"},
+                             "text_encoder": {"class": "Mistral3ForConditionalGeneration", "fingerprint": "bench"}}}
 
 
 def sample_tensors(gen, spec: dict[str, Any], dtype, text_len: int | None = None) -> tuple[dict, dict]:
-    """Random (vae, text) tensors of one sample shaped as ``spec`` says; ``text_len`` overrides L."""
+    """Random (vae, text) tensors of one sample shaped as ``spec`` says (a pooled vector when it has a
+    ``pooled_dim``); ``text_len`` overrides L."""
     import torch
 
     latents = torch.randn(spec["latent"], generator=gen).to(dtype)
-    embeds_LD = torch.randn(text_len or spec["text_len"], spec["text_dim"], generator=gen).to(dtype)
-    pooled = torch.randn(spec["pooled_dim"], generator=gen).to(dtype)
-    return {"latents": latents}, {"prompt_embeds": embeds_LD, "pooled_prompt_embeds": pooled}
+    text = {"prompt_embeds": torch.randn(text_len or spec["text_len"], spec["text_dim"], generator=gen).to(dtype)}
+    if spec.get("pooled_dim"):
+        text["pooled_prompt_embeds"] = torch.randn(spec["pooled_dim"], generator=gen).to(dtype)
+    return {"latents": latents}, text
 
 
 def write_latent_cache(root: Path, num_samples: int, spec: dict[str, Any] = FLUX_512, *, shard_samples: int = 64,
@@ -360,23 +368,30 @@ def write_latent_cache(root: Path, num_samples: int, spec: dict[str, Any] = FLUX
                      "json": json_bytes(meta)}, bucket=spec["bucket"])
         records.append(out.commit(0.0))
     text_len = pad_to or spec["text_len"]
-    empty = st_save({"prompt_embeds": torch.zeros(1 if trimmed else text_len, spec["text_dim"], dtype=dtype),
-                     "pooled_prompt_embeds": torch.zeros(spec["pooled_dim"], dtype=dtype)})
+    empty_text = {"prompt_embeds": torch.zeros(1 if trimmed else text_len, spec["text_dim"], dtype=dtype)}
+    if spec.get("pooled_dim"):
+        empty_text["pooled_prompt_embeds"] = torch.zeros(spec["pooled_dim"], dtype=dtype)
+    empty = st_save(empty_text)
     (root / "empty_prompt.safetensors").write_bytes(empty)
+    family = spec.get("family", "flux")
     header = {
         "format_version": 3,
-        "family": "flux",
+        "family": family,
         "fingerprint": stable_hash(["bench", spec, seed]),
-        "models": {"vae": {"class": "AutoencoderKL", "fingerprint": "bench", "scaling_factor": 0.3611,
-                           "shift_factor": 0.1159},
-                   "text_encoder": {"class": "CLIPTextModel", "fingerprint": "bench"},
-                   "text_encoder_2": {"class": "T5EncoderModel", "fingerprint": "bench"}},
+        "models": spec.get("models") or {
+            "vae": {"class": "AutoencoderKL", "fingerprint": "bench", "scaling_factor": 0.3611, "shift_factor": 0.1159},
+            "text_encoder": {"class": "CLIPTextModel", "fingerprint": "bench"},
+            "text_encoder_2": {"class": "T5EncoderModel", "fingerprint": "bench"}},
         "dtype": dtype_name,
         "latents": "mean",
         "max_sequence_length": text_len,
         "text": {"trimmed": trimmed, "pad_to": text_len},
         "empty_prompt": {"path": "empty_prompt.safetensors", "sha256": sha256_bytes(empty)},
     }
+    if family != "flux":  # a FLUX.1 manifest without streams reads as FLUX.1's; any other family names its own
+        from latentmill.stages.families import family_class
+
+        header["streams"] = [stream.to_json() for stream in family_class(family).STREAMS]
     return stage_dir.write_manifest(records, header)
 
 

@@ -2,7 +2,9 @@
 
 Data: ``N`` Flux-class 512² samples (latent 16×64×64, T5 77×4096, pooled 768, bf16: ~750 KB on disk each)
 written with the cache stage's shard writer into shards of 64 samples (the size the cache stage writes:
-one per bucket shard), plus the very same tensors as one safetensors file per sample.
+one per bucket shard), plus the very same tensors as one safetensors file per sample. Figure 1c runs figure
+1's contenders again on the largest image family's samples (FLUX.2 dev at 1024²: latent 128×64×64, three
+stacked Mistral layers 512×15360, no pooled vector, ~16 MiB each; 128 of them, 32 with ``--quick``).
 
 Contenders, each reading every sample once per epoch, batch size ``B``:
 
@@ -33,6 +35,7 @@ from __future__ import annotations
 import time
 
 from bench.common import (
+    FLUX2_DEV_1024,
     FLUX_512,
     figure,
     fresh_dir,
@@ -67,7 +70,10 @@ def write_per_file(root, cache_dir, manifest) -> list:
     return paths
 
 
-def run(args) -> list:
+def measure(args, spec: dict, num: int, batch: int, shard_samples: int, passes: int, reps: int,
+            pairs: list[tuple[str, str]], work) -> tuple[dict, dict]:
+    """Write ``num`` samples shaped as ``spec`` (shards of ``shard_samples``) and time every ``(baseline,
+    mode)`` of ``pairs`` against ours; returns the per-pair rates and the figures' inputs."""
     import torch
     import webdataset as wds
     from latentmill.trainer.loader import LatentLoader
@@ -75,18 +81,16 @@ def run(args) -> list:
 
     from bench.common import drop_cache, warm_cache
 
-    reps = reps_of(args, full=5, quick=2)
-    num = 128 if args.quick else 1024
-    batch = 8
-    work = fresh_dir("loader")
     t0 = time.perf_counter()
-    manifest = write_latent_cache(work / "cache", num, FLUX_512, shard_samples=64, seed=0)
+    manifest = write_latent_cache(work / "cache", num, spec, shard_samples=shard_samples, seed=0)
     shards = shard_paths(work / "cache", manifest)
-    files = write_per_file(work / "files", work / "cache", manifest)
+    with_files = any(who == "files" for who, _ in pairs)
+    files = write_per_file(work / "files", work / "cache", manifest) if with_files else []
     shard_bytes = sum(p.stat().st_size for p in shards)
     file_bytes = sum(p.stat().st_size for p in files)
     log(f"generated {num} samples ({shard_bytes / 2**20:.0f} MiB shards, {file_bytes / 2**20:.0f} MiB files) "
         f"in {time.perf_counter() - t0:.0f} s")
+    columns = ("latents", "prompt_embeds") + (("pooled_prompt_embeds",) if spec.get("pooled_dim") else ())
 
     # Each contender is a generator: one ``next`` reads one epoch and gives its sample count. A measurement
     # starts a fresh one, so that the loader is constructed (its tar index read) inside the first epoch's
@@ -105,13 +109,11 @@ def run(args) -> list:
 
     def raw():
         while True:
-            count = 0
             for path in shards:
                 with open(path, "rb", buffering=0) as fh:
                     while fh.read(1 << 20):
                         pass
-                count += 64
-            yield min(count, num)
+            yield num
 
     def decode(sample):
         return {**load(sample["vae.safetensors"]), **load(sample["text.safetensors"])}
@@ -119,7 +121,7 @@ def run(args) -> list:
     def webdataset():
         while True:
             ds = (wds.WebDataset([str(p) for p in shards], shardshuffle=False, empty_check=False)
-                  .map(decode).to_tuple("latents", "prompt_embeds", "pooled_prompt_embeds").batched(batch))
+                  .map(decode).to_tuple(*columns).batched(batch))
             yield sum(len(b[0]) for b in ds)
 
     order = torch.randperm(len(files), generator=torch.Generator().manual_seed(0)).tolist()
@@ -135,6 +137,7 @@ def run(args) -> list:
 
     contenders = {"ours": (ours, shards), "raw": (raw, shards), "webdataset": (webdataset, shards),
                   "files": (per_file, files), "ours_f32": (lambda: ours(torch.float32), shards)}
+    contenders = {who: c for who, c in contenders.items() if who == "ours" or any(who == w for w, _ in pairs)}
     # One untimed pass of each first: the first pass of a process pays for page faults on fresh allocator
     # memory, which a training run pays once, not once per epoch.
     for fn, paths in contenders.values():
@@ -144,9 +147,7 @@ def run(args) -> list:
         epochs.close()
     log(f"warm-up passes done at {time.perf_counter() - t0:.0f} s")
 
-    passes = 1 if args.quick else PASSES
-
-    def measure(who: str, mode: str) -> tuple[float, float]:
+    def one(who: str, mode: str) -> tuple[float, float]:
         """Samples/s (wall, CPU) over ``passes`` epochs, each after its own cache warm-up or drop (untimed):
         one 1,024-sample epoch is ~0.1 s hot, short enough for one hiccup of a shared machine to move it."""
         fn, paths = contenders[who]
@@ -165,14 +166,12 @@ def run(args) -> list:
 
     # Each baseline is paired with a pass of ours right before or after it (alternating), so that both
     # see the same machine load; the ratio of each pair is one repetition.
-    pairs = [("raw", "hot"), ("webdataset", "hot"), ("files", "hot"), ("ours_f32", "hot"),
-             ("raw", "cold"), ("webdataset", "cold"), ("files", "cold")]
     results = {pair: {"ours": [], "base": [], "ours_cpu": [], "base_cpu": []} for pair in pairs}
     for rep in range(reps):
         for k, (who, mode) in enumerate(pairs):
             names = ["ours", who] if (rep + k) % 2 == 0 else [who, "ours"]
             for name in names:
-                rate, cpu_rate = measure(name, mode)
+                rate, cpu_rate = one(name, mode)
                 side = "ours" if name == "ours" else "base"
                 results[(who, mode)][side].append(rate)
                 results[(who, mode)][side + "_cpu"].append(cpu_rate)
@@ -184,19 +183,36 @@ def run(args) -> list:
         LatentLoader(work / "cache", batch, seed=0, dtype=torch.bfloat16).close()
         construct.append(time.perf_counter() - start)
 
-    inputs = {"samples": num, "sample": FLUX_512 | {"dtype": "bfloat16", "bytes_on_disk": round(shard_bytes / num)},
-              "shard_samples": 64, "shards": len(shards), "batch_size": batch,
+    inputs = {"samples": num, "sample": spec | {"dtype": "bfloat16", "bytes_on_disk": round(shard_bytes / num)},
+              "shard_samples": shard_samples, "shards": len(shards), "batch_size": batch,
               "epochs_per_measurement": passes,
-              "loader": "LatentLoader(cache_dir, 8, seed=0, dtype=bfloat16) (defaults: prefetch=True, "
-                        "io_threads=2), one per measurement, constructed inside the timing of its first epoch",
-              "per_file_bytes": round(file_bytes / num)}
-    def fig(name, who, mode, goal, notes):
-        r = results[(who, mode)]
+              "loader": f"LatentLoader(cache_dir, {batch}, seed=0, dtype=bfloat16) (defaults: prefetch=True, "
+                        "io_threads=2), one per measurement, constructed inside the timing of its first epoch"}
+    if with_files:
+        inputs["per_file_bytes"] = round(file_bytes / num)
+    return {pair: r | {"construct": construct} for pair, r in results.items()}, inputs
+
+
+def run(args) -> list:
+    reps = reps_of(args, full=5, quick=2)
+    passes = 1 if args.quick else PASSES
+    work = fresh_dir("loader")
+    pairs = [("raw", "hot"), ("webdataset", "hot"), ("files", "hot"), ("ours_f32", "hot"),
+             ("raw", "cold"), ("webdataset", "cold"), ("files", "cold")]
+    results, inputs = measure(args, FLUX_512, 128 if args.quick else 1024, 8, 64, passes, reps, pairs, work / "flux")
+    # The largest image family's samples (~16 MiB each): fewer of them, so the epoch reads as many bytes as
+    # ~2,700 FLUX.1 512² samples; one shard per 64 samples, as a 1 GiB unit of them holds.
+    big_pairs = [("raw", "hot"), ("webdataset", "hot"), ("raw", "cold"), ("webdataset", "cold")]
+    big, big_inputs = measure(args, FLUX2_DEV_1024, 32 if args.quick else 128, 8, 64, passes,
+                              reps_of(args, full=3, quick=1), big_pairs, work / "flux2")
+
+    def fig(name, who, mode, goal, notes, res=results, ins=inputs):
+        r = res[(who, mode)]
         cpu_ratios = [o / b for o, b in zip(r["ours_cpu"], r["base_cpu"])]
-        return figure(name, r["ours"], r["base"], "samples/s", goal, inputs, notes,
+        return figure(name, r["ours"], r["base"], "samples/s", goal, ins, notes,
                       details={"cpu_time_ratio": median(cpu_ratios),
                                "cpu_time_ratio_min_max": [median([min(cpu_ratios)]), median([max(cpu_ratios)])],
-                               "loader_construct_s_hot": median(construct)})
+                               "loader_construct_s_hot": median(r["construct"])})
 
     raw_note = ("raw: the shard files read sequentially 1 MiB at a time by one thread, bytes discarded (hot, "
                 "a page-cache memcpy); the loader copies each tensor once (os.preadv from the page cache "
@@ -206,6 +222,7 @@ def run(args) -> list:
                 "no shuffle buffer")
     files_note = ("files: one safetensors file per sample (same tensors), load_file in a shuffled order, "
                   "torch.stack per batch of 8")
+    big_note = "; FLUX.2 dev 1024² samples (family flux2: latents [128, 64, 64], prompt_embeds [512, 15360])"
     figures = [
         fig("1. loader vs raw sequential read (hot)", "raw", "hot", ">= 0.7", raw_note),
         fig("1. loader vs raw sequential read (cold)", "raw", "cold", ">= 0.7", raw_note),
@@ -214,6 +231,12 @@ def run(args) -> list:
         fig("2. loader vs one file per sample (hot)", "files", "hot", ">= 1.0", files_note),
         fig("2. loader vs one file per sample (cold)", "files", "cold", ">= 1.5", files_note),
     ]
+    for who, mode, goal, note in [("raw", "hot", ">= 0.7", raw_note), ("raw", "cold", ">= 0.7", raw_note),
+                                  ("webdataset", "hot", ">= 1.5", wds_note),
+                                  ("webdataset", "cold", ">= 1.5", wds_note)]:
+        base = "raw sequential read" if who == "raw" else "WebDataset + decode"
+        figures.append(fig(f"1c. loader vs {base} ({mode}), FLUX.2 dev 1024² samples", who, mode, goal,
+                           note + big_note, big, big_inputs))
     r = results[("ours_f32", "hot")]  # here "ours" is the bf16 pass and the baseline the float32 pass
     figures.append(figure("1. loader float32 output (as train() asks on CPU) vs bf16 output (hot)",
                           r["base"], r["ours"], "samples/s", None, inputs,
