@@ -42,13 +42,15 @@ class ModelConfig:
 
 def known_families() -> list[str]:
     """The model families latentmill caches and trains, found without importing them (no torch): one module
-    ``stages/family_<name>.py`` each, ``_`` in the module name for ``-`` in the family's
+    ``stages/family_<name>.py`` each, ``_`` in the module name for ``-`` in the family's, and for ``.``
+    between two digits (``family_wan2_2_ti2v``: ``wan2.2-ti2v``)
     (``latentmill.stages.families.FAMILIES`` registers their classes)."""
     import pkgutil
+    import re
 
     import latentmill.stages
 
-    return sorted(module.name.removeprefix("family_").replace("_", "-")
+    return sorted(re.sub(r"(?<=\d)_(?=\d)", ".", module.name.removeprefix("family_")).replace("_", "-")
                   for module in pkgutil.iter_modules(latentmill.stages.__path__) if module.name.startswith("family_"))
 
 

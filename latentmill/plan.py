@@ -44,6 +44,7 @@ SHIPPED_CONFIGS: dict[str, tuple[str, torch.dtype]] = {
     "black-forest-labs/FLUX.1-dev": ("FLUX.1-dev", torch.bfloat16),
     "Wan-AI/Wan2.1-T2V-14B-Diffusers": ("Wan2.1-T2V-14B-Diffusers", torch.float32),
     "Wan-AI/Wan2.1-T2V-1.3B-Diffusers": ("Wan2.1-T2V-1.3B-Diffusers", torch.float32),
+    "Wan-AI/Wan2.2-TI2V-5B-Diffusers": ("Wan2.2-TI2V-5B-Diffusers", torch.float32),
     "Tongyi-MAI/Z-Image-Turbo": ("Z-Image-Turbo", torch.bfloat16),
     "Qwen/Qwen-Image": ("Qwen-Image", torch.bfloat16),
     # Qwen-Image-Edit: the same 20B transformer fine-tuned for editing; its transformer and scheduler configs are
@@ -167,13 +168,14 @@ def resolve_model(pretrained: str) -> ModelSource:
 def _family(recipe: Recipe, folder: Path) -> str:
     if recipe.model.family != "auto":
         return recipe.model.family
-    from latentmill.stages.families import PIPELINE_FAMILIES
+    from latentmill.stages.families import FAMILIES, index_family
 
-    name = json.loads((folder / "model_index.json").read_text()).get("_class_name", "")
-    if name not in PIPELINE_FAMILIES:
-        raise ConfigError(f"model.family: cannot tell the family of a {name or 'unknown'} pipeline; set "
-                          f"model.family to one of {', '.join(sorted(set(PIPELINE_FAMILIES.values())))}")
-    return PIPELINE_FAMILIES[name]
+    index = json.loads((folder / "model_index.json").read_text())
+    family = index_family(index)
+    if family is None:
+        raise ConfigError(f"model.family: cannot tell the family of a {index.get('_class_name') or 'unknown'} "
+                          f"pipeline; set model.family to one of {', '.join(sorted(FAMILIES))}")
+    return family
 
 
 def layout(recipe: Recipe, nproc: int | None, nnodes: int | None) -> Layout:

@@ -89,9 +89,9 @@ def check_components(model: ModelConfig) -> None:
     index = json.loads((root / "model_index.json").read_text())
     pipeline = index.get("_class_name", "?")
     if model.family != "auto":
-        from latentmill.stages.families import PIPELINE_FAMILIES  # (imports torch: only when it decides)
+        from latentmill.stages.families import index_family  # (imports torch: only when it decides)
 
-        family = PIPELINE_FAMILIES.get(pipeline)
+        family = index_family(index)
         if family is not None and family != model.family:
             raise ConfigError(f"model.family: {model.family!r}, but {model.pretrained} is a {pipeline} (the "
                               f"{family!r} family); set model.family to {family!r} or 'auto'")
@@ -200,6 +200,19 @@ def check_edit_source(source: str, local: Path | None, reference_column: str | N
                               "name it with ingest.reference_column")
 
 
+def check_bucket_step(family: str, step: int) -> None:
+    """``bucket.step`` gives sizes the family's latents can patchify (its ``PIXEL_MULTIPLE``): a ConfigError
+    naming the key before any work, where training would refuse the whole cache."""
+    if family == "auto":
+        return
+    from latentmill.stages.families import family_class
+
+    multiple = family_class(family).PIXEL_MULTIPLE
+    if step % multiple:
+        raise ConfigError(f"bucket.step: {step} px, but {family} needs sizes in multiples of {multiple} px (VAE "
+                          f"downsampling x transformer patch); set bucket.step to {multiple} or a multiple of it")
+
+
 def check_recipe(recipe: Recipe, command: str) -> None:
     """Everything about ``recipe`` that can be checked before work starts, for ``command``
     (``prep``, ``train``, ``run`` or ``demo``); ConfigError or FileNotFoundError naming the key."""
@@ -209,6 +222,7 @@ def check_recipe(recipe: Recipe, command: str) -> None:
         check_model_ref(f"model.{name}", getattr(model, name))
     check_components(model)
     if command in ("prep", "run", "demo"):
+        check_bucket_step(model.family, recipe.bucket.step)
         source = recipe.ingest.require_source()
         local = _local_source(source)
         if local is not None and not local.exists():
@@ -225,6 +239,10 @@ def check_recipe(recipe: Recipe, command: str) -> None:
                                   "true over a source of pairs (docs/prep.md, \"Edit datasets\")")
         if recipe.caption.captioner == "transformers":
             check_model_ref("caption.model", recipe.caption.model)
+    if recipe.trainer.i2v_probability > 0 and model.family != "auto":
+        from latentmill.trainer.adapters import check_i2v
+
+        check_i2v(recipe.trainer.i2v_probability, model.family)
     if command == "train":
         from latentmill.pipelines.snapshot import resolve_snapshot
 

@@ -247,15 +247,16 @@ def load_recipe(recipe: str | os.PathLike[str] = DEFAULT_RECIPE_PATH) -> dict[st
     return data
 
 
-def read_sections(path: Path, components: Sequence[str], tokenizers: Sequence[str]
+def read_sections(path: Path, components: Sequence[str], tokenizers: Sequence[str], optional: Sequence[str] = ()
                   ) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
     """A tiny-model recipe's YAML as ``(data, components, tokenizers)``: exactly the named components, each
-    a mapping of constructor arguments, and the named tokenizers (a ConfigError naming the key otherwise)."""
+    a mapping of constructor arguments, and the named tokenizers (a ConfigError naming the key otherwise).
+    ``optional``: further top-level sections the recipe may have (left in ``data``)."""
     with Path(path).open(encoding="utf-8") as handle:
         data = yaml.safe_load(handle)
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: expected a mapping with 'components' and 'tokenizers'")
-    check_keys(data, ("components", "tokenizers"), f"{path}")
+    check_keys(data, ("components", "tokenizers", *(k for k in optional if k in data)), f"{path}")
     comps, toks = data["components"], data["tokenizers"]
     check_keys(comps, components, f"{path}: components")
     check_keys(toks, tokenizers, f"{path}: tokenizers")

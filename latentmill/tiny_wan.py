@@ -18,6 +18,9 @@ The result loads like the real thing::
     frames = pipe("a red ball", height=32, width=48, num_frames=9, num_inference_steps=2,
                   output_type="np").frames                            # (1, 9, 32, 48, 3)
 
+The Wan 2.2 TI2V-5B-class set (``data/tiny-wan2.2-ti2v.yaml``) is built by the same code: its recipe adds a
+``pipeline`` section (``expand_timesteps: true``) and the Wan 2.2 VAE's options (``is_residual``, ``patch_size``).
+
 Command line: ``python -m latentmill.tiny_wan OUT_DIR [--seed N] [--recipe PATH] [--if-missing]``.
 """
 
@@ -34,9 +37,12 @@ from latentmill.tinyio import pipeline_folder, tiny_cli
 
 DEFAULT_RECIPE_PATH: Path = Path(__file__).resolve().parents[1] / "data" / "tiny-wan.yaml"
 """The recipe shipped with the repository (``data/tiny-wan.yaml``)."""
+TI2V_RECIPE_PATH: Path = DEFAULT_RECIPE_PATH.with_name("tiny-wan2.2-ti2v.yaml")
+"""The Wan 2.2 TI2V-5B-class recipe (``data/tiny-wan2.2-ti2v.yaml``)."""
 
 _COMPONENTS = ("transformer", "vae", "text_encoder", "scheduler")
 _TOKENIZERS = ("tokenizer",)
+_PIPELINE_OPTIONS = ("expand_timesteps",)  # the WanPipeline config keys a recipe's ``pipeline`` section may set
 
 
 def load_recipe(recipe: str | os.PathLike[str] = DEFAULT_RECIPE_PATH) -> dict[str, Any]:
@@ -51,7 +57,10 @@ def load_recipe(recipe: str | os.PathLike[str] = DEFAULT_RECIPE_PATH) -> dict[st
             ``transformer.text_dim`` != ``text_encoder.d_model``). The message names the keys.
     """
     path = Path(recipe)
-    data, comps, toks = read_sections(path, _COMPONENTS, _TOKENIZERS)
+    data, comps, toks = read_sections(path, _COMPONENTS, _TOKENIZERS, optional=("pipeline",))
+    options = data.get("pipeline") or {}
+    if not isinstance(options, dict) or set(options) - set(_PIPELINE_OPTIONS):
+        raise ConfigError(f"pipeline: expected a mapping of {', '.join(_PIPELINE_OPTIONS)}; got {options!r}")
     if not isinstance(toks["tokenizer"], dict):
         raise ConfigError("tokenizers.tokenizer: expected a mapping of tokenizer settings")
 
@@ -103,10 +112,15 @@ def load_recipe(recipe: str | os.PathLike[str] = DEFAULT_RECIPE_PATH) -> dict[st
         f"components.vae.temperal_downsample: {len(down)} entries, expected len(dim_mult) - 1 "
         f"({len(vae['dim_mult']) - 1})",
     )
+    patch = vae.get("patch_size") or 1  # the Wan 2.2 VAE patchifies pixels (2 x 2) before its encoder
     require(
-        vae["scale_factor_spatial"] == 2 ** len(down),
-        f"components.vae.scale_factor_spatial: {vae['scale_factor_spatial']} != 2 ** {len(down)} "
-        "(one spatial downsampling per temperal_downsample entry)",
+        vae["scale_factor_spatial"] == 2 ** len(down) * patch,
+        f"components.vae.scale_factor_spatial: {vae['scale_factor_spatial']} != 2 ** {len(down)} x {patch} "
+        "(one spatial downsampling per temperal_downsample entry, times vae.patch_size)",
+    )
+    require(
+        vae.get("in_channels", 3) == vae.get("out_channels", 3) == 3 * patch**2,
+        f"components.vae.in_channels/out_channels: expected 3 x patch_size ** 2 = {3 * patch**2}",
     )
     require(
         vae["scale_factor_temporal"] == 2 ** sum(bool(d) for d in down),
@@ -194,6 +208,7 @@ def _build_pipeline(data: dict[str, Any], seed: int) -> Any:
         vae=vae.eval(),
         scheduler=scheduler,
         transformer=transformer.eval(),
+        **(data.get("pipeline") or {}),
     )
 
 

@@ -56,11 +56,16 @@ class Encoders(ABC):
 
     name: ClassVar[str]  # the family's id (``model.family``)
     PIPELINES: ClassVar[tuple[str, ...]]  # model_index.json ``_class_name`` values that mean this family
+    # model_index.json values that tell this family from another of the same pipeline class (a missing key
+    # reads as null): Wan 2.2 TI2V is a WanPipeline with ``expand_timesteps: true``
+    PIPELINE_CONFIG: ClassVar[dict[str, Any]] = {}
     COMPONENTS: ClassVar[tuple[str, ...]]  # the components whose weights decide the cached streams
     STREAMS: ClassVar[tuple[Stream, ...]]
     # (module, class) pairs the encoders are built from: imported ahead by the CLI (import_encoder_classes)
     CLASS_IMPORTS: ClassVar[tuple[tuple[str, str], ...]] = ()
     VAE_FLOAT32: ClassVar[bool] = False  # the VAE runs in float32 even on a GPU
+    # bucket sizes must be multiples of this many pixels: the VAE's spatial factor x the transformer's patch
+    PIXEL_MULTIPLE: ClassVar[int] = 16
     # the text encoder sees the edit pair's source image: encode_text gets ``images`` (PIL, one per caption)
     # and a text component is keyed by the caption and that image's bytes
     TEXT_SEES_REFERENCE: ClassVar[bool] = False

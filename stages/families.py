@@ -10,7 +10,8 @@ holds the registry and what every family shares:
 - ``qwen-image-edit`` (Qwen-Image-Edit): :mod:`latentmill.stages.family_qwen_image_edit` (Qwen-Image's, plus the
   edit's source image);
 - ``flux2`` (FLUX.2 [dev]): :mod:`latentmill.stages.family_flux2`;
-- ``flux2-klein`` (FLUX.2 [klein]): :mod:`latentmill.stages.family_flux2_klein` (the VAE side is flux2's).
+- ``flux2-klein`` (FLUX.2 [klein]): :mod:`latentmill.stages.family_flux2_klein` (the VAE side is flux2's);
+- ``wan2.2-ti2v`` (Wan 2.2 TI2V-5B): :mod:`latentmill.stages.family_wan2_2_ti2v`.
 
 Adding a family = one module with an ``Encoders`` subclass and one entry in ``FAMILIES``.
 """
@@ -42,6 +43,7 @@ from latentmill.stages.family_flux2_klein import Flux2KleinEncoders
 from latentmill.stages.family_qwen_image import QwenImageEncoders
 from latentmill.stages.family_qwen_image_edit import QwenImageEditEncoders
 from latentmill.stages.family_wan import WanEncoders
+from latentmill.stages.family_wan2_2_ti2v import WanTI2VEncoders
 from latentmill.stages.family_z_image import ZImageEncoders
 
 from latentmill.core.config import ConfigError
@@ -49,12 +51,13 @@ from latentmill.models import ModelConfig, component_source, read_component_conf
 
 FAMILIES: dict[str, type[Encoders]] = {cls.name: cls for cls in (FluxEncoders, WanEncoders, ZImageEncoders,
                                                                 QwenImageEncoders, QwenImageEditEncoders, Flux2Encoders,
-                                                                Flux2KleinEncoders)}
-# model_index.json `_class_name` -> family
-PIPELINE_FAMILIES = {pipeline: cls.name for cls in FAMILIES.values() for pipeline in cls.PIPELINES}
+                                                                Flux2KleinEncoders, WanTI2VEncoders)}
+# model_index.json `_class_name` -> family, when the class alone decides (index_family: also its config)
+PIPELINE_FAMILIES = {pipeline: cls.name for cls in FAMILIES.values() if not cls.PIPELINE_CONFIG
+                     for pipeline in cls.PIPELINES}
 
-__all__ = ["FAMILIES", "PIPELINE_FAMILIES", "Encoders", "Stream", "FluxEncoders", "WanEncoders", "Flux2Encoders",
-           "Flux2KleinEncoders"]
+__all__ = ["FAMILIES", "PIPELINE_FAMILIES", "index_family", "Encoders", "Stream", "FluxEncoders", "WanEncoders",
+           "Flux2Encoders", "Flux2KleinEncoders"]
 
 
 def family_class(family: str) -> type[Encoders]:
@@ -64,6 +67,15 @@ def family_class(family: str) -> type[Encoders]:
     except KeyError:
         raise ConfigError(f"model.family: {family!r} is not a known family; allowed: 'auto', "
                           f"{', '.join(repr(f) for f in FAMILIES)}") from None
+
+
+def index_family(index: dict[str, Any]) -> str | None:
+    """The family of a pipeline's ``model_index.json``: of the families that list its ``_class_name``, the one
+    whose ``PIPELINE_CONFIG`` matches the most keys (Wan 2.2 TI2V's ``expand_timesteps`` before Wan 2.1's
+    plain WanPipeline); None when no family lists it."""
+    matches = [cls for cls in FAMILIES.values() if index.get("_class_name") in cls.PIPELINES
+               and all(index.get(key) == value for key, value in cls.PIPELINE_CONFIG.items())]
+    return max(matches, key=lambda cls: len(cls.PIPELINE_CONFIG)).name if matches else None
 
 
 def detect_family(model: ModelConfig) -> str:
@@ -77,11 +89,11 @@ def detect_family(model: ModelConfig) -> str:
         from huggingface_hub import hf_hub_download
 
         index = json.loads(Path(hf_hub_download(model.pretrained, "model_index.json")).read_text())
-    name = index.get("_class_name", "")
-    if name not in PIPELINE_FAMILIES:
-        raise ConfigError(f"model.family: cannot tell the family of a {name or 'unknown'} pipeline; set "
-                          f"model.family to one of {', '.join(repr(f) for f in FAMILIES)}")
-    return PIPELINE_FAMILIES[name]
+    family = index_family(index)
+    if family is None:
+        raise ConfigError(f"model.family: cannot tell the family of a {index.get('_class_name') or 'unknown'} "
+                          f"pipeline; set model.family to one of {', '.join(repr(f) for f in FAMILIES)}")
+    return family
 
 
 def compute_dtypes(family: str, device: torch.device) -> dict[str, torch.dtype]:

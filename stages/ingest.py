@@ -21,6 +21,7 @@ come out of it one at a time, so a plan holds one unit's entries, whatever the s
 
 from __future__ import annotations
 
+import hashlib
 import json
 import marshal
 import os
@@ -170,28 +171,54 @@ def stat_signature(members: list[Entry], fp: dict[str, Any], cut: list[int]) -> 
 
     A refresh that finds a unit's signature remembered (``FileHashes.signature``) takes the unit id and the
     entries' identities from that unit's committed record instead of looking up every file's digest: the
-    same ids, from one ``stat`` per file. It is only an accelerator: a fresh clone (other mtimes and
-    inodes) misses it and finds the same ids from the bytes.
+    same ids, from one ``stat`` per file, made when the file is listed (:func:`entry_stat`). It is only an
+    accelerator: a fresh clone (other mtimes and inodes) misses it and finds the same ids from the bytes.
     """
     now = time.time()
-    rows = []
-    for entry in members:
-        if entry.error or is_remote(entry.uri):
-            return None
-        stats = []
-        for path in (entry.uri, *entry.sidecars, *([entry.reference] if entry.reference else [])):
-            try:
-                st = os.stat(path)
-            except OSError:
-                return None
-            if now - st.st_mtime_ns / 1e9 < FileHashes.RACY_SECONDS:
-                return None
-            stats.append((st.st_size, st.st_mtime_ns, st.st_ino))
-        if entry.reference is not None and is_remote(entry.reference):
-            return None
-        rows.append([entry.id, entry.uri, entry.caption, entry.sha256, stats]
-                    + ([entry.reference] if entry.reference is not None else []))
-    return stable_hash({"fingerprint": fp, CUT_KEY: cut, "stats": rows})
+    return _unit_signature(_signature_head(fp, cut), [entry_stat(e, now)[1] for e in members])
+
+
+def _signature_head(fp: dict[str, Any], cut: list[int]) -> bytes:
+    return stable_hash({"fingerprint": fp, CUT_KEY: cut}).encode()
+
+
+def _unit_signature(head: bytes, signatures: list[bytes | None]) -> str | None:
+    """A unit's signature from its entries' (``entry_stat``), in id order; None when one has none."""
+    if not all(signatures):
+        return None
+    return hashlib.sha256(head + b"".join(signatures)).hexdigest()  # (marshal's bytes delimit themselves)
+
+
+def _local_files(entry: Entry) -> list[str]:
+    """The local files an entry's identity reads: the file, its sidecars, an edit pair's source image."""
+    if is_remote(entry.uri):
+        return []
+    reference = [entry.reference] if entry.reference and not is_remote(entry.reference) else []
+    return [entry.uri, *entry.sidecars, *reference]
+
+
+def entry_stat(entry: Entry, now: float) -> tuple[int, bytes | None, int]:
+    """One ``stat`` of each of an entry's local files: its estimated bytes (:func:`entry_bytes`), its share
+    of a unit's :func:`stat_signature` (its id, location, caption and stats, marshalled; None when it has
+    none; ``now`` is the time racy files are judged against) and how many local files it has."""
+    files = _local_files(entry)
+    if entry.error or not files or (entry.reference is not None and is_remote(entry.reference)):
+        return _estimate(entry, None), None, len(files)
+    stats = []
+    newest = 0
+    for path in files:
+        try:
+            st = os.stat(path)
+        except OSError:
+            return _estimate(entry, stats[0][0] if stats else 0), None, len(files)
+        stats.append((st.st_size, st.st_mtime_ns, st.st_ino))
+        newest = max(newest, st.st_mtime_ns)
+    size = _estimate(entry, stats[0][0])
+    if now - newest / 1e9 < FileHashes.RACY_SECONDS:
+        return size, None, len(files)
+    # marshal version 2: no back-references, whose use depends on reference counts, so equal rows give equal bytes
+    row = (entry.id, entry.uri, entry.caption, entry.sha256, stats, entry.reference)
+    return size, marshal.dumps(row, 2), len(files)
 
 
 def hash_byte_groups(ids: list[str], sizes: list[int] | None, max_size: int,
@@ -222,10 +249,10 @@ def layout(ids: list[str], previous: list[list[str]], max_size: int, sizes: list
     :func:`plan` streams (:meth:`latentmill.stages.scratch.Scratch.groups`), here over lists.
     """
     with Scratch(memory=True) as scratch:
-        scratch.add_entries((i, sizes[n] if sizes is not None else 0, None) for n, i in enumerate(ids))
+        scratch.add_entries((i, sizes[n] if sizes is not None else 0, None, None) for n, i in enumerate(ids))
         for group in previous:
             scratch.add_previous(None, group)
-        return list(scratch.groups(max_size, target if sizes is not None else None))
+        return [[row[0] for row in group] for group in scratch.groups(max_size, target if sizes is not None else None)]
 
 
 def entry_bytes(entry: Entry) -> int:
@@ -233,11 +260,16 @@ def entry_bytes(entry: Entry) -> int:
     remote image ``REMOTE_IMAGE_BYTES`` (its size is not asked for); a video (a reference) or an entry that
     will be quarantined only a json. An estimate decides only how entries are grouped, never a shard's bytes.
     """
+    return _estimate(entry, None)
+
+
+def _estimate(entry: Entry, size: int | None) -> int:
+    """:func:`entry_bytes`, given the local file's ``size`` (None: stat it when it matters)."""
     if entry.error or entry.suffix not in IMAGE_EXTENSIONS:
         return JSON_TAR_BYTES
     if is_remote(entry.uri):
         size = REMOTE_IMAGE_BYTES
-    else:
+    elif size is None:
         try:
             size = os.stat(entry.uri).st_size
         except OSError:
@@ -287,7 +319,6 @@ def plan(cfg: IngestConfig, stage_dir: StageDir | None = None) -> Iterator[WorkU
         hashes = FileHashes(stage_dir.root / HASHES_FILE if stage_dir is not None else None)
         try:
             yield from _plan_entries(cfg, stage_dir, source, scratch, hashes, fp)
-            hashes.save()
         finally:
             hashes.close()
 
@@ -295,37 +326,61 @@ def plan(cfg: IngestConfig, stage_dir: StageDir | None = None) -> Iterator[WorkU
 def _plan_entries(cfg: IngestConfig, stage_dir: StageDir | None, source, scratch: Scratch, hashes: FileHashes,
                   fp: dict[str, Any]) -> Iterator[WorkUnit]:
     """The units of a folder, list or manifest source: its entries streamed into ``scratch``, grouped there,
-    and each group read back, identified and written out as one unit."""
-    # Odd files (unknown extensions) are entries too: they get quarantined, so nothing disappears silently.
-    scratch.add_entries((e.id, entry_bytes(e), _packed(e)) for e in source.iter_entries(scratch))
+    and each group read back, identified and written out as one unit.
+
+    Each file is stat'ed once, as it is listed, for its estimated bytes and its share of the unit's
+    signature. A group whose signature names a committed unit with the same entries is that unit: its
+    entries are not read back, and its files' digests are neither looked up nor named to the store (which
+    forgets digests only when it holds more files than were listed)."""
+    now, files = time.time(), 0
+
+    def rows() -> Iterator[tuple[str, int, bytes, bytes | None]]:
+        nonlocal files
+        # Odd files (unknown extensions) are entries too: they get quarantined, so nothing disappears silently.
+        for entry in source.iter_entries(scratch):
+            size, signature, count = entry_stat(entry, now)
+            files += count
+            yield entry.id, size, _packed(entry), signature
+
+    scratch.add_entries(rows())
     cut = [cfg.shard_bytes, cfg.shard_size]
+    head = _signature_head(fp, cut)
     kept = previous_groups(stage_dir, cfg.shard_size, cfg.shard_bytes, scratch)
     for group in scratch.groups(cfg.shard_size, cfg.shard_bytes):
         if not group:  # new entries each over the byte target split into more pieces than entries
             continue
-        rows = scratch.entries_at(group)
-        members = sorted((_unpacked(rows[pos][0]) for pos in group), key=lambda e: e.id)
-        paths = [p for e in members if not is_remote(e.uri)
-                 for p in (e.uri, *e.sidecars, *([e.reference] if e.reference and not is_remote(e.reference) else []))]
-        signature = stat_signature(members, fp, cut)
+        group.sort(key=lambda row: row[1])  # by id (stable: an id listed twice keeps its order)
+        order = [row[0] for row in group]
+        signature = _unit_signature(head, [row[3] for row in group])
         known = hashes.signature(signature) if signature and kept else None  # a unit id of the last run
         record = scratch.previous_unit(known) if known else None
-        if record is not None and record[0] == [e.id for e in members]:
+        members, committed = None, False
+        if record is not None and record[0] == [row[1] for row in group]:
             unit_id, ids = known, record[1]  # unchanged files: no digest looked up
-            hashes.touch(paths)
+            committed = True  # (previous_groups read its record, shards and all)
         else:
-            hashes.prefetch(paths)
+            members = _members(scratch, order)
+            hashes.prefetch([p for e in members for p in _local_files(e)])
             ids = [_entry_identity(e, hashes) for e in members]
             unit_id = stable_hash({"fingerprint": fp, CUT_KEY: cut, "inputs": ids})
         if signature:
             hashes.remember_signature(signature, unit_id)
         payload = {"kind": "entries", "root": source.root, CUT_KEY: cut,
-                   "estimated_bytes": sum(rows[pos][1] for pos in group)}
-        if stage_dir is None or stage_dir.load_record(unit_id) is None:
+                   "estimated_bytes": sum(row[2] for row in group)}
+        if not committed and (stage_dir is None or stage_dir.load_record(unit_id) is None):
             # the entries as one JSON string, read back by the unit (unit_items): one object per unit, not a
             # dict per file; a committed unit never runs, so a refresh writes none for what it reuses
+            members = members if members is not None else _members(scratch, order)
             payload[ITEMS_KEY] = json.dumps([_entry_json(e) for e in members])
-        yield WorkUnit(unit_id=unit_id, inputs=ids, payload=payload, samples_in=len(members))
+        yield WorkUnit(unit_id=unit_id, inputs=ids, payload=payload, samples_in=len(order))
+    hashes.save(listed=files, list_files=lambda: (
+        p for packed in scratch.every_packed() for p in _local_files(_unpacked(packed))))
+
+
+def _members(scratch: Scratch, order: list[int]) -> list[Entry]:
+    """The entries at the listing positions ``order``, in that order."""
+    packed = scratch.packed_at(order)
+    return [_unpacked(packed[pos]) for pos in order]
 
 
 def _has_video_member(shard: str) -> bool:

@@ -81,8 +81,11 @@ class Entry:
 
     @property
     def suffix(self) -> str:
-        name = self.id.split("?", 1)[0].rsplit("/", 1)[-1]
-        return os.path.splitext(name)[1].lower()
+        """The lowercased extension of the id's last path part (``os.path.splitext``'s, without a query)."""
+        name = self.id.split("?", 1)[0] if "?" in self.id else self.id
+        name = name[name.rfind("/") + 1:]
+        dot = name.rfind(".")
+        return name[dot:].lower() if dot > 0 and name[:dot].lstrip(".") else ""
 
     def to_json(self) -> dict[str, Any]:
         data = asdict(self)
@@ -192,10 +195,12 @@ def _visible(it: Iterator[os.DirEntry]) -> Iterator[tuple[str, int]]:
     for entry in it:
         if entry.name.startswith("."):
             continue
-        if entry.is_dir(follow_symlinks=False):
+        if entry.is_file(follow_symlinks=False):  # the common case first: one call per plain file
+            yield entry.name, FILE
+        elif entry.is_dir(follow_symlinks=False):
             yield entry.name, FOLDER
-        elif entry.is_file():  # a file, or a symlink to one
-            yield entry.name, LINK if entry.is_symlink() else FILE
+        elif entry.is_file():  # a symlink to a file
+            yield entry.name, LINK
 
 
 def _walk(folder: str, rel: str, scratch: Scratch, edit: bool = False) -> Iterator[Entry]:
@@ -208,6 +213,7 @@ def _walk(folder: str, rel: str, scratch: Scratch, edit: bool = False) -> Iterat
     """
     with os.scandir(folder) as it:
         number = scratch.add_folder(_visible(it))
+    prefix = os.path.join(folder, "")  # a name's path: prefix + name (a scandir name holds no separator)
     for page in scratch.folder_names(number):
         split = {name: _split_suffix(name) for name, kind in page if kind != FOLDER}
         media = {name: stem for name, (stem, suffix) in split.items() if suffix.lower() not in SIDECAR_EXTENSIONS
@@ -222,20 +228,18 @@ def _walk(folder: str, rel: str, scratch: Scratch, edit: bool = False) -> Iterat
             present |= scratch.files_among(number, sorted({n for names in wanted.values() for n in names} | {
                 base + ext for base in sources.values() for ext in IMAGE_EXTENSIONS}))
         for name, kind in page:
-            path = os.path.join(folder, name)
             if kind == FOLDER:
-                yield from _walk(path, rel + name + "/", scratch, edit)
+                yield from _walk(prefix + name, rel + name + "/", scratch, edit)
             elif name in media:
-                stem = media[name]
-                sidecars = tuple(os.path.join(folder, stem + ext) for ext in SIDECAR_EXTENSIONS
-                                 if stem + ext in present)
+                stem, path = media[name], prefix + name
+                sidecars = tuple(prefix + stem + ext for ext in SIDECAR_EXTENSIONS if stem + ext in present)
                 entry = Entry(rel + name, os.path.realpath(path) if kind == LINK else path, sidecars=sidecars)
                 if edit:
                     found = next((n for n in wanted[name] if n in present), None)
-                    entry.reference = os.path.join(folder, found) if found else None
+                    entry.reference = prefix + found if found else None
                 yield entry
             elif edit and name in sources and not any(sources[name] + ext in present for ext in IMAGE_EXTENSIONS):
-                yield Entry(rel + name, path, error=f"edit pair: a source image without its target "
+                yield Entry(rel + name, prefix + name, error=f"edit pair: a source image without its target "
                                                     f"({rel}{sources[name]}.<image extension>)")
     scratch.drop_folder(number)
 

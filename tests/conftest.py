@@ -197,6 +197,14 @@ def tiny_wan(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_wan_ti2v(tmp_path_factory) -> Path:
+    """A complete tiny Wan 2.2 TI2V WanPipeline folder built from data/tiny-wan2.2-ti2v.yaml with seed 0."""
+    from latentmill.tiny_wan import TI2V_RECIPE_PATH, build_tiny_wan
+
+    return build_tiny_wan(tmp_path_factory.mktemp("models") / "tiny-wan2.2-ti2v", TI2V_RECIPE_PATH, seed=0)
+
+
+@pytest.fixture(scope="session")
 def tiny_zimage(tmp_path_factory) -> Path:
     """A complete tiny ZImagePipeline folder built from data/tiny-z-image.yaml with seed 0."""
     from latentmill.tiny_zimage import build_tiny_zimage

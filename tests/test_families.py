@@ -4,7 +4,7 @@ together (its streams, components and pipelines), without loading a model."""
 from __future__ import annotations
 
 from latentmill.stages.encoders import Encoders, Stream
-from latentmill.stages.families import FAMILIES, PIPELINE_FAMILIES
+from latentmill.stages.families import FAMILIES, PIPELINE_FAMILIES, index_family
 
 from latentmill.models import known_families
 
@@ -13,8 +13,8 @@ def test_every_family_module_is_registered_under_its_name():
     assert sorted(FAMILIES) == known_families()
     for name, cls in FAMILIES.items():
         assert issubclass(cls, Encoders) and cls.name == name
-        assert cls.__module__ == "latentmill.stages.family_" + name.replace("-", "_")
-        assert all(PIPELINE_FAMILIES[p] == name for p in cls.PIPELINES)
+        assert cls.__module__ == "latentmill.stages.family_" + name.replace("-", "_").replace(".", "_")
+        assert all(index_family({"_class_name": p, **cls.PIPELINE_CONFIG}) == name for p in cls.PIPELINES)
 
 
 def test_each_family_declares_one_latents_stream_and_named_text_streams():
@@ -43,7 +43,6 @@ def test_a_masked_text_stream_cannot_be_stored_untrimmed(tmp_path):
 
     import pytest
     from latentmill.stages.cache import CacheConfig, CachePlan
-    from latentmill.stages.families import PIPELINE_FAMILIES
 
     from latentmill.core.config import ConfigError
     from latentmill.models import ModelConfig

@@ -230,6 +230,24 @@ def test_a_folder_is_listed_with_one_scandir_per_folder_and_no_stat_per_file(tmp
     # a few per path component of the root (its checks, its resolution) and of the one symlinked file (its
     # resolution), none per plain file: 20 here; the pathlib listing made about 4 per file (over 800)
     assert calls["stat"] <= 40, calls
+    # folders over the scratch's in-memory bound (here "sub", 202 names) are sorted by SQLite: the same listing
+    from latentmill.stages import scratch
+
+    monkeypatch.setattr(scratch, "FOLDER_MEMORY", 5)
+    assert [(e.id, e.uri, e.sidecars) for e in list_source(str(src)).entries] == expected
+
+
+def test_an_entry_suffix_is_the_extension_os_path_splitext_finds():
+    import os
+
+    from latentmill.stages.sources import Entry
+
+    rng = random.Random(5)
+    ids = ["a.JPG", "a.", ".jpg", "..jpg", "a.b.c", "dir.d/name", "x/.hidden", "u?v.jpg", "x.png?y.z", ""]
+    ids += ["".join(rng.choice("ab./?.XJ") for _ in range(rng.randrange(9))) for _ in range(5000)]
+    for entry_id in ids:
+        name = entry_id.split("?", 1)[0].rsplit("/", 1)[-1]
+        assert Entry(entry_id, "").suffix == os.path.splitext(name)[1].lower(), entry_id
 
 
 def test_unchanged_units_are_planned_from_file_metadata(photos, tmp_path, monkeypatch):
@@ -291,3 +309,117 @@ def test_unchanged_units_are_planned_from_file_metadata(photos, tmp_path, monkey
     fp, cut = ingest.fingerprint(cfg), [cfg.shard_bytes, cfg.shard_size]
     assert ingest.stat_signature([e for e in members if e.id == "p011.jpg"], fp, cut) is None
     assert ingest.stat_signature([e for e in members if e.id == "p012.jpg"], fp, cut) is not None
+
+
+def _aged(folder: Path, ns: int = 1_700_000_000_000_000_000) -> None:
+    """Every file of ``folder`` modified long ago: outside FileHashes' racy window, so signatures are kept."""
+    import os
+
+    for path in folder.iterdir():
+        os.utime(path, ns=(ns, ns))
+
+
+def test_a_refresh_of_unchanged_files_stats_each_once_and_reads_none(photos, tmp_path, monkeypatch):
+    """An unchanged refresh: one ``stat`` per file (image and sidecar), as it is listed, and no digest looked
+    up or file read; every unit is the committed one."""
+    import os
+    from collections import Counter
+
+    from latentmill.core.filehashes import FileHashes
+
+    _aged(photos)
+    cfg = IngestConfig(source=str(photos), shard_bytes=TARGET)
+    sd = StageDir(tmp_path / "ingest", "ingest").ensure()
+    first, _ = _run(cfg, sd)
+    list(ingest.plan(cfg, sd))  # remembers the signatures (the first run hashed, after it was planned)
+    stats, digests = Counter(), {"n": 0}
+    real_stat, real_sha256 = os.stat, FileHashes.sha256
+
+    def counting_stat(path, *args, **kwargs):
+        stats[str(path)] += 1
+        return real_stat(path, *args, **kwargs)
+
+    def counting_sha256(self, path):
+        digests["n"] += 1
+        return real_sha256(self, path)
+
+    monkeypatch.setattr(os, "stat", counting_stat)
+    monkeypatch.setattr(FileHashes, "sha256", counting_sha256)
+    again = list(ingest.plan(cfg, sd))
+    monkeypatch.undo()
+    files = {str(p) for p in photos.iterdir()}
+    assert len(files) == 80 and {p: n for p, n in stats.items() if p in files} == {p: 1 for p in files}
+    assert digests["n"] == 0
+    assert sorted((u.unit_id, u.inputs) for u in again) == sorted((u.unit_id, u.inputs) for u in first)
+    assert all(ITEMS_KEY not in u.payload and sd.load_record(u.unit_id) is not None for u in again)
+
+
+def test_a_touched_or_edited_file_of_a_kept_unit_is_noticed(photos, tmp_path):
+    """A file of a kept unit with a new mtime and the same bytes sends its unit to the digests and keeps its
+    id (reused, shards unchanged); a caption edited to the same size with a new mtime gives its unit a new
+    id, and the new raw shard holds the new caption while every other shard keeps its bytes."""
+    import os
+
+    from latentmill.core import filehashes
+
+    _aged(photos)
+    cfg = IngestConfig(source=str(photos), shard_bytes=TARGET)
+    sd = StageDir(tmp_path / "ingest", "ingest").ensure()
+    first, _ = _run(cfg, sd)
+    list(ingest.plan(cfg, sd))
+    before = _shards(sd)
+    reads = []
+    real_read = filehashes.sha256_file
+
+    def counting_read(path):
+        reads.append(os.path.basename(path))
+        return real_read(path)
+
+    filehashes.sha256_file = counting_read
+    try:
+        old = 1_700_000_000_000_000_000
+        os.utime(photos / "p005.jpg", ns=(old + 10**9, old + 10**9))
+        touched = list(ingest.plan(cfg, sd))
+        assert reads == ["p005.jpg"]  # the unit's other files' digests are remembered
+        assert sorted(u.unit_id for u in touched) == sorted(u.unit_id for u in first)
+
+        caption = photos / "p009.txt"
+        caption.write_text("photo numbeR 9\n")
+        os.utime(caption, ns=(old + 2 * 10**9, old + 2 * 10**9))
+        reads.clear()
+        edited, _ = _run(cfg, sd)
+    finally:
+        filehashes.sha256_file = real_read
+    assert reads == ["p009.txt"]
+    changed = {u.unit_id for u in edited} - {u.unit_id for u in first}
+    assert len(changed) == 1 and len(edited) == len(first)
+    after = _shards(sd)
+    assert len(set(after.values()) - set(before.values())) == 1  # one new raw shard, the rest byte for byte
+    record = sd.load_record(changed.pop())
+    samples = [s for shard in record.shards for s in read_shard(sd.root / shard.path)]
+    captions = {json.loads(s["json"])["source"]: json.loads(s["json"])["sidecar_caption"] for s in samples}
+    assert captions["p009.jpg"] == "photo numbeR 9"
+
+
+def test_the_digest_store_forgets_removed_files_only(photos, tmp_path):
+    """A refresh names no file of a kept unit to the digest store, and the store keeps their digests; when it
+    holds more files than were listed (files removed), it forgets exactly the removed ones."""
+    import sqlite3
+
+    _aged(photos)
+    cfg = IngestConfig(source=str(photos), shard_bytes=TARGET)
+    sd = StageDir(tmp_path / "ingest", "ingest").ensure()
+    _run(cfg, sd)
+
+    def stored() -> set[str]:
+        with sqlite3.connect(sd.root / ingest.HASHES_FILE) as db:
+            return {Path(row[0]).name for row in db.execute("SELECT path FROM files")}
+
+    everything = {p.name for p in photos.iterdir()}
+    for _ in range(2):  # the second refresh keeps every unit by its signature
+        list(ingest.plan(cfg, sd))
+        assert stored() == everything
+    (photos / "p003.jpg").unlink()
+    (photos / "p003.txt").unlink()
+    list(ingest.plan(cfg, sd))
+    assert stored() == everything - {"p003.jpg", "p003.txt"}

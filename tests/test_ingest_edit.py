@@ -45,6 +45,19 @@ def _check_pair(sample: dict, target: bytes, source: bytes, caption: str) -> Non
     assert meta["sidecar_caption"] == caption
 
 
+def test_a_lone_source_image_is_listed_at_its_own_path(tmp_path):
+    """A source image without its target, first in its folder, is an entry at its own path, with the reason."""
+    from latentmill.stages.sources import list_source
+
+    src = tmp_path / "edits"
+    _image(src / "d.src.jpg", (32, 32), (4, 5, 6))
+    _image(src / "e.jpg", (32, 32), (1, 2, 3))
+    lone, target = list_source(str(src), edit=True).entries
+    assert (lone.id, lone.uri) == ("d.src.jpg", str((src / "d.src.jpg").resolve()))
+    assert lone.error == "edit pair: a source image without its target (d.<image extension>)"
+    assert (target.id, target.error, target.reference) == ("e.jpg", None, None)
+
+
 def test_sidecar_pairs_are_one_sample_and_incomplete_ones_are_quarantined(tmp_path):
     src = tmp_path / "edits"
     a, a_src = _image(src / "a.jpg", (64, 48), (200, 0, 0)), _image(src / "a.src.png", (40, 40), (0, 0, 200))

@@ -95,7 +95,7 @@ def write_fake_cache(
     """Write a cache-stage output: ``buckets`` maps [width, height, frames] -> sample count. Returns the manifest.
 
     Latents are random normal, [channels, H/8, W/8] for ``family`` flux and [channels, (F-1)/4+1, H/8, W/8]
-    for wan (``smooth``: one random value per channel, constant over space and time, which a tiny model can
+    for wan (H/16, W/16 for wan2.2-ti2v; ``smooth``: one random value per channel, constant over space and time, which a tiny model can
     memorise in a few dozen steps); ``latents="distribution"`` adds a ``latents_std`` in [0.05, 0.15).
     Text embeddings are random normal; ``trimmed``: each sample holds 2..seq_len real tokens and the
     manifest says ``text: {trimmed: true, pad_to: seq_len}``. ``empty_prompt.safetensors`` holds the empty
@@ -123,8 +123,9 @@ def write_fake_cache(
                 if same:
                     gen.set_state(bucket_start)
                 key = f"s{n:05d}"
-                space = (height // 8, width // 8)
-                if family == "wan":
+                down = 16 if family == "wan2.2-ti2v" else 8  # the Wan 2.2 VAE: 16x spatial
+                space = (height // down, width // down)
+                if family.startswith("wan"):
                     space = ((frames - 1) // 4 + 1, *space)
                 if smooth:
                     x = torch.randn(channels, *[1] * len(space), generator=gen).expand(-1, *space)
@@ -157,7 +158,7 @@ def write_fake_cache(
                     out.add(sample, bucket=list(bucket))
 
             records.append(stage.run_unit(unit, process))
-    if family == "wan":
+    if family.startswith("wan"):
         models = {
             "vae": {
                 "class": "AutoencoderKLWan",

@@ -193,6 +193,9 @@ class ModelAdapter(ABC):
     # the cache streams (batch columns) the forward reads, checked against the cache manifest's streams
     streams: tuple[str, ...] = ("latents", "prompt_embeds")
     latent_ndim: int = 3  # of one sample: 3 = image [C, H, W], 4 = video [C, F, H, W]
+    # the model conditions a video on an image as its clean first latent frame (trainer.i2v_probability): the
+    # forward then reads the batch's ``first_frame_mask`` (latentmill.trainer.objective.first_frame_mask)
+    first_frame_conditioning: bool = False
 
     @staticmethod
     def diffusers_class(name: str) -> type:

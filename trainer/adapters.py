@@ -11,12 +11,16 @@ from latentmill.trainer.flux import FluxAdapter
 from latentmill.trainer.flux2 import Flux2Adapter, Flux2KleinAdapter
 from latentmill.trainer.qwen_image import QwenImageAdapter, QwenImageEditAdapter
 from latentmill.trainer.wan import WanAdapter
+from latentmill.trainer.wan22_ti2v import WanTI2VAdapter
 from latentmill.trainer.zimage import ZImageAdapter
+
+from latentmill.core.config import ConfigError
 
 ADAPTERS: dict[str, type[ModelAdapter]] = {"flux": FluxAdapter, "wan": WanAdapter, "z-image": ZImageAdapter,
                                             "qwen-image": QwenImageAdapter, "qwen-image-edit": QwenImageEditAdapter,
                                             "flux2": Flux2Adapter,
                                             "flux2-klein": Flux2KleinAdapter}
+ADAPTERS["wan2.2-ti2v"] = WanTI2VAdapter
 
 
 def get_adapter(family: str) -> ModelAdapter:
@@ -25,3 +29,11 @@ def get_adapter(family: str) -> ModelAdapter:
         return ADAPTERS[family]()
     except KeyError:
         raise ValueError(f"unknown model family {family!r}; known: {', '.join(sorted(ADAPTERS))}") from None
+
+
+def check_i2v(i2v_probability: float, family: str) -> None:
+    """A ConfigError when ``trainer.i2v_probability`` asks for image-to-video of a family that cannot do it."""
+    if i2v_probability > 0 and not get_adapter(family).first_frame_conditioning:
+        able = sorted(f for f, cls in ADAPTERS.items() if cls.first_frame_conditioning)
+        raise ConfigError(f"trainer.i2v_probability: {i2v_probability}, but family {family!r} does not condition on "
+                          f"a first-frame image; set it to 0, or train one of {', '.join(able)}")

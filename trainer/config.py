@@ -56,6 +56,9 @@ class TrainerConfig:
     # models without one (Wan): only the classifier-free guidance scale of validation samples
     guidance_scale: float = 3.5
     caption_dropout: float = 0.0  # per-sample probability of training on the empty prompt instead
+    # per-sample probability of training image-to-video: latent frame 0 stays clean as the image condition
+    # (families whose adapter has first_frame_conditioning: Wan 2.2 TI2V); 0: text-to-video only
+    i2v_probability: float = 0.0
     # --- LoRA (mode: lora) ---
     lora_rank: int = 16
     lora_alpha: float = 16.0
@@ -132,6 +135,8 @@ class TrainerConfig:
             )
         if not 0.0 <= self.caption_dropout <= 1.0:
             raise ConfigError(f"trainer.caption_dropout: must be in [0, 1], got {self.caption_dropout}")
+        if not 0.0 <= self.i2v_probability <= 1.0:
+            raise ConfigError(f"trainer.i2v_probability: must be in [0, 1], got {self.i2v_probability}")
         if self.mode == "lora":
             if self.lora_rank < 1:
                 raise ConfigError(f"trainer.lora_rank: must be >= 1, got {self.lora_rank}")

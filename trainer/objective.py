@@ -14,6 +14,10 @@ Noise levels: sigma is drawn by ``timestep_sampling`` (SD3's ``logit_normal``, `
 shifted by ``sigma' = s * sigma / (1 + (s - 1) * sigma)``: ``s = shift`` (fixed), or ``s = exp(mu)`` with
 ``mu`` linear in the latent token count (``shift_mode: resolution``, Flux's ``calculate_shift``; the shift
 ``time_shift(mu, 1, sigma)`` of the Flux pipeline is the same map with ``s = exp(mu)``).
+
+Image-to-video by a clean first frame (Wan 2.2 TI2V, ``trainer.i2v_probability``): a sample drawn for it keeps
+latent frame 0 clean (``first_frame_mask`` is 0 there), its tokens get timestep 0, and only the other frames
+count in the loss, as ``WanImageToVideoPipeline`` runs with ``expand_timesteps``.
 """
 
 from __future__ import annotations
@@ -120,14 +124,32 @@ def velocity_target(x0: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
     return noise - x0
 
 
+def first_frame_mask(shape: torch.Size, clean_B: torch.Tensor) -> torch.Tensor:
+    """[B, 1, F, H, W] float32 for latents of ``shape`` [B, C, F, H, W]: 0 on latent frame 0 of the samples
+    where ``clean_B`` (bool [B]) is true (their image condition, kept clean), 1 everywhere else."""
+    mask = torch.ones(shape[0], 1, *shape[2:], dtype=torch.float32, device=clean_B.device)
+    mask[:, :, 0] = (~clean_B).float().view(-1, 1, 1, 1)
+    return mask
+
+
 def flow_matching_loss(
-    pred: torch.Tensor, target: torch.Tensor, weights_B: torch.Tensor | None = None
+    pred: torch.Tensor, target: torch.Tensor, weights_B: torch.Tensor | None = None,
+    mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Mean over samples of (weight x mean squared error over the sample's elements), in float32.
 
-    Without weights this is the plain MSE over all elements (samples of one batch have the same size).
+    Without weights or mask this is the plain MSE over all elements (samples of one batch have the same size).
+    ``mask`` (broadcast against ``pred``, 1 where a latent is learned, 0 on a clean condition): each sample's
+    error is the mean over its learned elements only.
     """
-    if weights_B is None:
+    if weights_B is None and mask is None:
         return F.mse_loss(pred.float(), target.float())
-    err_B = (pred.float() - target.float()).square().reshape(pred.shape[0], -1).mean(dim=1)
+    err = (pred.float() - target.float()).square()
+    if mask is None:
+        err_B = err.reshape(pred.shape[0], -1).mean(dim=1)
+    else:
+        mask = mask.to(err.device, torch.float32).expand_as(err)
+        err_B = (err * mask).reshape(pred.shape[0], -1).sum(1) / mask.reshape(pred.shape[0], -1).sum(1)
+    if weights_B is None:
+        return err_B.mean()
     return (err_B * weights_B.to(err_B.device, torch.float32)).mean()

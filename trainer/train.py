@@ -25,13 +25,14 @@ from pathlib import Path
 from typing import Any, Callable
 
 import torch
-from latentmill.trainer.adapters import get_adapter
+from latentmill.trainer.adapters import check_i2v, get_adapter
 from latentmill.trainer.checkpoint import list_checkpoints, load_checkpoint, resolve_resume, save_checkpoint
 from latentmill.trainer.config import ParallelConfig, TrainerConfig
 from latentmill.trainer.export import export_trained
 from latentmill.trainer.loader import LatentLoader, check_streams, manifest_family, read_manifest
 from latentmill.trainer.model_load import load_for_training
 from latentmill.trainer.objective import (
+    first_frame_mask,
     flow_matching_loss,
     interpolate,
     loss_weights,
@@ -306,6 +307,7 @@ class _Run:
             check_cache(self.manifest)
         self.adapter = get_adapter(manifest_family(self.manifest))
         check_streams(self.manifest, self.adapter.family, self.adapter.streams, str(cache_dir / "manifest.json"))
+        check_i2v(cfg.i2v_probability, self.adapter.family)
         self.loader = LatentLoader(
             cache_dir, cfg.batch_size, self.seed, dtype=torch.float32, drop_last=cfg.drop_last,
             verify=cfg.verify_shards, manifest=self.manifest, rank=ctx.rank, world_size=ctx.world_size,
@@ -369,37 +371,50 @@ class _Run:
         cfg, device, adapter = self.cfg, self.device, self.adapter
         inputs = {k: v.to(device, non_blocking=True) for k, v in batch.items() if isinstance(v, torch.Tensor)}
         latents = inputs["latents"]
-        eps, sigmas, noise = self._draw(latents.shape, posterior="latents_std" in inputs,
-                                        shift=shift_for(cfg, adapter.seq_len(latents), adapter.resolution_mu))
+        eps, sigmas, noise, clean_first = self._draw(
+            latents.shape, posterior="latents_std" in inputs,
+            shift=shift_for(cfg, adapter.seq_len(latents), adapter.resolution_mu))
         if eps is not None:  # a fresh draw from the cached posterior each time
             latents = latents + inputs["latents_std"] * eps
         noisy = interpolate(latents, noise, sigmas)
         target = velocity_target(latents, noise)
+        mask = None
+        # image-to-video: frame 0 is the image latent (the pipeline's argmax encode); a one-frame sample (an
+        # image) has no later frame to learn from it and trains as text-to-video
+        if clean_first is not None and latents.shape[2] > 1:
+            mask = inputs["first_frame_mask"] = first_frame_mask(latents.shape, clean_first)
+            noisy = mask * noisy + (1 - mask) * inputs["latents"]
         weights = loss_weights(sigmas, cfg.loss_weighting) if cfg.loss_weighting != "none" else None
         autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else nullcontext()
         with _grad_sync(self.model, last_micro, hsdp=self.parallel.hsdp_replicate > 1):
             with autocast:
                 pred = adapter.forward(self.model, noisy, sigmas, inputs, cfg)
-            loss = flow_matching_loss(pred, target, weights)
+            loss = flow_matching_loss(pred, target, weights, mask)
             (loss / cfg.grad_accum_steps).backward()
         return loss.detach()
 
-    def _draw(self, shape: torch.Size, *, posterior: bool,
-              shift: float) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor]:
-        """(posterior eps or None, sigmas [B], noise) of one micro-batch, drawn sample by sample.
+    def _draw(self, shape: torch.Size, *, posterior: bool, shift: float
+              ) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """(posterior eps or None, sigmas [B], noise, image-to-video flags [B] or None) of one micro-batch,
+        drawn sample by sample.
 
-        Per sample, in order: its posterior eps, its sigma, its noise, all from ``self.sampling_gen``. A
+        Per sample, in order: its posterior eps, its sigma, its noise and (``trainer.i2v_probability`` > 0)
+        whether its first frame is a clean image condition, all from ``self.sampling_gen``. A
         sample's draws depend only on its place in this rank's stream, not on how the stream is cut into
         micro-batches: accumulation 2 at batch B sees the same noise as accumulation 1 at batch 2B.
         """
-        eps, sigmas, noise = [], [], []
+        eps, sigmas, noise, clean = [], [], [], []
+        i2v = self.cfg.i2v_probability
         for _ in range(shape[0]):
             if posterior:
                 eps.append(torch.randn(shape[1:], generator=self.sampling_gen, dtype=torch.float32))
             sigmas.append(sample_sigmas(1, self.cfg, self.sampling_gen, shift=shift))
             noise.append(torch.randn(shape[1:], generator=self.sampling_gen, dtype=torch.float32))
+            if i2v > 0:
+                clean.append(torch.rand(1, generator=self.sampling_gen) < i2v)
         to = self.device
-        return (torch.stack(eps).to(to) if posterior else None, torch.cat(sigmas).to(to), torch.stack(noise).to(to))
+        return (torch.stack(eps).to(to) if posterior else None, torch.cat(sigmas).to(to), torch.stack(noise).to(to),
+                torch.cat(clean).to(to) if i2v > 0 else None)
 
     def train_step(self, batches: Any) -> dict[str, Any]:
         """One optimizer step over ``grad_accum_steps`` micro-batches; returns its metrics record.

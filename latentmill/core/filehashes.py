@@ -12,6 +12,7 @@ import os
 import threading
 import time
 from pathlib import Path
+from typing import Callable, Iterable
 
 from latentmill.core.hashing import sha256_file
 
@@ -185,9 +186,15 @@ means hashing again. Thread-safe.
         self._seen.clear()
         self._new.clear()
 
-    def save(self, forget_unused: bool = True) -> None:
+    def save(self, forget_unused: bool = True, listed: int | None = None,
+             list_files: Callable[[], Iterable[str]] | None = None) -> None:
         """Remember the digests hashed since opening; with ``forget_unused`` also forget the files this
-        instance was not asked for (a dataset's own store), without it keep them (a shared store)."""
+        instance was not asked for (a dataset's own store), without it keep them (a shared store).
+
+        ``listed`` and ``list_files``: for a caller that asks for only some of its files (the ingest planner
+        asks nothing about an unchanged unit's): how many files it has, and a function that names them all.
+        They are named, and the rest forgotten, only when the store holds more than ``listed`` files, so a
+        refresh that removed no file pays nothing per file here."""
         import sqlite3
 
         if self.path is None or (not self._new and not self._moved and not self._signatures and not forget_unused):
@@ -206,15 +213,20 @@ means hashing again. Thread-safe.
                     if forget_unused:
                         db.execute("DELETE FROM signatures")
                     db.executemany("INSERT OR REPLACE INTO signatures VALUES (?, ?)", sorted(self._signatures.items()))
-                    # Forgetting runs only when the store holds more rows than files were asked for: some row
-                    # is then surely unused (a file deleted or moved). A leftover row is harmless: it is used
-                    # only for a file whose path, size, mtime and inode all match it.
+                    # Forgetting runs only when the store holds more rows than files were asked for (or, with
+                    # ``list_files``, listed): some row is then surely unused (a file deleted or moved). A
+                    # leftover row is harmless: it is used only for a file whose path, size, mtime and inode
+                    # all match it.
                     if forget_unused and not self._seen_lost:
-                        db.execute("CREATE INDEX IF NOT EXISTS temp.seen_path ON seen (path)")  # built sorted, once
                         stored = db.execute("SELECT COUNT(*) FROM files").fetchone()[0]
-                        if stored > db.execute("SELECT COUNT(DISTINCT path) FROM temp.seen").fetchone()[0]:
-                            db.execute("DELETE FROM files WHERE NOT EXISTS "
-                                       "(SELECT 1 FROM temp.seen s WHERE s.path = files.path)")
+                        if list_files is None or stored > (listed or 0):
+                            if list_files is not None:
+                                db.executemany("INSERT INTO temp.seen VALUES (?)",
+                                               ((os.path.abspath(p),) for p in list_files()))
+                            db.execute("CREATE INDEX IF NOT EXISTS temp.seen_path ON seen (path)")  # built sorted, once
+                            if stored > db.execute("SELECT COUNT(DISTINCT path) FROM temp.seen").fetchone()[0]:
+                                db.execute("DELETE FROM files WHERE NOT EXISTS "
+                                           "(SELECT 1 FROM temp.seen s WHERE s.path = files.path)")
                     db.execute("COMMIT")
                 except BaseException:
                     db.execute("ROLLBACK")
