@@ -239,10 +239,11 @@ def check_recipe(recipe: Recipe, command: str) -> None:
                                   "true over a source of pairs (docs/prep.md, \"Edit datasets\")")
         if recipe.caption.captioner == "transformers":
             check_model_ref("caption.model", recipe.caption.model)
-    if recipe.trainer.i2v_probability > 0 and model.family != "auto":
-        from latentmill.trainer.adapters import check_i2v
+    if model.family != "auto" and (recipe.trainer.i2v_probability > 0 or recipe.trainer.validate_every):
+        from latentmill.trainer.adapters import check_i2v, check_validation
 
         check_i2v(recipe.trainer.i2v_probability, model.family)
+        check_validation(recipe.trainer.validate_every, model.family)
     if command == "train":
         from latentmill.pipelines.snapshot import resolve_snapshot
 

@@ -140,6 +140,19 @@ def test_an_edit_recipe_without_pairs_fails_before_any_work(tmp_path, capsys):
     assert not out.exists()
 
 
+
+def test_validation_during_training_is_refused_before_any_work(tmp_path, capsys):
+    # the Edit pipeline samples from a source image, which trainer.validation_prompts do not give
+    out = tmp_path / "never"
+    demo = REPO / "configs/demo-qwen-image-edit.yaml"
+    assert main(["run", str(demo), f"output_dir={out}", "trainer.validate_every=5",
+                 "trainer.validation_prompts=[make it red]"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["latentmill: error: trainer.validate_every: 5, but the qwen-image-edit family samples from a "
+                   "source image, which validation prompts do not give; set trainer.validate_every: 0 (sample the "
+                   "export with its pipeline and an image instead)"]
+    assert not out.exists()
+
 def test_init_copies_the_recipes_the_tiny_recipe_and_the_demo_pairs(tmp_path):
     from latentmill.resources import init_folder
 

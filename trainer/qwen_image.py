@@ -188,7 +188,8 @@ class QwenImageEditAdapter(QwenImageAdapter):
     def transformer_inputs(self, batch: dict[str, Any]) -> dict[str, Any]:
         return {**super().transformer_inputs(batch), "reference_BCHW": batch["reference_latents"]}
 
+    validates_from_prompts = False  # its pipeline samples from a source image (check_validation)
+
     def validation_images(self, pipe, prompts, *, size, steps, generator, max_sequence_length, guidance_scale):
-        raise ValueError("trainer.validate_every: the qwen-image-edit family samples from a source image, which "
-                         "validation prompts do not give; set trainer.validate_every: 0 (sample the export with "
-                         "QwenImageEditPipeline and an image instead)")
+        raise ValueError("trainer.validate_every: the qwen-image-edit family samples from a source image (see "
+                         "latentmill.trainer.adapters.check_validation)")
