@@ -49,6 +49,9 @@ SHIPPED_CONFIGS: dict[str, tuple[str, torch.dtype]] = {
     "Wan-AI/Wan2.2-TI2V-5B-Diffusers": ("Wan2.2-TI2V-5B-Diffusers", torch.float32),
     "Tongyi-MAI/Z-Image-Turbo": ("Z-Image-Turbo", torch.bfloat16),
     "Qwen/Qwen-Image": ("Qwen-Image", torch.bfloat16),
+    # Qwen-Image-Edit: the same 20B transformer fine-tuned for editing; its transformer and scheduler configs are
+    # Qwen-Image's, its pipeline adds the Qwen2VLProcessor its text encoder reads the source image through
+    "Qwen/Qwen-Image-Edit": ("Qwen-Image-Edit", torch.bfloat16),
     # FLUX.2, published in bfloat16. The transformer configs are Flux2Transformer2DModel's defaults (written for
     # FLUX.2 [dev]: 8 double + 48 single blocks, 48 heads x 128, joint_attention_dim 15360 = 3 x Mistral Small's
     # 5120) with klein's sizes: 4B 5 + 20 blocks, 24 heads, 7680 = 3 x Qwen3-4B's 2560; 9B 8 + 24 blocks, 32 heads,

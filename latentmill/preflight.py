@@ -246,12 +246,19 @@ def check_recipe(recipe: Recipe, command: str) -> None:
             check_media_folder(local, recipe.ingest.extensions)
         if recipe.ingest.edit:
             check_edit_source(source, local, recipe.ingest.reference_column)
+        elif model.family != "auto":
+            from latentmill.stages.families import family_class  # (imports torch: an explicit family only)
+
+            if family_class(model.family).needs_reference():  # else every sample would be quarantined at the cache
+                raise ConfigError(f"ingest.edit: the {model.family} family trains on edit pairs; set ingest.edit: "
+                                  "true over a source of pairs (docs/prep.md, \"Edit datasets\")")
         if recipe.caption.captioner == "transformers":
             check_model_ref("caption.model", recipe.caption.model)
-    if recipe.trainer.i2v_probability > 0 and model.family != "auto":
-        from latentmill.trainer.adapters import check_i2v
+    if model.family != "auto" and (recipe.trainer.i2v_probability > 0 or recipe.trainer.validate_every):
+        from latentmill.trainer.adapters import check_i2v, check_validation
 
         check_i2v(recipe.trainer.i2v_probability, model.family)
+        check_validation(recipe.trainer.validate_every, model.family)
     if command in ("train", "run", "demo"):
         check_expert(recipe)
     if command == "train":

@@ -266,6 +266,8 @@ class ModelAdapter(ABC):
     # the model conditions a video on an image as its clean first latent frame (trainer.i2v_probability): the
     # forward then reads the batch's ``first_frame_mask`` (latentmill.trainer.objective.first_frame_mask)
     first_frame_conditioning: bool = False
+    # validation samples from the recipe's prompts alone (an edit model needs a source image too)
+    validates_from_prompts: bool = True
 
     @staticmethod
     def diffusers_class(name: str) -> type:

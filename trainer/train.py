@@ -27,7 +27,7 @@ from typing import Any, Callable
 
 import torch
 from latentmill.trainer.adapter import Expert, choose_experts
-from latentmill.trainer.adapters import check_i2v, get_adapter
+from latentmill.trainer.adapters import check_i2v, check_validation, get_adapter
 from latentmill.trainer.checkpoint import list_checkpoints, load_checkpoint, resolve_resume, save_checkpoint
 from latentmill.trainer.config import ParallelConfig, TrainerConfig
 from latentmill.trainer.export import export_trained
@@ -324,6 +324,7 @@ class _Run:
         self.adapter = get_adapter(manifest_family(self.manifest))
         check_streams(self.manifest, self.adapter.family, self.adapter.streams, str(cache_dir / "manifest.json"))
         check_i2v(cfg.i2v_probability, self.adapter.family)
+        check_validation(cfg.validate_every, self.adapter.family)
         self.loader = LatentLoader(
             cache_dir, cfg.batch_size, self.seed, dtype=torch.float32, drop_last=cfg.drop_last,
             verify=cfg.verify_shards, manifest=self.manifest, rank=ctx.rank, world_size=ctx.world_size,
