@@ -10,7 +10,10 @@ way ``latentmill.tiny.build_tiny_flux`` builds the tiny Flux set:
   builds with the same seed give byte-identical ``*.safetensors`` files;
 * the tokenizer is the deterministic offline T5 Unigram tokenizer of ``latentmill.tiny.build_t5_tokenizer``
   (Wan uses the T5-style ``google/umt5-xxl`` tokenizer);
-* the pipeline is written to a hidden temporary folder next to ``out_dir`` and renamed into place at the end.
+* the pipeline is written to a hidden temporary folder next to ``out_dir`` and renamed into place at the end;
+* a recipe with a ``pipeline: {boundary_ratio: r}`` section (``data/tiny-wan2.2.yaml``) builds the Wan 2.2
+  A14B layout: a second expert ``transformer_2`` of the same architecture (seeded ``seed + 1``, so the two
+  differ) and ``boundary_ratio`` in ``model_index.json``.
 
 The result loads like the real thing::
 
@@ -47,7 +50,8 @@ I2V_RECIPE_PATH: Path = DEFAULT_RECIPE_PATH.with_name("tiny-wan2.1-i2v.yaml")
 _COMPONENTS = ("transformer", "vae", "text_encoder", "scheduler")
 _IMAGE_COMPONENTS = ("image_encoder", "image_processor")  # a Wan 2.1 I2V recipe's CLIP image side
 _TOKENIZERS = ("tokenizer",)
-_PIPELINE_OPTIONS = ("expand_timesteps",)  # the WanPipeline config keys a recipe's ``pipeline`` section may set
+# the WanPipeline config keys a recipe's ``pipeline`` section may set (boundary_ratio: also a second expert)
+_PIPELINE_OPTIONS = ("expand_timesteps", "boundary_ratio")
 
 
 def load_recipe(recipe: str | os.PathLike[str] = DEFAULT_RECIPE_PATH) -> dict[str, Any]:
@@ -71,6 +75,8 @@ def load_recipe(recipe: str | os.PathLike[str] = DEFAULT_RECIPE_PATH) -> dict[st
     options = data.get("pipeline") or {}
     if not isinstance(options, dict) or set(options) - set(_PIPELINE_OPTIONS):
         raise ConfigError(f"pipeline: expected a mapping of {', '.join(_PIPELINE_OPTIONS)}; got {options!r}")
+    if "boundary_ratio" in options and not 0.0 < float(options["boundary_ratio"]) < 1.0:
+        raise ConfigError(f"pipeline.boundary_ratio: must be in (0, 1), got {options['boundary_ratio']}")
     if not isinstance(toks["tokenizer"], dict):
         raise ConfigError("tokenizers.tokenizer: expected a mapping of tokenizer settings")
 
@@ -228,6 +234,11 @@ def _build_pipeline(data: dict[str, Any], seed: int) -> Any:
             tokenizer=tokenizer, text_encoder=text_encoder.eval(), vae=vae.eval(), scheduler=scheduler,
             image_processor=CLIPImageProcessor(**comps["image_processor"]), image_encoder=image_encoder.eval(),
             transformer=transformer.eval(), **(data.get("pipeline") or {}))
+    experts = {}
+    if (data.get("pipeline") or {}).get("boundary_ratio") is not None:  # Wan 2.2 A14B: the low-noise expert
+        torch.manual_seed(seed + 1)  # other weights than the high-noise one
+        with torch.no_grad():
+            experts = {"transformer_2": WanTransformer3DModel(**tr_kwargs).eval()}
     return WanPipeline(
         tokenizer=tokenizer,
         text_encoder=text_encoder.eval(),
@@ -235,6 +246,7 @@ def _build_pipeline(data: dict[str, Any], seed: int) -> Any:
         scheduler=scheduler,
         transformer=transformer.eval(),
         **(data.get("pipeline") or {}),
+        **experts,
     )
 
 

@@ -306,9 +306,10 @@ def mixed_devices_warning(encoded_on: dict[str, dict[str, int]]) -> str | None:
             "(docs/cache-format.md, 'Reproducible where'); re-encode on one class for byte-identical caches")
 
 
-def merged_origins(records: list[UnitRecord]) -> dict[str, Any]:
+def merged_origins(stage_dir: StageDir, records: list[UnitRecord]) -> dict[str, Any]:
     """The ``device``, ``encoded_on`` and ``foreign`` fields of one record that holds the samples of
-    ``records`` (a compaction merging units): provenance survives the merge. Empty when none recorded it."""
+    ``records``, units of ``stage_dir`` (a compaction merging them): provenance survives the merge. Empty
+    when none recorded it."""
     base = next((r.extra["device"] for r in records if r.extra.get("device")), None)
     if base is None:
         return {}
@@ -316,7 +317,7 @@ def merged_origins(records: list[UnitRecord]) -> dict[str, Any]:
     for record in records:
         here = (record.extra.get("device") or {}).get("key", UNKNOWN_DEVICE)
         theirs = record.extra.get("foreign") or {}
-        for keys in (record.extra.get("components") or {}).values():
+        for keys in (stage_dir.unit_detail(record).get("components") or {}).values():
             texts = keys["text"] if isinstance(keys["text"], list) else [keys["text"]]
             for key in [keys["vae"], *texts]:
                 where = theirs.get(key, here)
@@ -682,7 +683,8 @@ def process(cfg: CacheConfig, model: ModelConfig, unit: WorkUnit, out: UnitOutpu
             members = {text_member(j): data for j, data in enumerate(texts)}
             out.add({"__key__": key, VAE_MEMBER: vae, **members, "json": meta_bytes(meta)}, bucket=metas[i]["bucket"])
     passes.close()  # (an exception above leaves them to the garbage collector, which closes them too)
-    out.extra.update(components=components, counts=counts, bytes=sizes, device=described,
+    out.detail["components"] = components
+    out.extra.update(counts=counts, bytes=sizes, device=described,
                      encoded_on=dict(sorted(encoded_on.items())), **({"foreign": foreign} if foreign else {}))
 
 

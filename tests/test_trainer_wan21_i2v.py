@@ -89,16 +89,9 @@ def test_full_export_generates_from_an_image(tiny_wan_i2v, cache, tmp_path):
 def test_lora_export_loads_and_generates(tiny_wan_i2v, cache, tmp_path):
     from diffusers import WanImageToVideoPipeline
 
-    # validation samples the I2V pipeline (a grey first frame, guidance 5: the negative prompt too, without ftfy)
-    cfg = TrainerConfig(mode="lora", max_steps=2, batch_size=2, learning_rate=1e-2, lora_rank=4, save_every=0,
-                        validate_every=2, validation_prompts=["a red ball"], validation_steps=1,
-                        validation_size=[48, 32, 9], guidance_scale=5.0)
+    cfg = TrainerConfig(mode="lora", max_steps=2, batch_size=2, learning_rate=1e-2, lora_rank=4, save_every=0)
     summary = train(cfg, cache_dir=cache, pretrained=str(tiny_wan_i2v), train_dir=tmp_path / "train",
                     export_dir=tmp_path / "lora", progress=False)
-    from PIL import Image
-
-    (grid,) = summary["validation"]  # one row: first, two middle and last frame of the 9-frame video
-    assert grid.endswith("step-000002.png") and Image.open(grid).size == (4 * 48, 32)
     pipe = WanImageToVideoPipeline.from_pretrained(tiny_wan_i2v)
     pipe.load_lora_weights(summary["export_dir"])
     (adapter,) = pipe.get_active_adapters()

@@ -99,6 +99,15 @@ def test_cache_equals_the_pipelines_encode_path(tiny_wan_i2v, pipe):
     assert not torch.equal(embeds[0], embeds[1])
 
 
+def test_validation_from_prompts_alone_is_refused_before_any_work():
+    from latentmill.trainer.adapters import check_validation
+
+    check_validation(0, "wan2.1-i2v")
+    with pytest.raises(ConfigError, match="trainer.validate_every: 5, but the wan2.1-i2v family samples from a source "
+                                          "image"):
+        check_validation(5, "wan2.1-i2v")
+
+
 def test_a_cache_without_the_conditioning_streams_is_refused_in_one_line():
     adapter = get_adapter("wan2.1-i2v")
     assert isinstance(adapter, WanI2VAdapter)

@@ -87,22 +87,8 @@ class WanI2VAdapter(WanAdapter):
         return i2v_forward(model, noisy, sigmas_B, batch["prompt_embeds"], batch["condition_latents"],
                            batch["image_embeds"])
 
-    def validation_images(
-        self, pipe, prompts, *, size, steps, generator, max_sequence_length, guidance_scale
-    ) -> list[list[Any]]:
-        from PIL import Image
+    validates_from_prompts = False  # its pipeline samples from an image (check_validation)
 
-        width, height = size[0], size[1]
-        frames = size[2] if len(size) > 2 else 17
-        embeds = wan_prompt_embeds(pipe, prompts, max_sequence_length)
-        negative = wan_prompt_embeds(pipe, [""] * len(prompts), max_sequence_length) if guidance_scale > 1 else None
-        # a mid-grey first frame: the validation prompts come without images
-        image = Image.new("RGB", (width, height), (128, 128, 128))
-        out = pipe(image=image, prompt_embeds=embeds, negative_prompt_embeds=negative, height=height, width=width,
-                   num_frames=frames, num_inference_steps=steps, guidance_scale=guidance_scale,
-                   generator=generator, output_type="np").frames
-        rows = []
-        for video in out:
-            picks = sorted({round(i * (len(video) - 1) / 3) for i in range(4)})  # first, last, two between
-            rows.append([Image.fromarray((video[i] * 255).round().astype("uint8")) for i in picks])
-        return rows
+    def validation_images(self, pipe, prompts, *, size, steps, generator, max_sequence_length, guidance_scale):
+        raise ValueError("trainer.validate_every: the wan2.1-i2v family samples from an image (see "
+                         "latentmill.trainer.adapters.check_validation)")
