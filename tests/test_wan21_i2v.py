@@ -246,6 +246,7 @@ def test_recipes_train_wan21_i2v():
 
 
 @pytest.mark.slow
+@pytest.mark.heavy  # 10 s: the plan path itself runs in make test for the other families
 def test_plan_counts_the_published_14b():
     from diffusers import WanTransformer3DModel as cls
 
