@@ -241,6 +241,9 @@ def test_recipes_train_wan21_i2v():
     assert (recipe.model.pretrained, recipe.model.family) == ("Wan-AI/Wan2.1-I2V-14B-480P-Diffusers", "wan2.1-i2v")
     assert (recipe.trainer.mode, recipe.parallel.strategy, recipe.trainer.shift) == ("lora", "fsdp2", 3.0)
     assert (recipe.bucket.frame_step, recipe.bucket.max_frames, recipe.cache.max_sequence_length) == (4, 81, 512)
+    full = load_recipe(REPO_ROOT / "configs" / "wan2.1-i2v-14b-full.yaml")
+    assert (full.model.family, full.trainer.mode, full.parallel.strategy, full.parallel.hsdp_replicate) == (
+        "wan2.1-i2v", "full", "fsdp2", 4)
     demo = load_recipe(REPO_ROOT / "configs" / "demo-wan2.1-i2v.yaml")
     assert demo.model.family == "wan2.1-i2v" and demo.model.tiny_recipe.endswith("data/tiny-wan2.1-i2v.yaml")
 
