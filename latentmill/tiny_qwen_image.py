@@ -44,22 +44,6 @@ _EDIT_TOKENIZERS = ("tokenizer", "processor")  # processor: Qwen2VLImageProcesso
 SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")  # Qwen2's pad, and the ChatML markers
 # Qwen2.5-VL's vision markers (the Edit pipeline's template holds an image placeholder)
 VISION_SPECIALS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
-# QwenImagePipeline's prompt template and the number of its leading tokens the pipeline drops (diffusers 0.42)
-PROMPT_TEMPLATE = (
-    "<|im_start|>system\nDescribe the image by detailing the color, shape, size, texture, quantity, text, "
-    "spatial relationships of the objects and background:<|im_end|>\n<|im_start|>user\n{}<|im_end|>\n"
-    "<|im_start|>assistant\n"
-)
-TEMPLATE_START_IDX = 34
-# QwenImageEditPipeline's: the source image's tokens follow the 64 dropped ones (diffusers 0.42)
-EDIT_PROMPT_TEMPLATE = (
-    "<|im_start|>system\nDescribe the key features of the input image (color, shape, size, texture, objects, "
-    "background), then explain how the user's text instruction should alter or modify the image. Generate a new "
-    "image that meets the user's requirements while maintaining consistency with the original input where "
-    "appropriate.<|im_end|>\n<|im_start|>user\n<|vision_start|><|image_pad|><|vision_end|>{}<|im_end|>\n"
-    "<|im_start|>assistant\n"
-)
-EDIT_TEMPLATE_START_IDX = 64
 
 
 def load_recipe(recipe: str | os.PathLike[str] = DEFAULT_RECIPE_PATH, edit: bool = False) -> dict[str, Any]:
@@ -106,7 +90,12 @@ def build_qwen_tokenizer(vocab_size: int, settings: dict[str, Any], corpus: Sequ
     pipeline's template, and the vision markers after them."""
     from transformers import Qwen2Tokenizer
 
-    template, start_idx = (EDIT_PROMPT_TEMPLATE, EDIT_TEMPLATE_START_IDX) if edit else (PROMPT_TEMPLATE, TEMPLATE_START_IDX)
+    from latentmill.stages.family_qwen_image import QwenImageEncoders
+    from latentmill.stages.family_qwen_image_edit import QwenImageEditEncoders
+
+    # the templates and dropped prefixes the family modules cache with (the pipelines')
+    family = QwenImageEditEncoders if edit else QwenImageEncoders
+    template, start_idx = family.PROMPT_TEMPLATE, family.TEMPLATE_START_IDX
     specials = SPECIALS + (VISION_SPECIALS if edit else ())
     table = bytes_to_unicode()
     alphabet = [table[b] for b in range(256)]

@@ -128,8 +128,9 @@ def test_tiny_set_is_reproducible_and_its_template_prefix_is_the_pipelines(tiny_
     import hashlib
 
     from diffusers import QwenImageEditPipeline
+    from latentmill.stages.family_qwen_image_edit import EDIT_TEMPLATE_START_IDX
 
-    from latentmill.tiny_qwen_image import EDIT_TEMPLATE_START_IDX, build_tiny_qwen_image_edit
+    from latentmill.tiny_qwen_image import build_tiny_qwen_image_edit
 
     def hashes(folder: Path) -> dict[str, str]:
         return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
