@@ -1,9 +1,14 @@
-"""Generate the embedded demo dataset: 24 small images with sidecar captions, plus two bad files.
+"""Generate the embedded demo dataset: 24 small images with sidecar captions, plus two bad files; and 12 edit
+pairs for the edit families' demo (``data/demo/edits``).
 
-The output is deterministic (fixed seed, no timestamps in the files), so the committed copy in
-``data/demo/images`` can be re-created byte for byte:
+The output is deterministic (fixed seed, no timestamps in the files), so the committed copies in
+``data/demo/images`` and ``data/demo/edits`` can be re-created byte for byte:
 
     python data/make_demo.py data/demo/images
+    python data/make_demo.py --edits data/demo/edits
+
+An edit pair (``ingest.edit``'s sidecar layout): ``edit_NNN.src.png`` (the source image), ``edit_NNN.png`` (the
+target: the same picture with its shape in another colour) and ``edit_NNN.txt`` (the instruction).
 
 Mixed sizes and aspect ratios (portrait, landscape, square), JPEG and PNG. Two files are broken on
 purpose so the demo shows quarantine at work: ``broken.jpg`` is not an image at all (ingest quarantines
@@ -39,14 +44,32 @@ SIZES = [
 ]
 
 
-def _draw(rng: random.Random, width: int, height: int) -> tuple[Image.Image, str]:
+def _draw(rng: random.Random, width: int, height: int, recolour: bool = False):
+    """A shape on a background and its caption; ``recolour``: also the same picture with the shape in a third
+    colour and the instruction that makes it (an edit pair's target)."""
     fg_name, bg_name = rng.sample(sorted(COLORS), 2)
     shape = rng.choice(SHAPES)
-    img = Image.new("RGB", (width, height), COLORS[bg_name])
+    if recolour:
+        new_name = rng.choice([c for c in sorted(COLORS) if c not in (fg_name, bg_name)])
+        source, _ = _shape(rng.getstate(), width, height, shape, COLORS[fg_name], COLORS[bg_name])
+        target, after = _shape(rng.getstate(), width, height, shape, COLORS[new_name], COLORS[bg_name])
+        rng.setstate(after)
+        return source, target, f"make the {shape} {new_name}"
+    img, rng_state = _shape(rng.getstate(), width, height, shape, COLORS[fg_name], COLORS[bg_name])
+    rng.setstate(rng_state)
+    orient = "square" if width == height else ("landscape" if width > height else "portrait")
+    caption = f"a {fg_name} {shape} on a {bg_name} background, {orient} picture"
+    return img, caption
+
+
+def _shape(state: tuple, width: int, height: int, shape: str, fg: tuple, bg: tuple) -> tuple[Image.Image, tuple]:
+    """Draw ``shape`` in ``fg`` on ``bg`` at a position drawn from the random state ``state``; the state after."""
+    rng = random.Random()
+    rng.setstate(state)
+    img = Image.new("RGB", (width, height), bg)
     draw = ImageDraw.Draw(img)
     cx, cy = width // 2 + rng.randint(-width // 8, width // 8), height // 2 + rng.randint(-height // 8, height // 8)
     r = min(width, height) // 3
-    fg = COLORS[fg_name]
     if shape == "circle":
         draw.ellipse([cx - r, cy - r, cx + r, cy + r], fill=fg)
     elif shape == "square":
@@ -56,9 +79,7 @@ def _draw(rng: random.Random, width: int, height: int) -> tuple[Image.Image, str
     else:
         for x in range(0, width, 16):
             draw.rectangle([x, 0, x + 7, height], fill=fg)
-    orient = "square" if width == height else ("landscape" if width > height else "portrait")
-    caption = f"a {fg_name} {shape} on a {bg_name} background, {orient} picture"
-    return img, caption
+    return img, rng.getstate()
 
 
 def generate(out_dir: Path, count: int = 24, seed: int = 0) -> list[Path]:
@@ -100,7 +121,27 @@ def generate(out_dir: Path, count: int = 24, seed: int = 0) -> list[Path]:
     return written
 
 
+def generate_edits(out_dir: Path, count: int = 12, seed: int = 1) -> list[Path]:
+    """Write ``count`` edit pairs (source, target, instruction) in the sidecar layout; return the targets' paths."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    rng = random.Random(seed)
+    written = []
+    for i in range(count):
+        width, height = SIZES[i % len(SIZES)]
+        source, target, instruction = _draw(rng, width, height, recolour=True)
+        path = out_dir / f"edit_{i:03d}.png"
+        target.save(path, format="PNG", optimize=False)
+        source.save(out_dir / f"edit_{i:03d}.src.png", format="PNG", optimize=False)
+        path.with_suffix(".txt").write_text(instruction + "\n")
+        written.append(path)
+    return written
+
+
 if __name__ == "__main__":
-    target = Path(sys.argv[1]) if len(sys.argv) > 1 else Path(__file__).parent / "demo" / "images"
-    paths = generate(target)
-    print(f"wrote {len(paths)} images (+2 broken, +2 over-exposed files) to {target}")
+    if sys.argv[1:2] == ["--edits"]:
+        target = Path(sys.argv[2]) if len(sys.argv) > 2 else Path(__file__).parent / "demo" / "edits"
+        print(f"wrote {len(generate_edits(target))} edit pairs to {target}")
+    else:
+        target = Path(sys.argv[1]) if len(sys.argv) > 1 else Path(__file__).parent / "demo" / "images"
+        paths = generate(target)
+        print(f"wrote {len(paths)} images (+2 broken, +2 over-exposed files) to {target}")

@@ -94,8 +94,9 @@ def read_component_config(src: ComponentSource) -> dict[str, Any]:
     return json.loads((component_dir(src) / "config.json").read_text())
 
 
-# A text encoder's output depends on its tokenizer too, so the tokenizer joins its fingerprint.
-TOKENIZER_OF = {"text_encoder": "tokenizer", "text_encoder_2": "tokenizer_2"}
+# An encoder's output depends on its tokenizer (an image encoder's: its image processor) too, so that joins
+# its fingerprint.
+TOKENIZER_OF = {"text_encoder": "tokenizer", "text_encoder_2": "tokenizer_2", "image_encoder": "image_processor"}
 
 
 def tokenizer_source(model: ModelConfig, encoder: str) -> ComponentSource:

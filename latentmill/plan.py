@@ -44,9 +44,15 @@ SHIPPED_CONFIGS: dict[str, tuple[str, torch.dtype]] = {
     "black-forest-labs/FLUX.1-dev": ("FLUX.1-dev", torch.bfloat16),
     "Wan-AI/Wan2.1-T2V-14B-Diffusers": ("Wan2.1-T2V-14B-Diffusers", torch.float32),
     "Wan-AI/Wan2.1-T2V-1.3B-Diffusers": ("Wan2.1-T2V-1.3B-Diffusers", torch.float32),
+    # two experts of Wan2.1-14B's architecture (transformer: high noise, transformer_2: low), boundary_ratio 0.875
+    "Wan-AI/Wan2.2-T2V-A14B-Diffusers": ("Wan2.2-T2V-A14B-Diffusers", torch.bfloat16),
     "Wan-AI/Wan2.2-TI2V-5B-Diffusers": ("Wan2.2-TI2V-5B-Diffusers", torch.float32),
+    "Wan-AI/Wan2.1-I2V-14B-480P-Diffusers": ("Wan2.1-I2V-14B-480P-Diffusers", torch.float32),
     "Tongyi-MAI/Z-Image-Turbo": ("Z-Image-Turbo", torch.bfloat16),
     "Qwen/Qwen-Image": ("Qwen-Image", torch.bfloat16),
+    # Qwen-Image-Edit: the same 20B transformer fine-tuned for editing; its transformer and scheduler configs are
+    # Qwen-Image's, its pipeline adds the Qwen2VLProcessor its text encoder reads the source image through
+    "Qwen/Qwen-Image-Edit": ("Qwen-Image-Edit", torch.bfloat16),
     # FLUX.2, published in bfloat16. The transformer configs are Flux2Transformer2DModel's defaults (written for
     # FLUX.2 [dev]: 8 double + 48 single blocks, 48 heads x 128, joint_attention_dim 15360 = 3 x Mistral Small's
     # 5120) with klein's sizes: 4B 5 + 20 blocks, 24 heads, 7680 = 3 x Qwen3-4B's 2560; 9B 8 + 24 blocks, 32 heads,
@@ -290,9 +296,12 @@ def plan(recipe: Recipe, *, nproc: int | None = None, nnodes: int | None = None,
          gpu_memory_gib: float = 80.0) -> dict[str, Any]:
     """Per-rank memory of ``recipe`` at ``nproc`` x ``nnodes`` processes, from the real sharding path on
     the meta device under a fake process group. Returns the JSON-shaped plan (see the module docstring)."""
+    if recipe.trainer.expert == "both":
+        return _plan_both(recipe, nproc=nproc, nnodes=nnodes, gpu_memory_gib=gpu_memory_gib)
     import torch.distributed as dist
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
+    from latentmill.trainer.adapter import choose_experts
     from latentmill.trainer.adapters import get_adapter
     from latentmill.trainer.model_load import meta_transformer
     from latentmill.trainer.parallel import DistContext, build_mesh, parallelize
@@ -305,6 +314,8 @@ def plan(recipe: Recipe, *, nproc: int | None = None, nnodes: int | None = None,
         adapter = get_adapter(family)
     except ValueError as err:
         raise ConfigError(f"model.family: {err}") from None
+    # a two-expert pipeline (Wan 2.2 A14B): the expert the run trains; the other is not loaded
+    (expert,) = choose_experts(adapter.experts(str(source.path)), cfg.expert, recipe.model.pretrained)
     world = lay.world_size
     sharded = parallel.strategy == "fsdp2"
     # what the trainer loads on CUDA (latentmill.trainer.model_load.load_for_training): float32 masters in a
@@ -318,7 +329,10 @@ def plan(recipe: Recipe, *, nproc: int | None = None, nnodes: int | None = None,
 
     model = meta_transformer(adapter, str(source.path), mode=cfg.mode, lora_rank=cfg.lora_rank,
                              lora_alpha=cfg.lora_alpha, lora_target_modules=cfg.lora_target_modules,
-                             base_dtype=base_dtype)
+                             base_dtype=base_dtype, component=expert.component)
+    if expert.name != "all":
+        notes.append(f"trainer.expert {expert.name}: {expert.component} only (one expert per run; the other "
+                     "expert is neither loaded nor trained)")
     total_params = sum(p.numel() for p in model.parameters())
     trainable_params = sum(p.numel() for p in model.parameters() if p.requires_grad)
     largest_fp32 = max(p.numel() for p in model.parameters()) * 4
@@ -404,7 +418,7 @@ def plan(recipe: Recipe, *, nproc: int | None = None, nnodes: int | None = None,
     static = params_bytes + buffers_bytes + grads_bytes + optimizer_bytes + gathered_bytes
     gpu_bytes = int(gpu_memory_gib * GIB)
     return {
-        "config": {"pretrained": recipe.model.pretrained, "family": family, "mode": cfg.mode,
+        "config": {"pretrained": recipe.model.pretrained, "family": family, "mode": cfg.mode, "expert": cfg.expert,
                    "strategy": parallel.strategy, "hsdp_replicate": parallel.hsdp_replicate,
                    "mixed_precision": parallel.mixed_precision, "grad_accum_steps": cfg.grad_accum_steps,
                    "batch_size": cfg.batch_size, "configs_from": str(source.path),
@@ -433,6 +447,40 @@ def plan(recipe: Recipe, *, nproc: int | None = None, nnodes: int | None = None,
                   f"checkpoint dtype {str(source.checkpoint_dtype).removeprefix('torch.')}: {source.dtype_note}",
                   *notes],
     }
+
+
+def _plan_both(recipe: Recipe, **kwargs: Any) -> dict[str, Any]:
+    """``trainer.expert: both``: each expert planned on its own, as the trainer builds and shards it, and added up
+    the way a run holds them: parameters, buffers and AdamW state of every expert stay resident; gradients and
+    gathered units are one expert's at a time (an expert drops its gradients before the other trains); host
+    RAM peaks are one expert's (they load and export one after the other)."""
+    import dataclasses
+
+    from latentmill.trainer.adapter import choose_experts
+    from latentmill.trainer.adapters import get_adapter
+
+    source = resolve_model(recipe.model.pretrained)
+    adapter = get_adapter(_family(recipe, source.path))
+    experts = choose_experts(adapter.experts(str(source.path)), "both", recipe.model.pretrained)
+    plans = [plan(dataclasses.replace(recipe, trainer=dataclasses.replace(recipe.trainer, expert=e.name)), **kwargs)
+             for e in experts]
+    combined = {**plans[0], "config": {**plans[0]["config"], "expert": "both"}}
+    for key in ("total_params", "trainable_params"):
+        combined[key] = sum(p[key] for p in plans)
+    ranks = [p["per_rank"] for p in plans]
+    per_rank = {key: sum(r[key] for r in ranks) for key in ("params_bytes", "buffers_bytes", "optimizer_bytes")}
+    per_rank.update({key: max(r[key] for r in ranks) for key in ("grads_bytes", "gathered_bytes",
+                                                                  "host_load_peak_bytes", "host_export_peak_bytes")})
+    per_rank["static_bytes"] = sum(per_rank[key] for key in ("params_bytes", "buffers_bytes", "grads_bytes",
+                                                            "optimizer_bytes", "gathered_bytes"))
+    combined["per_rank"] = per_rank
+    combined["fits"] = per_rank["static_bytes"] <= combined["gpu_memory_bytes"]
+    combined["margin_bytes"] = combined["gpu_memory_bytes"] - per_rank["static_bytes"]
+    combined["notes"] = [n for n in plans[0]["notes"] if not n.startswith("trainer.expert")] + [
+        f"trainer.expert both: {' + '.join(e.component for e in experts)}, each sharded on its own; parameters, "
+        "buffers and AdamW state of both resident, gradients and gathered units of one at a time (an expert "
+        "drops its gradients before the other trains)"]
+    return combined
 
 
 def _gib(n: int) -> str:

@@ -2,7 +2,7 @@
 the quarantined samples per reason (``latentmill inspect --plots OUT``, and the prep flow's ``prep/plots``).
 
 Everything here is generic over what the curate stage scored: one histogram per score column of
-``prep/scores.parquet`` (or, without pyarrow or the table, of the curate unit records' ``extra["scores"]``),
+``prep/scores.parquet`` (or, without pyarrow or the table, of the curate units' score rows),
 with the thresholds of the curate manifest (``min_X`` / ``max_X`` drawn on score ``X``). The cost does not
 grow with the pixels of the dataset: the histograms read the scores table and the manifests; only the
 contact sheets decode samples, at most ``cap`` per reason and ``max_sheets`` reasons.
@@ -94,7 +94,8 @@ def _manifest(prep_dir: Path, stage: str) -> dict[str, Any] | None:
 
 def load_scores(prep_dir: Path, light: bool = False) -> dict[str, Any]:
     """The scores table as columns (lists): ``prep/scores.parquet`` when pyarrow reads it, else the same rows
-    built from the curate unit records (``extra["scores"]``). Empty when the prep has no curate stage.
+    built from the curate units' score rows (``StageDir.unit_detail``). Empty when the prep has no curate
+    stage.
 
     ``light``: only the scores and ``status``, from the table as numpy arrays, for the histograms: a score is
     float (null: NaN) and ``status`` is True where the sample was quarantined (no string object per row)."""
@@ -121,7 +122,7 @@ def load_scores(prep_dir: Path, light: bool = False) -> dict[str, Any]:
 
     stage_dir = StageDir(prep_dir / "curate", "curate")
     records = [r for u in manifest.get("units", []) if (r := stage_dir.load_record(u)) is not None]
-    rows = score_rows(records)
+    rows = score_rows(stage_dir, records)
     names = list(dict.fromkeys(n for r in rows for n in r if n not in SCORE_META_COLUMNS))
     return {col: [r.get(col) for r in rows] for col in (*SCORE_META_COLUMNS, *names)}
 

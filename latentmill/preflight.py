@@ -12,7 +12,8 @@
   (``model.vae``, ``model.text_encoder``...) is of the class the pipeline's ``model_index.json`` names, so a
   recipe never mixes components of two families (a FLUX.1 VAE under a FLUX.2 transformer);
 * ``train``: a published snapshot to train on (``run`` publishes one first);
-* the process layout (``--nproc``, ``--nnodes``) against ``parallel.strategy``.
+* the process layout (``--nproc``, ``--nnodes``) against ``parallel.strategy``;
+* ``trainer.expert`` against a local pipeline's experts (a Wan 2.2 A14B folder needs ``high`` or ``low``).
 """
 
 from __future__ import annotations
@@ -200,6 +201,20 @@ def check_edit_source(source: str, local: Path | None, reference_column: str | N
                               "name it with ingest.reference_column")
 
 
+def check_expert(recipe: Recipe) -> None:
+    """``trainer.expert`` fits the local pipeline folder's experts (Wan 2.2 A14B: high, low; one-transformer
+    pipelines: null). A hub id or a folder not built yet is checked when the trainer loads it."""
+    root = Path(recipe.model.pretrained).expanduser()
+    if not (root / "model_index.json").is_file():
+        return
+    from latentmill.stages.families import detect_family
+    from latentmill.trainer.adapter import choose_experts
+    from latentmill.trainer.adapters import get_adapter
+
+    adapter = get_adapter(detect_family(recipe.model))
+    choose_experts(adapter.experts(str(root)), recipe.trainer.expert, recipe.model.pretrained)
+
+
 def check_bucket_step(family: str, step: int) -> None:
     """``bucket.step`` gives sizes the family's latents can patchify (its ``PIXEL_MULTIPLE``): a ConfigError
     naming the key before any work, where training would refuse the whole cache."""
@@ -231,12 +246,21 @@ def check_recipe(recipe: Recipe, command: str) -> None:
             check_media_folder(local, recipe.ingest.extensions)
         if recipe.ingest.edit:
             check_edit_source(source, local, recipe.ingest.reference_column)
+        elif model.family != "auto":
+            from latentmill.stages.families import family_class  # (imports torch: an explicit family only)
+
+            if family_class(model.family).needs_reference():  # else every sample would be quarantined at the cache
+                raise ConfigError(f"ingest.edit: the {model.family} family trains on edit pairs; set ingest.edit: "
+                                  "true over a source of pairs (docs/prep.md, \"Edit datasets\")")
         if recipe.caption.captioner == "transformers":
             check_model_ref("caption.model", recipe.caption.model)
-    if recipe.trainer.i2v_probability > 0 and model.family != "auto":
-        from latentmill.trainer.adapters import check_i2v
+    if model.family != "auto" and (recipe.trainer.i2v_probability > 0 or recipe.trainer.validate_every):
+        from latentmill.trainer.adapters import check_i2v, check_validation
 
         check_i2v(recipe.trainer.i2v_probability, model.family)
+        check_validation(recipe.trainer.validate_every, model.family)
+    if command in ("train", "run", "demo"):
+        check_expert(recipe)
     if command == "train":
         from latentmill.pipelines.snapshot import resolve_snapshot
 

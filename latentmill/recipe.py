@@ -113,11 +113,18 @@ class Recipe:
 
     @property
     def train_dir(self) -> Path:
-        return Path(self.output_dir) / "train"
+        return Path(self.output_dir) / f"train{self.expert_suffix}"
 
     @property
     def export_dir(self) -> Path:
-        return Path(self.output_dir) / "export"
+        return Path(self.output_dir) / f"export{self.expert_suffix}"
+
+    @property
+    def expert_suffix(self) -> str:
+        """``-<trainer.expert>`` (else empty): the runs of each expert of a two-expert pipeline (Wan 2.2 A14B)
+        on one snapshot have their own train folder (``resume: latest`` finds the expert's own run) and
+        export links."""
+        return f"-{self.trainer.expert}" if self.trainer.expert else ""
 
     def to_dict(self) -> dict:
         return to_dict(self)

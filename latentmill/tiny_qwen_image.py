@@ -23,6 +23,7 @@ Command line: ``python -m latentmill.tiny_qwen_image OUT_DIR [--seed N] [--recip
 from __future__ import annotations
 
 import os
+import re
 from collections import Counter
 from collections.abc import Sequence
 from pathlib import Path
@@ -30,27 +31,26 @@ from typing import Any
 
 from latentmill.core.config import ConfigError
 from latentmill.tiny import CORPUS, bytes_to_unicode, learn_bpe, pretokenize, read_sections
-from latentmill.tinyio import pipeline_folder, tiny_cli
+from latentmill.tinyio import is_complete, pipeline_folder, save_folder, tiny_cli
 
 DEFAULT_RECIPE_PATH: Path = Path(__file__).resolve().parents[1] / "data" / "tiny-qwen-image.yaml"
 """The recipe shipped with the repository (``data/tiny-qwen-image.yaml``)."""
+EDIT_RECIPE_PATH: Path = DEFAULT_RECIPE_PATH.with_name("tiny-qwen-image-edit.yaml")
+"""The tiny Qwen-Image-Edit recipe (``data/tiny-qwen-image-edit.yaml``): the same components, and a processor."""
 
 _COMPONENTS = ("transformer", "vae", "text_encoder", "scheduler")
 _TOKENIZERS = ("tokenizer",)
+_EDIT_TOKENIZERS = ("tokenizer", "processor")  # processor: Qwen2VLImageProcessor arguments
 SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")  # Qwen2's pad, and the ChatML markers
-# QwenImagePipeline's prompt template and the number of its leading tokens the pipeline drops (diffusers 0.42)
-PROMPT_TEMPLATE = (
-    "<|im_start|>system\nDescribe the image by detailing the color, shape, size, texture, quantity, text, "
-    "spatial relationships of the objects and background:<|im_end|>\n<|im_start|>user\n{}<|im_end|>\n"
-    "<|im_start|>assistant\n"
-)
-TEMPLATE_START_IDX = 34
+# Qwen2.5-VL's vision markers (the Edit pipeline's template holds an image placeholder)
+VISION_SPECIALS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
 
 
-def load_recipe(recipe: str | os.PathLike[str] = DEFAULT_RECIPE_PATH) -> dict[str, Any]:
-    """Read a tiny Qwen-Image recipe and check that its parts fit together (ConfigError naming the keys)."""
+def load_recipe(recipe: str | os.PathLike[str] = DEFAULT_RECIPE_PATH, edit: bool = False) -> dict[str, Any]:
+    """Read a tiny Qwen-Image recipe (``edit``: a Qwen-Image-Edit one, with ``tokenizers.processor``) and check
+    that its parts fit together (ConfigError naming the keys)."""
     path = Path(recipe)
-    data, comps, toks = read_sections(path, _COMPONENTS, _TOKENIZERS)
+    data, comps, toks = read_sections(path, _COMPONENTS, _EDIT_TOKENIZERS if edit else _TOKENIZERS)
     tr, vae, te = comps["transformer"], comps["vae"], comps["text_encoder"]
     for key in ("text_config", "vision_config"):
         if not isinstance(te.get(key), dict):
@@ -82,21 +82,29 @@ def load_recipe(recipe: str | os.PathLike[str] = DEFAULT_RECIPE_PATH) -> dict[st
     return data
 
 
-def build_qwen_tokenizer(vocab_size: int, settings: dict[str, Any], corpus: Sequence[str] = CORPUS) -> Any:
+def build_qwen_tokenizer(vocab_size: int, settings: dict[str, Any], corpus: Sequence[str] = CORPUS,
+                         edit: bool = False) -> Any:
     """A ``Qwen2Tokenizer`` of exactly ``vocab_size`` tokens: the 256 byte symbols, BPE merges learned from
     ``corpus`` and the prompt template's words (weighted so that each becomes one token, as in Qwen2.5-VL's
-    vocabulary), then ``<|endoftext|>`` (pad), ``<|im_start|>``, ``<|im_end|>`` (eos)."""
+    vocabulary), then ``<|endoftext|>`` (pad), ``<|im_start|>``, ``<|im_end|>`` (eos); ``edit``: the Edit
+    pipeline's template, and the vision markers after them."""
     from transformers import Qwen2Tokenizer
 
+    from latentmill.stages.family_qwen_image import QwenImageEncoders
+    from latentmill.stages.family_qwen_image_edit import QwenImageEditEncoders
+
+    # the templates and dropped prefixes the family modules cache with (the pipelines')
+    family = QwenImageEditEncoders if edit else QwenImageEncoders
+    template, start_idx = family.PROMPT_TEMPLATE, family.TEMPLATE_START_IDX
+    specials = SPECIALS + (VISION_SPECIALS if edit else ())
     table = bytes_to_unicode()
     alphabet = [table[b] for b in range(256)]
     plain = Qwen2Tokenizer(vocab={t: i for i, t in enumerate(alphabet)}, merges=[], unk_token=None)
-    pieces = [p for p in PROMPT_TEMPLATE.format("").replace("<|im_start|>", "\0").replace("<|im_end|>", "\0")
-              .split("\0") if p]
+    pieces = [p for p in re.split(r"<\|[a-z_]+\|>", template.format("")) if p]
     words = pretokenize(plain.backend_tokenizer, list(corpus))
     for word, count in pretokenize(plain.backend_tokenizer, pieces).items():
         words[word] += 1000 * count  # the template's words are merged first, into whole tokens
-    n_new = vocab_size - len(alphabet) - len(SPECIALS)
+    n_new = vocab_size - len(alphabet) - len(specials)
     if n_new < 0:
         raise ConfigError(f"components.text_encoder.text_config.vocab_size: {vocab_size} < "
                           f"{len(alphabet) + len(SPECIALS)} (byte alphabet + special tokens)")
@@ -106,11 +114,11 @@ def build_qwen_tokenizer(vocab_size: int, settings: dict[str, Any], corpus: Sequ
     tokenizer = Qwen2Tokenizer(vocab=vocab, merges=merges, unk_token=None, bos_token=None,
                                eos_token="<|im_end|>", pad_token="<|endoftext|>",
                                model_max_length=int(settings["model_max_length"]))
-    tokenizer.add_special_tokens({"additional_special_tokens": ["<|im_start|>"]})
-    prefix = tokenizer(PROMPT_TEMPLATE.split("{}")[0]).input_ids
-    if len(prefix) != TEMPLATE_START_IDX:  # a bug here (or a too small vocab_size), not in the pipeline
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<|im_start|>", *specials[len(SPECIALS):]]})
+    prefix = tokenizer(template.split("<|vision_start|>" if edit else "{}")[0]).input_ids
+    if len(prefix) != start_idx:  # a bug here (or a too small vocab_size), not in the pipeline
         raise ConfigError(f"components.text_encoder.text_config.vocab_size: the prompt template's prefix is "
-                          f"{len(prefix)} tokens, QwenImagePipeline drops {TEMPLATE_START_IDX}")
+                          f"{len(prefix)} tokens, the pipeline drops {start_idx}")
     return tokenizer
 
 
@@ -132,11 +140,12 @@ def measure_latent_stats(vae: Any, samples: int = 32, seed: int = 0) -> tuple[li
     return z.mean(dims).tolist(), z.std(dims).tolist()
 
 
-def _build_pipeline(data: dict[str, Any], seed: int) -> Any:
+def _build_pipeline(data: dict[str, Any], seed: int, edit: bool = False) -> Any:
     import torch
     from diffusers import (
         AutoencoderKLQwenImage,
         FlowMatchEulerDiscreteScheduler,
+        QwenImageEditPipeline,
         QwenImagePipeline,
         QwenImageTransformer2DModel,
     )
@@ -145,10 +154,13 @@ def _build_pipeline(data: dict[str, Any], seed: int) -> Any:
     comps, toks = data["components"], data["tokenizers"]
     te = comps["text_encoder"]
     vocab_size = te["text_config"]["vocab_size"]
-    tokenizer = build_qwen_tokenizer(vocab_size, toks["tokenizer"])
+    tokenizer = build_qwen_tokenizer(vocab_size, toks["tokenizer"], edit=edit)
     if len(tokenizer) != vocab_size:  # a bug here, not in the recipe
         raise AssertionError(f"tokenizer: {len(tokenizer)} tokens, text encoder expects {vocab_size}")
-    ids = {name: tokenizer.convert_tokens_to_ids(name) for name in SPECIALS}
+    ids = {name: tokenizer.convert_tokens_to_ids(name) for name in SPECIALS + (VISION_SPECIALS if edit else ())}
+    vision_ids = {"image_token_id": ids["<|image_pad|>"], "video_token_id": ids["<|video_pad|>"],
+                  "vision_start_token_id": ids["<|vision_start|>"],
+                  "vision_end_token_id": ids["<|vision_end|>"]} if edit else {}
     text_config = dict(te["text_config"], bos_token_id=ids["<|endoftext|>"], eos_token_id=ids["<|im_end|>"],
                        pad_token_id=ids["<|endoftext|>"])
 
@@ -162,11 +174,42 @@ def _build_pipeline(data: dict[str, Any], seed: int) -> Any:
     vae = seeded(lambda: AutoencoderKLQwenImage(**comps["vae"]))
     config = Qwen2_5_VLConfig(text_config=text_config, vision_config=te["vision_config"],
                               bos_token_id=ids["<|endoftext|>"], eos_token_id=ids["<|im_end|>"],
-                              pad_token_id=ids["<|endoftext|>"])
+                              pad_token_id=ids["<|endoftext|>"], **vision_ids)
     text_encoder = seeded(lambda: Qwen2_5_VLForConditionalGeneration(config))
     scheduler = FlowMatchEulerDiscreteScheduler(**comps["scheduler"])
-    return QwenImagePipeline(tokenizer=tokenizer, text_encoder=text_encoder.eval(), vae=vae.eval(),
-                             scheduler=scheduler, transformer=transformer.eval())
+    parts = dict(tokenizer=tokenizer, text_encoder=text_encoder.eval(), vae=vae.eval(), scheduler=scheduler,
+                 transformer=transformer.eval())
+    # processor=None: transformers 5 builds a Qwen2VLProcessor only beside torchvision (its video half), which
+    # the CPU install lacks; its two halves are written by write_processor, the layout a real one saves
+    return (QwenImageEditPipeline if edit else QwenImagePipeline)(**parts, **({"processor": None} if edit else {}))
+
+
+def write_processor(folder: Path, tokenizer: Any, settings: dict[str, Any]) -> None:
+    """Write a ``Qwen2VLProcessor`` folder (``processor/`` of a Qwen-Image-Edit pipeline): the tokenizer and a
+    ``Qwen2VLImageProcessor`` of ``settings``, and name it in the pipeline's ``model_index.json``."""
+    import json
+
+    from transformers import Qwen2VLImageProcessor
+
+    tokenizer.save_pretrained(folder / "processor")
+    Qwen2VLImageProcessor(**settings).save_pretrained(folder / "processor")
+    index = json.loads((folder / "model_index.json").read_text())
+    index["processor"] = ["transformers", "Qwen2VLProcessor"]
+    (folder / "model_index.json").write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+
+
+def _edit_folder(out_dir: str | os.PathLike[str], recipe: str | os.PathLike[str], seed: int, replace: bool) -> Path:
+    path = Path(out_dir).expanduser().absolute()
+    if not replace and is_complete(path):
+        return path
+    data = load_recipe(recipe, edit=True)
+
+    def save(tmp: Path) -> None:
+        pipe = _build_pipeline(data, seed, edit=True)
+        pipe.save_pretrained(tmp, safe_serialization=True)
+        write_processor(tmp, pipe.tokenizer, data["tokenizers"]["processor"])
+
+    return save_folder(path, save, replace=replace)
 
 
 def build_tiny_qwen_image(
@@ -182,6 +225,21 @@ def ensure_tiny_qwen_image(
 ) -> Path:
     """Return ``out_dir``, building the tiny Qwen-Image pipeline there first only if it is missing."""
     return pipeline_folder(out_dir, lambda: _build_pipeline(load_recipe(recipe), seed), replace=False)
+
+
+def build_tiny_qwen_image_edit(
+    out_dir: str | os.PathLike[str], recipe: str | os.PathLike[str] = EDIT_RECIPE_PATH, seed: int = 0
+) -> Path:
+    """Build the tiny Qwen-Image-Edit pipeline folder (``QwenImageEditPipeline``: the Qwen-Image components, the
+    Edit template's tokenizer, a ``Qwen2VLProcessor``) from ``recipe`` into ``out_dir``, replacing a previous build."""
+    return _edit_folder(out_dir, recipe, seed, replace=True)
+
+
+def ensure_tiny_qwen_image_edit(
+    out_dir: str | os.PathLike[str], recipe: str | os.PathLike[str] = EDIT_RECIPE_PATH, seed: int = 0
+) -> Path:
+    """Return ``out_dir``, building the tiny Qwen-Image-Edit pipeline there first only if it is missing."""
+    return _edit_folder(out_dir, recipe, seed, replace=False)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -10,7 +10,10 @@ way ``latentmill.tiny.build_tiny_flux`` builds the tiny Flux set:
   builds with the same seed give byte-identical ``*.safetensors`` files;
 * the tokenizer is the deterministic offline T5 Unigram tokenizer of ``latentmill.tiny.build_t5_tokenizer``
   (Wan uses the T5-style ``google/umt5-xxl`` tokenizer);
-* the pipeline is written to a hidden temporary folder next to ``out_dir`` and renamed into place at the end.
+* the pipeline is written to a hidden temporary folder next to ``out_dir`` and renamed into place at the end;
+* a recipe with a ``pipeline: {boundary_ratio: r}`` section (``data/tiny-wan2.2.yaml``) builds the Wan 2.2
+  A14B layout: a second expert ``transformer_2`` of the same architecture (seeded ``seed + 1``, so the two
+  differ) and ``boundary_ratio`` in ``model_index.json``.
 
 The result loads like the real thing::
 
@@ -20,6 +23,8 @@ The result loads like the real thing::
 
 The Wan 2.2 TI2V-5B-class set (``data/tiny-wan2.2-ti2v.yaml``) is built by the same code: its recipe adds a
 ``pipeline`` section (``expand_timesteps: true``) and the Wan 2.2 VAE's options (``is_residual``, ``patch_size``).
+The Wan 2.1 I2V-class set (``data/tiny-wan2.1-i2v.yaml``) adds an ``image_encoder`` (``CLIPVisionModel``) and its
+``image_processor`` (``CLIPImageProcessor``) and is saved as a ``WanImageToVideoPipeline``.
 
 Command line: ``python -m latentmill.tiny_wan OUT_DIR [--seed N] [--recipe PATH] [--if-missing]``.
 """
@@ -39,10 +44,14 @@ DEFAULT_RECIPE_PATH: Path = Path(__file__).resolve().parents[1] / "data" / "tiny
 """The recipe shipped with the repository (``data/tiny-wan.yaml``)."""
 TI2V_RECIPE_PATH: Path = DEFAULT_RECIPE_PATH.with_name("tiny-wan2.2-ti2v.yaml")
 """The Wan 2.2 TI2V-5B-class recipe (``data/tiny-wan2.2-ti2v.yaml``)."""
+I2V_RECIPE_PATH: Path = DEFAULT_RECIPE_PATH.with_name("tiny-wan2.1-i2v.yaml")
+"""The Wan 2.1 I2V-class recipe (``data/tiny-wan2.1-i2v.yaml``): CLIP image conditioning, 36 input channels."""
 
 _COMPONENTS = ("transformer", "vae", "text_encoder", "scheduler")
+_IMAGE_COMPONENTS = ("image_encoder", "image_processor")  # a Wan 2.1 I2V recipe's CLIP image side
 _TOKENIZERS = ("tokenizer",)
-_PIPELINE_OPTIONS = ("expand_timesteps",)  # the WanPipeline config keys a recipe's ``pipeline`` section may set
+# the WanPipeline config keys a recipe's ``pipeline`` section may set (boundary_ratio: also a second expert)
+_PIPELINE_OPTIONS = ("expand_timesteps", "boundary_ratio")
 
 
 def load_recipe(recipe: str | os.PathLike[str] = DEFAULT_RECIPE_PATH) -> dict[str, Any]:
@@ -56,11 +65,18 @@ def load_recipe(recipe: str | os.PathLike[str] = DEFAULT_RECIPE_PATH) -> dict[st
         ConfigError: a section is missing or unknown, or two components disagree on a shared size (for example
             ``transformer.text_dim`` != ``text_encoder.d_model``). The message names the keys.
     """
+    import yaml
+
     path = Path(recipe)
-    data, comps, toks = read_sections(path, _COMPONENTS, _TOKENIZERS, optional=("pipeline",))
+    raw = yaml.safe_load(path.read_text(encoding="utf-8"))
+    image = isinstance(raw, dict) and "image_encoder" in (raw.get("components") or {})
+    names = _COMPONENTS + _IMAGE_COMPONENTS if image else _COMPONENTS
+    data, comps, toks = read_sections(path, names, _TOKENIZERS, optional=("pipeline",))
     options = data.get("pipeline") or {}
     if not isinstance(options, dict) or set(options) - set(_PIPELINE_OPTIONS):
         raise ConfigError(f"pipeline: expected a mapping of {', '.join(_PIPELINE_OPTIONS)}; got {options!r}")
+    if "boundary_ratio" in options and not 0.0 < float(options["boundary_ratio"]) < 1.0:
+        raise ConfigError(f"pipeline.boundary_ratio: must be in (0, 1), got {options['boundary_ratio']}")
     if not isinstance(toks["tokenizer"], dict):
         raise ConfigError("tokenizers.tokenizer: expected a mapping of tokenizer settings")
 
@@ -91,11 +107,18 @@ def load_recipe(recipe: str | os.PathLike[str] = DEFAULT_RECIPE_PATH) -> dict[st
             raise ConfigError(message)
 
     z = vae["z_dim"]
+    # I2V: the noisy latents, a 4-channel first-frame mask and the condition latents, stacked on channels
+    z_in = 2 * z + 4 if image else z
     require(
-        tr["in_channels"] == z and tr["out_channels"] == z,
+        tr["in_channels"] == z_in and tr["out_channels"] == z,
         f"components.transformer.in_channels/out_channels: {tr['in_channels']}/{tr['out_channels']} != "
-        f"components.vae.z_dim ({z})",
+        f"{z_in}/{z} (vae.z_dim {z}{', in: 2 x z_dim + 4 with an image_encoder' if image else ''})",
     )
+    if image:
+        width = comps["image_encoder"].get("hidden_size")
+        require(tr.get("image_dim") == width,
+                f"components.transformer.image_dim: {tr.get('image_dim')} != components.image_encoder.hidden_size "
+                f"({width})")
     require(
         tr["text_dim"] == te["d_model"],
         f"components.transformer.text_dim: {tr['text_dim']} != components.text_encoder.d_model ({te['d_model']})",
@@ -202,6 +225,20 @@ def _build_pipeline(data: dict[str, Any], seed: int) -> Any:
     vae = seeded(lambda: AutoencoderKLWan(**comps["vae"]))
     text_encoder = seeded(lambda: UMT5EncoderModel(UMT5Config(**comps["text_encoder"])))
     scheduler = UniPCMultistepScheduler(**comps["scheduler"])
+    if "image_encoder" in comps:
+        from diffusers import WanImageToVideoPipeline
+        from transformers import CLIPImageProcessor, CLIPVisionConfig, CLIPVisionModel
+
+        image_encoder = seeded(lambda: CLIPVisionModel(CLIPVisionConfig(**comps["image_encoder"])))
+        return WanImageToVideoPipeline(
+            tokenizer=tokenizer, text_encoder=text_encoder.eval(), vae=vae.eval(), scheduler=scheduler,
+            image_processor=CLIPImageProcessor(**comps["image_processor"]), image_encoder=image_encoder.eval(),
+            transformer=transformer.eval(), **(data.get("pipeline") or {}))
+    experts = {}
+    if (data.get("pipeline") or {}).get("boundary_ratio") is not None:  # Wan 2.2 A14B: the low-noise expert
+        torch.manual_seed(seed + 1)  # other weights than the high-noise one
+        with torch.no_grad():
+            experts = {"transformer_2": WanTransformer3DModel(**tr_kwargs).eval()}
     return WanPipeline(
         tokenizer=tokenizer,
         text_encoder=text_encoder.eval(),
@@ -209,6 +246,7 @@ def _build_pipeline(data: dict[str, Any], seed: int) -> Any:
         scheduler=scheduler,
         transformer=transformer.eval(),
         **(data.get("pipeline") or {}),
+        **experts,
     )
 
 

@@ -8,6 +8,7 @@
     <output_dir>/train/metrics.jsonl    -> runs/<LATEST>/metrics.jsonl
     <output_dir>/export                 -> train/runs/<newest full fine-tune>/export   (a Diffusers pipeline)
     <output_dir>/export-lora            -> train/runs/<newest LoRA run>/export         (a LoRA adapter)
+    (trainer.expert of a two-expert pipeline: train-<expert>/, export-<expert>, export-lora-<expert>)
 
 A run's ``<key>`` is a hash of what decides its weights: the snapshot it reads, the trainer and parallel
 settings (all of them but ``trainer.resume``), the model, the seed and the world size. The rules:
@@ -156,8 +157,9 @@ def plan_run(recipe: Recipe, snapshot: str, world_size: int = 1) -> RunPlan:
 
 
 def export_link(recipe: Recipe, mode: str) -> Path:
-    """The stable path of the newest export of ``mode``: ``<output_dir>/export`` or ``export-lora``."""
-    return Path(recipe.output_dir) / ("export-lora" if mode == "lora" else "export")
+    """The stable path of the newest export of ``mode``: ``<output_dir>/export`` or ``export-lora`` (one expert of
+    a two-expert pipeline: ``export-high``, ``export-lora-low``...)."""
+    return Path(recipe.output_dir) / (("export-lora" if mode == "lora" else "export") + recipe.expert_suffix)
 
 
 def finish_run(recipe: Recipe, plan: RunPlan, summary: dict[str, Any]) -> dict[str, Any]:

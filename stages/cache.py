@@ -141,10 +141,14 @@ class CachePlan:
         prints = cached_model_fingerprints(model, family_components(family))
         # the encoders' own dtype too (bf16 on a GPU): a GPU-made latent is not the CPU-made one's bytes
         compute = compute_dtypes(family, torch.device("cuda" if _on_gpu(cfg) else "cpu"))
+        pixel_side = family_class(family).PIXEL_COMPONENTS
+        # a family whose pixels meet more than the VAE (an image encoder) keys its vae member with them too
+        others = {k: prints[k] for k in pixel_side if k != "vae"}
         vae_fp = stable_hash({"family": family, "vae": prints["vae"], "dtype": cfg.dtype, "latents": cfg.latents,
                               "seed": cfg.seed if cfg.latents == "sample" else None, "resample": "lanczos",
-                              "version": FORMAT_VERSION, **_compute(compute["vae"])})
-        text_fp = stable_hash({"family": family, "encoders": {k: v for k, v in prints.items() if k != "vae"},
+                              "version": FORMAT_VERSION, **_compute(compute["vae"]),
+                              **({"pixel_encoders": others} if others else {})})
+        text_fp = stable_hash({"family": family, "encoders": {k: v for k, v in prints.items() if k not in pixel_side},
                                "dtype": cfg.dtype, "max_sequence_length": cfg.max_sequence_length,
                                "trim": trims_text(cfg, family), "version": FORMAT_VERSION,
                                **_compute(compute["text"])})
@@ -302,9 +306,10 @@ def mixed_devices_warning(encoded_on: dict[str, dict[str, int]]) -> str | None:
             "(docs/cache-format.md, 'Reproducible where'); re-encode on one class for byte-identical caches")
 
 
-def merged_origins(records: list[UnitRecord]) -> dict[str, Any]:
+def merged_origins(stage_dir: StageDir, records: list[UnitRecord]) -> dict[str, Any]:
     """The ``device``, ``encoded_on`` and ``foreign`` fields of one record that holds the samples of
-    ``records`` (a compaction merging units): provenance survives the merge. Empty when none recorded it."""
+    ``records``, units of ``stage_dir`` (a compaction merging them): provenance survives the merge. Empty
+    when none recorded it."""
     base = next((r.extra["device"] for r in records if r.extra.get("device")), None)
     if base is None:
         return {}
@@ -312,7 +317,7 @@ def merged_origins(records: list[UnitRecord]) -> dict[str, Any]:
     for record in records:
         here = (record.extra.get("device") or {}).get("key", UNKNOWN_DEVICE)
         theirs = record.extra.get("foreign") or {}
-        for keys in (record.extra.get("components") or {}).values():
+        for keys in (stage_dir.unit_detail(record).get("components") or {}).values():
             texts = keys["text"] if isinstance(keys["text"], list) else [keys["text"]]
             for key in [keys["vae"], *texts]:
                 where = theirs.get(key, here)
@@ -645,8 +650,10 @@ def process(cfg: CacheConfig, model: ModelConfig, unit: WorkUnit, out: UnitOutpu
                 mean, std = encoders.encode_pixels(torch.stack(targets))
                 if reference_streams:  # the source images at the target's bucket, the distribution's mean
                     reference_mean = encoders.encode_pixels(torch.stack([decoded[i][1] for i in need_vae]))[0]
+                conditions = encoders.encode_conditions(torch.stack(targets))
             for j, i in enumerate(need_vae):
                 tensors = _latent_tensors(mean[j], std[j], cfg, keys[i][0])
+                tensors.update({name: tensor[j] for name, tensor in conditions.items()})
                 tensors.update({name: reference_mean[j] for name in reference_streams})
                 vae_bytes[keys[i][0]] = _tensor_bytes(tensors, dtype)
         text_bytes: dict[str, bytes] = {}
@@ -676,7 +683,8 @@ def process(cfg: CacheConfig, model: ModelConfig, unit: WorkUnit, out: UnitOutpu
             members = {text_member(j): data for j, data in enumerate(texts)}
             out.add({"__key__": key, VAE_MEMBER: vae, **members, "json": meta_bytes(meta)}, bucket=metas[i]["bucket"])
     passes.close()  # (an exception above leaves them to the garbage collector, which closes them too)
-    out.extra.update(components=components, counts=counts, bytes=sizes, device=described,
+    out.detail["components"] = components
+    out.extra.update(counts=counts, bytes=sizes, device=described,
                      encoded_on=dict(sorted(encoded_on.items())), **({"foreign": foreign} if foreign else {}))
 
 

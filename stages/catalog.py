@@ -8,11 +8,13 @@ What the stages reuse across units and runs lives here rather than in each proce
   sample and member it is in and where it was encoded;
 * ``plans``: the work units a stage planned, so that task runs carry unit ids rather than payloads.
 
-The unit records (``units/<id>.json``) stay the source of truth. A unit's rows are written in its commit,
-right after its record (:meth:`Catalog.enter`). :meth:`Catalog.sync` brings a stage's rows in line with its
-records: it enters a record the catalog lacks (a run killed between the two writes, a catalog deleted or
-written before this module existed) and forgets units whose record is gone (gc). Every reader syncs first,
-so a lookup never depends on which process committed what.
+The unit records (``units/<id>.json``) stay the source of truth, with the per-sample facts a record names
+in its detail file (:func:`unit_detail`: a curate unit's score rows, a cache unit's component keys), kept
+out of the record so that reading a stage's records costs per unit, not per sample. A unit's rows are
+written in its commit, right after its record (:meth:`Catalog.enter`). :meth:`Catalog.sync` brings a
+stage's rows in line with its records: it enters a record the catalog lacks (a run killed between the two
+writes, a catalog deleted or written before this module existed) and forgets units whose record is gone
+(gc). Every reader syncs first, so a lookup never depends on which process committed what.
 
 One connection per call, no connection kept: the catalog is shared by threads, worker processes and
 machines that see the same output folder, and SQLite's file locks order their writes (rollback journal,
@@ -29,6 +31,7 @@ from pathlib import Path
 from typing import Any, Iterable, Iterator
 
 FILE = "catalog.sqlite"
+DETAIL_KEY = "detail"  # a record's ``extra`` field naming its detail file, relative to the stage folder
 SCHEMA_VERSION = 1
 KINDS = {"vae": 0, "text": 1}  # a component's table, as stored
 BUSY_TIMEOUT_S = 120  # how long a writer waits for another's transaction before failing
@@ -61,6 +64,14 @@ def raw_key(key: str) -> bytes | None:
         return bytes.fromhex(key)
     except ValueError:
         return None
+
+
+def unit_detail(stage_root: Path, extra: dict[str, Any]) -> dict[str, Any]:
+    """The per-sample facts of a unit whose record's ``extra`` is ``extra``: its detail file (a JSON object
+    beside its shards), or ``extra`` itself for a unit committed before detail files (its record held
+    them)."""
+    name = extra.get(DETAIL_KEY)
+    return json.loads((Path(stage_root) / name).read_text()) if name else extra
 
 
 def catalog_path(stage_root: Path) -> Path:
@@ -115,10 +126,14 @@ class Catalog:
     # Writing: a unit's rows, and bringing a stage in line with its records
     # -----------------------------------------------------------------------------------------------------
 
-    def enter(self, stage: str, record: dict[str, Any], committed_ns: int) -> None:
-        """Enter (or enter again) the rows of one committed unit record (as written: its JSON value)."""
+    def enter(self, stage: str, record: dict[str, Any], committed_ns: int,
+              detail: dict[str, Any] | None = None) -> None:
+        """Enter (or enter again) the rows of one committed unit record (as written: its JSON value);
+        ``detail``: its per-sample facts when the caller holds them (else read, :func:`unit_detail`)."""
+        if detail is None:
+            detail = unit_detail(self.path.parent / stage, record.get("extra") or {})
         with self._db(write=True) as db:
-            _enter(db, stage, record, committed_ns)
+            _enter(db, stage, record, committed_ns, detail)
 
     def sync(self, stage: str, unit_dir: Path) -> int:
         """Enter the stage's committed records (``unit_dir/<unit id>.json``) the catalog lacks and forget the
@@ -139,7 +154,8 @@ class Catalog:
                 try:
                     record = json.loads(path.read_text())
                     committed_ns = path.stat().st_mtime_ns
-                    _enter(db, stage, record, committed_ns)
+                    detail = unit_detail(Path(unit_dir).parent, record["extra"])
+                    _enter(db, stage, record, committed_ns, detail)
                 except (OSError, ValueError, TypeError, KeyError, AttributeError):
                     continue  # a damaged record: the unit runs again, and its commit enters it
                 entered += 1
@@ -245,9 +261,10 @@ def _forget(db: sqlite3.Connection, stage: str, unit_id: str) -> None:
     db.execute("DELETE FROM units WHERE id = ?", row)
 
 
-def _enter(db: sqlite3.Connection, stage: str, record: dict[str, Any], committed_ns: int) -> None:
+def _enter(db: sqlite3.Connection, stage: str, record: dict[str, Any], committed_ns: int,
+           detail: dict[str, Any]) -> None:
     """The rows of one record: its unit, and what its stage keeps (curate: scores and embeddings; cache:
-    components)."""
+    components), the per-sample ones from ``detail``."""
     _forget(db, stage, record["unit_id"])
     extra = record.get("extra") or {}
     device = extra.get("device") if stage == "cache" else None  # the cache's device class (a captioner's is text)
@@ -258,7 +275,7 @@ def _enter(db: sqlite3.Connection, stage: str, record: dict[str, Any], committed
                      (stage, record["unit_id"], committed_ns, json.dumps([s["path"] for s in record["shards"]]),
                       device, emb["file"] if emb else None))
     unit = cur.lastrowid
-    scores = (extra.get("scores") or {}) if stage == "curate" else {}
+    scores = (detail.get("scores") or {}) if stage == "curate" else {}
     db.executemany("INSERT OR REPLACE INTO scores VALUES (?, ?, ?)", (
         (raw, unit, float(row["values"][name])) for row in scores.values()
         for name, key in (row.get("keys") or {}).items()
@@ -268,7 +285,7 @@ def _enter(db: sqlite3.Connection, stage: str, record: dict[str, Any], committed
             (raw, unit, n) for n, key in enumerate(emb.get("ekeys") or ()) if (raw := raw_key(key)) is not None))
     foreign = extra.get("foreign") or {}
     rows = []
-    for sample, keys in ((extra.get("components") or {}) if stage == "cache" else {}).items():
+    for sample, keys in ((detail.get("components") or {}) if stage == "cache" else {}).items():
         texts = keys["text"] if isinstance(keys["text"], list) else [keys["text"]]
         for kind, key, member in [("vae", keys["vae"], 0), *(("text", tk, j + 1) for j, tk in enumerate(texts))]:
             raw = raw_key(key)

@@ -185,7 +185,7 @@ def merge_units(stage: StageDir, group: list[UnitRecord], fingerprint: dict[str,
         counts = {"vae": {"encoded": 0, "reused": 0}, "text": {"encoded": 0, "reused": 0}}
         sizes = {"vae": 0, "text": 0}
         for record in group:
-            components.update(record.extra.get("components") or {})
+            components.update(stage.unit_detail(record).get("components") or {})
             for comp in counts:
                 for what in counts[comp]:
                     counts[comp][what] += int(record.extra.get("counts", {}).get(comp, {}).get(what, 0))
@@ -194,7 +194,8 @@ def merge_units(stage: StageDir, group: list[UnitRecord], fingerprint: dict[str,
             merged_origins,  # the cache's provenance: device class per component
         )
 
-        out.extra.update(components=components, counts=counts, bytes=sizes, **merged_origins(group),
+        out.detail["components"] = components
+        out.extra.update(counts=counts, bytes=sizes, **merged_origins(stage, group),
                          compacted_from=[r.unit_id for r in group])
     except BaseException:
         out.abort()

@@ -29,8 +29,9 @@ The stage sits between caption and bucket (``docs/cache-format.md``, "Curation")
 
 Scores are components with keys of their own, like the cache's VAE and text components: key = hash of the
 scorer's fingerprint and the sample's content hash (and clip window, when a sample has one). Every unit
-record lists its samples' score keys and values (``extra["scores"]``), and a unit that runs looks its scores
-up in all earlier records of the stage (:class:`ScoreIndex`) before it decodes anything. The thresholds are
+lists its samples' score keys and values (``scores`` in its detail file, ``StageDir.unit_detail``), and a
+unit that runs looks its scores up in all earlier units of the stage (the catalog) before it decodes
+anything. The thresholds are
 in the unit fingerprint (a changed threshold re-runs the stage's units, which copy their samples), never in
 a score key or in a written sample: changing only a threshold computes no score, and a kept sample is
 written with the same bytes, so the cache downstream copies its components without encoding them.
@@ -571,7 +572,9 @@ def _process(cfg: CurateConfig, unit: WorkUnit, out: UnitOutput, background: tup
         written = embeds.write()
         if written is not None:
             out.extra["embeddings"] = written
-    out.extra.update(scores=rows, counts=counts)
+    out.detail["scores"] = rows
+    out.extra["counts"] = counts
+    write_unit_table(out, rows, names)
 
 
 def _process_video_clips(cfg: CurateConfig, spec: ClipSpec, item: _Scored, prints: dict[str, dict[str, Any]],
@@ -644,42 +647,75 @@ def report(records: list[UnitRecord]) -> dict[str, Any]:
 
 
 SCORES_FILE = "scores.parquet"
+TABLE_KEY = "scores_table"  # a record's extra field: its unit's rows of the scores table (a Parquet file)
+SCORE_TEXT_COLUMNS = ("key", "source", "kind", "status", "threshold")
 
 
-def score_rows(records: list[UnitRecord]) -> list[dict[str, Any]]:
+def score_rows(stage_dir: StageDir, records: Iterable[UnitRecord]) -> list[dict[str, Any]]:
     """One row per scored sample of the stage: key, source, kind, status and every score."""
-    rows = []
-    for record in sorted(records, key=lambda r: r.unit_id):
-        for key, row in (record.extra.get("scores") or {}).items():
-            rows.append({"key": key, "source": row["source"], "kind": row["kind"],
-                         "status": "quarantined" if row.get("quarantined") else "kept",
-                         "threshold": row.get("quarantined"), **row["values"]})
+    rows = [row for record in records
+            for row in _table_rows(stage_dir.unit_detail(record).get("scores") or {})]
     return sorted(rows, key=lambda r: r["key"])
 
 
-SCORE_TEXT_COLUMNS = ("key", "source", "kind", "status", "threshold")
+def _table_rows(scores: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
+    """The scores table's rows of one unit's score rows (``scores`` of its detail), in key order."""
+    return [{"key": key, "source": row["source"], "kind": row["kind"],
+             "status": "quarantined" if row.get("quarantined") else "kept",
+             "threshold": row.get("quarantined"), **row["values"]} for key, row in sorted(scores.items())]
+
+
+def _arrow_table(rows: list[dict[str, Any]], names: list[str]):
+    """``rows`` (:func:`_table_rows`) as an Arrow table of the scores table's schema."""
+    import pyarrow as pa
+
+    schema = pa.schema([(c, pa.string()) for c in SCORE_TEXT_COLUMNS] + [(n, pa.float64()) for n in names])
+    return pa.table({**{c: pa.array([r[c] for r in rows], pa.string()) for c in SCORE_TEXT_COLUMNS},
+                     **{n: pa.array([r.get(n) for r in rows], pa.float64()) for n in names}}, schema=schema)
+
+
+def write_unit_table(out: UnitOutput, scores: dict[str, dict[str, Any]], names: list[str]) -> None:
+    """The unit's rows of ``prep/scores.parquet`` as a Parquet file beside its shards, named in its record
+    (``extra["scores_table"]``), so that the stage's table is put together from one file per unit; none
+    without pyarrow or without a scored sample."""
+    try:
+        import pyarrow.parquet as pq
+    except ImportError:
+        return
+    rows = _table_rows(scores)
+    if not rows:
+        return
+    name = f"{out.stage_dir.stage}-{out.unit.unit_id[:16]}-scores.parquet"
+    path = out.stage_dir.shard_dir / name
+    tmp = path.with_name(name + ".tmp")
+    pq.write_table(_arrow_table(rows, names), tmp)
+    tmp.replace(path)
+    out.extra[TABLE_KEY] = f"shards/{name}"
 
 
 def write_scores_table(records: Iterable[UnitRecord], prep_dir: Path, names: list[str]) -> Path | None:
     """``prep/scores.parquet`` from the stage's records (rewritten every run), when pyarrow is installed
     (``pip install 'latentmill[parquet]'``); None without it. Columns: key, source, kind, status,
     threshold (those that dropped the sample, comma-separated, or null), and one float column per scorer;
-    rows in key order (as :func:`score_rows`). Built one record at a time into Arrow columns, so the rows
-    never exist as Python objects together.
+    rows in key order (as :func:`score_rows`). Put together from each unit's Parquet file (a unit committed
+    before those: from its score rows), so a unit reused costs a file read, not a row each.
     """
     try:
         import pyarrow as pa
         import pyarrow.parquet as pq
     except ImportError:
         return None
-    schema = pa.schema([(c, pa.string()) for c in SCORE_TEXT_COLUMNS] + [(n, pa.float64()) for n in names])
+    stage_dir = StageDir(Path(prep_dir) / STAGE, STAGE)
+    schema = _arrow_table([], names).schema
     parts = []
     for record in by_unit_id(records):
-        rows = score_rows([record])
-        if rows:
-            parts.append(pa.table({**{c: pa.array([r[c] for r in rows], pa.string()) for c in SCORE_TEXT_COLUMNS},
-                                   **{n: pa.array([r.get(n) for r in rows], pa.float64()) for n in names}},
-                                  schema=schema))
+        name = record.extra.get(TABLE_KEY)
+        part = pq.read_table(stage_dir.root / name) if name else None
+        if part is None or not part.schema.equals(schema):  # no file (an older unit), or other scorers
+            rows = _table_rows(stage_dir.unit_detail(record).get("scores") or {})
+            part = _arrow_table(rows, names) if rows else None
+        if part is not None:
+            parts.append(part)
     table = pa.concat_tables(parts).sort_by("key").combine_chunks() if parts else schema.empty_table()
     path = Path(prep_dir) / SCORES_FILE
     tmp = path.with_name(path.name + ".tmp")

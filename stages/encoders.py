@@ -60,6 +60,9 @@ class Encoders(ABC):
     # reads as null): Wan 2.2 TI2V is a WanPipeline with ``expand_timesteps: true``
     PIPELINE_CONFIG: ClassVar[dict[str, Any]] = {}
     COMPONENTS: ClassVar[tuple[str, ...]]  # the components whose weights decide the cached streams
+    # those of them whose weights decide the vae member (the streams computed from pixels): their fingerprints
+    # key it, the others' the text members
+    PIXEL_COMPONENTS: ClassVar[tuple[str, ...]] = ("vae",)
     STREAMS: ClassVar[tuple[Stream, ...]]
     # (module, class) pairs the encoders are built from: imported ahead by the CLI (import_encoder_classes)
     CLASS_IMPORTS: ClassVar[tuple[tuple[str, str], ...]] = ()
@@ -130,6 +133,12 @@ class Encoders(ABC):
     def encode_pixels(self, pixels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(mean, std) of the normalised latent distribution of a batch of pixels in [-1, 1] (images
         [B, 3, H, W], clips [B, 3, F, H, W]): the ``vae`` stream named ``latents``, float32, on the CPU."""
+
+    def encode_conditions(self, pixels: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The family's other ``vae`` streams of a batch of pixels (as :meth:`encode_pixels` takes them), by
+        name, batch first, float32, on the CPU: conditioning computed from the pixels (Wan 2.1 I2V's first
+        frame); none by default."""
+        return {}
 
     @abstractmethod
     def encode_text(self, captions: list[str], max_sequence_length: int, images: list | None = None) -> dict[str, Any]:

@@ -7,9 +7,12 @@ holds the registry and what every family shares:
 - ``flux`` (FLUX.1): :mod:`latentmill.stages.family_flux`;
 - ``wan`` (Wan 2.1): :mod:`latentmill.stages.family_wan`;
 - ``qwen-image`` (Qwen-Image): :mod:`latentmill.stages.family_qwen_image`;
+- ``qwen-image-edit`` (Qwen-Image-Edit): :mod:`latentmill.stages.family_qwen_image_edit` (Qwen-Image's, plus the
+  edit's source image);
 - ``flux2`` (FLUX.2 [dev]): :mod:`latentmill.stages.family_flux2`;
 - ``flux2-klein`` (FLUX.2 [klein]): :mod:`latentmill.stages.family_flux2_klein` (the VAE side is flux2's);
-- ``wan2.2-ti2v`` (Wan 2.2 TI2V-5B): :mod:`latentmill.stages.family_wan2_2_ti2v`.
+- ``wan2.2-ti2v`` (Wan 2.2 TI2V-5B): :mod:`latentmill.stages.family_wan2_2_ti2v`;
+- ``wan2.1-i2v`` (Wan 2.1 I2V-14B): :mod:`latentmill.stages.family_wan2_1_i2v`.
 
 Adding a family = one module with an ``Encoders`` subclass and one entry in ``FAMILIES``.
 """
@@ -39,7 +42,9 @@ from latentmill.stages.family_flux import FluxEncoders
 from latentmill.stages.family_flux2 import Flux2Encoders
 from latentmill.stages.family_flux2_klein import Flux2KleinEncoders
 from latentmill.stages.family_qwen_image import QwenImageEncoders
+from latentmill.stages.family_qwen_image_edit import QwenImageEditEncoders
 from latentmill.stages.family_wan import WanEncoders
+from latentmill.stages.family_wan2_1_i2v import WanI2VEncoders
 from latentmill.stages.family_wan2_2_ti2v import WanTI2VEncoders
 from latentmill.stages.family_z_image import ZImageEncoders
 
@@ -47,14 +52,15 @@ from latentmill.core.config import ConfigError
 from latentmill.models import ModelConfig, component_source, read_component_config
 
 FAMILIES: dict[str, type[Encoders]] = {cls.name: cls for cls in (FluxEncoders, WanEncoders, ZImageEncoders,
-                                                                QwenImageEncoders, Flux2Encoders, Flux2KleinEncoders,
-                                                                WanTI2VEncoders)}
+                                                                QwenImageEncoders, QwenImageEditEncoders, Flux2Encoders,
+                                                                Flux2KleinEncoders, WanTI2VEncoders,
+                                                                WanI2VEncoders)}
 # model_index.json `_class_name` -> family, when the class alone decides (index_family: also its config)
 PIPELINE_FAMILIES = {pipeline: cls.name for cls in FAMILIES.values() if not cls.PIPELINE_CONFIG
                      for pipeline in cls.PIPELINES}
 
 __all__ = ["FAMILIES", "PIPELINE_FAMILIES", "index_family", "Encoders", "Stream", "FluxEncoders", "WanEncoders",
-           "Flux2Encoders", "Flux2KleinEncoders"]
+           "Flux2Encoders", "Flux2KleinEncoders", "WanI2VEncoders"]
 
 
 def family_class(family: str) -> type[Encoders]:

@@ -3,10 +3,10 @@
 template with its fixed prefix dropped, the real tokens only (a ``mask`` stream), as
 ``QwenImagePipeline.encode_prompt`` computes them (diffusers 0.42).
 
-``QwenImageEncoders`` is written to be subclassed by the Qwen-Image-Edit family: the template, the number of
-its leading tokens to drop and the text-encoder call are class attributes / methods (``PROMPT_TEMPLATE``,
-``TEMPLATE_START_IDX``, :meth:`_hidden_states`), and the one-frame VAE path is :meth:`encode_latents`, which
-an Edit family reuses for its reference-image stream.
+``QwenImageEncoders`` is subclassed by the Qwen-Image-Edit family (``stages/family_qwen_image_edit.py``): the
+template, the number of its leading tokens to drop, the cap on the kept tokens and the text-encoder call are
+class attributes / methods (``PROMPT_TEMPLATE``, ``TEMPLATE_START_IDX``, ``TOKENIZER_MAX_LENGTH``,
+:meth:`_hidden_states`), and the one-frame VAE path (:meth:`encode_latents`) encodes its reference images too.
 """
 
 from __future__ import annotations
@@ -45,6 +45,7 @@ class QwenImageEncoders(Encoders):
     VAE_FLOAT32 = True  # the Wan-style causal 3-D convs, as for Wan
     PROMPT_TEMPLATE = PROMPT_TEMPLATE
     TEMPLATE_START_IDX = TEMPLATE_START_IDX
+    TOKENIZER_MAX_LENGTH: int | None = TOKENIZER_MAX_LENGTH  # the pipeline's cap on the kept tokens (None: none)
 
     def __init__(self, model: ModelConfig, device: torch.device):
         super().__init__(model, device)
@@ -70,7 +71,7 @@ class QwenImageEncoders(Encoders):
         text = config("text_encoder")
         width = int((text.get("text_config") or {}).get("hidden_size") or text.get("hidden_size") or 3584)
         return {"latents": (channels, int(bucket[1]) // spatial, int(bucket[0]) // spatial),
-                "prompt_embeds": (min(max_sequence_length, TOKENIZER_MAX_LENGTH), width)}
+                "prompt_embeds": (min(max_sequence_length, cls.TOKENIZER_MAX_LENGTH or max_sequence_length), width)}
 
     @torch.no_grad()
     def encode_latents(self, pixels_BCHW: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -114,7 +115,7 @@ class QwenImageEncoders(Encoders):
         ``images`` is for a family whose text encoder sees the edit's source image (``TEXT_SEES_REFERENCE``:
         Qwen-Image-Edit); Qwen-Image's does not.
         """
-        limit = min(max_sequence_length, TOKENIZER_MAX_LENGTH)
+        limit = min(max_sequence_length, self.TOKENIZER_MAX_LENGTH or max_sequence_length)
         hidden_BTD, mask_BT = self._hidden_states(captions, limit + self.TEMPLATE_START_IDX, images)
         hidden_BTD = hidden_BTD.float().cpu()
         embeds = hidden_BTD.new_zeros(len(captions), max_sequence_length, hidden_BTD.shape[-1])

@@ -39,7 +39,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator, Optional, Sequence
 
 import numpy as np
-from latentmill.stages.catalog import Lookup
+from latentmill.stages.catalog import Lookup, unit_detail
 from latentmill.stages.shardio import StageRecords, UnitRecord
 from PIL import Image
 
@@ -644,7 +644,7 @@ def update(curate_root: Path, records: Iterable[UnitRecord], fingerprint: dict[s
                 raise RuntimeError(f"{path}: its sha256 differs from the one its unit record names")
             array = np.load(path)
             index.vectors_read += len(array)
-            scores = record.extra.get("scores") or {}
+            scores = unit_detail(curate_root, record.extra).get("scores") or {}
             by_video = video_aesthetics(scores)
             for i in new:
                 keys.append(emb["keys"][i])

@@ -3,6 +3,7 @@
 Layout of one stage under ``<output_dir>/prep/<stage>/``::
 
     shards/<stage>-<unit id>-<part>.tar   webdataset tars, written as .tmp and renamed when complete
+    shards/<stage>-<unit id>-detail.json  a unit's per-sample facts (score or component keys)
     units/<unit id>.json                  what one work unit produced (shards, quarantine), written last
     ../catalog.sqlite                     the keys later units look up, one catalog per output folder
     manifest.json                         the stage's current output: every shard, counts, fingerprint
@@ -30,7 +31,7 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator
 
-from latentmill.stages.catalog import Catalog, Lookup, catalog_path
+from latentmill.stages.catalog import DETAIL_KEY, Catalog, Lookup, catalog_path, unit_detail
 from latentmill.stages.shardindex import bucket_of, build_shard_index, index_tar, write_index_file
 from latentmill.stages.tarshard import (
     MAX_HEADER,
@@ -254,6 +255,9 @@ class UnitOutput:
         self.roll_bytes: int | None = unit.payload.get("roll_bytes")
         self.quarantined: list[dict[str, Any]] = []
         self.extra: dict[str, Any] = {}
+        # per-sample facts (curate's score rows, the cache's component keys) go in a file of their own, so
+        # that every pass over a stage's records (plan, manifest, reports) costs per unit, not per sample
+        self.detail: dict[str, Any] = {}
         if "upstream" in unit.payload:
             self.extra[GROUP_KEY] = list(unit.payload["upstream"])
 
@@ -302,6 +306,10 @@ class UnitOutput:
                     buckets=dict(sorted(self._counts[part].items())) if bucket is _MIXED else None,
                 )
             )
+        if self.detail:
+            name = f"{self.stage_dir.stage}-{self.unit.unit_id[:16]}-detail.json"
+            durable.write_json(self.stage_dir.shard_dir / name, self.detail, indent=None)
+            self.extra[DETAIL_KEY] = f"shards/{name}"
         record = UnitRecord(
             unit_id=self.unit.unit_id,
             stage=self.stage_dir.stage,
@@ -315,7 +323,8 @@ class UnitOutput:
         path = self.stage_dir.unit_path(self.unit.unit_id)
         data = record.to_json()
         durable.write_json(path, data)
-        self.stage_dir.catalog.enter(self.stage_dir.stage, data, path.stat().st_mtime_ns)
+        # without a detail file (a unit whose record holds its facts), the catalog reads them from the record
+        self.stage_dir.catalog.enter(self.stage_dir.stage, data, path.stat().st_mtime_ns, self.detail or None)
         return record
 
     def abort(self) -> None:
@@ -366,10 +375,17 @@ class StageDir:
             return None
         if any(not (self.root / s.path).is_file() for s in record.shards):
             return None
+        if DETAIL_KEY in record.extra and not (self.root / record.extra[DETAIL_KEY]).is_file():
+            return None
         if not self._ensure_indexes(record):
             return None
         record.reused = True
         return record
+
+    def unit_detail(self, record: UnitRecord) -> dict[str, Any]:
+        """The per-sample facts of a committed unit: its detail file, or its record's ``extra`` for a unit
+        committed before detail files (``catalog.unit_detail``)."""
+        return unit_detail(self.root, record.extra)
 
     def _ensure_indexes(self, record: UnitRecord) -> bool:
         """Give every shard of a committed unit its index: a unit committed before indexes existed (cache

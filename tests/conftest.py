@@ -28,7 +28,7 @@ DEMO_CONFIG = REPO_ROOT / "configs" / "demo.yaml"
 # Fixtures that build a model folder (latentmill.tiny*): a test that uses one (directly or through another
 # fixture) is slow, so that the unit tier (`make test-unit`: not slow, heavy or served) builds no model.
 # tiny_clip (tests/test_curate_models.py) and tiny_llava (tests/test_caption_models.py) are module fixtures.
-MODEL_FIXTURES = frozenset({"tiny_flux", "tiny_wan", "tiny_blip", "tiny_clip", "tiny_llava", "tiny_zimage",
+MODEL_FIXTURES = frozenset({"tiny_flux", "tiny_wan", "tiny_wan22", "tiny_blip", "tiny_clip", "tiny_llava", "tiny_zimage",
                             "tiny_flux2_klein", "tiny_flux2_dev"})
 
 # A migrated, empty Prefect database, made once per session (shared by the pytest-xdist workers) and copied into
@@ -215,11 +215,28 @@ def tiny_wan(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_wan22(tmp_path_factory) -> Path:
+    """A complete tiny two-expert (Wan 2.2 A14B layout) WanPipeline folder from data/tiny-wan2.2.yaml, seed 0."""
+    from latentmill.tiny_wan import build_tiny_wan
+
+    return build_tiny_wan(tmp_path_factory.mktemp("models") / "tiny-wan22", REPO_ROOT / "data" / "tiny-wan2.2.yaml",
+                          seed=0)
+
+
+@pytest.fixture(scope="session")
 def tiny_wan_ti2v(tmp_path_factory) -> Path:
     """A complete tiny Wan 2.2 TI2V WanPipeline folder built from data/tiny-wan2.2-ti2v.yaml with seed 0."""
     from latentmill.tiny_wan import TI2V_RECIPE_PATH, build_tiny_wan
 
     return build_tiny_wan(tmp_path_factory.mktemp("models") / "tiny-wan2.2-ti2v", TI2V_RECIPE_PATH, seed=0)
+
+
+@pytest.fixture(scope="session")
+def tiny_wan_i2v(tmp_path_factory) -> Path:
+    """A complete tiny Wan 2.1 WanImageToVideoPipeline folder built from data/tiny-wan2.1-i2v.yaml with seed 0."""
+    from latentmill.tiny_wan import I2V_RECIPE_PATH, build_tiny_wan
+
+    return build_tiny_wan(tmp_path_factory.mktemp("models") / "tiny-wan2.1-i2v", I2V_RECIPE_PATH, seed=0)
 
 
 @pytest.fixture(scope="session")

@@ -27,7 +27,7 @@ from latentmill.stages.families import (
     get_encoders,
 )
 from latentmill.stages.ingest import IngestConfig
-from latentmill.stages.shardio import UnitRecord
+from latentmill.stages.shardio import StageDir, UnitRecord
 
 from latentmill.models import ModelConfig
 from latentmill.recipe import Recipe
@@ -200,7 +200,7 @@ def test_records_written_before_the_field_count_as_unknown():
     assert json.loads(json.dumps(encoded_on_total([old])))  # plain JSON for the manifest
 
 
-def test_merged_origins_keep_each_components_device():
+def test_merged_origins_keep_each_components_device(tmp_path):
     a = UnitRecord("a", "cache", [], [], [], 1, 0.1, extra={
         "device": {"class": "A", "key": "A | torch 2"}, "components": {"s1": {"vae": "v1", "text": ["t1"]}},
         "encoded_on": {"A | torch 2": {"vae": 1, "text": 1}}})
@@ -208,7 +208,8 @@ def test_merged_origins_keep_each_components_device():
         "device": {"class": "B", "key": "B | torch 2"}, "components": {"s2": {"vae": "v2", "text": ["t2"]}},
         "foreign": {"t2": "A | torch 2"},
         "encoded_on": {"A | torch 2": {"vae": 0, "text": 1}, "B | torch 2": {"vae": 1, "text": 0}}})
-    merged = cache.merged_origins([a, b])
+    merged = cache.merged_origins(StageDir(tmp_path, "cache"), [a, b])  # records of before detail files
     assert merged["device"]["key"] == "A | torch 2" and merged["foreign"] == {"v2": "B | torch 2"}
     assert merged["encoded_on"] == {"A | torch 2": {"vae": 1, "text": 2}, "B | torch 2": {"vae": 1, "text": 0}}
-    assert cache.merged_origins([UnitRecord("c", "cache", [], [], [], 1, 0.1)]) == {}
+    assert cache.merged_origins(StageDir(tmp_path, "cache"), [UnitRecord("c", "cache", [], [], [], 1, 0.1)]) \
+        == {}

@@ -78,7 +78,7 @@ def test_the_flow_reads_cache_records_one_at_a_time_and_reports_the_same(tmp_pat
     stage_dir, _, records = run_stages_in_process(recipe)["cache"]
     assert isinstance(records, StageRecords) and set(vars(records)) == {"stage_dir", "unit_ids", "reused"}
     full = list(records)
-    samples = sum(len(r.extra["components"]) for r in full)
+    samples = sum(len(stage_dir.unit_detail(r)["components"]) for r in full)
     assert samples == sum(r.samples_out for r in full) > 0
     assert manifest_header("cache", recipe, records) == manifest_header("cache", recipe, full)
     assert stage_report("cache", records, 1.0) == stage_report("cache", full, 1.0)

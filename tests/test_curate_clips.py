@@ -105,8 +105,8 @@ def spec_of(**overrides) -> curate_clips.ClipSpec:
     return curate_clips.clip_spec(BucketConfig(**{**BUCKET, **overrides}))
 
 
-def _rows(records) -> dict[str, dict]:
-    return {k: row for r in records for k, row in (r.extra.get("scores") or {}).items()}
+def _rows(stage_dir: StageDir, records) -> dict[str, dict]:
+    return {k: row for r in records for k, row in (stage_dir.unit_detail(r).get("scores") or {}).items()}
 
 
 def test_clip_scores_equal_a_direct_computation_on_each_clips_k_frames(cap):
@@ -118,7 +118,7 @@ def test_clip_scores_equal_a_direct_computation_on_each_clips_k_frames(cap):
     assert [c.frame_indices[0] for c in clips] == [0, 15, 30, 45, 60, 75]
     # K = 4 of each clip's 5 frames (its source frames 3 apart): the centres of 4 equal segments
     assert [curate_clips.clip_score_indices(c, K) for c in clips[:2]] == [[0, 3, 9, 12], [15, 18, 24, 27]]
-    rows = _rows(records)
+    rows = _rows(sd, records)
     (video_key,) = {row["video"] for row in rows.values() if row["source"] == "half.mp4"}
     for j, clip in enumerate(clips):
         row = rows[f"{video_key}-c{j}"]
@@ -152,10 +152,10 @@ def test_model_scores_per_clip_equal_a_direct_call_on_the_clips_frames(cap, tiny
     cfg.validate()
     spec = spec_of()
     before = dict(curate_models.FORWARDS)
-    _, records = run_curate(cap, cfg, spec)
+    sd, records = run_curate(cap, cfg, spec)
     assert curate_models.FORWARDS["image"] - before["image"] == 2 * 2
     assert curate_models.FORWARDS["text"] - before["text"] == 2 * 1
-    rows = _rows(records)
+    rows = _rows(sd, records)
     path = Path(cap.root.parent.parent / "videos" / "half.mp4")
     (video_key,) = {row["video"] for row in rows.values() if row["source"] == "half.mp4"}
     for j, clip in enumerate(plan_clips(FRAMES, FPS, spec.policy)):

@@ -329,8 +329,9 @@ def test_near_duplicates_use_the_aesthetic_models_embeddings(tmp_path, tiny_flux
     keys = {Path(sample_json(s)["source"]).name: s["__key__"] for shard in result["curate"][1]["shards"]
             for s in read_shard(out / "prep" / "curate" / shard["path"])}
     # the pair's higher aesthetic score is kept (the documented rule), the other is its near duplicate
+    curate_dir = result["curate"][0]
     aesthetic = {Path(row["source"]).name: row["values"]["aesthetic"] for r in result["curate"][2]
-                 for row in r.extra["scores"].values()}
+                 for row in curate_dir.unit_detail(r)["scores"].values()}
     pair = ["sharp_1.png", "zz_copy_sharp_1.jpg"]
     kept, dropped = sorted(pair, key=lambda n: -aesthetic[n])
     assert aesthetic[kept] != aesthetic[dropped]

@@ -142,9 +142,10 @@ def test_the_stage_keeps_a_cutout_that_max_exposure_dropped(tmp_path):
     for name in ("cutout", "white"):
         (images / f"{name}.txt").write_text(f"a {name}\n")
     stages = _four_stages(images, tmp_path / "prep", CurateConfig(max_exposure=0.5))
-    _, records = stages["curate"]
+    curate_dir, records = stages["curate"]
     assert {q["source"] for r in records for q in r.quarantined} == {"white.png"}
-    row = next(row for r in records for row in r.extra["scores"].values() if row["source"] == "cutout.png")
+    row = next(row for r in records for row in curate_dir.unit_detail(r)["scores"].values()
+               if row["source"] == "cutout.png")
     assert row["values"]["exposure"] == 0.0
     assert _sources(stages["bucket"][0]) == {"cutout.png"}
 

@@ -25,6 +25,8 @@ def test_each_family_declares_one_latents_stream_and_named_text_streams():
         assert len({s.name for s in streams}) == len(streams), f"{name}: a stream name twice"
         assert {s.pad for s in streams if s.component == "vae"} <= {"none"}, name
         assert "vae" in cls.COMPONENTS and any(c != "vae" for c in cls.COMPONENTS), name
+        # the vae member's key covers every model its streams come from, and those are cached components
+        assert cls.PIXEL_COMPONENTS[0] == "vae" and set(cls.PIXEL_COMPONENTS) <= set(cls.COMPONENTS), name
 
 
 def test_the_byte_estimate_covers_every_stream():

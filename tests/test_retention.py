@@ -97,15 +97,24 @@ def _files(out: Path) -> dict[str, dict[str, int]]:
     return files
 
 
+def _own_files(record: dict) -> set[str]:
+    """The files of a unit's own that its record names, besides its shards: its detail file, its rows of the
+    scores table."""
+    return {record["extra"][k] for k in ("detail", "scores_table") if k in record["extra"]}
+
+
 def _expected(out: Path, manifests: dict, kept: list[str], stages=STAGES) -> dict[str, set[str]]:
     """What the kept snapshots' preps wrote, per stage (the oracle): the unit records their stage manifests
-    name, their shards with sidecars (``<shard stem>.*``, e.g. an index) and the empty-prompt embedding."""
+    name, their shards with sidecars (``<shard stem>.*``, e.g. an index), the files of a unit's own that its
+    record names (its detail file, curate's rows of the scores table) and the empty-prompt embedding."""
     expected: dict[str, set[str]] = {s: set() for s in stages}
     for stage in stages:
         root = out / "prep" / stage
         for name in kept:
             manifest = manifests[name][stage]
             expected[stage] |= {f"units/{u}.json" for u in manifest["units"]}
+            for u in manifest["units"]:
+                expected[stage] |= _own_files(json.loads((root / "units" / f"{u}.json").read_text()))
             for shard in manifest["shards"]:
                 stem = shard["path"].rsplit(".", 1)[0]
                 expected[stage] |= {f"shards/{p.name}" for p in (root / "shards").glob("*")
@@ -133,7 +142,8 @@ def _assert_lineage(out: Path, manifests: dict, current: str) -> None:
         for unit, record in records.items():
             assert unit in manifests[current][stage]["units"] or any(s["sha256"] in read for s in record["shards"])
         stems = tuple(s["path"].rsplit(".", 1)[0] + "." for r in records.values() for s in r["shards"])
-        assert all(f.startswith(stems) for f in after[stage] if f.startswith("shards/")), stage
+        own = {f for r in records.values() for f in _own_files(r)}
+        assert all(f.startswith(stems) or f in own for f in after[stage] if f.startswith("shards/")), stage
 
 
 def _tree(out: Path) -> dict[str, tuple[int, int]]:

@@ -10,12 +10,11 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
+from latentmill.stages.family_qwen_image import PROMPT_TEMPLATE, TEMPLATE_START_IDX
 
 from latentmill.core.config import ConfigError
 from latentmill.tiny_qwen_image import (
     DEFAULT_RECIPE_PATH,
-    PROMPT_TEMPLATE,
-    TEMPLATE_START_IDX,
     build_tiny_qwen_image,
     ensure_tiny_qwen_image,
     load_recipe,

@@ -38,6 +38,8 @@ def test_recipe_loads(path):
         ("flux-dev-full.yaml", "black-forest-labs/FLUX.1-dev", "flux", "full", "fsdp2"),
         ("wan2.1-1.3b.yaml", "Wan-AI/Wan2.1-T2V-1.3B-Diffusers", "wan", "full", "fsdp2"),
         ("wan2.1-14b.yaml", "Wan-AI/Wan2.1-T2V-14B-Diffusers", "wan", "full", "fsdp2"),
+        ("wan2.2-a14b-lora.yaml", "Wan-AI/Wan2.2-T2V-A14B-Diffusers", "wan", "lora", "fsdp2"),
+        ("wan2.2-a14b-full.yaml", "Wan-AI/Wan2.2-T2V-A14B-Diffusers", "wan", "full", "fsdp2"),
         ("z-image-lora.yaml", "Tongyi-MAI/Z-Image-Turbo", "z-image", "lora", "ddp"),
         ("z-image-full.yaml", "Tongyi-MAI/Z-Image-Turbo", "z-image", "full", "fsdp2"),
         ("flux2-klein-4b-lora.yaml", "black-forest-labs/FLUX.2-klein-base-4B", "flux2-klein", "lora", "ddp"),

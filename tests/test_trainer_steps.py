@@ -30,43 +30,44 @@ def run(tmp_path_factory):
 def test_draws_do_not_depend_on_how_the_stream_is_cut(run):
     shape = torch.Size([4, 16, 6, 8])
     state = run.sampling_gen.get_state()
-    eps4, sig4, noise4 = run._draw(shape, posterior=True, shift=1.0)
+    expert = run.parts[0].expert
+    eps4, sig4, noise4, _ = run._draw(shape, posterior=True, shift=1.0, expert=expert)
     run.sampling_gen.set_state(state)
-    halves = [run._draw(torch.Size([2, *shape[1:]]), posterior=True, shift=1.0) for _ in range(2)]
+    halves = [run._draw(torch.Size([2, *shape[1:]]), posterior=True, shift=1.0, expert=expert) for _ in range(2)]
     assert torch.equal(eps4, torch.cat([h[0] for h in halves]))
     assert torch.equal(sig4, torch.cat([h[1] for h in halves]))
     assert torch.equal(noise4, torch.cat([h[2] for h in halves]))
     assert sig4.shape == (4,) and bool(((sig4 > 0) & (sig4 < 1)).all())
-    assert run._draw(shape, posterior=False, shift=1.0)[0] is None
+    assert run._draw(shape, posterior=False, shift=1.0, expert=expert)[0] is None
 
 
 def test_forward_backward_is_the_flow_matching_loss_of_its_draws(run):
     batch = next(iter(run.loader))
-    run.optimizer.zero_grad(set_to_none=True)
+    run.parts[0].optimizer.zero_grad(set_to_none=True)
     state = run.sampling_gen.get_state()
-    loss = run.forward_backward(batch, last_micro=True)
+    loss = run.forward_backward(batch, run.parts[0], last_micro=True, micro_batches=run.cfg.grad_accum_steps)
     run.sampling_gen.set_state(state)  # the same draws, recomputed by hand
     latents = batch["latents"]
-    eps, sigmas, noise = run._draw(latents.shape, posterior=True, shift=1.0)
+    eps, sigmas, noise, _ = run._draw(latents.shape, posterior=True, shift=1.0, expert=run.parts[0].expert)
     x0 = latents + batch["latents_std"] * eps
     with torch.no_grad():
-        pred = run.adapter.forward(run.model, interpolate(x0, noise, sigmas), sigmas, batch, run.cfg)
+        pred = run.adapter.forward(run.parts[0].model, interpolate(x0, noise, sigmas), sigmas, batch, run.cfg)
     expected = flow_matching_loss(pred, velocity_target(x0, noise), None)
     assert float(loss) == pytest.approx(float(expected), rel=1e-5)
-    grads = [p.grad for p in run.trainable]
+    grads = [p.grad for p in run.parts[0].trainable]
     assert all(g is not None for g in grads) and all(bool(torch.isfinite(g).all()) for g in grads)
 
 
 def test_train_step_consumes_accum_batches_and_reports_the_read_values(run):
     batches = iter(run.loader)
     position = run.loader.epoch * len(run.loader) + run.loader.batch_index
-    before = [p.detach().clone() for p in run.trainable]
+    before = [p.detach().clone() for p in run.parts[0].trainable]
     step_before = run.step
     record = run.train_step(batches)
     assert record["step"] == run.step == step_before + 1
     assert record["skipped"] is False and math.isfinite(record["loss"]) and record["grad_norm"] > 0
     assert record["samples_per_s"] > 0 and record["loss"] == run.last_loss
-    assert any(not torch.equal(a, p) for a, p in zip(before, run.trainable))  # the weights moved
+    assert any(not torch.equal(a, p) for a, p in zip(before, run.parts[0].trainable))  # the weights moved
     # two micro-batches (grad_accum_steps 2) of the 2-batch epoch
     assert run.loader.epoch * len(run.loader) + run.loader.batch_index == position + 2
 

@@ -188,7 +188,7 @@ def test_the_pipeline_config_tells_ti2v_from_wan21(tmp_path):
     assert index_family({"_class_name": "WanImageToVideoPipeline", "expand_timesteps": True}) == "wan2.2-ti2v"
     assert index_family({"_class_name": "WanPipeline"}) == "wan"
     assert index_family({"_class_name": "WanPipeline", "expand_timesteps": False}) == "wan"
-    assert index_family({"_class_name": "WanImageToVideoPipeline"}) is None  # Wan 2.1 I2V (CLIP image embeds)
+    assert index_family({"_class_name": "WanImageToVideoPipeline"}) == "wan2.1-i2v"  # (CLIP image embeds)
     (tmp_path / "model_index.json").write_text('{"_class_name": "WanPipeline", "expand_timesteps": true}')
     check_components(ModelConfig(str(tmp_path), family="wan2.2-ti2v"))
     with pytest.raises(ConfigError, match="model.family: 'wan', but .* is a WanPipeline \\(the 'wan2.2-ti2v' family"):

@@ -90,6 +90,7 @@ def write_fake_cache(
     latents: str = "mean",
     same: bool = False,
     streams: list[dict] | None = None,
+    reference: bool = False,
 ) -> dict:
     """Write a cache-stage output: ``buckets`` maps [width, height, frames] -> sample count. Returns the manifest.
 
@@ -102,7 +103,8 @@ def write_fake_cache(
     bucket; shards are one unit each, named in the order they are written (so the manifest lists them in
     that order). ``same``: every sample of a bucket holds the same tensors (its first sample's), so any
     batching of the bucket has the same content. ``streams``: the manifest's streams (none by default: the
-    family's, as a manifest written before streams were recorded). ``old_cache`` turns the result into a format 1 or 2 cache.
+    family's, as a manifest written before streams were recorded). ``reference``: each sample also holds
+``reference_latents`` (an edit pair's source, random, of the latents' shape). ``old_cache`` turns the result into a format 1 or 2 cache.
     """
     from latentmill.stages.shardio import StageDir, WorkUnit
 
@@ -130,6 +132,11 @@ def write_fake_cache(
                 else:
                     x = torch.randn(channels, *space, generator=gen)
                 vae = {"latents": x.to(dtype).contiguous()}
+                if family == "wan2.1-i2v":  # the first-frame conditioning (the tiny CLIP: 17 tokens of 32)
+                    vae["condition_latents"] = torch.randn(x.shape, generator=gen).to(dtype).contiguous()
+                    vae["image_embeds"] = torch.randn(17, 32, generator=gen).to(dtype).contiguous()
+                if reference:
+                    vae["reference_latents"] = torch.randn(x.shape, generator=gen).to(dtype)
                 if latents == "distribution":
                     std = 0.05 + 0.1 * torch.rand(channels, *space, generator=gen)
                     vae["latents_std"] = std.to(dtype).contiguous()

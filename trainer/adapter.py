@@ -2,6 +2,7 @@
 
 An adapter stands between cached latents and an unmodified Diffusers transformer. The loop only ever calls:
 
+* ``experts(pretrained)``              the pipeline's denoisers and their noise ranges (one, or Wan 2.2's two);
 * ``load(pretrained, mode=..., ...)``   the transformer, trainable (full, or frozen base + PEFT LoRA);
 * ``blocks(transformer)``              the repeated blocks (FSDP2 units, activation checkpointing, compile);
 * ``check_batch(transformer, batch)``  a clear error when cached tensors do not fit the model;
@@ -16,21 +17,87 @@ A new family (SD3, HunyuanVideo, LTX...) is one module with a subclass and one l
 
 from __future__ import annotations
 
+import json
+import math
 import os
 import shutil
 from abc import ABC, abstractmethod
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
+from latentmill.core.config import ConfigError
 from latentmill.tinyio import apply_umask
 
 # Files that mark a folder as an earlier export (safe to replace).
 EXPORT_MARKERS = ("model_index.json", "pytorch_lora_weights.safetensors")
 DEFAULT_LORA_TARGETS = ("to_k", "to_q", "to_v", "to_out.0")
 REGEX_PREFIX = "re:"  # trainer.lora_target_modules: ["re:<regex>"] selects the modules whose full name matches
+
+
+@dataclass(frozen=True)
+class Expert:
+    """One denoiser of a pipeline: the component folder it is stored in and the noise levels it serves.
+
+    A pipeline of one transformer has one expert serving every sigma. Wan 2.2 A14B has two: ``high``
+    (``transformer``) for sigma >= ``boundary_ratio`` and ``low`` (``transformer_2``) below it, the rule of
+    ``WanPipeline.__call__`` (``t >= boundary_ratio * num_train_timesteps`` with ``t = 1000 * sigma``).
+    """
+
+    name: str  # the value of trainer.expert that picks it ("all" for a pipeline's only transformer)
+    component: str  # the pipeline folder's subfolder: transformer, transformer_2
+    sigma_min: float = 0.0  # it serves sigma_min <= sigma < sigma_max (after the shift)
+    sigma_max: float = math.inf
+
+    @property
+    def lora_folder(self) -> str | None:
+        """The export's subfolder of this expert's LoRA (``high_noise``, ``low_noise``); None for the only one."""
+        return None if self.name == "all" else f"{self.name}_noise"
+
+    def serves(self, sigmas: torch.Tensor) -> torch.Tensor:
+        """Which of ``sigmas`` this expert denoises (bool, like ``sigmas``)."""
+        return (sigmas >= self.sigma_min) & (sigmas < self.sigma_max)
+
+
+ONE_EXPERT = (Expert("all", "transformer"),)
+
+
+def pipeline_index(pretrained: str) -> dict[str, Any]:
+    """``model_index.json`` of a pipeline folder or hub id (only that file is read); {} for a folder without one
+    (a transformer alone)."""
+    local = Path(pretrained) / "model_index.json"
+    if Path(pretrained).is_dir():
+        return json.loads(local.read_text()) if local.is_file() else {}
+    from huggingface_hub import hf_hub_download
+
+    return json.loads(Path(hf_hub_download(pretrained, "model_index.json")).read_text())
+
+
+def choose_experts(experts: tuple[Expert, ...], expert: str | None, pretrained: str) -> tuple[Expert, ...]:
+    """The experts a run trains for ``trainer.expert`` (null: the only one; a name: that one; ``both``: all of a
+    two-expert pipeline);
+    a ConfigError naming the key and the pipeline's experts when they do not fit."""
+    names = [e.name for e in experts]
+    if len(experts) == 1:
+        if expert is None:
+            return experts
+        raise ConfigError(f"trainer.expert: {expert!r} needs a pipeline with two experts (a boundary_ratio and a "
+                          f"transformer_2 in model_index.json); {pretrained} has one transformer: set "
+                          "trainer.expert: null")
+    described = "; ".join(f"{e.name}: {e.component}, sigma in [{e.sigma_min:g}, {min(e.sigma_max, 1.0):g}"
+                          f"{']' if e.sigma_max > 1 else ')'}" for e in experts)
+    if expert is None:
+        raise ConfigError(f"trainer.expert: {pretrained} has {len(experts)} experts ({described}); set "
+                          f"trainer.expert to one of {', '.join(map(repr, names))} (one per run) or 'both'")
+    if expert == "both":
+        return experts
+    if expert not in names:
+        raise ConfigError(f"trainer.expert: {expert!r} is not one of {', '.join(map(repr, names))} "
+                          f"({pretrained}: {described})")
+    return tuple(e for e in experts if e.name == expert)
 
 
 def lora_targets(modules: list[str] | tuple[str, ...] | None) -> list[str] | str:
@@ -53,11 +120,13 @@ def load_transformer(
     lora_alpha: float = 16.0,
     lora_target_modules: list[str] | None = None,
     base_dtype: torch.dtype | None = None,
+    component: str = "transformer",
 ) -> nn.Module:
-    """``transformer_cls.from_pretrained(pretrained, subfolder="transformer")``, made trainable.
+    """``transformer_cls.from_pretrained(pretrained, subfolder=component)``, made trainable.
 
     ``full``: every parameter trains, in float32. ``lora``: the base is frozen (``base_dtype``; default
     bfloat16 on CUDA, float32 on CPU) and a PEFT LoRA adapter (float32) is added with ``add_adapter``.
+    ``component``: the pipeline folder's subfolder of the model (an :class:`Expert`'s).
     """
     device = torch.device(device)
     if base_dtype is None:
@@ -68,7 +137,7 @@ def load_transformer(
         raise ValueError(f"unknown trainer mode {mode!r}")
     # torch_dtype only when not the default (diffusers 0.42 deprecates the name, older releases lack `dtype`)
     extra = {"torch_dtype": base_dtype} if base_dtype != torch.float32 else {}
-    transformer = transformer_cls.from_pretrained(pretrained, subfolder="transformer", **extra)
+    transformer = transformer_cls.from_pretrained(pretrained, subfolder=component, **extra)
     return make_trainable(
         transformer, mode=mode, lora_rank=lora_rank, lora_alpha=lora_alpha, lora_target_modules=lora_target_modules
     ).to(device)
@@ -130,7 +199,8 @@ def make_trainable(
 def replace_export(tmp: Path, export_dir: Path) -> Path:
     """Move the finished export ``tmp`` to ``export_dir``, replacing a previous export there (nothing else)."""
     if export_dir.exists():
-        if not any((export_dir / marker).exists() for marker in EXPORT_MARKERS):
+        # an expert's LoRA sits one level down (Expert.lora_folder)
+        if not any((export_dir / marker).exists() or any(export_dir.glob(f"*/{marker}")) for marker in EXPORT_MARKERS):
             raise FileExistsError(f"{export_dir} exists and is not a previous export; refusing to replace it")
         shutil.rmtree(export_dir)
     os.replace(tmp, export_dir)
@@ -196,6 +266,8 @@ class ModelAdapter(ABC):
     # the model conditions a video on an image as its clean first latent frame (trainer.i2v_probability): the
     # forward then reads the batch's ``first_frame_mask`` (latentmill.trainer.objective.first_frame_mask)
     first_frame_conditioning: bool = False
+    # validation samples from the recipe's prompts alone (an edit model needs a source image too)
+    validates_from_prompts: bool = True
 
     @staticmethod
     def diffusers_class(name: str) -> type:
@@ -225,6 +297,10 @@ class ModelAdapter(ABC):
         for module in self.unused_modules(transformer):
             module.requires_grad_(False)
         return transformer
+
+    def experts(self, pretrained: str) -> tuple[Expert, ...]:
+        """The pipeline's denoisers and the noise levels each serves: one ``transformer`` by default."""
+        return ONE_EXPERT
 
     @abstractmethod
     def blocks(self, transformer: nn.Module) -> list[nn.Module]:

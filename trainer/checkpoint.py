@@ -6,7 +6,9 @@ Layout of ``<train_dir>/checkpoints/step-000010/``:
 * ``optimizer.pt``       - optimizer and LR-scheduler state dicts (``torch.save``; loaded ``weights_only=True``);
 * ``rng-rank0.safetensors`` - torch CPU (and CUDA) RNG and noise-sampling generator states (uint8), one
   file per rank;
-* ``trainer_state.json`` - step, loader position, last loss, config.
+* ``trainer_state.json`` - step, loader position, last loss, config;
+* ``<component>/``         - a run of two models (``trainer.expert: both``): the second model's weights, optimizer
+  and LR-schedule files, laid out as above (``others``).
 
 With FSDP2 (``sharded=True``) the weights and optimizer state are not gathered: every rank writes its shards
 with ``torch.distributed.checkpoint`` (DCP) into ``dcp/`` (model and optimizer state dicts from
@@ -91,8 +93,11 @@ def save_checkpoint(
     rank: int = 0,
     barrier: Callable[[], None] = lambda: None,
     sharded: bool = False,
+    others: dict[str, tuple[nn.Module, torch.optim.Optimizer, Any]] | None = None,
 ) -> Path:
     """Write ``step-NNNNNN`` atomically (tmp folder, then rename), prune to ``keep_latest_k``; return its path.
+
+    ``others``: further (model, optimizer, scheduler) of the run by subfolder name, each written like the first.
 
     Under DDP/FSDP2 every rank calls this with its ``rank`` and a ``barrier``: rank 0 writes the shared files,
     each rank its RNG state (and with ``sharded`` its DCP shards), and rank 0 renames the folder once all
@@ -113,22 +118,15 @@ def save_checkpoint(
     if torch.cuda.is_available():
         rng["torch_cuda"] = torch.cuda.get_rng_state()
     save_file(rng, tmp / rng_file(rank))
-    if sharded:
-        import torch.distributed.checkpoint as dcp
-
-        model_sd, optim_sd = _dcp_state_dicts(model, optimizer)
-        dcp.save({"model": model_sd, "optimizer": optim_sd}, checkpoint_id=tmp / DCP_DIR)
+    for folder, (part_model, part_optimizer, part_scheduler) in {"": (model, optimizer, scheduler),
+                                                                 **(others or {})}.items():
+        if folder:  # made before any rank writes its shards there
+            if rank == 0:
+                (tmp / folder).mkdir()
+            barrier()
+        written += [str(Path(folder) / name) for name in
+                    _save_weights(tmp / folder, part_model, part_optimizer, part_scheduler, rank, sharded)]
     if rank == 0:
-        if sharded:
-            torch.save({"scheduler": scheduler.state_dict()}, tmp / SCHED_FILE)
-            written += [SCHED_FILE]
-        else:
-            weights = {k: v.to("cpu").contiguous() for k, v in trainable_state_dict(model).items()}
-            save_file(weights, tmp / MODEL_FILE)
-            torch.save(
-                {"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict()}, tmp / OPTIM_FILE
-            )
-            written += [MODEL_FILE, OPTIM_FILE]
         state = {**trainer_state, "step": step, "format": "dcp" if sharded else "safetensors"}
         (tmp / STATE_FILE).write_text(json.dumps(state, indent=2, sort_keys=True))
         written += [STATE_FILE]
@@ -145,6 +143,25 @@ def save_checkpoint(
         prune_checkpoints(ckpt_dir, keep_latest_k)
     barrier()
     return final
+
+
+def _save_weights(folder: Path, model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any, rank: int,
+                  sharded: bool) -> list[str]:
+    """One model's weights, optimizer and LR schedule into ``folder``; the names of the files rank 0 wrote."""
+    if sharded:
+        import torch.distributed.checkpoint as dcp
+
+        model_sd, optim_sd = _dcp_state_dicts(model, optimizer)
+        dcp.save({"model": model_sd, "optimizer": optim_sd}, checkpoint_id=folder / DCP_DIR)
+    if rank != 0:
+        return []
+    if sharded:
+        torch.save({"scheduler": scheduler.state_dict()}, folder / SCHED_FILE)
+        return [SCHED_FILE]
+    weights = {k: v.to("cpu").contiguous() for k, v in trainable_state_dict(model).items()}
+    save_file(weights, folder / MODEL_FILE)
+    torch.save({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict()}, folder / OPTIM_FILE)
+    return [MODEL_FILE, OPTIM_FILE]
 
 
 def _dcp_state_dicts(model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict, dict]:
@@ -193,16 +210,19 @@ def load_checkpoint(
     scheduler: Any,
     sampling_generator: torch.Generator,
     rank: int = 0,
+    others: dict[str, tuple[nn.Module, torch.optim.Optimizer, Any]] | None = None,
 ) -> dict[str, Any]:
     """Restore model, optimizer, scheduler and ``rank``'s RNG states in place; return the ``trainer_state``.
 
-    A sharded (DCP) checkpoint is loaded collectively: every rank of the run calls this.
+    A sharded (DCP) checkpoint is loaded collectively: every rank of the run calls this. ``others``: as saved.
     """
     path = Path(path)
-    if (path / DCP_DIR).is_dir():
-        _load_dcp(path, model, optimizer, scheduler)
-    else:
-        _load_safetensors(path, model, optimizer, scheduler)
+    for folder, (part_model, part_optimizer, part_scheduler) in {"": (model, optimizer, scheduler),
+                                                                 **(others or {})}.items():
+        if (path / folder / DCP_DIR).is_dir():
+            _load_dcp(path / folder, part_model, part_optimizer, part_scheduler)
+        else:
+            _load_safetensors(path / folder, part_model, part_optimizer, part_scheduler)
     if (path / rng_file(rank)).is_file():
         rng = load_file(path / rng_file(rank))
         torch.set_rng_state(rng["torch_cpu"])

@@ -18,6 +18,10 @@ class TrainerConfig:
     """How to train: mode, optimiser, schedule, timestep sampling, checkpointing, LoRA, validation, export."""
 
     mode: Literal["full", "lora"] = "full"
+    # a pipeline of two experts (Wan 2.2 A14B: high-noise transformer, low-noise transformer_2): the one this run
+    # trains, on the noise levels it serves (sigma >= boundary_ratio: high), or both (each micro-batch goes to
+    # the expert its drawn sigma selects); null for a one-transformer pipeline
+    expert: Optional[Literal["high", "low", "both"]] = None
     max_steps: int = 100  # optimizer steps
     batch_size: int = 4  # per rank and micro-batch
     grad_accum_steps: int = 1  # micro-batches per optimizer step (global batch = batch x accum x ranks)
@@ -133,6 +137,9 @@ class TrainerConfig:
                 f"trainer.max_image_seq_len: must be > base_image_seq_len ({self.base_image_seq_len}), "
                 f"got {self.max_image_seq_len}"
             )
+        if self.expert == "both" and self.shift_mode != "fixed":
+            raise ConfigError("trainer.expert: 'both' routes each micro-batch by a sigma drawn at trainer.shift, "
+                              "the same on every rank: use trainer.shift_mode: fixed (the Wan pipelines' own)")
         if not 0.0 <= self.caption_dropout <= 1.0:
             raise ConfigError(f"trainer.caption_dropout: must be in [0, 1], got {self.caption_dropout}")
         if not 0.0 <= self.i2v_probability <= 1.0:

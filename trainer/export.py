@@ -65,6 +65,9 @@ def export_trained(
     ctx: DistContext,
     export_dtype: str | torch.dtype = "bfloat16",
     max_shard_bytes: int = MAX_SHARD_BYTES,
+    component: str = "transformer",
+    lora_subfolder: str | None = None,
+    others: tuple[tuple[nn.Module, str, str | None], ...] = (),
 ) -> Path | None:
     """Write the Diffusers artefact of the trained ``transformer``; every rank calls this.
 
@@ -73,6 +76,11 @@ def export_trained(
     (loads with ``DiffusionPipeline.from_pretrained(export_dir)``, transformer weights in ``export_dtype``);
     ``lora`` writes ``pytorch_lora_weights.safetensors`` with ``save_lora_weights`` (float32, as trained;
     loads with ``load_lora_weights``). Returns the export folder on rank 0, None on the other ranks.
+
+    ``component``: the pipeline folder the model came from and goes back to (a full export copies every
+    other component from ``pretrained``); ``lora_subfolder``: write the LoRA file into that subfolder of
+    ``export_dir`` (one per expert of a two-expert pipeline: ``high_noise/``, ``low_noise/``). ``others``:
+    further trained models of the run as ``(model, component, lora_subfolder)``, written into the same artefact.
     """
     if mode not in ("full", "lora"):
         raise ValueError(f"unknown trainer mode {mode!r}")
@@ -82,9 +90,10 @@ def export_trained(
     if ctx.initialized and not ctx.sharded and not ctx.is_main:
         return None  # DDP: rank 0 holds the same weights
     export_dir = Path(export_dir)
+    parts = ((transformer, component, lora_subfolder), *others)
     if mode == "lora":
-        return _export_lora(adapter, transformer, export_dir, ctx)
-    return _export_full(adapter, transformer, pretrained, export_dir, ctx, dtype, max_shard_bytes)
+        return _export_lora(adapter, parts, export_dir, ctx)
+    return _export_full(adapter, parts, pretrained, export_dir, ctx, dtype, max_shard_bytes)
 
 
 def _full_on_cpu(value: torch.Tensor, dtype: torch.dtype | None, is_main: bool) -> torch.Tensor | None:
@@ -112,70 +121,77 @@ def _fresh_tmp(export_dir: Path) -> Path:
     return tmp
 
 
-def _export_lora(adapter: ModelAdapter, transformer: nn.Module, export_dir: Path, ctx: DistContext) -> Path | None:
-    """Gather the trainable (LoRA) parameters only and write them with the pipeline's ``save_lora_weights``."""
-    trainable = {name for name, param in transformer.named_parameters() if param.requires_grad}
-    gathered: dict[str, torch.Tensor] = {}
-    with torch.no_grad():
-        # state_dict() (references, nothing copied): FSDP2 hands out its sharded parameters there even when a
-        # forward left some unsharded
-        for name, value in transformer.state_dict().items():
-            if name in trainable:
-                full = _full_on_cpu(value, None, ctx.is_main)  # float32, as trained
-                if full is not None:
-                    gathered[name] = full
-    if not ctx.is_main:
-        return None
-    from peft.utils import get_peft_model_state_dict
+def _export_lora(adapter: ModelAdapter, parts: tuple[tuple[nn.Module, str, str | None], ...], export_dir: Path,
+                 ctx: DistContext) -> Path | None:
+    """Gather the trainable (LoRA) parameters only and write them with the pipeline's ``save_lora_weights``,
+    each model's into its subfolder."""
+    tmp = _fresh_tmp(export_dir) if ctx.is_main else None
+    for transformer, _, subfolder in parts:
+        trainable = {name for name, param in transformer.named_parameters() if param.requires_grad}
+        gathered: dict[str, torch.Tensor] = {}
+        with torch.no_grad():
+            # state_dict() (references, nothing copied): FSDP2 hands out its sharded parameters there even when
+            # a forward left some unsharded
+            for name, value in transformer.state_dict().items():
+                if name in trainable:
+                    full = _full_on_cpu(value, None, ctx.is_main)  # float32, as trained
+                    if full is not None:
+                        gathered[name] = full
+        if tmp is None:
+            continue
+        from peft.utils import get_peft_model_state_dict
 
-    tmp = _fresh_tmp(export_dir)
-    adapter.diffusers_class(adapter.pipeline_class).save_lora_weights(
-        tmp,
-        # the names PEFT gives the unsharded model (".default" dropped), from the gathered tensors
-        transformer_lora_layers=get_peft_model_state_dict(transformer, state_dict=gathered),
-        transformer_lora_adapter_metadata=transformer.peft_config["default"].to_dict(),
-    )
+        adapter.diffusers_class(adapter.pipeline_class).save_lora_weights(
+            tmp / subfolder if subfolder else tmp,
+            # the names PEFT gives the unsharded model (".default" dropped), from the gathered tensors
+            transformer_lora_layers=get_peft_model_state_dict(transformer, state_dict=gathered),
+            transformer_lora_adapter_metadata=transformer.peft_config["default"].to_dict(),
+        )
+    if tmp is None:
+        return None
     apply_umask(tmp)  # safetensors writes 0600: the export gets the modes of every other file
     return replace_export(tmp, export_dir)
 
 
 def _export_full(
     adapter: ModelAdapter,
-    transformer: nn.Module,
+    parts: tuple[tuple[nn.Module, str, str | None], ...],
     pretrained: str,
     export_dir: Path,
     ctx: DistContext,
     dtype: torch.dtype,
     max_shard_bytes: int,
 ) -> Path | None:
-    """Stream the gathered weights into ``<tmp>/transformer/``, then copy the other components from
+    """Stream each model's gathered weights into ``<tmp>/<component>/``, then copy the other components from
     ``pretrained`` (rank 0, after the last gather)."""
-    writer = None
-    if ctx.is_main:
-        tmp = _fresh_tmp(export_dir)
-        (tmp / "transformer").mkdir(parents=True)
-        writer = _ShardWriter(tmp / "transformer", max_shard_bytes)
-    # modules the class keeps in float32 (Wan: norms, time embedder, modulation) stay float32, as they do when
-    # Diffusers loads the model in bf16 and saves it (diffusers' rule: a component of the dotted name)
-    keep_fp32 = set(getattr(transformer, "_keep_in_fp32_modules", None) or ())
-    try:
-        with torch.no_grad():
-            # state_dict(): the parameters and persistent buffers, under the names save_pretrained writes
-            for name, value in transformer.state_dict().items():
-                kept = dtype != torch.float32 and not keep_fp32.isdisjoint(name.split("."))
-                full = _full_on_cpu(value, torch.float32 if kept else dtype, ctx.is_main)
-                if writer is not None:
-                    writer.add(name, full)
-    except BaseException:
-        if writer is not None:
-            writer.abort()
-        raise
-    if writer is None:
+    tmp = _fresh_tmp(export_dir) if ctx.is_main else None
+    for transformer, component, _ in parts:
+        writer = None
+        if tmp is not None:
+            (tmp / component).mkdir(parents=True)
+            writer = _ShardWriter(tmp / component, max_shard_bytes)
+        # modules the class keeps in float32 (Wan: norms, time embedder, modulation) stay float32, as they do
+        # when Diffusers loads the model in bf16 and saves it (diffusers' rule: a component of the dotted name)
+        keep_fp32 = set(getattr(transformer, "_keep_in_fp32_modules", None) or ())
+        try:
+            with torch.no_grad():
+                # state_dict(): the parameters and persistent buffers, under the names save_pretrained writes
+                for name, value in transformer.state_dict().items():
+                    kept = dtype != torch.float32 and not keep_fp32.isdisjoint(name.split("."))
+                    full = _full_on_cpu(value, torch.float32 if kept else dtype, ctx.is_main)
+                    if writer is not None:
+                        writer.add(name, full)
+        except BaseException:
+            if writer is not None:
+                writer.abort()
+            raise
+        if writer is not None:  # rank 0: the writer thread finishes while the next model is gathered
+            _write_config(adapter, transformer, tmp / component)
+            writer.close()
+    if tmp is None:
         return None  # ranks > 0: done; nothing below is collective
     # --- rank 0 only, no collective from here on
-    _write_config(adapter, transformer, tmp / "transformer")
-    _copy_components(pretrained, tmp)
-    writer.close()
+    _copy_components(pretrained, tmp, {component for _, component, _ in parts})
     apply_umask(tmp)
     return replace_export(tmp, export_dir)
 
@@ -274,24 +290,24 @@ def _components(model_index: dict[str, Any]) -> list[str]:
     ]
 
 
-def _pretrained_folder(pretrained: str) -> Path:
-    """``pretrained`` as a local folder: itself, or the hub snapshot without the transformer's weights."""
+def _pretrained_folder(pretrained: str, trained: set[str]) -> Path:
+    """``pretrained`` as a local folder: itself, or the hub snapshot without the trained components' weights."""
     local = Path(pretrained)
     if local.is_dir():
         return local
     from huggingface_hub import hf_hub_download, snapshot_download
 
     model_index = json.loads(Path(hf_hub_download(pretrained, MODEL_INDEX)).read_text())
-    patterns = [MODEL_INDEX, *(f"{name}/*" for name in _components(model_index) if name != "transformer")]
+    patterns = [MODEL_INDEX, *(f"{name}/*" for name in _components(model_index) if name not in trained)]
     return Path(snapshot_download(pretrained, allow_patterns=patterns))
 
 
-def _copy_components(pretrained: str, tmp: Path) -> None:
-    """Copy ``model_index.json`` and every component but the transformer from the pretrained pipeline."""
-    source = _pretrained_folder(pretrained)
+def _copy_components(pretrained: str, tmp: Path, trained: set[str]) -> None:
+    """Copy ``model_index.json`` and every component but the ``trained`` ones from the pretrained pipeline."""
+    source = _pretrained_folder(pretrained, trained)
     model_index = json.loads((source / MODEL_INDEX).read_text())
     for name in _components(model_index):
-        if name == "transformer":
+        if name in trained:
             continue
         if not (source / name).is_dir():
             raise FileNotFoundError(f"{source / name}: component {name!r} of {source / MODEL_INDEX} is missing")

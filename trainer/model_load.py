@@ -20,10 +20,10 @@ from latentmill.trainer.adapter import ModelAdapter, make_trainable
 from torch import nn
 
 
-def transformer_config(adapter: ModelAdapter, pretrained: str) -> dict[str, Any]:
-    """``<pretrained>/transformer/config.json`` (a local folder of config files is enough, no weights)."""
+def transformer_config(adapter: ModelAdapter, pretrained: str, component: str = "transformer") -> dict[str, Any]:
+    """``<pretrained>/<component>/config.json`` (a local folder of config files is enough, no weights)."""
     cls = adapter.diffusers_class(adapter.transformer_class)
-    return dict(cls.load_config(pretrained, subfolder="transformer"))
+    return dict(cls.load_config(pretrained, subfolder=component))
 
 
 def meta_transformer(
@@ -35,6 +35,7 @@ def meta_transformer(
     lora_alpha: float = 16.0,
     lora_target_modules: list[str] | None = None,
     base_dtype: torch.dtype = torch.float32,
+    component: str = "transformer",
 ) -> nn.Module:
     """The adapter's transformer class on the meta device, in ``base_dtype``, made trainable like a loaded one.
 
@@ -43,7 +44,8 @@ def meta_transformer(
     training builds (``trainable_skeleton``), without the initial values it fills in.
     """
     return trainable_skeleton(adapter, pretrained, mode=mode, lora_rank=lora_rank, lora_alpha=lora_alpha,
-                              lora_target_modules=lora_target_modules, base_dtype=base_dtype)[0]
+                              lora_target_modules=lora_target_modules, base_dtype=base_dtype,
+                              component=component)[0]
 
 
 def keeps_fp32(transformer: nn.Module, name: str) -> bool:
@@ -68,8 +70,9 @@ def load_for_training(
     ctx: Any,
     init_seed: int,
     base_dtype: torch.dtype | None = None,
+    component: str = "transformer",
 ) -> tuple[nn.Module, nn.Module]:
-    """The trainable transformer of ``pretrained``, parallelised: ``(transformer, model)``.
+    """The trainable transformer of ``pretrained`` (its folder ``component``), parallelised: ``(transformer, model)``.
 
     ``model`` is what forward runs on, ``transformer`` what save and export use (the same module under
     FSDP2). ``cfg`` is the ``TrainerConfig`` (mode, lora_*, activation_checkpointing, compile); ``init_seed``
@@ -92,7 +95,8 @@ def load_for_training(
     torch.manual_seed(init_seed)  # LoRA init draws from the global RNG: the same on every rank
     if not ctx.sharded:
         transformer = adapter.load(
-            pretrained, mode=cfg.mode, device=device, base_dtype=base_dtype if cfg.mode == "lora" else None, **lora
+            pretrained, mode=cfg.mode, device=device, base_dtype=base_dtype if cfg.mode == "lora" else None,
+            component=component, **lora,
         )
         model = parallelize(
             transformer, parallel, ctx, blocks=adapter.blocks(transformer),
@@ -100,27 +104,28 @@ def load_for_training(
         )
         return transformer, model
 
-    transformer, initial = trainable_skeleton(adapter, pretrained, mode=cfg.mode, base_dtype=base_dtype, **lora)
+    transformer, initial = trainable_skeleton(adapter, pretrained, mode=cfg.mode, base_dtype=base_dtype,
+                                              component=component, **lora)
     model = parallelize(
         transformer, parallel, ctx, blocks=adapter.blocks(transformer),
         activation_checkpointing=cfg.activation_checkpointing, compile=cfg.compile,
     )
     transformer.to_empty(device=device)  # this rank's shards only (FSDP2 re-pads them), uninitialised
-    reader = SafetensorsReader.of(transformer_folder(pretrained))
+    reader = SafetensorsReader.of(transformer_folder(pretrained, component))
     if reader is None:  # e.g. .bin weights: no ranged reads; rank 0 reads them all, once
         _broadcast_from_rank0(transformer, adapter, pretrained, ctx, mode=cfg.mode, base_dtype=base_dtype,
-                              init_seed=init_seed, **lora)
+                              init_seed=init_seed, component=component, **lora)
     fill_local(transformer, initial, reader)
     return transformer, model
 
 
-def transformer_folder(pretrained: str) -> Path:
-    """The local ``transformer`` folder of ``pretrained`` (a pipeline folder, or a hub id's snapshot)."""
+def transformer_folder(pretrained: str, component: str = "transformer") -> Path:
+    """The local ``component`` folder of ``pretrained`` (a pipeline folder, or a hub id's snapshot)."""
     if Path(pretrained).is_dir():
-        return Path(pretrained) / "transformer"
+        return Path(pretrained) / component
     from huggingface_hub import snapshot_download
 
-    return Path(snapshot_download(pretrained, allow_patterns=["transformer/*"])) / "transformer"
+    return Path(snapshot_download(pretrained, allow_patterns=[f"{component}/*"])) / component
 
 
 @contextlib.contextmanager
@@ -142,6 +147,7 @@ def trainable_skeleton(
     lora_alpha: float = 16.0,
     lora_target_modules: list[str] | None = None,
     base_dtype: torch.dtype = torch.float32,
+    component: str = "transformer",
 ) -> tuple[nn.Module, dict[str, torch.Tensor]]:
     """The trainable transformer with every parameter on meta, and the values that are not in the checkpoint.
 
@@ -161,7 +167,7 @@ def trainable_skeleton(
     if mode == "full":
         base_dtype = torch.float32
     cls = adapter.diffusers_class(adapter.transformer_class)
-    config = transformer_config(adapter, pretrained)
+    config = transformer_config(adapter, pretrained, component)
     dtype_context = _default_dtype(base_dtype) if base_dtype != torch.float32 else contextlib.nullcontext()
     with dtype_context, no_init_weights(), accelerate.init_empty_weights():
         transformer = cls.from_config(config)
@@ -296,6 +302,7 @@ def _broadcast_from_rank0(
     mode: str,
     base_dtype: torch.dtype,
     init_seed: int,
+    component: str,
     **lora: Any,
 ) -> None:
     """Weights that are not safetensors: rank 0 loads the model once on CPU (``adapter.load``) and broadcasts
@@ -306,7 +313,8 @@ def _broadcast_from_rank0(
     if ctx.rank == 0:
         with torch.random.fork_rng(devices=[]):  # the global RNG stays where the skeleton left it
             torch.manual_seed(init_seed)
-            loaded = adapter.load(pretrained, mode=mode, device="cpu", base_dtype=base_dtype, **lora)
+            loaded = adapter.load(pretrained, mode=mode, device="cpu", base_dtype=base_dtype, component=component,
+                                  **lora)
         full = loaded.state_dict()
         del loaded
     set_model_state_dict(

@@ -93,6 +93,26 @@ def sample_sigmas(
     return shift_sigmas(sigmas, cfg.shift if shift is None else shift)
 
 
+# draws of sample_sigmas_within before it gives up: the range holds (almost) none of the distribution
+MAX_DRAWS = 10_000
+
+
+def sample_sigmas_within(cfg: SigmaSampling, generator: torch.Generator | None, shift: float, low: float,
+                         high: float) -> torch.Tensor:
+    """One noise level [1] drawn like ``sample_sigmas`` (after the shift), conditioned on ``low <= sigma < high``.
+
+    Draws are repeated until one falls in the range (rejection), so the sigmas an expert trains on follow the
+    recipe's distribution restricted to the noise levels that expert serves at inference.
+    """
+    for _ in range(MAX_DRAWS):
+        sigma = sample_sigmas(1, cfg, generator, shift=shift)
+        if low <= float(sigma) < high:
+            return sigma
+    raise ValueError(f"trainer.expert: no sigma in [{low:g}, {min(high, 1.0):g}] in {MAX_DRAWS} draws of "
+                     f"timestep_sampling {cfg.timestep_sampling!r} at shift {shift:g}: that expert's noise levels "
+                     "are (almost) never drawn; change trainer.shift or trainer.timestep_sampling")
+
+
 def loss_weights(sigmas_B: torch.Tensor, scheme: str = "none") -> torch.Tensor:
     """Per-sample loss weights [B] (diffusers' ``compute_loss_weighting_for_sd3``).
 

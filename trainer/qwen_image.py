@@ -20,11 +20,10 @@ gives the image tokens the same prediction as its real tokens alone (``tests/tes
 shows it within float tolerance). The adapter still trims a batch to its longest caption: fewer tokens, and
 a batch whose captions are all as long as that passes no mask, exactly the pipeline's call.
 
-The velocity target is ``noise - x0``, as for Flux. ``QwenImageAdapter`` is written to be subclassed by the
-Qwen-Image-Edit family: :meth:`transformer_inputs` names what the transformer reads; an Edit adapter returns
-its reference-latent stream as ``reference_BCHW`` too, which :func:`qwen_image_forward` appends as the
-Edit pipeline does (its tokens after the noisy ones, its shape in ``img_shapes``, the prediction cut to the
-noisy tokens).
+The velocity target is ``noise - x0``, as for Flux. ``QwenImageEditAdapter`` (Qwen-Image-Edit) subclasses
+``QwenImageAdapter``: its :meth:`transformer_inputs` also return the ``reference_latents`` stream as
+``reference_BCHW``, which :func:`qwen_image_forward` appends as the Edit pipeline does (its tokens after the
+noisy ones, its shape in ``img_shapes``, the prediction cut to the noisy tokens).
 
 Shape legend: B batch, C latent channels (16), H/W latent height/width (pixels / 8), N = (H/2)*(W/2) image
 tokens, L text tokens, D text width (3584 for Qwen2.5-VL-7B).
@@ -167,3 +166,30 @@ class QwenImageAdapter(ModelAdapter):
         out = pipe(prompts, height=height, width=width, num_inference_steps=steps, generator=generator,
                    max_sequence_length=max_sequence_length, **cfg)
         return [[image] for image in out.images]
+
+
+class QwenImageEditAdapter(QwenImageAdapter):
+    """Qwen-Image-Edit (Qwen/Qwen-Image-Edit): the same ``QwenImageTransformer2DModel``, called as
+    ``QwenImageEditPipeline`` calls it: the edit's source latents (``reference_latents``) appended after the
+    noisy tokens with their grid in ``img_shapes``; the prediction, and so the loss, covers the target's tokens
+    only. LoRA targets: Qwen-Image's (the community's Edit LoRAs train the same layers)."""
+
+    family = "qwen-image-edit"
+    pipeline_class = "QwenImageEditPipeline"
+    streams = ("latents", "prompt_embeds", "reference_latents")
+
+    def check_batch(self, transformer: nn.Module, batch: dict) -> None:
+        super().check_batch(transformer, batch)
+        latents, reference = batch["latents"], batch["reference_latents"]
+        if reference.shape[:2] != latents.shape[:2] or reference.ndim != latents.ndim:
+            raise ValueError(f"cached latents do not match the transformer: reference_latents have shape "
+                             f"{tuple(reference.shape)}, latents {tuple(latents.shape)} (expected [B, C, H, W] both)")
+
+    def transformer_inputs(self, batch: dict[str, Any]) -> dict[str, Any]:
+        return {**super().transformer_inputs(batch), "reference_BCHW": batch["reference_latents"]}
+
+    validates_from_prompts = False  # its pipeline samples from a source image (check_validation)
+
+    def validation_images(self, pipe, prompts, *, size, steps, generator, max_sequence_length, guidance_scale):
+        raise ValueError("trainer.validate_every: the qwen-image-edit family samples from a source image (see "
+                         "latentmill.trainer.adapters.check_validation)")

@@ -21,11 +21,13 @@ import sys
 import time
 import warnings
 from contextlib import nullcontext
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
 import torch
-from latentmill.trainer.adapters import check_i2v, get_adapter
+from latentmill.trainer.adapter import Expert, choose_experts
+from latentmill.trainer.adapters import check_i2v, check_validation, get_adapter
 from latentmill.trainer.checkpoint import list_checkpoints, load_checkpoint, resolve_resume, save_checkpoint
 from latentmill.trainer.config import ParallelConfig, TrainerConfig
 from latentmill.trainer.export import export_trained
@@ -37,6 +39,7 @@ from latentmill.trainer.objective import (
     interpolate,
     loss_weights,
     sample_sigmas,
+    sample_sigmas_within,
     shift_for,
     velocity_target,
 )
@@ -47,7 +50,7 @@ from latentmill.trainer.validation import Validator
 from tqdm.auto import tqdm
 
 from latentmill import interrupt
-from latentmill.core.config import to_dict
+from latentmill.core.config import ConfigError, to_dict
 
 log = logging.getLogger(__name__)
 
@@ -266,6 +269,18 @@ def _log_record(record: dict, metrics_file: Any, tb: Any, on_step: Callable[[dic
         on_step(record)
 
 
+@dataclass
+class _Part:
+    """One trained model of a run (the pipeline's transformer, or one expert) and its optimizer and schedule."""
+
+    expert: Expert
+    transformer: torch.nn.Module  # what save and export use
+    model: torch.nn.Module  # what forward runs on (the same module under FSDP2)
+    trainable: list[torch.nn.Parameter]
+    optimizer: Any = None
+    scheduler: Any = None
+
+
 class _Run:
     """One process's training run: data, model, optimizer and their state, and the steps that change them.
 
@@ -296,7 +311,8 @@ class _Run:
         self.resume_path: Path | None = None
         self.stop_signal: int | None = None  # a stop request every rank agreed on (train_step)
         # the VAE and text encoders of validation: loaded at the first validation, kept on the CPU in between
-        self.validator = Validator(self.adapter, pretrained, self.device) if cfg.validate_every else None
+        self.validator = Validator(self.adapter, pretrained, self.device, component=self.parts[0].expert.component) \
+            if cfg.validate_every else None
 
     # ---------------------------------------------------------------- building
     def _build_data(self, cache_dir: Path, check_cache: Callable[[dict], None] | None) -> None:
@@ -308,6 +324,7 @@ class _Run:
         self.adapter = get_adapter(manifest_family(self.manifest))
         check_streams(self.manifest, self.adapter.family, self.adapter.streams, str(cache_dir / "manifest.json"))
         check_i2v(cfg.i2v_probability, self.adapter.family)
+        check_validation(cfg.validate_every, self.adapter.family)
         self.loader = LatentLoader(
             cache_dir, cfg.batch_size, self.seed, dtype=torch.float32, drop_last=cfg.drop_last,
             verify=cfg.verify_shards, manifest=self.manifest, rank=ctx.rank, world_size=ctx.world_size,
@@ -318,26 +335,36 @@ class _Run:
                  cache_dir, self.loader.num_samples, len(self.loader.buckets), len(self.loader))
 
     def _build_model(self) -> None:
-        """The transformer (``self.transformer``: save and export it) and what forward runs on (``self.model``)."""
+        """The trained models (``self.parts``: the pipeline's transformer, or the experts ``trainer.expert``
+        names), each loaded and parallelised on its own (FSDP2: sharded apart, each its own root)."""
         cfg, ctx = self.cfg, self.ctx
-        # FSDP2: built on the meta device, sharded, and each rank reads only its own rows of the checkpoint;
-        # a LoRA run's frozen base is bf16 on CUDA (float32 LoRA weights and masters)
-        self.transformer, self.model = load_for_training(
-            self.adapter, self.pretrained, cfg=cfg, parallel=self.parallel, ctx=ctx,
-            init_seed=derive_seed(self.seed, "init"))
-        self.trainable = [p for p in self.transformer.parameters() if p.requires_grad]
+        experts = choose_experts(self.adapter.experts(self.pretrained), cfg.expert, self.pretrained)
+        self.expert_name = cfg.expert or "all"  # what the checkpoints record and a resume must match
+        self.parts: list[_Part] = []
+        for expert in experts:
+            # FSDP2: built on the meta device, sharded, and each rank reads only its own rows of the checkpoint;
+            # a LoRA run's frozen base is bf16 on CUDA (float32 LoRA weights and masters)
+            transformer, model = load_for_training(
+                self.adapter, self.pretrained, cfg=cfg, parallel=self.parallel, ctx=ctx,
+                init_seed=derive_seed(self.seed, "init" if len(experts) == 1 else f"init:{expert.name}"),
+                component=expert.component)
+            trainable = [p for p in transformer.parameters() if p.requires_grad]
+            self.parts.append(_Part(expert, transformer, model, trainable))
+            log.info("%s mode, %s: %d trainable parameters", cfg.mode, expert.component,
+                     sum(p.numel() for p in trainable))
         # how many ranks hold each gradient element: all (DDP), one (FSDP2), the replicas (HSDP)
         self.grad_replicas = (self.parallel.hsdp_replicate if ctx.sharded else ctx.world_size) if ctx.initialized \
             else 1
-        log.info("%s mode: %d trainable parameters", cfg.mode, sum(p.numel() for p in self.trainable))
 
     def _build_optimizer(self) -> None:
-        """AdamW, the LR schedule, and the CPU generator of every sigma, noise and posterior draw of this rank."""
+        """AdamW and the LR schedule of each model, and the CPU generator of every sigma, noise and posterior
+        draw of this rank."""
         cfg = self.cfg
-        self.optimizer = torch.optim.AdamW(self.trainable, lr=cfg.learning_rate, betas=tuple(cfg.adam_betas),
-                                           eps=cfg.adam_eps, weight_decay=cfg.weight_decay)
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer, lr_lambda(cfg.warmup_steps, cfg.max_steps, cfg.lr_schedule, cfg.min_lr_ratio))
+        for part in self.parts:
+            part.optimizer = torch.optim.AdamW(part.trainable, lr=cfg.learning_rate, betas=tuple(cfg.adam_betas),
+                                               eps=cfg.adam_eps, weight_decay=cfg.weight_decay)
+            part.scheduler = torch.optim.lr_scheduler.LambdaLR(
+                part.optimizer, lr_lambda(cfg.warmup_steps, cfg.max_steps, cfg.lr_schedule, cfg.min_lr_ratio))
         self.sampling_gen = torch.Generator().manual_seed(derive_seed(self.seed, f"sampling:{self.ctx.rank}"))
 
     def resume(self) -> None:
@@ -345,10 +372,16 @@ class _Run:
         ctx = self.ctx
         self.resume_path = resolve_resume(self.cfg.resume, self.ckpt_dir, announce=ctx.is_main)
         if self.resume_path is not None:
-            state = load_checkpoint(self.resume_path, model=self.transformer, optimizer=self.optimizer,
-                                    scheduler=self.scheduler, sampling_generator=self.sampling_gen, rank=ctx.rank)
+            first = self.parts[0]
+            state = load_checkpoint(self.resume_path, model=first.transformer, optimizer=first.optimizer,
+                                    scheduler=first.scheduler, sampling_generator=self.sampling_gen, rank=ctx.rank,
+                                    others=self._other_parts())
+            if state.get("expert", "all") != self.expert_name:  # same shapes: it would load without a word
+                raise ConfigError(f"trainer.expert: {self.resume_path} trained expert {state.get('expert', 'all')!r}, "
+                                  f"this run {self.expert_name!r}; resume with the same trainer.expert")
             self.loader.load_state_dict(state["loader"])
-            _follow_current_schedule(self.scheduler, self.cfg.learning_rate)
+            for part in self.parts:
+                _follow_current_schedule(part.scheduler, self.cfg.learning_rate)
             self.start_step = self.step = int(state["step"])
             self.last_loss = float(state.get("loss", float("nan")))
             self.skipped = int(state.get("skipped_steps", 0))
@@ -361,9 +394,30 @@ class _Run:
             self.metrics_path.write_text("")
         ctx.barrier()  # every rank has decided where to start before rank 0 writes anything new
 
+    def _other_parts(self) -> dict[str, tuple[torch.nn.Module, torch.optim.Optimizer, Any]]:
+        """The models after the first (a run of both experts: ``transformer_2``) as checkpoints store them."""
+        return {p.expert.component: (p.transformer, p.optimizer, p.scheduler) for p in self.parts[1:]}
+
     # ---------------------------------------------------------------- one step
-    def forward_backward(self, batch: dict[str, Any], *, last_micro: bool) -> torch.Tensor:
-        """Flow-matching loss of one micro-batch, backpropagated (scaled by 1/accum); returns it detached.
+    def _routes(self) -> list[int]:
+        """The part each micro-batch of this step trains: 0 for a run of one model. Two experts: one sigma per
+        micro-batch, drawn like the samples' but from a generator seeded by (seed, step, micro-batch), picks
+        the expert that serves it: each expert gets its share of the recipe's sigmas, every rank routes alike
+        (so the collectives of each expert's FSDP2 model match), and a resumed run routes as the original."""
+        accum = self.cfg.grad_accum_steps
+        if len(self.parts) == 1:
+            return [0] * accum
+        routes = []
+        for micro in range(accum):
+            gen = torch.Generator().manual_seed(derive_seed(self.seed, f"expert:{self.step}:{micro}"))
+            sigma = sample_sigmas(1, self.cfg, gen)  # at trainer.shift (expert both: shift_mode fixed)
+            routes.append(next(i for i, part in enumerate(self.parts) if bool(part.expert.serves(sigma))))
+        return routes
+
+    def forward_backward(self, batch: dict[str, Any], part: _Part, *, last_micro: bool,
+                         micro_batches: int) -> torch.Tensor:
+        """Flow-matching loss of one micro-batch on ``part``, backpropagated (scaled by 1/``micro_batches``, the
+        part's micro-batches in this step); returns it detached.
 
         All randomness comes from ``self.sampling_gen`` in a fixed order. DDP reduces gradients on the last
         micro-batch only; FSDP2 reduce-scatters on every one (gradients stay sharded).
@@ -373,7 +427,7 @@ class _Run:
         latents = inputs["latents"]
         eps, sigmas, noise, clean_first = self._draw(
             latents.shape, posterior="latents_std" in inputs,
-            shift=shift_for(cfg, adapter.seq_len(latents), adapter.resolution_mu))
+            shift=shift_for(cfg, adapter.seq_len(latents), adapter.resolution_mu), expert=part.expert)
         if eps is not None:  # a fresh draw from the cached posterior each time
             latents = latents + inputs["latents_std"] * eps
         noisy = interpolate(latents, noise, sigmas)
@@ -386,17 +440,17 @@ class _Run:
             noisy = mask * noisy + (1 - mask) * inputs["latents"]
         weights = loss_weights(sigmas, cfg.loss_weighting) if cfg.loss_weighting != "none" else None
         autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else nullcontext()
-        with _grad_sync(self.model, last_micro, hsdp=self.parallel.hsdp_replicate > 1):
+        with _grad_sync(part.model, last_micro, hsdp=self.parallel.hsdp_replicate > 1):
             with autocast:
-                pred = adapter.forward(self.model, noisy, sigmas, inputs, cfg)
+                pred = adapter.forward(part.model, noisy, sigmas, inputs, cfg)
             loss = flow_matching_loss(pred, target, weights, mask)
-            (loss / cfg.grad_accum_steps).backward()
+            (loss / micro_batches).backward()
         return loss.detach()
 
-    def _draw(self, shape: torch.Size, *, posterior: bool, shift: float
+    def _draw(self, shape: torch.Size, *, posterior: bool, shift: float, expert: Expert
               ) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """(posterior eps or None, sigmas [B], noise, image-to-video flags [B] or None) of one micro-batch,
-        drawn sample by sample.
+        """(posterior eps or None, sigmas [B] (in ``expert``'s range), noise, image-to-video flags [B] or None)
+        of one micro-batch, drawn sample by sample.
 
         Per sample, in order: its posterior eps, its sigma, its noise and (``trainer.i2v_probability`` > 0)
         whether its first frame is a clean image condition, all from ``self.sampling_gen``. A
@@ -408,7 +462,11 @@ class _Run:
         for _ in range(shape[0]):
             if posterior:
                 eps.append(torch.randn(shape[1:], generator=self.sampling_gen, dtype=torch.float32))
-            sigmas.append(sample_sigmas(1, self.cfg, self.sampling_gen, shift=shift))
+            if expert.name == "all":
+                sigmas.append(sample_sigmas(1, self.cfg, self.sampling_gen, shift=shift))
+            else:  # only the noise levels this expert serves
+                sigmas.append(sample_sigmas_within(self.cfg, self.sampling_gen, shift, expert.sigma_min,
+                                                   expert.sigma_max))
             noise.append(torch.randn(shape[1:], generator=self.sampling_gen, dtype=torch.float32))
             if i2v > 0:
                 clean.append(torch.rand(1, generator=self.sampling_gen) < i2v)
@@ -420,47 +478,74 @@ class _Run:
         """One optimizer step over ``grad_accum_steps`` micro-batches; returns its metrics record.
 
         One all-reduce of one small tensor (this rank's loss sum, sample count and non-finite flag, and the
-        gradient norm) and one host read of it per step: the skip decision, the logged loss and the global
-        batch all come from that read. A step with a non-finite loss or gradient changes no weight; every
-        rank reads the same reduced values, so all skip together.
+        gradient norm) and one host read of it per step and trained model: the skip decision, the logged loss
+        and the global batch all come from those reads. A step with a non-finite loss or gradient changes no
+        weight; every rank reads the same reduced values, so all skip together.
+
+        Two experts (``trainer.expert: both``): each micro-batch goes to the expert ``_routes`` picks; each
+        expert in turn runs its micro-batches (its gradients averaged over them), is clipped and stepped by its
+        own optimizer, and drops its gradients before the other one runs.
         """
         cfg, ctx = self.cfg, self.ctx
         accum = cfg.grad_accum_steps
         t_start = time.perf_counter()
-        t_data, step_samples, loss_sum = 0.0, 0, None
-        self.optimizer.zero_grad(set_to_none=True)
-        for micro in range(accum):
+        t_data, fetched = 0.0, []
+        for _ in range(accum):
             t_fetch = time.perf_counter()
-            batch = next(batches)
+            fetched.append(next(batches))
             t_data += time.perf_counter() - t_fetch
-            if self.step == self.start_step and micro == 0:
-                self.adapter.check_batch(self.transformer, {k: v for k, v in batch.items()
+        if self.step == self.start_step:
+            for part in self.parts:
+                self.adapter.check_batch(part.transformer, {k: v for k, v in fetched[0].items()
                                                             if isinstance(v, torch.Tensor)})
-            step_samples += int(batch["latents"].shape[0])
-            loss = self.forward_backward(batch, last_micro=micro == accum - 1)
-            loss_sum = loss if loss_sum is None else loss_sum + loss  # on the device: no read per micro-batch
-        grads = [p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
-                 for p in self.trainable if p.grad is not None]  # this rank's (shards of the) averaged grads
+        routes = self._routes()
+        loss_total, global_batch, squares, skip = 0.0, 0, 0.0, False
+        expert_norms, expert_micro = {}, {}
         check = self.loader.shard_check
-        try:
-            loss_sum_all, global_batch, nonfinite, norm, self.stop_signal = _reduce_step_stats(
-                ctx, loss_sum, step_samples, grads, grad_replicas=self.grad_replicas, stop=interrupt.requested(),
-                bad_shard=check is not None and check.failure is not None)
-        except _BadShardSeen:
-            self._stop_on_bad_shard()
-        self.last_loss = loss_sum_all / (accum * ctx.world_size)  # the mean loss of the global batch
-        lr = self.scheduler.get_last_lr()[0]
-        skip = nonfinite or not (math.isfinite(self.last_loss) and math.isfinite(norm))
+        for index, part in enumerate(self.parts):
+            micro = [i for i, route in enumerate(routes) if route == index]
+            if not micro:  # every rank routed alike: none of them runs this part in this step
+                continue
+            part.optimizer.zero_grad(set_to_none=True)
+            loss_sum, step_samples = None, 0
+            for j, i in enumerate(micro):
+                step_samples += int(fetched[i]["latents"].shape[0])
+                loss = self.forward_backward(fetched[i], part, last_micro=j == len(micro) - 1,
+                                             micro_batches=len(micro))
+                loss_sum = loss if loss_sum is None else loss_sum + loss  # on the device: no read per micro-batch
+            grads = [p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
+                     for p in part.trainable if p.grad is not None]  # this rank's (shards of the) averaged grads
+            try:
+                part_loss, part_samples, nonfinite, norm, self.stop_signal = _reduce_step_stats(
+                    ctx, loss_sum, step_samples, grads, grad_replicas=self.grad_replicas,
+                    stop=interrupt.requested(), bad_shard=check is not None and check.failure is not None)
+            except _BadShardSeen:
+                self._stop_on_bad_shard()
+            loss_total += part_loss
+            global_batch += part_samples
+            squares += norm * norm
+            expert_norms[part.expert.name], expert_micro[part.expert.name] = norm, len(micro)
+            if nonfinite or not (math.isfinite(part_loss) and math.isfinite(norm)):
+                skip = True
+                part.optimizer.zero_grad(set_to_none=True)
+                continue
+            if cfg.grad_clip > 0 and norm > cfg.grad_clip:  # clip_grad_norm_'s rule, with the norm already read
+                torch._foreach_mul_(grads, cfg.grad_clip / (norm + 1e-6))
+            part.optimizer.step()
+            if len(self.parts) > 1:  # this expert's gradients go before the other one trains
+                part.optimizer.zero_grad(set_to_none=True)
+        self.last_loss = loss_total / (accum * ctx.world_size)  # the mean loss of the global batch
+        norm = next(iter(expert_norms.values())) if len(expert_norms) == 1 \
+            else math.sqrt(squares) if math.isfinite(squares) else float("nan")  # over both experts' gradients
+        lr = self.parts[0].scheduler.get_last_lr()[0]
         if skip:
             self._skip(norm)
         else:
-            if cfg.grad_clip > 0 and norm > cfg.grad_clip:  # clip_grad_norm_'s rule, with the norm already read
-                torch._foreach_mul_(grads, cfg.grad_clip / (norm + 1e-6))
-            self.optimizer.step()
             self.skipped_in_row = 0
         with warnings.catch_warnings():  # a skipped first step: the schedule follows steps, not updates
             warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler\.step\(\)` before")
-            self.scheduler.step()
+            for part in self.parts:  # the schedule follows steps: an expert without micro-batches keeps pace
+                part.scheduler.step()
         self.step += 1
         # no device synchronize for the timing: the next step's read waits for this step's optimizer kernels,
         # so step times add up to the run's wall time
@@ -480,13 +565,16 @@ class _Run:
             "skipped": skip,
             "skipped_steps": self.skipped,
             "peak_mem_mb": peak_mem_mb(self.device),
-            "epoch": batch["epoch"],
-            "bucket": batch["bucket"],
+            "epoch": fetched[-1]["epoch"],
+            "bucket": fetched[-1]["bucket"],
+            **({"expert_grad_norms": expert_norms, "expert_micro_batches": expert_micro} if len(self.parts) > 1
+               else {}),
         }
 
     def _skip(self, norm: float) -> None:
         """Count a skipped step (its gradients are dropped); stop after ``max_skipped_steps`` in a row."""
-        self.optimizer.zero_grad(set_to_none=True)
+        for part in self.parts:
+            part.optimizer.zero_grad(set_to_none=True)
         self.skipped, self.skipped_in_row = self.skipped + 1, self.skipped_in_row + 1
         log.warning("step %d: loss %s, gradient norm %s: step skipped (%d in a row)", self.step + 1,
                     self.last_loss, norm, self.skipped_in_row)
@@ -515,8 +603,9 @@ class _Run:
 
     def validate(self, tb: Any) -> Path | None:
         """Validation samples of the current weights (every rank takes part); the grid path on rank 0."""
-        return self.validator.run(self.transformer, cfg=self.cfg, step=self.step, train_dir=self.train_dir,
-                                  max_sequence_length=self.text_len, is_main=self.ctx.is_main, tb_writer=tb)
+        return self.validator.run(self.parts[0].transformer, cfg=self.cfg, step=self.step, train_dir=self.train_dir,
+                                  max_sequence_length=self.text_len, is_main=self.ctx.is_main, tb_writer=tb,
+                                  others={p.expert.component: p.transformer for p in self.parts[1:]})
 
     def check_shards_read(self, *, wait: bool) -> None:
         """Stop, naming the shard, when any rank's shard check found a damaged one (every rank takes part);
@@ -543,7 +632,7 @@ class _Run:
         """A checkpoint of everything an exact resume needs (never one that holds a non-finite weight, nor one
         trained on a shard whose check has not finished)."""
         self.check_shards_read(wait=True)
-        _check_finite_weights(self.trainable, self.ctx, self.step)
+        _check_finite_weights([p for part in self.parts for p in part.trainable], self.ctx, self.step)
         trainer_state = {
             "loader": self.loader.state_dict(),
             "loss": self.last_loss,
@@ -553,13 +642,16 @@ class _Run:
             "world_size": self.ctx.world_size,
             "mode": self.cfg.mode,
             "family": self.adapter.family,
+            "expert": self.expert_name,
             "strategy": self.parallel.strategy,
             "config": to_dict(self.cfg),
             "manifest_fingerprint": self.manifest.get("fingerprint"),
             "provenance": self.provenance,
         }
-        save_checkpoint(self.ckpt_dir, self.step, model=self.transformer, optimizer=self.optimizer,
-                        scheduler=self.scheduler, sampling_generator=self.sampling_gen, trainer_state=trainer_state,
+        first = self.parts[0]
+        save_checkpoint(self.ckpt_dir, self.step, model=first.transformer, optimizer=first.optimizer,
+                        scheduler=first.scheduler, sampling_generator=self.sampling_gen, trainer_state=trainer_state,
+                        others=self._other_parts(),
                         keep_latest_k=self.cfg.keep_latest_k, rank=self.ctx.rank, barrier=self.ctx.barrier,
                         sharded=self.ctx.sharded)
 
@@ -571,8 +663,12 @@ class _Run:
         return when the gathers are done, so none waits on a collective while rank 0 writes.
         """
         cfg = self.cfg
-        exported = export_trained(self.adapter, self.transformer, mode=cfg.mode, pretrained=self.pretrained,
-                                  export_dir=export_dir, ctx=self.ctx, export_dtype=cfg.export_dtype)
+        first = self.parts[0]
+        exported = export_trained(self.adapter, first.transformer, mode=cfg.mode, pretrained=self.pretrained,
+                                  export_dir=export_dir, ctx=self.ctx, export_dtype=cfg.export_dtype,
+                                  component=first.expert.component, lora_subfolder=first.expert.lora_folder,
+                                  others=tuple((p.transformer, p.expert.component, p.expert.lora_folder)
+                                               for p in self.parts[1:]))
         if exported is not None:
             _write_provenance(exported, self.provenance, cfg, self.step, self.last_loss, self.manifest)
             log.info("exported %s weights to %s", cfg.mode, exported)
@@ -594,6 +690,7 @@ class _Run:
             "world_size": self.ctx.world_size,
             "epochs": loader.epoch + loader.batch_index / max(1, len(loader)),  # position of this rank's data
             "family": self.adapter.family,
+            "expert": self.expert_name,
             "validation": validations,
             "cpu_threads": self.cpu_threads.threads,  # intra-op threads of this run (CUDA: torch's own)
             "cpu_threads_reason": self.cpu_threads.reason,

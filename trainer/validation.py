@@ -83,32 +83,38 @@ class Validator:
     transformer=...)`` (the user's loading path) in ``component_dtypes``; between calls they stay on the CPU.
     """
 
-    def __init__(self, adapter: ModelAdapter, pretrained: str, device: torch.device | str) -> None:
+    def __init__(self, adapter: ModelAdapter, pretrained: str, device: torch.device | str,
+                 component: str = "transformer") -> None:
         self.adapter, self.pretrained, self.device = adapter, pretrained, torch.device(device)
+        self.component = component  # the pipeline's slot of the in-training model (an expert's)
+        self.slots: set[str] = {component}  # the slots of every in-training model (run's ``others`` too)
         self.dtypes = component_dtypes(adapter.family, self.device)
         self.pipe: Any = None  # loaded by the first run
 
-    def _pipeline(self, transformer: nn.Module) -> Any:
-        """The pipeline around ``transformer``; its other components loaded on first use, on the CPU."""
+    def _pipeline(self, transformer: nn.Module, others: dict[str, nn.Module] | None = None) -> Any:
+        """The pipeline around the in-training ``transformer`` (and ``others`` by slot); its other components
+        loaded on first use, on the CPU."""
+        models = {self.component: transformer, **(others or {})}
+        self.slots = set(models)
         if self.pipe is None:
             pipeline_cls = self.adapter.diffusers_class(self.adapter.pipeline_class)
             vae, text = self.dtypes["vae"], self.dtypes["text"]
             # torch_dtype only when not the default (diffusers 0.42 deprecates the name, older releases lack
             # `dtype`); a dict: the VAE in its own dtype, every other loaded component in the text encoders'
             extra = {"torch_dtype": {"vae": vae, "default": text}} if (vae, text) != (torch.float32,) * 2 else {}
-            self.pipe = pipeline_cls.from_pretrained(self.pretrained, transformer=transformer, **extra)
+            self.pipe = pipeline_cls.from_pretrained(self.pretrained, **models, **extra)
             self.pipe.set_progress_bar_config(disable=True)
             for component in self._components():
                 component.eval()
             if getattr(self.pipe, "vae", None) is not None:
                 decode_in_own_dtype(self.pipe.vae)
         else:
-            self.pipe.register_modules(transformer=transformer)
+            self.pipe.register_modules(**models)
         return self.pipe
 
     def _components(self) -> list[nn.Module]:
         """The pipeline's modules other than the transformer (VAE, text encoders)."""
-        return [c for name, c in self.pipe.components.items() if isinstance(c, nn.Module) and name != "transformer"]
+        return [c for name, c in self.pipe.components.items() if isinstance(c, nn.Module) and name not in self.slots]
 
     def _move(self, device: torch.device) -> None:
         for component in self._components():
@@ -124,15 +130,19 @@ class Validator:
         max_sequence_length: int,
         is_main: bool = True,
         tb_writer: Any = None,
+        others: dict[str, nn.Module] | None = None,
     ) -> Path | None:
         """Generate ``cfg.validation_prompts`` with ``transformer``; save ``<train_dir>/validation/step-N.png``.
 
+        ``others``: further in-training models by pipeline slot (``transformer_2`` of a run of both experts).
         Returns the PNG path on the main rank (None elsewhere). Every rank calls it (FSDP2: collective).
         """
         device, cuda = self.device, self.device.type == "cuda"
-        pipe = self._pipeline(transformer)
-        was_training = transformer.training
-        transformer.eval()
+        pipe = self._pipeline(transformer, others)
+        models = {self.component: transformer, **(others or {})}
+        was_training = {slot: model.training for slot, model in models.items()}
+        for model in models.values():
+            model.eval()
         autocast = torch.autocast("cuda", dtype=self.dtypes["transformer"]) if cuda else nullcontext()
         try:
             self._move(device)
@@ -147,9 +157,10 @@ class Validator:
                     guidance_scale=cfg.guidance_scale,
                 )
         finally:
-            transformer.train(was_training)
+            for slot, model in models.items():
+                model.train(was_training[slot])
             self._move(torch.device("cpu"))
-            pipe.register_modules(transformer=None)  # the pipeline does not keep the training model alive
+            pipe.register_modules(**dict.fromkeys(models))  # the pipeline does not keep the training model alive
             gc.collect()
             if cuda:
                 torch.cuda.empty_cache()

@@ -19,7 +19,7 @@ height/width (pixels / 8), L text tokens, D text width (UMT5 d_model).
 from __future__ import annotations
 
 import torch
-from latentmill.trainer.adapter import ModelAdapter
+from latentmill.trainer.adapter import ONE_EXPERT, Expert, ModelAdapter, pipeline_index
 from torch import nn
 
 
@@ -64,13 +64,23 @@ def check_video_batch_fits(
 
 
 class WanAdapter(ModelAdapter):
-    """Wan-class text-to-video models (Wan2.1-T2V-1.3B/14B): ``WanTransformer3DModel``, ``WanPipeline``."""
+    """Wan-class text-to-video models (Wan2.1-T2V-1.3B/14B, Wan2.2-T2V-A14B's two experts):
+    ``WanTransformer3DModel``, ``WanPipeline``."""
 
     family = "wan"
     transformer_class = "WanTransformer3DModel"
     pipeline_class = "WanPipeline"
     streams = ("latents", "prompt_embeds")
     latent_ndim = 4
+
+    def experts(self, pretrained: str) -> tuple[Expert, ...]:
+        """Wan 2.2 A14B (``boundary_ratio`` and ``transformer_2`` in ``model_index.json``): the high-noise
+        ``transformer`` for sigma >= boundary_ratio, the low-noise ``transformer_2`` below; Wan 2.1: one."""
+        index = pipeline_index(pretrained)
+        boundary = index.get("boundary_ratio")
+        if boundary is None or not all(index.get("transformer_2") or [None]):
+            return ONE_EXPERT
+        return (Expert("high", "transformer", float(boundary)), Expert("low", "transformer_2", 0.0, float(boundary)))
 
     def blocks(self, transformer: nn.Module) -> list[nn.Module]:
         return list(transformer.blocks)
