@@ -35,19 +35,21 @@ TOL = 1e-3
 WORKER = r"""
 import copy, json, os, sys
 import torch
+import torch.distributed as dist
 from diffusers import FluxTransformer2DModel, WanTransformer3DModel
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from latentmill.trainer.adapter import load_transformer
 from latentmill.trainer.config import ParallelConfig
 from latentmill.trainer.flux import FluxAdapter, flux_forward
-from latentmill.trainer.parallel import init_distributed, parallelize, shutdown
+from latentmill.trainer.parallel import DistContext, parallelize
 from latentmill.trainer.wan import WanAdapter, wan_forward
 from tests.trainer_helpers import TINY_TRANSFORMER, TINY_WAN_TRANSFORMER
 
 torch.set_num_threads(1)
-ctx = init_distributed(ParallelConfig(strategy="fsdp2"))
-rank, world = ctx.rank, ctx.world_size
+dist.init_process_group("gloo")
+rank, world = dist.get_rank(), dist.get_world_size()
+ctx = DistContext(rank, world, rank, torch.device("cpu"), initialized=True, strategy="fsdp2")
 fsdp2 = ParallelConfig(strategy="fsdp2")
 autocast = torch.autocast("cpu", dtype=torch.bfloat16)
 out = {}
@@ -186,8 +188,8 @@ for checkpointing in (False, True):
         "grad_dtypes": sorted({str(g.dtype) for g in grads.values()}),
     }
 open(sys.argv[1] + f"-{rank}.json", "w").write(json.dumps(out))
-del model, reference, optimizer, grads
-shutdown(ctx)
+dist.barrier()  # every rank done with its collectives before any tears gloo down
+dist.destroy_process_group()
 """
 
 

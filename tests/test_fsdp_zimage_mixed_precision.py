@@ -28,7 +28,6 @@ import copy, json, os, sys
 from pathlib import Path
 import torch
 import torch.distributed as dist
-from latentmill.trainer.parallel import end_process_group
 from latentmill.trainer.config import ParallelConfig
 from latentmill.trainer.parallel import DistContext, parallelize
 from latentmill.trainer.zimage import ZImageAdapter, zimage_forward
@@ -75,7 +74,8 @@ result = {"max_abs_diff": (pred - ref_pred).abs().max().item(), "abs_max": ref_p
           "grad_max_abs_diff": max((grads[n] - ref_grads[n]).abs().max().item() for n in ref_grads),
           "grad_abs_max": scale}
 Path(sys.argv[1], f"rank{rank}.json").write_text(json.dumps(result))
-end_process_group()
+dist.barrier()
+dist.destroy_process_group()
 """
 
 

@@ -277,7 +277,6 @@ import json, os, signal, sys
 from pathlib import Path
 import torch
 import torch.distributed as dist
-from latentmill.trainer.parallel import end_process_group
 from latentmill import interrupt
 from latentmill.trainer import ParallelConfig, TrainerConfig, train
 
@@ -298,7 +297,8 @@ for run in args["runs"]:
     except interrupt.Interrupted as err:
         out[run["name"]] = {"signal": err.signum, "detail": err.detail}
 Path(args["root"], f"result-{rank}.json").write_text(json.dumps(out))
-end_process_group()
+dist.barrier()
+dist.destroy_process_group()
 """
 
 

@@ -68,30 +68,3 @@ def test_shutdown_after_success_waits_for_every_rank(tmp_path, synchronize):
     assert rank1["peer_was_at_end"] is True
     # the barrier: rank 0 left shutdown only once rank 1 had reached it; without it rank 0 is long gone
     assert rank0["peer_was_at_end"] is synchronize
-
-
-def _gloo_threads() -> int:
-    """Threads of this process that gloo started (its worker threads and its transport loop)."""
-    return sum("gloo" in (task / "comm").read_text() for task in Path("/proc/self/task").iterdir())
-
-
-@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="counts threads in /proc")
-def test_shutdown_joins_the_backend_threads_of_an_fsdp2_model():
-    """DTensor's sharding-propagation caches held an FSDP2 model's device mesh, and through it the process
-    group, after the model was dropped: gloo's threads outlived ``destroy_process_group`` into interpreter
-    finalization, where one aborted a rank (SIGABRT). ``shutdown`` leaves none running."""
-    import torch
-    from latentmill.trainer import ParallelConfig
-    from latentmill.trainer.parallel import init_distributed, parallelize, shutdown
-
-    before = _gloo_threads()
-    fsdp2 = ParallelConfig("fsdp2")
-    ctx = init_distributed(fsdp2)  # one process: a group of one, the same sharded code path
-    assert ctx.owns_group and ctx.sharded
-    blocks = [torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)]
-    model = parallelize(torch.nn.Sequential(*blocks), fsdp2, ctx, blocks=blocks)
-    model(torch.randn(2, 8)).square().mean().backward()
-    assert _gloo_threads() > before
-    del model, blocks
-    shutdown(ctx)
-    assert _gloo_threads() == before

@@ -25,7 +25,6 @@ WORKER = """
 import json, os, sys
 import torch
 import torch.distributed as dist
-from latentmill.trainer.parallel import end_process_group
 import latentmill.trainer.loader as loader_mod
 
 torch.set_num_threads(1)
@@ -48,7 +47,8 @@ try:
 except ValueError as exc:
     out["error"] = str(exc)
 open(sys.argv[2] + f"-{rank}.json", "w").write(json.dumps(out))
-end_process_group()
+dist.barrier()  # every rank done with its collectives before any tears gloo down
+dist.destroy_process_group()
 """
 
 

@@ -118,10 +118,6 @@ def _start_group(parallel: ParallelConfig, rank: int, local_rank: int, cuda: boo
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     owns_group = not dist.is_initialized()
     if owns_group:
-        # imported before the group exists: torch.distributed.nn.functional (which FSDP2 imports) takes
-        # group.WORLD as default arguments, which, evaluated after init, keep the group alive past its end
-        from torch.distributed import nn as dist_nn  # noqa: F401
-
         backend = "nccl" if cuda else "gloo"
         timeout = datetime.timedelta(minutes=parallel.timeout_minutes)  # not NCCL's default 10 minutes
         if store is None:
@@ -324,38 +320,15 @@ def parallelize(
 
 
 def shutdown(ctx: DistContext, *, synchronize: bool = True) -> None:
-    """End the process group this context started (:func:`end_process_group`)."""
-    if ctx.owns_group and dist.is_initialized():
-        end_process_group(synchronize=synchronize)
-
-
-def end_process_group(*, synchronize: bool = True) -> None:
-    """End this process's process groups so that no backend thread outlives them: the one ending of the trainer's
-    ranks and the tests' gloo workers. Drop the models first.
+    """End the process group this context started.
 
     With ``synchronize`` (a run that ended normally) every rank first waits at a barrier, so no rank tears
     its communicator down while a peer still has collectives in flight: a rank that finished its last step
-    early would otherwise abort a slower peer's last all-reduce or checkpoint barrier. After an error pass
-    ``synchronize=False``: a failed peer may never arrive, and the launcher ends the others; the group is
-    then destroyed as it is.
-
-    A synchronized end then empties DTensor's sharding-propagation caches, which held an FSDP2 model's device
-    mesh, and through it the process group, after the model was gone, and collects garbage. A group still
-    referenced outlives ``destroy_process_group`` with gloo's worker threads running and is destroyed only
-    during interpreter finalization, where a gloo thread that frees a tensor owned by Python needs the GIL,
-    which a finalizing interpreter refuses by ending the thread through a destructor ("terminate called
-    without an active exception", SIGABRT). With no reference left, the backend is destroyed here and gloo
-    joins its threads while the interpreter is whole (the other reference: see ``_start_group``'s import).
+    early would otherwise abort a slower peer's last all-reduce or checkpoint barrier (gloo: "terminate
+    called without an active exception"). After an error pass ``synchronize=False``: a failed peer may never
+    arrive, and the launcher ends the others.
     """
-    import gc
-    import sys
-
-    if synchronize:
-        if dist.get_world_size() > 1:
+    if ctx.owns_group and dist.is_initialized():
+        if synchronize and dist.get_world_size() > 1:
             dist.barrier()
-        if "torch.distributed.tensor" in sys.modules:  # no DTensor, no cache (and no import to wait for)
-            from torch.distributed.tensor.debug import _clear_sharding_prop_cache
-
-            _clear_sharding_prop_cache()
-        gc.collect()
-    dist.destroy_process_group()
+        dist.destroy_process_group()
