@@ -34,7 +34,8 @@ def _losses(run_dir) -> list[float]:
 @pytest.mark.parametrize(("experts", "shift"), [
     # the sampler's shift (data/tiny-wan2.2.yaml: flow_shift 3.0); at shift 1.0 the generated colours miss,
     # as Wan 2.1's do (tests/test_learns.py; docs/training.md has the measurements)
-    ("both", 3.0),
+    # both heavy, as the other new families' learning tests: make test-all (make test stays under 10 minutes)
+    pytest.param("both", 3.0, marks=pytest.mark.heavy),
     pytest.param("one per run", 3.0, marks=pytest.mark.heavy)])
 def test_wan22_experts_generate_the_colour_they_were_shown(tiny_wan22, tmp_path, experts, shift):
     videos = tmp_path / "videos"

@@ -2,10 +2,12 @@
 process group, so a rank that finished early never tears gloo/NCCL down under a slower peer's last
 collective (the abort "terminate called without an active exception" seen in CI at teardown).
 
-Two gloo ranks: rank 1 reaches the end two seconds after rank 0 and leaves a marker file just before it
-calls ``shutdown``. With ``synchronize=True`` (what ``train`` passes on success) rank 0 leaves ``shutdown``
-only after the marker exists; with ``synchronize=False`` (what ``train`` passes after an error, when a failed
-peer may never arrive) rank 0 does not wait for it.
+Two gloo ranks: rank 1 reaches the end after rank 0 and leaves a marker file just before it calls
+``shutdown``. With ``synchronize=True`` (what ``train`` passes on success) rank 1 arrives two seconds late and
+rank 0 leaves ``shutdown`` only after the marker exists; with ``synchronize=False`` (what ``train`` passes
+after an error, when a failed peer may never arrive) rank 1 arrives only once rank 0 has left ``shutdown`` and
+written its result (a ``shutdown`` that waited would hold rank 0 until rank 1's minute runs out), so the
+outcome does not hang on how fast a loaded machine runs rank 0.
 """
 
 from __future__ import annotations
@@ -33,7 +35,12 @@ root, synchronize = Path(sys.argv[1]), sys.argv[2] == "1"
 ctx = init_distributed(ParallelConfig("ddp"))
 assert ctx.initialized and ctx.owns_group and ctx.world_size == 2
 if ctx.rank == 1:
-    time.sleep(2.0)
+    if synchronize:  # rank 0 waits in shutdown's barrier meanwhile
+        time.sleep(2.0)
+    else:  # rank 0 does not wait: it has left shutdown (its file is written) before rank 1 reaches the end
+        deadline = time.time() + 60
+        while not (root / "rank0.json").exists() and time.time() < deadline:
+            time.sleep(0.05)
     (root / "rank1-at-end").write_text("1")
 shutdown(ctx, synchronize=synchronize)
 import torch.distributed as dist

@@ -63,6 +63,9 @@ def _run(root: Path, parallel: dict, **cfg) -> tuple[Path, Path, dict]:
     return pretrained, out, summaries
 
 
+# the second variant of Qwen-Image's 2-rank FSDP2 path (tests/test_trainer_qwen_image_parallel.py, in make test):
+# make test-all
+@pytest.mark.heavy
 def test_fsdp2_full_trains_resumes_exactly_and_exports(tmp_path):
     import torch
     from diffusers import DiffusionPipeline, QwenImageEditPipeline
