@@ -28,8 +28,9 @@ DEMO_CONFIG = REPO_ROOT / "configs" / "demo.yaml"
 # Fixtures that build a model folder (latentmill.tiny*): a test that uses one (directly or through another
 # fixture) is slow, so that the unit tier (`make test-unit`: not slow, heavy or served) builds no model.
 # tiny_clip (tests/test_curate_models.py) and tiny_llava (tests/test_caption_models.py) are module fixtures.
-MODEL_FIXTURES = frozenset({"tiny_flux", "tiny_wan", "tiny_wan22", "tiny_blip", "tiny_clip", "tiny_llava", "tiny_zimage",
-                            "tiny_flux2_klein", "tiny_flux2_dev"})
+MODEL_FIXTURES = frozenset({"tiny_flux", "tiny_wan", "tiny_wan22", "tiny_wan_ti2v", "tiny_wan_i2v", "tiny_blip",
+                            "tiny_clip", "tiny_llava", "tiny_zimage", "tiny_flux2_klein", "tiny_flux2_dev",
+                            "tiny_qwen_image", "tiny_qwen_image_edit"})
 
 # A migrated, empty Prefect database, made once per session (shared by the pytest-xdist workers) and copied into
 # the private PREFECT_HOME of each CLI process a test starts: a fresh home's temporary API server first spends
@@ -165,12 +166,30 @@ def _prefect_home_and_api(request):
     shutil.rmtree(_PREFECT_HOME, ignore_errors=True)
 
 
+def built_once(tmp_path_factory, name: str, build) -> Path:
+    """The model folder ``build(target)`` makes, built once per test session: the pytest-xdist workers share
+    the session's base folder, the first to get the lock builds (the builders write a hidden folder and rename
+    it into place) and the others reuse its folder. Tests treat these folders as read-only."""
+    from filelock import FileLock
+
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent  # <base>/popen-gw0 -> <base>, one per session
+    models = root / "shared-models"
+    models.mkdir(exist_ok=True)
+    target = models / name
+    with FileLock(str(models / f"{name}.lock")):
+        if not target.is_dir():
+            build(target)
+    return target
+
+
 @pytest.fixture(scope="session")
 def tiny_flux(tmp_path_factory) -> Path:
     """A complete tiny FluxPipeline folder built from data/tiny-flux.yaml with seed 0."""
     from latentmill.tiny import build_tiny_flux
 
-    return build_tiny_flux(tmp_path_factory.mktemp("models") / "tiny-flux", seed=0)
+    return built_once(tmp_path_factory, "tiny-flux", lambda target: build_tiny_flux(target, seed=0))
 
 
 @pytest.fixture(scope="session")
@@ -178,7 +197,8 @@ def tiny_flux2_klein(tmp_path_factory) -> Path:
     """A complete tiny Flux2KleinPipeline folder built from data/tiny-flux2-klein.yaml with seed 0."""
     from latentmill.tiny_flux2 import KLEIN_RECIPE_PATH, build_tiny_flux2
 
-    return build_tiny_flux2(tmp_path_factory.mktemp("models") / "tiny-flux2-klein", KLEIN_RECIPE_PATH, seed=0)
+    return built_once(tmp_path_factory, "tiny-flux2-klein",
+                      lambda target: build_tiny_flux2(target, KLEIN_RECIPE_PATH, seed=0))
 
 
 @pytest.fixture(scope="session")
@@ -186,7 +206,7 @@ def tiny_flux2_dev(tmp_path_factory) -> Path:
     """A complete tiny Flux2Pipeline (FLUX.2 [dev]) folder built from data/tiny-flux2.yaml with seed 0."""
     from latentmill.tiny_flux2 import DEV_RECIPE_PATH, build_tiny_flux2
 
-    return build_tiny_flux2(tmp_path_factory.mktemp("models") / "tiny-flux2", DEV_RECIPE_PATH, seed=0)
+    return built_once(tmp_path_factory, "tiny-flux2", lambda target: build_tiny_flux2(target, DEV_RECIPE_PATH, seed=0))
 
 
 @pytest.fixture()
@@ -203,7 +223,7 @@ def tiny_blip(tmp_path_factory) -> Path:
     """A tiny random-weight BLIP captioner folder built from data/tiny-blip.yaml with seed 0."""
     from latentmill.tiny_captioner import build_tiny_captioner
 
-    return build_tiny_captioner(tmp_path_factory.mktemp("models") / "tiny-blip", seed=0)
+    return built_once(tmp_path_factory, "tiny-blip", lambda target: build_tiny_captioner(target, seed=0))
 
 
 @pytest.fixture(scope="session")
@@ -211,7 +231,7 @@ def tiny_wan(tmp_path_factory) -> Path:
     """A complete tiny WanPipeline folder built from data/tiny-wan.yaml with seed 0."""
     from latentmill.tiny_wan import build_tiny_wan
 
-    return build_tiny_wan(tmp_path_factory.mktemp("models") / "tiny-wan", seed=0)
+    return built_once(tmp_path_factory, "tiny-wan", lambda target: build_tiny_wan(target, seed=0))
 
 
 @pytest.fixture(scope="session")
@@ -219,8 +239,8 @@ def tiny_wan22(tmp_path_factory) -> Path:
     """A complete tiny two-expert (Wan 2.2 A14B layout) WanPipeline folder from data/tiny-wan2.2.yaml, seed 0."""
     from latentmill.tiny_wan import build_tiny_wan
 
-    return build_tiny_wan(tmp_path_factory.mktemp("models") / "tiny-wan22", REPO_ROOT / "data" / "tiny-wan2.2.yaml",
-                          seed=0)
+    return built_once(tmp_path_factory, "tiny-wan22",
+                      lambda target: build_tiny_wan(target, REPO_ROOT / "data" / "tiny-wan2.2.yaml", seed=0))
 
 
 @pytest.fixture(scope="session")
@@ -228,7 +248,8 @@ def tiny_wan_ti2v(tmp_path_factory) -> Path:
     """A complete tiny Wan 2.2 TI2V WanPipeline folder built from data/tiny-wan2.2-ti2v.yaml with seed 0."""
     from latentmill.tiny_wan import TI2V_RECIPE_PATH, build_tiny_wan
 
-    return build_tiny_wan(tmp_path_factory.mktemp("models") / "tiny-wan2.2-ti2v", TI2V_RECIPE_PATH, seed=0)
+    return built_once(tmp_path_factory, "tiny-wan2.2-ti2v",
+                      lambda target: build_tiny_wan(target, TI2V_RECIPE_PATH, seed=0))
 
 
 @pytest.fixture(scope="session")
@@ -236,7 +257,8 @@ def tiny_wan_i2v(tmp_path_factory) -> Path:
     """A complete tiny Wan 2.1 WanImageToVideoPipeline folder built from data/tiny-wan2.1-i2v.yaml with seed 0."""
     from latentmill.tiny_wan import I2V_RECIPE_PATH, build_tiny_wan
 
-    return build_tiny_wan(tmp_path_factory.mktemp("models") / "tiny-wan2.1-i2v", I2V_RECIPE_PATH, seed=0)
+    return built_once(tmp_path_factory, "tiny-wan2.1-i2v",
+                      lambda target: build_tiny_wan(target, I2V_RECIPE_PATH, seed=0))
 
 
 @pytest.fixture(scope="session")
@@ -244,4 +266,21 @@ def tiny_zimage(tmp_path_factory) -> Path:
     """A complete tiny ZImagePipeline folder built from data/tiny-z-image.yaml with seed 0."""
     from latentmill.tiny_zimage import build_tiny_zimage
 
-    return build_tiny_zimage(tmp_path_factory.mktemp("models") / "tiny-z-image", seed=0)
+    return built_once(tmp_path_factory, "tiny-z-image", lambda target: build_tiny_zimage(target, seed=0))
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen_image(tmp_path_factory) -> Path:
+    """A complete tiny QwenImagePipeline folder built from data/tiny-qwen-image.yaml with seed 0."""
+    from latentmill.tiny_qwen_image import build_tiny_qwen_image
+
+    return built_once(tmp_path_factory, "tiny-qwen-image", lambda target: build_tiny_qwen_image(target, seed=0))
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen_image_edit(tmp_path_factory) -> Path:
+    """A complete tiny QwenImageEditPipeline folder built from data/tiny-qwen-image-edit.yaml with seed 0."""
+    from latentmill.tiny_qwen_image import build_tiny_qwen_image_edit
+
+    return built_once(tmp_path_factory, "tiny-qwen-image-edit",
+                      lambda target: build_tiny_qwen_image_edit(target, seed=0))

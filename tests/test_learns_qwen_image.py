@@ -40,12 +40,6 @@ def _images(folder: Path) -> None:
             (folder / f"{name}.txt").write_text(f"a grey square with a red mark in the {corner} corner")
 
 
-@pytest.fixture(scope="module")
-def tiny_qwen_image(tmp_path_factory):
-    from latentmill.tiny_qwen_image import build_tiny_qwen_image
-
-    return build_tiny_qwen_image(tmp_path_factory.mktemp("models") / "tiny-qwen-image", seed=0)
-
 
 # make test-all: the learning path make test runs for FLUX.1, Wan and FLUX.2 klein (about 25 s a shift)
 @pytest.mark.heavy

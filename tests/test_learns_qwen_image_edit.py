@@ -73,12 +73,6 @@ def _cached_pairs(cache_dir: Path) -> dict[str, dict[str, torch.Tensor]]:
     return pairs
 
 
-@pytest.fixture(scope="module")
-def tiny_qwen_image_edit(tmp_path_factory):
-    from latentmill.tiny_qwen_image import build_tiny_qwen_image_edit
-
-    return build_tiny_qwen_image_edit(tmp_path_factory.mktemp("models") / "tiny-qwen-image-edit", seed=0)
-
 
 @pytest.mark.heavy  # make test-all: about 2 minutes a shift on 2 cores (measured 225 s for both)
 @pytest.mark.parametrize("shift", ["1.0", "qwen-image"])

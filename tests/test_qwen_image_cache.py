@@ -27,12 +27,6 @@ from tests.helpers import prep_in_process
 MAX_LEN = 20  # shorter than some demo captions: the cut at max_sequence_length is exercised
 
 
-@pytest.fixture(scope="module")
-def tiny_qwen_image(tmp_path_factory):
-    from latentmill.tiny_qwen_image import build_tiny_qwen_image
-
-    return build_tiny_qwen_image(tmp_path_factory.mktemp("models") / "tiny-qwen-image", seed=0)
-
 
 @pytest.fixture(scope="module")
 def cached(tiny_qwen_image, tmp_path_factory):

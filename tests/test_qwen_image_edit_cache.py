@@ -45,12 +45,6 @@ def write_pairs(folder: Path) -> list[str]:
     return instructions
 
 
-@pytest.fixture(scope="module")
-def tiny_qwen_image_edit(tmp_path_factory):
-    from latentmill.tiny_qwen_image import build_tiny_qwen_image_edit
-
-    return build_tiny_qwen_image_edit(tmp_path_factory.mktemp("models") / "tiny-qwen-image-edit", seed=0)
-
 
 @pytest.fixture(scope="module")
 def cached(tiny_qwen_image_edit, tmp_path_factory):

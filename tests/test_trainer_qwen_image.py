@@ -174,12 +174,6 @@ def test_lora_targets_are_every_block_linear():
     assert not any(n.startswith(("img_in", "txt_in", "proj_out", "norm_out")) for n in wrapped)
 
 
-@pytest.fixture(scope="module")
-def tiny_qwen_image(tmp_path_factory):
-    from latentmill.tiny_qwen_image import build_tiny_qwen_image
-
-    return build_tiny_qwen_image(tmp_path_factory.mktemp("models") / "tiny-qwen-image", seed=0)
-
 
 @pytest.fixture(scope="module")
 def fake_cache(tmp_path_factory):

@@ -69,12 +69,6 @@ def test_a_reference_of_another_shape_is_refused():
         QwenImageEditAdapter().check_batch(model, batch)
 
 
-@pytest.fixture(scope="module")
-def tiny_qwen_image_edit(tmp_path_factory):
-    from latentmill.tiny_qwen_image import build_tiny_qwen_image_edit
-
-    return build_tiny_qwen_image_edit(tmp_path_factory.mktemp("models") / "tiny-qwen-image-edit", seed=0)
-
 
 @pytest.fixture(scope="module")
 def fake_cache(tmp_path_factory):
