@@ -1,4 +1,4 @@
-"""Shared fixtures: the tiny Flux pipeline (built once per session) and an isolated Prefect home."""
+"""Shared fixtures: the tiny model sets (each built once per test process) and an isolated Prefect home."""
 
 from __future__ import annotations
 
@@ -166,30 +166,12 @@ def _prefect_home_and_api(request):
     shutil.rmtree(_PREFECT_HOME, ignore_errors=True)
 
 
-def built_once(tmp_path_factory, name: str, build) -> Path:
-    """The model folder ``build(target)`` makes, built once per test session: the pytest-xdist workers share
-    the session's base folder, the first to get the lock builds (the builders write a hidden folder and rename
-    it into place) and the others reuse its folder. Tests treat these folders as read-only."""
-    from filelock import FileLock
-
-    root = tmp_path_factory.getbasetemp()
-    if os.environ.get("PYTEST_XDIST_WORKER"):
-        root = root.parent  # <base>/popen-gw0 -> <base>, one per session
-    models = root / "shared-models"
-    models.mkdir(exist_ok=True)
-    target = models / name
-    with FileLock(str(models / f"{name}.lock")):
-        if not target.is_dir():
-            build(target)
-    return target
-
-
 @pytest.fixture(scope="session")
 def tiny_flux(tmp_path_factory) -> Path:
     """A complete tiny FluxPipeline folder built from data/tiny-flux.yaml with seed 0."""
     from latentmill.tiny import build_tiny_flux
 
-    return built_once(tmp_path_factory, "tiny-flux", lambda target: build_tiny_flux(target, seed=0))
+    return build_tiny_flux(tmp_path_factory.mktemp("models") / "tiny-flux", seed=0)
 
 
 @pytest.fixture(scope="session")
@@ -197,8 +179,7 @@ def tiny_flux2_klein(tmp_path_factory) -> Path:
     """A complete tiny Flux2KleinPipeline folder built from data/tiny-flux2-klein.yaml with seed 0."""
     from latentmill.tiny_flux2 import KLEIN_RECIPE_PATH, build_tiny_flux2
 
-    return built_once(tmp_path_factory, "tiny-flux2-klein",
-                      lambda target: build_tiny_flux2(target, KLEIN_RECIPE_PATH, seed=0))
+    return build_tiny_flux2(tmp_path_factory.mktemp("models") / "tiny-flux2-klein", KLEIN_RECIPE_PATH, seed=0)
 
 
 @pytest.fixture(scope="session")
@@ -206,7 +187,7 @@ def tiny_flux2_dev(tmp_path_factory) -> Path:
     """A complete tiny Flux2Pipeline (FLUX.2 [dev]) folder built from data/tiny-flux2.yaml with seed 0."""
     from latentmill.tiny_flux2 import DEV_RECIPE_PATH, build_tiny_flux2
 
-    return built_once(tmp_path_factory, "tiny-flux2", lambda target: build_tiny_flux2(target, DEV_RECIPE_PATH, seed=0))
+    return build_tiny_flux2(tmp_path_factory.mktemp("models") / "tiny-flux2", DEV_RECIPE_PATH, seed=0)
 
 
 @pytest.fixture()
@@ -223,7 +204,7 @@ def tiny_blip(tmp_path_factory) -> Path:
     """A tiny random-weight BLIP captioner folder built from data/tiny-blip.yaml with seed 0."""
     from latentmill.tiny_captioner import build_tiny_captioner
 
-    return built_once(tmp_path_factory, "tiny-blip", lambda target: build_tiny_captioner(target, seed=0))
+    return build_tiny_captioner(tmp_path_factory.mktemp("models") / "tiny-blip", seed=0)
 
 
 @pytest.fixture(scope="session")
@@ -231,7 +212,7 @@ def tiny_wan(tmp_path_factory) -> Path:
     """A complete tiny WanPipeline folder built from data/tiny-wan.yaml with seed 0."""
     from latentmill.tiny_wan import build_tiny_wan
 
-    return built_once(tmp_path_factory, "tiny-wan", lambda target: build_tiny_wan(target, seed=0))
+    return build_tiny_wan(tmp_path_factory.mktemp("models") / "tiny-wan", seed=0)
 
 
 @pytest.fixture(scope="session")
@@ -239,8 +220,8 @@ def tiny_wan22(tmp_path_factory) -> Path:
     """A complete tiny two-expert (Wan 2.2 A14B layout) WanPipeline folder from data/tiny-wan2.2.yaml, seed 0."""
     from latentmill.tiny_wan import build_tiny_wan
 
-    return built_once(tmp_path_factory, "tiny-wan22",
-                      lambda target: build_tiny_wan(target, REPO_ROOT / "data" / "tiny-wan2.2.yaml", seed=0))
+    return build_tiny_wan(tmp_path_factory.mktemp("models") / "tiny-wan22", REPO_ROOT / "data" / "tiny-wan2.2.yaml",
+                          seed=0)
 
 
 @pytest.fixture(scope="session")
@@ -248,8 +229,7 @@ def tiny_wan_ti2v(tmp_path_factory) -> Path:
     """A complete tiny Wan 2.2 TI2V WanPipeline folder built from data/tiny-wan2.2-ti2v.yaml with seed 0."""
     from latentmill.tiny_wan import TI2V_RECIPE_PATH, build_tiny_wan
 
-    return built_once(tmp_path_factory, "tiny-wan2.2-ti2v",
-                      lambda target: build_tiny_wan(target, TI2V_RECIPE_PATH, seed=0))
+    return build_tiny_wan(tmp_path_factory.mktemp("models") / "tiny-wan2.2-ti2v", TI2V_RECIPE_PATH, seed=0)
 
 
 @pytest.fixture(scope="session")
@@ -257,8 +237,7 @@ def tiny_wan_i2v(tmp_path_factory) -> Path:
     """A complete tiny Wan 2.1 WanImageToVideoPipeline folder built from data/tiny-wan2.1-i2v.yaml with seed 0."""
     from latentmill.tiny_wan import I2V_RECIPE_PATH, build_tiny_wan
 
-    return built_once(tmp_path_factory, "tiny-wan2.1-i2v",
-                      lambda target: build_tiny_wan(target, I2V_RECIPE_PATH, seed=0))
+    return build_tiny_wan(tmp_path_factory.mktemp("models") / "tiny-wan2.1-i2v", I2V_RECIPE_PATH, seed=0)
 
 
 @pytest.fixture(scope="session")
@@ -266,7 +245,7 @@ def tiny_zimage(tmp_path_factory) -> Path:
     """A complete tiny ZImagePipeline folder built from data/tiny-z-image.yaml with seed 0."""
     from latentmill.tiny_zimage import build_tiny_zimage
 
-    return built_once(tmp_path_factory, "tiny-z-image", lambda target: build_tiny_zimage(target, seed=0))
+    return build_tiny_zimage(tmp_path_factory.mktemp("models") / "tiny-z-image", seed=0)
 
 
 @pytest.fixture(scope="session")
@@ -274,7 +253,7 @@ def tiny_qwen_image(tmp_path_factory) -> Path:
     """A complete tiny QwenImagePipeline folder built from data/tiny-qwen-image.yaml with seed 0."""
     from latentmill.tiny_qwen_image import build_tiny_qwen_image
 
-    return built_once(tmp_path_factory, "tiny-qwen-image", lambda target: build_tiny_qwen_image(target, seed=0))
+    return build_tiny_qwen_image(tmp_path_factory.mktemp("models") / "tiny-qwen-image", seed=0)
 
 
 @pytest.fixture(scope="session")
@@ -282,5 +261,4 @@ def tiny_qwen_image_edit(tmp_path_factory) -> Path:
     """A complete tiny QwenImageEditPipeline folder built from data/tiny-qwen-image-edit.yaml with seed 0."""
     from latentmill.tiny_qwen_image import build_tiny_qwen_image_edit
 
-    return built_once(tmp_path_factory, "tiny-qwen-image-edit",
-                      lambda target: build_tiny_qwen_image_edit(target, seed=0))
+    return build_tiny_qwen_image_edit(tmp_path_factory.mktemp("models") / "tiny-qwen-image-edit", seed=0)

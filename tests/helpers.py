@@ -23,3 +23,21 @@ def qwen2vl_processor(pipeline_folder):
         setattr(processor, f"{kind}_token", token)
         setattr(processor, f"{kind}_token_id", processor.tokenizer.convert_tokens_to_ids(token))
     return processor
+
+
+def assert_recipe_refused(tmp_path, load_recipe, recipe, change, match: str) -> None:
+    """``load_recipe`` refuses the recipe YAML ``recipe`` after ``change(data)`` (written to ``tmp_path/bad.yaml``)
+    with a ConfigError whose message matches ``match``."""
+    from pathlib import Path
+
+    import pytest
+    import yaml
+
+    from latentmill.core.config import ConfigError
+
+    data = yaml.safe_load(Path(recipe).read_text(encoding="utf-8"))
+    change(data)
+    bad = Path(tmp_path) / "bad.yaml"
+    bad.write_text(yaml.safe_dump(data))
+    with pytest.raises(ConfigError, match=match):
+        load_recipe(bad)

@@ -88,21 +88,15 @@ def test_tiny_blip_is_reproducible_and_loads_like_a_hub_model(tiny_blip, tmp_pat
 
 
 def test_tiny_captioner_recipe_errors_name_the_key(tmp_path):
-    import yaml
-
-    from latentmill.core.config import ConfigError
     from latentmill.tiny_captioner import DEFAULT_RECIPE_PATH, load_recipe
+    from tests.helpers import assert_recipe_refused
 
-    data = yaml.safe_load(DEFAULT_RECIPE_PATH.read_text())
-    data["model"]["text_config"]["encoder_hidden_size"] = 48
-    bad = tmp_path / "bad.yaml"
-    bad.write_text(yaml.safe_dump(data))
-    with pytest.raises(ConfigError, match=r"model.text_config.encoder_hidden_size: 48 != model.vision_config"):
-        load_recipe(bad)
-    data["model"]["text_config"]["vocab_size"] = 10
-    bad.write_text(yaml.safe_dump(data))
-    with pytest.raises(ConfigError, match="model.text_config.vocab_size: set from the tokenizer"):
-        load_recipe(bad)
+    assert_recipe_refused(tmp_path, load_recipe, DEFAULT_RECIPE_PATH,
+                          lambda data: data["model"]["text_config"].update(encoder_hidden_size=48),
+                          r"model.text_config.encoder_hidden_size: 48 != model.vision_config")
+    assert_recipe_refused(tmp_path, load_recipe, DEFAULT_RECIPE_PATH,
+                          lambda data: data["model"]["text_config"].update(vocab_size=10),
+                          "model.text_config.vocab_size: set from the tokenizer")
 
 
 # --------------------------------------------------------------------------------------------------------

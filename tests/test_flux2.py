@@ -427,10 +427,9 @@ def test_fsdp2_resumes_exactly_and_ddp_lora_trains_on_klein(tiny_flux2_klein, kl
     from its step-2 checkpoint, and DDP LoRA (single-block targets included), on the real klein cache."""
     from latentmill.trainer.checkpoint import list_checkpoints
 
-    from tests.test_trainer_fsdp import WORKER, _torchrun
+    from tests.trainer_helpers import launch_jobs
 
     sd, _, _ = klein_cache
-    (tmp_path / "worker.py").write_text(WORKER)
     base = {"max_steps": 4, "batch_size": 2, "learning_rate": 1e-3, "save_every": 2, "keep_latest_k": 0,
             "export": False, "shift_mode": "resolution"}
 
@@ -443,7 +442,7 @@ def test_fsdp2_resumes_exactly_and_ddp_lora_trains_on_klein(tiny_flux2_klein, kl
             job("b", {"strategy": "fsdp2"}, mode="full", resume=str(step2)),
             job("c", {"strategy": "ddp"}, mode="lora", lora_rank=4, learning_rate=1e-2,
                 lora_target_modules=list(LORA_TARGETS), export=True)]
-    summaries = dict(zip("abc", _torchrun(tmp_path, jobs)))
+    summaries = dict(zip("abc", launch_jobs(tmp_path, jobs)))
     rank0, rank1 = summaries["a"]
     assert rank0["family"] == "flux2-klein" and rank0["steps"] == rank1["steps"] == 4
     assert rank0["final_loss"] == rank1["final_loss"]

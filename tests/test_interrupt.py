@@ -23,7 +23,7 @@ from latentmill.pipelines.prep import stoppable
 from latentmill.pipelines.snapshot import publish
 from latentmill.stages.shardio import StageDir, WorkUnit
 
-from latentmill import interrupt
+from latentmill import api, interrupt
 from latentmill.recipe import load_recipe
 from tests.conftest import DEMO_CONFIG, DEMO_IMAGES, prefect_home
 from tests.helpers import prep_in_process
@@ -151,7 +151,8 @@ def _clean_stop(log: Path) -> None:
     ids=["threads-ctrl-c", "processes-sigint-to-the-cli"])
 def test_prep_ctrl_c_stops_in_seconds_and_the_same_command_resumes(runner, group, tiny_flux, tmp_path):
     """Ctrl-C in a terminal signals the process group; ``kill -INT`` the CLI alone, whose flow then passes the
-    stop on to its process-pool workers (an Interrupted raised across the pool once hung the exit)."""
+    stop on to its process-pool workers (an Interrupted raised across the pool once hung the exit). The same
+    recipe runs again in this process (``latentmill.api.prep``, the flow the command runs)."""
     # larger buckets and small batches: a cache unit takes seconds, so one is in flight when Ctrl-C comes
     args = ["prep", str(DEMO_CONFIG), f"output_dir={tmp_path / 'out'}", f"model.pretrained={tiny_flux}",
             f"ingest.source={DEMO_IMAGES}", "bucket.resolution=512", "cache.batch_size=2", f"runner.kind={runner}"]
@@ -169,9 +170,7 @@ def test_prep_ctrl_c_stops_in_seconds_and_the_same_command_resumes(runner, group
     named = {s["name"] for b in committed.values() for s in json.loads(b)["shards"]}
     assert {p.name for p in shards.glob("*.tar")} == named
 
-    proc, log = _start(tmp_path, "again", [*args, f"--summary-json={tmp_path / 'summary.json'}"])
-    assert proc.wait(timeout=900) == 0, log.read_text()[-3000:]
-    cache = json.loads((tmp_path / "summary.json").read_text())["stages"]["cache"]
+    cache = api.prep(load_recipe(DEMO_CONFIG, args[2:]))["stages"]["cache"]
     assert cache["reused"] == samples and cache["processed"] == cache["in"] - samples and samples < cache["in"]
     assert all((units / name).read_bytes() == data for name, data in committed.items())
     from latentmill.inspect import verify_path
@@ -209,6 +208,11 @@ def _train_args(out: Path, tiny_flux: Path, *more: str) -> list[str]:
             "trainer.log_every=1", "trainer.save_every=100000", "trainer.export=false", *more]
 
 
+def _train_here(args: list[str]) -> None:
+    """``latentmill train ...`` (``args`` as for the command) in this process: ``latentmill.api.train``."""
+    api.train(load_recipe(args[1], args[2:]))
+
+
 @pytest.mark.slow
 def test_train_ctrl_c_stops_after_the_step_in_flight(prepared, tiny_flux, tmp_path):
     out = tmp_path / "out"
@@ -228,19 +232,19 @@ def test_train_ctrl_c_stops_after_the_step_in_flight(prepared, tiny_flux, tmp_pa
 
 @pytest.mark.slow
 def test_train_sigterm_saves_the_step_and_the_requeued_job_resumes_exactly(prepared, tiny_flux, tmp_path):
-    steps = 30
+    """The command is stopped; the uninterrupted run and the requeued one run in this process (the same flow)."""
+    steps = 20
     whole, out = tmp_path / "whole", tmp_path / "out"
     shutil.copytree(prepared, whole, symlinks=True)
     shutil.copytree(prepared, out, symlinks=True)
-    proc, log = _start(tmp_path, "whole", _train_args(whole, tiny_flux, f"trainer.max_steps={steps}"))
-    assert proc.wait(timeout=900) == 0, log.read_text()[-3000:]
+    _train_here(_train_args(whole, tiny_flux, f"trainer.max_steps={steps}"))
     expected = _metrics(whole)
     assert sorted(expected) == list(range(1, steps + 1))
 
     # trainer.resume=latest, as a requeued job runs; the first attempt finds no checkpoint and starts at 0
     args = _train_args(out, tiny_flux, f"trainer.max_steps={steps}", "trainer.resume=latest")
     proc, log = _start(tmp_path, "first", args)
-    _wait_for(proc, log, lambda: len(_metrics(out)) >= 5)
+    _wait_for(proc, log, lambda: len(_metrics(out)) >= 4)
     seconds = _stop(proc, signal.SIGTERM, group=False)  # Kubernetes signals the container's first process
     assert proc.returncode == 143, log.read_text()[-3000:]
     assert seconds < EXIT_BOUND_S
@@ -252,8 +256,7 @@ def test_train_sigterm_saves_the_step_and_the_requeued_job_resumes_exactly(prepa
     _clean_stop(log)
     assert _checkpoint_steps(out / "train") == [step]
 
-    proc, log = _start(tmp_path, "again", args)
-    assert proc.wait(timeout=900) == 0, log.read_text()[-3000:]
+    _train_here(args)
     assert _metrics(out) == expected  # bitwise: the same floats, step by step, across the stop
 
 

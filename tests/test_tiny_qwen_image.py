@@ -9,10 +9,8 @@ from pathlib import Path
 
 import pytest
 import torch
-import yaml
 from latentmill.stages.family_qwen_image import PROMPT_TEMPLATE, TEMPLATE_START_IDX
 
-from latentmill.core.config import ConfigError
 from latentmill.tiny_qwen_image import (
     DEFAULT_RECIPE_PATH,
     build_tiny_qwen_image,
@@ -20,6 +18,7 @@ from latentmill.tiny_qwen_image import (
     load_recipe,
     measure_latent_stats,
 )
+from tests.helpers import assert_recipe_refused
 
 pytestmark = pytest.mark.slow  # builds tiny Qwen-Image pipelines
 
@@ -78,10 +77,7 @@ def test_ensure_builds_once(tmp_path):
 
 
 def test_recipe_is_checked_before_building(tmp_path):
-    data = yaml.safe_load(DEFAULT_RECIPE_PATH.read_text())
-    data["components"]["transformer"]["joint_attention_dim"] = 48
-    bad = tmp_path / "bad.yaml"
-    bad.write_text(yaml.safe_dump(data))
-    with pytest.raises(ConfigError, match="joint_attention_dim: 48 != components.text_encoder.text_config.hidden_size"):
-        load_recipe(bad)
+    assert_recipe_refused(tmp_path, load_recipe, DEFAULT_RECIPE_PATH,
+                          lambda data: data["components"]["transformer"].update(joint_attention_dim=48),
+                          "joint_attention_dim: 48 != components.text_encoder.text_config.hidden_size")
     assert not list(tmp_path.glob("*/model_index.json"))

@@ -2,38 +2,16 @@
 resume, a gathered export that loads and generates, and uneven shards that keep the ranks in step."""
 
 import json
-import os
 import statistics
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 from latentmill.trainer.checkpoint import list_checkpoints
 
-from tests.trainer_helpers import read_metrics, write_fake_cache
+from tests.trainer_helpers import launch_jobs, read_metrics, write_fake_cache
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.slow  # each torchrun launch starts two interpreters (~10 s on 2 cores)
-
-# One launch runs several trainings in turn (interpreter start-up and imports dominate a launch on CPU).
-WORKER = """
-import json, os, sys
-from pathlib import Path
-import torch
-import torch.distributed as dist
-from latentmill.trainer import ParallelConfig, TrainerConfig, train
-
-torch.set_num_threads(1)
-dist.init_process_group("gloo")  # one group for all jobs (train() uses it and leaves it open)
-for job in json.loads(sys.argv[1]):
-    summary = train(TrainerConfig(**job["cfg"]), cache_dir=job["cache"], pretrained=job["pretrained"],
-                    train_dir=job["train_dir"], seed=0, progress=False, parallel=ParallelConfig(**job["parallel"]))
-    Path(job["train_dir"], f"summary-{os.environ['RANK']}.json").write_text(json.dumps(summary))
-dist.barrier()  # every rank done with its collectives before any tears gloo down
-dist.destroy_process_group()
-"""
 
 
 @pytest.fixture(scope="module")
@@ -42,7 +20,6 @@ def setup(tmp_path_factory):
     # uneven on purpose: shards of 3+2 and 2+1 samples; batches of 2 -> 3 + 2 = 5 global batches per epoch,
     # which 2 ranks cannot split evenly
     write_fake_cache(root / "cache", {(48, 64, 1): 5, (64, 32, 1): 3}, smooth=True, shards_per_bucket=2)
-    (root / "worker.py").write_text(WORKER)
     return root
 
 
@@ -51,18 +28,6 @@ def _job(root: Path, pretrained: Path, train_dir: Path, parallel: dict, **cfg) -
            "export": False, "lora_rank": 4, **cfg}  # fmt: skip
     return {"cfg": cfg, "cache": str(root / "cache"), "pretrained": str(pretrained),
             "train_dir": str(train_dir), "parallel": parallel}  # fmt: skip
-
-
-def _torchrun(root: Path, jobs: list[dict]) -> list[list[dict]]:
-    """Run ``jobs`` one after the other in one 2-process torchrun launch; per job, the two ranks' summaries."""
-    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-           str(root / "worker.py"), json.dumps(jobs)]  # fmt: skip
-    done = subprocess.run(cmd, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
-    return [
-        [json.loads(Path(job["train_dir"], f"summary-{r}.json").read_text()) for r in (0, 1)] for job in jobs
-    ]
 
 
 @pytest.fixture(scope="module")
@@ -90,7 +55,7 @@ def runs(setup, tiny_flux, tmp_path_factory):
             validation_size=[32, 32],
         ),
     ]
-    return out, dict(zip("abc", _torchrun(setup, jobs)))
+    return out, dict(zip("abc", launch_jobs(out, jobs)))
 
 
 def test_fsdp2_trains_resumes_exactly_and_exports(runs, tiny_flux):

@@ -3,49 +3,22 @@ with a sharded checkpoint and an exact resume and a gathered export for QwenImag
 community target modules, an exact resume, and a LoRA export that load_lora_weights takes. The cache's text is
 trimmed (a mask stream): each rank's batches hold captions of different lengths, padded and masked."""
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 from latentmill.trainer.checkpoint import list_checkpoints
 from latentmill.trainer.qwen_image import QWEN_IMAGE_LORA_TARGETS
 
-from tests.trainer_helpers import read_metrics, write_fake_cache
+from tests.trainer_helpers import launch_jobs, read_metrics, write_fake_cache
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.slow  # a torchrun launch starts two interpreters
-
-WORKER = """
-import json, os, sys
-from pathlib import Path
-import torch
-import torch.distributed as dist
-from latentmill.trainer import ParallelConfig, TrainerConfig, train
-
-torch.set_num_threads(1)
-dist.init_process_group("gloo")
-for job in json.loads(sys.argv[1]):
-    summary = train(TrainerConfig(**job["cfg"]), cache_dir=job["cache"], pretrained=job["pretrained"],
-                    train_dir=job["train_dir"], seed=0, progress=False, parallel=ParallelConfig(**job["parallel"]))
-    Path(job["train_dir"], f"summary-{os.environ['RANK']}.json").write_text(json.dumps(summary))
-dist.barrier()
-dist.destroy_process_group()
-"""
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    from latentmill.tiny_qwen_image import build_tiny_qwen_image
-
+def runs(tiny_qwen_image, tmp_path_factory):
     root = tmp_path_factory.mktemp("qwen-parallel")
-    pretrained = build_tiny_qwen_image(root / "tiny-qwen-image")
+    pretrained = tiny_qwen_image
     write_fake_cache(root / "cache", {(48, 64, 1): 5, (64, 32, 1): 3}, family="qwen-image", smooth=True,
                      trimmed=True, seq_len=8, shards_per_bucket=2)
-    (root / "worker.py").write_text(WORKER)
     out = root / "runs"
 
     def job(name, parallel, **cfg):
@@ -62,13 +35,7 @@ def runs(tmp_path_factory):
         job("c", ddp, **lora, export=True),
         job("d", ddp, **lora, resume=str(out / "c/checkpoints/step-000004")),
     ]
-    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-           str(root / "worker.py"), json.dumps(jobs)]
-    done = subprocess.run(cmd, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=600)
-    errors = [line for line in done.stderr.splitlines() if "rror" in line or "issing" in line]
-    assert done.returncode == 0, "\n".join(errors)[-3000:]
-    summaries = {name: [json.loads((out / name / f"summary-{r}.json").read_text()) for r in (0, 1)] for name in "abcd"}
+    summaries = dict(zip("abcd", launch_jobs(root, jobs)))
     return pretrained, out, summaries
 
 

@@ -5,60 +5,38 @@ checkpoint, and export into their slots of WanPipeline."""
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 from latentmill.trainer.checkpoint import list_checkpoints
 
-from tests.test_trainer_fsdp import WORKER
-from tests.trainer_helpers import read_metrics, write_fake_cache
+from tests.trainer_helpers import read_metrics, run_and_resume, write_fake_cache
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.slow
 GENERATE = dict(prompt="a red ball", height=32, width=48, num_frames=9, num_inference_steps=2, output_type="np",
                 max_sequence_length=16)
 
 
 def _launch(root: Path, pretrained: Path, name: str, **cfg) -> dict:
-    """One 2-rank FSDP2 launch: a run of 8 steps (checkpoints at 4 and 8, export) and its resume from step 4."""
+    """One 2-rank FSDP2 launch: a run of 8 steps (checkpoints at 4 and 8, export) in ``root/name/run`` and its
+    resume from step 4 (tests.trainer_helpers.run_and_resume); rank 0's summary."""
     if not (root / "cache").exists():  # uneven: shards of 3 + 2 and 2 + 1 samples in batches of 2
         write_fake_cache(root / "cache", {(48, 32, 9): 5, (32, 32, 5): 3}, family="wan", smooth=True,
                          shards_per_bucket=2, trimmed=True, seq_len=16)
-        (root / "worker.py").write_text(WORKER)
-    base = {"max_steps": 8, "batch_size": 2, "learning_rate": 3e-3, "save_every": 4, "keep_latest_k": 0,
-            "shift": 3.0, **cfg}
-    jobs = [{"cfg": {**base, **extra}, "cache": str(root / "cache"), "pretrained": str(pretrained),
-             "train_dir": str(root / f"{name}{suffix}"), "parallel": {"strategy": "fsdp2"}}
-            for suffix, extra in (("", {}), ("-resumed", {"export": False,
-                                                          "resume": str(root / name / "checkpoints" / "step-000004")}))]
-    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-           str(root / "worker.py"), json.dumps(jobs)]
-    done = subprocess.run(cmd, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
-    run, resumed = (root / name, root / f"{name}-resumed")
-    summaries = [json.loads((run / f"summary-{r}.json").read_text()) for r in (0, 1)]
-    assert summaries[0]["world_size"] == 2 and summaries[0]["final_loss"] == summaries[1]["final_loss"]
-    losses = [r["loss"] for r in read_metrics(run)]
-    assert len(losses) == 8 and all(0 < x < 1e3 for x in losses)
-    assert [s for s, _ in list_checkpoints(run / "checkpoints")] == [4, 8]
-    assert len(list((list_checkpoints(run / "checkpoints")[0][1] / "dcp").glob("*.distcp"))) == 2  # sharded
-    assert [r["loss"] for r in read_metrics(resumed)] == losses[4:]  # steps 5-8 bit for bit
-    return summaries[0]
+    rank0, _ = run_and_resume(root / name, root / "cache", pretrained, {"strategy": "fsdp2"}, 8, shift=3.0, **cfg)
+    step4 = list_checkpoints(root / name / "run" / "checkpoints")[0][1]
+    assert len(list((step4 / "dcp").glob("*.distcp"))) == 2  # sharded
+    return rank0
 
 
 def test_fsdp2_both_experts_full_resume_exactly_and_export_both(tiny_wan22, tmp_path):
     from diffusers import DiffusionPipeline, WanPipeline
 
     rank0 = _launch(tmp_path, tiny_wan22, "both", mode="full", expert="both", batch_size=1, grad_accum_steps=2)
-    routed = [r["expert_micro_batches"] for r in read_metrics(tmp_path / "both")]
+    routed = [r["expert_micro_batches"] for r in read_metrics(tmp_path / "both" / "run")]
     assert {name for r in routed for name in r} == {"high", "low"} and all(sum(r.values()) == 2 for r in routed)
-    step4 = list_checkpoints(tmp_path / "both" / "checkpoints")[0][1]
+    step4 = list_checkpoints(tmp_path / "both" / "run" / "checkpoints")[0][1]
     assert len(list((step4 / "transformer_2" / "dcp").glob("*.distcp"))) == 2  # the second expert, sharded apart
     pipe = DiffusionPipeline.from_pretrained(rank0["export_dir"])
     base = WanPipeline.from_pretrained(tiny_wan22)

@@ -4,22 +4,15 @@ ZImagePipeline loads."""
 
 from __future__ import annotations
 
-import json
-import os
 import statistics
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 from latentmill.trainer.checkpoint import list_checkpoints
 
-from tests.test_trainer_fsdp import WORKER
 from tests.test_trainer_zimage import LORA_REGEX, LORA_TARGETS, fake_cache
-from tests.trainer_helpers import read_metrics
+from tests.trainer_helpers import launch_jobs, read_metrics
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
 # heavy: the DDP and FSDP2 paths make test runs for FLUX.1, Wan, FLUX.2 klein and Qwen-Image (make test-all)
 pytestmark = [pytest.mark.slow, pytest.mark.heavy]
 
@@ -30,7 +23,6 @@ def runs(tiny_zimage, tmp_path_factory):
     checkpointing (c) and its resume from step 4 (d). Uneven shards: 5 + 3 samples in batches of 2."""
     root = tmp_path_factory.mktemp("zimage-parallel")
     fake_cache(root / "cache", {(48, 64, 1): 5, (64, 32, 1): 3}, smooth=True, shards_per_bucket=2, seq_len=12)
-    (root / "worker.py").write_text(WORKER)
     ddp, fsdp = {"strategy": "ddp"}, {"strategy": "fsdp2"}
 
     def job(name, parallel, **cfg):
@@ -47,13 +39,7 @@ def runs(tiny_zimage, tmp_path_factory):
         job("d", fsdp, mode="full", activation_checkpointing=True,
             resume=str(root / "c" / "checkpoints" / "step-000004")),
     ]
-    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-           str(root / "worker.py"), json.dumps(jobs)]
-    done = subprocess.run(cmd, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
-    summaries = {name: [json.loads((root / name / f"summary-{r}.json").read_text()) for r in (0, 1)]
-                 for name in "abcd"}
+    summaries = dict(zip("abcd", launch_jobs(root, jobs)))
     return root, summaries
 
 

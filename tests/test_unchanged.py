@@ -37,15 +37,21 @@ def _prep(recipe: Path, work: Path, tag: str) -> tuple[dict, dict]:
 
 @pytest.mark.slow
 def test_an_unchanged_prep_returns_without_prefect_and_a_change_runs_again(tmp_path, tiny_flux, demo_images):
+    """The first prep and the preps after a change run in this process (``latentmill.api.prep``, the flow the
+    command runs); the unchanged one is the command itself, in a fresh process."""
     import yaml
 
-    recipe = tmp_path / "recipe.yaml"
-    recipe.write_text(yaml.safe_dump({"output_dir": str(tmp_path / "out"), "model": {"pretrained": str(tiny_flux)},
-                                      "ingest": {"source": str(demo_images)}}))
-    first, _ = _prep(recipe, tmp_path, "first")
+    from latentmill.api import prep
+    from latentmill.recipe import load_recipe
+
+    path = tmp_path / "recipe.yaml"
+    path.write_text(yaml.safe_dump({"output_dir": str(tmp_path / "out"), "model": {"pretrained": str(tiny_flux)},
+                                    "ingest": {"source": str(demo_images)}}))
+    recipe = load_recipe(path)
+    first = prep(recipe)
     assert first["stages"]["cache"]["processed"] == 24 and "unchanged_since" not in first
 
-    again, facts = _prep(recipe, tmp_path, "again")
+    again, facts = _prep(path, tmp_path, "again")
     assert facts["rc"] == 0 and not facts["prefect"] and not facts["torch"]
     assert again["unchanged_since"] and "nothing changed since the prep" in facts["stdout"]
     assert again["snapshot"] == {**first["snapshot"], "new": False}
@@ -60,14 +66,13 @@ def test_an_unchanged_prep_returns_without_prefect_and_a_change_runs_again(tmp_p
     snapshot = Path(first["snapshot"]["path"])
     shard = snapshot / json.loads((snapshot / "manifest.json").read_text())["shards"][0]["path"]
     shard.rename(shard.with_name("gone"))  # a shard deleted by hand: the prep runs and writes it again
-    rewritten, facts = _prep(recipe, tmp_path, "rewritten")
-    assert facts["prefect"] and "unchanged_since" not in rewritten and shard.is_file()
-    assert rewritten["stages"]["cache"]["processed"] > 0
+    assert unchanged.unchanged_summary(recipe) is None  # what the command checks before it starts Prefect
+    rewritten = prep(recipe)
+    assert shard.is_file() and rewritten["stages"]["cache"]["processed"] > 0
 
     (demo_images / "img_000.png").rename(demo_images / "img_000_moved.png")  # a changed input
-    moved, facts = _prep(recipe, tmp_path, "moved")
-    assert facts["prefect"] and "unchanged_since" not in moved
-    assert moved["stages"]["ingest"]["processed"] > 0
+    assert unchanged.unchanged_summary(recipe) is None
+    assert prep(recipe)["stages"]["ingest"]["processed"] > 0
 
 
 def test_the_key_sees_the_recipe_the_model_files_and_the_code_but_not_the_runner(tmp_path):

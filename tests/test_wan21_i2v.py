@@ -14,6 +14,7 @@ from latentmill.trainer.wan21_i2v import WanI2VAdapter, first_frame_channels, wa
 from latentmill.core.config import ConfigError
 from latentmill.models import ModelConfig
 from latentmill.tiny_wan import I2V_RECIPE_PATH, load_recipe
+from tests.helpers import assert_recipe_refused
 from tests.trainer_helpers import torch_threads
 
 
@@ -57,21 +58,14 @@ def test_family_is_registered_with_its_streams():
 
 
 def test_recipe_rules_name_the_key(tmp_path):
-    import yaml
-
-    data = load_recipe(I2V_RECIPE_PATH)
-    assert data["components"]["transformer"]["in_channels"] == 36
-    data["components"]["transformer"]["in_channels"] = 16
-    bad = tmp_path / "bad.yaml"
-    bad.write_text(yaml.safe_dump(data))
-    with pytest.raises(ConfigError, match=r"components.transformer.in_channels/out_channels: 16/16 != 36/16 "
-                                          r"\(vae.z_dim 16, in: 2 x z_dim \+ 4 with an image_encoder\)"):
-        load_recipe(bad)
-    data = load_recipe(I2V_RECIPE_PATH)
-    data["components"]["transformer"]["image_dim"] = 64
-    bad.write_text(yaml.safe_dump(data))
-    with pytest.raises(ConfigError, match=r"components.transformer.image_dim: 64 != components.image_encoder"):
-        load_recipe(bad)
+    assert load_recipe(I2V_RECIPE_PATH)["components"]["transformer"]["in_channels"] == 36
+    assert_recipe_refused(tmp_path, load_recipe, I2V_RECIPE_PATH,
+                          lambda data: data["components"]["transformer"].update(in_channels=16),
+                          r"components.transformer.in_channels/out_channels: 16/16 != 36/16 "
+                          r"\(vae.z_dim 16, in: 2 x z_dim \+ 4 with an image_encoder\)")
+    assert_recipe_refused(tmp_path, load_recipe, I2V_RECIPE_PATH,
+                          lambda data: data["components"]["transformer"].update(image_dim=64),
+                          r"components.transformer.image_dim: 64 != components.image_encoder")
 
 
 @pytest.mark.slow

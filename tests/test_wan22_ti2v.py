@@ -14,6 +14,7 @@ from latentmill.trainer.wan22_ti2v import WanTI2VAdapter, ti2v_timesteps
 from latentmill.core.config import ConfigError
 from latentmill.models import ModelConfig
 from latentmill.tiny_wan import TI2V_RECIPE_PATH, load_recipe
+from tests.helpers import assert_recipe_refused
 from tests.trainer_helpers import torch_threads
 
 
@@ -57,20 +58,12 @@ def test_family_is_registered_with_its_streams():
 
 
 def test_recipe_rules_name_the_key(tmp_path):
-    import yaml
-
-    data = load_recipe(TI2V_RECIPE_PATH)
-    assert data["pipeline"] == {"expand_timesteps": True}
-    data["components"]["vae"]["scale_factor_spatial"] = 8
-    bad = tmp_path / "bad.yaml"
-    bad.write_text(yaml.safe_dump(data))
-    with pytest.raises(ConfigError, match=r"components.vae.scale_factor_spatial: 8 != 2 \*\* 3 x 2"):
-        load_recipe(bad)
-    data = load_recipe(TI2V_RECIPE_PATH)
-    data["pipeline"] = {"boundary": 1}
-    bad.write_text(yaml.safe_dump(data))
-    with pytest.raises(ConfigError, match="pipeline: expected a mapping of expand_timesteps"):
-        load_recipe(bad)
+    assert load_recipe(TI2V_RECIPE_PATH)["pipeline"] == {"expand_timesteps": True}
+    assert_recipe_refused(tmp_path, load_recipe, TI2V_RECIPE_PATH,
+                          lambda data: data["components"]["vae"].update(scale_factor_spatial=8),
+                          r"components.vae.scale_factor_spatial: 8 != 2 \*\* 3 x 2")
+    assert_recipe_refused(tmp_path, load_recipe, TI2V_RECIPE_PATH, lambda data: data.update(pipeline={"boundary": 1}),
+                          "pipeline: expected a mapping of expand_timesteps")
 
 
 def test_i2v_probability_is_refused_for_a_family_without_it():

@@ -19,8 +19,8 @@ from latentmill.pipelines.retention import LOCK_FILE, OutputBusyError, published
 from latentmill.pipelines.snapshot import latest_name
 
 from latentmill.inspect import verify_path
-from tests.conftest import DEMO_CONFIG, REPO_ROOT, prefect_home
-from tests.test_retention import IMAGES, _fill, _gc_process, _recipe, _wait_for
+from tests.conftest import DEMO_CONFIG, REPO_ROOT
+from tests.test_retention import IMAGES, _fill, _recipe, _wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -56,9 +56,9 @@ def test_writer_lock_fails_naming_the_holder_and_a_killed_holder_never_blocks(tm
     assert "taking over" not in capsys.readouterr().out
 
 
-def _prep_process(out: Path, tiny_flux: Path, source: Path, log: Path, home: Path, *overrides: str):
-    env = {**os.environ, "PREFECT_HOME": prefect_home(home), "PYTHONPATH": str(REPO_ROOT)}
-    env.pop("PREFECT_API_URL", None)
+def _prep_process(out: Path, tiny_flux: Path, source: Path, log: Path, *overrides: str):
+    # the session's Prefect API (tests/conftest.py): the lock is the subject here, not the temporary server
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
     cmd = [sys.executable, "-m", "latentmill.cli", "prep", str(DEMO_CONFIG), f"output_dir={out}",
            f"model.pretrained={tiny_flux}", f"ingest.source={source}", *overrides]
     return subprocess.Popen(cmd, env=env, stdout=open(log, "w"), stderr=subprocess.STDOUT, cwd=REPO_ROOT,
@@ -69,7 +69,7 @@ def test_two_preps_started_together_end_with_one_verified_snapshot(tiny_flux, tm
     out, source = tmp_path / "out", tmp_path / "images"
     _fill(source, IMAGES[:8])
     logs = [tmp_path / "a.log", tmp_path / "b.log"]
-    procs = [_prep_process(out, tiny_flux, source, log, tmp_path / f"home-{i}") for i, log in enumerate(logs)]
+    procs = [_prep_process(out, tiny_flux, source, log) for log in logs]
     codes = [p.wait(timeout=400) for p in procs]
     texts = [log.read_text() for log in logs]
     assert codes == [0, 0], texts
@@ -80,22 +80,15 @@ def test_two_preps_started_together_end_with_one_verified_snapshot(tiny_flux, tm
 
 
 def test_prep_on_busy_fail_names_the_running_writer(tiny_flux, tmp_path):
+    """This process holds the lock as a gc (the lock is the kernel's, per open file): the prep fails at once."""
     out, source = tmp_path / "out", tmp_path / "images"
     _fill(source, IMAGES[:2])
-    (out / "prep" / "cache" / "units").mkdir(parents=True)
-    (out / "prep" / "cache" / "units" / "left-by-a-killed-prep.json.tmp").write_text("{")
-    gc_log = tmp_path / "gc.log"
-    holder = _gc_process(out, 1, gc_log)  # a real gc, stopped after its first removal, holding the lock
-    try:
-        _wait_for(gc_log, "paused after 1 removals", holder)
+    with writer_lock(out, "gc"):
         log = tmp_path / "prep.log"
-        prep = _prep_process(out, tiny_flux, source, log, tmp_path / "home", "prep.on_busy=fail")
+        prep = _prep_process(out, tiny_flux, source, log, "prep.on_busy=fail")
         assert prep.wait(timeout=300) == 1
-        errors = [line for line in log.read_text().splitlines() if line.startswith("latentmill: error:")]
-        assert len(errors) == 1 and f"a gc is writing it (PID {holder.pid} on " in errors[0], log.read_text()
-    finally:
-        holder.send_signal(signal.SIGKILL)
-        holder.wait(timeout=30)
+    errors = [line for line in log.read_text().splitlines() if line.startswith("latentmill: error:")]
+    assert len(errors) == 1 and f"a gc is writing it (PID {os.getpid()} on " in errors[0], log.read_text()
 
 
 def test_a_prep_killed_while_it_holds_the_lock_never_blocks_the_next(tiny_flux, tmp_path, capsys):
@@ -104,12 +97,12 @@ def test_a_prep_killed_while_it_holds_the_lock_never_blocks_the_next(tiny_flux, 
 
     out, source = tmp_path / "out", tmp_path / "images"
     _fill(source, IMAGES[:8])
-    first = _prep_process(out, tiny_flux, source, tmp_path / "first.log", tmp_path / "home")
+    first = _prep_process(out, tiny_flux, source, tmp_path / "first.log")
     deadline = time.monotonic() + 300
     while f"PID {first.pid} " not in ((out / LOCK_FILE).read_text() if (out / LOCK_FILE).is_file() else ""):
         assert first.poll() is None and time.monotonic() < deadline, (tmp_path / "first.log").read_text()
         time.sleep(0.05)
-    os.killpg(first.pid, signal.SIGKILL)  # the prep and its Prefect server
+    os.killpg(first.pid, signal.SIGKILL)  # the prep and any process it started
     first.wait(timeout=30)
     recipe = _recipe(out, source, tiny_flux)
     with writer_lock(out, "prep", on_busy="fail"):  # not busy: the kernel dropped the dead prep's lock

@@ -267,3 +267,65 @@ def run_train(setup: tuple[str, Path], train_dir: Path, max_steps: int, batch_si
     cfg = TrainerConfig(**{"max_steps": max_steps, "batch_size": batch_size, "learning_rate": 3e-3,
                            "save_every": 0, "export": False, **overrides})
     return train(cfg, cache_dir=cache, pretrained=pretrained, train_dir=train_dir, seed=0, progress=False)
+
+
+# One 2-rank launch runs several trainings in turn (interpreter start-up and imports dominate a launch on CPU).
+JOBS_WORKER = """
+import json, os, sys
+from pathlib import Path
+import torch
+import torch.distributed as dist
+from latentmill.trainer import ParallelConfig, TrainerConfig, train
+
+torch.set_num_threads(1)
+dist.init_process_group("gloo")  # one group for all jobs (train() uses it and leaves it open)
+for job in json.loads(sys.argv[1]):
+    summary = train(TrainerConfig(**job["cfg"]), cache_dir=job["cache"], pretrained=job["pretrained"],
+                    train_dir=job["train_dir"], seed=0, progress=False, parallel=ParallelConfig(**job["parallel"]))
+    Path(job["train_dir"], f"summary-{os.environ['RANK']}.json").write_text(json.dumps(summary))
+dist.barrier()  # every rank done with its collectives before any tears gloo down
+dist.destroy_process_group()
+"""
+
+
+def launch_jobs(root: str | Path, jobs: list[dict], timeout: float = 600) -> list[list[dict]]:
+    """Run ``jobs`` (each ``{"cfg", "cache", "pretrained", "train_dir", "parallel"}``) one after the other in one
+    2-rank torchrun launch (gloo, ``root/worker.py``); per job, the two ranks' summaries."""
+    import os
+    import subprocess
+    import sys
+
+    root = Path(root)
+    root.mkdir(parents=True, exist_ok=True)
+    (root / "worker.py").write_text(JOBS_WORKER)
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1]), "OMP_NUM_THREADS": "1"}
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+                           str(root / "worker.py"), json.dumps(jobs)], env=env, capture_output=True, text=True,
+                          timeout=timeout)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return [[json.loads(Path(job["train_dir"], f"summary-{r}.json").read_text()) for r in (0, 1)] for job in jobs]
+
+
+def run_and_resume(root: str | Path, cache: str | Path, pretrained: str | Path, parallel: dict, steps: int,
+                   **cfg) -> tuple[dict, list[float]]:
+    """One 2-rank launch: a run of ``steps`` steps (checkpoints at half and at the end, export) in ``root/run``
+    and its resume from the half in ``root/resumed``. Checks that the ranks stay in step, and that the resume
+    replays the second half bit for bit; returns rank 0's summary of the run and its losses."""
+    from latentmill.trainer.checkpoint import list_checkpoints, step_dir_name
+
+    root, half = Path(root), steps // 2
+    base = {"max_steps": steps, "batch_size": 2, "learning_rate": 3e-3, "save_every": half, "keep_latest_k": 0,
+            "export": True, **cfg}
+    resume = {"export": False, "resume": str(root / "run" / "checkpoints" / step_dir_name(half))}
+    jobs = [{"cfg": {**base, **extra}, "cache": str(cache), "pretrained": str(pretrained),
+             "train_dir": str(root / name), "parallel": parallel}
+            for name, extra in (("run", {}), ("resumed", resume))]
+    (rank0, rank1), (resumed, _) = launch_jobs(root, jobs)
+    assert rank0["world_size"] == 2 and rank0["steps"] == rank1["steps"] == steps
+    assert rank0["final_loss"] == rank1["final_loss"] and rank1["export_dir"] is None  # rank 0 alone exports
+    losses = [r["loss"] for r in read_metrics(root / "run")]
+    assert len(losses) == steps and all(0 < x < 1e3 for x in losses)
+    assert [s for s, _ in list_checkpoints(root / "run" / "checkpoints")] == [half, steps]
+    assert resumed["resumed_from"].endswith(step_dir_name(half))
+    assert [r["loss"] for r in read_metrics(root / "resumed")] == losses[half:]  # bit for bit
+    return rank0, losses
