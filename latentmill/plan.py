@@ -115,10 +115,25 @@ def _header_dtype(folder: Path) -> torch.dtype | None:
     return None
 
 
+def _architecture(config_file: Path) -> dict[str, Any]:
+    """A transformer ``config.json`` without its bookkeeping keys (``_class_name``, ``_diffusers_version``...)."""
+    return {k: v for k, v in json.loads(config_file.read_text()).items() if not k.startswith("_")}
+
+
+def _published_dtype(folder: Path) -> tuple[torch.dtype, str] | None:
+    """The published weights' dtype of the shipped entry whose transformer config ``folder`` has (a config-only
+    folder: a shipped entry, a copy of one, or the JSON files of a hub repo), None when none matches."""
+    config = _architecture(folder / "transformer" / "config.json")
+    for hub_id, (entry, dtype) in SHIPPED_CONFIGS.items():
+        if _architecture(shipped_models_dir() / entry / "transformer" / "config.json") == config:
+            return dtype, f"the published weights of {hub_id} (its transformer config)"
+    return None
+
+
 def _checkpoint_dtype(folder: Path, pretrained: str) -> tuple[torch.dtype, str]:
     """The transformer weights' dtype: from the safetensors headers when the weights are there, else the
-    config's ``torch_dtype``, else the published dtype of a known hub id, else bfloat16 (the hub default of
-    12-14B diffusion transformers)."""
+    config's ``torch_dtype``, else the published dtype of a known hub id or of the shipped entry with the same
+    transformer config, else bfloat16 (the hub default of 12-14B diffusion transformers)."""
     found = _header_dtype(folder / "transformer")
     if found is not None:
         return found, "read from the safetensors headers"
@@ -127,7 +142,8 @@ def _checkpoint_dtype(folder: Path, pretrained: str) -> tuple[torch.dtype, str]:
         return getattr(torch, config["torch_dtype"]), "transformer/config.json torch_dtype"
     if pretrained in SHIPPED_CONFIGS:
         return SHIPPED_CONFIGS[pretrained][1], f"the published weights of {pretrained}"
-    return torch.bfloat16, "assumed (no weights and no torch_dtype in the config)"
+    return _published_dtype(folder) or (torch.bfloat16, "assumed (no weights, no torch_dtype in the config, "
+                                        "and not the transformer config of a shipped model)")
 
 
 def resolve_model(pretrained: str) -> ModelSource:
