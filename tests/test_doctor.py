@@ -9,6 +9,7 @@ from latentmill.cli import main
 from latentmill.doctor import (
     BLOCKING,
     OK,
+    TORCH_FLOOR,
     WARNING,
     Check,
     DeviceInfo,
@@ -82,7 +83,7 @@ def test_torch_floor_names_both_versions():
     assert check_torch("2.10.0", floor="2.9").status == OK  # versions compare as numbers, not strings
     assert check_torch("2.13.0", floor="3.0").status == BLOCKING
     # the floor doctor checks is the one the package declares
-    assert '"torch>=2.6",' in (REPO_ROOT / "pyproject.toml").read_text()
+    assert f'"torch>={TORCH_FLOOR}",' in (REPO_ROOT / "pyproject.toml").read_text()
 
 
 def test_devices_memory_and_bf16():

@@ -17,9 +17,11 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -58,22 +60,28 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _launch(script: Path, *args: str, timeout: float = 180) -> tuple[list[int], list[str]]:
+def _launch(script: Path, *args: str, timeout: float = 400) -> tuple[list[int], list[str]]:
     """Start two gloo ranks of ``script`` as plain processes (no launcher that would end a hung peer); their
-    exit codes and outputs. A rank still running after ``timeout`` seconds fails the test (a deadlock)."""
+    exit codes and outputs. A rank still running after ``timeout`` seconds fails the test (a deadlock), with the
+    stacks of its threads."""
     port = _free_port()
     procs = []
     for rank in range(2):
-        env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2",
+        env = {**os.environ, "PYTHONFAULTHANDLER": "1", "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2",
                "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1",
                "PYTHONPATH": str(REPO_ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
         procs.append(subprocess.Popen([sys.executable, str(script), *args], env=env, stdout=subprocess.PIPE,
                                       stderr=subprocess.STDOUT, text=True))
     try:
         outputs = [p.communicate(timeout=timeout)[0] for p in procs]
-    finally:
+    except subprocess.TimeoutExpired:
+        for p in procs:  # each rank prints its threads' stacks (faulthandler, below), then ends
+            p.send_signal(signal.SIGUSR1)
+        time.sleep(5)
         for p in procs:
             p.kill()
+        stacks = [p.communicate()[0] for p in procs]
+        pytest.fail(f"the ranks still ran after {timeout} s; their stacks:\n" + "\n".join(s[-6000:] for s in stacks))
     return [p.returncode for p in procs], outputs
 
 
@@ -94,11 +102,12 @@ def test_shutdown_after_success_waits_for_every_rank(tmp_path, synchronize):
 # Two ranks train a tiny Flux with FSDP2 through ``train``, which starts and ends the group itself. ``fail_at``:
 # rank 0's ``on_step`` raises after that step, while rank 1 goes on into the next step's collectives.
 TRAIN_WORKER = """
-import json, os, sys
+import faulthandler, json, os, signal, sys
 from pathlib import Path
 import torch
 from latentmill.trainer import ParallelConfig, TrainerConfig, train
 
+faulthandler.register(signal.SIGUSR1)  # _launch asks for the stacks of a rank that hangs
 torch.set_num_threads(1)
 root, cache, pretrained, fail_at = Path(sys.argv[1]), sys.argv[2], sys.argv[3], int(sys.argv[4])
 rank = int(os.environ["RANK"])
