@@ -35,7 +35,6 @@ from latentmill.recipe import Recipe, load_recipe
 
 GIB = 1024**3
 GPUS_PER_NODE = 8  # the default --nproc: recipes describe nodes of 8 GPUs (H100/H200/A100 nodes)
-DEFAULT_MAX_SHARD_BYTES = 5 * GIB  # the streaming export's shard size when trainer/export.py does not say
 
 # Hub ids whose published config files ship with latentmill (configs/models/<folder>), with the dtype of
 # the published transformer weights (the host bytes of loading them). FLUX.1-dev is published in bfloat16;
@@ -295,15 +294,6 @@ def _ddp_bucket_bytes(trainable: list[nn.Parameter]) -> tuple[int, int]:
     return len(buckets), sum(_nbytes(trainable[i]) for bucket in buckets for i in bucket)
 
 
-def _max_shard_bytes() -> int:
-    try:
-        from latentmill.trainer.export import MAX_SHARD_BYTES
-
-        return int(MAX_SHARD_BYTES)
-    except ImportError:  # a build without the streaming export: its documented default
-        return DEFAULT_MAX_SHARD_BYTES
-
-
 def _is_lora(name: str) -> bool:
     return "lora_" in name
 
@@ -319,6 +309,7 @@ def plan(recipe: Recipe, *, nproc: int | None = None, nnodes: int | None = None,
 
     from latentmill.trainer.adapter import choose_experts
     from latentmill.trainer.adapters import get_adapter
+    from latentmill.trainer.export import export_peak_bytes
     from latentmill.trainer.model_load import meta_transformer
     from latentmill.trainer.parallel import DistContext, build_mesh, parallelize
 
@@ -423,14 +414,14 @@ def plan(recipe: Recipe, *, nproc: int | None = None, nnodes: int | None = None,
                      "sharded loader reads one tensor's rows at a time)")
     else:
         host_load = base_params * torch.finfo(base_dtype).bits // 8 + lora_bytes
-    # host RAM at export, rank 0: tensor by tensor, cast to export_dtype, flushed every MAX_SHARD_BYTES
+    # host RAM at export, rank 0: tensor by tensor, cast to export_dtype, two weight files at most (export.py)
     export_dtype_name = str(getattr(cfg, "export_dtype", "bfloat16"))
     export_dtype = getattr(torch, export_dtype_name, torch.bfloat16)
     if cfg.mode == "lora":
         host_export = lora_bytes
     else:
         model_export = total_params * torch.finfo(export_dtype).bits // 8
-        host_export = min(_max_shard_bytes(), model_export) + largest_fp32
+        host_export = export_peak_bytes(model_export, largest_fp32)
     static = params_bytes + buffers_bytes + grads_bytes + optimizer_bytes + gathered_bytes
     gpu_bytes = int(gpu_memory_gib * GIB)
     return {

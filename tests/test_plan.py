@@ -69,7 +69,8 @@ def test_flux_dev_full_on_8_ranks_counts_the_real_shards():
     assert r["host_load_peak_bytes"] == r["params_bytes"] // 2  # bf16 checkpoint rows of rank 0's shards
     largest = max(p.numel() for p in model.parameters())  # a norm's 3072 -> 6 x 3072 projection
     assert largest == 3072 * 6 * 3072
-    assert r["host_export_peak_bytes"] == 5 * GIB + largest * 4  # one 5 GiB export shard + largest in fp32
+    # the file being written and the next one filling (5 GiB each), and the tensor just gathered, in fp32 at most
+    assert r["host_export_peak_bytes"] == 2 * 5 * GIB + largest * 4
     assert result["fits"] and result["config"]["shipped_configs"]
     text = format_plan(result)
     assert "shipped with latentmill" in text and "activations are not counted" in text
