@@ -34,6 +34,7 @@ OK, WARNING, BLOCKING = "ok", "warning", "blocking"
 GiB = 1024**3
 MIN_FREE_GIB = 20.0  # below this a real model's weights, a latent cache or a checkpoint may not fit
 WORKSPACE = Path("/workspace")  # where Runpod-style pods mount their persistent volume
+TORCH_FLOOR = "2.6"  # pyproject.toml's torch>= (tests keep them equal): the first with torch.distributed.fsdp.fully_shard
 
 
 @dataclass
@@ -132,6 +133,16 @@ def check_cuda(torch_version: str, torch_cuda: str | None, driver: NvidiaInfo | 
                      "compatibility, but kernels that need PTX JIT may fail", install + ", or update the driver",
                      details)
     return Check("cuda", OK, f"{build}, {drv}: CUDA usable", details=details)
+
+
+def check_torch(torch_version: str, floor: str = TORCH_FLOOR) -> Check:
+    """The installed torch against latentmill's floor (``TORCH_FLOOR``, the ``torch>=`` of pyproject.toml)."""
+    details = {"torch": torch_version, "required": f">={floor}"}
+    have, need = _version(torch_version), _version(floor)
+    if have is None or need is None or have < need:
+        return Check("torch", BLOCKING, f"torch {torch_version} is installed; latentmill needs torch >= {floor} "
+                     "(FSDP2's fully_shard, DTensor)", f"install torch >= {floor} (see docs/training.md)", details)
+    return Check("torch", OK, f"torch {torch_version} (latentmill needs >= {floor})", details=details)
 
 
 @dataclass
@@ -421,7 +432,8 @@ def run_checks(output_dir: str | Path | None = None, *, device: str = "auto", wo
     gpu_seen = bool(driver and driver.gpus)
     requested = device == "cuda" or (device == "auto" and gpu_seen)
     available = torch.cuda.is_available()
-    checks = [check_cuda(torch.__version__, torch.version.cuda, driver, available, requested)]
+    checks = [check_cuda(torch.__version__, torch.version.cuda, driver, available, requested),
+              check_torch(torch.__version__)]
     devices = []
     if available:
         for i in range(torch.cuda.device_count()):

@@ -35,7 +35,6 @@ from latentmill.recipe import Recipe, load_recipe
 
 GIB = 1024**3
 GPUS_PER_NODE = 8  # the default --nproc: recipes describe nodes of 8 GPUs (H100/H200/A100 nodes)
-DEFAULT_MAX_SHARD_BYTES = 5 * GIB  # the streaming export's shard size when trainer/export.py does not say
 
 # Hub ids whose published config files ship with latentmill (configs/models/<folder>), with the dtype of
 # the published transformer weights (the host bytes of loading them). FLUX.1-dev is published in bfloat16;
@@ -115,10 +114,25 @@ def _header_dtype(folder: Path) -> torch.dtype | None:
     return None
 
 
+def _architecture(config_file: Path) -> dict[str, Any]:
+    """A transformer ``config.json`` without its bookkeeping keys (``_class_name``, ``_diffusers_version``...)."""
+    return {k: v for k, v in json.loads(config_file.read_text()).items() if not k.startswith("_")}
+
+
+def _published_dtype(folder: Path) -> tuple[torch.dtype, str] | None:
+    """The published weights' dtype of the shipped entry whose transformer config ``folder`` has (a config-only
+    folder: a shipped entry, a copy of one, or the JSON files of a hub repo), None when none matches."""
+    config = _architecture(folder / "transformer" / "config.json")
+    for hub_id, (entry, dtype) in SHIPPED_CONFIGS.items():
+        if _architecture(shipped_models_dir() / entry / "transformer" / "config.json") == config:
+            return dtype, f"the published weights of {hub_id} (its transformer config)"
+    return None
+
+
 def _checkpoint_dtype(folder: Path, pretrained: str) -> tuple[torch.dtype, str]:
     """The transformer weights' dtype: from the safetensors headers when the weights are there, else the
-    config's ``torch_dtype``, else the published dtype of a known hub id, else bfloat16 (the hub default of
-    12-14B diffusion transformers)."""
+    config's ``torch_dtype``, else the published dtype of a known hub id or of the shipped entry with the same
+    transformer config, else bfloat16 (the hub default of 12-14B diffusion transformers)."""
     found = _header_dtype(folder / "transformer")
     if found is not None:
         return found, "read from the safetensors headers"
@@ -127,7 +141,8 @@ def _checkpoint_dtype(folder: Path, pretrained: str) -> tuple[torch.dtype, str]:
         return getattr(torch, config["torch_dtype"]), "transformer/config.json torch_dtype"
     if pretrained in SHIPPED_CONFIGS:
         return SHIPPED_CONFIGS[pretrained][1], f"the published weights of {pretrained}"
-    return torch.bfloat16, "assumed (no weights and no torch_dtype in the config)"
+    return _published_dtype(folder) or (torch.bfloat16, "assumed (no weights, no torch_dtype in the config, "
+                                        "and not the transformer config of a shipped model)")
 
 
 def resolve_model(pretrained: str) -> ModelSource:
@@ -279,15 +294,6 @@ def _ddp_bucket_bytes(trainable: list[nn.Parameter]) -> tuple[int, int]:
     return len(buckets), sum(_nbytes(trainable[i]) for bucket in buckets for i in bucket)
 
 
-def _max_shard_bytes() -> int:
-    try:
-        from latentmill.trainer.export import MAX_SHARD_BYTES
-
-        return int(MAX_SHARD_BYTES)
-    except ImportError:  # a build without the streaming export: its documented default
-        return DEFAULT_MAX_SHARD_BYTES
-
-
 def _is_lora(name: str) -> bool:
     return "lora_" in name
 
@@ -303,6 +309,7 @@ def plan(recipe: Recipe, *, nproc: int | None = None, nnodes: int | None = None,
 
     from latentmill.trainer.adapter import choose_experts
     from latentmill.trainer.adapters import get_adapter
+    from latentmill.trainer.export import export_peak_bytes
     from latentmill.trainer.model_load import meta_transformer
     from latentmill.trainer.parallel import DistContext, build_mesh, parallelize
 
@@ -407,14 +414,14 @@ def plan(recipe: Recipe, *, nproc: int | None = None, nnodes: int | None = None,
                      "sharded loader reads one tensor's rows at a time)")
     else:
         host_load = base_params * torch.finfo(base_dtype).bits // 8 + lora_bytes
-    # host RAM at export, rank 0: tensor by tensor, cast to export_dtype, flushed every MAX_SHARD_BYTES
+    # host RAM at export, rank 0: tensor by tensor, cast to export_dtype, two weight files at most (export.py)
     export_dtype_name = str(getattr(cfg, "export_dtype", "bfloat16"))
     export_dtype = getattr(torch, export_dtype_name, torch.bfloat16)
     if cfg.mode == "lora":
         host_export = lora_bytes
     else:
         model_export = total_params * torch.finfo(export_dtype).bits // 8
-        host_export = min(_max_shard_bytes(), model_export) + largest_fp32
+        host_export = export_peak_bytes(model_export, largest_fp32)
     static = params_bytes + buffers_bytes + grads_bytes + optimizer_bytes + gathered_bytes
     gpu_bytes = int(gpu_memory_gib * GIB)
     return {

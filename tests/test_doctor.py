@@ -9,6 +9,7 @@ from latentmill.cli import main
 from latentmill.doctor import (
     BLOCKING,
     OK,
+    TORCH_FLOOR,
     WARNING,
     Check,
     DeviceInfo,
@@ -20,6 +21,7 @@ from latentmill.doctor import (
     check_nccl,
     check_persistent,
     check_prefect,
+    check_torch,
     check_video_decoders,
     exit_code,
     parse_nvidia_smi,
@@ -69,6 +71,19 @@ def test_cuda_branches():
     # a match that still is not usable (the container does not see the GPU)
     hidden = check_cuda("2.13.0+cu124", "12.4", H100, False, requested=True)
     assert hidden.status == BLOCKING and "is_available" in hidden.message
+
+
+def test_torch_floor_names_both_versions():
+    """pyproject.toml declared torch>=2.4, but FSDP2's fully_shard is torch.distributed.fsdp's from 2.6 on."""
+    old = check_torch("2.5.1+cu124")
+    assert old.status == BLOCKING and old.details == {"torch": "2.5.1+cu124", "required": ">=2.6"}
+    assert "torch 2.5.1+cu124 is installed" in old.message and "torch >= 2.6" in old.message
+    assert "\n" not in old.message and "2.6" in old.fix
+    assert check_torch("2.6.0").status == check_torch("2.13.0+cpu").status == OK
+    assert check_torch("2.10.0", floor="2.9").status == OK  # versions compare as numbers, not strings
+    assert check_torch("2.13.0", floor="3.0").status == BLOCKING
+    # the floor doctor checks is the one the package declares
+    assert f'"torch>={TORCH_FLOOR}",' in (REPO_ROOT / "pyproject.toml").read_text()
 
 
 def test_devices_memory_and_bf16():
@@ -170,9 +185,10 @@ def test_real_run_here_exit_code_matches_its_checks(tmp_path, capsys):
     statuses = [c["status"] for c in data["checks"]]
     assert code == data["exit_code"] == (1 if BLOCKING in statuses else 2 if WARNING in statuses else 0)
     names = {c["name"] for c in data["checks"]}
-    assert {"cuda", "devices", "nccl", "disk output_dir", "disk hf cache", "volume hf cache", "video decode",
+    assert {"cuda", "torch", "devices", "nccl", "disk output_dir", "disk hf cache", "volume hf cache", "video decode",
             "prefect api", "jax"} <= names
     by_name = {c["name"]: c for c in data["checks"]}
+    assert by_name["torch"]["status"] == OK  # torch 2.13 here
     assert by_name["video decode"]["status"] == OK  # decord and PyAV are installed here and decode the probe
     out = capsys.readouterr().out
     assert all(name in out for name in names)

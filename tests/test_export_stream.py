@@ -4,7 +4,8 @@ Unit tests (one process) pin the format: a full export is Diffusers' sharded lay
 loads with ``DiffusionPipeline.from_pretrained``; a LoRA export is byte for byte what ``export_pipeline``
 writes. The 2-rank gloo test shards a Flux-class transformer of 240 MiB (float32) with the trainer's FSDP2
 path and measures each rank's resident-memory peak during ``export_trained`` (``VmHWM`` of
-``/proc/self/status``, reset by writing 5 to ``/proc/self/clear_refs`` just before).
+``/proc/self/status``, reset by writing 5 to ``/proc/self/clear_refs`` just before); on a slow disk (one
+process, a ``write_file`` that sleeps) rank 0's peak stays under plan's host-export figure.
 """
 
 from __future__ import annotations
@@ -319,3 +320,63 @@ def test_fsdp2_exports_gather_no_frozen_base_and_one_bf16_copy(big_flux, tmp_pat
     want = {f"transformer.{k}": v for k, v in load_file(tmp_path / "lora-expected.safetensors").items()}
     got = load_file(tmp_path / "lora-new" / "pytorch_lora_weights.safetensors")
     assert got and got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+
+
+SLOW_DISK_WORKER = """
+import gc, json, sys, time
+import torch
+import diffusers, peft.utils  # imports warmed before measuring: a fixed cost, not the model's
+from safetensors.torch import save_file
+from latentmill.trainer.export import export_peak_bytes, export_trained
+from latentmill.trainer.flux import FluxAdapter
+from latentmill.trainer.parallel import DistContext
+
+torch.set_num_threads(1)
+pretrained, out = sys.argv[1], sys.argv[2]
+adapter = FluxAdapter()
+diffusers.FluxPipeline
+written = []
+
+
+def slow_disk(tensors, path):  # a disk far slower than the gathers: 0.2 s a file
+    time.sleep(0.2)
+    save_file(tensors, path)
+    written.append(sum(t.numel() * t.element_size() for t in tensors.values()))
+
+
+def status(key):
+    for line in open("/proc/self/status"):
+        if line.startswith(key + ":"):
+            return int(line.split()[1]) * 1024
+
+
+model = adapter.load(pretrained, mode="full", device="cpu", base_dtype=torch.float32)
+params = list(model.parameters())
+for p in params:  # in memory of its own, as training leaves it (not pages of the mmapped file, read at export)
+    p.data = p.data.clone()
+# plan's figure: the model in bf16, its largest tensor in float32 (what plan counts)
+figure = export_peak_bytes(sum(p.numel() for p in params) * 2, max(p.numel() for p in params) * 4, 8 * 2**20)
+del params
+gc.collect()
+base = status("VmRSS")
+open("/proc/self/clear_refs", "w").write("5")  # VmHWM := VmRSS
+export_trained(adapter, model, mode="full", pretrained=pretrained, export_dir=out + "/export", ctx=DistContext(),
+               export_dtype="bfloat16", max_shard_bytes=8 * 2**20, write_file=slow_disk)
+print(json.dumps({"increment": status("VmHWM") - base, "figure": figure, "files": len(written),
+                  "written_bytes": sum(written)}))
+"""
+
+
+def test_a_slow_disk_holds_at_most_plans_export_figure(big_flux, tmp_path):
+    """On a disk slower than the gathers, an unbounded writer queue held the whole bf16 copy on rank 0 (1,296 MiB
+    for a 1.28 GiB slice where plan said 472 MiB): a file is now handed over once the one before it is written.
+    One process (rank 0's path), 8 MiB files written at 0.2 s each through ``export_trained(write_file=)``."""
+    (tmp_path / "worker.py").write_text(SLOW_DISK_WORKER)
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "OMP_NUM_THREADS": "1", "MALLOC_MMAP_THRESHOLD_": "65536"}
+    done = subprocess.run([sys.executable, str(tmp_path / "worker.py"), str(big_flux), str(tmp_path)], cwd=REPO_ROOT,
+                          env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result["written_bytes"] == 251_163_904 // 2 and result["files"] >= 12, result  # the bf16 copy
+    assert result["figure"] < result["written_bytes"] // 4, result  # so holding the whole copy would fail
+    assert result["increment"] <= result["figure"], result

@@ -14,13 +14,14 @@ never holds more than the artefact needs:
   (Diffusers' sharded layout: ``diffusion_pytorch_model-0000i-of-0000N.safetensors`` plus
   ``diffusion_pytorch_model.safetensors.index.json``, or one ``diffusion_pytorch_model.safetensors``).
   No second model is built; the other components (VAE, text encoders, tokenizers, scheduler,
-  ``model_index.json``) are copied file by file from the pretrained folder. Rank 0's extra memory is at
-  most one ``export_dtype`` copy of the transformer (when the disk is slower than the gathers), usually a
-  file's worth.
+  ``model_index.json``) are copied file by file from the pretrained folder. Rank 0 holds at most two files'
+  worth and the tensor being gathered (:func:`export_peak_bytes`, the figure ``latentmill plan`` reports):
+  the file being written and the next one filling; on a disk slower than the gathers, handing over a file
+  waits until the one before it is written.
 
-No rank waits on a collective while rank 0 does I/O: the gathers never wait for a write (the writer runs
-in its own thread), and ranks > 0 return as soon as the last gather is done, before rank 0 copies the
-components and renames the folder. Under DDP (replicated weights) ranks > 0 return at once.
+The gathers wait for a write only then (the writer runs in its own thread), and ranks > 0 return as soon as
+the last gather is done, before rank 0 copies the components and renames the folder. Under DDP (replicated
+weights) ranks > 0 return at once.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ import os
 import queue
 import shutil
 import threading
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -55,6 +57,13 @@ CONFIG_NAME = "config.json"
 MODEL_INDEX = "model_index.json"
 
 
+def export_peak_bytes(model_bytes: int, largest_bytes: int, max_shard_bytes: int = MAX_SHARD_BYTES) -> int:
+    """Rank 0's most export-held bytes in a full export of ``model_bytes`` (in the export dtype) whose largest
+    tensor has ``largest_bytes``: the file being written and the next one filling (a file holds at most
+    ``max_shard_bytes``, or one larger tensor), and the tensor just gathered; never more than the model."""
+    return min(2 * max(max_shard_bytes, largest_bytes) + largest_bytes, model_bytes)
+
+
 def export_trained(
     adapter: ModelAdapter,
     transformer: nn.Module,
@@ -68,6 +77,7 @@ def export_trained(
     component: str = "transformer",
     lora_subfolder: str | None = None,
     others: tuple[tuple[nn.Module, str, str | None], ...] = (),
+    write_file: Callable[[dict[str, torch.Tensor], Path], None] | None = None,
 ) -> Path | None:
     """Write the Diffusers artefact of the trained ``transformer``; every rank calls this.
 
@@ -81,6 +91,8 @@ def export_trained(
     other component from ``pretrained``); ``lora_subfolder``: write the LoRA file into that subfolder of
     ``export_dir`` (one per expert of a two-expert pipeline: ``high_noise/``, ``low_noise/``). ``others``:
     further trained models of the run as ``(model, component, lora_subfolder)``, written into the same artefact.
+    ``write_file(tensors, path)`` writes one weight file of a full export (default: safetensors' ``save_file``;
+    e.g. a slow or remote disk).
     """
     if mode not in ("full", "lora"):
         raise ValueError(f"unknown trainer mode {mode!r}")
@@ -93,7 +105,7 @@ def export_trained(
     parts = ((transformer, component, lora_subfolder), *others)
     if mode == "lora":
         return _export_lora(adapter, parts, export_dir, ctx)
-    return _export_full(adapter, parts, pretrained, export_dir, ctx, dtype, max_shard_bytes)
+    return _export_full(adapter, parts, pretrained, export_dir, ctx, dtype, max_shard_bytes, write_file)
 
 
 def _full_on_cpu(value: torch.Tensor, dtype: torch.dtype | None, is_main: bool) -> torch.Tensor | None:
@@ -161,6 +173,7 @@ def _export_full(
     ctx: DistContext,
     dtype: torch.dtype,
     max_shard_bytes: int,
+    write_file: Callable[[dict[str, torch.Tensor], Path], None] | None,
 ) -> Path | None:
     """Stream each model's gathered weights into ``<tmp>/<component>/``, then copy the other components from
     ``pretrained`` (rank 0, after the last gather)."""
@@ -169,7 +182,7 @@ def _export_full(
         writer = None
         if tmp is not None:
             (tmp / component).mkdir(parents=True)
-            writer = _ShardWriter(tmp / component, max_shard_bytes)
+            writer = _ShardWriter(tmp / component, max_shard_bytes, write_file)
         # modules the class keeps in float32 (Wan: norms, time embedder, modulation) stay float32, as they do
         # when Diffusers loads the model in bf16 and saves it (diffusers' rule: a component of the dotted name)
         keep_fp32 = set(getattr(transformer, "_keep_in_fp32_modules", None) or ())
@@ -198,15 +211,18 @@ def _export_full(
 
 class _ShardWriter:
     """Rank 0's weight files: tensors are grouped in order into files of at most ``max_bytes`` (a larger
-    tensor alone in its own), written by one background thread so that the gathers never wait for a disk.
+    tensor alone in its own), written by one background thread while the next file fills; a file is handed
+    over once the one before it is written, so at most two are held (:func:`export_peak_bytes`).
 
     Files are written under provisional names and renamed once their count is known (``close``).
     """
 
-    def __init__(self, folder: Path, max_bytes: int) -> None:
+    def __init__(self, folder: Path, max_bytes: int,
+                 write_file: Callable[[dict[str, torch.Tensor], Path], None] | None = None) -> None:
         if max_bytes < 1:
             raise ValueError(f"max_shard_bytes must be >= 1, got {max_bytes}")
         self.folder, self.max_bytes = folder, max_bytes
+        self.write_file = write_file
         self.buffer: dict[str, torch.Tensor] = {}
         self.buffer_bytes = 0
         self.files: list[list[str]] = []  # tensor names of each file, in file order
@@ -233,20 +249,23 @@ class _ShardWriter:
         if not self.buffer:
             return
         self.files.append(list(self.buffer))
+        self.queue.join()  # the file before this one is written (and freed): two files held at most
         self.queue.put((len(self.files) - 1, self.buffer))
         self.buffer, self.buffer_bytes = {}, 0  # the writer thread now holds the only reference
 
     def _run(self) -> None:
         from safetensors.torch import save_file
 
+        write = self.write_file or (lambda tensors, path: save_file(tensors, path, metadata={"format": "pt"}))
         while (item := self.queue.get()) is not None:
             index, tensors = item
             if self.error is None:  # after a failure: drain (and free) the rest
                 try:
-                    save_file(tensors, self._part(index), metadata={"format": "pt"})
+                    write(tensors, self._part(index))
                 except BaseException as err:  # re-raised on rank 0 by close(), after the gathers
                     self.error = err
             del item, tensors
+            self.queue.task_done()
 
     def abort(self) -> None:
         """Stop the writer thread without naming the files (the tmp folder stays incomplete)."""

@@ -19,8 +19,10 @@ Order, as in torchtitan: activation checkpointing, then compile (per block), the
 from __future__ import annotations
 
 import datetime
+import gc
 import logging
 import os
+import sys
 import warnings
 from dataclasses import dataclass
 
@@ -118,6 +120,10 @@ def _start_group(parallel: ParallelConfig, rank: int, local_rank: int, cuda: boo
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     owns_group = not dist.is_initialized()
     if owns_group:
+        # imported before the group exists: torch.distributed.nn.functional (which FSDP2 imports) takes
+        # group.WORLD as default arguments, which, evaluated after init, would keep the group alive past its end
+        from torch.distributed import nn as dist_nn  # noqa: F401
+
         backend = "nccl" if cuda else "gloo"
         timeout = datetime.timedelta(minutes=parallel.timeout_minutes)  # not NCCL's default 10 minutes
         if store is None:
@@ -320,15 +326,33 @@ def parallelize(
 
 
 def shutdown(ctx: DistContext, *, synchronize: bool = True) -> None:
-    """End the process group this context started.
-
-    With ``synchronize`` (a run that ended normally) every rank first waits at a barrier, so no rank tears
-    its communicator down while a peer still has collectives in flight: a rank that finished its last step
-    early would otherwise abort a slower peer's last all-reduce or checkpoint barrier (gloo: "terminate
-    called without an active exception"). After an error pass ``synchronize=False``: a failed peer may never
-    arrive, and the launcher ends the others.
-    """
+    """End the process group this context started (:func:`end_process_group`)."""
     if ctx.owns_group and dist.is_initialized():
-        if synchronize and dist.get_world_size() > 1:
+        end_process_group(synchronize=synchronize)
+
+
+def end_process_group(*, synchronize: bool = True) -> None:
+    """End this process's process groups; drop the models and optimizers first.
+
+    ``synchronize`` (a run that ended normally on every rank): every rank first passes a barrier, so no rank
+    tears its communicator down under a slower peer's last collective and nothing is left in flight. Then the
+    groups lose their last references and the backend joins its threads here: a group still referenced (every
+    ``DeviceMesh`` holds its groups, and DTensor's caches keep meshes after their model is gone) would keep
+    gloo's threads running into interpreter finalization, where one that needs the GIL is ended by a
+    destructor ("terminate called without an active exception", SIGABRT).
+
+    After an error pass ``synchronize=False``: a failed peer may never arrive and a collective may still be in
+    flight, so there is no barrier and no clean-up: the groups are destroyed as they are (what still holds
+    them keeps their threads), and the launcher ends the other ranks.
+    """
+    if synchronize:
+        if dist.get_world_size() > 1:
             dist.barrier()
-        dist.destroy_process_group()
+        if "torch.distributed.device_mesh" in sys.modules:
+            from torch.distributed.device_mesh import DeviceMesh
+
+            gc.collect()  # dropped models' reference cycles
+            for obj in gc.get_objects():  # the meshes that caches still hold, wherever they are
+                if isinstance(obj, DeviceMesh):
+                    getattr(obj, "_pg_registry", {}).clear()
+    dist.destroy_process_group()
