@@ -147,16 +147,23 @@ def apply_compile(blocks: list[nn.Module]) -> None:
 
 
 def build_mesh(parallel: ParallelConfig, ctx: DistContext):
-    """The FSDP2 device mesh: 1-D over all ranks, or (replicate, shard) for HSDP."""
+    """The FSDP2 device mesh: 1-D over all ranks, or (replicate, shard) for HSDP; every group of it waits
+    ``parallel.timeout_minutes`` for its collectives."""
     from torch.distributed.device_mesh import init_device_mesh
 
     device_type = ctx.device.type
     if parallel.hsdp_replicate > 1:
         shards = ctx.world_size // parallel.hsdp_replicate
-        return init_device_mesh(
+        mesh = init_device_mesh(
             device_type, (parallel.hsdp_replicate, shards), mesh_dim_names=("replicate", "shard")
         )
-    return init_device_mesh(device_type, (ctx.world_size,), mesh_dim_names=("shard",))
+    else:
+        mesh = init_device_mesh(device_type, (ctx.world_size,), mesh_dim_names=("shard",))
+    # the mesh's subgroups start with the backend's default timeout, and every FSDP2 collective runs on them
+    timeout = datetime.timedelta(minutes=parallel.timeout_minutes)
+    for name in mesh.mesh_dim_names:
+        mesh.get_group(name).set_timeout(timeout)
+    return mesh
 
 
 @dataclass
