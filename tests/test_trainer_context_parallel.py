@@ -124,3 +124,23 @@ def test_cp_batch_must_split_evenly():
         check_cp_batch(flux, {**batch, "latents": torch.zeros(1, 16, 4, 8), "prompt_embeds": torch.zeros(1, 7, 32)}, 2)
     # Wan splits only the video tokens (its cross-attention keeps the whole text)
     check_cp_batch(wan, {"latents": torch.zeros(1, 16, 2, 4, 4), "prompt_embeds": torch.zeros(1, 7, 32)}, 2)
+
+
+def test_plan_takes_cp_size():
+    from latentmill.plan import format_plan, plan_config
+
+    flat = plan_config("configs/wan2.1-1.3b.yaml", nproc=8)
+    cp = plan_config("configs/wan2.1-1.3b.yaml", ["parallel.cp_size=2"], nproc=8)
+    # FSDP2 shards over the cp ranks too: the static memory per rank does not change
+    assert cp["mesh"] == flat["mesh"] == [8] and cp["per_rank"] == flat["per_rank"]
+    assert (cp["config"]["cp_size"], cp["config"]["cp_kind"]) == (2, "ulysses")
+    c = cp["config"]
+    text = format_plan(cp)
+    assert "(mesh [8], context parallel 2 (ulysses))" in text
+    assert f"x {c['grad_accum_steps']} accum x 4 data-parallel ranks = {c['batch_size'] * c['grad_accum_steps'] * 4}" \
+        in text
+    assert "each sample's tokens are split over 2 ranks, so a rank's sequence activations are 1/2" in text
+    with pytest.raises(ConfigError, match=r"^parallel.cp_size: 3 does not divide the 8 ranks of a shard group"):
+        plan_config("configs/wan2.1-1.3b.yaml", ["parallel.cp_size=3"], nproc=8)
+    with pytest.raises(ConfigError, match=r"^parallel.cp_size: 8 does not divide the transformer's 12 attention heads"):
+        plan_config("configs/wan2.1-1.3b.yaml", ["parallel.cp_size=8"], nproc=8)
