@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-PHASES = ["doctor", "demo", "bench", "fsdp2", "lora", "full", "sample", "cache_repro"]
+PHASES = ["doctor", "demo", "bench", "fsdp2", "lora", "full", "sample", "cache_repro", "cp"]
 DRY_IMAGE = 64  # bench.gpu_check.SIZES["dry"]["image"]
 
 
@@ -122,6 +122,18 @@ def test_doctor_sample_and_cache_repro_phases(dry_run):
     assert repro["bytes_equal"] is True and repro["runs"]["deterministic"]["distinct_outputs"] == 1
     assert repro["runs"]["deterministic"]["repeats"] == 1 and repro["samples_in"] == 24  # the bucket stage's 24
     assert repro["runs"]["deterministic"]["shards"] and repro["deterministic_cost"] > 0
+
+
+@pytest.mark.slow
+@pytest.mark.heavy
+def test_cp_phase_matches_one_process(dry_run):
+    # issue 34: context parallelism on two gloo ranks, launched as a user launches it (torchrun, --nproc 2)
+    _, report, _ = dry_run
+    cp = report["phases"]["cp"]
+    assert cp["steps"] == 3 and len(cp["one_process"]) == len(cp["ulysses"]["losses"]) == 3
+    assert (cp["ulysses"]["world_size"], cp["ulysses"]["cp_size"]) == (2, 2)  # what the run itself reported
+    assert cp["ulysses"]["max_relative_difference"] <= cp["tolerance"] == 1e-5
+    assert "ring" not in cp  # ring needs CUDA's flash or cuDNN attention
 
 
 @pytest.mark.slow

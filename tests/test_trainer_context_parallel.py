@@ -91,6 +91,7 @@ def test_cp2_trains_as_one_process(runs, family):
     assert len({r["loss"] for r in cp1}) == STEPS  # the weights changed at every step: later losses depend on it
     # both ranks read the same samples: the global batch is one rank's, not two
     assert [s["final_loss"] for s in summaries] == [cp2[-1]["loss"]] * 2
+    assert [(s["world_size"], s["cp_size"]) for s in summaries] == [(2, 2)] * 2
     assert summaries[0]["epochs"] == summaries[1]["epochs"] and math.isclose(summaries[0]["epochs"], STEPS * BATCH / 6)
 
 

@@ -694,6 +694,7 @@ class _Run:
             "export_dir": str(exported) if exported is not None else None,
             "resumed_from": str(self.resume_path) if self.resume_path is not None else None,
             "world_size": self.ctx.world_size,
+            "cp_size": self.ctx.cp_size,  # ranks that split each sample's sequence (parallel.cp_size)
             "epochs": loader.epoch + loader.batch_index / max(1, len(loader)),  # position of this rank's data
             "family": self.adapter.family,
             "expert": self.expert_name,
