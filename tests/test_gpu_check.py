@@ -204,3 +204,16 @@ def test_a_work_folder_it_did_not_make_is_not_emptied(tmp_path):
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 2 and "did not make" in done.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == ["mine.txt"]
+
+
+def test_cp_phase_on_fewer_than_two_gpus_is_skipped_saying_why(tmp_path):
+    import torch
+
+    from bench import gpu_check
+
+    if torch.cuda.device_count() >= 2:
+        pytest.skip("two GPUs here: the phase runs")
+    result = gpu_check.phase_cp(tmp_path, "cuda", gpu_check.SIZES["dry"], gpu_check.PeakMemory("cpu"))
+    assert result == {"skipped": f"context parallelism needs 2 GPUs, {torch.cuda.device_count()} visible: not "
+                                 "checked"}
+    assert not any(tmp_path.iterdir())  # before any work
