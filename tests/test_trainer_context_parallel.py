@@ -107,6 +107,15 @@ def test_refusals_before_work():
     TrainerConfig().validate()
 
 
+def test_preflight_refuses_a_family_without_a_plan_before_the_launch():
+    from latentmill.preflight import check_recipe
+    from latentmill.recipe import load_recipe
+
+    recipe = load_recipe("demo-z-image", ["parallel.strategy=fsdp2", "parallel.cp_size=2"])
+    with pytest.raises(ConfigError, match=r"^parallel.cp_size: 2, but the z-image family's"):
+        check_recipe(recipe, "train")  # before it looks for a snapshot
+
+
 def test_cp_batch_must_split_evenly():
     flux, wan = get_adapter("flux"), get_adapter("wan")
     batch = {"latents": torch.zeros(1, 16, 6, 10), "prompt_embeds": torch.zeros(1, 8, 32)}  # 3 x 5 = 15 tokens

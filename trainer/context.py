@@ -35,8 +35,10 @@ def cp_plan(adapter: ModelAdapter) -> dict | None:
     return getattr(adapter.diffusers_class(adapter.transformer_class), "_cp_plan", None)
 
 
-def check_context_parallel(parallel: ParallelConfig, adapter: ModelAdapter, device: torch.device) -> None:
-    """A one-line ConfigError, before any work, when ``parallel.cp_*`` cannot run for this family here."""
+def check_context_parallel(parallel: ParallelConfig, adapter: ModelAdapter, device: torch.device | None = None
+                           ) -> None:
+    """A one-line ConfigError, before any work, when ``parallel.cp_*`` cannot run for this family (on ``device``;
+    None: not known yet, as before a launch)."""
     if parallel.cp_size == 1:
         return
     import diffusers
@@ -51,7 +53,7 @@ def check_context_parallel(parallel: ParallelConfig, adapter: ModelAdapter, devi
                           f"{adapter.transformer_class} has no context-parallel plan in diffusers "
                           f"{diffusers.__version__}; set parallel.cp_size: 1 (FSDP2 with activation "
                           "checkpointing is the memory saving left)")
-    if parallel.cp_kind == "ring" and device.type != "cuda":
+    if parallel.cp_kind == "ring" and device is not None and device.type != "cuda":
         raise ConfigError("parallel.cp_kind: ring needs an attention that returns its log-sum-exp (CUDA flash "
                           "or cuDNN); on the CPU use parallel.cp_kind: ulysses")
 
