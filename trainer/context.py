@@ -12,7 +12,7 @@ The rest of the contract lives in the training loop (``latentmill.trainer.train`
   sampling generator are keyed by ``DistContext.dp_rank`` over ``dp_size`` data-parallel ranks;
 * the cp ranks are consecutive and lie inside one FSDP2 shard group, whose reduce-scatter averages the
   gradients over dp x cp ranks; the shares of a cp group must be summed, so the loss is scaled by cp before
-  backward (``loss_scale``), which makes a cp=2 run equal a cp=1 run;
+  backward, which makes a cp=2 run equal a cp=1 run;
 * every cp rank counts the same samples, so the global batch is divided by cp.
 """
 
@@ -78,11 +78,6 @@ def check_cp_batch(adapter: ModelAdapter, batch: dict[str, Any], cp_size: int) -
         raise ValueError(f"parallel.cp_size: {cp_size} does not divide the sequence of bucket "
                          f"{list(batch['latents'].shape[2:])}: {', '.join(bad)}; use a cp_size that divides "
                          "them, or buckets whose token counts it divides")
-
-
-def loss_scale(ctx: Any) -> float:
-    """What the loss is multiplied by before backward: the cp size (see the module docstring)."""
-    return float(ctx.cp_size)
 
 
 def apply_context_parallel(model: nn.Module, parallel: ParallelConfig, ctx: Any) -> None:

@@ -30,7 +30,7 @@ from latentmill.trainer.adapter import Expert, choose_experts
 from latentmill.trainer.adapters import check_i2v, check_validation, get_adapter
 from latentmill.trainer.checkpoint import list_checkpoints, load_checkpoint, resolve_resume, save_checkpoint
 from latentmill.trainer.config import ParallelConfig, TrainerConfig
-from latentmill.trainer.context import check_context_parallel, check_cp_batch, loss_scale
+from latentmill.trainer.context import check_context_parallel, check_cp_batch
 from latentmill.trainer.export import export_trained
 from latentmill.trainer.loader import LatentLoader, check_streams, manifest_family, read_manifest
 from latentmill.trainer.model_load import load_for_training
@@ -449,7 +449,8 @@ class _Run:
             with autocast:
                 pred = adapter.forward(part.model, noisy, sigmas, inputs, cfg)
             loss = flow_matching_loss(pred, target, weights, mask)
-            (loss * loss_scale(self.ctx) / micro_batches).backward()
+            # FSDP2 also averages over the cp ranks, whose gradients are shares to be summed (trainer/context.py)
+            (loss * self.ctx.cp_size / micro_batches).backward()
         return loss.detach()
 
     def _draw(self, shape: torch.Size, *, posterior: bool, shift: float, expert: Expert
