@@ -222,6 +222,9 @@ def layout(recipe: Recipe, nproc: int | None, nnodes: int | None) -> Layout:
     if parallel.strategy == "fsdp2" and world % parallel.hsdp_replicate:
         raise ConfigError(f"parallel.hsdp_replicate: {parallel.hsdp_replicate} does not divide the {world} "
                           "processes of the plan")
+    if (world // parallel.hsdp_replicate) % parallel.cp_size:
+        raise ConfigError(f"parallel.cp_size: {parallel.cp_size} does not divide the {world // parallel.hsdp_replicate} "
+                          "ranks of a shard group (processes of the plan / parallel.hsdp_replicate)")
     return Layout(nproc, nnodes, note)
 
 
@@ -309,6 +312,7 @@ def plan(recipe: Recipe, *, nproc: int | None = None, nnodes: int | None = None,
 
     from latentmill.trainer.adapter import choose_experts
     from latentmill.trainer.adapters import get_adapter
+    from latentmill.trainer.context import check_context_parallel, check_heads
     from latentmill.trainer.export import export_peak_bytes
     from latentmill.trainer.model_load import meta_transformer
     from latentmill.trainer.parallel import DistContext, build_mesh, parallelize
@@ -321,6 +325,8 @@ def plan(recipe: Recipe, *, nproc: int | None = None, nnodes: int | None = None,
         adapter = get_adapter(family)
     except ValueError as err:
         raise ConfigError(f"model.family: {err}") from None
+    parallel.validate()
+    check_context_parallel(parallel, adapter, torch.device("cuda"))  # the plan is of a CUDA run
     # a two-expert pipeline (Wan 2.2 A14B): the expert the run trains; the other is not loaded
     (expert,) = choose_experts(adapter.experts(str(source.path)), cfg.expert, recipe.model.pretrained)
     world = lay.world_size
@@ -333,6 +339,10 @@ def plan(recipe: Recipe, *, nproc: int | None = None, nnodes: int | None = None,
         notes.append("trainer.compile: not applied on meta (torch.compile does not change parameter memory)")
     notes.append("activations are not counted (they depend on batch and bucket; activation checkpointing: "
                  f"{'on' if cfg.activation_checkpointing else 'off'})")
+    if parallel.cp_size > 1:
+        notes.append(f"parallel.cp_size {parallel.cp_size} ({parallel.cp_kind}): each sample's tokens are split "
+                     f"over {parallel.cp_size} ranks, so a rank's sequence activations are 1/{parallel.cp_size}; "
+                     f"{world // parallel.cp_size} data-parallel ranks read different samples")
 
     model = meta_transformer(adapter, str(source.path), mode=cfg.mode, lora_rank=cfg.lora_rank,
                              lora_alpha=cfg.lora_alpha, lora_target_modules=cfg.lora_target_modules,
@@ -340,6 +350,7 @@ def plan(recipe: Recipe, *, nproc: int | None = None, nnodes: int | None = None,
     if expert.name != "all":
         notes.append(f"trainer.expert {expert.name}: {expert.component} only (one expert per run; the other "
                      "expert is neither loaded nor trained)")
+    check_heads(model, parallel)
     total_params = sum(p.numel() for p in model.parameters())
     trainable_params = sum(p.numel() for p in model.parameters() if p.requires_grad)
     largest_fp32 = max(p.numel() for p in model.parameters()) * 4
@@ -354,7 +365,7 @@ def plan(recipe: Recipe, *, nproc: int | None = None, nnodes: int | None = None,
         started = True
     try:
         ctx = DistContext(0, world, 0, torch.device("cpu"), initialized=started, owns_group=started,
-                          strategy=parallel.strategy)
+                          strategy=parallel.strategy, cp_size=parallel.cp_size)
         blocks = adapter.blocks(model)
         mesh_shape = [world]
         if sharded:
@@ -427,6 +438,7 @@ def plan(recipe: Recipe, *, nproc: int | None = None, nnodes: int | None = None,
     return {
         "config": {"pretrained": recipe.model.pretrained, "family": family, "mode": cfg.mode, "expert": cfg.expert,
                    "strategy": parallel.strategy, "hsdp_replicate": parallel.hsdp_replicate,
+                   "cp_size": parallel.cp_size, "cp_kind": parallel.cp_kind,
                    "mixed_precision": parallel.mixed_precision, "grad_accum_steps": cfg.grad_accum_steps,
                    "batch_size": cfg.batch_size, "configs_from": str(source.path),
                    "shipped_configs": source.shipped},
@@ -497,11 +509,15 @@ def _gib(n: int) -> str:
 def format_plan(result: dict[str, Any]) -> str:
     """The plan as text: one table for rank 0 (the largest shards), the fits line, then the notes."""
     c, r = result["config"], result["per_rank"]
-    global_batch = c["batch_size"] * c["grad_accum_steps"] * result["world_size"]
+    cp = c.get("cp_size", 1)
+    readers = result["world_size"] // cp  # the ranks of a cp group read the same samples
+    global_batch = c["batch_size"] * c["grad_accum_steps"] * readers
+    context = f", context parallel {cp} ({c['cp_kind']})" if cp > 1 else ""
     lines = [
         f"plan: {c['pretrained']} ({c['family']}), {c['mode']} fine-tune, {c['strategy']} on "
-        f"{result['nnodes']} x {result['nproc']} = {result['world_size']} ranks (mesh {result['mesh']}), "
-        f"global batch {c['batch_size']} x {c['grad_accum_steps']} accum x {result['world_size']} = {global_batch}",
+        f"{result['nnodes']} x {result['nproc']} = {result['world_size']} ranks (mesh {result['mesh']}{context}), "
+        f"global batch {c['batch_size']} x {c['grad_accum_steps']} accum x {readers}"
+        f"{' data-parallel ranks' if cp > 1 else ''} = {global_batch}",
         f"parameters: {result['total_params']:,} total, {result['trainable_params']:,} trainable",
         "",
         f"{'per rank (rank 0: the largest shards)' if c['strategy'] == 'fsdp2' else 'per rank':<47}GiB",

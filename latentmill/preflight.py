@@ -259,6 +259,11 @@ def check_recipe(recipe: Recipe, command: str) -> None:
 
         check_i2v(recipe.trainer.i2v_probability, model.family)
         check_validation(recipe.trainer.validate_every, model.family)
+    if model.family != "auto" and recipe.parallel.cp_size > 1:
+        from latentmill.trainer.adapters import get_adapter
+        from latentmill.trainer.context import check_context_parallel
+
+        check_context_parallel(recipe.parallel, get_adapter(model.family))
     if command in ("train", "run", "demo"):
         check_expert(recipe)
     if command == "train":

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-PHASES = ["doctor", "demo", "bench", "fsdp2", "lora", "full", "sample", "cache_repro"]
+PHASES = ["doctor", "demo", "bench", "fsdp2", "lora", "full", "sample", "cache_repro", "cp"]
 DRY_IMAGE = 64  # bench.gpu_check.SIZES["dry"]["image"]
 
 
@@ -126,6 +126,18 @@ def test_doctor_sample_and_cache_repro_phases(dry_run):
 
 @pytest.mark.slow
 @pytest.mark.heavy
+def test_cp_phase_matches_one_process(dry_run):
+    # issue 34: context parallelism on two gloo ranks, launched as a user launches it (torchrun, --nproc 2)
+    _, report, _ = dry_run
+    cp = report["phases"]["cp"]
+    assert cp["steps"] == 3 and len(cp["one_process"]) == len(cp["ulysses"]["losses"]) == 3
+    assert (cp["ulysses"]["world_size"], cp["ulysses"]["cp_size"]) == (2, 2)  # what the run itself reported
+    assert cp["ulysses"]["max_relative_difference"] <= cp["tolerance"] == 1e-5
+    assert "ring" not in cp  # ring needs CUDA's flash or cuDNN attention
+
+
+@pytest.mark.slow
+@pytest.mark.heavy
 def test_bench_phase_ran_the_quick_benchmark(dry_run):
     _, report, _ = dry_run
     bench = report["phases"]["bench"]
@@ -192,3 +204,16 @@ def test_a_work_folder_it_did_not_make_is_not_emptied(tmp_path):
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 2 and "did not make" in done.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == ["mine.txt"]
+
+
+def test_cp_phase_on_fewer_than_two_gpus_is_skipped_saying_why(tmp_path):
+    import torch
+
+    from bench import gpu_check
+
+    if torch.cuda.device_count() >= 2:
+        pytest.skip("two GPUs here: the phase runs")
+    result = gpu_check.phase_cp(tmp_path, "cuda", gpu_check.SIZES["dry"], gpu_check.PeakMemory("cpu"))
+    assert result == {"skipped": f"context parallelism needs 2 GPUs, {torch.cuda.device_count()} visible: not "
+                                 "checked"}
+    assert not any(tmp_path.iterdir())  # before any work

@@ -184,9 +184,21 @@ class ParallelConfig:
     # generous, because one rank may be saving a checkpoint of tens of GB to a slow shared disk meanwhile
     # (NCCL's own default is 10 minutes)
     timeout_minutes: int = 120
+    # context parallelism (fsdp2 only): this many consecutive ranks split each sample's token sequence
+    # (Diffusers' ContextParallelConfig: their attention exchanges heads or keys); they read the same samples,
+    # so the data-parallel width is world / cp_size. 1 = off
+    cp_size: int = 1
+    # ulysses: all-to-all of heads (cp_size must divide the heads); ring: keys and values passed round the
+    # ranks (CUDA flash/cuDNN attention only)
+    cp_kind: Literal["ulysses", "ring"] = "ulysses"
 
     def validate(self) -> None:
         """Check the options that only make sense together."""
+        if self.cp_size < 1:
+            raise ConfigError(f"parallel.cp_size: must be >= 1, got {self.cp_size}")
+        if self.cp_size > 1 and self.strategy != "fsdp2":
+            raise ConfigError(f"parallel.cp_size: {self.cp_size} needs parallel.strategy 'fsdp2' "
+                              f"(got {self.strategy!r})")
         if self.timeout_minutes < 1:
             raise ConfigError(f"parallel.timeout_minutes: must be >= 1, got {self.timeout_minutes}")
         if self.hsdp_replicate < 1:

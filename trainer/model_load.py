@@ -86,6 +86,7 @@ def load_for_training(
     reads only its own rows of each tensor from the checkpoint's safetensors files (host memory: one slice
     at a time). Weights that are not safetensors are read once by rank 0 and broadcast.
     """
+    from latentmill.trainer.context import apply_context_parallel, check_heads
     from latentmill.trainer.parallel import parallelize
 
     device = ctx.device
@@ -110,6 +111,8 @@ def load_for_training(
         transformer, parallel, ctx, blocks=adapter.blocks(transformer),
         activation_checkpointing=cfg.activation_checkpointing, compile=cfg.compile,
     )
+    check_heads(transformer, parallel)
+    apply_context_parallel(transformer, parallel, ctx)
     transformer.to_empty(device=device)  # this rank's shards only (FSDP2 re-pads them), uninitialised
     reader = SafetensorsReader.of(transformer_folder(pretrained, component))
     if reader is None:  # e.g. .bin weights: no ranged reads; rank 0 reads them all, once

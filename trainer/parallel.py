@@ -47,6 +47,17 @@ class DistContext:
     initialized: bool = False  # a process group joins the ranks (barrier and all-reduce are real)
     owns_group: bool = False  # this context started the group, so ``shutdown`` ends it
     strategy: str = "none"  # what ``parallelize`` applied: none | ddp | fsdp2
+    cp_size: int = 1  # consecutive ranks that split each sample's sequence (``parallel.cp_size``)
+
+    @property
+    def dp_rank(self) -> int:
+        """This rank's place among the data-parallel ranks: the ranks of one cp group read the same samples."""
+        return self.rank // self.cp_size
+
+    @property
+    def dp_size(self) -> int:
+        """Ranks that read different samples (world size / cp size)."""
+        return self.world_size // self.cp_size
 
     @property
     def sharded(self) -> bool:
@@ -135,9 +146,11 @@ def _start_group(parallel: ParallelConfig, rank: int, local_rank: int, cuda: boo
         raise ConfigError(
             f"parallel.hsdp_replicate: {parallel.hsdp_replicate} does not divide the {world} launched processes"
         )
-    return DistContext(
-        rank, world, local_rank, device, initialized=True, owns_group=owns_group, strategy=parallel.strategy
-    )
+    if (world // parallel.hsdp_replicate) % parallel.cp_size:
+        raise ConfigError(f"parallel.cp_size: {parallel.cp_size} does not divide the {world // parallel.hsdp_replicate} "
+                          "ranks of a shard group (launched processes / parallel.hsdp_replicate)")
+    return DistContext(rank, world, local_rank, device, initialized=True, owns_group=owns_group,
+                       strategy=parallel.strategy, cp_size=parallel.cp_size)
 
 
 def apply_activation_checkpointing(model: nn.Module) -> None:
@@ -152,17 +165,28 @@ def apply_compile(blocks: list[nn.Module]) -> None:
         block.compile()
 
 
-def build_mesh(parallel: ParallelConfig, ctx: DistContext):
-    """The FSDP2 device mesh: 1-D over all ranks, or (replicate, shard) for HSDP."""
+def build_mesh(parallel: ParallelConfig, ctx: DistContext, shape: tuple[int, ...] | None = None,
+               names: tuple[str, ...] | None = None):
+    """The FSDP2 device mesh: 1-D over all ranks, or (replicate, shard) for HSDP (or the mesh ``shape`` with
+    dims ``names``); every group of it waits ``parallel.timeout_minutes`` for its collectives.
+
+    With context parallelism the cp ranks are consecutive, so each cp group lies inside a shard group:
+    FSDP2 shards over the cp ranks too (``latentmill.trainer.context``).
+    """
     from torch.distributed.device_mesh import init_device_mesh
 
-    device_type = ctx.device.type
-    if parallel.hsdp_replicate > 1:
-        shards = ctx.world_size // parallel.hsdp_replicate
-        return init_device_mesh(
-            device_type, (parallel.hsdp_replicate, shards), mesh_dim_names=("replicate", "shard")
-        )
-    return init_device_mesh(device_type, (ctx.world_size,), mesh_dim_names=("shard",))
+    if shape is None:
+        replicate = parallel.hsdp_replicate
+        shape, names = ((replicate, ctx.world_size // replicate), ("replicate", "shard")) if replicate > 1 \
+            else ((ctx.world_size,), ("shard",))
+    mesh = init_device_mesh(ctx.device.type, shape, mesh_dim_names=names)
+    # the mesh's subgroups start with the backend's default timeout, and every collective on them runs there
+    timeout = datetime.timedelta(minutes=parallel.timeout_minutes)
+    for name in mesh.mesh_dim_names:
+        group = mesh.get_group(name)
+        if dist.get_backend(group) != "fake":  # latentmill plan's fake group never waits (and has no timeout)
+            group.set_timeout(timeout)
+    return mesh
 
 
 @dataclass

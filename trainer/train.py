@@ -30,6 +30,7 @@ from latentmill.trainer.adapter import Expert, choose_experts
 from latentmill.trainer.adapters import check_i2v, check_validation, get_adapter
 from latentmill.trainer.checkpoint import list_checkpoints, load_checkpoint, resolve_resume, save_checkpoint
 from latentmill.trainer.config import ParallelConfig, TrainerConfig
+from latentmill.trainer.context import check_context_parallel, check_cp_batch
 from latentmill.trainer.export import export_trained
 from latentmill.trainer.loader import LatentLoader, check_streams, manifest_family, read_manifest
 from latentmill.trainer.model_load import load_for_training
@@ -325,9 +326,11 @@ class _Run:
         check_streams(self.manifest, self.adapter.family, self.adapter.streams, str(cache_dir / "manifest.json"))
         check_i2v(cfg.i2v_probability, self.adapter.family)
         check_validation(cfg.validate_every, self.adapter.family)
+        check_context_parallel(self.parallel, self.adapter, ctx.device)
+        # the ranks of a cp group read the same samples (latentmill.trainer.context)
         self.loader = LatentLoader(
             cache_dir, cfg.batch_size, self.seed, dtype=torch.float32, drop_last=cfg.drop_last,
-            verify=cfg.verify_shards, manifest=self.manifest, rank=ctx.rank, world_size=ctx.world_size,
+            verify=cfg.verify_shards, manifest=self.manifest, rank=ctx.dp_rank, world_size=ctx.dp_size,
             caption_dropout=cfg.caption_dropout, check_on_read=not cfg.verify_shards,
         )
         self.text_len = _text_length(self.manifest)
@@ -365,7 +368,8 @@ class _Run:
                                                eps=cfg.adam_eps, weight_decay=cfg.weight_decay)
             part.scheduler = torch.optim.lr_scheduler.LambdaLR(
                 part.optimizer, lr_lambda(cfg.warmup_steps, cfg.max_steps, cfg.lr_schedule, cfg.min_lr_ratio))
-        self.sampling_gen = torch.Generator().manual_seed(derive_seed(self.seed, f"sampling:{self.ctx.rank}"))
+        # one stream per data-parallel rank: the ranks of a cp group draw the same noise and timesteps
+        self.sampling_gen = torch.Generator().manual_seed(derive_seed(self.seed, f"sampling:{self.ctx.dp_rank}"))
 
     def resume(self) -> None:
         """Restore the latest (or the named) checkpoint, or set a previous run aside for a fresh start."""
@@ -425,6 +429,7 @@ class _Run:
         cfg, device, adapter = self.cfg, self.device, self.adapter
         inputs = {k: v.to(device, non_blocking=True) for k, v in batch.items() if isinstance(v, torch.Tensor)}
         latents = inputs["latents"]
+        check_cp_batch(adapter, inputs, self.ctx.cp_size)  # every bucket: its sequences must split evenly
         eps, sigmas, noise, clean_first = self._draw(
             latents.shape, posterior="latents_std" in inputs,
             shift=shift_for(cfg, adapter.seq_len(latents), adapter.resolution_mu), expert=part.expert)
@@ -444,7 +449,8 @@ class _Run:
             with autocast:
                 pred = adapter.forward(part.model, noisy, sigmas, inputs, cfg)
             loss = flow_matching_loss(pred, target, weights, mask)
-            (loss / micro_batches).backward()
+            # FSDP2 also averages over the cp ranks, whose gradients are shares to be summed (trainer/context.py)
+            (loss * self.ctx.cp_size / micro_batches).backward()
         return loss.detach()
 
     def _draw(self, shape: torch.Size, *, posterior: bool, shift: float, expert: Expert
@@ -522,7 +528,7 @@ class _Run:
             except _BadShardSeen:
                 self._stop_on_bad_shard()
             loss_total += part_loss
-            global_batch += part_samples
+            global_batch += part_samples // ctx.cp_size  # every rank of a cp group counted the same samples
             squares += norm * norm
             expert_norms[part.expert.name], expert_micro[part.expert.name] = norm, len(micro)
             if nonfinite or not (math.isfinite(part_loss) and math.isfinite(norm)):
@@ -640,6 +646,7 @@ class _Run:
             "skipped_in_row": self.skipped_in_row,
             "seed": self.seed,
             "world_size": self.ctx.world_size,
+            "cp_size": self.ctx.cp_size,
             "mode": self.cfg.mode,
             "family": self.adapter.family,
             "expert": self.expert_name,
@@ -688,6 +695,7 @@ class _Run:
             "export_dir": str(exported) if exported is not None else None,
             "resumed_from": str(self.resume_path) if self.resume_path is not None else None,
             "world_size": self.ctx.world_size,
+            "cp_size": self.ctx.cp_size,  # ranks that split each sample's sequence (parallel.cp_size)
             "epochs": loader.epoch + loader.batch_index / max(1, len(loader)),  # position of this rank's data
             "family": self.adapter.family,
             "expert": self.expert_name,
