@@ -159,3 +159,20 @@ def test_plan_counts_one_expert_or_both_from_the_published_configs():
     assert high["total_params"] == 14_288_901_184 + high["trainable_params"]
     both = plan_config("configs/wan2.2-a14b-i2v-lora.yaml", ["trainer.expert=both"], nproc=8)
     assert both["total_params"] == 2 * high["total_params"]
+
+
+def test_a_run_of_both_warns_when_the_shift_starves_an_expert():
+    """Routing by the recipe's sigmas gives the high-noise expert 28% of the micro-batches at Wan 2.2 I2V's sample
+    shift 5, 13.6% at 3 and 1.4% at 1 (the sigmas >= 0.9 of logit-normal): there the warning names the key."""
+    from latentmill.trainer import TrainerConfig
+    from latentmill.trainer.experts import routing_shares, routing_warning
+
+    experts = list(get_adapter("wan2.2-i2v").experts(str(A14B_I2V)))
+    shares = {shift: routing_shares(experts, TrainerConfig(shift=shift))["high"] for shift in (1.0, 3.0, 5.0)}
+    assert shares == pytest.approx({1.0: 0.014, 3.0: 0.136, 5.0: 0.278}, abs=0.003)
+    assert routing_warning(experts, TrainerConfig(shift=3.0)) is None
+    assert routing_warning(experts[:1], TrainerConfig(shift=1.0)) is None  # one expert per run: its own budget
+    assert routing_warning(experts, TrainerConfig(shift=1.0, max_steps=600)) == (
+        "trainer.expert: both at trainer.shift 1: the high expert serves 1.4% of the sigmas, so it trains on about 8 "
+        "of the run's 600 micro-batches; train it in a run of its own (trainer.expert=high) or at the pipeline's "
+        "shift")

@@ -28,7 +28,7 @@ from latentmill.trainer.adapter import Expert, choose_experts
 from latentmill.trainer.adapters import check_i2v, check_validation, get_adapter
 from latentmill.trainer.checkpoint import list_checkpoints, load_checkpoint, resolve_resume, save_checkpoint
 from latentmill.trainer.config import ParallelConfig, TrainerConfig
-from latentmill.trainer.experts import Part, expert_sigma, other_parts, route_micro_batches
+from latentmill.trainer.experts import Part, expert_sigma, other_parts, route_micro_batches, routing_warning
 from latentmill.trainer.export import export_trained
 from latentmill.trainer.loader import LatentLoader, check_streams, manifest_family, read_manifest
 from latentmill.trainer.model_load import load_for_training
@@ -332,6 +332,9 @@ class _Run:
             self.parts.append(Part(expert, transformer, model, trainable))
             log.info("%s mode, %s: %d trainable parameters", cfg.mode, expert.component,
                      sum(p.numel() for p in trainable))
+        warning = routing_warning([p.expert for p in self.parts], cfg)
+        if warning and ctx.is_main:
+            log.warning(warning)
         # how many ranks hold each gradient element: all (DDP), one (FSDP2), the replicas (HSDP)
         self.grad_replicas = (self.parallel.hsdp_replicate if ctx.sharded else ctx.world_size) if ctx.initialized \
             else 1
