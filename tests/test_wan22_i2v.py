@@ -106,8 +106,8 @@ def test_the_pipeline_encodes_no_image_and_the_cache_equals_its_condition(tiny_w
 
 @pytest.mark.slow
 def test_adapter_calls_each_expert_like_the_pipeline(tiny_wan22_i2v, pipe):
-    """4 steps at the tiny scheduler's shift 3: timesteps 1000, 900.2 (high expert: t >= 0.9 x 1000), 750, 501
-    (low). The pipeline calls each expert with no image embedding; the adapter's forward on the same input gives
+    """4 steps at the tiny scheduler's shift 5 (Wan2.2-I2V-A14B's): timesteps 999, 937 (high expert: t >= 0.9 x
+    1000), 833, 626 (low). The pipeline calls each expert with no image embedding; the adapter's forward on the same input gives
     its output bit for bit, and the expert the trainer routes each sigma to is the one the pipeline called."""
     calls = {}
     hooks = []
