@@ -45,6 +45,8 @@ SHIPPED_CONFIGS: dict[str, tuple[str, torch.dtype]] = {
     "Wan-AI/Wan2.1-T2V-1.3B-Diffusers": ("Wan2.1-T2V-1.3B-Diffusers", torch.float32),
     # two experts of Wan2.1-14B's architecture (transformer: high noise, transformer_2: low), boundary_ratio 0.875
     "Wan-AI/Wan2.2-T2V-A14B-Diffusers": ("Wan2.2-T2V-A14B-Diffusers", torch.bfloat16),
+    # its image-to-video pair: the same experts with 36 input channels (latents, mask, condition), boundary_ratio 0.9
+    "Wan-AI/Wan2.2-I2V-A14B-Diffusers": ("Wan2.2-I2V-A14B-Diffusers", torch.bfloat16),
     "Wan-AI/Wan2.2-TI2V-5B-Diffusers": ("Wan2.2-TI2V-5B-Diffusers", torch.float32),
     "Wan-AI/Wan2.1-I2V-14B-480P-Diffusers": ("Wan2.1-I2V-14B-480P-Diffusers", torch.float32),
     "Tongyi-MAI/Z-Image-Turbo": ("Z-Image-Turbo", torch.bfloat16),

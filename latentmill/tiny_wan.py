@@ -24,7 +24,8 @@ The result loads like the real thing::
 The Wan 2.2 TI2V-5B-class set (``data/tiny-wan2.2-ti2v.yaml``) is built by the same code: its recipe adds a
 ``pipeline`` section (``expand_timesteps: true``) and the Wan 2.2 VAE's options (``is_residual``, ``patch_size``).
 The Wan 2.1 I2V-class set (``data/tiny-wan2.1-i2v.yaml``) adds an ``image_encoder`` (``CLIPVisionModel``) and its
-``image_processor`` (``CLIPImageProcessor``) and is saved as a ``WanImageToVideoPipeline``.
+``image_processor`` (``CLIPImageProcessor``) and is saved as a ``WanImageToVideoPipeline``; the Wan 2.2 I2V
+A14B-class set (``data/tiny-wan2.2-i2v.yaml``) is one without them (``pipeline.image_to_video``), with two experts.
 
 Command line: ``python -m latentmill.tiny_wan OUT_DIR [--seed N] [--recipe PATH] [--if-missing]``.
 """
@@ -46,12 +47,16 @@ TI2V_RECIPE_PATH: Path = DEFAULT_RECIPE_PATH.with_name("tiny-wan2.2-ti2v.yaml")
 """The Wan 2.2 TI2V-5B-class recipe (``data/tiny-wan2.2-ti2v.yaml``)."""
 I2V_RECIPE_PATH: Path = DEFAULT_RECIPE_PATH.with_name("tiny-wan2.1-i2v.yaml")
 """The Wan 2.1 I2V-class recipe (``data/tiny-wan2.1-i2v.yaml``): CLIP image conditioning, 36 input channels."""
+I2V_A14B_RECIPE_PATH: Path = DEFAULT_RECIPE_PATH.with_name("tiny-wan2.2-i2v.yaml")
+"""The Wan 2.2 I2V A14B-class recipe (``data/tiny-wan2.2-i2v.yaml``): two experts, 36 input channels, no image
+encoder."""
 
 _COMPONENTS = ("transformer", "vae", "text_encoder", "scheduler")
 _IMAGE_COMPONENTS = ("image_encoder", "image_processor")  # a Wan 2.1 I2V recipe's CLIP image side
 _TOKENIZERS = ("tokenizer",)
-# the WanPipeline config keys a recipe's ``pipeline`` section may set (boundary_ratio: also a second expert)
-_PIPELINE_OPTIONS = ("expand_timesteps", "boundary_ratio")
+# the WanPipeline config keys a recipe's ``pipeline`` section may set (boundary_ratio: also a second expert), and
+# image_to_video: a WanImageToVideoPipeline without an image encoder (Wan 2.2 I2V A14B)
+_PIPELINE_OPTIONS = ("expand_timesteps", "boundary_ratio", "image_to_video")
 
 
 def load_recipe(recipe: str | os.PathLike[str] = DEFAULT_RECIPE_PATH) -> dict[str, Any]:
@@ -108,11 +113,14 @@ def load_recipe(recipe: str | os.PathLike[str] = DEFAULT_RECIPE_PATH) -> dict[st
 
     z = vae["z_dim"]
     # I2V: the noisy latents, a 4-channel first-frame mask and the condition latents, stacked on channels
-    z_in = 2 * z + 4 if image else z
+    i2v = image or bool(options.get("image_to_video"))
+    z_in = 2 * z + 4 if i2v else z
+    why = ", in: 2 x z_dim + 4 with an image_encoder" if image else \
+        ", in: 2 x z_dim + 4 with pipeline.image_to_video" if i2v else ""
     require(
         tr["in_channels"] == z_in and tr["out_channels"] == z,
         f"components.transformer.in_channels/out_channels: {tr['in_channels']}/{tr['out_channels']} != "
-        f"{z_in}/{z} (vae.z_dim {z}{', in: 2 x z_dim + 4 with an image_encoder' if image else ''})",
+        f"{z_in}/{z} (vae.z_dim {z}{why})",
     )
     if image:
         width = comps["image_encoder"].get("hidden_size")
@@ -225,29 +233,27 @@ def _build_pipeline(data: dict[str, Any], seed: int) -> Any:
     vae = seeded(lambda: AutoencoderKLWan(**comps["vae"]))
     text_encoder = seeded(lambda: UMT5EncoderModel(UMT5Config(**comps["text_encoder"])))
     scheduler = UniPCMultistepScheduler(**comps["scheduler"])
+    options = dict(data.get("pipeline") or {})
+    image_to_video = bool(options.pop("image_to_video", False))
+    experts = {}
+    if options.get("boundary_ratio") is not None:  # Wan 2.2 A14B: the low-noise expert
+        torch.manual_seed(seed + 1)  # other weights than the high-noise one
+        with torch.no_grad():
+            experts = {"transformer_2": WanTransformer3DModel(**tr_kwargs).eval()}
+    common = dict(tokenizer=tokenizer, text_encoder=text_encoder.eval(), vae=vae.eval(), scheduler=scheduler,
+                  transformer=transformer.eval(), **options, **experts)
     if "image_encoder" in comps:
         from diffusers import WanImageToVideoPipeline
         from transformers import CLIPImageProcessor, CLIPVisionConfig, CLIPVisionModel
 
         image_encoder = seeded(lambda: CLIPVisionModel(CLIPVisionConfig(**comps["image_encoder"])))
-        return WanImageToVideoPipeline(
-            tokenizer=tokenizer, text_encoder=text_encoder.eval(), vae=vae.eval(), scheduler=scheduler,
-            image_processor=CLIPImageProcessor(**comps["image_processor"]), image_encoder=image_encoder.eval(),
-            transformer=transformer.eval(), **(data.get("pipeline") or {}))
-    experts = {}
-    if (data.get("pipeline") or {}).get("boundary_ratio") is not None:  # Wan 2.2 A14B: the low-noise expert
-        torch.manual_seed(seed + 1)  # other weights than the high-noise one
-        with torch.no_grad():
-            experts = {"transformer_2": WanTransformer3DModel(**tr_kwargs).eval()}
-    return WanPipeline(
-        tokenizer=tokenizer,
-        text_encoder=text_encoder.eval(),
-        vae=vae.eval(),
-        scheduler=scheduler,
-        transformer=transformer.eval(),
-        **(data.get("pipeline") or {}),
-        **experts,
-    )
+        return WanImageToVideoPipeline(image_processor=CLIPImageProcessor(**comps["image_processor"]),
+                                       image_encoder=image_encoder.eval(), **common)
+    if image_to_video:  # Wan 2.2 I2V A14B: no image encoder, the image enters through the condition channels
+        from diffusers import WanImageToVideoPipeline
+
+        return WanImageToVideoPipeline(**common)
+    return WanPipeline(**common)
 
 
 def build_tiny_wan(

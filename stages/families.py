@@ -12,7 +12,9 @@ holds the registry and what every family shares:
 - ``flux2`` (FLUX.2 [dev]): :mod:`latentmill.stages.family_flux2`;
 - ``flux2-klein`` (FLUX.2 [klein]): :mod:`latentmill.stages.family_flux2_klein` (the VAE side is flux2's);
 - ``wan2.2-ti2v`` (Wan 2.2 TI2V-5B): :mod:`latentmill.stages.family_wan2_2_ti2v`;
-- ``wan2.1-i2v`` (Wan 2.1 I2V-14B): :mod:`latentmill.stages.family_wan2_1_i2v`.
+- ``wan2.1-i2v`` (Wan 2.1 I2V-14B): :mod:`latentmill.stages.family_wan2_1_i2v`;
+- ``wan2.2-i2v`` (Wan 2.2 I2V A14B, two experts): :mod:`latentmill.stages.family_wan2_2_i2v` (Wan 2.1 I2V's
+  condition latents, no image embedding).
 
 Adding a family = one module with an ``Encoders`` subclass and one entry in ``FAMILIES``.
 """
@@ -45,6 +47,7 @@ from latentmill.stages.family_qwen_image import QwenImageEncoders
 from latentmill.stages.family_qwen_image_edit import QwenImageEditEncoders
 from latentmill.stages.family_wan import WanEncoders
 from latentmill.stages.family_wan2_1_i2v import WanI2VEncoders
+from latentmill.stages.family_wan2_2_i2v import WanI2VA14BEncoders
 from latentmill.stages.family_wan2_2_ti2v import WanTI2VEncoders
 from latentmill.stages.family_z_image import ZImageEncoders
 
@@ -54,13 +57,13 @@ from latentmill.models import ModelConfig, component_source, read_component_conf
 FAMILIES: dict[str, type[Encoders]] = {cls.name: cls for cls in (FluxEncoders, WanEncoders, ZImageEncoders,
                                                                 QwenImageEncoders, QwenImageEditEncoders, Flux2Encoders,
                                                                 Flux2KleinEncoders, WanTI2VEncoders,
-                                                                WanI2VEncoders)}
+                                                                WanI2VEncoders, WanI2VA14BEncoders)}
 # model_index.json `_class_name` -> family, when the class alone decides (index_family: also its config)
 PIPELINE_FAMILIES = {pipeline: cls.name for cls in FAMILIES.values() if not cls.PIPELINE_CONFIG
                      for pipeline in cls.PIPELINES}
 
 __all__ = ["FAMILIES", "PIPELINE_FAMILIES", "index_family", "Encoders", "Stream", "FluxEncoders", "WanEncoders",
-           "Flux2Encoders", "Flux2KleinEncoders", "WanI2VEncoders"]
+           "Flux2Encoders", "Flux2KleinEncoders", "WanI2VEncoders", "WanI2VA14BEncoders"]
 
 
 def family_class(family: str) -> type[Encoders]:

@@ -5,7 +5,7 @@ The pipeline conditions a clip on its first frame twice: ``condition_latents``, 
 the first frame followed by zero frames, normalised like the latents; and ``image_embeds``, the first frame's
 CLIP vision features (``hidden_states[-2]``). Both depend on the pixels alone, so they are stored in the VAE
 member and the VAE component's key covers the image encoder and its processor (``PIXEL_COMPONENTS``). The
-first-frame mask beside the condition is fixed and built at train time (``latentmill.trainer.wan_i2v``).
+first-frame mask beside the condition is fixed and built at train time (``latentmill.trainer.wan21_i2v``).
 """
 
 from __future__ import annotations
@@ -18,6 +18,18 @@ from latentmill.stages.family_wan import WanEncoders
 
 from latentmill.models import ModelConfig, component_source
 
+# the first frame's conditioning of WanImageToVideoPipeline without expand_timesteps (Wan 2.1 I2V, Wan 2.2 I2V A14B)
+CONDITION_LATENTS = Stream("condition_latents", "vae", "[C, 1 + (F - 1)/4, H/8, W/8]",
+                           "(mode(first frame, then F - 1 zero frames) - latents_mean) / latents_std")
+
+
+@torch.no_grad()
+def condition_latents(encoders: WanEncoders, pixels_BCFHW: torch.Tensor) -> torch.Tensor:
+    """``condition_latents`` [B, C, F', H/8, W/8] of clips in [-1, 1], as ``WanImageToVideoPipeline.prepare_latents``
+    computes them from the first frame: that frame followed by zero frames, the VAE's mode, normalised."""
+    condition = torch.cat([pixels_BCFHW[:, :, :1], torch.zeros_like(pixels_BCFHW[:, :, 1:])], dim=2)
+    return encoders.encode_pixels(condition)[0]  # a diagonal Gaussian's mode is its mean
+
 
 class WanI2VEncoders(WanEncoders):
     """AutoencoderKLWan + UMT5 + the CLIP image encoder, as WanImageToVideoPipeline uses them."""
@@ -27,11 +39,10 @@ class WanI2VEncoders(WanEncoders):
     COMPONENTS = ("vae", "text_encoder", "image_encoder")
     PIXEL_COMPONENTS = ("vae", "image_encoder")  # (the image encoder's fingerprint covers its image_processor)
     STREAMS = (
-        Stream("latents", "vae", "[C, 1 + (F - 1)/4, H/8, W/8]", "(z - latents_mean) / latents_std"),
-        Stream("condition_latents", "vae", "[C, 1 + (F - 1)/4, H/8, W/8]",
-               "(mode(first frame, then F - 1 zero frames) - latents_mean) / latents_std"),
+        WanEncoders.STREAMS[0],
+        CONDITION_LATENTS,
         Stream("image_embeds", "vae", "[(S/P)^2 + 1, D]", "CLIPVisionModel(first frame).hidden_states[-2]"),
-        Stream("prompt_embeds", "text", "[L, D]", pad="zeros"),
+        WanEncoders.STREAMS[1],
     )
     CLASS_IMPORTS = WanEncoders.CLASS_IMPORTS + (("transformers", "CLIPVisionModel"),
                                                  ("transformers", "CLIPImageProcessor"))
@@ -58,8 +69,6 @@ class WanI2VEncoders(WanEncoders):
         """``condition_latents`` [B, C, F', H/8, W/8] and ``image_embeds`` [B, S, D] of clips in [-1, 1], as
         ``WanImageToVideoPipeline.prepare_latents`` and ``encode_image`` compute them from the first frame."""
         first_BC1HW = pixels_BCFHW[:, :, :1]
-        condition = torch.cat([first_BC1HW, torch.zeros_like(pixels_BCFHW[:, :, 1:])], dim=2)
-        condition_mean, _ = self.encode_pixels(condition)  # a diagonal Gaussian's mode is its mean
         # the first frame as the 8-bit RGB image it was decoded from (the user's image at the clip's size)
         images = list(((first_BC1HW[:, :, 0] + 1) * 127.5).round().clamp(0, 255).to(torch.uint8)
                       .permute(0, 2, 3, 1).numpy())
@@ -67,4 +76,4 @@ class WanI2VEncoders(WanEncoders):
         with self.lock:
             hidden = self.image_encoder(pixel_values=inputs.pixel_values.to(self.compute_dtype),
                                         output_hidden_states=True).hidden_states[-2]
-        return {"condition_latents": condition_mean, "image_embeds": hidden.float().cpu()}
+        return {"condition_latents": condition_latents(self, pixels_BCFHW), "image_embeds": hidden.float().cpu()}

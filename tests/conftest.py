@@ -28,7 +28,8 @@ DEMO_CONFIG = REPO_ROOT / "configs" / "demo.yaml"
 # Fixtures that build a model folder (latentmill.tiny*): a test that uses one (directly or through another
 # fixture) is slow, so that the unit tier (`make test-unit`: not slow, heavy or served) builds no model.
 # tiny_clip (tests/test_curate_models.py) and tiny_llava (tests/test_caption_models.py) are module fixtures.
-MODEL_FIXTURES = frozenset({"tiny_flux", "tiny_wan", "tiny_wan22", "tiny_wan_ti2v", "tiny_wan_i2v", "tiny_blip",
+MODEL_FIXTURES = frozenset({"tiny_flux", "tiny_wan", "tiny_wan22", "tiny_wan_ti2v", "tiny_wan_i2v", "tiny_wan22_i2v",
+                            "tiny_blip",
                             "tiny_clip", "tiny_llava", "tiny_zimage", "tiny_flux2_klein", "tiny_flux2_dev",
                             "tiny_qwen_image", "tiny_qwen_image_edit"})
 
@@ -238,6 +239,15 @@ def tiny_wan_i2v(tmp_path_factory) -> Path:
     from latentmill.tiny_wan import I2V_RECIPE_PATH, build_tiny_wan
 
     return build_tiny_wan(tmp_path_factory.mktemp("models") / "tiny-wan2.1-i2v", I2V_RECIPE_PATH, seed=0)
+
+
+@pytest.fixture(scope="session")
+def tiny_wan22_i2v(tmp_path_factory) -> Path:
+    """A complete tiny two-expert (Wan 2.2 I2V A14B layout) WanImageToVideoPipeline folder from
+    data/tiny-wan2.2-i2v.yaml, seed 0."""
+    from latentmill.tiny_wan import I2V_A14B_RECIPE_PATH, build_tiny_wan
+
+    return build_tiny_wan(tmp_path_factory.mktemp("models") / "tiny-wan2.2-i2v", I2V_A14B_RECIPE_PATH, seed=0)
 
 
 @pytest.fixture(scope="session")

@@ -2,8 +2,7 @@
 cache with the first frame's conditioning, train, export, generate): every clip opens on a plain light frame,
 then a small dark mark appears in one of four corners, captioned so. At shift 1.0 and at the family's own (3.0,
 the sampler's flow_shift), the exported WanImageToVideoPipeline, given that plain frame and each caption, generates
-a clip whose later latent frame is nearer its own caption's cached one than any other corner's (clearly so for
-three corners; the bottom left one only just, measured below).
+clips whose later latent frame is nearer its own caption's cached one than half any other corner's.
 
 The mark is 16 x 16 px of a 32 x 32 clip: 2 x 2 of the 4 x 4 latent pixels the Wan VAE (8x) makes per frame.
 """
@@ -21,7 +20,7 @@ from latentmill.cli import main
 from tests.conftest import REPO_ROOT
 from tests.test_learns import CORNERS, SHADES, _assert_nearest_own, _cached_latents, _losses
 
-pytestmark = [pytest.mark.slow, pytest.mark.heavy]  # 35-45 s each on 2 busy cores (make test-all)
+pytestmark = pytest.mark.slow  # 20 s each on 2 idle cores, 2 minutes on 2 busy ones
 SIZE, MARK, LIGHT = 32, 16, 200
 
 
@@ -54,7 +53,8 @@ def _appearing_marks(folder) -> None:
             (folder / f"{name}.txt").write_text(f"a dark mark appears in the {corner} corner")
 
 
-@pytest.mark.parametrize(("shift", "steps"), [(1.0, 1000), (3.0, 1000)])
+# make test runs the family's own shift, make test-all shift 1.0 too
+@pytest.mark.parametrize(("shift", "steps"), [pytest.param(1.0, 1000, marks=pytest.mark.heavy), (3.0, 1000)])
 def test_i2v_generates_the_detail_its_caption_names(tiny_wan_i2v, tmp_path, shift, steps):
     clips = tmp_path / "clips"
     _appearing_marks(clips)
@@ -72,21 +72,34 @@ def test_i2v_generates_the_detail_its_caption_names(tiny_wan_i2v, tmp_path, shif
     reference = _cached_latents(out / "prep" / "cache")
     assert sorted(reference) == sorted(f"a dark mark appears in the {c} corner" for c in CORNERS)
     from diffusers import DiffusionPipeline, WanImageToVideoPipeline
-    from PIL import Image
 
     pipe = DiffusionPipeline.from_pretrained(out / "export")
     assert isinstance(pipe, WanImageToVideoPipeline)
+    # measured (own / nearest other corner, the mean of 4 same-noise clips): shift 1.0 0.29-0.36, shift 3.0 0.20-0.27
+    assert_generates_own_detail(pipe, reference)
+
+
+def assert_generates_own_detail(pipe, reference: dict, seeds: int = 4) -> None:
+    """Given the plain first frame, each caption's clips (``seeds`` noise draws, the same ones for every caption,
+    their latents averaged) have a later latent frame nearer the caption's own cached one than half the nearest
+    other corner's, and a first latent frame that is the given frame's.
+
+    One noise draw shared by every caption compares the captions alone; a single draw is one sample of the model's
+    clips, and on the first draw of seed 0 the tiny models land between the corners for every caption alike (own /
+    nearest other 0.71-0.75 for all four), which the batch's first caption, bottom left, showed as its weakness.
+    """
+    from PIL import Image
+
     prompts = list(reference)
     image = Image.new("RGB", (SIZE, SIZE), (LIGHT,) * 3)
-    latents = pipe(image=image, prompt_embeds=wan_prompt_embeds(pipe, prompts, 32), height=SIZE, width=SIZE,
-                   num_frames=5, num_inference_steps=8, guidance_scale=1.0, output_type="latent",
-                   generator=torch.Generator().manual_seed(0)).frames
+    latents = torch.stack([pipe(image=image, prompt_embeds=wan_prompt_embeds(pipe, prompts, 32), height=SIZE,
+                                width=SIZE, num_frames=5, num_inference_steps=8, guidance_scale=1.0,
+                                output_type="latent",
+                                generator=[torch.Generator().manual_seed(seed) for _ in prompts]).frames
+                           for seed in range(seeds)]).mean(0)
     assert latents.shape == (4, 16, 2, 4, 4)
     # the later latent frame (pixel frames 1-4: the mark) decides; the first is the given plain frame's
     generated = {p: latent[:, 1] for p, latent in zip(prompts, latents)}
-    # measured (own / nearest other corner): shift 1.0 0.23-0.41 and bottom left 0.79; shift 3.0 0.18-0.29 and
-    # bottom left 0.74 (its own distance 0.04-0.05 against 0.004-0.011 for the other corners)
-    _assert_nearest_own(generated, {p: r[:, 1] for p, r in reference.items()}, margin=0.9)
-    # the first latent frame is the given plain frame's (measured 0.006-0.010)
+    _assert_nearest_own(generated, {p: r[:, 1] for p, r in reference.items()}, margin=0.5)
     for prompt, latent in zip(prompts, latents):
         assert float(((latent[:, 0] - reference[prompt][:, 0]) ** 2).mean()) < 0.02

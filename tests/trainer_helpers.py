@@ -132,8 +132,9 @@ def write_fake_cache(
                 else:
                     x = torch.randn(channels, *space, generator=gen)
                 vae = {"latents": x.to(dtype).contiguous()}
-                if family == "wan2.1-i2v":  # the first-frame conditioning (the tiny CLIP: 17 tokens of 32)
+                if family in ("wan2.1-i2v", "wan2.2-i2v"):  # the first-frame conditioning
                     vae["condition_latents"] = torch.randn(x.shape, generator=gen).to(dtype).contiguous()
+                if family == "wan2.1-i2v":  # the tiny CLIP's image embedding: 17 tokens of 32
                     vae["image_embeds"] = torch.randn(17, 32, generator=gen).to(dtype).contiguous()
                 if reference:
                     vae["reference_latents"] = torch.randn(x.shape, generator=gen).to(dtype)

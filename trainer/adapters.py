@@ -12,6 +12,7 @@ from latentmill.trainer.flux2 import Flux2Adapter, Flux2KleinAdapter
 from latentmill.trainer.qwen_image import QwenImageAdapter, QwenImageEditAdapter
 from latentmill.trainer.wan import WanAdapter
 from latentmill.trainer.wan21_i2v import WanI2VAdapter
+from latentmill.trainer.wan22_i2v import WanI2VA14BAdapter
 from latentmill.trainer.wan22_ti2v import WanTI2VAdapter
 from latentmill.trainer.zimage import ZImageAdapter
 
@@ -23,6 +24,7 @@ ADAPTERS: dict[str, type[ModelAdapter]] = {"flux": FluxAdapter, "wan": WanAdapte
                                             "flux2-klein": Flux2KleinAdapter}
 ADAPTERS["wan2.2-ti2v"] = WanTI2VAdapter
 ADAPTERS["wan2.1-i2v"] = WanI2VAdapter
+ADAPTERS["wan2.2-i2v"] = WanI2VA14BAdapter
 
 
 def get_adapter(family: str) -> ModelAdapter:

@@ -22,11 +22,18 @@ count in the loss, as ``WanImageToVideoPipeline`` runs with ``expand_timesteps``
 
 from __future__ import annotations
 
+import hashlib
 import math
 from typing import Any, Callable, Protocol
 
 import torch
 import torch.nn.functional as F
+
+
+def derive_seed(seed: int, purpose: str) -> int:
+    """An independent 63-bit seed for one purpose (model init, noise sampling) from the run seed."""
+    digest = hashlib.sha256(f"latentmill:{purpose}:{seed}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
 
 
 class SigmaSampling(Protocol):

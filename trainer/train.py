@@ -10,7 +10,6 @@ validation grids under ``<train_dir>/validation/`` and, at the end, a Diffusers 
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import math
@@ -21,7 +20,6 @@ import sys
 import time
 import warnings
 from contextlib import nullcontext
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
@@ -31,16 +29,16 @@ from latentmill.trainer.adapters import check_i2v, check_validation, get_adapter
 from latentmill.trainer.checkpoint import list_checkpoints, load_checkpoint, resolve_resume, save_checkpoint
 from latentmill.trainer.config import ParallelConfig, TrainerConfig
 from latentmill.trainer.context import check_context_parallel, check_cp_batch
+from latentmill.trainer.experts import Part, expert_sigma, other_parts, route_micro_batches, routing_warning
 from latentmill.trainer.export import export_trained
 from latentmill.trainer.loader import LatentLoader, check_streams, manifest_family, read_manifest
 from latentmill.trainer.model_load import load_for_training
 from latentmill.trainer.objective import (
+    derive_seed,
     first_frame_mask,
     flow_matching_loss,
     interpolate,
     loss_weights,
-    sample_sigmas,
-    sample_sigmas_within,
     shift_for,
     velocity_target,
 )
@@ -54,12 +52,6 @@ from latentmill import interrupt
 from latentmill.core.config import ConfigError, to_dict
 
 log = logging.getLogger(__name__)
-
-
-def derive_seed(seed: int, purpose: str) -> int:
-    """An independent 63-bit seed for one purpose (model init, noise sampling) from the run seed."""
-    digest = hashlib.sha256(f"latentmill:{purpose}:{seed}".encode()).digest()
-    return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
 
 
 def lr_lambda(
@@ -270,18 +262,6 @@ def _log_record(record: dict, metrics_file: Any, tb: Any, on_step: Callable[[dic
         on_step(record)
 
 
-@dataclass
-class _Part:
-    """One trained model of a run (the pipeline's transformer, or one expert) and its optimizer and schedule."""
-
-    expert: Expert
-    transformer: torch.nn.Module  # what save and export use
-    model: torch.nn.Module  # what forward runs on (the same module under FSDP2)
-    trainable: list[torch.nn.Parameter]
-    optimizer: Any = None
-    scheduler: Any = None
-
-
 class _Run:
     """One process's training run: data, model, optimizer and their state, and the steps that change them.
 
@@ -343,7 +323,7 @@ class _Run:
         cfg, ctx = self.cfg, self.ctx
         experts = choose_experts(self.adapter.experts(self.pretrained), cfg.expert, self.pretrained)
         self.expert_name = cfg.expert or "all"  # what the checkpoints record and a resume must match
-        self.parts: list[_Part] = []
+        self.parts: list[Part] = []
         for expert in experts:
             # FSDP2: built on the meta device, sharded, and each rank reads only its own rows of the checkpoint;
             # a LoRA run's frozen base is bf16 on CUDA (float32 LoRA weights and masters)
@@ -352,9 +332,12 @@ class _Run:
                 init_seed=derive_seed(self.seed, "init" if len(experts) == 1 else f"init:{expert.name}"),
                 component=expert.component)
             trainable = [p for p in transformer.parameters() if p.requires_grad]
-            self.parts.append(_Part(expert, transformer, model, trainable))
+            self.parts.append(Part(expert, transformer, model, trainable))
             log.info("%s mode, %s: %d trainable parameters", cfg.mode, expert.component,
                      sum(p.numel() for p in trainable))
+        warning = routing_warning([p.expert for p in self.parts], cfg)
+        if warning and ctx.is_main:
+            log.warning(warning)
         # how many ranks hold each gradient element: all (DDP), one (FSDP2), the replicas (HSDP)
         self.grad_replicas = (self.parallel.hsdp_replicate if ctx.sharded else ctx.world_size) if ctx.initialized \
             else 1
@@ -379,7 +362,7 @@ class _Run:
             first = self.parts[0]
             state = load_checkpoint(self.resume_path, model=first.transformer, optimizer=first.optimizer,
                                     scheduler=first.scheduler, sampling_generator=self.sampling_gen, rank=ctx.rank,
-                                    others=self._other_parts())
+                                    others=other_parts(self.parts))
             if state.get("expert", "all") != self.expert_name:  # same shapes: it would load without a word
                 raise ConfigError(f"trainer.expert: {self.resume_path} trained expert {state.get('expert', 'all')!r}, "
                                   f"this run {self.expert_name!r}; resume with the same trainer.expert")
@@ -398,27 +381,8 @@ class _Run:
             self.metrics_path.write_text("")
         ctx.barrier()  # every rank has decided where to start before rank 0 writes anything new
 
-    def _other_parts(self) -> dict[str, tuple[torch.nn.Module, torch.optim.Optimizer, Any]]:
-        """The models after the first (a run of both experts: ``transformer_2``) as checkpoints store them."""
-        return {p.expert.component: (p.transformer, p.optimizer, p.scheduler) for p in self.parts[1:]}
-
     # ---------------------------------------------------------------- one step
-    def _routes(self) -> list[int]:
-        """The part each micro-batch of this step trains: 0 for a run of one model. Two experts: one sigma per
-        micro-batch, drawn like the samples' but from a generator seeded by (seed, step, micro-batch), picks
-        the expert that serves it: each expert gets its share of the recipe's sigmas, every rank routes alike
-        (so the collectives of each expert's FSDP2 model match), and a resumed run routes as the original."""
-        accum = self.cfg.grad_accum_steps
-        if len(self.parts) == 1:
-            return [0] * accum
-        routes = []
-        for micro in range(accum):
-            gen = torch.Generator().manual_seed(derive_seed(self.seed, f"expert:{self.step}:{micro}"))
-            sigma = sample_sigmas(1, self.cfg, gen)  # at trainer.shift (expert both: shift_mode fixed)
-            routes.append(next(i for i, part in enumerate(self.parts) if bool(part.expert.serves(sigma))))
-        return routes
-
-    def forward_backward(self, batch: dict[str, Any], part: _Part, *, last_micro: bool,
+    def forward_backward(self, batch: dict[str, Any], part: Part, *, last_micro: bool,
                          micro_batches: int) -> torch.Tensor:
         """Flow-matching loss of one micro-batch on ``part``, backpropagated (scaled by 1/``micro_batches``, the
         part's micro-batches in this step); returns it detached.
@@ -468,11 +432,7 @@ class _Run:
         for _ in range(shape[0]):
             if posterior:
                 eps.append(torch.randn(shape[1:], generator=self.sampling_gen, dtype=torch.float32))
-            if expert.name == "all":
-                sigmas.append(sample_sigmas(1, self.cfg, self.sampling_gen, shift=shift))
-            else:  # only the noise levels this expert serves
-                sigmas.append(sample_sigmas_within(self.cfg, self.sampling_gen, shift, expert.sigma_min,
-                                                   expert.sigma_max))
+            sigmas.append(expert_sigma(self.cfg, self.sampling_gen, shift, expert))
             noise.append(torch.randn(shape[1:], generator=self.sampling_gen, dtype=torch.float32))
             if i2v > 0:
                 clean.append(torch.rand(1, generator=self.sampling_gen) < i2v)
@@ -488,7 +448,7 @@ class _Run:
         and the global batch all come from those reads. A step with a non-finite loss or gradient changes no
         weight; every rank reads the same reduced values, so all skip together.
 
-        Two experts (``trainer.expert: both``): each micro-batch goes to the expert ``_routes`` picks; each
+        Two experts (``trainer.expert: both``): each micro-batch goes to the expert ``route_micro_batches`` picks; each
         expert in turn runs its micro-batches (its gradients averaged over them), is clipped and stepped by its
         own optimizer, and drops its gradients before the other one runs.
         """
@@ -504,7 +464,7 @@ class _Run:
             for part in self.parts:
                 self.adapter.check_batch(part.transformer, {k: v for k, v in fetched[0].items()
                                                             if isinstance(v, torch.Tensor)})
-        routes = self._routes()
+        routes = route_micro_batches(self.parts, self.cfg, self.seed, self.step)
         loss_total, global_batch, squares, skip = 0.0, 0, 0.0, False
         expert_norms, expert_micro = {}, {}
         check = self.loader.shard_check
@@ -658,7 +618,7 @@ class _Run:
         first = self.parts[0]
         save_checkpoint(self.ckpt_dir, self.step, model=first.transformer, optimizer=first.optimizer,
                         scheduler=first.scheduler, sampling_generator=self.sampling_gen, trainer_state=trainer_state,
-                        others=self._other_parts(),
+                        others=other_parts(self.parts),
                         keep_latest_k=self.cfg.keep_latest_k, rank=self.ctx.rank, barrier=self.ctx.barrier,
                         sharded=self.ctx.sharded)
 

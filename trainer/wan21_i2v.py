@@ -35,16 +35,17 @@ def first_frame_channels(latents_BCFHW: torch.Tensor) -> torch.Tensor:
 
 def i2v_forward(
     transformer: nn.Module, noisy_BCFHW: torch.Tensor, sigmas_B: torch.Tensor, prompt_embeds_BLD: torch.Tensor,
-    condition_BCFHW: torch.Tensor, image_embeds_BSE: torch.Tensor,
+    condition_BCFHW: torch.Tensor, image_embeds_BSE: torch.Tensor | None,
 ) -> torch.Tensor:
-    """Predict the flow velocity [B, C, F, H, W], calling the transformer exactly like WanImageToVideoPipeline."""
+    """Predict the flow velocity [B, C, F, H, W], calling the transformer exactly like WanImageToVideoPipeline
+    (``image_embeds_BSE`` None: Wan 2.2 I2V A14B, whose transformers take no image embedding)."""
     dtype = noisy_BCFHW.dtype
     hidden = torch.cat([noisy_BCFHW, first_frame_channels(noisy_BCFHW), condition_BCFHW.to(dtype)], dim=1)
     return transformer(
         hidden_states=hidden,
         timestep=sigmas_B.to(device=noisy_BCFHW.device, dtype=torch.float32) * 1000.0,
         encoder_hidden_states=prompt_embeds_BLD.to(dtype),
-        encoder_hidden_states_image=image_embeds_BSE.to(dtype),
+        encoder_hidden_states_image=None if image_embeds_BSE is None else image_embeds_BSE.to(dtype),
         return_dict=False,
     )[0]
 
@@ -67,7 +68,7 @@ class WanI2VAdapter(WanAdapter):
 
     def check_batch(self, transformer: nn.Module, batch: dict) -> None:
         cfg, latents = transformer.config, batch["latents"]
-        condition, image = batch["condition_latents"], batch["image_embeds"]
+        condition, image = batch["condition_latents"], batch.get("image_embeds")
         problems = []
         if latents.ndim != 5 or condition.shape != latents.shape:
             problems.append(f"latents {tuple(latents.shape)} and condition_latents {tuple(condition.shape)} must "
@@ -75,7 +76,10 @@ class WanI2VAdapter(WanAdapter):
         elif 2 * latents.shape[1] + 4 != cfg.in_channels:
             problems.append(f"latents have {latents.shape[1]} channels, transformer in_channels is "
                             f"{cfg.in_channels} (expected 2 x {latents.shape[1]} + 4)")
-        if cfg.image_dim is None or image.shape[-1] != cfg.image_dim:
+        if image is None and cfg.image_dim is not None:
+            problems.append(f"the transformer takes an image embedding (image_dim {cfg.image_dim}), the {self.family} "
+                            "cache has none (a Wan 2.1 I2V model: model.family wan2.1-i2v)")
+        elif image is not None and (cfg.image_dim is None or image.shape[-1] != cfg.image_dim):
             problems.append(f"image_embeds width is {image.shape[-1]}, transformer image_dim is {cfg.image_dim}")
         if batch["prompt_embeds"].shape[-1] != cfg.text_dim:
             problems.append(f"prompt_embeds width is {batch['prompt_embeds'].shape[-1]}, transformer text_dim is "
@@ -85,10 +89,10 @@ class WanI2VAdapter(WanAdapter):
 
     def forward(self, model: nn.Module, noisy, sigmas_B, batch: dict, cfg) -> torch.Tensor:
         return i2v_forward(model, noisy, sigmas_B, batch["prompt_embeds"], batch["condition_latents"],
-                           batch["image_embeds"])
+                           batch.get("image_embeds"))
 
     validates_from_prompts = False  # its pipeline samples from an image (check_validation)
 
     def validation_images(self, pipe, prompts, *, size, steps, generator, max_sequence_length, guidance_scale):
-        raise ValueError("trainer.validate_every: the wan2.1-i2v family samples from an image (see "
+        raise ValueError(f"trainer.validate_every: the {self.family} family samples from an image (see "
                          "latentmill.trainer.adapters.check_validation)")
