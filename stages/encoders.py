@@ -42,9 +42,13 @@ class Stream:
     # a vae stream of an edit pair's source image (the sample's ``reference``, ingest.edit), encoded like the
     # target's ``latents`` (the distribution's mean) at the target's bucket
     from_reference: bool = False
+    # a token stream's own padded length, whatever text.pad_to (cache.max_sequence_length): the pipeline's fixed
+    # cap of a second encoder (HunyuanVideo 1.5's 256 ByT5 glyph tokens); None: text.pad_to
+    pad_to: int | None = None
 
     def to_json(self) -> dict[str, Any]:
-        return asdict(self)
+        # pad_to only where a family sets it: the other families' manifests stay as they were
+        return {k: v for k, v in asdict(self).items() if k != "pad_to" or v is not None}
 
 
 class Encoders(ABC):
@@ -143,5 +147,6 @@ class Encoders(ABC):
     @abstractmethod
     def encode_text(self, captions: list[str], max_sequence_length: int, images: list | None = None) -> dict[str, Any]:
         """The ``text`` streams of ``captions`` (float32, on the CPU, batch first) and ``lengths``: per
-        caption, its real token count (the stored length of a trimmed ``zeros`` / ``mask`` stream).
+        caption, its real token count (the stored length of a trimmed ``zeros`` / ``mask`` stream); a second
+        token stream whose count differs gives its own as ``<name>_lengths``.
         ``images``: with ``TEXT_SEES_REFERENCE``, each caption's source image (PIL RGB, as ingested)."""

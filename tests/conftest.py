@@ -31,6 +31,7 @@ DEMO_CONFIG = REPO_ROOT / "configs" / "demo.yaml"
 MODEL_FIXTURES = frozenset({"tiny_flux", "tiny_wan", "tiny_wan22", "tiny_wan_ti2v", "tiny_wan_i2v", "tiny_blip",
                             "tiny_clip", "tiny_llava", "tiny_zimage", "tiny_flux2_klein", "tiny_flux2_dev",
                             "tiny_qwen_image", "tiny_qwen_image_edit"})
+MODEL_FIXTURES |= {"tiny_hunyuan_video15"}
 
 # A migrated, empty Prefect database, made once per session (shared by the pytest-xdist workers) and copied into
 # the private PREFECT_HOME of each CLI process a test starts: a fresh home's temporary API server first spends
@@ -259,6 +260,14 @@ def tiny_wan_i2v(tmp_path_factory) -> Path:
 
     return built_once(tmp_path_factory, "tiny-wan2.1-i2v",
                       lambda target: build_tiny_wan(target, I2V_RECIPE_PATH, seed=0))
+
+
+@pytest.fixture(scope="session")
+def tiny_hunyuan_video15(tmp_path_factory) -> Path:
+    """A complete tiny HunyuanVideo15Pipeline folder built from data/tiny-hunyuanvideo1.5.yaml with seed 0."""
+    from latentmill.tiny_hunyuan_video15 import build_tiny_hunyuan_video15
+
+    return built_once(tmp_path_factory, "tiny-hunyuanvideo1.5", lambda target: build_tiny_hunyuan_video15(target, seed=0))
 
 
 @pytest.fixture(scope="session")
