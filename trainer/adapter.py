@@ -213,7 +213,8 @@ def save_lora(pipeline_cls: type, folder: Path, layers: dict[str, torch.Tensor],
     ``pytorch_lora_weights.safetensors``, keys and adapter metadata under ``transformer.``.
 
     A pipeline without a LoRA loader (HunyuanVideo 1.5 in diffusers 0.42) gets the same file, written here; it
-    loads with ``pipe.transformer.load_lora_adapter(folder)`` (whose default prefix is ``transformer``).
+    loads with ``pipe.transformer.load_lora_adapter(folder, use_safetensors=True)`` (whose default prefix is
+    ``transformer``).
     """
     if hasattr(pipeline_cls, "save_lora_weights"):
         pipeline_cls.save_lora_weights(folder, transformer_lora_layers=layers,
