@@ -48,7 +48,7 @@ def prompt_template() -> tuple[str, int]:
 
     from diffusers import HunyuanVideo15Pipeline
 
-    from latentmill.stages.family_hunyuan_video15 import CROP_START
+    from latentmill.stages.family_hunyuanvideo1_5 import CROP_START
 
     system = inspect.signature(HunyuanVideo15Pipeline._get_mllm_prompt_embeds).parameters["system_message"].default
     return (f"<|im_start|>system\n{system}<|im_end|>\n<|im_start|>user\n{{}}<|im_end|>\n<|im_start|>assistant\n",

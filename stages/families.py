@@ -13,7 +13,7 @@ holds the registry and what every family shares:
 - ``flux2-klein`` (FLUX.2 [klein]): :mod:`latentmill.stages.family_flux2_klein` (the VAE side is flux2's);
 - ``wan2.2-ti2v`` (Wan 2.2 TI2V-5B): :mod:`latentmill.stages.family_wan2_2_ti2v`;
 - ``wan2.1-i2v`` (Wan 2.1 I2V-14B): :mod:`latentmill.stages.family_wan2_1_i2v`;
-- ``hunyuanvideo1.5`` (HunyuanVideo 1.5): :mod:`latentmill.stages.family_hunyuan_video15`.
+- ``hunyuanvideo1.5`` (HunyuanVideo 1.5): :mod:`latentmill.stages.family_hunyuanvideo1_5`.
 
 Adding a family = one module with an ``Encoders`` subclass and one entry in ``FAMILIES``.
 """
@@ -42,7 +42,7 @@ from latentmill.stages.encoders import Encoders, Stream
 from latentmill.stages.family_flux import FluxEncoders
 from latentmill.stages.family_flux2 import Flux2Encoders
 from latentmill.stages.family_flux2_klein import Flux2KleinEncoders
-from latentmill.stages.family_hunyuan_video15 import HunyuanVideo15Encoders
+from latentmill.stages.family_hunyuanvideo1_5 import HunyuanVideo15Encoders
 from latentmill.stages.family_qwen_image import QwenImageEncoders
 from latentmill.stages.family_qwen_image_edit import QwenImageEditEncoders
 from latentmill.stages.family_wan import WanEncoders

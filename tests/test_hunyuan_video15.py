@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 from latentmill.stages.families import FAMILIES, family_streams, index_family
-from latentmill.stages.family_hunyuan_video15 import HunyuanVideo15Encoders
+from latentmill.stages.family_hunyuanvideo1_5 import HunyuanVideo15Encoders
 from latentmill.trainer.adapters import get_adapter
 from latentmill.trainer.hunyuan_video15 import HunyuanVideo15Adapter, hunyuan_video15_forward
 
@@ -150,3 +150,46 @@ def test_adapter_calls_the_transformer_like_the_pipeline(pipe):
         assert torch.equal(exact, call["out"])
         torch.testing.assert_close(trained, call["out"], rtol=1e-5, atol=1e-5)
     assert calls[0]["encoder_attention_mask_2"].sum() > 0 and calls[1]["encoder_attention_mask_2"].sum() == 0
+
+
+def test_recipes_sample_as_hunyuan_video15():
+    from latentmill.stages.bucket import bucket_sizes
+
+    from latentmill.recipe import load_recipe
+
+    configs = DEFAULT_RECIPE_PATH.parents[1] / "configs"
+    for name, mode in (("hunyuanvideo1.5-t2v-lora.yaml", "lora"), ("hunyuanvideo1.5-t2v-full.yaml", "full")):
+        recipe = load_recipe(configs / name)
+        assert (recipe.model.pretrained, recipe.model.family) == ("hunyuanvideo-community/HunyuanVideo-1.5-480p_t2v",
+                                                                  "hunyuanvideo1.5")
+        assert (recipe.trainer.mode, recipe.parallel.strategy) == (mode, "fsdp2")
+        assert (recipe.trainer.shift_mode, recipe.trainer.shift) == ("fixed", 5.0)
+        assert (recipe.bucket.frame_step, recipe.bucket.max_frames, recipe.cache.max_sequence_length) == (4, 121, 1000)
+        sizes = bucket_sizes(recipe.bucket)
+        assert sizes[1.7778] == (848, 480) and all(w % 16 == 0 and h % 16 == 0 for w, h in sizes.values())
+    demo = load_recipe(configs / "demo-hunyuanvideo1.5.yaml")
+    assert demo.model.family == "hunyuanvideo1.5" and demo.model.tiny_recipe.endswith("data/tiny-hunyuanvideo1.5.yaml")
+    assert demo.bucket.step == 16 and demo.bucket.frame_counts == [5, 9, 17]
+
+
+@pytest.mark.slow
+def test_plan_counts_the_published_8_3b():
+    from diffusers import HunyuanVideo15Transformer3DModel as cls
+
+    from latentmill.plan import plan_config, shipped_models_dir
+
+    with torch.device("meta"):
+        model = cls.from_config(cls.load_config(str(shipped_models_dir() / "HunyuanVideo-1.5-480p_t2v"),
+                                                subfolder="transformer"))
+    total = sum(p.numel() for p in model.parameters())
+    assert total == 8_326_608_160 and len(model.transformer_blocks) == 54  # "8.3B"
+    full = plan_config("configs/hunyuanvideo1.5-t2v-full.yaml", nproc=8)
+    last = model.transformer_blocks[-1]
+    frozen = sum(p.numel() for m in (last.attn.to_add_out, last.ff_context) for p in m.parameters())
+    assert full["total_params"] == total and full["trainable_params"] == total - frozen
+    assert full["config"]["shipped_configs"] and full["fits"]
+    assert full["per_rank"]["optimizer_bytes"] == 2 * full["per_rank"]["grads_bytes"]
+    lora = plan_config("configs/hunyuanvideo1.5-t2v-lora.yaml", nproc=8)
+    # rank 32 on to_q/k/v/out.0 (2048 wide) of the 54 blocks and the 2 text-refiner blocks
+    assert lora["trainable_params"] == 56 * 4 * 32 * (2048 + 2048) == 29_360_128
+    assert lora["total_params"] == total + lora["trainable_params"]
