@@ -73,6 +73,9 @@ class Encoders(ABC):
     VAE_FLOAT32: ClassVar[bool] = False  # the VAE runs in float32 even on a GPU
     # bucket sizes must be multiples of this many pixels: the VAE's spatial factor x the transformer's patch
     PIXEL_MULTIPLE: ClassVar[int] = 16
+    # a video family's clip lengths are FRAME_STEP·k + 1 frames (its causal VAE's temporal compression: frame 0
+    # alone, then FRAME_STEP frames per latent frame); None: an image family
+    FRAME_STEP: ClassVar[int | None] = None
     # the text encoder sees the edit pair's source image: encode_text gets ``images`` (PIL, one per caption)
     # and a text component is keyed by the caption and that image's bytes
     TEXT_SEES_REFERENCE: ClassVar[bool] = False

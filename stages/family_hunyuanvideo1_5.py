@@ -48,6 +48,7 @@ class HunyuanVideo15Encoders(Encoders):
                      ("transformers", "T5EncoderModel"), ("transformers", "AutoTokenizer"))
     VAE_FLOAT32 = True  # causal 3-D convs, as Wan's
     PIXEL_MULTIPLE = 16  # 16x VAE, 1 x 1 patches
+    FRAME_STEP = 4  # 4k+1 frames
 
     def __init__(self, model: ModelConfig, device: torch.device):
         super().__init__(model, device)

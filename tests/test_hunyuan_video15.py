@@ -193,3 +193,22 @@ def test_plan_counts_the_published_8_3b():
     # rank 32 on to_q/k/v/out.0 (2048 wide) of the 54 blocks and the 2 text-refiner blocks
     assert lora["trainable_params"] == 56 * 4 * 32 * (2048 + 2048) == 29_360_128
     assert lora["total_params"] == total + lora["trainable_params"]
+
+
+def test_a_too_short_clip_and_a_wrong_frame_step_name_the_4k_plus_1_rule():
+    from latentmill.stages.video import plan_clips, too_short_reason
+
+    from latentmill.preflight import check_bucket_frames
+    from latentmill.recipe import load_recipe
+
+    demo = load_recipe(DEFAULT_RECIPE_PATH.parents[1] / "configs" / "demo-hunyuanvideo1.5.yaml")
+    policy = demo.bucket.clip_policy()
+    assert plan_clips(12, 24, policy) == []  # 12 frames at 24 fps: 4 frames at the demo's 8 fps
+    assert too_short_reason(12, 24, policy) == (
+        "video too short: 12 frames at 24 fps give 4 frames at 8 fps; the smallest bucket needs 5 frames "
+        "(bucket.frame_counts; clips are 4k+1 frames, bucket.frame_step)")
+    check_bucket_frames("hunyuanvideo1.5", 4)
+    check_bucket_frames("flux", 8)  # an image family has no rule
+    with pytest.raises(ConfigError, match=r"bucket.frame_step: 8, but hunyuanvideo1.5 clips are 4k\+1 frames .*; "
+                                          r"set bucket.frame_step: 4"):
+        check_bucket_frames("hunyuanvideo1.5", 8)
