@@ -65,6 +65,9 @@ SHIPPED_CONFIGS: dict[str, tuple[str, torch.dtype]] = {
     "black-forest-labs/FLUX.2-klein-base-9B": ("FLUX.2-klein-base-9B", torch.bfloat16),
     "black-forest-labs/FLUX.2-klein-4B": ("FLUX.2-klein-base-4B", torch.bfloat16),
     "black-forest-labs/FLUX.2-klein-9B": ("FLUX.2-klein-base-9B", torch.bfloat16),
+    # HunyuanVideo 1.5 (480p text-to-video): the class defaults of diffusers 0.42 with task_type t2v, 54 blocks of
+    # 16 heads x 128, 8.33B parameters on meta (the published "8.3B")
+    "hunyuanvideo-community/HunyuanVideo-1.5-480p_t2v": ("HunyuanVideo-1.5-480p_t2v", torch.bfloat16),
 }
 # safetensors header dtype names
 _ST_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "F64": torch.float64}

@@ -228,6 +228,19 @@ def check_bucket_step(family: str, step: int) -> None:
                           f"downsampling x transformer patch); set bucket.step to {multiple} or a multiple of it")
 
 
+def check_bucket_frames(family: str, frame_step: int) -> None:
+    """``bucket.frame_step`` is the video family's rule (clips of ``FRAME_STEP``·k+1 frames): a ConfigError
+    naming the rule before any work, where every clip would be cut to lengths the VAE cannot encode."""
+    if family == "auto":
+        return
+    from latentmill.stages.families import family_class
+
+    rule = family_class(family).FRAME_STEP
+    if rule is not None and frame_step != rule:
+        raise ConfigError(f"bucket.frame_step: {frame_step}, but {family} clips are {rule}k+1 frames (its VAE keeps "
+                          f"frame 0 alone and packs {rule} frames per latent frame); set bucket.frame_step: {rule}")
+
+
 def check_recipe(recipe: Recipe, command: str) -> None:
     """Everything about ``recipe`` that can be checked before work starts, for ``command``
     (``prep``, ``train``, ``run`` or ``demo``); ConfigError or FileNotFoundError naming the key."""
@@ -238,6 +251,7 @@ def check_recipe(recipe: Recipe, command: str) -> None:
     check_components(model)
     if command in ("prep", "run", "demo"):
         check_bucket_step(model.family, recipe.bucket.step)
+        check_bucket_frames(model.family, recipe.bucket.frame_step)
         source = recipe.ingest.require_source()
         local = _local_source(source)
         if local is not None and not local.exists():

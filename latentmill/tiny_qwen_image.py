@@ -83,11 +83,12 @@ def load_recipe(recipe: str | os.PathLike[str] = DEFAULT_RECIPE_PATH, edit: bool
 
 
 def build_qwen_tokenizer(vocab_size: int, settings: dict[str, Any], corpus: Sequence[str] = CORPUS,
-                         edit: bool = False) -> Any:
+                         edit: bool = False, template: tuple[str, int] | None = None) -> Any:
     """A ``Qwen2Tokenizer`` of exactly ``vocab_size`` tokens: the 256 byte symbols, BPE merges learned from
     ``corpus`` and the prompt template's words (weighted so that each becomes one token, as in Qwen2.5-VL's
     vocabulary), then ``<|endoftext|>`` (pad), ``<|im_start|>``, ``<|im_end|>`` (eos); ``edit``: the Edit
-    pipeline's template, and the vision markers after them."""
+    pipeline's template, and the vision markers after them; ``template``: another pipeline's (template, number of
+    leading tokens it drops) instead of Qwen-Image's (HunyuanVideo 1.5's chat template)."""
     from transformers import Qwen2Tokenizer
 
     from latentmill.stages.family_qwen_image import QwenImageEncoders
@@ -95,7 +96,7 @@ def build_qwen_tokenizer(vocab_size: int, settings: dict[str, Any], corpus: Sequ
 
     # the templates and dropped prefixes the family modules cache with (the pipelines')
     family = QwenImageEditEncoders if edit else QwenImageEncoders
-    template, start_idx = family.PROMPT_TEMPLATE, family.TEMPLATE_START_IDX
+    template, start_idx = template or (family.PROMPT_TEMPLATE, family.TEMPLATE_START_IDX)
     specials = SPECIALS + (VISION_SPECIALS if edit else ())
     table = bytes_to_unicode()
     alphabet = [table[b] for b in range(256)]

@@ -172,7 +172,7 @@ class BucketConfig:
 
     def clip_policy(self) -> ClipPolicy:
         return ClipPolicy(tuple(self.frame_count_list()), self.target_fps, self.clip_strategy,
-                          self.clips_per_video, self.clip_stride)
+                          self.clips_per_video, self.clip_stride, self.frame_step)
 
 
 def bucket_sizes(cfg: BucketConfig, resolution: int | None = None) -> dict[float, tuple[int, int]]:

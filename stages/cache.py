@@ -498,7 +498,8 @@ def _text_tensors(encoded: dict[str, Any], i: int, trim: bool, family: str) -> d
     tensors = {}
     for stream in family_class(family).streams("text"):
         tensor = encoded[stream.name][i]
-        tensors[stream.name] = tensor[: encoded["lengths"][i]] if trim and stream.pad != "none" else tensor
+        length = encoded.get(f"{stream.name}_lengths", encoded["lengths"])[i]
+        tensors[stream.name] = tensor[:length] if trim and stream.pad != "none" else tensor
     return tensors
 
 

@@ -42,9 +42,13 @@ class Stream:
     # a vae stream of an edit pair's source image (the sample's ``reference``, ingest.edit), encoded like the
     # target's ``latents`` (the distribution's mean) at the target's bucket
     from_reference: bool = False
+    # a token stream's own padded length, whatever text.pad_to (cache.max_sequence_length): the pipeline's fixed
+    # cap of a second encoder (HunyuanVideo 1.5's 256 ByT5 glyph tokens); None: text.pad_to
+    pad_to: int | None = None
 
     def to_json(self) -> dict[str, Any]:
-        return asdict(self)
+        # pad_to only where a family sets it: the other families' manifests stay as they were
+        return {k: v for k, v in asdict(self).items() if k != "pad_to" or v is not None}
 
 
 class Encoders(ABC):
@@ -69,6 +73,9 @@ class Encoders(ABC):
     VAE_FLOAT32: ClassVar[bool] = False  # the VAE runs in float32 even on a GPU
     # bucket sizes must be multiples of this many pixels: the VAE's spatial factor x the transformer's patch
     PIXEL_MULTIPLE: ClassVar[int] = 16
+    # a video family's clip lengths are FRAME_STEP·k + 1 frames (its causal VAE's temporal compression: frame 0
+    # alone, then FRAME_STEP frames per latent frame); None: an image family
+    FRAME_STEP: ClassVar[int | None] = None
     # the text encoder sees the edit pair's source image: encode_text gets ``images`` (PIL, one per caption)
     # and a text component is keyed by the caption and that image's bytes
     TEXT_SEES_REFERENCE: ClassVar[bool] = False
@@ -143,5 +150,6 @@ class Encoders(ABC):
     @abstractmethod
     def encode_text(self, captions: list[str], max_sequence_length: int, images: list | None = None) -> dict[str, Any]:
         """The ``text`` streams of ``captions`` (float32, on the CPU, batch first) and ``lengths``: per
-        caption, its real token count (the stored length of a trimmed ``zeros`` / ``mask`` stream).
+        caption, its real token count (the stored length of a trimmed ``zeros`` / ``mask`` stream); a second
+        token stream whose count differs gives its own as ``<name>_lengths``.
         ``images``: with ``TEXT_SEES_REFERENCE``, each caption's source image (PIL RGB, as ingested)."""

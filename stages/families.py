@@ -15,6 +15,7 @@ holds the registry and what every family shares:
 - ``wan2.1-i2v`` (Wan 2.1 I2V-14B): :mod:`latentmill.stages.family_wan2_1_i2v`;
 - ``wan2.2-i2v`` (Wan 2.2 I2V A14B, two experts): :mod:`latentmill.stages.family_wan2_2_i2v` (Wan 2.1 I2V's
   condition latents, no image embedding).
+- ``hunyuanvideo1.5`` (HunyuanVideo 1.5): :mod:`latentmill.stages.family_hunyuanvideo1_5`.
 
 Adding a family = one module with an ``Encoders`` subclass and one entry in ``FAMILIES``.
 """
@@ -43,6 +44,7 @@ from latentmill.stages.encoders import Encoders, Stream
 from latentmill.stages.family_flux import FluxEncoders
 from latentmill.stages.family_flux2 import Flux2Encoders
 from latentmill.stages.family_flux2_klein import Flux2KleinEncoders
+from latentmill.stages.family_hunyuanvideo1_5 import HunyuanVideo15Encoders
 from latentmill.stages.family_qwen_image import QwenImageEncoders
 from latentmill.stages.family_qwen_image_edit import QwenImageEditEncoders
 from latentmill.stages.family_wan import WanEncoders
@@ -57,7 +59,8 @@ from latentmill.models import ModelConfig, component_source, read_component_conf
 FAMILIES: dict[str, type[Encoders]] = {cls.name: cls for cls in (FluxEncoders, WanEncoders, ZImageEncoders,
                                                                 QwenImageEncoders, QwenImageEditEncoders, Flux2Encoders,
                                                                 Flux2KleinEncoders, WanTI2VEncoders,
-                                                                WanI2VEncoders, WanI2VA14BEncoders)}
+                                                                WanI2VEncoders, WanI2VA14BEncoders,
+                                                                HunyuanVideo15Encoders)}
 # model_index.json `_class_name` -> family, when the class alone decides (index_family: also its config)
 PIPELINE_FAMILIES = {pipeline: cls.name for cls in FAMILIES.values() if not cls.PIPELINE_CONFIG
                      for pipeline in cls.PIPELINES}

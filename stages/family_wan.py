@@ -25,6 +25,7 @@ class WanEncoders(Encoders):
     CLASS_IMPORTS = (("diffusers", "AutoencoderKLWan"), ("transformers", "UMT5EncoderModel"),
                      ("transformers", "AutoTokenizer"))
     VAE_FLOAT32 = True  # its causal 3-D convs are sensitive to bf16
+    FRAME_STEP = 4
 
     @classmethod
     def describe_vae(cls, vae_config: dict[str, Any]) -> dict[str, Any]:

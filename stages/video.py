@@ -552,6 +552,7 @@ class ClipPolicy:
     strategy: Literal["head", "uniform", "slide"] = "head"
     clips_per_video: int = 1  # K, for uniform
     clip_stride: int | None = None  # S in output frames, for slide; None: the clip length (no overlap)
+    frame_step: int | None = None  # clip lengths are frame_step·k + 1 (the VAE's rule), named when a video is too short
 
 
 @dataclass(frozen=True)
@@ -695,8 +696,9 @@ def too_short_reason(frames: int, fps: float, policy: ClipPolicy, cuts: Iterable
     longest = max(hi - lo for lo, hi in segments(frames, cuts))
     have = output_frames(longest, fps, policy.target_fps)
     where = f"its longest scene has {longest} frames" if longest < frames else f"{frames} frames"
+    rule = f"; clips are {policy.frame_step}k+1 frames, bucket.frame_step" if policy.frame_step else ""
     return (f"video too short: {where} at {fps:g} fps give {have} frames at {out_fps:g} fps; "
-            f"the smallest bucket needs {min(policy.frame_counts)} frames (bucket.frame_counts)")
+            f"the smallest bucket needs {min(policy.frame_counts)} frames (bucket.frame_counts{rule})")
 
 
 def encode_clip(frames_FHWC: torch.Tensor, fps: float, keyframe_interval: int = 8, crf: int = 17) -> bytes:

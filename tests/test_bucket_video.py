@@ -79,7 +79,8 @@ def test_uniform_clips_with_scene_split(captioned):
     (q,) = [q for r in records for q in r.quarantined]
     assert q["source"] == "short_64x48_24fps.mp4"
     assert q["reason"] == ("video too short: 12 frames at 24 fps give 4 frames at 8 fps; "
-                           "the smallest bucket needs 5 frames (bucket.frame_counts)")
+                           "the smallest bucket needs 5 frames (bucket.frame_counts; clips are 4k+1 frames, "
+                           "bucket.frame_step)")
 
     ball = _clips(metas, "ball_64x48_24fps.mp4")  # 40 frames at 24 fps -> every 3rd frame, 9-frame clips
     assert [m["clip"] for m in ball] == [

@@ -30,7 +30,8 @@ def test_ti2v_demo_runs_and_exports_an_image_to_video_pipeline(tiny_wan_ti2v, tm
     assert stages["cache"]["out"] == 13 and summary["train"]["family"] == "wan2.2-ti2v"
     reasons = [json.loads(x)["reason"] for x in (out / "prep" / "bucket" / "quarantine.jsonl").read_text().splitlines()]
     (short,) = [r for r in reasons if r.startswith("video too short")]
-    assert short.endswith("the smallest bucket needs 5 frames (bucket.frame_counts)")
+    assert short.endswith("the smallest bucket needs 5 frames (bucket.frame_counts; clips are 4k+1 frames, "
+                          "bucket.frame_step)")
 
     from diffusers import WanImageToVideoPipeline, WanPipeline
     from PIL import Image

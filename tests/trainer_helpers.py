@@ -70,6 +70,9 @@ def _text_tensors(family: str, n_tokens: int, text_dim: int, pooled_dim: int, dt
     tensors = {"prompt_embeds": torch.randn(n_tokens, text_dim, generator=gen).to(dtype).contiguous()}
     if family == "flux":
         tensors["pooled_prompt_embeds"] = torch.randn(pooled_dim, generator=gen).to(dtype).contiguous()
+    if family == "hunyuanvideo1.5":  # ByT5 glyph tokens: none (no quoted text) to 3
+        glyphs = int(torch.randint(0, 4, (1,), generator=gen))
+        tensors["prompt_embeds_2"] = torch.randn(glyphs, text_dim, generator=gen).to(dtype).contiguous()
     return tensors
 
 
@@ -123,9 +126,9 @@ def write_fake_cache(
                 if same:
                     gen.set_state(bucket_start)
                 key = f"s{n:05d}"
-                down = 16 if family == "wan2.2-ti2v" else 8  # the Wan 2.2 VAE: 16x spatial
+                down = 16 if family in ("wan2.2-ti2v", "hunyuanvideo1.5") else 8  # 16x spatial VAEs
                 space = (height // down, width // down)
-                if family.startswith("wan"):
+                if family.startswith("wan") or family == "hunyuanvideo1.5":
                     space = ((frames - 1) // 4 + 1, *space)
                 if smooth:
                     x = torch.randn(channels, *[1] * len(space), generator=gen).expand(-1, *space)

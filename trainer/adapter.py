@@ -33,7 +33,8 @@ from latentmill.core.config import ConfigError
 from latentmill.tinyio import apply_umask
 
 # Files that mark a folder as an earlier export (safe to replace).
-EXPORT_MARKERS = ("model_index.json", "pytorch_lora_weights.safetensors")
+LORA_WEIGHTS = "pytorch_lora_weights.safetensors"  # diffusers' LORA_WEIGHT_NAME_SAFE
+EXPORT_MARKERS = ("model_index.json", LORA_WEIGHTS)
 DEFAULT_LORA_TARGETS = ("to_k", "to_q", "to_v", "to_out.0")
 REGEX_PREFIX = "re:"  # trainer.lora_target_modules: ["re:<regex>"] selects the modules whose full name matches
 
@@ -207,6 +208,26 @@ def replace_export(tmp: Path, export_dir: Path) -> Path:
     return export_dir
 
 
+def save_lora(pipeline_cls: type, folder: Path, layers: dict[str, torch.Tensor], metadata: dict[str, Any]) -> None:
+    """Write a transformer's LoRA ``layers`` (PEFT names) as ``pipeline_cls.save_lora_weights`` does:
+    ``pytorch_lora_weights.safetensors``, keys and adapter metadata under ``transformer.``.
+
+    A pipeline without a LoRA loader (HunyuanVideo 1.5 in diffusers 0.42) gets the same file, written here; it
+    loads with ``pipe.transformer.load_lora_adapter(folder, use_safetensors=True)`` (whose default prefix is
+    ``transformer``).
+    """
+    if hasattr(pipeline_cls, "save_lora_weights"):
+        pipeline_cls.save_lora_weights(folder, transformer_lora_layers=layers,
+                                       transformer_lora_adapter_metadata=metadata)
+        return
+    from safetensors.torch import save_file
+
+    folder.mkdir(parents=True, exist_ok=True)
+    packed = {f"transformer.{k}": sorted(v) if isinstance(v, set) else v for k, v in metadata.items()}
+    save_file({f"transformer.{k}": v.contiguous() for k, v in layers.items()}, folder / LORA_WEIGHTS,
+              metadata={"format": "pt", "lora_adapter_metadata": json.dumps(packed, indent=2, sort_keys=True)})
+
+
 def export_pipeline(
     pipeline_cls: type, transformer: nn.Module, *, mode: str, pretrained: str, export_dir: str | Path
 ) -> Path:
@@ -227,11 +248,8 @@ def export_pipeline(
     elif mode == "lora":
         from peft.utils import get_peft_model_state_dict
 
-        pipeline_cls.save_lora_weights(
-            tmp,
-            transformer_lora_layers=get_peft_model_state_dict(transformer),
-            transformer_lora_adapter_metadata=transformer.peft_config["default"].to_dict(),
-        )
+        save_lora(pipeline_cls, tmp, get_peft_model_state_dict(transformer),
+                  transformer.peft_config["default"].to_dict())
     else:
         raise ValueError(f"unknown trainer mode {mode!r}")
     apply_umask(tmp)  # safetensors writes 0600: the export gets the modes of every other file

@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from latentmill.trainer.adapter import ModelAdapter, replace_export
+from latentmill.trainer.adapter import ModelAdapter, replace_export, save_lora
 from latentmill.trainer.parallel import DistContext
 from torch import nn
 
@@ -153,12 +153,10 @@ def _export_lora(adapter: ModelAdapter, parts: tuple[tuple[nn.Module, str, str |
             continue
         from peft.utils import get_peft_model_state_dict
 
-        adapter.diffusers_class(adapter.pipeline_class).save_lora_weights(
-            tmp / subfolder if subfolder else tmp,
-            # the names PEFT gives the unsharded model (".default" dropped), from the gathered tensors
-            transformer_lora_layers=get_peft_model_state_dict(transformer, state_dict=gathered),
-            transformer_lora_adapter_metadata=transformer.peft_config["default"].to_dict(),
-        )
+        save_lora(adapter.diffusers_class(adapter.pipeline_class), tmp / subfolder if subfolder else tmp,
+                  # the names PEFT gives the unsharded model (".default" dropped), from the gathered tensors
+                  get_peft_model_state_dict(transformer, state_dict=gathered),
+                  transformer.peft_config["default"].to_dict())
     if tmp is None:
         return None
     apply_umask(tmp)  # safetensors writes 0600: the export gets the modes of every other file

@@ -359,8 +359,9 @@ class LatentLoader:
         self.pad_to: int | None = int(text["pad_to"]) if text.get("trimmed") else None
         # a trimmed cache's token-axis streams, zero-padded to pad_to tokens in a batch; a "mask" stream also
         # gets a "<name>_mask" column (True on real tokens)
-        token_streams = [s["name"] for s in streams if s["component"] == "text" and s.get("pad", "none") != "none"]
-        self.pad = {name: self.pad_to for name in token_streams} if self.pad_to is not None else {}
+        token_streams = [s for s in streams if s["component"] == "text" and s.get("pad", "none") != "none"]
+        self.pad = ({s["name"]: s.get("pad_to") or self.pad_to for s in token_streams} if self.pad_to is not None
+                    else {})
         self.masked = [s["name"] for s in streams if s.get("pad") == "mask"]
         if not 0.0 <= caption_dropout <= 1.0:
             raise ValueError(f"caption_dropout must be in [0, 1], got {caption_dropout}")
