@@ -116,6 +116,7 @@ TINY_BUILDERS["qwen-image"] = "latentmill.tiny_qwen_image:ensure_tiny_qwen_image
 TINY_BUILDERS["qwen-image-edit"] = "latentmill.tiny_qwen_image:ensure_tiny_qwen_image_edit"
 TINY_BUILDERS["wan2.2-ti2v"] = "latentmill.tiny_wan:ensure_tiny_wan"  # its recipe sets the Wan 2.2 options
 TINY_BUILDERS["wan2.1-i2v"] = "latentmill.tiny_wan:ensure_tiny_wan"  # its recipe adds the CLIP image encoder
+TINY_BUILDERS["ltx2"] = "latentmill.tiny_ltx2:ensure_tiny_ltx2"
 
 
 def ensure_tiny(family: str, out_dir: str | os.PathLike[str], recipe: str | os.PathLike[str]) -> Path:

@@ -42,6 +42,9 @@ class Stream:
     # a vae stream of an edit pair's source image (the sample's ``reference``, ingest.edit), encoded like the
     # target's ``latents`` (the distribution's mean) at the target's bucket
     from_reference: bool = False
+    # a vae stream of the clip's sound: the source video's audio under the clip's frames (stages/audio.py),
+    # passed to ``Encoders.encode_audio``; a clip of a video without an audio track gets silence
+    from_audio: bool = False
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -78,6 +81,7 @@ class Encoders(ABC):
         self.device = device
         self.compute_dtype = self.compute_dtypes(device)["text"]  # (and the VAE's, unless VAE_FLOAT32)
         self.lock = threading.Lock()  # one forward at a time per loaded model set
+        self.audio_sample_rate: int | None = None  # with ``from_audio`` streams: the rate encode_audio takes
 
     # --- declared without weights --------------------------------------------------------------------
 
@@ -97,6 +101,11 @@ class Encoders(ABC):
     def needs_reference(cls) -> bool:
         """Whether the family trains on edit pairs (a stream, or its text encoder, takes the source image)."""
         return cls.TEXT_SEES_REFERENCE or any(s.from_reference for s in cls.STREAMS)
+
+    @classmethod
+    def needs_audio(cls) -> bool:
+        """Whether the family caches each clip's sound (a ``from_audio`` stream)."""
+        return any(s.from_audio for s in cls.STREAMS)
 
     @classmethod
     def text_pad(cls) -> Pad:
@@ -138,6 +147,11 @@ class Encoders(ABC):
         """The family's other ``vae`` streams of a batch of pixels (as :meth:`encode_pixels` takes them), by
         name, batch first, float32, on the CPU: conditioning computed from the pixels (Wan 2.1 I2V's first
         frame); none by default."""
+        return {}
+
+    def encode_audio(self, waveforms_BCN: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The family's ``from_audio`` streams of a batch of clips' sound (``[B, 2, N]`` float32 at
+        ``audio_sample_rate``), by name, batch first, float32, on the CPU; none by default."""
         return {}
 
     @abstractmethod

@@ -12,7 +12,8 @@ holds the registry and what every family shares:
 - ``flux2`` (FLUX.2 [dev]): :mod:`latentmill.stages.family_flux2`;
 - ``flux2-klein`` (FLUX.2 [klein]): :mod:`latentmill.stages.family_flux2_klein` (the VAE side is flux2's);
 - ``wan2.2-ti2v`` (Wan 2.2 TI2V-5B): :mod:`latentmill.stages.family_wan2_2_ti2v`;
-- ``wan2.1-i2v`` (Wan 2.1 I2V-14B): :mod:`latentmill.stages.family_wan2_1_i2v`.
+- ``wan2.1-i2v`` (Wan 2.1 I2V-14B): :mod:`latentmill.stages.family_wan2_1_i2v`;
+- ``ltx2`` (LTX-2, video with audio): :mod:`latentmill.stages.family_ltx2`.
 
 Adding a family = one module with an ``Encoders`` subclass and one entry in ``FAMILIES``.
 """
@@ -41,6 +42,7 @@ from latentmill.stages.encoders import Encoders, Stream
 from latentmill.stages.family_flux import FluxEncoders
 from latentmill.stages.family_flux2 import Flux2Encoders
 from latentmill.stages.family_flux2_klein import Flux2KleinEncoders
+from latentmill.stages.family_ltx2 import LTX2Encoders
 from latentmill.stages.family_qwen_image import QwenImageEncoders
 from latentmill.stages.family_qwen_image_edit import QwenImageEditEncoders
 from latentmill.stages.family_wan import WanEncoders
@@ -54,13 +56,13 @@ from latentmill.models import ModelConfig, component_source, read_component_conf
 FAMILIES: dict[str, type[Encoders]] = {cls.name: cls for cls in (FluxEncoders, WanEncoders, ZImageEncoders,
                                                                 QwenImageEncoders, QwenImageEditEncoders, Flux2Encoders,
                                                                 Flux2KleinEncoders, WanTI2VEncoders,
-                                                                WanI2VEncoders)}
+                                                                WanI2VEncoders, LTX2Encoders)}
 # model_index.json `_class_name` -> family, when the class alone decides (index_family: also its config)
 PIPELINE_FAMILIES = {pipeline: cls.name for cls in FAMILIES.values() if not cls.PIPELINE_CONFIG
                      for pipeline in cls.PIPELINES}
 
 __all__ = ["FAMILIES", "PIPELINE_FAMILIES", "index_family", "Encoders", "Stream", "FluxEncoders", "WanEncoders",
-           "Flux2Encoders", "Flux2KleinEncoders", "WanI2VEncoders"]
+           "Flux2Encoders", "Flux2KleinEncoders", "WanI2VEncoders", "LTX2Encoders"]
 
 
 def family_class(family: str) -> type[Encoders]:

@@ -30,7 +30,7 @@ DEMO_CONFIG = REPO_ROOT / "configs" / "demo.yaml"
 # tiny_clip (tests/test_curate_models.py) and tiny_llava (tests/test_caption_models.py) are module fixtures.
 MODEL_FIXTURES = frozenset({"tiny_flux", "tiny_wan", "tiny_wan22", "tiny_wan_ti2v", "tiny_wan_i2v", "tiny_blip",
                             "tiny_clip", "tiny_llava", "tiny_zimage", "tiny_flux2_klein", "tiny_flux2_dev",
-                            "tiny_qwen_image", "tiny_qwen_image_edit"})
+                            "tiny_qwen_image", "tiny_qwen_image_edit", "tiny_ltx2"})
 
 # A migrated, empty Prefect database, made once per session (shared by the pytest-xdist workers) and copied into
 # the private PREFECT_HOME of each CLI process a test starts: a fresh home's temporary API server first spends
@@ -259,6 +259,14 @@ def tiny_wan_i2v(tmp_path_factory) -> Path:
 
     return built_once(tmp_path_factory, "tiny-wan2.1-i2v",
                       lambda target: build_tiny_wan(target, I2V_RECIPE_PATH, seed=0))
+
+
+@pytest.fixture(scope="session")
+def tiny_ltx2(tmp_path_factory) -> Path:
+    """A complete tiny LTX2Pipeline folder (video with audio) built from data/tiny-ltx2.yaml with seed 0."""
+    from latentmill.tiny_ltx2 import build_tiny_ltx2
+
+    return built_once(tmp_path_factory, "tiny-ltx2", lambda target: build_tiny_ltx2(target, seed=0))
 
 
 @pytest.fixture(scope="session")

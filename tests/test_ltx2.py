@@ -1,0 +1,196 @@
+"""LTX-2 (family ``ltx2``): the clip's sound at ingest (PyAV, resampled, cut to the clip's window, log-mel), the tiny
+model set, and caching equal to ``LTX2Pipeline``'s own encode path (video latents, audio latents, text)."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pytest
+import torch
+from latentmill.stages.audio import clip_sounds, clip_span, log_mel, read_audio, slaney_mel_filters
+from latentmill.stages.families import FAMILIES, LTX2Encoders
+
+from latentmill.core.config import ConfigError
+from latentmill.models import ModelConfig
+from latentmill.tiny_ltx2 import DEFAULT_RECIPE_PATH, load_recipe
+from tests.conftest import REPO_ROOT
+from tests.trainer_helpers import torch_threads
+
+AUDIO_DEMO = REPO_ROOT / "data" / "demo" / "videos-audio"
+TONES = {"low_tone": 220.0, "mid_tone": 660.0, "high_tone": 1760.0}
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    with torch_threads(1):
+        yield
+
+
+def peak_hz(wave: torch.Tensor, rate: int) -> float:
+    """The strongest frequency of a mono waveform."""
+    spectrum = np.abs(np.fft.rfft(wave.numpy()))
+    return float(np.fft.rfftfreq(len(wave), 1 / rate)[spectrum.argmax()])
+
+
+def test_family_is_registered_with_its_streams():
+    assert FAMILIES["ltx2"] is LTX2Encoders
+    names = [s.name for s in LTX2Encoders.STREAMS]
+    assert names == ["latents", "audio_latents", "prompt_embeds", "audio_prompt_embeds", "prompt_attention_mask"]
+    assert LTX2Encoders.needs_audio() and not FAMILIES["wan"].needs_audio()
+    assert [s.name for s in LTX2Encoders.STREAMS if s.from_audio] == ["audio_latents"]
+    configs = {"vae": {"latent_channels": 128}, "audio_vae": {"latent_channels": 8, "mel_bins": 64},
+               "connectors": {"caption_channels": 3840}}
+    shapes = LTX2Encoders.sample_shapes(lambda name: configs.get(name, {}), [768, 512, 121], 1024)
+    # 121 frames at 24 fps: 5.04 s of 16 kHz audio, 505 mel frames, 127 latent frames (the pipeline's round(126.04))
+    assert shapes == {"latents": (128, 16, 16, 24), "audio_latents": (8, 127, 16), "prompt_embeds": (1024, 3840),
+                      "audio_prompt_embeds": (1024, 3840), "prompt_attention_mask": (1024,)}
+
+
+def test_recipe_rules_name_the_key(tmp_path):
+    import yaml
+
+    data = load_recipe(DEFAULT_RECIPE_PATH)
+    data["components"]["audio_vae"]["base_channels"] = 8
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(yaml.safe_dump(data))
+    with pytest.raises(ConfigError, match=r"components.audio_vae.base_channels: 8 != latent_channels x mel_bins / 4 "
+                                          r"\(32\)"):
+        load_recipe(bad)
+    data = load_recipe(DEFAULT_RECIPE_PATH)
+    data["components"]["connectors"]["text_proj_in_factor"] = 2
+    bad.write_text(yaml.safe_dump(data))
+    with pytest.raises(ConfigError, match=r"connectors.text_proj_in_factor: 2 != text_encoder.text_config."
+                                          r"num_hidden_layers \+ 1 \(3\)"):
+        load_recipe(bad)
+
+
+def test_log_mel_puts_a_tone_in_its_mel_bin():
+    rate, hop, bins = 16000, 160, 64
+    filters = slaney_mel_filters(rate, 1024, bins)
+    assert filters.shape == (bins, 513) and (filters >= 0).all() and (filters.sum(1) > 0).all()
+    centres = (filters * torch.linspace(0, rate / 2, 513)).sum(1) / filters.sum(1)
+    assert (centres.diff() > 0).all()  # filters ordered by frequency
+    n = 8000
+    t = torch.arange(n) / rate
+    waves = torch.stack([torch.sin(2 * math.pi * f * t) for f in (220.0, 1760.0)])[:, None].expand(2, 2, n)
+    mel = log_mel(waves.contiguous(), rate, hop, bins)
+    assert mel.shape == (2, 2, 1 + n // hop, bins)
+    for k, f in enumerate((220.0, 1760.0)):
+        peak = int(mel[k, 0, 10:-10].mean(0).argmax())
+        assert abs(float(centres[peak]) - f) < 0.1 * f + 40  # the bin whose filter is centred near the tone
+    silence = log_mel(torch.zeros(1, 2, n), rate, hop, bins)
+    assert torch.equal(silence, torch.full_like(silence, math.log(1e-5)))  # what the VAE sees for no sound
+
+
+def test_read_audio_cuts_the_window_and_resamples():
+    # 48 kHz stereo, 44.1 kHz mono and 22.05 kHz stereo sources, all read as 16 kHz stereo
+    for name, tone in TONES.items():
+        (head, later), track = read_audio(AUDIO_DEMO / f"{name}.mp4", [(0.0, 0.5), (0.5, 0.75)], 16000)
+        assert track and head.shape == (2, 8000) and later.shape == (2, 12000) and head.dtype == torch.float32
+        # a mono source is duplicated to both channels; a stereo one's channels hold the same tone (AAC's joint
+        # stereo rounds them apart)
+        torch.testing.assert_close(head[0], head[1], rtol=0, atol=0 if name == "high_tone" else 0.01)
+        assert abs(peak_hz(later[0], 16000) - tone) <= 2.0  # the pitch survives AAC and resampling
+        assert 0.05 < float(later.abs().max()) < 0.15  # a tenth of full scale
+    (past,), _ = read_audio(AUDIO_DEMO / "low_tone.mp4", [(1.25, 0.5)], 16000)  # the track ends at 33/24 s
+    assert float(past[:, :1000].abs().max()) > 0.05 and torch.equal(past[:, 3000:], torch.zeros(2, 5000))
+    (silent,), track = read_audio(AUDIO_DEMO / "silent.mp4", [(0.0, 0.5)], 16000)
+    assert not track and torch.equal(silent, torch.zeros(2, 8000))
+
+
+def test_clip_sounds_follow_the_clip_window():
+    meta = {"kind": "video", "source_uri": str(AUDIO_DEMO / "mid_tone.mp4"), "fps": 24.0,
+            "clip": {"frame_indices": list(range(12, 29)), "num_frames": 17, "fps": 24.0}}
+    assert clip_span(meta) == (0.5, 17 / 24)
+    image = {"kind": "image"}
+    sounds = clip_sounds({0: meta, 1: image, 2: {**meta, "source_uri": str(AUDIO_DEMO / "missing.mp4")}}, 16000)
+    wave, track = sounds[0]
+    (direct,), _ = read_audio(AUDIO_DEMO / "mid_tone.mp4", [(0.5, 17 / 24)], 16000)
+    assert track and torch.equal(wave, direct) and wave.shape == (2, round(17 / 24 * 16000))
+    assert isinstance(sounds[1], ValueError) and "an image has no sound" in str(sounds[1])
+    assert isinstance(sounds[2], Exception)
+
+
+@pytest.fixture(scope="module")
+def pipe(tiny_ltx2):
+    from diffusers import LTX2Pipeline
+
+    return LTX2Pipeline.from_pretrained(tiny_ltx2)
+
+
+@pytest.fixture(scope="module")
+def encoders(tiny_ltx2):
+    return LTX2Encoders(ModelConfig(pretrained=str(tiny_ltx2), family="ltx2"), torch.device("cpu"))
+
+
+def test_cached_streams_equal_the_pipelines_encode_path(pipe, encoders):
+    gen = torch.Generator().manual_seed(0)
+    clips = torch.rand(2, 3, 17, 64, 96, generator=gen) * 2 - 1
+    mean, std = encoders.encode_pixels(clips)
+    with torch.no_grad():
+        dist = pipe.vae.encode(clips).latent_dist
+    expected = pipe._normalize_latents(dist.mean, pipe.vae.latents_mean, pipe.vae.latents_std,
+                                       pipe.vae.config.scaling_factor)
+    assert mean.shape == (2, 128, 3, 2, 3)
+    torch.testing.assert_close(mean, expected, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(std, dist.std / pipe.vae.latents_std.view(1, -1, 1, 1, 1), rtol=1e-5, atol=1e-6)
+
+    # audio: the pipeline's path for given audio latents packs, then normalises (prepare_audio_latents, no noise)
+    waves = torch.rand(2, 2, 11333, generator=gen) * 0.2 - 0.1
+    audio = encoders.encode_audio(waves)["audio_latents"]
+    with torch.no_grad():
+        raw = pipe.audio_vae.encode(log_mel(waves, 16000, 160, 64)).latent_dist.mean
+    packed = pipe.prepare_audio_latents(2, latents=raw, noise_scale=0.0, dtype=torch.float32)
+    assert audio.shape == (2, 2, 18, 16)  # 17 frames at 24 fps: the pipeline's round(25 * 17 / 24) latent frames
+    torch.testing.assert_close(pipe._pack_audio_latents(audio), packed, rtol=1e-5, atol=1e-5)
+
+    captions = ["a red square moving right on blue, with a low hum", "a white square crossing black, in silence"]
+    text = encoders.encode_text(captions, 64)
+    with torch.no_grad():
+        embeds, mask, _, _ = pipe.encode_prompt(captions, do_classifier_free_guidance=False, max_sequence_length=64,
+                                                device=torch.device("cpu"))
+        video, audio_text, out_mask = pipe.connectors(embeds, mask, padding_side="left")
+    assert text["prompt_embeds"].shape == (2, 64, 32) and text["lengths"] == [64, 64]
+    assert int(mask[0].sum()) < 64  # left padding on the real captions ...
+    assert torch.equal(text["prompt_attention_mask"], out_mask.float())  # ... which the registers fill
+    torch.testing.assert_close(text["prompt_embeds"], video, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(text["audio_prompt_embeds"], audio_text, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ConfigError, match="cache.max_sequence_length: 40 is not a multiple of the connectors' 16 "
+                                          "learnable registers"):
+        encoders.encode_text(captions, 40)
+
+
+def test_prep_caches_each_clips_sound_beside_its_latents(tmp_path, tiny_ltx2, encoders):
+    """The demo set with sound through prep: every clip has its audio latents; the video without a track gets the
+    encoded silence; counts conserve."""
+    from latentmill.stages.tarshard import read_shard
+    from safetensors.torch import load
+
+    from latentmill.cli import main
+
+    out = tmp_path / "out"
+    summary = tmp_path / "summary.json"
+    assert main(["prep", str(REPO_ROOT / "configs" / "demo-ltx2.yaml"), f"output_dir={out}",
+                 f"model.pretrained={tiny_ltx2}", "runner.workers=1", "--summary-json", str(summary)]) == 0
+    stages = json.loads(summary.read_text())["stages"]
+    assert (stages["bucket"]["in"], stages["bucket"]["out"]) == (4, 8)  # two 17-frame clips per video
+    assert (stages["cache"]["in"], stages["cache"]["out"], stages["cache"]["quarantined"]) == (8, 8, 0)
+    samples = [s for path in sorted((out / "prep" / "cache").rglob("*.tar")) for s in read_shard(str(path))]
+    silent = encoders.encode_audio(torch.zeros(1, 2, round(17 / 24 * 16000)))["audio_latents"][0]
+    by_source = {}
+    for sample in samples:
+        meta = json.loads(sample["json"])
+        vae = load(sample["vae.safetensors"])
+        assert vae["latents"].shape == (128, 3, 2, 2) and vae["audio_latents"].shape == (2, 18, 16)
+        by_source.setdefault(meta["source"], []).append(vae["audio_latents"])
+    assert sorted(by_source) == ["high_tone.mp4", "low_tone.mp4", "mid_tone.mp4", "silent.mp4"]
+    for audio in by_source["silent.mp4"]:
+        torch.testing.assert_close(audio, silent, rtol=0, atol=1e-6)
+    for source in ("low_tone.mp4", "mid_tone.mp4", "high_tone.mp4"):
+        assert (by_source[source][0] - silent).abs().max() > 0.1  # a sound track is not silence
+    assert (by_source["low_tone.mp4"][0] - by_source["high_tone.mp4"][0]).abs().max() > 0.1  # pitch is in it
+    records = [json.loads(p.read_text()) for p in (out / "prep" / "cache").rglob("*.json")]
+    audio_counts = [r["extra"]["audio"] for r in records if "audio" in r.get("extra", {})]
+    assert sum(c["silent"] for c in audio_counts) == 2 and sum(c["with_track"] for c in audio_counts) == 6
