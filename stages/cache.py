@@ -663,7 +663,9 @@ def process(cfg: CacheConfig, model: ModelConfig, unit: WorkUnit, out: UnitOutpu
                     reference_mean = encoders.encode_pixels(torch.stack([decoded[i][1] for i in need_vae]))[0]
                 conditions = encoders.encode_conditions(torch.stack(targets))
                 if sounds:  # the clips' sound under their frames (from_audio streams)
-                    conditions.update(encoders.encode_audio(torch.stack([sounds[i][0] for i in need_vae])))
+                    conditions.update(encoders.encode_audio(
+                        torch.stack([sounds[i][0] for i in need_vae]),
+                        torch.tensor([float(metas[i]["clip"]["fps"]) for i in need_vae])))
             for j, i in enumerate(need_vae):
                 tensors = _latent_tensors(mean[j], std[j], cfg, keys[i][0])
                 tensors.update({name: tensor[j] for name, tensor in conditions.items()})

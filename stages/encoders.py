@@ -42,8 +42,8 @@ class Stream:
     # a vae stream of an edit pair's source image (the sample's ``reference``, ingest.edit), encoded like the
     # target's ``latents`` (the distribution's mean) at the target's bucket
     from_reference: bool = False
-    # a vae stream of the clip's sound: the source video's audio under the clip's frames (stages/audio.py),
-    # passed to ``Encoders.encode_audio``; a clip of a video without an audio track gets silence
+    # a vae stream computed by ``Encoders.encode_audio`` from the clip's sound (the source video's audio under the
+    # clip's frames, stages/audio.py; silence without an audio track) and frame rate
     from_audio: bool = False
 
     def to_json(self) -> dict[str, Any]:
@@ -149,9 +149,10 @@ class Encoders(ABC):
         frame); none by default."""
         return {}
 
-    def encode_audio(self, waveforms_BCN: torch.Tensor) -> dict[str, torch.Tensor]:
+    def encode_audio(self, waveforms_BCN: torch.Tensor, frame_rates_B: torch.Tensor) -> dict[str, torch.Tensor]:
         """The family's ``from_audio`` streams of a batch of clips' sound (``[B, 2, N]`` float32 at
-        ``audio_sample_rate``), by name, batch first, float32, on the CPU; none by default."""
+        ``audio_sample_rate``) and frame rates (``[B]``, frames per second), by name, batch first, float32, on
+        the CPU; none by default."""
         return {}
 
     @abstractmethod

@@ -9,6 +9,7 @@ Streams, each as ``LTX2Pipeline`` feeds its transformer:
   16 kHz stereo log-mel spectrogram encoded by ``AutoencoderKLLTX2Audio``: means [C, L, M], normalised with the
   VAE's statistics over the packed (channel, mel bin) features, as ``prepare_audio_latents`` does after
   ``_pack_audio_latents``.
+* ``frame_rate``: the clip's frames per second (the transformer places video tokens in seconds).
 * ``prompt_embeds``, ``audio_prompt_embeds``, ``prompt_attention_mask``: Gemma 3's hidden states of every layer,
   stacked as ``_get_gemma_prompt_embeds`` stacks them (left padding to ``max_sequence_length``), passed through
   the pipeline's ``connectors`` (``LTX2TextConnectors``): the video and audio text embeddings and the mask the
@@ -44,6 +45,8 @@ class LTX2Encoders(Encoders):
         Stream("latents", "vae", "[C, 1 + (F - 1)/8, H/32, W/32]", "(z - latents_mean) * scaling_factor / latents_std"),
         Stream("audio_latents", "vae", "[C_a, 1 + (S/hop)/4, mel_bins/4]",
                "(z - latents_mean) / latents_std over the packed (C_a, mel_bins/4) features", from_audio=True),
+        # the clip's frame rate: the transformer's video positions are in seconds (LTX2Pipeline's frame_rate)
+        Stream("frame_rate", "vae", "[1]", "frames per second of the clip", from_audio=True),
         Stream("prompt_embeds", "text", "[L, D]", "connectors(Gemma 3 hidden states, all layers).video", pad="keep"),
         Stream("audio_prompt_embeds", "text", "[L, D]", "connectors(Gemma 3 hidden states, all layers).audio",
                pad="keep"),
@@ -71,7 +74,7 @@ class LTX2Encoders(Encoders):
                             int(bucket[1]) // spatial, int(bucket[0]) // spatial),
                 "audio_latents": (int(audio.get("latent_channels", 8)), (mel_frames - 1) // 4 + 1,
                                   int(audio.get("mel_bins", 64)) // 4),
-                "prompt_embeds": (max_sequence_length, width), "audio_prompt_embeds": (max_sequence_length, width),
+                "frame_rate": (1,), "prompt_embeds": (max_sequence_length, width), "audio_prompt_embeds": (max_sequence_length, width),
                 "prompt_attention_mask": (max_sequence_length,)}
 
     def __init__(self, model: ModelConfig, device: torch.device):
@@ -113,14 +116,16 @@ class LTX2Encoders(Encoders):
         return (torch.cat(means) - self.latents_mean) * scale, torch.cat(stds) * scale
 
     @torch.no_grad()
-    def encode_audio(self, waveforms_BCN: torch.Tensor) -> dict[str, torch.Tensor]:
+    def encode_audio(self, waveforms_BCN: torch.Tensor, frame_rates_B: torch.Tensor) -> dict[str, torch.Tensor]:
         """``audio_latents`` [B, C_a, L, M/4]: the normalised audio-VAE means of ``[B, 2, N]`` waveforms at
-        ``audio_sample_rate`` (the log-mel spectrogram of :func:`latentmill.stages.audio.log_mel`)."""
+        ``audio_sample_rate`` (the log-mel spectrogram of :func:`latentmill.stages.audio.log_mel`); and each
+        clip's ``frame_rate`` [B, 1]."""
         cfg = self.audio_vae.config
         mel_BCTM = log_mel(waveforms_BCN, self.audio_sample_rate, int(cfg.mel_hop_length), int(cfg.mel_bins))
         with self.lock:
             mean = self.audio_vae.encode(mel_BCTM.to(self.device, torch.float32)).latent_dist.mean.float().cpu()
-        return {"audio_latents": (mean - self.audio_mean) / self.audio_std}
+        return {"audio_latents": (mean - self.audio_mean) / self.audio_std,
+                "frame_rate": frame_rates_B.float().view(-1, 1)}
 
     @torch.no_grad()
     def encode_text(self, captions: list[str], max_sequence_length: int) -> dict[str, Any]:

@@ -37,14 +37,16 @@ def peak_hz(wave: torch.Tensor, rate: int) -> float:
 def test_family_is_registered_with_its_streams():
     assert FAMILIES["ltx2"] is LTX2Encoders
     names = [s.name for s in LTX2Encoders.STREAMS]
-    assert names == ["latents", "audio_latents", "prompt_embeds", "audio_prompt_embeds", "prompt_attention_mask"]
+    assert names == ["latents", "audio_latents", "frame_rate", "prompt_embeds", "audio_prompt_embeds",
+                     "prompt_attention_mask"]
     assert LTX2Encoders.needs_audio() and not FAMILIES["wan"].needs_audio()
-    assert [s.name for s in LTX2Encoders.STREAMS if s.from_audio] == ["audio_latents"]
+    assert [s.name for s in LTX2Encoders.STREAMS if s.from_audio] == ["audio_latents", "frame_rate"]
     configs = {"vae": {"latent_channels": 128}, "audio_vae": {"latent_channels": 8, "mel_bins": 64},
                "connectors": {"caption_channels": 3840}}
     shapes = LTX2Encoders.sample_shapes(lambda name: configs.get(name, {}), [768, 512, 121], 1024)
     # 121 frames at 24 fps: 5.04 s of 16 kHz audio, 505 mel frames, 127 latent frames (the pipeline's round(126.04))
-    assert shapes == {"latents": (128, 16, 16, 24), "audio_latents": (8, 127, 16), "prompt_embeds": (1024, 3840),
+    assert shapes == {"latents": (128, 16, 16, 24), "audio_latents": (8, 127, 16), "frame_rate": (1,),
+                      "prompt_embeds": (1024, 3840),
                       "audio_prompt_embeds": (1024, 3840), "prompt_attention_mask": (1024,)}
 
 
@@ -139,7 +141,9 @@ def test_cached_streams_equal_the_pipelines_encode_path(pipe, encoders):
 
     # audio: the pipeline's path for given audio latents packs, then normalises (prepare_audio_latents, no noise)
     waves = torch.rand(2, 2, 11333, generator=gen) * 0.2 - 0.1
-    audio = encoders.encode_audio(waves)["audio_latents"]
+    encoded = encoders.encode_audio(waves, torch.tensor([24.0, 12.0]))
+    audio = encoded["audio_latents"]
+    assert torch.equal(encoded["frame_rate"], torch.tensor([[24.0], [12.0]]))
     with torch.no_grad():
         raw = pipe.audio_vae.encode(log_mel(waves, 16000, 160, 64)).latent_dist.mean
     packed = pipe.prepare_audio_latents(2, latents=raw, noise_scale=0.0, dtype=torch.float32)
@@ -178,12 +182,13 @@ def test_prep_caches_each_clips_sound_beside_its_latents(tmp_path, tiny_ltx2, en
     assert (stages["bucket"]["in"], stages["bucket"]["out"]) == (4, 8)  # two 17-frame clips per video
     assert (stages["cache"]["in"], stages["cache"]["out"], stages["cache"]["quarantined"]) == (8, 8, 0)
     samples = [s for path in sorted((out / "prep" / "cache").rglob("*.tar")) for s in read_shard(str(path))]
-    silent = encoders.encode_audio(torch.zeros(1, 2, round(17 / 24 * 16000)))["audio_latents"][0]
+    silent = encoders.encode_audio(torch.zeros(1, 2, round(17 / 24 * 16000)), torch.tensor([24.0]))["audio_latents"][0]
     by_source = {}
     for sample in samples:
         meta = json.loads(sample["json"])
         vae = load(sample["vae.safetensors"])
         assert vae["latents"].shape == (128, 3, 2, 2) and vae["audio_latents"].shape == (2, 18, 16)
+        assert torch.equal(vae["frame_rate"], torch.tensor([24.0])) and meta["clip"]["fps"] == 24.0
         by_source.setdefault(meta["source"], []).append(vae["audio_latents"])
     assert sorted(by_source) == ["high_tone.mp4", "low_tone.mp4", "mid_tone.mp4", "silent.mp4"]
     for audio in by_source["silent.mp4"]:

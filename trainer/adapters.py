@@ -9,6 +9,7 @@ from __future__ import annotations
 from latentmill.trainer.adapter import ModelAdapter
 from latentmill.trainer.flux import FluxAdapter
 from latentmill.trainer.flux2 import Flux2Adapter, Flux2KleinAdapter
+from latentmill.trainer.ltx2 import LTX2Adapter
 from latentmill.trainer.qwen_image import QwenImageAdapter, QwenImageEditAdapter
 from latentmill.trainer.wan import WanAdapter
 from latentmill.trainer.wan21_i2v import WanI2VAdapter
@@ -23,6 +24,7 @@ ADAPTERS: dict[str, type[ModelAdapter]] = {"flux": FluxAdapter, "wan": WanAdapte
                                             "flux2-klein": Flux2KleinAdapter}
 ADAPTERS["wan2.2-ti2v"] = WanTI2VAdapter
 ADAPTERS["wan2.1-i2v"] = WanI2VAdapter
+ADAPTERS["ltx2"] = LTX2Adapter
 
 
 def get_adapter(family: str) -> ModelAdapter:
