@@ -30,7 +30,7 @@ DEMO_CONFIG = REPO_ROOT / "configs" / "demo.yaml"
 # tiny_clip (tests/test_curate_models.py) and tiny_llava (tests/test_caption_models.py) are module fixtures.
 MODEL_FIXTURES = frozenset({"tiny_flux", "tiny_wan", "tiny_wan22", "tiny_wan_ti2v", "tiny_wan_i2v", "tiny_blip",
                             "tiny_clip", "tiny_llava", "tiny_zimage", "tiny_flux2_klein", "tiny_flux2_dev",
-                            "tiny_qwen_image", "tiny_qwen_image_edit", "tiny_ltx2"})
+                            "tiny_qwen_image", "tiny_qwen_image_edit", "tiny_ltx2", "ltx2_prep"})
 
 # A migrated, empty Prefect database, made once per session (shared by the pytest-xdist workers) and copied into
 # the private PREFECT_HOME of each CLI process a test starts: a fresh home's temporary API server first spends
@@ -267,6 +267,21 @@ def tiny_ltx2(tmp_path_factory) -> Path:
     from latentmill.tiny_ltx2 import build_tiny_ltx2
 
     return built_once(tmp_path_factory, "tiny-ltx2", lambda target: build_tiny_ltx2(target, seed=0))
+
+
+@pytest.fixture(scope="session")
+def ltx2_prep(tmp_path_factory, tiny_ltx2) -> Path:
+    """configs/demo-ltx2.yaml's prep (the demo videos with sound, the tiny LTX-2 set), run once per session and
+    shared like the model folders: its output folder, with the run summary in ``summary.json``. Read-only."""
+
+    def build(target: Path) -> None:
+        from latentmill.cli import main
+
+        assert main(["prep", str(REPO_ROOT / "configs" / "demo-ltx2.yaml"), f"output_dir={target}",
+                     f"model.pretrained={tiny_ltx2}", "runner.workers=1", "--summary-json",
+                     str(target / "summary.json")]) == 0
+
+    return built_once(tmp_path_factory, "ltx2-demo-prep", build)
 
 
 @pytest.fixture(scope="session")

@@ -166,19 +166,14 @@ def test_cached_streams_equal_the_pipelines_encode_path(pipe, encoders):
         encoders.encode_text(captions, 40)
 
 
-def test_prep_caches_each_clips_sound_beside_its_latents(tmp_path, tiny_ltx2, encoders):
+def test_prep_caches_each_clips_sound_beside_its_latents(ltx2_prep, encoders):
     """The demo set with sound through prep: every clip has its audio latents; the video without a track gets the
     encoded silence; counts conserve."""
     from latentmill.stages.tarshard import read_shard
     from safetensors.torch import load
 
-    from latentmill.cli import main
-
-    out = tmp_path / "out"
-    summary = tmp_path / "summary.json"
-    assert main(["prep", str(REPO_ROOT / "configs" / "demo-ltx2.yaml"), f"output_dir={out}",
-                 f"model.pretrained={tiny_ltx2}", "runner.workers=1", "--summary-json", str(summary)]) == 0
-    stages = json.loads(summary.read_text())["stages"]
+    out = ltx2_prep
+    stages = json.loads((out / "summary.json").read_text())["stages"]
     assert (stages["bucket"]["in"], stages["bucket"]["out"]) == (4, 8)  # two 17-frame clips per video
     assert (stages["cache"]["in"], stages["cache"]["out"], stages["cache"]["quarantined"]) == (8, 8, 0)
     samples = [s for path in sorted((out / "prep" / "cache").rglob("*.tar")) for s in read_shard(str(path))]

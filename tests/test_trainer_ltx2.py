@@ -14,7 +14,6 @@ from latentmill.trainer.objective import flow_matching_loss, interpolate, sample
 from latentmill.trainer.train import derive_seed
 
 from latentmill.core.config import ConfigError
-from tests.conftest import REPO_ROOT
 from tests.trainer_helpers import read_metrics, torch_threads
 
 
@@ -47,14 +46,9 @@ NO_GUIDANCE = dict(guidance_scale=1.0, audio_guidance_scale=1.0, stg_scale=0.0, 
 
 
 @pytest.fixture(scope="module")
-def snapshot(tiny_ltx2, tmp_path_factory):
+def snapshot(ltx2_prep):
     """The demo videos with sound prepped with the tiny LTX-2 set: 8 clips of 64 x 64 px x 17 frames."""
-    from latentmill.cli import main
-
-    out = tmp_path_factory.mktemp("ltx2-prep")
-    assert main(["prep", str(REPO_ROOT / "configs" / "demo-ltx2.yaml"), f"output_dir={out}",
-                 f"model.pretrained={tiny_ltx2}", "runner.workers=1"]) == 0
-    (path,) = (out / "snapshots").glob("0001-*")
+    (path,) = (ltx2_prep / "snapshots").glob("0001-*")
     return path
 
 
