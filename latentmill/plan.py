@@ -64,6 +64,9 @@ SHIPPED_CONFIGS: dict[str, tuple[str, torch.dtype]] = {
     "black-forest-labs/FLUX.2-klein-base-9B": ("FLUX.2-klein-base-9B", torch.bfloat16),
     "black-forest-labs/FLUX.2-klein-4B": ("FLUX.2-klein-base-4B", torch.bfloat16),
     "black-forest-labs/FLUX.2-klein-9B": ("FLUX.2-klein-base-9B", torch.bfloat16),
+    # LTX-2 (19B: the 48 blocks' 4096-wide video stream and 2048-wide audio stream), published in bfloat16; the
+    # transformer config is LTX2VideoTransformer3DModel's defaults (diffusers 0.42 writes them for LTX-2)
+    "Lightricks/LTX-2": ("LTX-2", torch.bfloat16),
 }
 # safetensors header dtype names
 _ST_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "F64": torch.float64}

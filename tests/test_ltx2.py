@@ -194,3 +194,45 @@ def test_prep_caches_each_clips_sound_beside_its_latents(ltx2_prep, encoders):
     records = [json.loads(p.read_text()) for p in (out / "prep" / "cache").rglob("*.json")]
     audio_counts = [r["extra"]["audio"] for r in records if "audio" in r.get("extra", {})]
     assert sum(c["silent"] for c in audio_counts) == 2 and sum(c["with_track"] for c in audio_counts) == 6
+
+
+def test_recipes_train_video_with_sound():
+    from latentmill.stages.bucket import bucket_sizes
+
+    from latentmill.recipe import load_recipe
+
+    configs = REPO_ROOT / "configs"
+    for name, mode in (("ltx2-lora.yaml", "lora"), ("ltx2-full.yaml", "full")):
+        recipe = load_recipe(configs / name)
+        assert (recipe.model.pretrained, recipe.model.family) == ("Lightricks/LTX-2", "ltx2")
+        assert (recipe.trainer.mode, recipe.parallel.strategy, recipe.trainer.audio_loss_weight) == (mode, "fsdp2", 1.0)
+        assert (recipe.bucket.frame_step, recipe.bucket.max_frames, recipe.bucket.target_fps) == (8, 121, 24.0)
+        assert recipe.cache.max_sequence_length % 128 == 0  # the connectors' registers
+        assert (recipe.trainer.shift_mode, recipe.trainer.base_shift, recipe.trainer.max_shift) == ("resolution", 0.95,
+                                                                                                    2.05)
+        sizes = bucket_sizes(recipe.bucket)
+        assert sizes[1.5] == (768, 512) and all(w % 32 == 0 and h % 32 == 0 for w, h in sizes.values())
+    demo = load_recipe(configs / "demo-ltx2.yaml")
+    assert demo.model.family == "ltx2" and demo.model.tiny_recipe.endswith("data/tiny-ltx2.yaml")
+    assert demo.bucket.step == 32 and demo.bucket.frame_counts == [9, 17] and demo.cache.max_sequence_length == 64
+
+
+@pytest.mark.slow
+@pytest.mark.heavy  # 100 s on 2 busy cores (48 blocks on meta, two plans); plan's path is tested on every family
+def test_plan_counts_the_published_19b():
+    from diffusers import LTX2VideoTransformer3DModel as cls
+
+    from latentmill.plan import plan_config, shipped_models_dir
+
+    with torch.device("meta"):
+        model = cls.from_config(cls.load_config(str(shipped_models_dir() / "LTX-2"), subfolder="transformer"))
+    total = sum(p.numel() for p in model.parameters())
+    assert total == 18_876_174_592 and len(model.transformer_blocks) == 48  # "19B"
+    full = plan_config(str(REPO_ROOT / "configs" / "ltx2-full.yaml"), nproc=8)
+    assert full["total_params"] == full["trainable_params"] == total and full["config"]["shipped_configs"]
+    assert full["per_rank"]["optimizer_bytes"] == 2 * full["per_rank"]["params_bytes"]
+    lora = plan_config(str(REPO_ROOT / "configs" / "ltx2-lora.yaml"), nproc=8)
+    # rank 32 on every to_q/k/v/out.0 of the video, audio and audio-video attentions
+    targets = [m for name, m in model.named_modules() if name.endswith(("to_q", "to_k", "to_v", "to_out.0"))]
+    assert lora["trainable_params"] == sum(32 * (m.in_features + m.out_features) for m in targets) == 213_909_504
+    assert lora["total_params"] == total + lora["trainable_params"]
