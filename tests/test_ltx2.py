@@ -236,3 +236,27 @@ def test_plan_counts_the_published_19b():
     targets = [m for name, m in model.named_modules() if name.endswith(("to_q", "to_k", "to_v", "to_out.0"))]
     assert lora["trainable_params"] == sum(32 * (m.in_features + m.out_features) for m in targets) == 213_909_504
     assert lora["total_params"] == total + lora["trainable_params"]
+
+
+def test_audio_demo_videos_match_their_recipe(tmp_path):
+    """The committed videos with sound have the frames, rates and tracks ``make_demo_videos.py --audio`` asks for;
+    regenerating gives files with the same facts (the bytes depend on the FFmpeg build, so they are not compared)."""
+    import importlib.util
+
+    import av
+    from latentmill.stages.video import probe_video
+
+    spec = importlib.util.spec_from_file_location("make_demo_videos", REPO_ROOT / "data" / "make_demo_videos.py")
+    make = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(make)
+    make.generate_audio(tmp_path)
+    for name, (frames, *_colours, tone, rate, channels, caption) in make.AUDIO_VIDEOS.items():
+        for folder in (AUDIO_DEMO, tmp_path):
+            path = folder / f"{name}.mp4"
+            assert probe_video(str(path)) == {"width": 64, "height": 64, "frames": frames, "fps": 24.0,
+                                              "duration": round(frames / 24, 6), "codec": "h264"}
+            with av.open(str(path)) as container:
+                tracks = [(s.codec_context.name, s.rate, s.channels) for s in container.streams.audio]
+            assert tracks == ([] if tone is None else [("aac", rate, channels)])
+            assert (folder / f"{name}.txt").read_text() == caption + "\n"
+    assert sum(p.stat().st_size for p in AUDIO_DEMO.iterdir()) < 100_000
