@@ -72,6 +72,8 @@ class Encoders(ABC):
     VAE_FLOAT32: ClassVar[bool] = False  # the VAE runs in float32 even on a GPU
     # bucket sizes must be multiples of this many pixels: the VAE's spatial factor x the transformer's patch
     PIXEL_MULTIPLE: ClassVar[int] = 16
+    # clips must be FRAME_STEP·k + 1 frames long: the video VAE's temporal factor (1: any length is encoded)
+    FRAME_STEP: ClassVar[int] = 1
     # the text encoder sees the edit pair's source image: encode_text gets ``images`` (PIL, one per caption)
     # and a text component is keyed by the caption and that image's bytes
     TEXT_SEES_REFERENCE: ClassVar[bool] = False

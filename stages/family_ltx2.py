@@ -41,6 +41,7 @@ class LTX2Encoders(Encoders):
     COMPONENTS = ("vae", "audio_vae", "text_encoder", "connectors")
     PIXEL_COMPONENTS = ("vae", "audio_vae")  # the vae member holds the clip's audio latents too
     PIXEL_MULTIPLE = 32  # 32x VAE, 1 x 1 patches
+    FRAME_STEP = 8  # 8x temporal VAE: 8k + 1 frames
     STREAMS = (
         Stream("latents", "vae", "[C, 1 + (F - 1)/8, H/32, W/32]", "(z - latents_mean) * scaling_factor / latents_std"),
         Stream("audio_latents", "vae", "[C_a, 1 + (S/hop)/4, mel_bins/4]",

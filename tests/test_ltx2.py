@@ -50,6 +50,18 @@ def test_family_is_registered_with_its_streams():
                       "audio_prompt_embeds": (1024, 3840), "prompt_attention_mask": (1024,)}
 
 
+def test_bucket_sizes_and_clip_lengths_are_checked_before_work():
+    from latentmill.preflight import check_bucket_step
+
+    check_bucket_step("ltx2", 32, [1, 9, 17, 121])
+    check_bucket_step("wan", 16, [5, 9])  # a family without a frame rule takes any length
+    with pytest.raises(ConfigError, match=r"bucket.step: 16 px, but ltx2 needs sizes in multiples of 32 px"):
+        check_bucket_step("ltx2", 16)
+    with pytest.raises(ConfigError, match=r"bucket.frame_counts: \[5, 13\] frames, but ltx2 takes clips of 8k\+1 "
+                                          r"frames .*set bucket.frame_step: 8"):
+        check_bucket_step("ltx2", 32, [5, 9, 13, 17])
+
+
 def test_recipe_rules_name_the_key(tmp_path):
     import yaml
 
