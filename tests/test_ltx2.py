@@ -272,3 +272,25 @@ def test_audio_demo_videos_match_their_recipe(tmp_path):
             assert tracks == ([] if tone is None else [("aac", rate, channels)])
             assert (folder / f"{name}.txt").read_text() == caption + "\n"
     assert sum(p.stat().st_size for p in AUDIO_DEMO.iterdir()) < 100_000
+
+
+def test_tiny_set_is_a_pure_function_of_its_seed(tiny_ltx2, tmp_path):
+    """Rebuilt with the same seed, the tiny LTX-2 set has the same weight and tokenizer bytes; it loads as an
+    LTX2Pipeline whose tokenizer adds Gemma's <bos>, and is registered for recipes' model.tiny_recipe."""
+    import hashlib
+
+    from latentmill.tiny_ltx2 import build_tiny_ltx2
+    from latentmill.tinyio import TINY_BUILDERS
+
+    def digests(folder):
+        return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
+                for p in sorted(folder.rglob("*")) if p.suffix in (".safetensors", ".json") and p.is_file()}
+
+    again = build_tiny_ltx2(tmp_path / "again", seed=0)
+    assert digests(again) == digests(tiny_ltx2) and "transformer/diffusion_pytorch_model.safetensors" in digests(again)
+    assert TINY_BUILDERS["ltx2"] == "latentmill.tiny_ltx2:ensure_tiny_ltx2"
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_ltx2 / "tokenizer")
+    ids = tokenizer("a red ball").input_ids
+    assert ids[0] == tokenizer.convert_tokens_to_ids("<bos>") == 2 and len(tokenizer) == 320
