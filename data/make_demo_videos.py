@@ -1,6 +1,12 @@
 """Generate the embedded demo videos: small H.264 clips with sidecar captions, plus one broken file.
 
     python data/make_demo_videos.py data/demo/videos
+    python data/make_demo_videos.py --audio data/demo/videos-audio
+
+``--audio`` writes the audio families' demo set (LTX-2) into its own folder, leaving the set above unchanged:
+64x64 clips at 24 fps with an AAC sound track, a sine tone whose pitch is named in the caption (so the audio
+carries what the caption says), at 48, 44.1 and 22.05 kHz, mono and stereo; one video has no audio track (the
+cache gives it silence).
 
 Mixed sizes (landscape, portrait, wide), lengths (12 to 40 frames) and frame rates (8, 12, 24 fps), so
 the video demo shows clip planning at work: one video has a hard cut in the middle (scene splitting
@@ -85,6 +91,62 @@ def write_video(path: Path, width: int, height: int, frames: int, fps: float,
             container.mux(packet)
 
 
+# name: (frames, fg, bg, motion, tone in Hz or None for no audio track, sample rate, channels, caption)
+AUDIO_VIDEOS = {
+    "low_tone": (33, "red", "blue", "right", 220.0, 48000, 2,
+                 "a red square moving right on blue, with a low hum"),
+    "high_tone": (33, "yellow", "purple", "down", 1760.0, 44100, 1,
+                  "a yellow square falling on purple, with a high whistle"),
+    "mid_tone": (33, "green", "black", "diagonal", 660.0, 22050, 2,
+                 "a green square moving diagonally on black, with a middle tone"),
+    "silent": (33, "white", "black", "right", None, 48000, 2,
+               "a white square crossing black, in silence"),
+}
+
+
+def write_audio_video(path: Path, frames: int, fps: int, scenes: list[tuple[int, str, str, str]],
+                      tone: float | None, rate: int, channels: int) -> None:
+    """A 64x64 H.264 video with (unless ``tone`` is None) an AAC track of a sine ``tone`` at ``rate`` Hz as
+    long as the video, a tenth of full scale (a pure function of the arguments, as ``write_video``)."""
+    with av.open(str(path), "w", format="mp4") as container:
+        video = container.add_stream("libx264", rate=fps)
+        video.width, video.height, video.pix_fmt = 64, 64, "yuv420p"
+        video.options = dict(ENCODER_OPTIONS)
+        audio = None
+        if tone is not None:
+            audio = container.add_stream("aac", rate=rate)
+            audio.layout = "stereo" if channels == 2 else "mono"
+        for i in range(frames):
+            for packet in video.encode(av.VideoFrame.from_ndarray(frame(64, 64, i, scenes), format="rgb24")):
+                container.mux(packet)
+        if audio is not None:
+            n = round(frames / fps * rate)
+            wave = (0.1 * np.sin(2 * np.pi * tone * np.arange(n) / rate)).astype(np.float32)
+            planes = np.repeat(wave[None], channels, axis=0)
+            for start in range(0, n, 1024):
+                chunk = av.AudioFrame.from_ndarray(np.ascontiguousarray(planes[:, start:start + 1024]),
+                                                   format="fltp", layout=audio.layout.name)
+                chunk.sample_rate, chunk.pts = rate, start
+                for packet in audio.encode(chunk):
+                    container.mux(packet)
+            for packet in audio.encode():
+                container.mux(packet)
+        for packet in video.encode():
+            container.mux(packet)
+
+
+def generate_audio(out_dir: Path) -> list[Path]:
+    """Write the audio demo set (``AUDIO_VIDEOS``) with sidecar captions; return the video paths."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    written = []
+    for name, (frames, fg, bg, motion, tone, rate, channels, caption) in AUDIO_VIDEOS.items():
+        path = out_dir / f"{name}.mp4"
+        write_audio_video(path, frames, 24, [(0, fg, bg, motion)], tone, rate, channels)
+        path.with_suffix(".txt").write_text(caption + "\n")
+        written.append(path)
+    return written
+
+
 def generate(out_dir: Path) -> list[Path]:
     """Write every demo video with its sidecar caption, plus ``broken.mp4``; return the video paths."""
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -104,6 +166,11 @@ def generate(out_dir: Path) -> list[Path]:
 
 
 if __name__ == "__main__":
-    target = Path(sys.argv[1]) if len(sys.argv) > 1 else Path(__file__).parent / "demo" / "videos"
-    paths = generate(target)
-    print(f"wrote {len(paths)} videos (+1 broken file) to {target}")
+    args = sys.argv[1:]
+    if args[:1] == ["--audio"]:
+        target = Path(args[1]) if len(args) > 1 else Path(__file__).parent / "demo" / "videos-audio"
+        print(f"wrote {len(generate_audio(target))} videos with sound to {target}")
+    else:
+        target = Path(args[0]) if args else Path(__file__).parent / "demo" / "videos"
+        paths = generate(target)
+        print(f"wrote {len(paths)} videos (+1 broken file) to {target}")

@@ -215,9 +215,10 @@ def check_expert(recipe: Recipe) -> None:
     choose_experts(adapter.experts(str(root)), recipe.trainer.expert, recipe.model.pretrained)
 
 
-def check_bucket_step(family: str, step: int) -> None:
-    """``bucket.step`` gives sizes the family's latents can patchify (its ``PIXEL_MULTIPLE``): a ConfigError
-    naming the key before any work, where training would refuse the whole cache."""
+def check_bucket_step(family: str, step: int, frame_counts: list[int] | tuple[int, ...] = ()) -> None:
+    """``bucket.step`` gives sizes the family's latents can patchify (its ``PIXEL_MULTIPLE``), and every clip
+    length in ``frame_counts`` is one its VAE takes (``FRAME_STEP``·k + 1): a ConfigError naming the key before
+    any work, where training would refuse the whole cache."""
     if family == "auto":
         return
     from latentmill.stages.families import family_class
@@ -226,6 +227,12 @@ def check_bucket_step(family: str, step: int) -> None:
     if step % multiple:
         raise ConfigError(f"bucket.step: {step} px, but {family} needs sizes in multiples of {multiple} px (VAE "
                           f"downsampling x transformer patch); set bucket.step to {multiple} or a multiple of it")
+    frames = family_class(family).FRAME_STEP
+    bad = [n for n in frame_counts if n > 1 and (n - 1) % frames] if frames else []
+    if bad:
+        raise ConfigError(f"bucket.frame_counts: {bad} frames, but {family} takes clips of {frames}k+1 frames (its "
+                          f"VAE compresses {frames} frames per latent after the first); set bucket.frame_step: "
+                          f"{frames} (or frame_counts of {frames}k+1)")
 
 
 def check_bucket_frames(family: str, frame_step: int) -> None:
@@ -250,7 +257,7 @@ def check_recipe(recipe: Recipe, command: str) -> None:
         check_model_ref(f"model.{name}", getattr(model, name))
     check_components(model)
     if command in ("prep", "run", "demo"):
-        check_bucket_step(model.family, recipe.bucket.step)
+        check_bucket_step(model.family, recipe.bucket.step, recipe.bucket.frame_count_list())
         check_bucket_frames(model.family, recipe.bucket.frame_step)
         source = recipe.ingest.require_source()
         local = _local_source(source)

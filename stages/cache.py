@@ -25,6 +25,7 @@ from typing import Any, Callable
 
 import torch
 from latentmill.stages import pixels
+from latentmill.stages.audio import clip_sounds
 from latentmill.stages.cache_config import CacheConfig
 from latentmill.stages.families import (
     compute_dtypes,
@@ -601,6 +602,7 @@ def process(cfg: CacheConfig, model: ModelConfig, unit: WorkUnit, out: UnitOutpu
     counts = {"vae": {"encoded": 0, "reused": 0}, "text": {"encoded": 0, "reused": 0}}
     sizes = {"vae": 0, "text": 0}
     components: dict[str, dict[str, str]] = {}
+    audio_clips = {"with_track": 0, "silent": 0}  # clips whose sound was encoded: from a track, or silence
 
     # the clips of one source video are decoded in one pass, in the order the loop below asks for them
     passes = SourcePasses([(i, m) for i, m in enumerate(metas) if keys[i][0] not in old_vae and _source_clip(m)])
@@ -644,6 +646,15 @@ def process(cfg: CacheConfig, model: ModelConfig, unit: WorkUnit, out: UnitOutpu
         need_text = {tk: (captions[i][j], i) for i in keep for j, tk in enumerate(keys[i][1]) if tk not in old_text}
         if (need_vae or need_text) and encoders is None:
             encoders = _load_encoders(cfg, model, plan_.family, device)
+        sounds = clip_sounds({i: metas[i] for i in need_vae}, encoders.audio_sample_rate) if (
+            need_vae and family.needs_audio()) else {}
+        for i, value in list(sounds.items()):
+            if isinstance(value, Exception):
+                out.quarantine(samples.keys[i], metas[i].get("source", "?"), f"cannot read audio: {value}")
+                need_vae.remove(i)
+                keep.remove(i)
+            else:
+                audio_clips["silent" if not value[1] else "with_track"] += 1
         vae_bytes: dict[str, bytes] = {}
         if need_vae:
             targets = [decoded[i][0] if reference_streams else decoded[i] for i in need_vae]
@@ -652,6 +663,10 @@ def process(cfg: CacheConfig, model: ModelConfig, unit: WorkUnit, out: UnitOutpu
                 if reference_streams:  # the source images at the target's bucket, the distribution's mean
                     reference_mean = encoders.encode_pixels(torch.stack([decoded[i][1] for i in need_vae]))[0]
                 conditions = encoders.encode_conditions(torch.stack(targets))
+                if sounds:  # the clips' sound under their frames (from_audio streams)
+                    conditions.update(encoders.encode_audio(
+                        torch.stack([sounds[i][0] for i in need_vae]),
+                        torch.tensor([float(metas[i]["clip"]["fps"]) for i in need_vae])))
             for j, i in enumerate(need_vae):
                 tensors = _latent_tensors(mean[j], std[j], cfg, keys[i][0])
                 tensors.update({name: tensor[j] for name, tensor in conditions.items()})
@@ -685,6 +700,8 @@ def process(cfg: CacheConfig, model: ModelConfig, unit: WorkUnit, out: UnitOutpu
             out.add({"__key__": key, VAE_MEMBER: vae, **members, "json": meta_bytes(meta)}, bucket=metas[i]["bucket"])
     passes.close()  # (an exception above leaves them to the garbage collector, which closes them too)
     out.detail["components"] = components
+    if family.needs_audio():
+        out.extra["audio"] = audio_clips
     out.extra.update(counts=counts, bytes=sizes, device=described,
                      encoded_on=dict(sorted(encoded_on.items())), **({"foreign": foreign} if foreign else {}))
 

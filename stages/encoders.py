@@ -45,6 +45,9 @@ class Stream:
     # a token stream's own padded length, whatever text.pad_to (cache.max_sequence_length): the pipeline's fixed
     # cap of a second encoder (HunyuanVideo 1.5's 256 ByT5 glyph tokens); None: text.pad_to
     pad_to: int | None = None
+    # a vae stream computed by ``Encoders.encode_audio`` from the clip's sound (the source video's audio under the
+    # clip's frames, stages/audio.py; silence without an audio track) and frame rate
+    from_audio: bool = False
 
     def to_json(self) -> dict[str, Any]:
         # pad_to only where a family sets it: the other families' manifests stay as they were
@@ -85,6 +88,7 @@ class Encoders(ABC):
         self.device = device
         self.compute_dtype = self.compute_dtypes(device)["text"]  # (and the VAE's, unless VAE_FLOAT32)
         self.lock = threading.Lock()  # one forward at a time per loaded model set
+        self.audio_sample_rate: int | None = None  # with ``from_audio`` streams: the rate encode_audio takes
 
     # --- declared without weights --------------------------------------------------------------------
 
@@ -104,6 +108,11 @@ class Encoders(ABC):
     def needs_reference(cls) -> bool:
         """Whether the family trains on edit pairs (a stream, or its text encoder, takes the source image)."""
         return cls.TEXT_SEES_REFERENCE or any(s.from_reference for s in cls.STREAMS)
+
+    @classmethod
+    def needs_audio(cls) -> bool:
+        """Whether the family caches each clip's sound (a ``from_audio`` stream)."""
+        return any(s.from_audio for s in cls.STREAMS)
 
     @classmethod
     def text_pad(cls) -> Pad:
@@ -145,6 +154,12 @@ class Encoders(ABC):
         """The family's other ``vae`` streams of a batch of pixels (as :meth:`encode_pixels` takes them), by
         name, batch first, float32, on the CPU: conditioning computed from the pixels (Wan 2.1 I2V's first
         frame); none by default."""
+        return {}
+
+    def encode_audio(self, waveforms_BCN: torch.Tensor, frame_rates_B: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The family's ``from_audio`` streams of a batch of clips' sound (``[B, 2, N]`` float32 at
+        ``audio_sample_rate``) and frame rates (``[B]``, frames per second), by name, batch first, float32, on
+        the CPU; none by default."""
         return {}
 
     @abstractmethod

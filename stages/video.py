@@ -104,6 +104,11 @@ def _open_av(src: str | bytes) -> Any:
     return av.open(_open_arg(src))
 
 
+def open_media(uri: str | bytes) -> Any:
+    """A PyAV input container on a video's URI (a local path, a remote URL's bytes) or bytes."""
+    return _open_av(_source(uri))
+
+
 # ---------------------------------------------------------------------------------------------------------
 # Probing
 # ---------------------------------------------------------------------------------------------------------

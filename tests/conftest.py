@@ -31,7 +31,7 @@ DEMO_CONFIG = REPO_ROOT / "configs" / "demo.yaml"
 MODEL_FIXTURES = frozenset({"tiny_flux", "tiny_wan", "tiny_wan22", "tiny_wan_ti2v", "tiny_wan_i2v", "tiny_wan22_i2v",
                             "tiny_blip",
                             "tiny_clip", "tiny_llava", "tiny_zimage", "tiny_flux2_klein", "tiny_flux2_dev",
-                            "tiny_qwen_image", "tiny_qwen_image_edit"})
+                            "tiny_qwen_image", "tiny_qwen_image_edit", "tiny_ltx2", "ltx2_prep"})
 MODEL_FIXTURES |= {"tiny_hunyuan_video15"}
 
 # A migrated, empty Prefect database, made once per session (shared by the pytest-xdist workers) and copied into
@@ -257,6 +257,27 @@ def tiny_hunyuan_video15(tmp_path_factory) -> Path:
     from latentmill.tiny_hunyuan_video15 import build_tiny_hunyuan_video15
 
     return build_tiny_hunyuan_video15(tmp_path_factory.mktemp("models") / "tiny-hunyuanvideo1.5", seed=0)
+
+
+@pytest.fixture(scope="session")
+def tiny_ltx2(tmp_path_factory) -> Path:
+    """A complete tiny LTX2Pipeline folder (video with audio) built from data/tiny-ltx2.yaml with seed 0."""
+    from latentmill.tiny_ltx2 import build_tiny_ltx2
+
+    return build_tiny_ltx2(tmp_path_factory.mktemp("models") / "tiny-ltx2", seed=0)
+
+
+@pytest.fixture(scope="session")
+def ltx2_prep(tmp_path_factory, tiny_ltx2) -> Path:
+    """configs/demo-ltx2.yaml's prep (the demo videos with sound, the tiny LTX-2 set), run once per test process
+    and shared like the model folders: its output folder, with the run summary in ``summary.json``. Read-only."""
+    from latentmill.cli import main
+
+    target = tmp_path_factory.mktemp("ltx2-demo-prep")
+    assert main(["prep", str(REPO_ROOT / "configs" / "demo-ltx2.yaml"), f"output_dir={target}",
+                 f"model.pretrained={tiny_ltx2}", "runner.workers=1", "--summary-json",
+                 str(target / "summary.json")]) == 0
+    return target
 
 
 @pytest.fixture(scope="session")

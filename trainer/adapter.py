@@ -284,6 +284,10 @@ class ModelAdapter(ABC):
     # the model conditions a video on an image as its clean first latent frame (trainer.i2v_probability): the
     # forward then reads the batch's ``first_frame_mask`` (latentmill.trainer.objective.first_frame_mask)
     first_frame_conditioning: bool = False
+    # latent streams denoised together with ``latents`` at each sample's noise level (LTX-2's audio): the loop
+    # noises each one, puts the noisy tensor in the batch under its name, and adds its loss weighted by
+    # ``trainer.audio_loss_weight``; ``forward`` then returns ``(prediction, {name: prediction})``
+    noised_streams: tuple[str, ...] = ()
     # validation samples from the recipe's prompts alone (an edit model needs a source image too)
     validates_from_prompts: bool = True
 
@@ -348,7 +352,8 @@ class ModelAdapter(ABC):
     def forward(
         self, model: nn.Module, noisy: torch.Tensor, sigmas_B: torch.Tensor, batch: dict[str, Any], cfg: Any
     ) -> torch.Tensor:
-        """Velocity prediction for ``noisy`` at noise levels ``sigmas_B``, shaped like ``noisy``."""
+        """Velocity prediction for ``noisy`` at noise levels ``sigmas_B``, shaped like ``noisy`` (with
+        :attr:`noised_streams`: and each one's prediction, by name)."""
         ...
 
     def export(self, transformer: nn.Module, *, mode: str, pretrained: str, export_dir: str | Path) -> Path:

@@ -10,6 +10,7 @@ from latentmill.trainer.adapter import ModelAdapter
 from latentmill.trainer.flux import FluxAdapter
 from latentmill.trainer.flux2 import Flux2Adapter, Flux2KleinAdapter
 from latentmill.trainer.hunyuan_video15 import HunyuanVideo15Adapter
+from latentmill.trainer.ltx2 import LTX2Adapter
 from latentmill.trainer.qwen_image import QwenImageAdapter, QwenImageEditAdapter
 from latentmill.trainer.wan import WanAdapter
 from latentmill.trainer.wan21_i2v import WanI2VAdapter
@@ -27,6 +28,7 @@ ADAPTERS["wan2.2-ti2v"] = WanTI2VAdapter
 ADAPTERS["wan2.1-i2v"] = WanI2VAdapter
 ADAPTERS["wan2.2-i2v"] = WanI2VA14BAdapter
 ADAPTERS["hunyuanvideo1.5"] = HunyuanVideo15Adapter
+ADAPTERS["ltx2"] = LTX2Adapter
 
 
 def get_adapter(family: str) -> ModelAdapter:

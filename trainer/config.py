@@ -7,6 +7,7 @@ Both load through ``latentmill.core.config.from_dict``, which checks types and L
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Literal, Optional
 
@@ -63,6 +64,9 @@ class TrainerConfig:
     # per-sample probability of training image-to-video: latent frame 0 stays clean as the image condition
     # (families whose adapter has first_frame_conditioning: Wan 2.2 TI2V); 0: text-to-video only
     i2v_probability: float = 0.0
+    # weight of the audio term of the loss, for families that denoise a clip's sound with its frames (LTX-2):
+    # loss = video MSE + audio_loss_weight x audio MSE, both at the sample's noise level
+    audio_loss_weight: float = 1.0
     # --- LoRA (mode: lora) ---
     lora_rank: int = 16
     lora_alpha: float = 16.0
@@ -142,6 +146,8 @@ class TrainerConfig:
                               "the same on every rank: use trainer.shift_mode: fixed (the Wan pipelines' own)")
         if not 0.0 <= self.caption_dropout <= 1.0:
             raise ConfigError(f"trainer.caption_dropout: must be in [0, 1], got {self.caption_dropout}")
+        if not (self.audio_loss_weight >= 0.0 and math.isfinite(self.audio_loss_weight)):
+            raise ConfigError(f"trainer.audio_loss_weight: must be a finite number >= 0, got {self.audio_loss_weight}")
         if not 0.0 <= self.i2v_probability <= 1.0:
             raise ConfigError(f"trainer.i2v_probability: must be in [0, 1], got {self.i2v_probability}")
         if self.mode == "lora":

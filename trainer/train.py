@@ -394,13 +394,19 @@ class _Run:
         inputs = {k: v.to(device, non_blocking=True) for k, v in batch.items() if isinstance(v, torch.Tensor)}
         latents = inputs["latents"]
         check_cp_batch(adapter, inputs, self.ctx.cp_size)  # every bucket: its sequences must split evenly
-        eps, sigmas, noise, clean_first = self._draw(
+        extra = adapter.noised_streams
+        eps, sigmas, noise, clean_first, extra_noise = self._draw(
             latents.shape, posterior="latents_std" in inputs,
-            shift=shift_for(cfg, adapter.seq_len(latents), adapter.resolution_mu), expert=part.expert)
+            shift=shift_for(cfg, adapter.seq_len(latents), adapter.resolution_mu), expert=part.expert,
+            extra_shapes=[inputs[name].shape for name in extra])
         if eps is not None:  # a fresh draw from the cached posterior each time
             latents = latents + inputs["latents_std"] * eps
         noisy = interpolate(latents, noise, sigmas)
         target = velocity_target(latents, noise)
+        extra_targets = {}
+        for name, stream_noise in zip(extra, extra_noise):  # noised at the same sigma as the latents
+            extra_targets[name] = velocity_target(inputs[name], stream_noise)
+            inputs[name] = interpolate(inputs[name], stream_noise, sigmas)
         mask = None
         # image-to-video: frame 0 is the image latent (the pipeline's argmax encode); a one-frame sample (an
         # image) has no later frame to learn from it and trains as text-to-video
@@ -412,33 +418,42 @@ class _Run:
         with _grad_sync(part.model, last_micro, hsdp=self.parallel.hsdp_replicate > 1):
             with autocast:
                 pred = adapter.forward(part.model, noisy, sigmas, inputs, cfg)
+            pred, extra_preds = pred if extra else (pred, {})
             loss = flow_matching_loss(pred, target, weights, mask)
+            for name, extra_pred in extra_preds.items():
+                loss = loss + cfg.audio_loss_weight * flow_matching_loss(extra_pred, extra_targets[name], weights)
             # FSDP2 also averages over the cp ranks, whose gradients are shares to be summed (trainer/context.py)
             (loss * self.ctx.cp_size / micro_batches).backward()
         return loss.detach()
 
-    def _draw(self, shape: torch.Size, *, posterior: bool, shift: float, expert: Expert
-              ) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """(posterior eps or None, sigmas [B] (in ``expert``'s range), noise, image-to-video flags [B] or None)
-        of one micro-batch, drawn sample by sample.
+    def _draw(self, shape: torch.Size, *, posterior: bool, shift: float, expert: Expert,
+              extra_shapes: list[torch.Size] = ()
+              ) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor, torch.Tensor | None, list[torch.Tensor]]:
+        """(posterior eps or None, sigmas [B] (in ``expert``'s range), noise, image-to-video flags [B] or None,
+        the noise of each of ``extra_shapes``: the adapter's ``noised_streams``) of one micro-batch, drawn sample
+        by sample.
 
-        Per sample, in order: its posterior eps, its sigma, its noise and (``trainer.i2v_probability`` > 0)
-        whether its first frame is a clean image condition, all from ``self.sampling_gen``. A
+        Per sample, in order: its posterior eps, its sigma, its noise, the noise of each noised stream and
+        (``trainer.i2v_probability`` > 0) whether its first frame is a clean image condition, all from
+        ``self.sampling_gen``. A
         sample's draws depend only on its place in this rank's stream, not on how the stream is cut into
         micro-batches: accumulation 2 at batch B sees the same noise as accumulation 1 at batch 2B.
         """
         eps, sigmas, noise, clean = [], [], [], []
+        extra: list[list[torch.Tensor]] = [[] for _ in extra_shapes]
         i2v = self.cfg.i2v_probability
         for _ in range(shape[0]):
             if posterior:
                 eps.append(torch.randn(shape[1:], generator=self.sampling_gen, dtype=torch.float32))
             sigmas.append(expert_sigma(self.cfg, self.sampling_gen, shift, expert))
             noise.append(torch.randn(shape[1:], generator=self.sampling_gen, dtype=torch.float32))
+            for draws, extra_shape in zip(extra, extra_shapes):
+                draws.append(torch.randn(extra_shape[1:], generator=self.sampling_gen, dtype=torch.float32))
             if i2v > 0:
                 clean.append(torch.rand(1, generator=self.sampling_gen) < i2v)
         to = self.device
         return (torch.stack(eps).to(to) if posterior else None, torch.cat(sigmas).to(to), torch.stack(noise).to(to),
-                torch.cat(clean).to(to) if i2v > 0 else None)
+                torch.cat(clean).to(to) if i2v > 0 else None, [torch.stack(draws).to(to) for draws in extra])
 
     def train_step(self, batches: Any) -> dict[str, Any]:
         """One optimizer step over ``grad_accum_steps`` micro-batches; returns its metrics record.
