@@ -460,9 +460,11 @@ def run_prep(recipe: Recipe) -> dict[str, Any]:
     runner_flow = prep_stages.with_options(task_runner=task_runner(recipe.runner))
     # One writer per output_dir: the CLI, a deployment run and the nodes of a multi-node run all pass here.
     with writer_lock(recipe.output_dir, "prep", on_busy=recipe.prep.on_busy):
-        base = unchanged.key_base(recipe)  # before the run: a file changed meanwhile is seen next time
+        # before the run: a file changed meanwhile is seen next time
+        base, source = unchanged.key_base(recipe), unchanged.source_signature(recipe)
         result = runner_flow(recipe.to_dict(), started_run=current_run_id())
-        unchanged.remember(recipe, result, unchanged.run_key(base, result.pop("ingest_units")))
+        units = result.pop("ingest_units")
+        unchanged.remember(recipe, result, unchanged.run_key(base, units), units, source)
         return result
 
 

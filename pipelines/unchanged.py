@@ -9,11 +9,18 @@ found from one ``stat`` per unchanged file; a ``stat`` signature of every local 
 the package's sources) and, when it matches, the snapshot is still what ``LATEST`` names and no other writer
 holds the output folder, reports that summary with every sample reused. Anything it cannot see runs the full
 prep: a model named by a hub id, a changed or new input, a gc or compaction since, an edited source file.
+
+A folder source is first compared by a ``stat`` signature of its files (:func:`source_signature`), taken before
+the last run started: equal, the last run's unit ids stand for the inputs without planning the ingest again;
+different, the prep runs without planning it here first (the flow plans it once). A file touched but not
+changed therefore runs the prep, which reuses every unit.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
+import marshal
 import os
 import re
 import time
@@ -96,19 +103,48 @@ def key_base(recipe: Any) -> dict[str, Any] | None:
     return {"recipe": {k: v for k, v in data.items() if k != "runner"}, "files": files, "code": _code_rows()}
 
 
+def source_signature(recipe: Any) -> str | None:
+    """A hash of ``(path, size, mtime_ns, inode)`` of every file below a local folder ``ingest.source``; None for
+    another source, or when a file was modified within ``FileHashes.RACY_SECONDS`` (its next change could keep
+    its ``stat``). Files combine in any order (a sum of their hashes), so a folder's names are never sorted."""
+    from latentmill.core.filehashes import FileHashes
+
+    root = Path(str(recipe.ingest.source or "")).expanduser()
+    if not root.is_dir():
+        return None
+    now, total, count = time.time(), 0, 0
+    for folder, _dirs, files in os.walk(root):
+        for name in files:
+            path = os.path.join(folder, name)
+            try:
+                st = os.stat(path)
+            except OSError:
+                return None
+            if now - st.st_mtime_ns / 1e9 < FileHashes.RACY_SECONDS:
+                return None
+            row = marshal.dumps((path, st.st_size, st.st_mtime_ns, st.st_ino), 2)
+            total += int.from_bytes(hashlib.sha256(row).digest()[:16], "big")
+            count += 1
+    return f"{count}:{total % (1 << 128):032x}"
+
+
 def run_key(base: dict[str, Any] | None, ingest_units: list[str]) -> str | None:
     """The key of a prep: :func:`key_base` and the ids of its ingest units (its inputs' content)."""
     return None if base is None else stable_hash({**base, "ingest_units": list(ingest_units)})
 
 
-def remember(recipe: Any, summary: dict[str, Any], key: str | None) -> None:
-    """After a prep that finished: its key (what it was run on), summary and snapshot, for the next."""
+def remember(recipe: Any, summary: dict[str, Any], key: str | None, ingest_units: list[str] | None = None,
+             source: str | None = None) -> None:
+    """After a prep that finished: its key (what it was run on), summary and snapshot, for the next; with
+    ``source`` (:func:`source_signature` before the run) also its ingest unit ids, which that signature stands for."""
     path = Path(recipe.prep_dir) / LAST_RUN
     if key is None or not summary.get("snapshot"):
         path.unlink(missing_ok=True)
         return
-    durable.write_json(path, {"key": key, "finished": time.strftime("%Y-%m-%d %H:%M:%S"), "summary": summary},
-                       sort_keys=False)  # the summary's stages in the order they ran
+    record = {"key": key, "finished": time.strftime("%Y-%m-%d %H:%M:%S"), "summary": summary}
+    if source is not None and ingest_units is not None:
+        record.update({"source": source, "ingest_units": list(ingest_units)})
+    durable.write_json(path, record, sort_keys=False)  # the summary's stages in the order they ran
 
 
 def _as_reused(name: str, counts: dict[str, Any]) -> dict[str, Any]:
@@ -165,7 +201,13 @@ def unchanged_summary(recipe: Any) -> dict[str, Any] | None:
     if base is None:
         return None
     stage_dir = StageDir(recipe.stage_dir("ingest"), "ingest")
-    units = [unit.unit_id for unit in ingest.plan(recipe.ingest, stage_dir)]
+    source = source_signature(recipe)
+    if source is not None and last.get("source") is not None:
+        if source != last["source"]:
+            return None  # a file changed, came or went: the prep plans the ingest once, in the flow
+        units = list(last.get("ingest_units") or [])
+    else:
+        units = [unit.unit_id for unit in ingest.plan(recipe.ingest, stage_dir)]
     if run_key(base, units) != last.get("key") or not all(stage_dir.unit_path(u).is_file() for u in units):
         return None
     stages = {name: _as_reused(name, counts) for name, counts in (summary.get("stages") or {}).items()}

@@ -48,8 +48,12 @@ def test_an_unchanged_prep_returns_without_prefect_and_a_change_runs_again(tmp_p
     path.write_text(yaml.safe_dump({"output_dir": str(tmp_path / "out"), "model": {"pretrained": str(tiny_flux)},
                                     "ingest": {"source": str(demo_images)}}))
     recipe = load_recipe(path)
+    for file in demo_images.iterdir():  # older than the racy window: the folder's stat signature is kept
+        os.utime(file, ns=(file.stat().st_atime_ns, file.stat().st_mtime_ns - 10**10))
     first = prep(recipe)
     assert first["stages"]["cache"]["processed"] == 24 and "unchanged_since" not in first
+    last = json.loads((tmp_path / "out" / "prep" / unchanged.LAST_RUN).read_text())
+    assert last["source"] == unchanged.source_signature(recipe) and len(last["ingest_units"]) >= 1
 
     again, facts = _prep(path, tmp_path, "again")
     assert facts["rc"] == 0 and not facts["prefect"] and not facts["torch"]
@@ -73,6 +77,30 @@ def test_an_unchanged_prep_returns_without_prefect_and_a_change_runs_again(tmp_p
     (demo_images / "img_000.png").rename(demo_images / "img_000_moved.png")  # a changed input
     assert unchanged.unchanged_summary(recipe) is None
     assert prep(recipe)["stages"]["ingest"]["processed"] > 0
+
+
+def test_a_folder_sources_stat_signature_sees_a_touch_an_addition_and_a_racy_file(tmp_path):
+    from latentmill.recipe import load_recipe
+
+    source = tmp_path / "images"
+    (source / "sub").mkdir(parents=True)
+    for name in ("a.jpg", "a.txt", "sub/b.png"):
+        (source / name).write_bytes(name.encode())
+        old = (source / name).stat().st_mtime_ns - 10**10
+        os.utime(source / name, ns=(old, old))
+    recipe = load_recipe("demo", [f"output_dir={tmp_path / 'o'}", f"ingest.source={source}"])
+    first = unchanged.source_signature(recipe)
+    assert first is not None and first.startswith("3:") and unchanged.source_signature(recipe) == first
+    st = (source / "a.txt").stat()
+    os.utime(source / "a.txt", ns=(st.st_atime_ns, st.st_mtime_ns + 1))  # touched, same bytes
+    touched = unchanged.source_signature(recipe)
+    assert touched not in (None, first)
+    (source / "sub" / "c.png").write_bytes(b"c")  # new, and modified just now: racy
+    assert unchanged.source_signature(recipe) is None
+    os.utime(source / "sub" / "c.png", ns=(st.st_mtime_ns, st.st_mtime_ns))
+    assert unchanged.source_signature(recipe) not in (None, first, touched)
+    assert unchanged.source_signature(load_recipe("demo", [f"output_dir={tmp_path / 'o'}",
+                                                           f"ingest.source={source / 'a.jpg'}"])) is None
 
 
 def test_the_key_sees_the_recipe_the_model_files_and_the_code_but_not_the_runner(tmp_path):
