@@ -2,35 +2,21 @@
 ranks train the tiny Flux for 2 steps with each block compiled by inductor (CPU) and again eagerly; the losses
 agree within float32 reassociation (relative 1e-4: inductor fuses and reorders the same float32 arithmetic)."""
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 
-from tests.test_trainer_fsdp import WORKER, _job
-from tests.trainer_helpers import read_metrics, write_fake_cache
-
-REPO_ROOT = Path(__file__).resolve().parents[1]
+from tests.test_trainer_fsdp import _job
+from tests.trainer_helpers import launch_jobs, read_metrics, write_fake_cache
 
 
 @pytest.mark.heavy  # inductor compiles each block's forward and backward on both ranks (minutes on 2 cores)
 def test_compiled_fsdp2_with_activation_checkpointing_matches_eager(tiny_flux, tmp_path):
     write_fake_cache(tmp_path / "cache", {(48, 64, 1): 4, (64, 32, 1): 4}, smooth=True, shards_per_bucket=2)
-    (tmp_path / "worker.py").write_text(WORKER)
     jobs = [_job(tmp_path, tiny_flux, tmp_path / name, {"strategy": "fsdp2"}, mode="full", max_steps=2,
                  save_every=0, activation_checkpointing=True, compile=compiled)
             for name, compiled in (("eager", False), ("compiled", True))]
-    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "OMP_NUM_THREADS": "1"}
-    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-                           str(tmp_path / "worker.py"), json.dumps(jobs)], cwd=REPO_ROOT, env=env,
-                          capture_output=True, text=True, timeout=1800)
-    assert done.returncode == 0, done.stderr[-3000:]
+    _, summaries = launch_jobs(tmp_path, jobs, timeout=1800)
     eager = [r["loss"] for r in read_metrics(tmp_path / "eager")]
     compiled = [r["loss"] for r in read_metrics(tmp_path / "compiled")]
     assert len(eager) == len(compiled) == 2 and all(0 < x < 1e3 for x in eager)
     assert compiled == pytest.approx(eager, rel=1e-4)
-    summaries = [json.loads((tmp_path / "compiled" / f"summary-{r}.json").read_text()) for r in (0, 1)]
     assert summaries[0]["final_loss"] == summaries[1]["final_loss"] == compiled[-1]

@@ -14,7 +14,7 @@ import torch
 from latentmill.stages.families import family_streams
 from latentmill.trainer.checkpoint import list_checkpoints
 
-from tests.test_trainer_fsdp import WORKER
+from tests.trainer_helpers import JOBS_WORKER as WORKER
 from tests.trainer_helpers import read_metrics, write_fake_cache
 
 REPO_ROOT = Path(__file__).resolve().parents[1]

@@ -15,7 +15,7 @@ import torch
 from latentmill.trainer.checkpoint import list_checkpoints
 
 from tests.conftest import REPO_ROOT
-from tests.test_trainer_fsdp import WORKER
+from tests.trainer_helpers import JOBS_WORKER as WORKER
 from tests.trainer_helpers import read_metrics
 
 # heavy: 70 s a launch on 2 busy cores, as Wan 2.2 TI2V's; make test keeps FSDP2 on the other families, and this

@@ -16,8 +16,8 @@ from latentmill.stages.families import WanI2VA14BEncoders
 from latentmill.trainer.checkpoint import list_checkpoints
 from latentmill.trainer.wan21_i2v import wan_prompt_embeds
 
-from tests.test_trainer_fsdp import WORKER
 from tests.test_trainer_wan21_i2v import _image
+from tests.trainer_helpers import JOBS_WORKER as WORKER
 from tests.trainer_helpers import read_metrics, write_fake_cache
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
