@@ -113,18 +113,22 @@ def source_signature(recipe: Any) -> str | None:
     if not root.is_dir():
         return None
     now, total, count = time.time(), 0, 0
-    for folder, _dirs, files in os.walk(root):
-        for name in files:
-            path = os.path.join(folder, name)
-            try:
-                st = os.stat(path)
-            except OSError:
-                return None
-            if now - st.st_mtime_ns / 1e9 < FileHashes.RACY_SECONDS:
-                return None
-            row = marshal.dumps((path, st.st_size, st.st_mtime_ns, st.st_ino), 2)
-            total += int.from_bytes(hashlib.sha256(row).digest()[:16], "big")
-            count += 1
+    folders = [str(root)]
+    while folders:  # scandir's entries one at a time: a flat folder of a million files builds no list of names
+        with os.scandir(folders.pop()) as it:
+            for entry in it:
+                try:
+                    if entry.is_dir(follow_symlinks=False):
+                        folders.append(entry.path)
+                        continue
+                    st = entry.stat()
+                except OSError:
+                    return None
+                if now - st.st_mtime_ns / 1e9 < FileHashes.RACY_SECONDS:
+                    return None
+                row = marshal.dumps((entry.path, st.st_size, st.st_mtime_ns, st.st_ino), 2)
+                total += int.from_bytes(hashlib.sha256(row).digest()[:16], "big")
+                count += 1
     return f"{count}:{total % (1 << 128):032x}"
 
 
