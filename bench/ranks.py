@@ -73,7 +73,7 @@ def child(folder: str, out: str) -> None:
     from latentmill.trainer.adapters import get_adapter
     from latentmill.trainer.config import ParallelConfig, TrainerConfig
     from latentmill.trainer.model_load import load_for_training
-    from latentmill.trainer.parallel import init_distributed, parallelize
+    from latentmill.trainer.parallel import end_process_group, init_distributed, parallelize
 
     torch.set_num_threads(1)
     parallel = ParallelConfig(strategy="fsdp2")
@@ -98,8 +98,7 @@ def child(folder: str, out: str) -> None:
         del transformer, model
     with open(f"{out}-{ctx.rank}.json", "w") as f:
         json.dump(result, f)
-    dist.barrier()
-    dist.destroy_process_group()
+    end_process_group()  # a barrier, then every group (the meshes' too) released
 
 
 def load_on(nproc: int, folder: str, out_dir) -> list[dict]:

@@ -63,8 +63,8 @@ with _grad_sync(model, sync=True):  # the last micro-batch
 grads = [p.grad.to_local() for p in model.parameters()]
 out = {"model_bytes": model_bytes, "held_bytes": held, "finite": all(bool(torch.isfinite(g).all()) for g in grads)}
 open(sys.argv[1] + f"-{os.environ['RANK']}.json", "w").write(json.dumps(out))
-dist.barrier()  # every rank done with its collectives before any tears gloo down
-dist.destroy_process_group()
+from latentmill.trainer.parallel import end_process_group
+end_process_group()  # a barrier, then every group (the meshes' too) released
 """
 
 
@@ -132,8 +132,8 @@ for mixed_precision in (False, True):
     out[f"mp_{mixed_precision}"] = {"model_bytes": model_bytes, "held_bytes": held, "finite": finite,
                                     "expected_bytes": expected, "padded_bytes": padded}
 open(sys.argv[1] + f"-{rank}.json", "w").write(json.dumps(out))
-dist.barrier()  # every rank done with its collectives before any tears gloo down
-dist.destroy_process_group()
+from latentmill.trainer.parallel import end_process_group
+end_process_group()  # a barrier, then every group (the meshes' too) released
 """
 
 

@@ -188,8 +188,8 @@ for checkpointing in (False, True):
         "grad_dtypes": sorted({str(g.dtype) for g in grads.values()}),
     }
 open(sys.argv[1] + f"-{rank}.json", "w").write(json.dumps(out))
-dist.barrier()  # every rank done with its collectives before any tears gloo down
-dist.destroy_process_group()
+from latentmill.trainer.parallel import end_process_group
+end_process_group()  # a barrier, then every group (the meshes' too) released
 """
 
 

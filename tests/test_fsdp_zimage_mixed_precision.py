@@ -74,8 +74,8 @@ result = {"max_abs_diff": (pred - ref_pred).abs().max().item(), "abs_max": ref_p
           "grad_max_abs_diff": max((grads[n] - ref_grads[n]).abs().max().item() for n in ref_grads),
           "grad_abs_max": scale}
 Path(sys.argv[1], f"rank{rank}.json").write_text(json.dumps(result))
-dist.barrier()
-dist.destroy_process_group()
+from latentmill.trainer.parallel import end_process_group
+end_process_group()  # a barrier, then every group (the meshes' too) released
 """
 
 

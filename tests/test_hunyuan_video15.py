@@ -14,6 +14,7 @@ from latentmill.trainer.hunyuan_video15 import HunyuanVideo15Adapter, hunyuan_vi
 from latentmill.core.config import ConfigError
 from latentmill.models import ModelConfig
 from latentmill.tiny_hunyuan_video15 import DEFAULT_RECIPE_PATH, load_recipe
+from tests.helpers import assert_recipe_refused
 from tests.trainer_helpers import torch_threads
 
 CAPTIONS = ['a shop sign that reads "OPEN" in red letters', "a red ball rolls across a green table", ""]
@@ -54,20 +55,13 @@ def test_family_is_registered_with_its_streams():
 
 
 def test_recipe_rules_name_the_key(tmp_path):
-    import yaml
-
-    data = load_recipe(DEFAULT_RECIPE_PATH)
-    data["components"]["transformer"]["in_channels"] = 32
-    bad = tmp_path / "bad.yaml"
-    bad.write_text(yaml.safe_dump(data))
-    with pytest.raises(ConfigError, match=r"components.transformer.in_channels/out_channels: 32/16 != "
-                                          r"2 \* vae.latent_channels \+ 1 / vae.latent_channels \(33/16\)"):
-        load_recipe(bad)
-    data = load_recipe(DEFAULT_RECIPE_PATH)
-    data["components"]["text_encoder"]["num_hidden_layers"] = 2
-    bad.write_text(yaml.safe_dump(data))
-    with pytest.raises(ConfigError, match=r"num_hidden_layers: must be >= 3 \(the pipeline reads hidden_states"):
-        load_recipe(bad)
+    assert_recipe_refused(tmp_path, load_recipe, DEFAULT_RECIPE_PATH,
+                          lambda data: data["components"]["transformer"].update(in_channels=32),
+                          r"components.transformer.in_channels/out_channels: 32/16 != "
+                          r"2 \* vae.latent_channels \+ 1 / vae.latent_channels \(33/16\)")
+    assert_recipe_refused(tmp_path, load_recipe, DEFAULT_RECIPE_PATH,
+                          lambda data: data["components"]["text_encoder"].update(num_hidden_layers=2),
+                          r"num_hidden_layers: must be >= 3 \(the pipeline reads hidden_states")
 
 
 @pytest.mark.slow

@@ -310,8 +310,8 @@ for run in args["runs"]:
     except interrupt.Interrupted as err:
         out[run["name"]] = {"signal": err.signum, "detail": err.detail}
 Path(args["root"], f"result-{rank}.json").write_text(json.dumps(out))
-dist.barrier()
-dist.destroy_process_group()
+from latentmill.trainer.parallel import end_process_group
+end_process_group()  # a barrier, then every group (the meshes' too) released
 """
 
 

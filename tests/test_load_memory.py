@@ -82,8 +82,8 @@ for family, folder, path in cases:
                     "largest": max(p.numel() * p.element_size() for p in params)})
     del transformer, model, params
 json.dump(results, open(f"{out}-{ctx.rank}.json", "w"))
-dist.barrier()
-dist.destroy_process_group()
+from latentmill.trainer.parallel import end_process_group
+end_process_group()  # a barrier, then every group (the meshes' too) released
 """
 
 

@@ -16,6 +16,7 @@ from latentmill.core.config import ConfigError
 from latentmill.models import ModelConfig
 from latentmill.tiny_ltx2 import DEFAULT_RECIPE_PATH, load_recipe
 from tests.conftest import REPO_ROOT
+from tests.helpers import assert_recipe_refused
 from tests.trainer_helpers import torch_threads
 
 AUDIO_DEMO = REPO_ROOT / "data" / "demo" / "videos-audio"
@@ -63,21 +64,13 @@ def test_bucket_sizes_and_clip_lengths_are_checked_before_work():
 
 
 def test_recipe_rules_name_the_key(tmp_path):
-    import yaml
-
-    data = load_recipe(DEFAULT_RECIPE_PATH)
-    data["components"]["audio_vae"]["base_channels"] = 8
-    bad = tmp_path / "bad.yaml"
-    bad.write_text(yaml.safe_dump(data))
-    with pytest.raises(ConfigError, match=r"components.audio_vae.base_channels: 8 != latent_channels x mel_bins / 4 "
-                                          r"\(32\)"):
-        load_recipe(bad)
-    data = load_recipe(DEFAULT_RECIPE_PATH)
-    data["components"]["connectors"]["text_proj_in_factor"] = 2
-    bad.write_text(yaml.safe_dump(data))
-    with pytest.raises(ConfigError, match=r"connectors.text_proj_in_factor: 2 != text_encoder.text_config."
-                                          r"num_hidden_layers \+ 1 \(3\)"):
-        load_recipe(bad)
+    assert_recipe_refused(tmp_path, load_recipe, DEFAULT_RECIPE_PATH,
+                          lambda data: data["components"]["audio_vae"].update(base_channels=8),
+                          r"components.audio_vae.base_channels: 8 != latent_channels x mel_bins / 4 \(32\)")
+    assert_recipe_refused(tmp_path, load_recipe, DEFAULT_RECIPE_PATH,
+                          lambda data: data["components"]["connectors"].update(text_proj_in_factor=2),
+                          r"connectors.text_proj_in_factor: 2 != text_encoder.text_config.num_hidden_layers \+ 1 "
+                          r"\(3\)")
 
 
 def test_log_mel_puts_a_tone_in_its_mel_bin():

@@ -63,7 +63,8 @@ for family, mode, folder in cases:
                     "lora_abs_sum": lora_sum, "all_dtensor": all(hasattr(p, "to_local") for p in new.parameters())})
     del old, new, model
 json.dump(results, open(f"{out}-{ctx.rank}.json", "w"))
-torch.distributed.destroy_process_group()
+from latentmill.trainer.parallel import end_process_group
+end_process_group()  # a barrier, then every group (the meshes' too) released
 """
 
 

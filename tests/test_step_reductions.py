@@ -61,8 +61,8 @@ for run in args["runs"]:
                     train_dir=train_dir, seed=0, progress=False, parallel=ParallelConfig(run["strategy"]))
     out[run["name"]] = {**counts, "steps": summary["steps_this_run"]}
 Path(args["root"], f"counts-{os.environ['RANK']}.json").write_text(json.dumps(out))
-dist.barrier()  # every rank done with its collectives before any tears gloo down
-dist.destroy_process_group()
+from latentmill.trainer.parallel import end_process_group
+end_process_group()  # a barrier, then every group (the meshes' too) released
 """
 
 STEPS = 4

@@ -42,8 +42,8 @@ for job in json.loads(sys.argv[1]):
     summary = train(TrainerConfig(**job["cfg"]), cache_dir=job["cache"], pretrained=job["pretrained"],
                     train_dir=job["train_dir"], seed=0, progress=False, parallel=ParallelConfig(**job["parallel"]))
     Path(job["train_dir"], f"summary-{os.environ['RANK']}.json").write_text(json.dumps(summary))
-dist.barrier()
-dist.destroy_process_group()
+from latentmill.trainer.parallel import end_process_group
+end_process_group()  # a barrier, then every group (the meshes' too) released
 """
 
 STEPS, BATCH = 4, 2

@@ -3,55 +3,26 @@ masked text streams, resume bit for bit from a checkpoint, and export what Hunyu
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 from latentmill.stages.families import family_streams
-from latentmill.trainer.checkpoint import list_checkpoints
 
-from tests.trainer_helpers import JOBS_WORKER as WORKER
-from tests.trainer_helpers import read_metrics, write_fake_cache
+from tests.trainer_helpers import run_and_resume, write_fake_cache
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.slow
 
 
-def _launch(root: Path, pretrained: Path, mode: str, **extra) -> dict:
-    """One 2-rank launch: an FSDP2 run of 6 steps (r) and its resume from step 3 (s); the ranks' summaries.
-    Uneven shards: 3 + 2 samples of two video buckets in batches of 1 per rank."""
-    root.mkdir()
+def _launch(root: Path, pretrained: Path, mode: str, **cfg) -> dict:
+    """An FSDP2 run of 6 steps and its resume from step 3 (tests.trainer_helpers.run_and_resume); rank 0's
+    summary. Uneven shards: 3 + 2 samples of two video buckets in batches of 1 per rank."""
     write_fake_cache(root / "cache", {(48, 32, 9): 3, (32, 48, 5): 2}, family="hunyuanvideo1.5", channels=16,
                      seq_len=8, smooth=True, shards_per_bucket=2, trimmed=True,
                      streams=[s.to_json() for s in family_streams("hunyuanvideo1.5")])
-    (root / "worker.py").write_text(WORKER)
-
-    def job(name, **cfg):
-        cfg = {"mode": mode, "max_steps": 6, "batch_size": 1, "learning_rate": 3e-3, "save_every": 3,
-               "keep_latest_k": 0, "export": False, "shift": 5.0, **extra, **cfg}
-        return {"cfg": cfg, "cache": str(root / "cache"), "pretrained": str(pretrained),
-                "train_dir": str(root / name), "parallel": {"strategy": "fsdp2"}}
-
-    jobs = [job("r", export=True), job("s", resume=str(root / "r" / "checkpoints" / "step-000003"))]
-    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-           str(root / "worker.py"), json.dumps(jobs)]
-    done = subprocess.run(cmd, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
-    summaries = {name: [json.loads((root / name / f"summary-{r}.json").read_text()) for r in (0, 1)]
-                 for name in "rs"}
-    rank0, rank1 = summaries["r"]
-    assert rank0["world_size"] == 2 and rank0["steps"] == rank1["steps"] == 6
-    assert rank0["family"] == "hunyuanvideo1.5" and rank0["final_loss"] == rank1["final_loss"]
-    losses = [r["loss"] for r in read_metrics(root / "r")]
-    assert len(losses) == 6 and all(0 < x < 1e3 for x in losses)
-    assert [s for s, _ in list_checkpoints(root / "r" / "checkpoints")] == [3, 6]
-    assert summaries["s"][0]["resumed_from"].endswith("step-000003")
-    assert [r["loss"] for r in read_metrics(root / "s")] == losses[3:]  # steps 4-6 bit for bit
+    rank0, _ = run_and_resume(root, root / "cache", pretrained, {"strategy": "fsdp2"}, 6, mode=mode, batch_size=1,
+                              shift=5.0, **cfg)
+    assert rank0["family"] == "hunyuanvideo1.5"
     return rank0
 
 

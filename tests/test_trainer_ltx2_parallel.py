@@ -4,19 +4,12 @@ LTX2Pipeline loads."""
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
-from latentmill.trainer.checkpoint import list_checkpoints
 
-from tests.conftest import REPO_ROOT
-from tests.trainer_helpers import JOBS_WORKER as WORKER
-from tests.trainer_helpers import read_metrics
+from tests.trainer_helpers import run_and_resume
 
 # heavy: 70 s a launch on 2 busy cores, as Wan 2.2 TI2V's; make test keeps FSDP2 on the other families, and this
 # family's noise draws (the audio's included) are checked step by step in tests/test_trainer_ltx2.py
@@ -30,33 +23,12 @@ def snapshot(ltx2_prep):
     return path
 
 
-def _launch(root: Path, snapshot: Path, pretrained: Path, mode: str, **extra) -> dict:
-    """One 2-rank launch: an FSDP2 run of 6 steps (r) and its resume from step 3 (s); rank 0's summary."""
-    root.mkdir()
-    (root / "worker.py").write_text(WORKER)
-
-    def job(name, **cfg):
-        cfg = {"mode": mode, "max_steps": 6, "batch_size": 1, "learning_rate": 3e-3, "save_every": 3,
-               "keep_latest_k": 0, "export": False, "audio_loss_weight": 0.5, **extra, **cfg}
-        return {"cfg": cfg, "cache": str(snapshot), "pretrained": str(pretrained), "train_dir": str(root / name),
-                "parallel": {"strategy": "fsdp2"}}
-
-    jobs = [job("r", export=True), job("s", resume=str(root / "r" / "checkpoints" / "step-000003"))]
-    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-           str(root / "worker.py"), json.dumps(jobs)]
-    done = subprocess.run(cmd, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
-    summaries = {name: [json.loads((root / name / f"summary-{r}.json").read_text()) for r in (0, 1)]
-                 for name in "rs"}
-    rank0, rank1 = summaries["r"]
-    assert rank0["world_size"] == 2 and rank0["steps"] == rank1["steps"] == 6
-    assert rank0["family"] == "ltx2" and rank0["final_loss"] == rank1["final_loss"]
-    losses = [r["loss"] for r in read_metrics(root / "r")]
-    assert len(losses) == 6 and all(0 < x < 1e3 for x in losses)
-    assert [s for s, _ in list_checkpoints(root / "r" / "checkpoints")] == [3, 6]
-    assert summaries["s"][0]["resumed_from"].endswith("step-000003")
-    assert [r["loss"] for r in read_metrics(root / "s")] == losses[3:]  # steps 4-6 bit for bit
+def _launch(root: Path, snapshot: Path, pretrained: Path, mode: str, **cfg) -> dict:
+    """An FSDP2 run of 6 steps and its resume from step 3 (tests.trainer_helpers.run_and_resume); rank 0's
+    summary."""
+    rank0, _ = run_and_resume(root, snapshot, pretrained, {"strategy": "fsdp2"}, 6, mode=mode, batch_size=1,
+                              audio_loss_weight=0.5, **cfg)
+    assert rank0["family"] == "ltx2"
     return rank0
 
 

@@ -47,8 +47,8 @@ try:
 except ValueError as exc:
     out["error"] = str(exc)
 open(sys.argv[2] + f"-{rank}.json", "w").write(json.dumps(out))
-dist.barrier()  # every rank done with its collectives before any tears gloo down
-dist.destroy_process_group()
+from latentmill.trainer.parallel import end_process_group
+end_process_group()  # a barrier, then every group (the meshes' too) released
 """
 
 

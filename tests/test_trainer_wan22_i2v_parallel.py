@@ -4,10 +4,6 @@ expert's LoRA; each resumes bit for bit from a step-4 checkpoint and exports wha
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -17,41 +13,24 @@ from latentmill.trainer.checkpoint import list_checkpoints
 from latentmill.trainer.wan21_i2v import wan_prompt_embeds
 
 from tests.test_trainer_wan21_i2v import _image
-from tests.trainer_helpers import JOBS_WORKER as WORKER
-from tests.trainer_helpers import read_metrics, write_fake_cache
+from tests.trainer_helpers import read_metrics, run_and_resume, write_fake_cache
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.slow
 
 
-def _launch(root: Path, pretrained: Path, name: str, **cfg) -> dict:
-    """One 2-rank FSDP2 launch: a run of 8 steps (checkpoints at 4 and 8, export) and its resume from step 4.
-    Uneven shards: 3 + 2 and 2 + 1 samples in two buckets."""
+def _launch(root: Path, pretrained: Path, **cfg) -> dict:
+    """An FSDP2 run of 8 steps (checkpoints at 4 and 8, export) and its resume from step 4
+    (tests.trainer_helpers.run_and_resume), each checkpoint sharded; rank 0's summary. Uneven shards: 3 + 2 and
+    2 + 1 samples in two buckets."""
     write_fake_cache(root / "cache", {(48, 32, 9): 5, (32, 32, 5): 3}, family="wan2.2-i2v", smooth=True,
                      shards_per_bucket=2, trimmed=True, seq_len=16,
                      streams=[s.to_json() for s in WanI2VA14BEncoders.STREAMS])
-    (root / "worker.py").write_text(WORKER)
-    base = {"max_steps": 8, "batch_size": 1, "grad_accum_steps": 2, "learning_rate": 3e-3, "save_every": 4,
-            "keep_latest_k": 0, "shift": 3.0, **cfg}
-    jobs = [{"cfg": {**base, **extra}, "cache": str(root / "cache"), "pretrained": str(pretrained),
-             "train_dir": str(root / f"{name}{suffix}"), "parallel": {"strategy": "fsdp2"}}
-            for suffix, extra in (("", {}), ("-resumed", {"export": False,
-                                                          "resume": str(root / name / "checkpoints" / "step-000004")}))]
-    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-           str(root / "worker.py"), json.dumps(jobs)]
-    done = subprocess.run(cmd, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
-    run, resumed = (root / name, root / f"{name}-resumed")
-    summaries = [json.loads((run / f"summary-{r}.json").read_text()) for r in (0, 1)]
-    assert summaries[0]["world_size"] == 2 and summaries[0]["final_loss"] == summaries[1]["final_loss"]
-    assert summaries[0]["family"] == "wan2.2-i2v"
-    losses = [r["loss"] for r in read_metrics(run)]
-    assert len(losses) == 8 and all(0 < x < 1e3 for x in losses)
-    assert [s for s, _ in list_checkpoints(run / "checkpoints")] == [4, 8]
-    assert len(list((list_checkpoints(run / "checkpoints")[0][1] / "dcp").glob("*.distcp"))) == 2  # sharded
-    assert [r["loss"] for r in read_metrics(resumed)] == losses[4:]  # steps 5-8 bit for bit
-    return summaries[0]
+    rank0, _ = run_and_resume(root, root / "cache", pretrained, {"strategy": "fsdp2"}, 8, batch_size=1,
+                              grad_accum_steps=2, shift=3.0, **cfg)
+    assert rank0["family"] == "wan2.2-i2v"
+    step4 = list_checkpoints(root / "run" / "checkpoints")[0][1]
+    assert len(list((step4 / "dcp").glob("*.distcp"))) == 2  # sharded
+    return rank0
 
 
 def _generate(pipe) -> tuple:
@@ -63,10 +42,10 @@ def _generate(pipe) -> tuple:
 def test_fsdp2_both_experts_full_resume_exactly_and_export_both(tiny_wan22_i2v, tmp_path):
     from diffusers import DiffusionPipeline, WanImageToVideoPipeline
 
-    rank0 = _launch(tmp_path, tiny_wan22_i2v, "both", mode="full", expert="both")
-    routed = [r["expert_micro_batches"] for r in read_metrics(tmp_path / "both")]
+    rank0 = _launch(tmp_path, tiny_wan22_i2v, mode="full", expert="both")
+    routed = [r["expert_micro_batches"] for r in read_metrics(tmp_path / "run")]
     assert {name for r in routed for name in r} == {"high", "low"} and all(sum(r.values()) == 2 for r in routed)
-    step4 = list_checkpoints(tmp_path / "both" / "checkpoints")[0][1]
+    step4 = list_checkpoints(tmp_path / "run" / "checkpoints")[0][1]
     assert len(list((step4 / "transformer_2" / "dcp").glob("*.distcp"))) == 2  # the second expert, sharded apart
     pipe = DiffusionPipeline.from_pretrained(rank0["export_dir"])
     assert isinstance(pipe, WanImageToVideoPipeline) and pipe.image_encoder is None
@@ -83,7 +62,7 @@ def test_fsdp2_both_experts_full_resume_exactly_and_export_both(tiny_wan22_i2v, 
 def test_fsdp2_low_expert_lora_resumes_exactly_and_exports(tiny_wan22_i2v, tmp_path):
     from diffusers import WanImageToVideoPipeline
 
-    rank0 = _launch(tmp_path, tiny_wan22_i2v, "low", mode="lora", expert="low", lora_rank=4, learning_rate=1e-2)
+    rank0 = _launch(tmp_path, tiny_wan22_i2v, mode="lora", expert="low", lora_rank=4, learning_rate=1e-2)
     pipe = WanImageToVideoPipeline.from_pretrained(tiny_wan22_i2v)
     pipe.load_lora_weights(Path(rank0["export_dir"]) / "low_noise", load_into_transformer_2=True)
     (name,) = pipe.transformer_2.peft_config
