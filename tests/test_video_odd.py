@@ -126,3 +126,34 @@ def test_a_one_frame_video_is_a_one_frame_clip_when_the_recipe_admits_one(ingest
     meta = json.loads(samples["one_frame.mp4"]["json"])
     assert meta["bucket"] == [80, 48, 1] and meta["clip"]["frame_indices"] == [0]
     assert load_clip_pixels(meta, samples["one_frame.mp4"]).shape == (3, 1, 48, 80)
+
+
+def test_a_rotated_phone_video_is_bucketed_portrait_and_its_pixels_come_out_upright(tmp_path):
+    src = tmp_path / "videos"
+    src.mkdir()
+    path = src / "phone.mp4"
+    with av.open(str(path), "w") as container:  # coded 64x48 landscape: red left half, blue right half
+        stream = container.add_stream("libx264", rate=8)
+        stream.width, stream.height, stream.pix_fmt = 64, 48, "yuv444p"
+        stream.set_display_rotation(-90)  # the display matrix a phone writes for portrait footage
+        img = np.zeros((48, 64, 3), np.uint8)
+        img[:, :32, 0], img[:, 32:, 2] = 255, 255
+        for _ in range(5):
+            for packet in stream.encode(av.VideoFrame.from_ndarray(img, format="rgb24")):
+                container.mux(packet)
+        for packet in stream.encode():
+            container.mux(packet)
+    icfg = IngestConfig(source=str(src))
+    ing = StageDir(tmp_path / "ingest", "ingest").ensure()
+    _run(ingest, icfg, ing, ingest.plan(icfg))
+    bcfg = BucketConfig(resolution=64, target_fps=8, frame_counts=[5])
+    sd = StageDir(tmp_path / "bucket", "bucket").ensure()
+    _run(bucket, bcfg, sd, bucket.plan(bcfg, ing))
+    (sample,) = [s for shard in sd.read_manifest()["shards"] for s in read_shard(sd.root / shard["path"])]
+    meta = json.loads(sample["json"])
+    assert (meta["width"], meta["height"], meta["rotation"], meta["bucket"]) == (48, 64, -90, [48, 80, 5])
+    pixels_CFHW = load_clip_pixels(meta, sample)
+    assert pixels_CFHW.shape == (3, 5, 80, 48)
+    # shown a quarter turn clockwise: the red half on top, the blue half below
+    top, bottom = pixels_CFHW[:, 0, :24].mean(dim=(1, 2)), pixels_CFHW[:, 0, 56:].mean(dim=(1, 2))
+    assert top[0] > 0.9 and top[2] < -0.9 and bottom[2] > 0.9 and bottom[0] < -0.9
