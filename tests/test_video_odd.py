@@ -30,7 +30,7 @@ def write(path: Path, frames: int, fps: float, width: int, height: int, noise: b
         stream.options = {"threads": "1", "crf": "1", "g": "4"}
         for i in range(frames):
             img = (np.random.default_rng(i).integers(0, 256, (height, width, 3), dtype=np.uint8) if noise
-                   else np.full((height, width, 3), 7 * i, np.uint8))
+                   else np.full((height, width, 3), 7 * i % 256, np.uint8))
             for packet in stream.encode(av.VideoFrame.from_ndarray(img, format="rgb24")):
                 container.mux(packet)
         for packet in stream.encode():
@@ -157,3 +157,40 @@ def test_a_rotated_phone_video_is_bucketed_portrait_and_its_pixels_come_out_upri
     # shown a quarter turn clockwise: the red half on top, the blue half below
     top, bottom = pixels_CFHW[:, 0, :24].mean(dim=(1, 2)), pixels_CFHW[:, 0, 56:].mean(dim=(1, 2))
     assert top[0] > 0.9 and top[2] < -0.9 and bottom[2] > 0.9 and bottom[0] < -0.9
+
+
+def test_exact_fps_gives_every_clip_one_rate_and_quarantines_slower_sources(tmp_path):
+    from latentmill.stages.audio import clip_span
+
+    src = tmp_path / "videos"
+    src.mkdir()
+    write(src / "fast_30fps.mp4", 40, 30, 32, 32)
+    write(src / "ntsc_23.976fps.mp4", 40, Fraction(24000, 1001), 32, 32)
+    write(src / "slow_12fps.mp4", 40, 12, 32, 32)
+    icfg = IngestConfig(source=str(src))
+    ing = StageDir(tmp_path / "ingest", "ingest").ensure()
+    _run(ingest, icfg, ing, ingest.plan(icfg))
+
+    def clips(exact):
+        cfg = BucketConfig(resolution=32, step=32, frame_step=8, frame_counts=[9, 17], target_fps=24, exact_fps=exact)
+        sd = StageDir(tmp_path / f"bucket-{exact}", "bucket").ensure()
+        records = _run(bucket, cfg, sd, bucket.plan(cfg, ing))
+        metas = [json.loads(s["json"]) for shard in sd.read_manifest()["shards"]
+                 for s in read_shard(sd.root / shard["path"])]
+        return records, {m["source"]: m for m in metas}
+
+    # by default a slower source keeps its own rate: one bucket, 32x32x17, of clips at three rates
+    _, metas = clips(False)
+    assert {s: (m["clip"]["fps"], m["bucket"]) for s, m in metas.items()} == {
+        "fast_30fps.mp4": (24.0, [32, 32, 17]), "ntsc_23.976fps.mp4": (pytest.approx(23.976024), [32, 32, 17]),
+        "slow_12fps.mp4": (12.0, [32, 32, 17])}
+    assert len({round(clip_span(m)[1], 6) for m in metas.values()}) == 3  # sound windows of 3 lengths
+    # exact: the 12 fps source is quarantined, the NTSC one is taken frame for frame at 24 fps
+    records, metas = clips(True)
+    assert _reasons(records) == {"slow_12fps.mp4": (
+        "video at 12 fps is slower than bucket.target_fps 24, and bucket.exact_fps gives every clip that one rate "
+        "(clips are never upsampled); lower bucket.target_fps to 12 or leave the video out")}
+    assert {s: m["clip"]["fps"] for s, m in metas.items()} == {"fast_30fps.mp4": 24.0, "ntsc_23.976fps.mp4": 24.0}
+    assert metas["ntsc_23.976fps.mp4"]["clip"]["frame_indices"] == list(range(17))
+    assert metas["fast_30fps.mp4"]["clip"]["frame_indices"][:6] == [0, 1, 3, 4, 5, 6]  # 30 -> 24: every 1.25
+    assert {clip_span(m)[1] for m in metas.values()} == {17 / 24}  # one sound length: the batch stacks
