@@ -194,3 +194,34 @@ def test_exact_fps_gives_every_clip_one_rate_and_quarantines_slower_sources(tmp_
     assert metas["ntsc_23.976fps.mp4"]["clip"]["frame_indices"] == list(range(17))
     assert metas["fast_30fps.mp4"]["clip"]["frame_indices"][:6] == [0, 1, 3, 4, 5, 6]  # 30 -> 24: every 1.25
     assert {clip_span(m)[1] for m in metas.values()} == {17 / 24}  # one sound length: the batch stacks
+
+
+@pytest.mark.parametrize("rate, layout, tone", [(8000, "mono", 440.0), (96000, "5.1", 1000.0)])
+def test_sound_at_unusual_rates_and_layouts_is_cut_to_the_audio_vaes_rate(tmp_path, rate, layout, tone):
+    from latentmill.stages.audio import read_audio
+
+    path = tmp_path / "v.mp4"
+    with av.open(str(path), "w") as container:
+        video = container.add_stream("libx264", rate=8)
+        video.width, video.height, video.pix_fmt = 32, 32, "yuv420p"
+        audio = container.add_stream("aac", rate=rate)
+        audio.layout = layout
+        for _ in range(8):  # one second of video
+            for packet in video.encode(av.VideoFrame.from_ndarray(np.zeros((32, 32, 3), np.uint8), format="rgb24")):
+                container.mux(packet)
+        wave = (0.1 * np.sin(2 * np.pi * tone * np.arange(rate) / rate)).astype(np.float32)
+        channels = audio.layout.nb_channels
+        for start in range(0, rate, 1024):
+            chunk = av.AudioFrame.from_ndarray(np.repeat(wave[None, start:start + 1024], channels, axis=0),
+                                               format="fltp", layout=layout)
+            chunk.sample_rate, chunk.pts = rate, start
+            for packet in audio.encode(chunk):
+                container.mux(packet)
+        for stream in (audio, video):
+            for packet in stream.encode():
+                container.mux(packet)
+    (window,), track = read_audio(str(path), [(0.25, 0.5)], 16000)
+    assert track and window.shape == (2, 8000)  # LTX-2's audio VAE: 16 kHz stereo, whatever the source
+    spectrum = np.abs(np.fft.rfft(window[0].numpy()))
+    assert np.argmax(spectrum) * 16000 / 8000 == pytest.approx(tone, abs=4)  # the tone, resampled, not aliased
+    assert float(window.pow(2).mean().sqrt()) > 0.02
