@@ -79,7 +79,7 @@ class IngestConfig:
     max_bytes: int = 64 << 20  # larger images are quarantined instead of read (their bytes go into shards)
     max_video_bytes: int = 16 << 30  # larger videos are quarantined (videos are referenced, not copied)
     max_pixels: int = 8192 * 8192  # decompression-bomb guard, checked on the header (per frame for video)
-    max_video_seconds: float = 4 * 3600  # longer videos are quarantined (probing and scene cuts read all of one)
+    max_video_seconds: float = 4 * 3600.0  # longer videos are quarantined (probing and scene cuts read all of one)
     extensions: list[str] = field(default_factory=lambda: sorted(MEDIA_EXTENSIONS))
     path_column: Optional[str] = None  # manifest column with the media path or URL (default: path, url)
     caption_column: Optional[str] = "caption"  # manifest column with a caption (absent column: none)

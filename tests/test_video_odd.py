@@ -225,3 +225,16 @@ def test_sound_at_unusual_rates_and_layouts_is_cut_to_the_audio_vaes_rate(tmp_pa
     spectrum = np.abs(np.fft.rfft(window[0].numpy()))
     assert np.argmax(spectrum) * 16000 / 8000 == pytest.approx(tone, abs=4)  # the tone, resampled, not aliased
     assert float(window.pow(2).mean().sqrt()) > 0.02
+
+
+def test_the_limits_keep_their_fingerprint_through_a_recipe_round_trip():
+    """A default written as an int where the key is a float (14400 for 14400.0) hashed differently after a
+    recipe's dict round trip, so an unchanged prep looked changed (tests/test_unchanged.py)."""
+    from dataclasses import asdict
+
+    from latentmill.core.config import from_dict
+
+    for stage, cls in ((ingest, IngestConfig), (bucket, BucketConfig)):
+        cfg = cls(source="videos") if cls is IngestConfig else cls(exact_fps=True)
+        again = from_dict(cls, json.loads(json.dumps(asdict(cfg))))
+        assert json.dumps(stage.fingerprint(again)) == json.dumps(stage.fingerprint(cfg))
