@@ -26,6 +26,7 @@ from pathlib import Path
 from latentmill.core.config import ConfigError
 from latentmill.models import ModelConfig, component_source, read_component_config
 from latentmill.recipe import Recipe
+from latentmill.stages.bucket import BucketConfig
 
 # owner/name, as the Hub allows them (letters, digits, '-', '_', '.'; not starting with '.' or '-')
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*$")
@@ -215,37 +216,33 @@ def check_expert(recipe: Recipe) -> None:
     choose_experts(adapter.experts(str(root)), recipe.trainer.expert, recipe.model.pretrained)
 
 
-def check_bucket_step(family: str, step: int, frame_counts: list[int] | tuple[int, ...] = ()) -> None:
-    """``bucket.step`` gives sizes the family's latents can patchify (its ``PIXEL_MULTIPLE``), and every clip
-    length in ``frame_counts`` is one its VAE takes (``FRAME_STEP``·k + 1): a ConfigError naming the key before
-    any work, where training would refuse the whole cache."""
+def check_bucket(family: str, bucket: BucketConfig) -> None:
+    """The bucket keys fit the model family, before any work (else training would refuse the whole cache):
+
+    * ``bucket.step`` gives sizes its latents can patchify (``PIXEL_MULTIPLE``);
+    * every clip length the recipe admits is one its VAE takes (``FRAME_STEP``·k + 1);
+    * a family whose batches hold each clip's sound (a stream ``from_audio``: LTX-2's audio latents, as long as
+      the clip lasts) gets one frame rate for every clip: ``bucket.exact_fps`` with ``bucket.target_fps``."""
     if family == "auto":
         return
     from latentmill.stages.families import family_class
 
-    multiple = family_class(family).PIXEL_MULTIPLE
-    if step % multiple:
-        raise ConfigError(f"bucket.step: {step} px, but {family} needs sizes in multiples of {multiple} px (VAE "
-                          f"downsampling x transformer patch); set bucket.step to {multiple} or a multiple of it")
-    frames = family_class(family).FRAME_STEP
-    bad = [n for n in frame_counts if n > 1 and (n - 1) % frames] if frames else []
+    cls = family_class(family)
+    if bucket.step % cls.PIXEL_MULTIPLE:
+        raise ConfigError(f"bucket.step: {bucket.step} px, but {family} needs sizes in multiples of "
+                          f"{cls.PIXEL_MULTIPLE} px (VAE downsampling x transformer patch); set bucket.step to "
+                          f"{cls.PIXEL_MULTIPLE} or a multiple of it")
+    rule = cls.FRAME_STEP
+    bad = [n for n in bucket.frame_count_list() if n > 1 and (n - 1) % rule] if rule else []
     if bad:
-        raise ConfigError(f"bucket.frame_counts: {bad} frames, but {family} takes clips of {frames}k+1 frames (its "
-                          f"VAE compresses {frames} frames per latent after the first); set bucket.frame_step: "
-                          f"{frames} (or frame_counts of {frames}k+1)")
-
-
-def check_bucket_frames(family: str, frame_step: int) -> None:
-    """``bucket.frame_step`` is the video family's rule (clips of ``FRAME_STEP``·k+1 frames): a ConfigError
-    naming the rule before any work, where every clip would be cut to lengths the VAE cannot encode."""
-    if family == "auto":
-        return
-    from latentmill.stages.families import family_class
-
-    rule = family_class(family).FRAME_STEP
-    if rule is not None and frame_step != rule:
-        raise ConfigError(f"bucket.frame_step: {frame_step}, but {family} clips are {rule}k+1 frames (its VAE keeps "
-                          f"frame 0 alone and packs {rule} frames per latent frame); set bucket.frame_step: {rule}")
+        key = "bucket.frame_counts" if bucket.frame_counts is not None else "bucket.frame_step"
+        raise ConfigError(f"{key}: clips of {bad[:4]} frames, but {family} takes clips of {rule}k+1 frames (its VAE "
+                          f"keeps frame 0 alone and packs {rule} frames per latent frame); set bucket.frame_step: "
+                          f"{rule} (or bucket.frame_counts of {rule}k+1)")
+    if any(stream.from_audio for stream in cls.STREAMS) and not bucket.exact_fps:
+        raise ConfigError(f"bucket.exact_fps: false, but a {family} batch stacks its clips' sound, as long as each "
+                          "clip lasts, so every clip needs the one rate bucket.target_fps; set bucket.exact_fps: "
+                          "true (a slower source is then quarantined)")
 
 
 def check_recipe(recipe: Recipe, command: str) -> None:
@@ -257,8 +254,7 @@ def check_recipe(recipe: Recipe, command: str) -> None:
         check_model_ref(f"model.{name}", getattr(model, name))
     check_components(model)
     if command in ("prep", "run", "demo"):
-        check_bucket_step(model.family, recipe.bucket.step, recipe.bucket.frame_count_list())
-        check_bucket_frames(model.family, recipe.bucket.frame_step)
+        check_bucket(model.family, recipe.bucket)
         source = recipe.ingest.require_source()
         local = _local_source(source)
         if local is not None and not local.exists():

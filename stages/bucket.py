@@ -10,7 +10,8 @@ quarantined). The crop (``center``, or ``random`` with ``bucket.seed``) is recor
 A video becomes clips (:func:`latentmill.stages.video.plan_clips`; by frame time, :func:`latentmill.stages.video.plan_clips_timed`,
 for a variable-frame-rate video): windows resampled to ``target_fps`` whose frame
 count is an admissible one (``frame_step·k+1``), placed by ``clip_strategy``, never across a scene cut
-when ``scene_split`` is on. Clip ``j`` of video ``k`` is written as sample ``k-c<j>`` with
+when ``scene_split`` is on. A source slower than ``target_fps`` keeps its own rate, or with ``exact_fps`` is
+quarantined, so that every clip has the one rate (LTX-2, whose batches hold each clip's sound). Clip ``j`` of video ``k`` is written as sample ``k-c<j>`` with
 ``meta["clip"] = {start_frame, num_frames, fps, frame_indices}`` and bucket ``[W, H, num_frames]``: a
 reference into the source, decoded by the cache stage (:func:`latentmill.stages.video.read_clip`); with
 ``reencode`` the clip's frames are also stored as a short H.264 ``mp4`` member. A video with no clip is
@@ -97,6 +98,9 @@ class BucketConfig:
     frame_step: int = 4  # temporal compression of the video VAE: clip lengths are frame_step·k + 1
     max_frames: int = 81
     target_fps: Optional[float] = 16.0  # null: keep each video's fps (a slower video is never upsampled)
+    # every clip at exactly target_fps (a source slower than it is quarantined; 23.976 counts as 24): the
+    # families whose batch needs one rate (LTX-2: a clip's sound is as long as the clip lasts)
+    exact_fps: bool = False
     clip_strategy: Literal["head", "uniform", "slide"] = "head"
     clips_per_video: int = 1  # K windows for uniform
     clip_stride: Optional[int] = None  # S output frames between slide windows; null: the clip length
@@ -140,6 +144,9 @@ class BucketConfig:
                               "bucket.frame_counts is not set")
         if self.target_fps is not None and self.target_fps <= 0:
             raise ConfigError(f"bucket.target_fps: must be > 0 or null, got {self.target_fps}")
+        if self.exact_fps and self.target_fps is None:
+            raise ConfigError("bucket.exact_fps: true needs bucket.target_fps, the one rate of every clip "
+                              "(e.g. bucket.target_fps: 24)")
         if self.clips_per_video < 1:
             raise ConfigError(f"bucket.clips_per_video: must be >= 1, got {self.clips_per_video}")
         if self.clip_stride is not None and self.clip_stride < 1:
@@ -172,7 +179,7 @@ class BucketConfig:
 
     def clip_policy(self) -> ClipPolicy:
         return ClipPolicy(tuple(self.frame_count_list()), self.target_fps, self.clip_strategy,
-                          self.clips_per_video, self.clip_stride, self.frame_step)
+                          self.clips_per_video, self.clip_stride, self.frame_step, self.exact_fps)
 
 
 def bucket_sizes(cfg: BucketConfig, resolution: int | None = None) -> dict[float, tuple[int, int]]:
@@ -258,6 +265,8 @@ def fingerprint(cfg: BucketConfig, near_dups: dict[str, Any] | None = None) -> d
         fp["clips"]["clip_stride"] = cfg.clip_stride
     if cfg.scene_split:
         fp["clips"]["scene_threshold"] = cfg.scene_threshold
+    if cfg.exact_fps:  # (off, the fingerprint and so the unit ids stay those of recipes before the key)
+        fp["clips"]["exact_fps"] = True
     if cfg.reencode:
         fp["reencode"] = {"keyframe_interval": cfg.reencode_keyframe_interval, "crf": cfg.reencode_crf}
     if near_dups is not None:

@@ -60,6 +60,8 @@ class ClipSpec:
         """What decides a video's clips (in the fingerprint of curate units that hold videos)."""
         policy = dataclasses.asdict(self.policy)
         policy["frame_counts"] = list(policy["frame_counts"])
+        if not policy["exact_fps"]:  # (off, curate's unit ids stay those of recipes before the key)
+            del policy["exact_fps"]
         return {"policy": policy, "scene_threshold": self.scene_threshold}
 
 

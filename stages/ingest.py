@@ -79,6 +79,7 @@ class IngestConfig:
     max_bytes: int = 64 << 20  # larger images are quarantined instead of read (their bytes go into shards)
     max_video_bytes: int = 16 << 30  # larger videos are quarantined (videos are referenced, not copied)
     max_pixels: int = 8192 * 8192  # decompression-bomb guard, checked on the header (per frame for video)
+    max_video_seconds: float = 4 * 3600.0  # longer videos are quarantined (probing and scene cuts read all of one)
     extensions: list[str] = field(default_factory=lambda: sorted(MEDIA_EXTENSIONS))
     path_column: Optional[str] = None  # manifest column with the media path or URL (default: path, url)
     caption_column: Optional[str] = "caption"  # manifest column with a caption (absent column: none)
@@ -102,6 +103,8 @@ class IngestConfig:
         for key in ("max_bytes", "max_video_bytes", "max_pixels"):
             if getattr(self, key) < 1:
                 raise ConfigError(f"ingest.{key}: must be >= 1, got {getattr(self, key)}")
+        if not self.max_video_seconds > 0:
+            raise ConfigError(f"ingest.max_video_seconds: must be > 0, got {self.max_video_seconds}")
         bad = [e for e in self.extensions if e.lower() not in MEDIA_EXTENSIONS]
         if bad:
             raise ConfigError(
@@ -113,6 +116,7 @@ def fingerprint(cfg: IngestConfig) -> dict[str, Any]:
     """What, besides the input bytes, decides ingest's output (the source location does not)."""
     fp = {"stage": STAGE, "version": FORMAT_VERSION, "max_bytes": cfg.max_bytes,
           "max_video_bytes": cfg.max_video_bytes, "max_pixels": cfg.max_pixels,
+          "max_video_seconds": cfg.max_video_seconds,
           "extensions": sorted(e.lower() for e in cfg.extensions),
           "path_column": cfg.path_column, "caption_column": cfg.caption_column}
     if cfg.edit:  # (a recipe without edit data keeps its fingerprint, and so its unit ids)
@@ -425,6 +429,9 @@ def _video_header(src: str | bytes, cfg: IngestConfig) -> dict[str, Any]:
         raise _Refused(prefix + reason) from None
     if header["width"] * header["height"] > cfg.max_pixels:
         raise _Refused(f"{header['width']}x{header['height']} exceeds ingest.max_pixels={cfg.max_pixels}")
+    if header["duration"] > cfg.max_video_seconds:
+        raise _Refused(f"video is {header['duration']:g} s long, over ingest.max_video_seconds="
+                       f"{cfg.max_video_seconds:g}; raise it, or cut the video into parts")
     return header
 
 

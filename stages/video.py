@@ -558,6 +558,7 @@ class ClipPolicy:
     clips_per_video: int = 1  # K, for uniform
     clip_stride: int | None = None  # S in output frames, for slide; None: the clip length (no overlap)
     frame_step: int | None = None  # clip lengths are frame_step·k + 1 (the VAE's rule), named when a video is too short
+    exact_fps: bool = False  # every clip at exactly target_fps: a slower source has no clip (rate_refusal says why)
 
 
 @dataclass(frozen=True)
@@ -579,15 +580,34 @@ class Clip:
                 "frame_indices": list(self.frame_indices)}
 
 
-def resample(src_fps: float, target_fps: float | None) -> tuple[float, float]:
+NTSC = 1001 / 1000  # 23.976, 29.97 and 59.94 fps are 24, 30 and 60 slowed by this ratio
+
+
+def resample(src_fps: float, target_fps: float | None, exact: bool = False) -> tuple[float, float]:
     """``(output fps, source frames per output frame)``; sources slower than the target keep their fps.
 
     Upsampling would repeat frames and teach stutter, so a 12 fps source with target 16 stays at 12 fps
-    (step 1) and its clips record ``fps: 12``.
+    (step 1) and its clips record ``fps: 12``. With ``exact`` (``bucket.exact_fps``) a source at most the NTSC
+    ratio slower (23.976 for 24) is taken frame for frame and recorded at the target rate, so that every clip
+    has one rate; a slower one is refused (:func:`rate_refusal`).
     """
+    if exact and target_fps and src_fps < target_fps <= src_fps * NTSC + 1e-9:
+        return float(target_fps), 1.0
     if not target_fps or target_fps >= src_fps:
         return float(src_fps), 1.0
     return float(target_fps), src_fps / target_fps
+
+
+def rate_refusal(fps: float, policy: ClipPolicy) -> str | None:
+    """Why a ``fps`` video has no clip under ``policy.exact_fps`` (it is slower than the target), else None."""
+    if not policy.exact_fps or not policy.target_fps:
+        return None
+    out_fps, _ = resample(fps, policy.target_fps, exact=True)
+    if out_fps == float(policy.target_fps):
+        return None
+    return (f"video at {fps:g} fps is slower than bucket.target_fps {policy.target_fps:g}, and bucket.exact_fps "
+            f"gives every clip that one rate (clips are never upsampled); lower bucket.target_fps to {fps:g} or "
+            "leave the video out")
 
 
 def _offset(i: int, step: float) -> int:
@@ -633,7 +653,9 @@ def plan_clips(frames: int, fps: float, policy: ClipPolicy, cuts: Iterable[int] 
     centred window for K=1; fewer when the scene has room for fewer distinct windows); ``slide`` from
     the start every S output frames while the window fits.
     """
-    out_fps, step = resample(fps, policy.target_fps)
+    if rate_refusal(fps, policy):
+        return []
+    out_fps, step = resample(fps, policy.target_fps, policy.exact_fps)
     counts = sorted(policy.frame_counts)
     clips: list[Clip] = []
     for lo, hi in segments(frames, cuts):
@@ -661,16 +683,16 @@ def plan_clips_timed(times: Sequence[float], fps: float, policy: ClipPolicy, cut
     screen for long repeats, as a player would show it.
     """
     times = list(times)
-    if not times:
+    if not times or rate_refusal(fps, policy):
         return []
-    out_fps, _ = resample(fps, policy.target_fps)
+    out_fps, _ = resample(fps, policy.target_fps, policy.exact_fps)
     t0 = times[0]
     grid = int(math.floor((times[-1] - t0) * out_fps + 1e-6)) + 1
     real_cuts = sorted({c for c in cuts if 0 < c < len(times)})
     grid_cuts = [math.ceil((times[c] - t0) * out_fps - 1e-6) for c in real_cuts]  # first grid frame of a scene
     scenes = segments(len(times), real_cuts)
     clips = []
-    for clip in plan_clips(grid, out_fps, replace(policy, target_fps=None), grid_cuts):
+    for clip in plan_clips(grid, out_fps, replace(policy, target_fps=None, exact_fps=False), grid_cuts):
         first = _shown_at(times, t0 + clip.frame_indices[0] / out_fps)
         lo, hi = next((a, b) for a, b in scenes if a <= first < b)
         indices = tuple(min(max(_shown_at(times, t0 + j / out_fps), lo), hi - 1) for j in clip.frame_indices)
@@ -686,9 +708,9 @@ def _shown_at(times: Sequence[float], t: float) -> int:
     return max(0, bisect.bisect_right(times, t + 5e-4) - 1)
 
 
-def output_frames(frames: int, fps: float, target_fps: float | None) -> int:
+def output_frames(frames: int, fps: float, target_fps: float | None, exact: bool = False) -> int:
     """How many output frames ``frames`` source frames give after resampling."""
-    _, step = resample(fps, target_fps)
+    _, step = resample(fps, target_fps, exact)
     n = max(0, math.ceil((frames - 0.5) / step))
     while n > 0 and _span(n, step) > frames:
         n -= 1
@@ -696,10 +718,14 @@ def output_frames(frames: int, fps: float, target_fps: float | None) -> int:
 
 
 def too_short_reason(frames: int, fps: float, policy: ClipPolicy, cuts: Iterable[int] = ()) -> str:
-    """Why :func:`plan_clips` found no clip, naming the smallest bucket."""
-    out_fps, _ = resample(fps, policy.target_fps)
+    """Why :func:`plan_clips` found no clip: the video's rate (:func:`rate_refusal`), or its length, naming the
+    smallest bucket."""
+    refused = rate_refusal(fps, policy)
+    if refused:
+        return refused
+    out_fps, _ = resample(fps, policy.target_fps, policy.exact_fps)
     longest = max(hi - lo for lo, hi in segments(frames, cuts))
-    have = output_frames(longest, fps, policy.target_fps)
+    have = output_frames(longest, fps, policy.target_fps, policy.exact_fps)
     where = f"its longest scene has {longest} frames" if longest < frames else f"{frames} frames"
     rule = f"; clips are {policy.frame_step}k+1 frames, bucket.frame_step" if policy.frame_step else ""
     return (f"video too short: {where} at {fps:g} fps give {have} frames at {out_fps:g} fps; "

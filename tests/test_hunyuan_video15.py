@@ -190,9 +190,10 @@ def test_plan_counts_the_published_8_3b():
 
 
 def test_a_too_short_clip_and_a_wrong_frame_step_name_the_4k_plus_1_rule():
+    from latentmill.stages.bucket import BucketConfig
     from latentmill.stages.video import plan_clips, too_short_reason
 
-    from latentmill.preflight import check_bucket_frames
+    from latentmill.preflight import check_bucket
     from latentmill.recipe import load_recipe
 
     demo = load_recipe(DEFAULT_RECIPE_PATH.parents[1] / "configs" / "demo-hunyuanvideo1.5.yaml")
@@ -201,8 +202,9 @@ def test_a_too_short_clip_and_a_wrong_frame_step_name_the_4k_plus_1_rule():
     assert too_short_reason(12, 24, policy) == (
         "video too short: 12 frames at 24 fps give 4 frames at 8 fps; the smallest bucket needs 5 frames "
         "(bucket.frame_counts; clips are 4k+1 frames, bucket.frame_step)")
-    check_bucket_frames("hunyuanvideo1.5", 4)
-    check_bucket_frames("flux", 8)  # an image family has no rule
-    with pytest.raises(ConfigError, match=r"bucket.frame_step: 8, but hunyuanvideo1.5 clips are 4k\+1 frames .*; "
-                                          r"set bucket.frame_step: 4"):
-        check_bucket_frames("hunyuanvideo1.5", 8)
+    check_bucket("hunyuanvideo1.5", BucketConfig(frame_step=4))
+    check_bucket("hunyuanvideo1.5", BucketConfig(frame_step=8))  # 9, 17, ...: 4k+1 lengths all
+    check_bucket("flux", BucketConfig(frame_step=3))  # an image family has no rule
+    with pytest.raises(ConfigError, match=r"bucket.frame_step: clips of \[3, 7, 11, 15\] frames, but hunyuanvideo1.5 "
+                                          r"takes clips of 4k\+1 frames .*; set bucket.frame_step: 4"):
+        check_bucket("hunyuanvideo1.5", BucketConfig(frame_step=2))

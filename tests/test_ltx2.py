@@ -51,16 +51,21 @@ def test_family_is_registered_with_its_streams():
                       "audio_prompt_embeds": (1024, 3840), "prompt_attention_mask": (1024,)}
 
 
-def test_bucket_sizes_and_clip_lengths_are_checked_before_work():
-    from latentmill.preflight import check_bucket_step
+def test_bucket_sizes_clip_lengths_and_one_rate_are_checked_before_work():
+    from latentmill.stages.bucket import BucketConfig
 
-    check_bucket_step("ltx2", 32, [1, 9, 17, 121])
-    check_bucket_step("wan", 16, [5, 9])  # a family without a frame rule takes any length
+    from latentmill.preflight import check_bucket
+
+    check_bucket("ltx2", BucketConfig(step=32, frame_counts=[1, 9, 17, 121], max_frames=121, exact_fps=True,
+                                      target_fps=24))
+    check_bucket("wan", BucketConfig(step=16, frame_counts=[5, 9]))  # a family without sound: no rate rule
     with pytest.raises(ConfigError, match=r"bucket.step: 16 px, but ltx2 needs sizes in multiples of 32 px"):
-        check_bucket_step("ltx2", 16)
-    with pytest.raises(ConfigError, match=r"bucket.frame_counts: \[5, 13\] frames, but ltx2 takes clips of 8k\+1 "
-                                          r"frames .*set bucket.frame_step: 8"):
-        check_bucket_step("ltx2", 32, [5, 9, 13, 17])
+        check_bucket("ltx2", BucketConfig(step=16, frame_step=8, exact_fps=True))
+    with pytest.raises(ConfigError, match=r"bucket.frame_counts: clips of \[5, 13\] frames, but ltx2 takes clips of "
+                                          r"8k\+1 frames .*set bucket.frame_step: 8"):
+        check_bucket("ltx2", BucketConfig(step=32, frame_counts=[5, 9, 13, 17], exact_fps=True))
+    with pytest.raises(ConfigError, match=r"bucket.exact_fps: false, but a ltx2 batch stacks its clips' sound"):
+        check_bucket("ltx2", BucketConfig(step=32, frame_step=8))
 
 
 def test_recipe_rules_name_the_key(tmp_path):

@@ -173,9 +173,10 @@ def test_adapter_calls_the_transformer_like_the_pipeline(t2v, i2v, task):
 
 
 def test_the_pipeline_config_tells_ti2v_from_wan21(tmp_path):
+    from latentmill.stages.bucket import BucketConfig
     from latentmill.stages.families import index_family
 
-    from latentmill.preflight import check_bucket_step, check_components
+    from latentmill.preflight import check_bucket, check_components
 
     assert index_family({"_class_name": "WanPipeline", "expand_timesteps": True}) == "wan2.2-ti2v"
     assert index_family({"_class_name": "WanImageToVideoPipeline", "expand_timesteps": True}) == "wan2.2-ti2v"
@@ -186,10 +187,10 @@ def test_the_pipeline_config_tells_ti2v_from_wan21(tmp_path):
     check_components(ModelConfig(str(tmp_path), family="wan2.2-ti2v"))
     with pytest.raises(ConfigError, match="model.family: 'wan', but .* is a WanPipeline \\(the 'wan2.2-ti2v' family"):
         check_components(ModelConfig(str(tmp_path), family="wan"))
-    check_bucket_step("wan2.2-ti2v", 64)
-    check_bucket_step("wan", 16)
+    check_bucket("wan2.2-ti2v", BucketConfig(step=64))
+    check_bucket("wan", BucketConfig(step=16))
     with pytest.raises(ConfigError, match="bucket.step: 16 px, but wan2.2-ti2v needs sizes in multiples of 32 px"):
-        check_bucket_step("wan2.2-ti2v", 16)
+        check_bucket("wan2.2-ti2v", BucketConfig(step=16))
 
 
 def test_recipes_sample_as_ti2v():
