@@ -78,6 +78,12 @@ def test_recipe_rules_name_the_key(tmp_path):
     with pytest.raises(ConfigError, match=r"connectors.text_proj_in_factor: 2 != text_encoder.text_config."
                                           r"num_hidden_layers \+ 1 \(3\)"):
         load_recipe(bad)
+    data = load_recipe(DEFAULT_RECIPE_PATH)
+    data["components"]["transformer"]["num_attention_heads"] = 4  # 64 wide, the width that could not learn
+    bad.write_text(yaml.safe_dump(data))
+    with pytest.raises(ConfigError, match=r"transformer.num_attention_heads x attention_head_dim: 64 < in_channels "
+                                          r"\(128\)"):
+        load_recipe(bad)
 
 
 def test_log_mel_puts_a_tone_in_its_mel_bin():
@@ -137,6 +143,22 @@ def pipe(tiny_ltx2):
 @pytest.fixture(scope="module")
 def encoders(tiny_ltx2):
     return LTX2Encoders(ModelConfig(pretrained=str(tiny_ltx2), family="ltx2"), torch.device("cpu"))
+
+
+def test_scaling_factor_is_the_vaes_own(pipe, encoders):
+    """The recipe's vae.scaling_factor is 1 / the std of this VAE's (seed 0) latents, so cached latents are about
+    unit variance: at 1.0 (the VAE's latents_mean / latents_std buffers are 0 / 1) a clip's detail lay under the
+    training noise (tests/test_learns_ltx2.py)."""
+    from latentmill.tiny_hunyuan_video15 import measure_scaling_factor
+
+    assert pipe.vae.config.scaling_factor == pytest.approx(measure_scaling_factor(pipe.vae, size=64, frames=9),
+                                                           rel=2e-3)
+    assert torch.equal(pipe.vae.latents_mean, torch.zeros(128)) and torch.equal(pipe.vae.latents_std, torch.ones(128))
+    from latentmill.tiny_wan import synthetic_clips
+
+    clips = synthetic_clips(torch.Generator().manual_seed(1), 4, size=64, frames=9)  # other clips than measured
+    mean, _ = encoders.encode_pixels(clips)
+    assert 0.7 < float(mean.std()) < 1.3
 
 
 def test_cached_streams_equal_the_pipelines_encode_path(pipe, encoders):
