@@ -25,6 +25,7 @@ LIGHT, DARK = 200, 30
 
 
 def marked_caption(corner: str) -> str:
+    """The caption of a picture or clip with the mark in ``corner``."""
     return f"a light square with a dark mark in the {corner} corner"
 
 
@@ -53,14 +54,6 @@ def write_clip(path: Path, frames: list[np.ndarray], fps: int = 8) -> None:
             container.mux(packet)
 
 
-def still_clip(path: Path, pixels: np.ndarray | tuple[int, int, int], size: int = 32, frames: int = 9,
-               fps: int = 8) -> None:
-    """A clip of ``frames`` equal frames: ``pixels`` [size, size, 3], or one colour."""
-    frame = np.empty((size, size, 3), np.uint8)
-    frame[:] = pixels
-    write_clip(path, [frame] * frames, fps)
-
-
 def marked_images(folder: Path, size: int = 64, mark: int = 16) -> None:
     """Per corner, four pictures (``SHADES``) with the mark in that corner, captioned with it."""
     from PIL import Image
@@ -79,7 +72,7 @@ def marked_clips(folder: Path, size: int = 64, mark: int = 16, frames: int = 9, 
     for corner in CORNERS:
         for i, shade in enumerate(SHADES[1:3]):
             name = f"{corner.replace(' ', '_')}_{i}"
-            still_clip(folder / f"{name}.mp4", marked_pixels(corner, shade, size, mark), size, frames, fps)
+            write_clip(folder / f"{name}.mp4", [marked_pixels(corner, shade, size, mark)] * frames, fps)
             (folder / f"{name}.txt").write_text(marked_caption(corner))
 
 
@@ -105,11 +98,11 @@ def run(recipe: str, out: Path, pretrained: Path, source: Path | None, *override
                  *inputs, "trainer.save_every=0", *overrides]) == 0
 
 
-def video_overrides(size: int, frames: int, steps: int, batch_size: int = 4) -> list[str]:
+def video_overrides(size: int, frames: int, steps: int) -> list[str]:
     """A video learning run's overrides: one square bucket of ``frames``, one clip per video, no motion floor
     (still clips: the demo's threshold drops them), ``steps`` at learning rate 2e-3."""
     return [f"bucket.resolution={size}", "bucket.aspect_ratios=[1.0]", f"bucket.frame_counts=[{frames}]",
-            "bucket.clips_per_video=1", f"trainer.batch_size={batch_size}", f"trainer.max_steps={steps}",
+            "bucket.clips_per_video=1", "trainer.batch_size=4", f"trainer.max_steps={steps}",
             "trainer.learning_rate=2.0e-3", "curate.min_motion=null"]
 
 

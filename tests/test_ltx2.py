@@ -249,6 +249,8 @@ def test_recipes_train_video_with_sound():
     demo = load_recipe(configs / "demo-ltx2.yaml")
     assert demo.model.family == "ltx2" and demo.model.tiny_recipe.endswith("data/tiny-ltx2.yaml")
     assert demo.bucket.step == 32 and demo.bucket.frame_counts == [9, 17] and demo.cache.max_sequence_length == 64
+    assert (demo.trainer.shift_mode, demo.trainer.base_shift, demo.trainer.max_shift, demo.trainer.base_image_seq_len,
+            demo.trainer.max_image_seq_len) == ("resolution", 0.95, 2.05, 1024, 4096)  # LTX-2's own, as the recipes'
 
 
 @pytest.mark.slow
