@@ -87,16 +87,17 @@ def load_recipe(recipe: str | os.PathLike[str] = DEFAULT_RECIPE_PATH) -> dict[st
     return data
 
 
-def measure_scaling_factor(vae: Any, samples: int = 8, seed: int = 0) -> float:
-    """1 / the standard deviation of ``vae``'s latent means over ``synthetic_clips``: how the recipe's
-    ``vae.scaling_factor`` is set (rounded to 4 decimals, for the VAE of seed 0), as the real one (1.03682) makes
-    the real VAE's latents about unit variance. Clips are encoded one at a time (the VAE takes no batch)."""
+def measure_scaling_factor(vae: Any, samples: int = 8, seed: int = 0, size: int = 32, frames: int = 5) -> float:
+    """1 / the standard deviation of ``vae``'s latent means over ``synthetic_clips`` (``size`` px, ``frames``):
+    how the recipe's ``vae.scaling_factor`` is set (rounded to 4 decimals, for the VAE of seed 0), as the real one
+    (1.03682) makes the real VAE's latents about unit variance; the tiny LTX-2 set's too (64 px, 9 frames). Clips
+    are encoded one at a time (the VAE takes no batch)."""
     import torch
 
     from latentmill.tiny_wan import synthetic_clips
 
     with torch.no_grad():
-        clips = synthetic_clips(torch.Generator().manual_seed(seed), samples, frames=5)
+        clips = synthetic_clips(torch.Generator().manual_seed(seed), samples, size=size, frames=frames)
         z = torch.cat([vae.encode(c[None]).latent_dist.mean for c in clips])
     return 1.0 / float(z.std())
 

@@ -52,6 +52,11 @@ def load_recipe(recipe: str | os.PathLike[str] = DEFAULT_RECIPE_PATH) -> dict[st
     require(tr.get("in_channels") == vae.get("latent_channels"),
             f"components.transformer.in_channels: {tr.get('in_channels')} != components.vae.latent_channels "
             f"({vae.get('latent_channels')})")
+    inner = tr.get("num_attention_heads", 0) * tr.get("attention_head_dim", 0)
+    require(inner >= tr.get("in_channels", 0),
+            f"components.transformer.num_attention_heads x attention_head_dim: {inner} < in_channels "
+            f"({tr.get('in_channels')}): the predicted velocity (noise - latents) needs every latent channel; "
+            "widen the transformer")
     audio_width = audio.get("latent_channels", 8) * audio.get("mel_bins", 64) // 4
     require(tr.get("audio_in_channels") == audio_width,
             f"components.transformer.audio_in_channels: {tr.get('audio_in_channels')} != audio_vae.latent_channels "

@@ -8,14 +8,20 @@ The mark is 16 x 16 px of a 64 x 64 clip: one latent pixel of the 4 x 4 the VAE 
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
 
-from latentmill.cli import main
-from tests.conftest import REPO_ROOT
-from tests.test_learns import CORNERS, _assert_nearest_own, _cached_latents, _losses
-from tests.test_learns_wan22_ti2v import _marked_clips
+from tests.learning import (
+    CORNERS,
+    assert_loss_fell,
+    assert_nearest_own,
+    cached_latents,
+    losses,
+    marked_caption,
+    marked_clips,
+    run,
+    video_overrides,
+)
 
 pytestmark = [pytest.mark.slow, pytest.mark.heavy]  # 9-13 minutes each on 2 busy cores (make test-all)
 
@@ -23,20 +29,15 @@ pytestmark = [pytest.mark.slow, pytest.mark.heavy]  # 9-13 minutes each on 2 bus
 @pytest.mark.parametrize(("shift", "steps"), [(1.0, 1000), (5.0, 600)])
 def test_hunyuan_video15_generates_the_detail_it_was_shown(tiny_hunyuan_video15, tmp_path, shift, steps):
     clips = tmp_path / "clips"
-    _marked_clips(clips)
+    marked_clips(clips)
     out = tmp_path / "run"
-    assert main(["run", str(REPO_ROOT / "configs" / "demo-hunyuanvideo1.5.yaml"), f"output_dir={out}",
-                 f"model.pretrained={tiny_hunyuan_video15}", f"ingest.source={clips}", "bucket.resolution=64",
-                 "bucket.aspect_ratios=[1.0]", "bucket.frame_counts=[5]", "bucket.clips_per_video=1",
-                 "trainer.batch_size=4", f"trainer.max_steps={steps}", "trainer.learning_rate=2.0e-3",
-                 "trainer.save_every=0", f"trainer.shift={shift}",
-                 "curate.min_motion=null"]) == 0  # still clips: the demo's motion threshold drops them
-    losses = _losses(out)
+    run("demo-hunyuanvideo1.5.yaml", out, tiny_hunyuan_video15, clips, *video_overrides(64, 5, steps),
+        f"trainer.shift={shift}")
     # measured, first 60 steps -> last 60: shift 1.0 0.75 -> 0.042, shift 5.0 0.49 -> 0.034
-    assert np.mean(losses[-60:]) < 0.2 * np.mean(losses[:60]), (np.mean(losses[:60]), np.mean(losses[-60:]))
+    assert_loss_fell(losses(out / "train"), 60, 0.2)
 
-    reference = _cached_latents(out / "prep" / "cache")
-    assert sorted(reference) == sorted(f"a light square with a dark mark in the {c} corner" for c in CORNERS)
+    reference = cached_latents(out / "prep" / "cache")
+    assert sorted(reference) == sorted(marked_caption(c) for c in CORNERS)
     from diffusers import ClassifierFreeGuidance, DiffusionPipeline, HunyuanVideo15Pipeline
 
     pipe = DiffusionPipeline.from_pretrained(out / "export")
@@ -49,4 +50,4 @@ def test_hunyuan_video15_generates_the_detail_it_was_shown(tiny_hunyuan_video15,
     assert next(iter(generated.values())).shape == next(iter(reference.values())).shape == (16, 2, 4, 4)
     # measured (8 sampling steps at the scheduler's shift 5.0): own / nearest other 0.02-0.04 at shift 1.0,
     # 0.11-0.12 at shift 5.0
-    _assert_nearest_own(generated, reference, margin=0.5)
+    assert_nearest_own(generated, reference, margin=0.5)

@@ -15,13 +15,10 @@ import numpy as np
 import pytest
 import torch
 
-from latentmill.cli import main
-from tests.conftest import REPO_ROOT
-from tests.test_learns import _assert_nearest_own, _cached_latents, _losses
+from tests.learning import CORNERS, assert_loss_fell, assert_nearest_own, cached_latents, losses, run
 
 pytestmark = pytest.mark.slow
 
-CORNERS = {"top left": (0, 0), "top right": (0, 1), "bottom left": (1, 0), "bottom right": (1, 1)}
 GREYS = (120, 128, 136, 144)  # a few images per caption, the background a little lighter or darker
 SIZE, MARK = 64, 16  # a 16 px mark = 2 x 2 of the 8 x 8 latent positions
 
@@ -40,7 +37,6 @@ def _images(folder: Path) -> None:
             (folder / f"{name}.txt").write_text(f"a grey square with a red mark in the {corner} corner")
 
 
-
 # make test-all: the learning path make test runs for FLUX.1, Wan and FLUX.2 klein (about 25 s a shift)
 @pytest.mark.heavy
 @pytest.mark.parametrize("shift", ["1.0", "qwen-image"])
@@ -49,15 +45,12 @@ def test_qwen_image_generates_the_corner_it_was_shown(tiny_qwen_image, tmp_path,
     out = tmp_path / "run"
     # the demo recipe trains at Qwen-Image's own shift (shift_mode: resolution); "1.0": a fixed shift of 1
     overrides = ["trainer.shift_mode=fixed", "trainer.shift=1.0"] if shift == "1.0" else []
-    assert main(["run", str(REPO_ROOT / "configs" / "demo-qwen-image.yaml"), f"output_dir={out}",
-                 f"model.pretrained={tiny_qwen_image}", f"ingest.source={tmp_path / 'images'}",
-                 f"bucket.resolution={SIZE}", "bucket.aspect_ratios=[1.0]", "trainer.max_steps=1000",
-                 "trainer.learning_rate=2.0e-3", "trainer.save_every=0", *overrides]) == 0
-    losses = _losses(out)
+    run("demo-qwen-image.yaml", out, tiny_qwen_image, tmp_path / "images", f"bucket.resolution={SIZE}",
+        "bucket.aspect_ratios=[1.0]", "trainer.max_steps=1000", "trainer.learning_rate=2.0e-3", *overrides)
     # measured: 1.19 / 1.17 over the first 40 steps, 0.039 / 0.031 over the last 40 (shift 1.0 / Qwen-Image's)
-    assert np.mean(losses[-40:]) < 0.1 * np.mean(losses[:40])
+    assert_loss_fell(losses(out / "train"), 40, 0.1)
 
-    reference = _cached_latents(out / "prep" / "cache")
+    reference = cached_latents(out / "prep" / "cache")
     assert sorted(reference) == sorted(f"a grey square with a red mark in the {c} corner" for c in CORNERS)
     from diffusers import DiffusionPipeline, QwenImagePipeline
 
@@ -73,4 +66,4 @@ def test_qwen_image_generates_the_corner_it_was_shown(tiny_qwen_image, tmp_path,
     # the references lie 0.021-0.042 apart (mean squared); measured at 1000 steps, seed 0: own 0.004-0.016,
     # nearest other 0.022-0.047 (ratios 0.21-0.42 at shift 1.0, 0.19-0.39 at Qwen-Image's; at 400 steps the
     # ratios were up to 0.56: 0.0255 / 0.0453)
-    _assert_nearest_own(generated, reference, margin=0.5)
+    assert_nearest_own(generated, reference, margin=0.5)

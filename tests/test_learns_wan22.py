@@ -28,29 +28,18 @@ import numpy as np
 import pytest
 import torch
 
-from latentmill.cli import main
-from tests.conftest import REPO_ROOT
-from tests.test_learns import CORNERS, SHADES, _assert_nearest_own, _cached_latents, _write_clip
+from tests.learning import (
+    CORNERS,
+    assert_nearest_own,
+    cached_latents,
+    losses,
+    marked_caption,
+    marked_clips,
+    run,
+)
 
 pytestmark = pytest.mark.slow  # 10-20 s each on 2 idle cores, 4-9 minutes on 2 busy ones
-SIZE, MARK = 32, 16  # the mark: 2 x 2 of the 4 x 4 latent pixels the Wan VAE (8x) makes per frame
-
-
-def _losses(run_dir) -> list[float]:
-    return [json.loads(line)["loss"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-
-
-def _marked_clips(folder) -> None:
-    """Per corner, two still clips (two light shades) with the dark mark in that corner, captioned with it."""
-    folder.mkdir()
-    for corner, (row, col) in CORNERS.items():
-        for i, shade in enumerate(SHADES[1:3]):
-            pixels = np.full((SIZE, SIZE, 3), 200 + shade, np.uint8)
-            top, left = row * (SIZE - MARK), col * (SIZE - MARK)
-            pixels[top:top + MARK, left:left + MARK] = (30, 30, 30)
-            name = f"{corner.replace(' ', '_')}_{i}"
-            _write_clip(folder / f"{name}.mp4", pixels, size=SIZE)
-            (folder / f"{name}.txt").write_text(f"a light square with a dark mark in the {corner} corner")
+SIZE = 32  # the mark (16 px): 2 x 2 of the 4 x 4 latent pixels the Wan VAE (8x) makes per frame
 
 
 # make test runs the family's own shift; the two runs at shift 1.0 are make test-all's second variant
@@ -58,30 +47,28 @@ def _marked_clips(folder) -> None:
                                                  ("both", 3.0)])
 def test_wan22_experts_generate_the_detail_they_were_shown(tiny_wan22, tmp_path, experts, shift):
     clips = tmp_path / "clips"
-    _marked_clips(clips)
+    marked_clips(clips, SIZE)
     out = tmp_path / "run"
-    recipe = str(REPO_ROOT / "configs" / "demo-wan2.2.yaml")
-    common = [f"output_dir={out}", "trainer.batch_size=4", "trainer.max_steps=600", "trainer.learning_rate=2.0e-3",
-              "trainer.save_every=0", f"trainer.shift={shift}"]
+    recipe = "demo-wan2.2.yaml"
+    common = ["trainer.batch_size=4", "trainer.max_steps=600", "trainer.learning_rate=2.0e-3", f"trainer.shift={shift}"]
     first = "both" if experts == "both" else "high"
-    assert main(["run", recipe, *common, f"trainer.expert={first}", f"model.pretrained={tiny_wan22}",
-                 f"ingest.source={clips}", "bucket.resolution=32", "bucket.aspect_ratios=[1.0]",
-                 "bucket.frame_counts=[5]", "bucket.clips_per_video=1", "curate.min_motion=null"]) == 0
+    run(recipe, out, tiny_wan22, clips, *common, f"trainer.expert={first}", f"bucket.resolution={SIZE}",
+        "bucket.aspect_ratios=[1.0]", "bucket.frame_counts=[5]", "bucket.clips_per_video=1", "curate.min_motion=null")
     runs = [first]
     if experts != "both":
-        assert main(["train", recipe, *common, "trainer.expert=low", f"model.pretrained={out / 'export-high'}"]) == 0
+        run(recipe, out, out / "export-high", None, *common, "trainer.expert=low", command="train")
         runs.append("low")
-    for run in runs:
-        losses = _losses(out / f"train-{run}")
-        assert len(losses) == 600 and np.mean(losses[-60:]) < 0.5 * np.mean(losses[:60]), run
+    for name in runs:
+        values = losses(out / f"train-{name}")
+        assert len(values) == 600 and np.mean(values[-60:]) < 0.5 * np.mean(values[:60]), name
     if experts == "both":  # every micro-batch went to one expert, the high one about its 20% share
         routed = [json.loads(line)["expert_micro_batches"]
                   for line in (out / "train-both" / "metrics.jsonl").read_text().splitlines()]
         high = sum(r.get("high", 0) for r in routed)
         assert sum(sum(r.values()) for r in routed) == 600 and 90 < high < 150, high
 
-    reference = _cached_latents(out / "prep" / "cache")
-    assert sorted(reference) == sorted(f"a light square with a dark mark in the {c} corner" for c in CORNERS)
+    reference = cached_latents(out / "prep" / "cache")
+    assert sorted(reference) == sorted(marked_caption(c) for c in CORNERS)
     from diffusers import DiffusionPipeline, WanPipeline
 
     pipe = DiffusionPipeline.from_pretrained(out / f"export-{runs[-1]}")
@@ -96,4 +83,4 @@ def test_wan22_experts_generate_the_detail_they_were_shown(tiny_wan22, tmp_path,
                    output_type="latent", max_sequence_length=32, generator=torch.Generator().manual_seed(0)).frames
     # measured (own / nearest other corner, 8 sampling steps at the pipeline's flow_shift 3.0): one per run at shift
     # 1.0 0.06-0.19; both at 3.0 0.13-0.22
-    _assert_nearest_own(dict(zip(prompts, latents)), reference, margin=0.5)
+    assert_nearest_own(dict(zip(prompts, latents)), reference, margin=0.5)

@@ -10,23 +10,14 @@ corner's.
 
 from __future__ import annotations
 
-import json
-
 import numpy as np
 import pytest
 import torch
 
-from latentmill.cli import main
-from tests.conftest import REPO_ROOT
-from tests.test_learns import CORNERS, _cached_latents
-from tests.test_learns_wan21_i2v import _appearing_marks, assert_generates_own_detail
+from tests.learning import CORNERS, appearing_marks, assert_generates_own_detail, cached_latents, losses, run
 
 pytestmark = pytest.mark.slow  # 15-35 s each on 2 idle cores
 STEPS = 1000
-
-
-def _losses(run_dir) -> list[float]:
-    return [json.loads(line)["loss"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
 # make test runs the family's own shift; the two runs at shift 1.0 are make test-all's second variant
@@ -34,26 +25,25 @@ def _losses(run_dir) -> list[float]:
                                                  ("both", 5.0)])
 def test_i2v_experts_generate_the_detail_the_caption_names(tiny_wan22_i2v, tmp_path, experts, shift):
     clips = tmp_path / "clips"
-    _appearing_marks(clips)
+    appearing_marks(clips)
     out = tmp_path / "run"
-    recipe = str(REPO_ROOT / "configs" / "demo-wan2.2-i2v.yaml")
-    common = [f"output_dir={out}", "trainer.batch_size=4", f"trainer.max_steps={STEPS}",
-              "trainer.learning_rate=2.0e-3", "trainer.save_every=0", f"trainer.shift={shift}"]
+    recipe = "demo-wan2.2-i2v.yaml"
+    common = ["trainer.batch_size=4", f"trainer.max_steps={STEPS}", "trainer.learning_rate=2.0e-3",
+              f"trainer.shift={shift}"]
     first = "both" if experts == "both" else "high"
-    assert main(["run", recipe, *common, f"trainer.expert={first}", f"model.pretrained={tiny_wan22_i2v}",
-                 f"ingest.source={clips}", "bucket.resolution=32", "bucket.aspect_ratios=[1.0]",
-                 "bucket.frame_counts=[5]", "bucket.clips_per_video=1",
-                 "bucket.scene_split=false",  # the mark's appearance is not a cut
-                 "curate.min_motion=null"]) == 0
+    run(recipe, out, tiny_wan22_i2v, clips, *common, f"trainer.expert={first}", "bucket.resolution=32",
+        "bucket.aspect_ratios=[1.0]", "bucket.frame_counts=[5]", "bucket.clips_per_video=1",
+        "bucket.scene_split=false",  # the mark's appearance is not a cut
+        "curate.min_motion=null")
     runs = [first]
     if experts != "both":
-        assert main(["train", recipe, *common, "trainer.expert=low", f"model.pretrained={out / 'export-high'}"]) == 0
+        run(recipe, out, out / "export-high", None, *common, "trainer.expert=low", command="train")
         runs.append("low")
-    for run in runs:
-        losses = _losses(out / f"train-{run}")
-        assert len(losses) == STEPS and np.mean(losses[-60:]) < 0.5 * np.mean(losses[:60]), run
+    for name in runs:
+        values = losses(out / f"train-{name}")
+        assert len(values) == STEPS and np.mean(values[-60:]) < 0.5 * np.mean(values[:60]), name
 
-    reference = _cached_latents(out / "prep" / "cache")
+    reference = cached_latents(out / "prep" / "cache")
     assert sorted(reference) == sorted(f"a dark mark appears in the {c} corner" for c in CORNERS)
     from diffusers import DiffusionPipeline, WanImageToVideoPipeline
 

@@ -16,14 +16,11 @@ import numpy as np
 import pytest
 import torch
 
-from latentmill.cli import main
-from tests.conftest import REPO_ROOT
-from tests.test_learns import _assert_nearest_own, _cached_latents, _losses
+from tests.learning import SHADES, assert_loss_fell, assert_nearest_own, cached_latents, losses, run
 
 pytestmark = pytest.mark.slow
 
 BACKGROUND = (50, 90, 200)
-SHADES = (-12, -4, 4, 12)
 CORNERS = {"top left": (0, 0), "top right": (0, 48), "bottom left": (48, 0), "bottom right": (48, 48)}
 
 
@@ -47,15 +44,12 @@ def _images(folder):
 def test_zimage_places_the_mark_its_caption_names(tiny_zimage, tmp_path, shift):
     _images(tmp_path / "images")
     out = tmp_path / "run"
-    assert main(["run", str(REPO_ROOT / "configs" / "demo-z-image.yaml"), f"output_dir={out}",
-                 f"model.pretrained={tiny_zimage}", f"ingest.source={tmp_path / 'images'}",
-                 "bucket.resolution=64", "bucket.aspect_ratios=[1.0]", f"trainer.shift={shift}",
-                 "trainer.max_steps=800", "trainer.learning_rate=2.0e-3", "trainer.save_every=0"]) == 0
-    losses = _losses(out)
+    run("demo-z-image.yaml", out, tiny_zimage, tmp_path / "images", "bucket.resolution=64", "bucket.aspect_ratios=[1.0]",
+        f"trainer.shift={shift}", "trainer.max_steps=800", "trainer.learning_rate=2.0e-3")
     # measured (800 steps): shift 1.0: 0.83 over the first 40 steps, 0.023 over the last 40; shift 3.0: 0.72, 0.0086
-    assert np.mean(losses[-40:]) < 0.1 * np.mean(losses[:40])
+    assert_loss_fell(losses(out / "train"), 40, 0.1)
 
-    reference = _cached_latents(out / "prep" / "cache")
+    reference = cached_latents(out / "prep" / "cache")
     assert sorted(reference) == sorted(f"a blue square with a white mark in the {c} corner" for c in CORNERS)
     from diffusers import DiffusionPipeline, ZImagePipeline
 
@@ -69,4 +63,4 @@ def test_zimage_places_the_mark_its_caption_names(tiny_zimage, tmp_path, shift):
     # measured (own / nearest other corner): shift 1.0: 0.003-0.006 / 0.016-0.026 (ratios 0.13-0.35); shift 3.0:
     # 0.003-0.004 / 0.014-0.024 (ratios 0.15-0.29). At 400 steps shift 3.0 reached only 0.58-0.85 (one corner
     # above 0.8), shift 1.0 0.37-0.62: the fine detail needs the 800 steps.
-    _assert_nearest_own(generated, reference, margin=0.5)
+    assert_nearest_own(generated, reference, margin=0.5)

@@ -76,6 +76,9 @@ def test_recipe_rules_name_the_key(tmp_path):
                           lambda data: data["components"]["connectors"].update(text_proj_in_factor=2),
                           r"connectors.text_proj_in_factor: 2 != text_encoder.text_config.num_hidden_layers \+ 1 "
                           r"\(3\)")
+    assert_recipe_refused(tmp_path, load_recipe, DEFAULT_RECIPE_PATH,  # 64 wide, the width that could not learn
+                          lambda data: data["components"]["transformer"].update(num_attention_heads=4),
+                          r"transformer.num_attention_heads x attention_head_dim: 64 < in_channels \(128\)")
 
 
 def test_log_mel_puts_a_tone_in_its_mel_bin():
@@ -137,6 +140,22 @@ def encoders(tiny_ltx2):
     return LTX2Encoders(ModelConfig(pretrained=str(tiny_ltx2), family="ltx2"), torch.device("cpu"))
 
 
+def test_scaling_factor_is_the_vaes_own(pipe, encoders):
+    """The recipe's vae.scaling_factor is 1 / the std of this VAE's (seed 0) latents, so cached latents are about
+    unit variance: at 1.0 (the VAE's latents_mean / latents_std buffers are 0 / 1) a clip's detail lay under the
+    training noise (tests/test_learns_ltx2.py)."""
+    from latentmill.tiny_hunyuan_video15 import measure_scaling_factor
+
+    assert pipe.vae.config.scaling_factor == pytest.approx(measure_scaling_factor(pipe.vae, size=64, frames=9),
+                                                           rel=2e-3)
+    assert torch.equal(pipe.vae.latents_mean, torch.zeros(128)) and torch.equal(pipe.vae.latents_std, torch.ones(128))
+    from latentmill.tiny_wan import synthetic_clips
+
+    clips = synthetic_clips(torch.Generator().manual_seed(1), 4, size=64, frames=9)  # other clips than measured
+    mean, _ = encoders.encode_pixels(clips)
+    assert 0.7 < float(mean.std()) < 1.3
+
+
 def test_cached_streams_equal_the_pipelines_encode_path(pipe, encoders):
     gen = torch.Generator().manual_seed(0)
     clips = torch.rand(2, 3, 17, 64, 96, generator=gen) * 2 - 1
@@ -147,7 +166,9 @@ def test_cached_streams_equal_the_pipelines_encode_path(pipe, encoders):
                                        pipe.vae.config.scaling_factor)
     assert mean.shape == (2, 128, 3, 2, 3)
     torch.testing.assert_close(mean, expected, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(std, dist.std / pipe.vae.latents_std.view(1, -1, 1, 1, 1), rtol=1e-5, atol=1e-6)
+    # the posterior's std in the normalised space: scaled like the mean (at scaling_factor 1.0 this could not show)
+    scale = pipe.vae.config.scaling_factor / pipe.vae.latents_std.view(1, -1, 1, 1, 1)
+    torch.testing.assert_close(std, dist.std * scale, rtol=1e-5, atol=1e-5)
 
     # audio: the pipeline's path for given audio latents packs, then normalises (prepare_audio_latents, no noise)
     waves = torch.rand(2, 2, 11333, generator=gen) * 0.2 - 0.1
@@ -225,6 +246,8 @@ def test_recipes_train_video_with_sound():
     demo = load_recipe(configs / "demo-ltx2.yaml")
     assert demo.model.family == "ltx2" and demo.model.tiny_recipe.endswith("data/tiny-ltx2.yaml")
     assert demo.bucket.step == 32 and demo.bucket.frame_counts == [9, 17] and demo.cache.max_sequence_length == 64
+    assert (demo.trainer.shift_mode, demo.trainer.base_shift, demo.trainer.max_shift, demo.trainer.base_image_seq_len,
+            demo.trainer.max_image_seq_len) == ("resolution", 0.95, 2.05, 1024, 4096)  # LTX-2's own, as the recipes'
 
 
 @pytest.mark.slow
