@@ -159,3 +159,97 @@ def test_adapter_calls_the_transformer_like_the_pipeline(pipe):
         adapter.check_batch(pipe.transformer, {**batch, "image_embeds": torch.zeros(1, 16, 8)})
     with pytest.raises(ValueError, match=r"image_latents have shape \(1, 16, 3, \d+, \d+\), expected one latent frame"):
         adapter.check_batch(pipe.transformer, {**batch, "image_latents": noisy})
+
+
+@pytest.fixture(scope="module")
+def i2v_cache(tiny_hunyuan_video15_i2v, tmp_path_factory):
+    """The cache stage over two demo videos with configs/demo-hunyuanvideo1.5-i2v.yaml (no Prefect)."""
+    import shutil
+
+    from latentmill.recipe import load_recipe
+    from tests.conftest import REPO_ROOT
+    from tests.helpers import prep_in_process
+
+    videos = tmp_path_factory.mktemp("videos")
+    for name in ("ball_64x48_24fps", "square_64x64_8fps"):
+        for ext in (".mp4", ".txt"):
+            shutil.copy(REPO_ROOT / "data" / "demo" / "videos" / (name + ext), videos)
+    out = tmp_path_factory.mktemp("hunyuan-i2v-prep")
+    recipe = load_recipe(REPO_ROOT / "configs" / "demo-hunyuanvideo1.5-i2v.yaml",
+                         [f"output_dir={out}", f"model.pretrained={tiny_hunyuan_video15_i2v}", f"ingest.source={videos}"])
+    sd, manifest, _ = prep_in_process(recipe)["cache"]
+    return sd, manifest
+
+
+@pytest.mark.slow
+def test_the_cache_stage_stores_the_pipelines_conditioning(i2v_cache, pipe):
+    """Each cached clip's VAE member holds image_latents and image_embeds equal to what
+    HunyuanVideo15ImageToVideoPipeline computes from the clip's first frame; the manifest records the streams and
+    the image encoder's fingerprint."""
+    import json
+
+    from latentmill.stages.cache import load_clip_pixels
+    from latentmill.stages.tarshard import read_shard
+    from safetensors.torch import load as load_tensors
+
+    sd, manifest = i2v_cache
+    assert [s["name"] for s in manifest["streams"]] == ["latents", "image_latents", "image_embeds", "prompt_embeds",
+                                                        "prompt_embeds_2"]
+    assert set(manifest["models"]) == {"vae", "text_encoder", "text_encoder_2", "image_encoder"}
+    samples = [s for shard in manifest["shards"] for s in read_shard(sd.root / shard["path"])]
+    assert len(samples) >= 2
+    cpu = torch.device("cpu")
+    for sample in samples[:2]:
+        meta, vae = json.loads(sample["json"]), load_tensors(sample["vae.safetensors"])
+        assert set(vae) == {"latents", "image_latents", "image_embeds"}
+        pixels = load_clip_pixels(meta, sample)[None]
+        (image,) = first_frame_images(pixels)
+        latents = torch.zeros(1, *vae["latents"].shape)
+        with torch.no_grad():
+            condition, _ = pipe.prepare_cond_latents_and_mask(latents, image, 1, *pixels.shape[-2:], torch.float32, cpu)
+            image_embeds = pipe.encode_image(image, 1, cpu, torch.float32)
+        # (encoded on the prep's threads: float rounding apart at most)
+        torch.testing.assert_close(vae["image_latents"][None], condition[:, :, :1], rtol=0, atol=1e-5)
+        torch.testing.assert_close(vae["image_embeds"][None], image_embeds, rtol=0, atol=1e-5)
+
+
+def test_recipes_train_hunyuan_video15_i2v():
+    from latentmill.recipe import load_recipe
+    from tests.conftest import REPO_ROOT
+
+    for name, mode in (("hunyuanvideo1.5-i2v-lora.yaml", "lora"), ("hunyuanvideo1.5-i2v-full.yaml", "full")):
+        recipe = load_recipe(REPO_ROOT / "configs" / name)
+        assert (recipe.model.pretrained, recipe.model.family) == ("hunyuanvideo-community/HunyuanVideo-1.5-480p_i2v",
+                                                                  "hunyuanvideo1.5-i2v")
+        assert (recipe.trainer.mode, recipe.parallel.strategy, recipe.trainer.shift) == (mode, "fsdp2", 5.0)
+        assert recipe.trainer.validate_every == 0  # the pipeline samples from an image
+        assert (recipe.bucket.frame_step, recipe.bucket.max_frames, recipe.cache.max_sequence_length) == (4, 121, 1000)
+    demo = load_recipe(REPO_ROOT / "configs" / "demo-hunyuanvideo1.5-i2v.yaml")
+    assert demo.model.family == "hunyuanvideo1.5-i2v"
+    assert demo.model.tiny_recipe.endswith("data/tiny-hunyuanvideo1.5-i2v.yaml")
+    assert demo.bucket.step == 16 and demo.bucket.frame_counts == [5, 9, 17]
+
+
+@pytest.mark.slow
+@pytest.mark.heavy  # the plan path runs in make test for text-to-video (tests/test_hunyuan_video15.py), same model
+def test_plan_counts_the_published_480p_i2v():
+    from diffusers import HunyuanVideo15Transformer3DModel as cls
+
+    from latentmill.models import read_component_config
+    from latentmill.plan import plan_config, shipped_models_dir
+
+    shipped = shipped_models_dir() / "HunyuanVideo-1.5-480p_i2v"
+    config = cls.load_config(str(shipped), subfolder="transformer")
+    assert (config["task_type"], config["in_channels"], config["image_embed_dim"]) == ("i2v", 65, 1152)
+    with torch.device("meta"):
+        model = cls.from_config(config)
+    total = sum(p.numel() for p in model.parameters())
+    assert total == 8_326_608_160  # text-to-video's 8.3B: the image projection is in both
+    from latentmill.core.fingerprints import ComponentSource
+
+    siglip = read_component_config(ComponentSource(str(shipped), "image_encoder"))
+    assert (siglip["image_size"] // siglip["patch_size"]) ** 2 == 729  # the pipeline's vision_num_semantic_tokens
+    full = plan_config("configs/hunyuanvideo1.5-i2v-full.yaml", nproc=8)
+    assert full["total_params"] == total and full["config"]["shipped_configs"] and full["fits"]
+    lora = plan_config("configs/hunyuanvideo1.5-i2v-lora.yaml", nproc=8)
+    assert lora["trainable_params"] == 56 * 4 * 32 * (2048 + 2048) == 29_360_128
