@@ -97,14 +97,19 @@ def read_component_config(src: ComponentSource) -> dict[str, Any]:
 # An encoder's output depends on its tokenizer (an image encoder's: its image processor) too, so that joins
 # its fingerprint.
 TOKENIZER_OF = {"text_encoder": "tokenizer", "text_encoder_2": "tokenizer_2", "image_encoder": "image_processor"}
+# the other folder name a pipeline gives an encoder's processor (HunyuanVideo 1.5 I2V's SigLIP processor)
+OTHER_TOKENIZER_NAME = {"image_encoder": "feature_extractor"}
 
 
 def tokenizer_source(model: ModelConfig, encoder: str) -> ComponentSource:
-    """Where the tokenizer of text encoder ``encoder`` lives: beside an override, else in the pipeline."""
+    """Where the tokenizer of text encoder ``encoder`` lives: beside an override, else in the pipeline; an image
+    encoder's processor in ``image_processor/`` (Wan) or, when the pipeline has none, ``feature_extractor/``."""
     name = TOKENIZER_OF[encoder]
     override = getattr(model, encoder, None)
     if override and (Path(override) / name).is_dir():
         return ComponentSource(override, name)
+    if encoder in OTHER_TOKENIZER_NAME and not component_dir(ComponentSource(model.pretrained, name)).is_dir():
+        return ComponentSource(model.pretrained, OTHER_TOKENIZER_NAME[encoder])
     return ComponentSource(model.pretrained, name)
 
 

@@ -68,6 +68,9 @@ SHIPPED_CONFIGS: dict[str, tuple[str, torch.dtype]] = {
     # HunyuanVideo 1.5 (480p text-to-video): the class defaults of diffusers 0.42 with task_type t2v, 54 blocks of
     # 16 heads x 128, 8.33B parameters on meta (the published "8.3B")
     "hunyuanvideo-community/HunyuanVideo-1.5-480p_t2v": ("HunyuanVideo-1.5-480p_t2v", torch.bfloat16),
+    # HunyuanVideo 1.5 (480p image-to-video): the same transformer with task_type i2v, plus the SigLIP so400m image
+    # encoder (27 layers, 1152 wide, 729 tokens at 384 px) and its feature_extractor
+    "hunyuanvideo-community/HunyuanVideo-1.5-480p_i2v": ("HunyuanVideo-1.5-480p_i2v", torch.bfloat16),
     # LTX-2 (19B: the 48 blocks' 4096-wide video stream and 2048-wide audio stream), published in bfloat16; the
     # transformer config is LTX2VideoTransformer3DModel's defaults (diffusers 0.42 writes them for LTX-2)
     "Lightricks/LTX-2": ("LTX-2", torch.bfloat16),

@@ -18,6 +18,10 @@ The result loads like the real thing::
     pipe = diffusers.DiffusionPipeline.from_pretrained(out_dir)      # -> HunyuanVideo15Pipeline
     frames = pipe("a red ball", height=32, width=32, num_frames=5, num_inference_steps=2).frames
 
+The image-to-video set (``data/tiny-hunyuanvideo1.5-i2v.yaml``) is built by the same code: its recipe adds a
+SigLIP ``image_encoder`` (``SiglipVisionModel``) and its ``feature_extractor`` (``SiglipImageProcessor``), and it is
+saved as a ``HunyuanVideo15ImageToVideoPipeline``.
+
 Command line: ``python -m latentmill.tiny_hunyuan_video15 OUT_DIR [--seed N] [--recipe PATH] [--if-missing]``.
 """
 
@@ -34,8 +38,11 @@ from latentmill.tinyio import pipeline_folder, tiny_cli
 
 DEFAULT_RECIPE_PATH: Path = Path(__file__).resolve().parents[1] / "data" / "tiny-hunyuanvideo1.5.yaml"
 """The recipe shipped with the repository (``data/tiny-hunyuanvideo1.5.yaml``)."""
+I2V_RECIPE_PATH: Path = DEFAULT_RECIPE_PATH.with_name("tiny-hunyuanvideo1.5-i2v.yaml")
+"""The image-to-video recipe (``data/tiny-hunyuanvideo1.5-i2v.yaml``): SigLIP image conditioning."""
 
 _COMPONENTS = ("transformer", "vae", "text_encoder", "text_encoder_2", "scheduler", "guider")
+_IMAGE_COMPONENTS = ("image_encoder", "feature_extractor")  # an image-to-video recipe's SigLIP side
 _TOKENIZERS = ("tokenizer",)
 # Qwen2.5-VL's chat template as it renders text-only messages
 CHAT_TEMPLATE = ("{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
@@ -56,8 +63,13 @@ def prompt_template() -> tuple[str, int]:
 
 
 def load_recipe(recipe: str | os.PathLike[str] = DEFAULT_RECIPE_PATH) -> dict[str, Any]:
-    """Read a tiny HunyuanVideo 1.5 recipe and check that its parts fit together (ConfigError naming the keys)."""
-    data, comps, toks = read_sections(Path(recipe), _COMPONENTS, _TOKENIZERS)
+    """Read a tiny HunyuanVideo 1.5 recipe (text- or image-to-video: with an ``image_encoder``) and check that its
+    parts fit together (ConfigError naming the keys)."""
+    import yaml
+
+    raw = yaml.safe_load(Path(recipe).read_text(encoding="utf-8"))
+    image = isinstance(raw, dict) and "image_encoder" in (raw.get("components") or {})
+    data, comps, toks = read_sections(Path(recipe), _COMPONENTS + (_IMAGE_COMPONENTS if image else ()), _TOKENIZERS)
     tr, vae = comps["transformer"], comps["vae"]
 
     def require(ok: bool, message: str) -> None:
@@ -78,6 +90,10 @@ def load_recipe(recipe: str | os.PathLike[str] = DEFAULT_RECIPE_PATH) -> dict[st
     require(sum(tr["rope_axes_dim"]) == tr["attention_head_dim"],
             f"components.transformer.rope_axes_dim: sum {sum(tr['rope_axes_dim'])} != attention_head_dim "
             f"({tr['attention_head_dim']})")
+    if image:
+        require(tr["image_embed_dim"] == comps["image_encoder"]["hidden_size"],
+                f"components.transformer.image_embed_dim: {tr['image_embed_dim']} != "
+                f"components.image_encoder.hidden_size ({comps['image_encoder']['hidden_size']})")
     require(comps["text_encoder"]["num_hidden_layers"] >= 3,
             "components.text_encoder.num_hidden_layers: must be >= 3 (the pipeline reads hidden_states[-3])")
     require(len(vae["block_out_channels"]) == 5,
@@ -138,7 +154,7 @@ def _build_pipeline(data: dict[str, Any], seed: int) -> Any:
 
     tr_kwargs = dict(comps["transformer"], rope_axes_dim=tuple(comps["transformer"]["rope_axes_dim"]))
     vae_kwargs = dict(comps["vae"], block_out_channels=tuple(comps["vae"]["block_out_channels"]))
-    return HunyuanVideo15Pipeline(
+    common = dict(
         transformer=seeded(lambda: HunyuanVideo15Transformer3DModel(**tr_kwargs)),
         vae=seeded(lambda: AutoencoderKLHunyuanVideo15(**vae_kwargs)),
         text_encoder=seeded(lambda: Qwen2_5_VLTextModel(Qwen2_5_VLTextConfig(**te, **specials))),
@@ -148,13 +164,23 @@ def _build_pipeline(data: dict[str, Any], seed: int) -> Any:
         scheduler=FlowMatchEulerDiscreteScheduler(**comps["scheduler"]),
         guider=ClassifierFreeGuidance(**comps["guider"]),
     )
+    if "image_encoder" in comps:
+        from diffusers import HunyuanVideo15ImageToVideoPipeline
+        from transformers import SiglipImageProcessor, SiglipVisionConfig, SiglipVisionModel
+
+        image_encoder = seeded(lambda: SiglipVisionModel(SiglipVisionConfig(**comps["image_encoder"])))
+        return HunyuanVideo15ImageToVideoPipeline(image_encoder=image_encoder,
+                                                  feature_extractor=SiglipImageProcessor(**comps["feature_extractor"]),
+                                                  **common)
+    return HunyuanVideo15Pipeline(**common)
 
 
 def build_tiny_hunyuan_video15(
     out_dir: str | os.PathLike[str], recipe: str | os.PathLike[str] = DEFAULT_RECIPE_PATH, seed: int = 0
 ) -> Path:
     """Build the tiny HunyuanVideo 1.5 pipeline folder from ``recipe`` into ``out_dir`` (replacing a previous
-    build); same contract as ``latentmill.tiny.build_tiny_flux``. Loads with ``HunyuanVideo15Pipeline``."""
+    build); same contract as ``latentmill.tiny.build_tiny_flux``. Loads with ``HunyuanVideo15Pipeline`` (with
+    ``I2V_RECIPE_PATH``: ``HunyuanVideo15ImageToVideoPipeline``)."""
     return pipeline_folder(out_dir, lambda: _build_pipeline(load_recipe(recipe), seed), replace=True)
 
 

@@ -117,6 +117,7 @@ TINY_BUILDERS["qwen-image-edit"] = "latentmill.tiny_qwen_image:ensure_tiny_qwen_
 TINY_BUILDERS["wan2.2-ti2v"] = "latentmill.tiny_wan:ensure_tiny_wan"  # its recipe sets the Wan 2.2 options
 TINY_BUILDERS["wan2.1-i2v"] = "latentmill.tiny_wan:ensure_tiny_wan"  # its recipe adds the CLIP image encoder
 TINY_BUILDERS["hunyuanvideo1.5"] = "latentmill.tiny_hunyuan_video15:ensure_tiny_hunyuan_video15"
+TINY_BUILDERS["hunyuanvideo1.5-i2v"] = TINY_BUILDERS["hunyuanvideo1.5"]  # its recipe adds the SigLIP image encoder
 TINY_BUILDERS["ltx2"] = "latentmill.tiny_ltx2:ensure_tiny_ltx2"
 
 

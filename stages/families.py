@@ -16,6 +16,8 @@ holds the registry and what every family shares:
 - ``wan2.2-i2v`` (Wan 2.2 I2V A14B, two experts): :mod:`latentmill.stages.family_wan2_2_i2v` (Wan 2.1 I2V's
   condition latents, no image embedding).
 - ``hunyuanvideo1.5`` (HunyuanVideo 1.5): :mod:`latentmill.stages.family_hunyuanvideo1_5`.
+- ``hunyuanvideo1.5-i2v`` (HunyuanVideo 1.5 image-to-video): :mod:`latentmill.stages.family_hunyuanvideo1_5_i2v`
+  (HunyuanVideo 1.5's streams, plus the first frame's latents and SigLIP embedding).
 - ``ltx2`` (LTX-2, video with audio): :mod:`latentmill.stages.family_ltx2`.
 
 Adding a family = one module with an ``Encoders`` subclass and one entry in ``FAMILIES``.
@@ -46,6 +48,7 @@ from latentmill.stages.family_flux import FluxEncoders
 from latentmill.stages.family_flux2 import Flux2Encoders
 from latentmill.stages.family_flux2_klein import Flux2KleinEncoders
 from latentmill.stages.family_hunyuanvideo1_5 import HunyuanVideo15Encoders
+from latentmill.stages.family_hunyuanvideo1_5_i2v import HunyuanVideo15I2VEncoders
 from latentmill.stages.family_ltx2 import LTX2Encoders
 from latentmill.stages.family_qwen_image import QwenImageEncoders
 from latentmill.stages.family_qwen_image_edit import QwenImageEditEncoders
@@ -62,7 +65,8 @@ FAMILIES: dict[str, type[Encoders]] = {cls.name: cls for cls in (FluxEncoders, W
                                                                 QwenImageEncoders, QwenImageEditEncoders, Flux2Encoders,
                                                                 Flux2KleinEncoders, WanTI2VEncoders,
                                                                 WanI2VEncoders, WanI2VA14BEncoders,
-                                                                HunyuanVideo15Encoders, LTX2Encoders)}
+                                                                HunyuanVideo15Encoders, HunyuanVideo15I2VEncoders,
+                                                                LTX2Encoders)}
 # model_index.json `_class_name` -> family, when the class alone decides (index_family: also its config)
 PIPELINE_FAMILIES = {pipeline: cls.name for cls in FAMILIES.values() if not cls.PIPELINE_CONFIG
                      for pipeline in cls.PIPELINES}

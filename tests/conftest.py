@@ -32,7 +32,7 @@ MODEL_FIXTURES = frozenset({"tiny_flux", "tiny_wan", "tiny_wan22", "tiny_wan_ti2
                             "tiny_blip",
                             "tiny_clip", "tiny_llava", "tiny_zimage", "tiny_flux2_klein", "tiny_flux2_dev",
                             "tiny_qwen_image", "tiny_qwen_image_edit", "tiny_ltx2", "ltx2_prep"})
-MODEL_FIXTURES |= {"tiny_hunyuan_video15"}
+MODEL_FIXTURES |= {"tiny_hunyuan_video15", "tiny_hunyuan_video15_i2v"}
 
 # A migrated, empty Prefect database, made once per session (shared by the pytest-xdist workers) and copied into
 # the private PREFECT_HOME of each CLI process a test starts: a fresh home's temporary API server first spends
@@ -257,6 +257,16 @@ def tiny_hunyuan_video15(tmp_path_factory) -> Path:
     from latentmill.tiny_hunyuan_video15 import build_tiny_hunyuan_video15
 
     return build_tiny_hunyuan_video15(tmp_path_factory.mktemp("models") / "tiny-hunyuanvideo1.5", seed=0)
+
+
+@pytest.fixture(scope="session")
+def tiny_hunyuan_video15_i2v(tmp_path_factory) -> Path:
+    """A complete tiny HunyuanVideo15ImageToVideoPipeline folder built from data/tiny-hunyuanvideo1.5-i2v.yaml with
+    seed 0."""
+    from latentmill.tiny_hunyuan_video15 import I2V_RECIPE_PATH, build_tiny_hunyuan_video15
+
+    return build_tiny_hunyuan_video15(tmp_path_factory.mktemp("models") / "tiny-hunyuanvideo1.5-i2v",
+                                      I2V_RECIPE_PATH, seed=0)
 
 
 @pytest.fixture(scope="session")

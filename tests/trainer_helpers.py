@@ -70,7 +70,7 @@ def _text_tensors(family: str, n_tokens: int, text_dim: int, pooled_dim: int, dt
     tensors = {"prompt_embeds": torch.randn(n_tokens, text_dim, generator=gen).to(dtype).contiguous()}
     if family == "flux":
         tensors["pooled_prompt_embeds"] = torch.randn(pooled_dim, generator=gen).to(dtype).contiguous()
-    if family == "hunyuanvideo1.5":  # ByT5 glyph tokens: none (no quoted text) to 3
+    if family.startswith("hunyuanvideo1.5"):  # ByT5 glyph tokens: none (no quoted text) to 3
         glyphs = int(torch.randint(0, 4, (1,), generator=gen))
         tensors["prompt_embeds_2"] = torch.randn(glyphs, text_dim, generator=gen).to(dtype).contiguous()
     return tensors
@@ -126,9 +126,9 @@ def write_fake_cache(
                 if same:
                     gen.set_state(bucket_start)
                 key = f"s{n:05d}"
-                down = 16 if family in ("wan2.2-ti2v", "hunyuanvideo1.5") else 8  # 16x spatial VAEs
+                down = 16 if family == "wan2.2-ti2v" or family.startswith("hunyuanvideo1.5") else 8  # 16x VAEs
                 space = (height // down, width // down)
-                if family.startswith("wan") or family == "hunyuanvideo1.5":
+                if family.startswith(("wan", "hunyuanvideo1.5")):
                     space = ((frames - 1) // 4 + 1, *space)
                 if smooth:
                     x = torch.randn(channels, *[1] * len(space), generator=gen).expand(-1, *space)
@@ -139,6 +139,9 @@ def write_fake_cache(
                     vae["condition_latents"] = torch.randn(x.shape, generator=gen).to(dtype).contiguous()
                 if family == "wan2.1-i2v":  # the tiny CLIP's image embedding: 17 tokens of 32
                     vae["image_embeds"] = torch.randn(17, 32, generator=gen).to(dtype).contiguous()
+                if family == "hunyuanvideo1.5-i2v":  # the first frame's latent and the tiny SigLIP's 16 tokens of 16
+                    vae["image_latents"] = torch.randn(x.shape[0], 1, *x.shape[2:], generator=gen).to(dtype).contiguous()
+                    vae["image_embeds"] = torch.randn(16, 16, generator=gen).to(dtype).contiguous()
                 if reference:
                     vae["reference_latents"] = torch.randn(x.shape, generator=gen).to(dtype)
                 if latents == "distribution":

@@ -10,6 +10,7 @@ from latentmill.trainer.adapter import ModelAdapter
 from latentmill.trainer.flux import FluxAdapter
 from latentmill.trainer.flux2 import Flux2Adapter, Flux2KleinAdapter
 from latentmill.trainer.hunyuan_video15 import HunyuanVideo15Adapter
+from latentmill.trainer.hunyuan_video15_i2v import HunyuanVideo15I2VAdapter
 from latentmill.trainer.ltx2 import LTX2Adapter
 from latentmill.trainer.qwen_image import QwenImageAdapter, QwenImageEditAdapter
 from latentmill.trainer.wan import WanAdapter
@@ -28,6 +29,7 @@ ADAPTERS["wan2.2-ti2v"] = WanTI2VAdapter
 ADAPTERS["wan2.1-i2v"] = WanI2VAdapter
 ADAPTERS["wan2.2-i2v"] = WanI2VA14BAdapter
 ADAPTERS["hunyuanvideo1.5"] = HunyuanVideo15Adapter
+ADAPTERS["hunyuanvideo1.5-i2v"] = HunyuanVideo15I2VAdapter
 ADAPTERS["ltx2"] = LTX2Adapter
 
 

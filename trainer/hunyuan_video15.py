@@ -48,17 +48,26 @@ def trim_tokens(embeds_BLD: torch.Tensor, mask_BL: torch.Tensor) -> tuple[torch.
 def hunyuan_video15_forward(
     transformer: nn.Module, noisy_BCFHW: torch.Tensor, sigmas_B: torch.Tensor, prompt_embeds_BLD: torch.Tensor,
     mask_BL: torch.Tensor, glyph_BLD: torch.Tensor, glyph_mask_BL: torch.Tensor,
-    image_tokens: int = T2V_IMAGE_TOKENS,
+    image_tokens: int = T2V_IMAGE_TOKENS, image_latents_BC1HW: torch.Tensor | None = None,
+    image_embeds_BSE: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Predict the flow velocity [B, C, F, H, W], calling the transformer like ``HunyuanVideo15Pipeline``
-    (text-to-video: zero condition latents, mask and image embeddings)."""
+    (text-to-video: zero condition latents, mask and ``image_tokens`` zero image embeddings) or, given the first
+    frame's ``image_latents_BC1HW`` and ``image_embeds_BSE``, like ``HunyuanVideo15ImageToVideoPipeline``: the
+    image latents on latent frame 0 and zeros after, a mask of ones on frame 0, the image embeddings."""
     batch, _, frames, height, width = noisy_BCFHW.shape
     dtype, device = noisy_BCFHW.dtype, noisy_BCFHW.device
     condition = torch.zeros_like(noisy_BCFHW)
     mask = noisy_BCFHW.new_zeros(batch, 1, frames, height, width)
+    if image_latents_BC1HW is None:
+        image_embeds = torch.zeros(batch, image_tokens, transformer.config.image_embed_dim, dtype=dtype, device=device)
+    else:
+        condition[:, :, :1] = image_latents_BC1HW.to(device=device, dtype=dtype)
+        mask[:, :, 0] = 1
+        image_embeds = image_embeds_BSE.to(device=device, dtype=dtype)
     return transformer(
         hidden_states=torch.cat([noisy_BCFHW, condition, mask], dim=1),
-        image_embeds=torch.zeros(batch, image_tokens, transformer.config.image_embed_dim, dtype=dtype, device=device),
+        image_embeds=image_embeds,
         timestep=(sigmas_B.to(device=device, dtype=torch.float32) * 1000.0).to(dtype),
         encoder_hidden_states=prompt_embeds_BLD.to(device=device, dtype=dtype),
         encoder_attention_mask=mask_BL.to(device),
