@@ -135,6 +135,22 @@ def test_a_global_batch_the_ranks_cannot_split_is_refused_before_any_work(runs):
     assert not (root / "three-on-two" / "metrics.jsonl").exists() and not (root / "three-on-two" / "checkpoints").exists()
 
 
+@pytest.mark.slow
+def test_the_command_line_refuses_it_before_torchrun_starts(runs):
+    from latentmill.pipelines.flows import check_resume_batch
+
+    from latentmill.recipe import load_recipe
+    from tests.conftest import DEMO_CONFIG
+
+    root, _ = runs
+    where = root / "three" / "checkpoints" / step_dir_name(1)
+    recipe = load_recipe(DEMO_CONFIG, ["trainer.batch_size=3", f"trainer.resume={where}", "parallel.strategy=ddp"])
+    with pytest.raises(ConfigError, match=r"^trainer.resume: .* which 2 ranks cannot split evenly; resume it on "
+                                          r"1 \(3 per rank\) or 3 \(1 per rank\) data-parallel ranks"):
+        check_resume_batch(recipe, root / "run", 2)
+    check_resume_batch(recipe, root / "run", 3)  # 1 per rank: launched
+
+
 def test_resume_batch_size_keeps_the_global_batch():
     saved = {"batch_size": 3, "world_size": 2, "epoch": 0, "batch_index": 1}
     assert [resume_batch_size(saved, 3, m, "ckpt") for m in (1, 2, 3, 6)] == [6, 3, 2, 1]
@@ -145,3 +161,23 @@ def test_resume_batch_size_keeps_the_global_batch():
         "trainer.resume: ckpt trains global batches of 6 samples (3 per rank x 2 ranks), which 4 ranks cannot split "
         "evenly; resume it on 1 (6 per rank), 2 (3 per rank), 3 (2 per rank) or 6 (1 per rank) data-parallel ranks, "
         "or set another trainer.batch_size to start a new epoch with a new global batch")
+
+
+@pytest.mark.slow
+@pytest.mark.heavy  # two more launches, one of 4 ranks; make test covers 1 -> 2 (test_one_rank_fsdp2_resumes_on_two_resharded)
+def test_four_ranks_fsdp2_resume_on_two(runs):
+    root, _ = runs
+    (four,) = launch_jobs(root / "launch-4", [_job(root, "four", "fsdp2", batch_size=1)], nproc=4)
+    (resumed,) = launch_jobs(root / "launch-2", [
+        _job(root, "four-on-two", "fsdp2", batch_size=1, resume=str(root / "four" / "checkpoints" / step_dir_name(HALF))),
+    ])
+    assert [s["world_size"] for s in four] == [4] * 4 and [s["world_size"] for s in resumed] == [2, 2]
+    assert len(list((root / "four" / "checkpoints" / step_dir_name(HALF) / "dcp").glob("*.distcp"))) == 4
+    assert len(list((root / "four-on-two" / "checkpoints" / step_dir_name(STEPS) / "dcp").glob("*.distcp"))) == 2
+    state = read_trainer_state(root / "four-on-two" / "checkpoints" / step_dir_name(STEPS))
+    assert (state["loader"]["batch_size"], state["loader"]["world_size"]) == (2, 2)
+    whole = _samples(root / "four", 4)
+    assert whole == _samples(root / "two", 2)  # the global batch of 4, one sequence on 4 ranks as on 2
+    assert _samples(root / "four-on-two", 2) == {s: k for s, k in whole.items() if s > HALF}
+    assert _losses(root / "four") == pytest.approx(_losses(root / "two"), rel=1e-4)
+    assert _losses(root / "four-on-two") == pytest.approx(_losses(root / "four")[HALF:], rel=1e-4)

@@ -53,7 +53,7 @@ import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any, Iterator, NamedTuple, Sequence
 
 import torch
 from latentmill.trainer.batch_reader import META_MEMBER, TEXT_MEMBER, VAE_MEMBER, SampleRef, ShardReader
@@ -330,14 +330,21 @@ class BatchPlan(Sequence[tuple[tuple[int, ...], list[int]]]):
     __hash__ = None  # type: ignore[assignment]
 
 
-# (epoch, index of its global batch, bucket, sample indices within the bucket, epoch ordinal of the first sample)
-Position = tuple[int, int, tuple[int, ...], list[int], int]
+class Position(NamedTuple):
+    """Where one of this rank's batches sits in the data."""
+
+    epoch: int
+    index: int  # of its global batch in the epoch
+    bucket: tuple[int, ...]
+    indices: list[int]  # its samples within the bucket
+    first: int  # the epoch ordinal of its first sample
+    after: tuple[int, int]  # (epoch, index) of the batch this rank reads next: the state once this one is out
 
 
-def _stamp(batch: dict[str, Any], epoch: int, index: int, first: int) -> None:
+def _stamp(batch: dict[str, Any], at: Position) -> None:
     """Mark a batch with where it sits: its epoch, its global batch's index, its samples' epoch ordinals."""
-    batch["epoch"], batch["index"] = epoch, index
-    batch["ordinals"] = list(range(first, first + len(batch["keys"])))
+    batch["epoch"], batch["index"] = at.epoch, at.index
+    batch["ordinals"] = list(range(at.first, at.first + len(batch["keys"])))
 
 
 def _epoch_generator(seed: int, epoch: int) -> torch.Generator:
@@ -659,8 +666,8 @@ class LatentLoader:
 
     # --- iteration ---
     def _positions(self) -> Iterator[Position]:
-        """(epoch, index, bucket, sample indices, epoch ordinal of the first) of every batch from the current
-        position on."""
+        """Every batch this rank reads from the current position on (an empty slice of a short partial batch is
+        passed over, alike on every rank)."""
         epoch, index = self.epoch, self.batch_index
         while True:
             if self._order_epoch != epoch:
@@ -672,10 +679,16 @@ class LatentLoader:
                 epoch, index = epoch + 1, 0
                 continue
             bucket, indices = self._order[index]
-            if indices:  # an empty slice of a short partial batch: every rank passes over it alike
-                if self.shard_check is not None and self.shard_check.touched < self._owned:
-                    self._touch(epoch, index)
-                yield epoch, index, bucket, indices, int(self._order.first[index])
+            if not indices:
+                index += 1
+                continue
+            if self.shard_check is not None and self.shard_check.touched < self._owned:
+                self._touch(epoch, index)
+            after = index + 1
+            while after < len(self._order) and not self._order.sizes[after]:
+                after += 1
+            yield Position(epoch, index, bucket, indices, int(self._order.first[index]),
+                           (epoch, after) if after < len(self._order) else (epoch + 1, 0))
             index += 1
 
     def _touch(self, epoch: int, index: int) -> None:
@@ -722,8 +735,8 @@ class LatentLoader:
         ahead: list[Position] = []
         for position in positions:
             ahead.append(position)
-            epoch, _, bucket, indices, _ = position
-            for ref in (self.buckets[bucket][i] for i in indices):
+            epoch, bucket = position.epoch, position.bucket
+            for ref in (self.buckets[bucket][i] for i in position.indices):
                 if self._on_disk_now(ref):
                     for member in (VAE_MEMBER, self._text_member(ref, epoch)):
                         if member is not None:
@@ -765,10 +778,10 @@ class LatentLoader:
         """
         positions = self._advised(self._positions())
         if not self.prefetch:
-            for epoch, index, bucket, indices, first in positions:
-                batch = self._read_batch(bucket, indices, epoch)
-                _stamp(batch, epoch, index, first)
-                self.epoch, self.batch_index = epoch, index + 1  # state now points at the next batch
+            for at in positions:
+                batch = self._read_batch(at.bucket, at.indices, at.epoch)
+                _stamp(batch, at)
+                self.epoch, self.batch_index = at.after  # state now points at the next batch
                 yield batch
             return
         # The read-ahead: the next batch is read in a thread while the consumer works on this one, when the
@@ -785,25 +798,25 @@ class LatentLoader:
             return self._read_batch(bucket, indices, epoch, convert=False)  # converted when handed out
 
         with ThreadPoolExecutor(max_workers=1, thread_name_prefix="latent-prefetch") as pool:
-            pending: tuple[int, int, int, Future] | None = None
+            pending: tuple[Position, Future] | None = None
             handed_at: float | None = None
             while True:
                 asked.set()
                 consumer_s = time.perf_counter() - handed_at if handed_at is not None else 0.0
                 if pending is None:
-                    epoch, index, bucket, indices, first = next(positions)
-                    batch = self._read_batch(bucket, indices, epoch)
+                    at = next(positions)
+                    batch = self._read_batch(at.bucket, at.indices, at.epoch)
                 else:
-                    epoch, index, first, future = pending
+                    at, future = pending
                     batch = self._convert(future.result())
                     pending = None
                 if consumer_s >= PREFETCH_MIN_CONSUMER_S:
                     delay = min(PREFETCH_DELAY_MAX_S, PREFETCH_DELAY_SHARE * consumer_s)
-                    next_epoch, next_index, bucket, indices, next_first = next(positions)
+                    ahead = next(positions)
                     asked.clear()
-                    pending = next_epoch, next_index, next_first, pool.submit(read, bucket, indices, next_epoch, delay)
-                _stamp(batch, epoch, index, first)
-                self.epoch, self.batch_index = epoch, index + 1  # state now points at the next batch
+                    pending = ahead, pool.submit(read, ahead.bucket, ahead.indices, ahead.epoch, delay)
+                _stamp(batch, at)
+                self.epoch, self.batch_index = at.after  # state now points at the next batch
                 handed_at = time.perf_counter()
                 yield batch
 
