@@ -164,7 +164,7 @@ def test_resume_batch_size_keeps_the_global_batch():
 
 
 @pytest.mark.slow
-@pytest.mark.heavy  # two more launches, one of 4 ranks; make test covers 1 -> 2 (test_one_rank_fsdp2_resumes_on_two_resharded)
+@pytest.mark.heavy  # two more launches, one of 4 ranks; make test: 1 -> 2 (test_one_rank_fsdp2_resumes_on_two...)
 def test_four_ranks_fsdp2_resume_on_two(runs):
     root, _ = runs
     (four,) = launch_jobs(root / "launch-4", [_job(root, "four", "fsdp2", batch_size=1)], nproc=4)
