@@ -63,6 +63,9 @@ def test_drop_last_keeps_only_full_batches(cache):
     loader = LatentLoader(cache, batch_size=2, seed=0, drop_last=True)
     assert len(loader) == 2 + 1 + 3
     assert all(len(b["keys"]) == 2 for b in itertools.islice(loader, len(loader)))
+    # 2 ranks of 4: no bucket holds a global batch of 8
+    with pytest.raises(ValueError, match=r"^no batch of 4 per rank x 2 ranks in any bucket: lower batch_size"):
+        next(iter(LatentLoader(cache, batch_size=4, seed=0, drop_last=True, rank=1, world_size=2)))
 
 
 def test_order_is_a_function_of_seed_and_epoch(cache):
