@@ -215,9 +215,22 @@ def run_train(recipe: Recipe, launch: Launch = Launch()) -> dict[str, Any]:
         print(f"train: already trained on snapshot {snapshot.name} with this recipe, in {plan.folder} "
               "(nothing to redo; change the recipe or the data to train again)")
         return plan.done
+    check_resume_batch(recipe, plan.folder, launch.nproc * launch.nnodes)
     if launch.nproc * launch.nnodes == 1:
         return train_task(recipe.to_dict(), str(plan.folder), plan.key)
     return torchrun_task(recipe.to_dict(), launch, str(plan.folder))
+
+
+def check_resume_batch(recipe: Recipe, run_folder: str | Path, world: int) -> None:
+    """Fail before torchrun starts when the checkpoint the run resumes trains a global batch that ``world``
+    processes cannot split evenly (the trainer checks it again on every rank)."""
+    from latentmill.trainer.checkpoint import read_trainer_state, resolve_resume
+    from latentmill.trainer.loader import resume_batch_size
+
+    path = resolve_resume(recipe.trainer.resume, Path(run_folder) / "checkpoints", announce=False)
+    if path is not None:
+        saved = read_trainer_state(path).get("loader", {})
+        resume_batch_size(saved, recipe.trainer.batch_size, world // recipe.parallel.cp_size, str(path))
 
 
 def run_prep_then_train(recipe: Recipe, launch: Launch = Launch()) -> dict[str, Any]:

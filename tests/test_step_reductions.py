@@ -100,5 +100,5 @@ def test_one_reduction_per_step_and_accumulation_equals_a_bigger_batch(tmp_path)
         assert accum == pytest.approx(batch, rel=1e-4), (strategy, accum, batch)
         assert norms[f"{strategy}-accum2"] == pytest.approx(norms[f"{strategy}-batch4"], rel=1e-3)
         assert accum[-1] < accum[0]  # it trains: the comparison is between moving curves
-    # DDP and FSDP2 compute the same thing (same data, same noise streams, gradients averaged either way)
+    # DDP and FSDP2 compute the same thing (same data, same draws, gradients averaged either way)
     assert curves["ddp-accum2"] == pytest.approx(curves["fsdp2-accum2"], rel=1e-4)

@@ -22,8 +22,7 @@ def _parts(seed=0):
     model[0].requires_grad_(False)  # frozen params are not saved
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=0.1)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 3))
-    gen = torch.Generator().manual_seed(seed)
-    return model, opt, sched, gen
+    return model, opt, sched
 
 
 def _train_step(model, opt, sched):
@@ -35,14 +34,13 @@ def _train_step(model, opt, sched):
 
 
 def _save(ckpt_dir, step, parts, k=0):
-    model, opt, sched, gen = parts
+    model, opt, sched = parts
     return save_checkpoint(
         ckpt_dir,
         step,
         model=model,
         optimizer=opt,
         scheduler=sched,
-        sampling_generator=gen,
         trainer_state={"loader": {"epoch": 1, "batch_index": step}},
         keep_latest_k=k,
     )
@@ -51,7 +49,7 @@ def _save(ckpt_dir, step, parts, k=0):
 def test_round_trip_restores_every_state(tmp_path):
     reference = _parts(0)
     for _ in range(3):
-        _train_step(*reference[:3])
+        _train_step(*reference)
     path = _save(tmp_path, 3, reference)
     assert path.name == "step-000003" and sorted(p.name for p in path.iterdir()) == [
         "model.safetensors",
@@ -60,16 +58,13 @@ def test_round_trip_restores_every_state(tmp_path):
         "trainer_state.json",
     ]
     assert set(load_file(path / "model.safetensors")) == {"1.weight", "1.bias"}  # trainable only
-    # what the reference does after the save: draw from the sampling generator, then a step whose input
-    # comes from the global RNG
-    expected_draw = torch.randn(4, generator=reference[3])
-    _train_step(*reference[:3])
+    # what the reference does after the save: a step whose input comes from the global RNG
+    _train_step(*reference)
 
-    model, opt, sched, gen = _parts(1)  # other init, other RNG states
+    model, opt, sched = _parts(1)  # other init, other RNG states
     model[0].load_state_dict(reference[0][0].state_dict())  # the frozen part comes from the pretrained model
-    state = load_checkpoint(path, model=model, optimizer=opt, scheduler=sched, sampling_generator=gen)
+    state = load_checkpoint(path, model=model, optimizer=opt, scheduler=sched)
     assert state["step"] == 3 and state["loader"] == {"epoch": 1, "batch_index": 3}
-    assert torch.equal(torch.randn(4, generator=gen), expected_draw)
     _train_step(model, opt, sched)
     for want, have in zip(reference[0].parameters(), model.parameters()):
         assert torch.equal(want, have)
@@ -79,7 +74,7 @@ def test_round_trip_restores_every_state(tmp_path):
 
 def test_optimizer_file_loads_with_weights_only(tmp_path):
     parts = _parts()
-    _train_step(*parts[:3])
+    _train_step(*parts)
     path = _save(tmp_path, 1, parts)
     data = torch.load(path / "optimizer.pt", weights_only=True)
     assert set(data) == {"optimizer", "scheduler"}
@@ -132,10 +127,10 @@ def test_resolve_resume(tmp_path):
 
 def test_loading_into_another_mode_is_refused(tmp_path):
     path = _save(tmp_path, 1, _parts())
-    model, opt, sched, gen = _parts()
+    model, opt, sched = _parts()
     model.requires_grad_(True)
     with pytest.raises(ValueError, match="another trainer.mode"):
-        load_checkpoint(path, model=model, optimizer=opt, scheduler=sched, sampling_generator=gen)
+        load_checkpoint(path, model=model, optimizer=opt, scheduler=sched)
 
 
 def test_sharded_checkpoint_resumes_in_another_strategy(tmp_path):

@@ -11,8 +11,8 @@ pytestmark = pytest.mark.slow  # a torchrun launch starts two interpreters (~10 
 def test_ddp_trains_writes_once_and_resumes_exactly(tmp_path):
     build_tiny_transformer(tmp_path / "pretrained")
     write_fake_cache(tmp_path / "cache", {(48, 64, 1): 6, (64, 32, 1): 6}, smooth=True)
-    # 12 samples, batch 2, 2 ranks: 3 steps per epoch. The resume from step 3 (each rank restores its own noise
-    # generator) replays steps 4-6 bit for bit (run_and_resume checks it), in the same launch.
+    # 12 samples, batch 2, 2 ranks: 3 steps per epoch. The resume from step 3 (each sample's noise keyed by its
+    # place in the epoch) replays steps 4-6 bit for bit (run_and_resume checks it), in the same launch.
     rank0, _ = run_and_resume(tmp_path, tmp_path / "cache", tmp_path / "pretrained", {"strategy": "ddp"}, 6,
                               mode="lora", lora_rank=4, export=False)
     assert rank0["samples_per_s"] > 0

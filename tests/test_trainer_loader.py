@@ -63,6 +63,9 @@ def test_drop_last_keeps_only_full_batches(cache):
     loader = LatentLoader(cache, batch_size=2, seed=0, drop_last=True)
     assert len(loader) == 2 + 1 + 3
     assert all(len(b["keys"]) == 2 for b in itertools.islice(loader, len(loader)))
+    # 2 ranks of 4: no bucket holds a global batch of 8
+    with pytest.raises(ValueError, match=r"^no batch of 4 per rank x 2 ranks in any bucket: lower batch_size"):
+        next(iter(LatentLoader(cache, batch_size=4, seed=0, drop_last=True, rank=1, world_size=2)))
 
 
 def test_order_is_a_function_of_seed_and_epoch(cache):
@@ -129,20 +132,51 @@ def test_verify_detects_a_changed_shard(tmp_path):
 
 
 @pytest.mark.parametrize("world_size", [2, 4])
-def test_ranks_share_each_epoch_equally_and_disjointly(cache, world_size):
-    loaders = [
-        LatentLoader(cache, batch_size=2, seed=1, rank=r, world_size=world_size) for r in range(world_size)
-    ]
-    plan = loaders[0].global_batches(0)  # 9 batches
-    per_rank = len(plan) // world_size
-    assert [len(loader) for loader in loaders] == [per_rank] * world_size
-    epochs = [list(itertools.islice(loader, per_rank)) for loader in loaders]
-    seen = [key for batches in epochs for key in _keys(batches)]
+def test_ranks_read_slices_of_the_global_batches_one_rank_reads(cache, world_size):
+    """Rank r reads the r-th slice of each global batch: together the ranks read what one rank with their global
+    batch reads, in the same order, with the same epoch ordinals, so a position saved on one number of ranks
+    continues on another."""
+    loaders = [LatentLoader(cache, batch_size=2, seed=1, rank=r, world_size=world_size) for r in range(world_size)]
+    alone = LatentLoader(cache, batch_size=2 * world_size, seed=1)
+    assert loaders[0].global_batches(0) == alone.global_batches(0)
+    assert [len(loader) for loader in loaders] == [len(alone)] * world_size
+
+    def epoch0(loader):
+        return list(itertools.takewhile(lambda b: b["epoch"] == 0, LatentLoader(
+            cache, batch_size=loader.batch_size, seed=1, rank=loader.rank, world_size=loader.world_size)))
+
+    ranks, whole = [epoch0(loader) for loader in loaders], epoch0(alone)
+    assert len({len(batches) for batches in ranks}) == 1  # in step: the same count on every rank
+    # a partial batch of fewer samples than ranks (2 ranks: the 5-sample bucket's last 1; 4: the 3-sample
+    # bucket) gives no rank a sample: every rank passes over it
+    assert len(whole) - len(ranks[0]) == 1
+    by_index = {b["index"]: b for b in whole}
+    for at in zip(*ranks):
+        assert len({b["index"] for b in at}) == 1 and len({len(b["keys"]) for b in at}) == 1
+        one = by_index[at[0]["index"]]
+        n = len(at[0]["keys"]) * world_size  # a partial batch's rest over a multiple of the ranks is skipped
+        assert [k for b in at for k in b["keys"]] == one["keys"][:n]
+        assert [o for b in at for o in b["ordinals"]] == one["ordinals"][:n]
+    seen = [k for batches in ranks for k in _keys(batches)]
     assert len(seen) == len(set(seen))  # no sample on two ranks
-    expected = [k for _, idx in plan[: per_rank * world_size] for k in idx]
-    assert len(seen) == len(expected)
-    # the next batch of every rank is from epoch 1
-    assert all(next(iter(loader))["epoch"] == 1 for loader in loaders)
+    # what a multiple of the ranks leaves of the partial batches: 2 ranks (batches of 4) 1 + 1 + 1 of 1, 3, 3;
+    # 4 ranks (batches of 8) 1 + 3 + 3 of 5, 3, 7
+    assert len(seen) == sum(BUCKETS.values()) - (3 if world_size == 2 else 7)
+
+    # a position saved on these ranks (before a global batch that every rank reads from) continues on one rank
+    # of the same global batch
+    plan = loaders[0].global_batches(0)
+    at = next(i for i in range(1, len(plan)) if plan.sizes[i] >= world_size)
+    loaders[0].load_state_dict({**loaders[0].state_dict(), "batch_index": at})
+    state = json.loads(json.dumps(loaders[0].state_dict()))
+    one = LatentLoader(cache, batch_size=2 * world_size, seed=1)
+    one.load_state_dict(state)
+    assert (one.epoch, one.batch_index) == (0, at)
+    want, have = next(iter(loaders[0])), next(iter(one))
+    assert have["keys"][: len(want["keys"])] == want["keys"] and have["ordinals"][0] == want["ordinals"][0]
+    other = LatentLoader(cache, batch_size=2, seed=1)  # another global batch: another sequence, a new epoch
+    other.load_state_dict(state)
+    assert (other.epoch, other.batch_index) == (1, 0)
 
 
 # --- the cache format: 3 only; family, trimmed text, posterior distribution, empty prompt / caption dropout ---

@@ -79,8 +79,8 @@ def test_gradient_accumulation_consumes_accum_batches_per_step(setup, tmp_path):
 def test_gradient_accumulation_averages_micro_batch_gradients(setup, tmp_path, monkeypatch):
     """One step of accum 2 x batch 2 has the mean gradient of two plain steps on the same micro-batches.
 
-    With a vanishing learning rate the weights do not move, and the noise generator is drawn in the same
-    order (micro-batch 1, then 2) either way, so the two plain steps see exactly the accumulated inputs.
+    With a vanishing learning rate the weights do not move, and each sample's noise is keyed by its place in
+    the epoch either way, so the two plain steps see exactly the accumulated inputs.
     """
     seen = []
     real_step = torch.optim.AdamW.step

@@ -27,32 +27,37 @@ def run(tmp_path_factory):
                    0, None, {})
 
 
-def test_draws_do_not_depend_on_how_the_stream_is_cut(run):
+def test_draws_are_keyed_by_epoch_and_ordinal_not_by_how_the_batch_is_cut(run):
     shape = torch.Size([4, 16, 6, 8])
-    state = run.sampling_gen.get_state()
     expert = run.parts[0].expert
     audio = torch.Size([4, 2, 5, 3])  # a noised stream beside the latents (LTX-2's audio): drawn per sample too
-    eps4, sig4, noise4, _, (audio4,) = run._draw(shape, posterior=True, shift=1.0, expert=expert,
-                                                  extra_shapes=[audio])
-    run.sampling_gen.set_state(state)
-    halves = [run._draw(torch.Size([2, *shape[1:]]), posterior=True, shift=1.0, expert=expert,
-                        extra_shapes=[torch.Size([2, *audio[1:]])]) for _ in range(2)]
+    eps4, sig4, noise4, _, (audio4,) = run._draw(shape, epoch=1, ordinals=[4, 5, 6, 7], posterior=True, shift=1.0,
+                                                  expert=expert, extra_shapes=[audio])
+    # the same samples in two halves, in another order (other ranks or micro-batches): the same draws
+    halves = [run._draw(torch.Size([2, *shape[1:]]), epoch=1, ordinals=ordinals, posterior=True, shift=1.0,
+                        expert=expert, extra_shapes=[torch.Size([2, *audio[1:]])]) for ordinals in ([6, 7], [4, 5])]
+    halves.reverse()
     assert torch.equal(eps4, torch.cat([h[0] for h in halves]))
     assert torch.equal(sig4, torch.cat([h[1] for h in halves]))
     assert torch.equal(noise4, torch.cat([h[2] for h in halves]))
     assert torch.equal(audio4, torch.cat([h[4][0] for h in halves])) and audio4.shape == audio
     assert sig4.shape == (4,) and bool(((sig4 > 0) & (sig4 < 1)).all())
-    assert run._draw(shape, posterior=False, shift=1.0, expert=expert)[0] is None
+    assert len(set(sig4.tolist())) == 4  # every sample its own draw
+    # another epoch, other ordinals: other draws
+    other = run._draw(shape, epoch=2, ordinals=[4, 5, 6, 7], posterior=True, shift=1.0, expert=expert)
+    assert not torch.equal(other[2], noise4)
+    assert not torch.equal(run._draw(shape, epoch=1, ordinals=[0, 1, 2, 3], posterior=True, shift=1.0,
+                                     expert=expert)[2], noise4)
+    assert run._draw(shape, epoch=1, ordinals=[0, 1, 2, 3], posterior=False, shift=1.0, expert=expert)[0] is None
 
 
 def test_forward_backward_is_the_flow_matching_loss_of_its_draws(run):
     batch = next(iter(run.loader))
     run.parts[0].optimizer.zero_grad(set_to_none=True)
-    state = run.sampling_gen.get_state()
     loss = run.forward_backward(batch, run.parts[0], last_micro=True, micro_batches=run.cfg.grad_accum_steps)
-    run.sampling_gen.set_state(state)  # the same draws, recomputed by hand
     latents = batch["latents"]
-    eps, sigmas, noise, _, _ = run._draw(latents.shape, posterior=True, shift=1.0, expert=run.parts[0].expert)
+    eps, sigmas, noise, _, _ = run._draw(latents.shape, epoch=batch["epoch"], ordinals=batch["ordinals"],
+                                         posterior=True, shift=1.0, expert=run.parts[0].expert)  # by hand
     x0 = latents + batch["latents_std"] * eps
     with torch.no_grad():
         pred = run.adapter.forward(run.parts[0].model, interpolate(x0, noise, sigmas), sigmas, batch, run.cfg)

@@ -282,22 +282,29 @@ import json, os, sys
 from pathlib import Path
 import torch
 import torch.distributed as dist
+from latentmill.core.config import ConfigError
 from latentmill.trainer import ParallelConfig, TrainerConfig, train
 
 torch.set_num_threads(1)
 dist.init_process_group("gloo")  # one group for all jobs (train() uses it and leaves it open)
 for job in json.loads(sys.argv[1]):
-    summary = train(TrainerConfig(**job["cfg"]), cache_dir=job["cache"], pretrained=job["pretrained"],
-                    train_dir=job["train_dir"], seed=0, progress=False, parallel=ParallelConfig(**job["parallel"]))
+    try:
+        summary = train(TrainerConfig(**job["cfg"]), cache_dir=job["cache"], pretrained=job["pretrained"],
+                        train_dir=job["train_dir"], seed=0, progress=False,
+                        parallel=ParallelConfig(**job["parallel"]))
+    except ConfigError as err:  # a job refused before any work: its one line is the job's result
+        summary = {"config_error": str(err)}
+    Path(job["train_dir"]).mkdir(parents=True, exist_ok=True)
     Path(job["train_dir"], f"summary-{os.environ['RANK']}.json").write_text(json.dumps(summary))
 from latentmill.trainer.parallel import end_process_group
 end_process_group()  # a barrier, then every group (the meshes' too) released
 """
 
 
-def launch_jobs(root: str | Path, jobs: list[dict], timeout: float = 600) -> list[list[dict]]:
+def launch_jobs(root: str | Path, jobs: list[dict], timeout: float = 600, nproc: int = 2) -> list[list[dict]]:
     """Run ``jobs`` (each ``{"cfg", "cache", "pretrained", "train_dir", "parallel"}``) one after the other in one
-    2-rank torchrun launch (gloo, ``root/worker.py``); per job, the two ranks' summaries."""
+    ``nproc``-rank torchrun launch (gloo, ``root/worker.py``); per job, the ranks' summaries (a job refused with a
+    ``ConfigError``: ``{"config_error": its message}``)."""
     import os
     import subprocess
     import sys
@@ -306,11 +313,12 @@ def launch_jobs(root: str | Path, jobs: list[dict], timeout: float = 600) -> lis
     root.mkdir(parents=True, exist_ok=True)
     (root / "worker.py").write_text(JOBS_WORKER)
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1]), "OMP_NUM_THREADS": "1"}
-    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
                            str(root / "worker.py"), json.dumps(jobs)], env=env, capture_output=True, text=True,
                           timeout=timeout)
     assert done.returncode == 0, done.stderr[-3000:]
-    return [[json.loads(Path(job["train_dir"], f"summary-{r}.json").read_text()) for r in (0, 1)] for job in jobs]
+    return [[json.loads(Path(job["train_dir"], f"summary-{r}.json").read_text()) for r in range(nproc)]
+            for job in jobs]
 
 
 def run_and_resume(root: str | Path, cache: str | Path, pretrained: str | Path, parallel: dict, steps: int,

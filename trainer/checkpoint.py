@@ -4,8 +4,8 @@ Layout of ``<train_dir>/checkpoints/step-000010/``:
 
 * ``model.safetensors``  - the trainable parameters (all of them in full mode, the LoRA ones in lora mode);
 * ``optimizer.pt``       - optimizer and LR-scheduler state dicts (``torch.save``; loaded ``weights_only=True``);
-* ``rng-rank0.safetensors`` - torch CPU (and CUDA) RNG and noise-sampling generator states (uint8), one
-  file per rank;
+* ``rng-rank0.safetensors`` - torch's CPU (and CUDA) RNG states (uint8), one file per rank (the noise of
+  training draws from generators keyed by sample, not from these: ``latentmill.trainer.train._Run._draw``);
 * ``trainer_state.json`` - step, loader position, last loss, config;
 * ``<component>/``         - a run of two models (``trainer.expert: both``): the second model's weights, optimizer
   and LR-schedule files, laid out as above (``others``).
@@ -87,7 +87,6 @@ def save_checkpoint(
     model: nn.Module,
     optimizer: torch.optim.Optimizer,
     scheduler: Any,
-    sampling_generator: torch.Generator,
     trainer_state: dict[str, Any],
     keep_latest_k: int = 0,
     rank: int = 0,
@@ -114,7 +113,7 @@ def save_checkpoint(
     barrier()
 
     written = [rng_file(rank)]
-    rng = {"torch_cpu": torch.get_rng_state(), "sampling": sampling_generator.get_state()}
+    rng = {"torch_cpu": torch.get_rng_state()}
     if torch.cuda.is_available():
         rng["torch_cuda"] = torch.cuda.get_rng_state()
     save_file(rng, tmp / rng_file(rank))
@@ -208,13 +207,14 @@ def load_checkpoint(
     model: nn.Module,
     optimizer: torch.optim.Optimizer,
     scheduler: Any,
-    sampling_generator: torch.Generator,
     rank: int = 0,
     others: dict[str, tuple[nn.Module, torch.optim.Optimizer, Any]] | None = None,
 ) -> dict[str, Any]:
     """Restore model, optimizer, scheduler and ``rank``'s RNG states in place; return the ``trainer_state``.
 
-    A sharded (DCP) checkpoint is loaded collectively: every rank of the run calls this. ``others``: as saved.
+    A sharded (DCP) checkpoint is loaded collectively: every rank of the run calls this, on any number of ranks
+    (DCP reshards); an unsharded one holds the full weights and optimizer state, which every rank loads whole.
+    ``others``: as saved.
     """
     path = Path(path)
     for folder, (part_model, part_optimizer, part_scheduler) in {"": (model, optimizer, scheduler),
@@ -226,12 +226,16 @@ def load_checkpoint(
     if (path / rng_file(rank)).is_file():
         rng = load_file(path / rng_file(rank))
         torch.set_rng_state(rng["torch_cpu"])
-        sampling_generator.set_state(rng["sampling"])
         if "torch_cuda" in rng and torch.cuda.is_available():
             torch.cuda.set_rng_state(rng["torch_cuda"])
-    else:  # saved with fewer processes: this rank keeps its fresh seed
-        log.warning("%s has no RNG state for rank %d; this rank's noise starts from its seed", path, rank)
-    return json.loads((path / STATE_FILE).read_text())
+    else:  # saved with fewer processes: this rank keeps torch's fresh RNG state
+        log.info("%s has no RNG state for rank %d (saved on fewer ranks): torch's RNG keeps its seed", path, rank)
+    return read_trainer_state(path)
+
+
+def read_trainer_state(path: str | Path) -> dict[str, Any]:
+    """The ``trainer_state.json`` of checkpoint folder ``path`` (step, loader position, config)."""
+    return json.loads((Path(path) / STATE_FILE).read_text())
 
 
 def _load_dcp(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any) -> None:

@@ -24,7 +24,9 @@ class TrainerConfig:
     # the expert its drawn sigma selects); null for a one-transformer pipeline
     expert: Optional[Literal["high", "low", "both"]] = None
     max_steps: int = 100  # optimizer steps
-    batch_size: int = 4  # per rank and micro-batch
+    # samples per rank and micro-batch; a run resumed on another number of ranks keeps its global batch, and
+    # with it this size x ranks (docs/training.md, "Resume on another number of GPUs")
+    batch_size: int = 4
     grad_accum_steps: int = 1  # micro-batches per optimizer step (global batch = batch x accum x ranks)
     # --- optimiser (AdamW) and schedule (linear warmup, then lr_schedule down to min_lr_ratio) ---
     learning_rate: float = 1e-4
@@ -84,6 +86,9 @@ class TrainerConfig:
     # background thread; the run stops naming a damaged shard, and checkpoints and the end of the run wait
     # for the checks of every shard read so far. true: every shard is checked before the first step.
     verify_shards: bool = False
+    # write the samples of every step to <train_dir>/samples-rank<r>.jsonl, one file per rank (each micro-batch's
+    # epoch, global batch index, sample keys and epoch ordinals): an audit of what a run read
+    record_samples: bool = False
     # --- validation: sample the in-training model with the recipe's VAE/text encoders ---
     validate_every: int = 0  # 0: never; else every N optimizer steps (and at the last step)
     validation_prompts: list[str] = field(default_factory=list)

@@ -8,8 +8,8 @@ same loss, while its gradients hold only its own tokens' share.
 
 The rest of the contract lives in the training loop (``latentmill.trainer.train``):
 
-* the ranks of a cp group read the same samples and draw the same noise and timesteps: the loader and the
-  sampling generator are keyed by ``DistContext.dp_rank`` over ``dp_size`` data-parallel ranks;
+* the ranks of a cp group read the same samples and draw the same noise and timesteps: the loader is keyed by
+  ``DistContext.dp_rank`` over ``dp_size`` data-parallel ranks, and each sample's draws by its epoch ordinal;
 * the cp ranks are consecutive and lie inside one FSDP2 shard group, whose reduce-scatter averages the
   gradients over dp x cp ranks; the shares of a cp group must be summed, so the loss is scaled by cp before
   backward, which makes a cp=2 run equal a cp=1 run;

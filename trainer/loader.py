@@ -9,8 +9,11 @@ the empty caption.
 
 Design choices:
 
-* One bucket per batch, never mixed shapes. The order is a pure function of (seed, epoch, manifest): shuffle
-  each bucket's samples, chunk them into batches of ``batch_size``, shuffle the list of batches.
+* One bucket per batch, never mixed shapes. The order is a pure function of (seed, epoch, manifest, global
+  batch size): shuffle each bucket's samples, chunk them into global batches of ``batch_size`` x
+  ``world_size`` samples, shuffle the list of batches; rank r reads the r-th slice of each global batch.
+  The number of ranks enters only through the global batch size, so a run resumed on other ranks with the
+  same global batch continues the same sequence (docs/training.md, "Resume on another number of GPUs").
 * Start-up reads the shard indexes, each whole and in order, and no tar (samples are grouped by bucket with
   numpy over the index columns; a sample's ``SampleRef`` is built when a batch needs it), so it costs about
   the time to read the index files (~100 bytes per sample; every rank reads all of them). A cache of format
@@ -29,8 +32,10 @@ Design choices:
   ``ADVISE_AHEAD_BATCHES`` batches before a batch is read, so reads of a shuffled epoch overlap (cold
   epochs ~1.2x as fast here). A sample already in the page cache (a 1-byte ``RWF_NOWAIT`` probe) is not
   advised: a second epoch of a dataset that fits in RAM pays only the probes.
-* ``state_dict()`` is (epoch, index of the next batch): restoring it yields the very same next batches.
-* Under DDP each rank takes every ``world_size``-th batch of the global plan, the same number per rank.
+* ``state_dict()`` is (epoch, index of the next global batch): restoring it yields the very same next
+  batches, on any number of ranks that splits the same global batch.
+* Every batch carries its samples' epoch ordinals (their places in the epoch's global sequence), which key
+  the trainer's per-sample noise draws.
 * Trimmed text (``text.trimmed``): ``prompt_embeds`` hold only the real tokens and are zero-padded to
   ``text.pad_to`` when a batch is assembled, which is what ``WanPipeline`` feeds its transformer.
 * Caption dropout: a sample trains on the empty prompt's tensors with probability ``caption_dropout``; the
@@ -48,7 +53,7 @@ import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any, Iterator, NamedTuple, Sequence
 
 import torch
 from latentmill.trainer.batch_reader import META_MEMBER, TEXT_MEMBER, VAE_MEMBER, SampleRef, ShardReader
@@ -63,6 +68,7 @@ from latentmill.trainer.shard_index import (
 )
 from safetensors.torch import load as load_safetensors
 
+from latentmill.core.config import ConfigError
 from latentmill.models import CacheMismatchError
 
 log = logging.getLogger(__name__)
@@ -150,6 +156,29 @@ def check_streams(manifest: dict, family: str, needed: tuple[str, ...], where: s
     if missing:
         raise CacheFamilyError(f"{where}: the cache holds the streams {sorted(names)}, the {family!r} model "
                                f"reads {list(needed)}: {', '.join(missing)} missing; re-run latentmill prep")
+
+
+def resume_batch_size(saved: dict[str, Any], batch_size: int, world_size: int, where: str) -> int:
+    """The per-rank batch size of a run that resumes the loader state ``saved`` on ``world_size`` ranks.
+
+    A run keeps its global batch (per-rank ``batch_size`` x ranks) whatever its number of ranks: on the ranks it
+    was saved on, or with a ``batch_size`` other than the saved one (a new global batch, on purpose),
+    ``batch_size`` as given; on other ranks, the saved global batch split over them, which must divide evenly:
+    else a ``ConfigError`` that lists the numbers of ranks that can continue it (``where``: the checkpoint).
+    """
+    saved_batch, saved_world = int(saved.get("batch_size", batch_size)), int(saved.get("world_size", 1))
+    if saved_world == world_size or saved_batch != batch_size:
+        return batch_size
+    global_batch = saved_batch * saved_world
+    if global_batch % world_size == 0:
+        return global_batch // world_size
+    fits = [f"{n} ({global_batch // n} per rank)" for n in range(1, global_batch + 1) if global_batch % n == 0]
+    listed = fits[0] if len(fits) == 1 else ", ".join(fits[:-1]) + " or " + fits[-1]
+    raise ConfigError(
+        f"trainer.resume: {where} trains global batches of {global_batch} samples ({saved_batch} per rank x "
+        f"{saved_world} ranks), which {world_size} ranks cannot split evenly; resume it on {listed} data-parallel "
+        "ranks, or set another trainer.batch_size to start a new epoch with a new global batch"
+    )
 
 
 def _unit_interval(*parts: object) -> float:
@@ -272,23 +301,26 @@ class _IndexedRefs(Sequence[SampleRef]):
 
 class BatchPlan(Sequence[tuple[tuple[int, ...], list[int]]]):
     """An epoch's batches, (bucket, sample indices within the bucket) each, held as arrays: per bucket its
-    shuffled samples, per batch its bucket's number and its first position in that shuffle. Indexing gives
-    the batch (indices as a list); slicing gives a ``BatchPlan``; equal to any sequence of the same batches.
+    shuffled samples, per batch its bucket's number, its first position in that shuffle, its size, and the
+    epoch ordinal of its first sample (``first``: the sample's place in the epoch's global sequence, which keys
+    its noise draws). Indexing gives the batch (indices as a list); slicing gives a ``BatchPlan``; equal to any
+    sequence of the same batches.
     """
 
-    def __init__(self, buckets: list[tuple[int, ...]], perms: list[Any], batch_size: int, which: Any,
-                 starts: Any) -> None:
-        self.buckets, self.perms, self.batch_size = buckets, perms, batch_size
-        self.which, self.starts = which, starts  # numpy int64 arrays, one value per batch
+    def __init__(self, buckets: list[tuple[int, ...]], perms: list[Any], which: Any, starts: Any, sizes: Any,
+                 first: Any) -> None:
+        self.buckets, self.perms = buckets, perms
+        # numpy int64 arrays, one value per batch
+        self.which, self.starts, self.sizes, self.first = which, starts, sizes, first
 
     def __len__(self) -> int:
         return len(self.which)
 
     def __getitem__(self, i):  # type: ignore[override]
         if isinstance(i, slice):
-            return BatchPlan(self.buckets, self.perms, self.batch_size, self.which[i], self.starts[i])
+            return BatchPlan(self.buckets, self.perms, self.which[i], self.starts[i], self.sizes[i], self.first[i])
         number, start = int(self.which[i]), int(self.starts[i])
-        return self.buckets[number], self.perms[number][start : start + self.batch_size].tolist()
+        return self.buckets[number], self.perms[number][start : start + int(self.sizes[i])].tolist()
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, Sequence):
@@ -296,6 +328,23 @@ class BatchPlan(Sequence[tuple[tuple[int, ...], list[int]]]):
         return len(self) == len(other) and all(a == b for a, b in zip(self, other))
 
     __hash__ = None  # type: ignore[assignment]
+
+
+class Position(NamedTuple):
+    """Where one of this rank's batches sits in the data."""
+
+    epoch: int
+    index: int  # of its global batch in the epoch
+    bucket: tuple[int, ...]
+    indices: list[int]  # its samples within the bucket
+    first: int  # the epoch ordinal of its first sample
+    after: tuple[int, int]  # (epoch, index) of the batch this rank reads next: the state once this one is out
+
+
+def _stamp(batch: dict[str, Any], at: Position) -> None:
+    """Mark a batch with where it sits: its epoch, its global batch's index, its samples' epoch ordinals."""
+    batch["epoch"], batch["index"] = at.epoch, at.index
+    batch["ordinals"] = list(range(at.first, at.first + len(batch["keys"])))
 
 
 def _epoch_generator(seed: int, epoch: int) -> torch.Generator:
@@ -311,7 +360,8 @@ class LatentLoader:
     ``latents_std`` (same shape, ``"latents": "distribution"`` caches only), ``prompt_embeds`` [B, L, D]
     (zero-padded to ``text.pad_to`` when trimmed), ``pooled_prompt_embeds`` [B, D_pooled] (Flux) (all
     ``dtype``), ``caption_dropped`` (bool [B]), ``keys`` (list of sample keys), ``bucket``
-    ([width, height, frames]), ``epoch`` and ``index`` (position of the batch in its epoch).
+    ([width, height, frames]), ``epoch`` and ``index`` (position of the batch's global batch in its epoch),
+    ``ordinals`` (each sample's place in the epoch's global sequence: the same for any number of ranks).
 
     ``prefetch``: read the next batch in a background thread while the consumer works on this one (see
     ``__iter__``); ``io_threads``: threads that copy the members of one batch (``ShardReader``).
@@ -528,45 +578,63 @@ class LatentLoader:
             raise ValueError(f"{path}: sha256 differs from the manifest")
         return load_safetensors(data)
 
-    # --- order: a pure function of (seed, epoch, manifest) ---
+    # --- order: a pure function of (seed, epoch, manifest, global batch size) ---
+    @property
+    def global_batch_size(self) -> int:
+        """Samples of one batch of every rank together (a training step's global batch is this times
+        ``trainer.grad_accum_steps``): the size the epoch is cut into, whatever the number of ranks."""
+        return self.batch_size * self.world_size
+
     def global_batches(self, epoch: int) -> "BatchPlan":
-        """All ranks' batches of ``epoch`` as (bucket, sample indices within that bucket), in order.
+        """The epoch's global batches (every rank's batch at one position together) as (bucket, sample indices
+        within that bucket), in order.
 
         Shuffle each bucket's samples (``torch.randperm``, buckets in order), chunk them into batches of
-        ``batch_size``, shuffle the list of batches (one more ``randperm``). Kept as arrays (``BatchPlan``:
-        a batch's indices become a list when it is asked for), so a million samples cost milliseconds."""
+        ``global_batch_size``, shuffle the list of batches (one more ``randperm``). The plan depends on the
+        number of ranks only through ``global_batch_size``, so a run resumed on other ranks with the same
+        global batch continues the very same sequence. Kept as arrays (``BatchPlan``: a batch's indices
+        become a list when it is asked for), so a million samples cost milliseconds."""
         import numpy as np
 
         gen = _epoch_generator(self.seed, epoch)
-        buckets, perms, which, starts = list(self.buckets), [], [], []
+        size = self.global_batch_size
+        buckets, perms, which, starts, sizes = list(self.buckets), [], [], [], []
         for number, bucket in enumerate(buckets):
             n = len(self.buckets[bucket])
             perms.append(torch.randperm(n, generator=gen).numpy())
-            first = np.arange(0, n, self.batch_size, dtype=np.int64)
+            first = np.arange(0, n, size, dtype=np.int64)
             if self.drop_last:
-                first = first[first + self.batch_size <= n]
+                first = first[first + size <= n]
             which.append(np.full(len(first), number, dtype=np.int64))
             starts.append(first)
-        which_, starts_ = (np.concatenate(a) if a else np.zeros(0, np.int64) for a in (which, starts))
+            sizes.append(np.minimum(n - first, size))
+        which_, starts_, sizes_ = (np.concatenate(a) if a else np.zeros(0, np.int64) for a in (which, starts, sizes))
         order = torch.randperm(len(which_), generator=gen).numpy()
-        return BatchPlan(buckets, perms, self.batch_size, which_[order], starts_[order])
+        sizes_ = sizes_[order]
+        first = np.concatenate(([0], np.cumsum(sizes_)[:-1])).astype(np.int64) if len(sizes_) else sizes_
+        return BatchPlan(buckets, perms, which_[order], starts_[order], sizes_, first)
 
     def epoch_batches(self, epoch: int) -> "BatchPlan":
-        """This rank's batches of ``epoch``: every ``world_size``-th global batch.
+        """This rank's batches of ``epoch``: its slice of every global batch, rank r the r-th of ``world_size``
+        equal slices.
 
-        Every rank gets the same count; the last ``len % world_size`` global batches of the epoch are skipped.
+        Every rank gets the same count and sizes. A bucket's last, partial global batch (``drop_last``
+        false) is split evenly too: the rest of its samples over a multiple of ``world_size`` is skipped this
+        epoch, and one of fewer samples than ranks leaves an empty batch, which iteration passes over.
         """
-        batches = self.global_batches(epoch)
-        per_rank = len(batches) // self.world_size
-        return batches[self.rank :: self.world_size][:per_rank]
+        plan = self.global_batches(epoch)
+        share = plan.sizes // self.world_size
+        offset = self.rank * share
+        return BatchPlan(plan.buckets, plan.perms, plan.which, plan.starts + offset, share, plan.first + offset)
 
     def __len__(self) -> int:
-        """Batches per epoch on this rank."""
+        """Batches per epoch on this rank (global batches: an empty slice counts)."""
         return len(self.epoch_batches(0))
 
     # --- resumable state ---
     def state_dict(self) -> dict[str, Any]:
-        """Position of the next batch (plain JSON data)."""
+        """Position of the next batch (plain JSON data): the epoch and the index of the next global batch,
+        the same on every rank and for any number of ranks."""
         return {
             "epoch": self.epoch,
             "batch_index": self.batch_index,
@@ -577,42 +645,50 @@ class LatentLoader:
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Continue exactly after the batch at which ``state`` was taken."""
-        same = (state.get("seed"), state.get("batch_size"), state.get("dataset_id")) == (
+        """Continue exactly after the batch at which ``state`` was taken, on this loader's ranks: a state of
+        the same global batch size (per-rank ``batch_size`` x ``world_size``) continues the same sequence."""
+        saved_global = int(state.get("batch_size", 0)) * int(state.get("world_size", 1))
+        same = (state.get("seed"), saved_global, state.get("dataset_id")) == (
             self.seed,
-            self.batch_size,
+            self.global_batch_size,
             self.dataset_id,
         )
         if same:
             self.epoch, self.batch_index = int(state["epoch"]), int(state["batch_index"])
-            saved_world = int(state.get("world_size", 1))
-            if saved_world != self.world_size:  # continue from the same global position, approximately
-                self.batch_index = self.batch_index * saved_world // self.world_size
         else:
             # A refreshed dataset or changed batch size: the old position means nothing, start a new epoch.
             log.warning(
-                "loader state is for another dataset/seed/batch size; starting epoch %d from its first batch",
+                "loader state is for another dataset/seed/global batch size; starting epoch %d from its first batch",
                 int(state["epoch"]) + 1,
             )
             self.epoch, self.batch_index = int(state["epoch"]) + 1, 0
         self._order_epoch = None
 
     # --- iteration ---
-    def _positions(self) -> Iterator[tuple[int, int, tuple[int, ...], list[int]]]:
-        """(epoch, index, bucket, sample indices) of every batch from the current position on."""
+    def _positions(self) -> Iterator[Position]:
+        """Every batch this rank reads from the current position on (an empty slice of a short partial batch is
+        passed over, alike on every rank)."""
         epoch, index = self.epoch, self.batch_index
         while True:
             if self._order_epoch != epoch:
                 self._order, self._order_epoch = self.epoch_batches(epoch), epoch
-            if not self._order:
-                raise ValueError("no full batch in any bucket: lower batch_size or set drop_last false")
+            if not self._order or not self._order.sizes.any():
+                raise ValueError(f"no batch of {self.batch_size} per rank x {self.world_size} ranks in any bucket: "
+                                 "lower batch_size or set drop_last false")
             if index >= len(self._order):
                 epoch, index = epoch + 1, 0
                 continue
             bucket, indices = self._order[index]
+            if not indices:
+                index += 1
+                continue
             if self.shard_check is not None and self.shard_check.touched < self._owned:
                 self._touch(epoch, index)
-            yield epoch, index, bucket, indices
+            after = index + 1
+            while after < len(self._order) and not self._order.sizes[after]:
+                after += 1
+            yield Position(epoch, index, bucket, indices, int(self._order.first[index]),
+                           (epoch, after) if after < len(self._order) else (epoch + 1, 0))
             index += 1
 
     def _touch(self, epoch: int, index: int) -> None:
@@ -623,10 +699,10 @@ class LatentLoader:
         rank, size = self._check_owner
         if size == 1:
             batches = [self._order[index]]
-        else:
+        else:  # every rank's slice at this position: the whole global batch
             if self._global_epoch != epoch:
                 self._global, self._global_epoch = self.global_batches(epoch), epoch
-            batches = [self._global[g] for g in range(index * size, (index + 1) * size)]
+            batches = [self._global[index]]
         shards: set[int] = set()
         for bucket, indices in batches:  # global sample ids -> shard numbers, no SampleRef built
             samples = self.buckets[bucket].samples
@@ -647,9 +723,7 @@ class LatentLoader:
                 f"manifest):\n  {lines}\nRun `latentmill verify` on the cache ({self.cache_dir}) to list every "
                 "damaged shard, and re-run the prep to rebuild them before training again")
 
-    def _advised(
-        self, positions: Iterator[tuple[int, int, tuple[int, ...], list[int]]]
-    ) -> Iterator[tuple[int, int, tuple[int, ...], list[int]]]:
+    def _advised(self, positions: Iterator[Position]) -> Iterator[Position]:
         """``positions``, each yielded once the kernel was asked (``POSIX_FADV_WILLNEED``) to read the
         members of the next ``ADVISE_AHEAD_BATCHES`` batches that are not in the page cache: with shards on
         disk that keeps several reads in flight while this batch is copied (the kernel's own read-ahead only
@@ -658,11 +732,11 @@ class LatentLoader:
         if not hasattr(os, "posix_fadvise"):
             yield from positions
             return
-        ahead: list[tuple[int, int, tuple[int, ...], list[int]]] = []
+        ahead: list[Position] = []
         for position in positions:
             ahead.append(position)
-            epoch, _, bucket, indices = position
-            for ref in (self.buckets[bucket][i] for i in indices):
+            epoch, bucket = position.epoch, position.bucket
+            for ref in (self.buckets[bucket][i] for i in position.indices):
                 if self._on_disk_now(ref):
                     for member in (VAE_MEMBER, self._text_member(ref, epoch)):
                         if member is not None:
@@ -704,10 +778,10 @@ class LatentLoader:
         """
         positions = self._advised(self._positions())
         if not self.prefetch:
-            for epoch, index, bucket, indices in positions:
-                batch = self._read_batch(bucket, indices, epoch)
-                batch["epoch"], batch["index"] = epoch, index
-                self.epoch, self.batch_index = epoch, index + 1  # state now points at the next batch
+            for at in positions:
+                batch = self._read_batch(at.bucket, at.indices, at.epoch)
+                _stamp(batch, at)
+                self.epoch, self.batch_index = at.after  # state now points at the next batch
                 yield batch
             return
         # The read-ahead: the next batch is read in a thread while the consumer works on this one, when the
@@ -724,25 +798,25 @@ class LatentLoader:
             return self._read_batch(bucket, indices, epoch, convert=False)  # converted when handed out
 
         with ThreadPoolExecutor(max_workers=1, thread_name_prefix="latent-prefetch") as pool:
-            pending: tuple[int, int, Future] | None = None
+            pending: tuple[Position, Future] | None = None
             handed_at: float | None = None
             while True:
                 asked.set()
                 consumer_s = time.perf_counter() - handed_at if handed_at is not None else 0.0
                 if pending is None:
-                    epoch, index, bucket, indices = next(positions)
-                    batch = self._read_batch(bucket, indices, epoch)
+                    at = next(positions)
+                    batch = self._read_batch(at.bucket, at.indices, at.epoch)
                 else:
-                    epoch, index, future = pending
+                    at, future = pending
                     batch = self._convert(future.result())
                     pending = None
                 if consumer_s >= PREFETCH_MIN_CONSUMER_S:
                     delay = min(PREFETCH_DELAY_MAX_S, PREFETCH_DELAY_SHARE * consumer_s)
-                    next_epoch, next_index, bucket, indices = next(positions)
+                    ahead = next(positions)
                     asked.clear()
-                    pending = next_epoch, next_index, pool.submit(read, bucket, indices, next_epoch, delay)
-                batch["epoch"], batch["index"] = epoch, index
-                self.epoch, self.batch_index = epoch, index + 1  # state now points at the next batch
+                    pending = ahead, pool.submit(read, ahead.bucket, ahead.indices, ahead.epoch, delay)
+                _stamp(batch, at)
+                self.epoch, self.batch_index = at.after  # state now points at the next batch
                 handed_at = time.perf_counter()
                 yield batch
 

@@ -2,7 +2,7 @@
 
 ``strategy: none`` is one process. ``strategy: ddp`` is PyTorch DistributedDataParallel over the processes
 that ``torchrun --nproc-per-node N`` starts (NCCL on CUDA, gloo on CPU): every rank holds the full model,
-reads its own share of each epoch's batches (``LatentLoader(rank=, world_size=)``) and draws its own noise;
+reads its own slice of each global batch (``LatentLoader(rank=, world_size=)``) and draws its samples' noise;
 gradients are averaged, so weights and optimizer state stay identical on every rank. Rank 0 writes metrics,
 checkpoint weights and the export; every rank writes its own RNG state.
 

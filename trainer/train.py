@@ -10,10 +10,12 @@ validation grids under ``<train_dir>/validation/`` and, at the end, a Diffusers 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import math
 import os
+import re
 import resource
 import signal
 import sys
@@ -26,12 +28,24 @@ from typing import Any, Callable
 import torch
 from latentmill.trainer.adapter import Expert, choose_experts
 from latentmill.trainer.adapters import check_i2v, check_validation, get_adapter
-from latentmill.trainer.checkpoint import list_checkpoints, load_checkpoint, resolve_resume, save_checkpoint
+from latentmill.trainer.checkpoint import (
+    list_checkpoints,
+    load_checkpoint,
+    read_trainer_state,
+    resolve_resume,
+    save_checkpoint,
+)
 from latentmill.trainer.config import ParallelConfig, TrainerConfig
 from latentmill.trainer.context import check_context_parallel, check_cp_batch
 from latentmill.trainer.experts import Part, expert_sigma, other_parts, route_micro_batches, routing_warning
 from latentmill.trainer.export import export_trained
-from latentmill.trainer.loader import LatentLoader, check_streams, manifest_family, read_manifest
+from latentmill.trainer.loader import (
+    LatentLoader,
+    check_streams,
+    manifest_family,
+    read_manifest,
+    resume_batch_size,
+)
 from latentmill.trainer.model_load import load_for_training
 from latentmill.trainer.objective import (
     derive_seed,
@@ -52,6 +66,8 @@ from latentmill import interrupt
 from latentmill.core.config import ConfigError, to_dict
 
 log = logging.getLogger(__name__)
+
+_SAMPLES_FILE = re.compile(r"samples-rank\d+\.jsonl")  # trainer.record_samples: one file per rank
 
 
 def lr_lambda(
@@ -128,6 +144,11 @@ def _rewind_metrics(path: Path, upto_step: int) -> None:
     path.write_text("".join(line + "\n" for line in kept))
 
 
+def _samples_files(train_dir: Path) -> list[Path]:
+    """The ``samples-rank<r>.jsonl`` files of ``trainer.record_samples`` in ``train_dir`` (not set-aside ones)."""
+    return [p for p in train_dir.glob("samples-rank*.jsonl") if _SAMPLES_FILE.fullmatch(p.name)]
+
+
 def _set_aside_previous_run(train_dir: Path, ckpt_dir: Path, metrics_path: Path) -> None:
     """A fresh start in a used ``train_dir``: keep the previous run's checkpoints and metrics one level back.
 
@@ -147,6 +168,8 @@ def _set_aside_previous_run(train_dir: Path, ckpt_dir: Path, metrics_path: Path)
         )
     if metrics_path.exists() and metrics_path.stat().st_size:
         os.replace(metrics_path, train_dir / f"metrics.previous-{number}.jsonl")
+    for path in _samples_files(train_dir):
+        os.replace(path, train_dir / f"{path.stem}.previous-{number}.jsonl")
 
 
 def train(
@@ -221,14 +244,18 @@ def _train(
     batches = iter(run.loader)
     bar = tqdm(total=cfg.max_steps, initial=run.start_step, disable=not (progress and ctx.is_main), unit="step")
     metrics_file = open(run.metrics_path, "a") if ctx.is_main else nullcontext()
+    samples_file = open(train_dir / f"samples-rank{ctx.rank}.jsonl", "a") if cfg.record_samples else nullcontext()
     tb = tensorboard_writer(train_dir / "tb") if (ctx.is_main and cfg.tensorboard) else None
     validations: list[str] = []
     # SIGINT and SIGTERM end the loop after the step in flight (latentmill.interrupt, Run.stop_signal)
-    with bar, run.loader, metrics_file, interrupt.stop_on_signals():
+    with bar, run.loader, metrics_file, samples_file, interrupt.stop_on_signals():
         while run.step < cfg.max_steps:
             record = run.train_step(batches)
             if ctx.is_main:
                 _log_record(record, metrics_file, tb, on_step)
+            if cfg.record_samples:
+                samples_file.write(json.dumps({"step": run.step, "batches": run.step_batches}) + "\n")
+                samples_file.flush()
             bar.update(1)
             if run.step % cfg.log_every == 0 or run.step == cfg.max_steps:
                 bar.set_postfix(loss=f"{record['loss']:.4f}", lr=f"{record['lr']:.2e}")
@@ -277,6 +304,10 @@ class _Run:
         self.cfg, self.ctx, self.parallel, self.pretrained, self.seed = cfg, ctx, parallel, pretrained, seed
         self.train_dir, self.provenance = train_dir, provenance
         self.ckpt_dir, self.metrics_path = train_dir / "checkpoints", train_dir / "metrics.jsonl"
+        # which checkpoint, and the per-rank batch that keeps its global batch here, before any work
+        self.resume_path = resolve_resume(cfg.resume, self.ckpt_dir, announce=ctx.is_main)
+        if self.resume_path is not None:
+            self.cfg = cfg = _resumed_batch(cfg, read_trainer_state(self.resume_path), ctx, self.resume_path)
         if ctx.is_main:
             train_dir.mkdir(parents=True, exist_ok=True)
         self.device = ctx.device
@@ -289,7 +320,7 @@ class _Run:
         self.start_step = self.step = 0
         self.last_loss, self.skipped, self.skipped_in_row = float("nan"), 0, 0
         self.samples_seen, self.train_time, self.data_time = 0, 0.0, 0.0
-        self.resume_path: Path | None = None
+        self.step_batches: list[dict[str, Any]] = []  # where the last step's micro-batches sat (record_samples)
         self.stop_signal: int | None = None  # a stop request every rank agreed on (train_step)
         # the VAE and text encoders of validation: loaded at the first validation, kept on the CPU in between
         self.validator = Validator(self.adapter, pretrained, self.device, component=self.parts[0].expert.component) \
@@ -343,26 +374,21 @@ class _Run:
             else 1
 
     def _build_optimizer(self) -> None:
-        """AdamW and the LR schedule of each model, and the CPU generator of every sigma, noise and posterior
-        draw of this rank."""
+        """AdamW and the LR schedule of each model."""
         cfg = self.cfg
         for part in self.parts:
             part.optimizer = torch.optim.AdamW(part.trainable, lr=cfg.learning_rate, betas=tuple(cfg.adam_betas),
                                                eps=cfg.adam_eps, weight_decay=cfg.weight_decay)
             part.scheduler = torch.optim.lr_scheduler.LambdaLR(
                 part.optimizer, lr_lambda(cfg.warmup_steps, cfg.max_steps, cfg.lr_schedule, cfg.min_lr_ratio))
-        # one stream per data-parallel rank: the ranks of a cp group draw the same noise and timesteps
-        self.sampling_gen = torch.Generator().manual_seed(derive_seed(self.seed, f"sampling:{self.ctx.dp_rank}"))
 
     def resume(self) -> None:
         """Restore the latest (or the named) checkpoint, or set a previous run aside for a fresh start."""
         ctx = self.ctx
-        self.resume_path = resolve_resume(self.cfg.resume, self.ckpt_dir, announce=ctx.is_main)
         if self.resume_path is not None:
             first = self.parts[0]
             state = load_checkpoint(self.resume_path, model=first.transformer, optimizer=first.optimizer,
-                                    scheduler=first.scheduler, sampling_generator=self.sampling_gen, rank=ctx.rank,
-                                    others=other_parts(self.parts))
+                                    scheduler=first.scheduler, rank=ctx.rank, others=other_parts(self.parts))
             if state.get("expert", "all") != self.expert_name:  # same shapes: it would load without a word
                 raise ConfigError(f"trainer.expert: {self.resume_path} trained expert {state.get('expert', 'all')!r}, "
                                   f"this run {self.expert_name!r}; resume with the same trainer.expert")
@@ -373,8 +399,9 @@ class _Run:
             self.last_loss = float(state.get("loss", float("nan")))
             self.skipped = int(state.get("skipped_steps", 0))
             self.skipped_in_row = int(state.get("skipped_in_row", 0))
-            if ctx.is_main:
-                _rewind_metrics(self.metrics_path, self.start_step)
+            if ctx.is_main:  # every rank's samples record too: a run on fewer ranks leaves the others' files
+                for path in [self.metrics_path, *_samples_files(self.train_dir)]:
+                    _rewind_metrics(path, self.start_step)
             log.info("resumed from %s at step %d", self.resume_path, self.start_step)
         elif ctx.is_main:
             _set_aside_previous_run(self.train_dir, self.ckpt_dir, self.metrics_path)
@@ -387,7 +414,7 @@ class _Run:
         """Flow-matching loss of one micro-batch on ``part``, backpropagated (scaled by 1/``micro_batches``, the
         part's micro-batches in this step); returns it detached.
 
-        All randomness comes from ``self.sampling_gen`` in a fixed order. DDP reduces gradients on the last
+        Each sample's randomness comes from its own generator (``_draw``). DDP reduces gradients on the last
         micro-batch only; FSDP2 reduce-scatters on every one (gradients stay sharded).
         """
         cfg, device, adapter = self.cfg, self.device, self.adapter
@@ -396,7 +423,7 @@ class _Run:
         check_cp_batch(adapter, inputs, self.ctx.cp_size)  # every bucket: its sequences must split evenly
         extra = adapter.noised_streams
         eps, sigmas, noise, clean_first, extra_noise = self._draw(
-            latents.shape, posterior="latents_std" in inputs,
+            latents.shape, epoch=batch["epoch"], ordinals=batch["ordinals"], posterior="latents_std" in inputs,
             shift=shift_for(cfg, adapter.seq_len(latents), adapter.resolution_mu), expert=part.expert,
             extra_shapes=[inputs[name].shape for name in extra])
         if eps is not None:  # a fresh draw from the cached posterior each time
@@ -426,31 +453,34 @@ class _Run:
             (loss * self.ctx.cp_size / micro_batches).backward()
         return loss.detach()
 
-    def _draw(self, shape: torch.Size, *, posterior: bool, shift: float, expert: Expert,
-              extra_shapes: list[torch.Size] = ()
+    def _draw(self, shape: torch.Size, *, epoch: int, ordinals: list[int], posterior: bool, shift: float,
+              expert: Expert, extra_shapes: list[torch.Size] = ()
               ) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor, torch.Tensor | None, list[torch.Tensor]]:
         """(posterior eps or None, sigmas [B] (in ``expert``'s range), noise, image-to-video flags [B] or None,
         the noise of each of ``extra_shapes``: the adapter's ``noised_streams``) of one micro-batch, drawn sample
         by sample.
 
         Per sample, in order: its posterior eps, its sigma, its noise, the noise of each noised stream and
-        (``trainer.i2v_probability`` > 0) whether its first frame is a clean image condition, all from
-        ``self.sampling_gen``. A
-        sample's draws depend only on its place in this rank's stream, not on how the stream is cut into
-        micro-batches: accumulation 2 at batch B sees the same noise as accumulation 1 at batch 2B.
+        (``trainer.i2v_probability`` > 0) whether its first frame is a clean image condition, all from a
+        generator of its own, seeded by (run seed, ``epoch``, the sample's epoch ordinal: its place in the
+        epoch's global sequence, ``ordinals``). So a sample's draws depend neither on the rank that reads it,
+        nor on the number of ranks, nor on how the global batch is cut into micro-batches: a run resumed on
+        other ranks draws what the uninterrupted run drew, and accumulation 2 at batch B sees the same noise as
+        accumulation 1 at batch 2B.
         """
         eps, sigmas, noise, clean = [], [], [], []
         extra: list[list[torch.Tensor]] = [[] for _ in extra_shapes]
         i2v = self.cfg.i2v_probability
-        for _ in range(shape[0]):
+        for ordinal in ordinals:
+            gen = torch.Generator().manual_seed(derive_seed(self.seed, f"sample:{epoch}:{ordinal}"))
             if posterior:
-                eps.append(torch.randn(shape[1:], generator=self.sampling_gen, dtype=torch.float32))
-            sigmas.append(expert_sigma(self.cfg, self.sampling_gen, shift, expert))
-            noise.append(torch.randn(shape[1:], generator=self.sampling_gen, dtype=torch.float32))
+                eps.append(torch.randn(shape[1:], generator=gen, dtype=torch.float32))
+            sigmas.append(expert_sigma(self.cfg, gen, shift, expert))
+            noise.append(torch.randn(shape[1:], generator=gen, dtype=torch.float32))
             for draws, extra_shape in zip(extra, extra_shapes):
-                draws.append(torch.randn(extra_shape[1:], generator=self.sampling_gen, dtype=torch.float32))
+                draws.append(torch.randn(extra_shape[1:], generator=gen, dtype=torch.float32))
             if i2v > 0:
-                clean.append(torch.rand(1, generator=self.sampling_gen) < i2v)
+                clean.append(torch.rand(1, generator=gen) < i2v)
         to = self.device
         return (torch.stack(eps).to(to) if posterior else None, torch.cat(sigmas).to(to), torch.stack(noise).to(to),
                 torch.cat(clean).to(to) if i2v > 0 else None, [torch.stack(draws).to(to) for draws in extra])
@@ -475,6 +505,7 @@ class _Run:
             t_fetch = time.perf_counter()
             fetched.append(next(batches))
             t_data += time.perf_counter() - t_fetch
+        self.step_batches = [{k: b[k] for k in ("epoch", "index", "keys", "ordinals")} for b in fetched]
         if self.step == self.start_step:
             for part in self.parts:
                 self.adapter.check_batch(part.transformer, {k: v for k, v in fetched[0].items()
@@ -632,7 +663,7 @@ class _Run:
         }
         first = self.parts[0]
         save_checkpoint(self.ckpt_dir, self.step, model=first.transformer, optimizer=first.optimizer,
-                        scheduler=first.scheduler, sampling_generator=self.sampling_gen, trainer_state=trainer_state,
+                        scheduler=first.scheduler, trainer_state=trainer_state,
                         others=other_parts(self.parts),
                         keep_latest_k=self.cfg.keep_latest_k, rank=self.ctx.rank, barrier=self.ctx.barrier,
                         sharded=self.ctx.sharded)
@@ -734,6 +765,20 @@ def _reduce_step_stats(ctx: DistContext, loss_sum: torch.Tensor, samples: int, g
     norm = math.sqrt(squares_sum / grad_replicas) if math.isfinite(squares_sum) else float("nan")
     agreed = signal.SIGTERM if sigterms else signal.SIGINT if sigints else None
     return (float("nan") if nonfinite else total_loss), int(total_samples), nonfinite > 0, norm, agreed
+
+
+def _resumed_batch(cfg: TrainerConfig, state: dict[str, Any], ctx: DistContext, path: Path) -> TrainerConfig:
+    """``cfg`` with the per-rank batch size that keeps checkpoint ``path``'s global batch on this run's
+    data-parallel ranks (``resume_batch_size``; a ``ConfigError`` when they cannot split it)."""
+    saved = state.get("loader", {})
+    batch = resume_batch_size(saved, cfg.batch_size, ctx.dp_size, str(path))
+    if batch == cfg.batch_size:
+        return cfg
+    if ctx.is_main:
+        log.warning("resuming %s on %d data-parallel ranks: trainer.batch_size %d per rank (saved: %d on %d ranks) "
+                    "keeps its global batch", path, ctx.dp_size, batch, saved.get("batch_size"),
+                    saved.get("world_size", 1))
+    return dataclasses.replace(cfg, batch_size=batch)
 
 
 def _write_provenance(exported: Path, provenance: dict[str, Any], cfg: TrainerConfig, step: int, loss: float,
