@@ -26,6 +26,7 @@ from latentmill.pipelines.report import (
     stage_line,
 )
 from latentmill.pipelines.retention import OutputBusyError, writer_lock  # noqa: F401 (re-exported)
+from latentmill.pipelines.snapshot import STAGES
 from latentmill.pipelines.snapshot import publish as publish_snapshot
 from latentmill.stages import bucket, cache, caption, curate, curate_clips, ingest, neardup
 from latentmill.stages.compact import compact_stage
@@ -41,7 +42,6 @@ from latentmill import interrupt
 from latentmill.core.hashing import stable_hash
 from latentmill.recipe import Recipe, RunnerConfig, load_recipe, recipe_from_dict
 
-STAGES = ("ingest", "caption", "curate", "bucket", "cache")
 MAX_UNITS_PER_TASK = 16
 MIN_TASK_SAMPLES = 16  # auto grouping: fewer pending samples than this per task run are not split further
 PLAN_BATCH = 256  # planned units stored in the catalog per transaction
