@@ -27,7 +27,7 @@ def public(value: Any) -> str:
     user and password."""
     text = str(value)
     if text.startswith(("/", "~", "file:")) or re.match(r"^[A-Za-z]:[\\/]", text):
-        return Path(text.removeprefix("file://")).name or text.strip("/\\")
+        return re.split(r"[\\/]", text.rstrip("\\/"))[-1]  # a Windows path too, on any system
     return re.sub(r"://[^/@\s]+@", "://", text)
 
 
@@ -133,3 +133,12 @@ def write_model_card(folder: Path, *, cfg: Any, info: dict[str, Any], pretrained
     path = folder / "README.md"
     path.write_text(text)
     return path
+
+
+def public_data(data: Any) -> Any:
+    """JSON-like ``data`` with every string made ``public`` (a ``latentmill.json`` or manifest to publish)."""
+    if isinstance(data, dict):
+        return {key: public_data(value) for key, value in data.items()}
+    if isinstance(data, list):
+        return [public_data(value) for value in data]
+    return public(data) if isinstance(data, str) else data

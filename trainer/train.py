@@ -225,8 +225,9 @@ def _train(
     except BaseException:
         trackers.close(ok=False)
         raise
+    urls = trackers.urls  # before close, which lets the trackers go
     trackers.close()
-    return {**summary, "trackers": trackers.urls}
+    return {**summary, "trackers": urls}
 
 
 def _loop(run: _Run, trackers: Trackers, *, progress: bool, on_step: Callable[[dict], None] | None,
