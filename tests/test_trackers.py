@@ -257,3 +257,41 @@ def test_a_tracker_that_cannot_start_is_one_warning_or_an_error_when_required(tm
     with pytest.raises(TrackerError, match=r"trainer.trackers: mlflow could not start: ConnectionError: .*"
                                            r"\(trainer.trackers_required is true\)"):
         start_trackers(["mlflow"], project="p", run_name="r", log_dir=tmp_path, required=True)
+
+
+@pytest.mark.slow
+def test_a_prep_summary_goes_to_the_same_project_with_a_link_artifact(mlflow_server, tmp_path, monkeypatch):
+    from latentmill.pipelines.prep import log_prep_to_trackers
+    from latentmill.pipelines.report import publish_tracker_links
+    from latentmill.pipelines.snapshot import publish
+    from mlflow import MlflowClient
+    from prefect import flow
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
+
+    from latentmill.recipe import recipe_from_dict
+
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", mlflow_server)
+    out = tmp_path / "out"
+    write_fake_cache(out / "prep" / "cache", {(32, 32, 1): 3}, seq_len=8)
+    snapshot = publish(out, out / "prep" / "cache")
+    recipe = recipe_from_dict({"output_dir": str(out), "model": {"pretrained": "unused"},
+                               "trainer": {"trackers": ["tensorboard", "mlflow"], "tracker_project": "prep-test"}})
+    report = {"cache": {"in": 3, "out": 3, "quarantined": 0, "processed": 3, "reused": 0}}
+
+    @flow(name="prep-like")
+    def prep_like() -> dict:  # what the prep flow does after publishing its snapshot
+        urls = log_prep_to_trackers(recipe, report, snapshot)
+        publish_tracker_links(urls, "prep")
+        return urls
+
+    urls = prep_like()
+    assert list(urls) == ["mlflow"]  # TensorBoard has no project to share
+    client = MlflowClient(mlflow_server)
+    (run,) = client.search_runs([client.get_experiment_by_name("prep-test").experiment_id])
+    assert run.info.run_name == f"prep-{snapshot['name']}" and run.data.tags["job_type"] == "prep"
+    assert run.data.metrics["prep/cache.in"] == 3 and run.data.metrics["prep/cache.quarantined"] == 0
+    assert run.data.tags["snapshot"] == snapshot["name"] and run.data.params["trainer.tracker_project"] == "prep-test"
+    with get_client(sync_client=True) as prefect:
+        links = prefect.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=["prep-mlflow"])))
+    assert max(links, key=lambda a: a.created).data == f"[mlflow: prep run]({urls['mlflow']})"

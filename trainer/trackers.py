@@ -40,9 +40,9 @@ def flatten(data: Any, prefix: str = "") -> dict[str, Any]:
     return flat
 
 
-def scalars(record: dict[str, Any]) -> dict[str, float]:
-    """The numbers of a metrics record (``metrics.jsonl`` line) that trackers plot, as ``train/<name>``."""
-    return {f"train/{k}": float(v) for k, v in record.items()
+def scalars(record: dict[str, Any], prefix: str = "train") -> dict[str, float]:
+    """The numbers of a metrics record (``metrics.jsonl`` line) that trackers plot, as ``<prefix>/<name>``."""
+    return {f"{prefix}/{k}": float(v) for k, v in record.items()
             if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool)}
 
 
@@ -208,9 +208,9 @@ class Trackers:
                             type(err).__name__, err)
                 self.active.remove(tracker)
 
-    def log_metrics(self, record: dict[str, Any]) -> None:
-        """The numbers of one ``metrics.jsonl`` record, at its step."""
-        values = scalars(record)
+    def log_metrics(self, record: dict[str, Any], prefix: str = "train") -> None:
+        """The numbers of one ``metrics.jsonl`` record, at its step, as ``<prefix>/<name>``."""
+        values = scalars(record, prefix)
         self._each("logging metrics", lambda t: t.log_metrics(values, int(record["step"])))
 
     def log_image(self, key: str, path: Path, step: int) -> None:
