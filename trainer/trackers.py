@@ -1,8 +1,9 @@
 """Experiment trackers: where a run's metrics, validation images, recipe and data provenance also go.
 
 ``trainer.trackers`` names them (``tensorboard``, ``wandb``, ``mlflow``). Each is one small class with the
-same five methods (``Tracker``); ``start_trackers`` starts the named ones (rank 0 only: the caller decides)
-and returns a ``Trackers`` that passes every call to each. A tracker that cannot start, or fails later,
+same four methods (``Tracker``: metrics, an image, the recipe and provenance, close); ``start_trackers``
+starts the named ones (rank 0 only: the caller decides) and returns a ``Trackers`` that passes every call
+to each. A tracker that cannot start, or fails later,
 costs one warning line and the run goes on without it, unless ``required`` (``trainer.trackers_required``).
 
 Where they connect comes from each library's own environment, never from a recipe (credentials are never
@@ -147,7 +148,9 @@ class MlflowTracker(Tracker):
         from mlflow.entities import Metric
 
         now = int(time.time() * 1000)
-        self.client.log_batch(self.run_id, metrics=[Metric(k, v, now, step) for k, v in values.items()])
+        # queued to MLflow's logging thread: a request per step would hold up the step (``close`` flushes)
+        self.client.log_batch(self.run_id, metrics=[Metric(k, v, now, step) for k, v in values.items()],
+                              synchronous=False)
 
     def log_image(self, key: str, path: Path, step: int) -> None:
         self.client.log_artifact(self.run_id, str(path), key)
@@ -166,6 +169,9 @@ class MlflowTracker(Tracker):
         self.client.log_dict(self.run_id, info, "provenance.json")
 
     def close(self, ok: bool = True) -> None:
+        import mlflow
+
+        mlflow.flush_async_logging()
         self.client.set_terminated(self.run_id, "FINISHED" if ok else "FAILED")
 
 
