@@ -295,3 +295,22 @@ def test_a_prep_summary_goes_to_the_same_project_with_a_link_artifact(mlflow_ser
     with get_client(sync_client=True) as prefect:
         links = prefect.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=["prep-mlflow"])))
     assert max(links, key=lambda a: a.created).data == f"[mlflow: prep run]({urls['mlflow']})"
+
+
+@pytest.mark.slow
+@pytest.mark.heavy  # a 2-rank launch (about 100 s on the loaded 2-core box) of the path the tests above run
+def test_only_rank_0_tracks(tmp_path, monkeypatch):
+    from tests.trainer_helpers import build_tiny_transformer, launch_jobs
+
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    pretrained = build_tiny_transformer(tmp_path / "pretrained")
+    write_fake_cache(tmp_path / "cache", {(32, 32, 1): 4})
+    cfg = {"max_steps": 2, "batch_size": 1, "learning_rate": 1e-3, "save_every": 0, "export": False,
+           "trackers": ["tensorboard", "wandb"]}
+    ((rank0, rank1),) = launch_jobs(tmp_path / "launch", [{"cfg": cfg, "cache": str(tmp_path / "cache"),
+                                                          "pretrained": str(pretrained), "parallel": {"strategy": "ddp"},
+                                                          "train_dir": str(tmp_path / "run")}])
+    assert sorted(rank0["trackers"]) == ["tensorboard", "wandb"] and rank1["trackers"] == {}
+    assert len(list((tmp_path / "run" / "tb").glob("events.out.tfevents.*"))) == 1
+    assert len(list((tmp_path / "run" / "wandb").glob("offline-run-*"))) == 1
