@@ -314,3 +314,19 @@ def test_only_rank_0_tracks(tmp_path, monkeypatch):
     assert sorted(rank0["trackers"]) == ["tensorboard", "wandb"] and rank1["trackers"] == {}
     assert len(list((tmp_path / "run" / "tb").glob("events.out.tfevents.*"))) == 1
     assert len(list((tmp_path / "run" / "wandb").glob("offline-run-*"))) == 1
+
+
+@pytest.mark.slow
+def test_a_run_ends_finished_failed_or_killed_in_mlflow(mlflow_server, tmp_path, monkeypatch):
+    from mlflow import MlflowClient
+
+    uri = mlflow_server
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    ids = {}
+    for status in ("finished", "failed", "killed"):
+        trackers = start_trackers(["mlflow"], project="statuses", run_name=status, log_dir=tmp_path)
+        ids[status] = trackers.active[0].run_id
+        trackers.close(status)
+    client = MlflowClient(uri)
+    assert {s: client.get_run(i).info.status for s, i in ids.items()} == {
+        "finished": "FINISHED", "failed": "FAILED", "killed": "KILLED"}

@@ -63,7 +63,8 @@ class Tracker:
         """The resolved recipe and the run's provenance (snapshot id, prep summary), once at the start."""
         raise NotImplementedError
 
-    def close(self, ok: bool = True) -> None:
+    def close(self, status: str = "finished") -> None:
+        """End the run as ``finished``, ``failed`` or ``killed`` (stopped by a signal: it can resume)."""
         raise NotImplementedError
 
 
@@ -94,7 +95,7 @@ class TensorBoardTracker(Tracker):
         for tag, data in (("recipe", recipe), ("provenance", info)):
             self.writer.add_text(tag, "```json\n" + json.dumps(data, indent=1, default=str) + "\n```", 0)
 
-    def close(self, ok: bool = True) -> None:
+    def close(self, status: str = "finished") -> None:
         self.writer.close()
 
 
@@ -121,8 +122,8 @@ class WandbTracker(Tracker):
         self.run.config.update({"recipe": recipe, **info}, allow_val_change=True)
         self.run.summary.update({k: v for k, v in info.items() if isinstance(v, (str, int, float))})
 
-    def close(self, ok: bool = True) -> None:
-        self.run.finish(exit_code=0 if ok else 1)
+    def close(self, status: str = "finished") -> None:
+        self.run.finish(exit_code={"finished": 0, "failed": 1}.get(status, 130))
 
 
 class MlflowTracker(Tracker):
@@ -168,11 +169,11 @@ class MlflowTracker(Tracker):
         self.client.log_dict(self.run_id, recipe, "recipe.json")
         self.client.log_dict(self.run_id, info, "provenance.json")
 
-    def close(self, ok: bool = True) -> None:
+    def close(self, status: str = "finished") -> None:
         import mlflow
 
         mlflow.flush_async_logging()
-        self.client.set_terminated(self.run_id, "FINISHED" if ok else "FAILED")
+        self.client.set_terminated(self.run_id, status.upper())  # FINISHED, FAILED, KILLED: MLflow's run statuses
 
 
 def _check_reachable(uri: str, timeout_s: float = 5.0) -> None:
@@ -225,8 +226,9 @@ class Trackers:
     def log_info(self, recipe: dict[str, Any], info: dict[str, Any]) -> None:
         self._each("logging the recipe", lambda t: t.log_info(recipe, info))
 
-    def close(self, ok: bool = True) -> None:
-        self._each("closing", lambda t: t.close(ok))
+    def close(self, status: str = "finished") -> None:
+        """End every run: ``finished``, ``failed``, or ``killed`` (a stop by SIGINT or SIGTERM)."""
+        self._each("closing", lambda t: t.close(status))
         self.active = []
 
 

@@ -222,8 +222,8 @@ def _train(
         trackers.log_info(recipe or {"trainer": to_dict(cfg)}, run.info())
     try:
         summary = _loop(run, trackers, progress=progress, on_step=on_step, export_dir=export_dir)
-    except BaseException:
-        trackers.close(ok=False)
+    except BaseException as err:
+        trackers.close("killed" if isinstance(err, (interrupt.Interrupted, KeyboardInterrupt)) else "failed")
         raise
     urls = trackers.urls  # before close, which lets the trackers go
     trackers.close()
