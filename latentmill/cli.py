@@ -137,6 +137,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--max-sequence-length", type=int, help="text tokens (default: the pipeline's)")
     p.add_argument("--guidance-scale", type=float, help="guidance (default: the pipeline's)")
     p.add_argument("--out", type=Path, default=Path("samples"), help="output folder (default ./samples)")
+    p = sub.add_parser("push", help="upload an export (model repo, with its card) or a snapshot (dataset repo) to the Hub")
+    p.add_argument("path", type=Path, help="an export folder (<output_dir>/export) or a snapshot folder "
+                                           "(<output_dir>/snapshots/<name>)")
+    p.add_argument("--repo-id", required=True, help="OWNER/NAME on the Hub (made if missing)")
+    p.add_argument("--private", action="store_true", help="make a new repository private")
     p = sub.add_parser("init", help="write a starter recipe for your images, with the example recipes and demo data")
     p.add_argument("folder", type=Path, help="where to write them (made if missing; no file is overwritten)")
     p.add_argument("--images", type=Path, help="your images (a folder); default: FOLDER/images, made empty")
@@ -428,6 +433,13 @@ def main(argv: list[str] | None = None) -> int:
                             compile_backend=args.compile_backend, device=args.device,
                             max_sequence_length=args.max_sequence_length, guidance_scale=args.guidance_scale)
             print(format_report(report))
+            return 0
+        if args.command == "push":
+            from latentmill.push import push
+
+            pushed = push(args.path, args.repo_id, private=args.private)
+            print(f"pushed {len(pushed['files'])} files to {pushed['url']} ({pushed['repo_type']} repo, commit "
+                  f"{pushed['commit'][:12]})")
             return 0
         if args.command == "init":
             from latentmill.resources import init_folder, write_starter_recipe

@@ -46,6 +46,7 @@ def train_recipe(recipe: Recipe, run_dir: str | Path, progress: bool = True,
             provenance={"snapshot": cache_dir.name, "snapshot_content_id": manifest["snapshot"]["content_id"],
                         "run": run_dir.name, "output_dir": str(recipe.output_dir),
                         "pretrained": recipe.model.pretrained, "mode": recipe.trainer.mode},
+            recipe=recipe.to_dict(),
         )
 
 

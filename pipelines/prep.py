@@ -13,6 +13,7 @@ import os
 import signal
 import threading
 import time
+from pathlib import Path
 from typing import Any, Callable, Iterable, NamedTuple
 
 from latentmill.pipelines import unchanged
@@ -23,9 +24,11 @@ from latentmill.pipelines.report import (
     current_run_id,
     publish_prep_artifacts,
     publish_prep_plots,
+    publish_tracker_links,
     stage_line,
 )
 from latentmill.pipelines.retention import OutputBusyError, writer_lock  # noqa: F401 (re-exported)
+from latentmill.pipelines.snapshot import STAGES
 from latentmill.pipelines.snapshot import publish as publish_snapshot
 from latentmill.stages import bucket, cache, caption, curate, curate_clips, ingest, neardup
 from latentmill.stages.compact import compact_stage
@@ -41,7 +44,6 @@ from latentmill import interrupt
 from latentmill.core.hashing import stable_hash
 from latentmill.recipe import Recipe, RunnerConfig, load_recipe, recipe_from_dict
 
-STAGES = ("ingest", "caption", "curate", "bucket", "cache")
 MAX_UNITS_PER_TASK = 16
 MIN_TASK_SAMPLES = 16  # auto grouping: fewer pending samples than this per task run are not split further
 PLAN_BATCH = 256  # planned units stored in the catalog per transaction
@@ -443,8 +445,34 @@ def _prep_stages(recipe_data: dict, started_run: str | None) -> dict[str, Any]:
     if recipe.prep.plots:  # only with matplotlib; a failed picture is a warning, never a failed prep
         if publish_prep_plots(recipe.prep_dir, run_log.warning, also=[started_run] if started_run else []):
             plots = str(recipe.prep_dir / PLOTS_DIR / "index.md")
-    return {"stages": report, "snapshot": publish_snapshot(recipe.output_dir, recipe.stage_dir("cache")),
-            "plots": plots, "ingest_units": ingest_units}
+    snapshot = publish_snapshot(recipe.output_dir, recipe.stage_dir("cache"))
+    trackers = log_prep_to_trackers(recipe, report, snapshot)
+    publish_tracker_links(trackers, "prep", also=[started_run] if started_run else [])
+    return {"stages": report, "snapshot": snapshot, "plots": plots, "ingest_units": ingest_units,
+            **({"trackers": trackers} if trackers else {})}
+
+
+def log_prep_to_trackers(recipe: Recipe, report: dict[str, Any], snapshot: dict[str, Any]) -> dict[str, str | None]:
+    """A prep's summary as a ``prep`` run of the recipe's W&B or MLflow project (``trainer.trackers``; TensorBoard
+    has no project to share): the recipe, the snapshot and its prep summary, and each stage's counts as
+    ``prep/<stage>.<count>``. Returns where each tracker shows it."""
+    from latentmill.trainer.trackers import start_trackers
+
+    names = [n for n in recipe.trainer.active_trackers() if n != "tensorboard"]
+    if not names:
+        return {}
+    manifest = json.loads((Path(snapshot["path"]) / "manifest.json").read_text())["snapshot"]
+    trackers = start_trackers(names, project=recipe.trainer.tracker_project, run_name=f"prep-{snapshot['name']}",
+                              log_dir=recipe.prep_dir, required=recipe.trainer.trackers_required, job_type="prep")
+    trackers.log_info(recipe.to_dict(), {"snapshot": snapshot["name"], "snapshot_content_id": manifest["content_id"],
+                                         "samples": manifest["samples"], "buckets": manifest["buckets"],
+                                         "prep": manifest.get("prep", {})})
+    counts = {f"{stage}.{key}": s[key] for stage, s in report.items()
+              for key in ("in", "out", "quarantined", "processed", "reused")}
+    trackers.log_metrics({"step": 0, **counts}, prefix="prep")
+    urls = trackers.urls
+    trackers.close()
+    return urls
 
 
 def run_prep(recipe: Recipe) -> dict[str, Any]:

@@ -19,6 +19,7 @@ from typing import Any, Callable, Sequence
 from uuid import UUID
 
 from prefect.artifacts import (
+    LinkArtifact,
     MarkdownArtifact,
     ProgressArtifact,
     TableArtifact,
@@ -173,6 +174,17 @@ def publish_prep_plots(prep_dir: Path, warn: Callable[[str], None], also: Sequen
     return markdown
 
 
+def publish_tracker_links(urls: dict[str, str | None], what: str, also: Sequence[str] = ()) -> None:
+    """A link artifact (``<what>-<tracker>``: ``train-wandb``, ``prep-mlflow``) to each tracker run that has a web
+    page, on the current flow run and each run in ``also``; a local folder (TensorBoard, W&B offline) has none."""
+    for name, url in urls.items():
+        if not (url or "").startswith(("http://", "https://")):
+            continue
+        for run in (None, *(UUID(r) for r in also if r != current_run_id())):
+            LinkArtifact(link=url, link_text=f"{name}: {what} run", key=f"{what}-{name}",
+                         description=f"The {what} run in {name}", flow_run_id=run).create()
+
+
 TRAIN_METRICS = ("steps", "final_loss", "samples_per_s", "data_wait_fraction", "peak_rss_mb", "export_dir")
 
 
@@ -215,3 +227,4 @@ class TrainProgress:
                          100 * row["data_wait_fraction"], row["peak_rss_mb"], row["export_dir"])
         create_table_artifact([row], key="train-metrics",
                               description="Training: steps, final loss, samples/s, data wait, peak RSS, export")
+        publish_tracker_links(summary.get("trackers") or {}, "train")

@@ -48,12 +48,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator, Literal
 
-from latentmill.pipelines.snapshot import LATEST, latest_name, resolve_snapshot, snapshots_dir
+from latentmill.pipelines.snapshot import LATEST, STAGES, latest_name, resolve_snapshot, snapshots_dir
 from latentmill.stages.killpoint import KillPoint
 
 from latentmill.core import durable
 
-STAGES = ("ingest", "caption", "curate", "bucket", "cache")  # pipeline order (as ``latentmill.pipelines.prep.STAGES``)
 LOCK_FILE = ".writer.lock"
 PINS = "pins"
 TRASH = ".trash-"

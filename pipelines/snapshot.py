@@ -24,6 +24,7 @@ from latentmill.core import durable
 from latentmill.core.hashing import stable_hash
 
 LATEST = "LATEST"
+STAGES = ("ingest", "caption", "curate", "bucket", "cache")  # the prep's stages, in pipeline order
 
 
 class EmptySnapshotError(RuntimeError):
@@ -63,6 +64,24 @@ def _quarantine_tally(prep_dir: Path) -> dict[str, dict[str, int]]:
             reason = entry["reason"].split(":")[0]
             tally.setdefault(entry["stage"], Counter())[reason] += 1
     return {stage: dict(sorted(c.items())) for stage, c in sorted(tally.items())}
+
+
+def prep_summary(prep_dir: str | Path) -> dict[str, Any]:
+    """What the prep that made a cache did, from its stage manifests, with no local path in it: the counts
+    per stage, the captioner, the curation scorers and thresholds (a snapshot keeps it as ``snapshot.prep``;
+    trackers and model cards show it)."""
+    summary: dict[str, Any] = {"stages": {}}
+    for stage in STAGES:
+        path = Path(prep_dir) / stage / "manifest.json"
+        if not path.is_file():
+            continue
+        manifest = json.loads(path.read_text())
+        summary["stages"][stage] = manifest["counts"]
+        if stage == "caption":
+            summary["captioner"] = (manifest.get("captioner") or {}).get("captioner")
+        if stage == "curate":
+            summary["curation"] = {"scorers": manifest.get("scorers", []), "thresholds": manifest.get("thresholds", {})}
+    return summary
 
 
 def publish(output_dir: str | Path, cache_dir: str | Path) -> dict[str, Any]:
@@ -107,6 +126,7 @@ def publish(output_dir: str | Path, cache_dir: str | Path) -> dict[str, Any]:
             "bytes": sum((cache.root / s["path"]).stat().st_size for s in manifest["shards"]),
             "buckets": dict(sorted(buckets.items())),
             "quarantine": _quarantine_tally(cache.root.parent),
+            "prep": prep_summary(cache.root.parent),
         },
     }
     if "empty_prompt" in manifest:

@@ -48,6 +48,8 @@ def test_override_values_parse_as_yaml():
         ("bucket.step=10", r"bucket.step: must be a positive multiple of 16"),
         ("trainer.max_steps=0", r"trainer.max_steps: must be >= 1"),
         ("cache.prefetch=sometimes", r"cache.prefetch: 'sometimes' does not fit bool or 'auto'"),
+        ("trainer.trackers=[wandb,comet]", r"trainer.trackers: 'comet' is not a known tracker; known: 'tensorboard', "
+                                           r"'wandb', 'mlflow'"),
     ],
 )
 def test_bad_values_name_the_key_and_allowed_values(override, message):

@@ -77,6 +77,15 @@ def test_every_model_traces_back_to_its_snapshot(demo_run):
     assert (info["snapshot"], info["steps"], info["mode"]) == (snapshot, 8, "full")
     assert info["final_loss"] == pytest.approx(summary["train"]["final_loss"])
     assert (out / "export" / "model_index.json").is_file()
+    # the model card: the snapshot and what its prep did (sidecar captions, the demo's exposure threshold)
+    manifest = json.loads((out / "snapshots" / snapshot / "manifest.json").read_text())["snapshot"]
+    assert manifest["prep"]["stages"]["ingest"] == {"in": 28, "out": 27, "quarantined": 1}
+    card = (out / "export" / "README.md").read_text()
+    for expected in (f"dataset snapshot | {snapshot}", "| samples | 24 |", "| captioner | sidecar |",
+                     "| steps | 8 |", "| training | full fine-tune |", "| ingest | 28 | 27 | 1 |",
+                     "| curation thresholds | max_exposure 0.5 |"):
+        assert expected in card, expected
+    assert str(out) not in card and info["pretrained"] not in card  # local paths: the last name only
 
 
 def test_checkpoints_and_exports_are_written_with_the_usual_modes(demo_run):

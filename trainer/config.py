@@ -99,14 +99,35 @@ class TrainerConfig:
     validation_seed: int = 0
     # --- logging and export ---
     log_every: int = 10  # progress-bar / log line cadence; metrics.jsonl gets every step regardless
-    tensorboard: bool = True  # also write <train_dir>/tb when the tensorboard package is installed
+    # where the metrics, validation images, recipe and snapshot also go, on rank 0: tensorboard (<run>/tb),
+    # wandb, mlflow (extras; connected through their own environment variables); one that cannot start is a
+    # warning and the run goes on without it, unless trackers_required
+    trackers: list[str] = field(default_factory=lambda: ["tensorboard"])
+    trackers_required: bool = False
+    tracker_project: str = "latentmill"  # the W&B project, the MLflow experiment
+    tensorboard: Optional[bool] = None  # the older key: true adds tensorboard to trackers, false removes it
+    # the model card's license (a Hugging Face license id: apache-2.0, other, ...); null: the card names none
+    license: Optional[str] = None
     export: bool = True
     # dtype of a full export's transformer weights (the model's storage dtype; bf16 halves the files and the
     # gather against the float32 training copy). A LoRA export keeps its float32 weights.
     export_dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
 
+    def active_trackers(self) -> list[str]:
+        """``trackers`` with the older ``tensorboard`` key applied."""
+        names = [n for n in self.trackers if not (n == "tensorboard" and self.tensorboard is False)]
+        return names + ["tensorboard"] if self.tensorboard and "tensorboard" not in names else names
+
     def validate(self) -> None:
         """Reject values that type-check but cannot work, naming the key."""
+        from latentmill.trainer.trackers import KNOWN_TRACKERS
+
+        for name in self.trackers:
+            if name not in KNOWN_TRACKERS:
+                raise ConfigError(f"trainer.trackers: {name!r} is not a known tracker; known: "
+                                  f"{', '.join(repr(k) for k in KNOWN_TRACKERS)}")
+        if not self.tracker_project.strip():
+            raise ConfigError("trainer.tracker_project: give a project name (the W&B project, the MLflow experiment)")
         positive = {
             "max_steps": self.max_steps,
             "batch_size": self.batch_size,

@@ -2,9 +2,10 @@
 
 Reads ONLY the cache stage's latent shards, trains the transformer of the cache's model family (the
 manifest's ``family``: Flux-class images, Wan-class videos; see ``latentmill.trainer.adapters``) with flow matching,
-writes ``<train_dir>/metrics.jsonl`` (one JSON object per optimizer step; TensorBoard scalars in
-``<train_dir>/tb`` when ``tensorboard`` is installed), checkpoints under ``<train_dir>/checkpoints/``,
-validation grids under ``<train_dir>/validation/`` and, at the end, a Diffusers export. CUDA if available
+writes ``<train_dir>/metrics.jsonl`` (one JSON object per optimizer step; the same numbers, the validation grids,
+the recipe and the snapshot also go to ``trainer.trackers``: ``latentmill.trainer.trackers``), checkpoints under
+``<train_dir>/checkpoints/``, validation grids under ``<train_dir>/validation/`` and, at the end, a Diffusers
+export with its model card (``latentmill.trainer.card``). CUDA if available
 (bfloat16 autocast), else CPU in float32. One process, or DDP / FSDP2 under torchrun (see ``parallel``).
 """
 
@@ -28,6 +29,7 @@ from typing import Any, Callable
 import torch
 from latentmill.trainer.adapter import Expert, choose_experts
 from latentmill.trainer.adapters import check_i2v, check_validation, get_adapter
+from latentmill.trainer.card import cache_captions, trigger_phrase, write_model_card
 from latentmill.trainer.checkpoint import (
     list_checkpoints,
     load_checkpoint,
@@ -59,6 +61,7 @@ from latentmill.trainer.objective import (
 from latentmill.trainer.parallel import DistContext, init_distributed, shutdown
 from latentmill.trainer.shard_check import CorruptShardError
 from latentmill.trainer.threads import ThreadChoice, choose_cpu_threads
+from latentmill.trainer.trackers import Trackers, start_trackers
 from latentmill.trainer.validation import Validator
 from tqdm.auto import tqdm
 
@@ -100,16 +103,6 @@ def peak_mem_mb(device: torch.device) -> float:
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / (1024 * 1024)
     return peak_rss_mb()
-
-
-def tensorboard_writer(log_dir: Path) -> Any:
-    """A ``torch.utils.tensorboard.SummaryWriter`` on ``log_dir``, or None when tensorboard is not installed."""
-    try:
-        from torch.utils.tensorboard import SummaryWriter
-    except ImportError:  # torch raises ImportError when the tensorboard package is missing
-        log.info("tensorboard is not installed: metrics go to metrics.jsonl only")
-        return None
-    return SummaryWriter(log_dir=str(log_dir))
 
 
 def peak_rss_mb() -> float:
@@ -185,6 +178,7 @@ def train(
     check_cache: Callable[[dict], None] | None = None,
     on_step: Callable[[dict], None] | None = None,
     provenance: dict[str, Any] | None = None,
+    recipe: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Train on the latents in ``cache_dir``, starting from the Diffusers pipeline ``pretrained``.
 
@@ -193,11 +187,13 @@ def train(
     (optional) is called on rank 0 with each step's metrics record, after it is written (a flow's progress
     report; keep it cheap). ``provenance`` (optional: the dataset snapshot's name and id, the run) goes into
     every checkpoint's trainer state, the summary, and ``latentmill.json`` beside the export, so every model
-    traces back to its data. ``export_dir``
+    traces back to its data. ``recipe`` (optional: the whole resolved recipe, else the trainer section) is what
+    the trackers record as the run's settings. ``export_dir``
     defaults to ``<train_dir>/export`` (used when ``cfg.export``). Returns a summary: ``steps``,
     ``steps_this_run``, ``final_loss``, ``samples_per_s``, ``data_wait_fraction``, ``peak_rss_mb``,
     ``peak_mem_mb``, ``export_dir``, ``resumed_from``, ``world_size``, ``epochs`` (epochs of data this rank
-    has read), ``family``, ``validation`` (grid paths), ``cpu_threads`` and ``cpu_threads_reason`` (torch's
+    has read), ``family``, ``validation`` (grid paths), ``trackers`` (where each started tracker shows the
+    run, by name), ``cpu_threads`` and ``cpu_threads_reason`` (torch's
     intra-op threads in this run and why: ``latentmill.trainer.threads``), ``shards_checked`` (shards this
     rank hashed against the manifest). A damaged shard stops the run with ``CorruptShardError``. Under
     torchrun with ``parallel.strategy: ddp | fsdp2`` every rank calls this; rank 0 writes metrics, weights
@@ -211,7 +207,7 @@ def train(
     try:
         summary = _train(cfg, ctx, parallel, Path(cache_dir), pretrained, Path(train_dir), seed, export_dir,
                          progress=progress, check_cache=check_cache, on_step=on_step,
-                         provenance=provenance or {})  # fmt: skip
+                         provenance=provenance or {}, recipe=recipe)  # fmt: skip
         finished = True
         return summary
     except interrupt.Interrupted:
@@ -237,22 +233,41 @@ def _train(
     check_cache: Callable[[dict], None] | None,
     on_step: Callable[[dict], None] | None = None,
     provenance: dict[str, Any],
+    recipe: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """The body of ``train`` for one process (rank ``ctx.rank`` of ``ctx.world_size``): set up, loop, export."""
     run = _Run(cfg, ctx, parallel, cache_dir, pretrained, train_dir, seed, check_cache, provenance)
     run.resume()
+    trackers = Trackers([])
+    if ctx.is_main:
+        trackers = start_trackers(cfg.active_trackers(), project=cfg.tracker_project, run_name=train_dir.name,
+                                  log_dir=train_dir, required=cfg.trackers_required)
+        trackers.log_info(recipe or {"trainer": to_dict(cfg)}, run.info())
+    try:
+        summary = _loop(run, trackers, progress=progress, on_step=on_step, export_dir=export_dir)
+    except BaseException as err:
+        trackers.close("killed" if isinstance(err, (interrupt.Interrupted, KeyboardInterrupt)) else "failed")
+        raise
+    urls = trackers.urls  # before close, which lets the trackers go
+    trackers.close()
+    return {**summary, "trackers": urls}
+
+
+def _loop(run: _Run, trackers: Trackers, *, progress: bool, on_step: Callable[[dict], None] | None,
+          export_dir: str | Path | None) -> dict[str, Any]:
+    """The training loop of ``_train``: steps, validations, checkpoints, then the export and the summary."""
+    cfg, ctx, train_dir = run.cfg, run.ctx, run.train_dir
     batches = iter(run.loader)
     bar = tqdm(total=cfg.max_steps, initial=run.start_step, disable=not (progress and ctx.is_main), unit="step")
     metrics_file = open(run.metrics_path, "a") if ctx.is_main else nullcontext()
     samples_file = open(train_dir / f"samples-rank{ctx.rank}.jsonl", "a") if cfg.record_samples else nullcontext()
-    tb = tensorboard_writer(train_dir / "tb") if (ctx.is_main and cfg.tensorboard) else None
     validations: list[str] = []
     # SIGINT and SIGTERM end the loop after the step in flight (latentmill.interrupt, Run.stop_signal)
     with bar, run.loader, metrics_file, samples_file, interrupt.stop_on_signals():
         while run.step < cfg.max_steps:
             record = run.train_step(batches)
             if ctx.is_main:
-                _log_record(record, metrics_file, tb, on_step)
+                _log_record(record, metrics_file, trackers, on_step)
             if cfg.record_samples:
                 samples_file.write(json.dumps({"step": run.step, "batches": run.step_batches}) + "\n")
                 samples_file.flush()
@@ -264,27 +279,25 @@ def _train(
             if run.stop_signal is not None and run.step < cfg.max_steps:  # every rank read it in the same step
                 run.stop()
             if cfg.validate_every and (run.step % cfg.validate_every == 0 or run.step == cfg.max_steps):
-                path = run.validate(tb)  # every rank takes part: an FSDP2 forward is collective
+                path = run.validate()  # every rank takes part: an FSDP2 forward is collective
                 if path is not None:
                     validations.append(str(path))
+                    trackers.log_image("validation", path, run.step)
             if cfg.save_every and (run.step % cfg.save_every == 0 or run.step == cfg.max_steps):
                 run.save()
         run.check_shards_read(wait=True)  # the run ends only on shards checked whole (before the loader closes)
-    if tb is not None:
-        tb.close()
     if run.validator is not None:
         run.validator.close()
-    exported = run.export(export_dir if export_dir is not None else train_dir / "export") if cfg.export else None
+    exported = run.export(export_dir if export_dir is not None else train_dir / "export", validations) \
+        if cfg.export else None
     return run.summary(exported, validations)
 
 
-def _log_record(record: dict, metrics_file: Any, tb: Any, on_step: Callable[[dict], None] | None) -> None:
-    """Rank 0: one metrics line per optimizer step, TensorBoard scalars, the caller's progress hook."""
+def _log_record(record: dict, metrics_file: Any, trackers: Trackers, on_step: Callable[[dict], None] | None) -> None:
+    """Rank 0: one metrics line per optimizer step, the trackers' scalars, the caller's progress hook."""
     metrics_file.write(json.dumps(record) + "\n")
     metrics_file.flush()
-    if tb is not None:
-        for name in ("loss", "lr", "grad_norm", "samples_per_s", "data_wait_fraction", "peak_mem_mb"):
-            tb.add_scalar(f"train/{name}", record[name], record["step"])
+    trackers.log_metrics(record)
     if on_step is not None:
         on_step(record)
 
@@ -613,10 +626,10 @@ class _Run:
             log.warning("%s by %s", detail, signal.Signals(signum).name)
         raise interrupt.Interrupted(signum, detail)
 
-    def validate(self, tb: Any) -> Path | None:
+    def validate(self) -> Path | None:
         """Validation samples of the current weights (every rank takes part); the grid path on rank 0."""
         return self.validator.run(self.parts[0].transformer, cfg=self.cfg, step=self.step, train_dir=self.train_dir,
-                                  max_sequence_length=self.text_len, is_main=self.ctx.is_main, tb_writer=tb,
+                                  max_sequence_length=self.text_len, is_main=self.ctx.is_main,
                                   others={p.expert.component: p.transformer for p in self.parts[1:]})
 
     def check_shards_read(self, *, wait: bool) -> None:
@@ -668,8 +681,17 @@ class _Run:
                         keep_latest_k=self.cfg.keep_latest_k, rank=self.ctx.rank, barrier=self.ctx.barrier,
                         sharded=self.ctx.sharded)
 
-    def export(self, export_dir: str | Path) -> Path | None:
-        """The Diffusers artefact of the trained transformer; its path on rank 0, None elsewhere.
+    def info(self) -> dict[str, Any]:
+        """What trackers and the model card say about the run's data: the provenance (snapshot name and id),
+        the family, and the snapshot's samples, buckets and prep summary (``snapshot.prep``)."""
+        snapshot = self.manifest.get("snapshot") or {}
+        return {**self.provenance, "family": self.adapter.family,
+                "samples": snapshot.get("samples", self.loader.num_samples),
+                "buckets": snapshot.get("buckets", {}), "prep": snapshot.get("prep", {})}
+
+    def export(self, export_dir: str | Path, validations: list[str]) -> Path | None:
+        """The Diffusers artefact of the trained transformer, with ``latentmill.json`` and its model card
+        (``README.md``, the last of ``validations`` in ``images/``); its path on rank 0, None elsewhere.
 
         Every rank takes part in the gathers (a LoRA export gathers only the LoRA weights; a full export
         streams the weights in ``trainer.export_dtype`` into safetensors files, no second model); ranks > 0
@@ -683,7 +705,12 @@ class _Run:
                                   others=tuple((p.transformer, p.expert.component, p.expert.lora_folder)
                                                for p in self.parts[1:]))
         if exported is not None:
-            _write_provenance(exported, self.provenance, cfg, self.step, self.last_loss, self.manifest)
+            folder = exported if exported.is_dir() else exported.parent
+            _write_provenance(folder, self.provenance, cfg, self.step, self.last_loss, self.manifest)
+            write_model_card(folder, cfg=cfg, info=self.info(), pretrained=self.pretrained, steps=self.step,
+                             final_loss=self.last_loss, video=self.adapter.latent_ndim == 4,
+                             validations=validations,
+                             trigger=trigger_phrase(cache_captions(self.loader.cache_dir, self.manifest)))
             log.info("exported %s weights to %s", cfg.mode, exported)
         return exported
 
@@ -781,10 +808,9 @@ def _resumed_batch(cfg: TrainerConfig, state: dict[str, Any], ctx: DistContext, 
     return dataclasses.replace(cfg, batch_size=batch)
 
 
-def _write_provenance(exported: Path, provenance: dict[str, Any], cfg: TrainerConfig, step: int, loss: float,
+def _write_provenance(folder: Path, provenance: dict[str, Any], cfg: TrainerConfig, step: int, loss: float,
                       manifest: dict) -> None:
-    """``latentmill.json`` beside an export: which data (snapshot) and settings made these weights."""
-    folder = exported if exported.is_dir() else exported.parent
+    """``latentmill.json`` in an export folder: which data (snapshot) and settings made these weights."""
     info = {**provenance, "mode": cfg.mode, "steps": step, "final_loss": loss,
             "cache_fingerprint": manifest.get("fingerprint"), "trainer": to_dict(cfg)}
     (folder / "latentmill.json").write_text(json.dumps(info, indent=1, sort_keys=True, default=str))

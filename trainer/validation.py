@@ -129,7 +129,6 @@ class Validator:
         train_dir: Path,
         max_sequence_length: int,
         is_main: bool = True,
-        tb_writer: Any = None,
         others: dict[str, nn.Module] | None = None,
     ) -> Path | None:
         """Generate ``cfg.validation_prompts`` with ``transformer``; save ``<train_dir>/validation/step-N.png``.
@@ -173,10 +172,6 @@ class Validator:
         tmp = path.with_suffix(".png.tmp")
         grid.save(tmp, format="PNG")
         os.replace(tmp, path)
-        if tb_writer is not None:
-            import numpy as np
-
-            tb_writer.add_image("validation", np.asarray(grid), step, dataformats="HWC")
         log.info("validation samples at step %d: %s", step, path)
         return path
 
@@ -197,7 +192,6 @@ def run_validation(
     device: torch.device,
     max_sequence_length: int,
     is_main: bool = True,
-    tb_writer: Any = None,
 ) -> Path | None:
     """One validation with a one-off ``Validator`` (loads the components from disk each call: a training
     run keeps one ``Validator`` instead). Returns the PNG path on the main rank (None elsewhere)."""
@@ -210,7 +204,6 @@ def run_validation(
             train_dir=train_dir,
             max_sequence_length=max_sequence_length,
             is_main=is_main,
-            tb_writer=tb_writer,
         )
     finally:
         validator.close()
