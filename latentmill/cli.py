@@ -87,8 +87,8 @@ def _parser() -> argparse.ArgumentParser:
     for name, text in [("inspect", "show a recipe with its defaults, or a snapshot's or stages' report"),
                        ("verify", "re-hash shards against their manifests")]:
         p = sub.add_parser(name, help=text)
-        p.add_argument("path", type=Path, help="a recipe (.yaml, or a shipped name such as demo), an output_dir, "
-                                               "a snapshot or stage folder")
+        p.add_argument("path", help="a recipe (.yaml, or a shipped name such as demo), an output_dir (a folder "
+                                    "or an object-store URL), a snapshot or stage folder")
         if name == "inspect":
             p.add_argument("overrides", nargs="*", help="dotted overrides of a recipe, e.g. trainer.max_steps=200")
             p.add_argument("--plots", type=Path, metavar="OUT",
@@ -273,9 +273,10 @@ def _run_flow(command: str, config: str | Path, overrides: list[str], recipe: An
         if command != "prep":
             check_launch(recipe, Launch(nproc, nnodes, rdzv_endpoint))
         if command != "train" and recipe.prep.on_busy == "fail":  # fail before Prefect starts, naming the writer
-            from latentmill.pipelines.retention import check_not_busy
+            from latentmill.core.store import is_url
+            from latentmill.pipelines import objectstore, retention
 
-            check_not_busy(recipe.output_dir)
+            (objectstore.check_not_busy if is_url(recipe.output_dir) else retention.check_not_busy)(recipe.output_dir)
         if command == "prep":
             return functools.partial(prep, str(config), overrides)
         if command == "train":
@@ -390,6 +391,7 @@ def main(argv: list[str] | None = None) -> int:
     if getattr(args, "summary_json", None):
         args.summary_json = args.summary_json.resolve()
     from latentmill.core.config import ConfigError
+    from latentmill.core.store import StoreError
     from latentmill.interrupt import Interrupted
     from latentmill.models import CacheMismatchError
     from latentmill.pipelines.retention import OutputBusyError
@@ -398,8 +400,17 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         if args.command in ("inspect", "verify"):
+            from latentmill.core.store import check_store, is_url
             from latentmill.inspect import inspect_path, plot_path, verify_path
 
+            if is_url(args.path):  # an output on an object store (latentmill.pipelines.objectstore)
+                from latentmill.pipelines import objectstore
+
+                check_store(args.path)
+                if args.command == "verify":
+                    return objectstore.verify_store(args.path)
+                args.path = objectstore.local_view(args.path)
+            args.path = Path(args.path)
             if args.command == "inspect" and args.plots is not None:
                 return plot_path(args.path, args.plots)
             return inspect_path(args.path, args.overrides) if args.command == "inspect" else verify_path(args.path)
@@ -464,7 +475,7 @@ def main(argv: list[str] | None = None) -> int:
                 summary, out = _run_flow(args.command, args.config, args.overrides, recipe, getattr(args, "nproc", 1),
                                          getattr(args, "nnodes", 1), getattr(args, "rdzv_endpoint", None))
     except (ConfigError, CacheMismatchError, FileNotFoundError, FileExistsError, EmptySnapshotError,
-            MissingExtra) as err:
+            MissingExtra, StoreError) as err:
         if debug:
             traceback.print_exc()
         print(f"latentmill: error: {err}", file=sys.stderr)
