@@ -24,7 +24,7 @@ import re
 from pathlib import Path
 
 from latentmill.core.config import ConfigError
-from latentmill.core.store import check_store, is_url
+from latentmill.core.store import check_store, is_url, refuse_store
 from latentmill.models import ModelConfig, component_source, read_component_config
 from latentmill.recipe import Recipe
 
@@ -254,8 +254,7 @@ def check_recipe(recipe: Recipe, command: str) -> None:
     (``prep``, ``train``, ``run`` or ``demo``); ConfigError or FileNotFoundError naming the key."""
     if is_url(recipe.output_dir):  # an object store: reachable, its bucket there, before anything else
         if command != "prep":
-            raise ConfigError(f"output_dir: {recipe.output_dir}: an output_dir on an object store works for "
-                              "`latentmill prep` so far; train from a local output_dir (docs/object-stores.md)")
+            refuse_store(recipe.output_dir, "training")
         check_store(recipe.output_dir)
     model = recipe.model
     check_model_ref("model.pretrained", model.pretrained, model.tiny_recipe, pipeline=True)

@@ -136,3 +136,12 @@ def test_push_then_pull_copies_the_shared_files_and_skips_what_is_there(s3_bucke
     fs = fsspec.filesystem("s3")
     assert json.loads(fs.cat_file(f"{s3_bucket}/out/prep/cache/manifest.json")) == {"m": 2}
     assert not fs.exists(f"{s3_bucket}/out/prep/catalog.sqlite")
+
+
+def test_training_on_a_store_is_refused_before_any_work(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    assert main(["run", str(DEMO_CONFIG), "output_dir=s3://bucket/out"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == ("latentmill: error: output_dir: s3://bucket/out: training on an object store is not supported "
+                   "yet (only `latentmill prep` is); use a local output_dir (docs/object-stores.md)")
+    assert os.listdir(tmp_path) == []
