@@ -27,6 +27,7 @@ from typing import Any, Iterator, Literal
 
 from latentmill.pipelines.retention import LOCK_FILE, OutputBusyError, holder_kind, holder_line
 from latentmill.pipelines.snapshot import LATEST
+from latentmill.stages.catalog import DETAIL_KEY
 
 from latentmill.core.config import ConfigError
 from latentmill.core.store import join, store_fs, work_dir_for
@@ -35,6 +36,7 @@ LOCAL_SUFFIXES = (".sqlite", ".sqlite-wal", ".sqlite-shm", ".sqlite-journal", ".
 LOCAL_NAMES = {"last-run.json"}  # the unchanged check's memory: stat signatures of this machine's files
 LEASE_S = 60.0  # a writer lease: renewed every third of it; a holder silent for this long is taken to be dead
 PULLING = ".pull.tmp"  # suffix of a file being downloaded: renamed into place once whole
+PUBLISH_EVERY_S = 10.0  # how often a running prep publishes the units it committed
 
 
 def shared(rel: str) -> bool:
@@ -146,6 +148,68 @@ def push(work: Path, url: str, lease: "StoreLease | None" = None) -> dict[str, A
         uploaded += len(names)
         size += sum((work / rel).stat().st_size for rel in names)
     return {"uploaded": uploaded, "bytes": size}
+
+
+def unit_parts(stage_root: Path, record: dict[str, Any]) -> list[Path]:
+    """The files a committed unit record names: each shard's tar and index, its detail file."""
+    parts = []
+    for shard in record.get("shards") or []:
+        tar = stage_root / shard["path"]
+        parts.append(tar)
+        if shard.get("index"):
+            parts.append(tar.with_name(shard["index"]["name"]))
+    detail = (record.get("extra") or {}).get(DETAIL_KEY)
+    if detail:
+        parts.append(stage_root / detail)
+    return parts
+
+
+class UnitPublisher:
+    """Publishes each unit the prep commits in the work folder while the prep runs: its parts, then its
+    record, every ``every_s`` seconds in a thread and once more when stopped (a prep that fails or is
+    stopped leaves its finished units on the store, where another machine's prep reuses them)."""
+
+    def __init__(self, work: Path, url: str, every_s: float = PUBLISH_EVERY_S):
+        self.work, self.url, self.every_s = work, url, every_s
+        self.fs, self.root = store_fs(url)
+        self.known = {rel for rel in _listing(self.fs, self.root) if phase(rel) == 1}  # records on the store
+        self.published = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="latentmill-publish", daemon=True)
+
+    def publish(self) -> int:
+        """Upload the parts, then the records, of the committed units not published yet; how many units."""
+        records, parts = [], []
+        for stage_root in sorted((self.work / "prep").glob("*/units")):
+            for path in sorted(stage_root.glob("*.json")):
+                rel = path.relative_to(self.work).as_posix()
+                if rel in self.known:
+                    continue
+                try:
+                    record = json.loads(path.read_text())
+                except (OSError, ValueError):  # written atomically: a record that does not read is not ours
+                    continue
+                records.append(rel)
+                parts += [p.relative_to(self.work).as_posix() for p in unit_parts(stage_root.parent, record)]
+        for names in (parts, records):
+            if names:
+                self.fs.put([str(self.work / rel) for rel in names], [join(self.root, rel) for rel in names])
+        self.known.update(records)
+        self.published += len(records)
+        return len(records)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.every_s):
+            self.publish()
+
+    def __enter__(self) -> "UnitPublisher":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.publish()
 
 
 def published_path(url: str, work: Path, path: str) -> str:

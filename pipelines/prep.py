@@ -474,14 +474,16 @@ def run_prep(recipe: Recipe) -> dict[str, Any]:
 
 def run_prep_on_store(recipe: Recipe) -> dict[str, Any]:
     """``run_prep`` of an ``output_dir`` on an object store (``latentmill.pipelines.objectstore``): under the
-    store's writer lease, pull what the store holds into the local work folder, run the prep there, publish
-    the work folder back (parts, records, manifests, the snapshot, ``LATEST`` last). The summary's
+    store's writer lease, pull what the store holds into the local work folder, run the prep there while
+    publishing each unit it commits (parts, then record), then the rest (manifests, the snapshot, ``LATEST``
+    last). The summary's
     ``store`` says what moved; its snapshot path is the store's."""
     url = recipe.output_dir.rstrip("/")
     with objectstore.store_lease(url, "prep", on_busy=recipe.prep.on_busy) as lease:
         pulled = objectstore.pull(url)
         work = Path(pulled["work_dir"])
-        result = run_prep(recipe_from_dict({**recipe.to_dict(), "output_dir": str(work)}))
+        with objectstore.UnitPublisher(work, url):  # each committed unit, while the prep runs
+            result = run_prep(recipe_from_dict({**recipe.to_dict(), "output_dir": str(work)}))
         pushed = objectstore.push(work, url, lease)
     result["snapshot"]["path"] = objectstore.published_path(url, work, result["snapshot"]["path"])
     result["store"] = {"url": url, "work_dir": str(work), "downloaded": pulled["downloaded"],

@@ -145,3 +145,27 @@ def test_training_on_a_store_is_refused_before_any_work(tmp_path, monkeypatch, c
     assert err == ("latentmill: error: output_dir: s3://bucket/out: training on an object store is not supported "
                    "yet (only `latentmill prep` is); use a local output_dir (docs/object-stores.md)")
     assert os.listdir(tmp_path) == []
+
+
+def test_a_running_prep_publishes_each_committed_unit_parts_first(s3_bucket, tmp_path):
+    url = f"s3://{s3_bucket}/out"
+    work = tmp_path / "w"
+    stage = work / "prep" / "cache"
+    (stage / "shards").mkdir(parents=True)
+    (stage / "units").mkdir()
+    (stage / "shards" / "cache-01-0.tar").write_bytes(b"tar")
+    (stage / "shards" / "cache-01-0.idx").write_bytes(b"idx")
+    (stage / "shards" / "cache-01-detail.json").write_bytes(b"{}")
+    (stage / "shards" / "cache-02-0.tar.tmp").write_bytes(b"a unit being written")
+    record = {"shards": [{"path": "shards/cache-01-0.tar", "index": {"name": "cache-01-0.idx"}}],
+              "extra": {"detail": "shards/cache-01-detail.json"}}
+    (stage / "units" / "01.json").write_text(json.dumps(record))
+    fs = fsspec.filesystem("s3")
+    with objectstore.UnitPublisher(work, url, every_s=3600) as publisher:
+        assert publisher.publish() == 1 and publisher.publish() == 0  # published once
+    assert sorted(fs.find(f"{s3_bucket}/out")) == [f"{s3_bucket}/out/prep/cache/{rel}" for rel in (
+        "shards/cache-01-0.idx", "shards/cache-01-0.tar", "shards/cache-01-detail.json", "units/01.json")]
+    (stage / "units" / "02.json").write_text(json.dumps({"shards": []}))
+    with objectstore.UnitPublisher(work, url, every_s=3600) as publisher:  # knows 01 from the store
+        pass
+    assert publisher.published == 1 and fs.exists(f"{s3_bucket}/out/prep/cache/units/02.json")
