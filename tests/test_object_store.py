@@ -74,24 +74,30 @@ def test_one_writer_holds_the_lease_and_a_second_is_refused_naming_it(s3_bucket,
 def test_a_lease_is_renewed_while_held_and_taken_over_once_its_holder_stops(s3_bucket, capsys):
     url = f"s3://{s3_bucket}/out"
     with objectstore.store_lease(url, "prep", lease_s=1.5) as held:
-        first = held.etag
-        time.sleep(2.5)  # past one lease: only the renewals keep it
-        assert held.etag != first
-        with pytest.raises(OutputBusyError):
-            objectstore.check_not_busy(url)
-    dead = objectstore.StoreLease(url, "prep", lease_s=0.5)  # taken, never renewed: its process died
-    assert dead.try_acquire() is None
-    assert objectstore.StoreLease(url, "gc").try_acquire() is not None  # still live
-    time.sleep(0.8)
-    taker = objectstore.StoreLease(url, "prep", lease_s=30)
+        first_etag, first = held.etag, held.read()[0]["expires"]
+        deadline = time.monotonic() + 60
+        while held.etag == first_etag and time.monotonic() < deadline:  # renewed every lease_s / 3
+            time.sleep(0.1)
+        assert held.read()[0]["expires"] > first and held.lost is None
+        # another writer overwrites it (a clock far ahead saw it expired): the next renewal fails, and this
+        # writer publishes no snapshot
+        other = "PID 1 on elsewhere: prep since 2026-12-02T00:00:00Z"
+        fsspec.filesystem("s3").pipe_file(held.path, json.dumps({"holder": other, "expires": time.time() + 60}).encode())
+        while held.lost is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert held.lost.endswith(f"now held by {other}")
+        with pytest.raises(objectstore.LostLease, match="nothing more was published by this writer"):
+            held.check()
+    assert held.read()[0]["holder"] == other  # not released by the writer that lost it
+    assert objectstore.StoreLease(url, "gc").try_acquire() == other  # live until its lease runs out
+    before = held.read()[1]
+    fsspec.filesystem("s3").pipe_file(held.path, json.dumps({"holder": other, "expires": time.time() - 1}).encode())
+    taker = objectstore.StoreLease(url, "prep", lease_s=30)  # ... which it now has: its holder died
     assert taker.try_acquire() is None
-    assert "taking over the writer lease of " + url in capsys.readouterr().out
-    # the dead holder, come back, cannot renew: it lost the lease and must not publish
-    with pytest.raises(OSError):
-        dead._write(time.time() + 30, dead.etag)
-    dead.lost = "the writer lease was lost"
-    with pytest.raises(objectstore.LostLease, match="nothing more was published"):
-        dead.check()
+    assert f"taking over the writer lease of {url} left by {other} (its lease ran out)" in capsys.readouterr().out
+    assert taker.read()[0]["holder"].startswith(f"PID {os.getpid()} on ")
+    with pytest.raises(OSError):  # a write conditional on an older version fails
+        taker._write(time.time() + 30, before)
 
 
 def test_a_lease_refuses_a_store_without_conditional_writes():
