@@ -150,18 +150,23 @@ def push(work: Path, url: str, lease: "StoreLease | None" = None) -> dict[str, A
     return {"uploaded": uploaded, "bytes": size}
 
 
-def unit_parts(stage_root: Path, record: dict[str, Any]) -> list[Path]:
-    """The files a committed unit record names: each shard's tar and index, its detail file."""
-    parts = []
+def unit_parts(stage_root: Path, record: dict[str, Any], shard_names: list[str]) -> list[Path]:
+    """The files of a committed unit: those its record names (each shard's tar and index, its detail file),
+    and every other file it wrote beside them, named ``<stage>-<unit id[:16]>...`` (curate's Parquet scores,
+    its embeddings). ``shard_names``: the names in the stage's ``shards/`` folder."""
+    parts = set()
     for shard in record.get("shards") or []:
         tar = stage_root / shard["path"]
-        parts.append(tar)
+        parts.add(tar)
         if shard.get("index"):
-            parts.append(tar.with_name(shard["index"]["name"]))
+            parts.add(tar.with_name(shard["index"]["name"]))
     detail = (record.get("extra") or {}).get(DETAIL_KEY)
     if detail:
-        parts.append(stage_root / detail)
-    return parts
+        parts.add(stage_root / detail)
+    prefix = f"{record['stage']}-{record['unit_id'][:16]}"
+    parts.update(stage_root / "shards" / name for name in shard_names
+                 if name.startswith(prefix) and not name.endswith(LOCAL_SUFFIXES))
+    return sorted(parts)
 
 
 class UnitPublisher:
@@ -180,17 +185,20 @@ class UnitPublisher:
     def publish(self) -> int:
         """Upload the parts, then the records, of the committed units not published yet; how many units."""
         records, parts = [], []
-        for stage_root in sorted((self.work / "prep").glob("*/units")):
-            for path in sorted(stage_root.glob("*.json")):
-                rel = path.relative_to(self.work).as_posix()
-                if rel in self.known:
-                    continue
+        for units in sorted((self.work / "prep").glob("*/units")):
+            new = [path for path in sorted(units.glob("*.json"))
+                   if path.relative_to(self.work).as_posix() not in self.known]
+            if not new:
+                continue
+            # listed after the records: a record is written after every file of its unit
+            shard_names = sorted(os.listdir(units.parent / "shards")) if (units.parent / "shards").is_dir() else []
+            for path in new:
                 try:
                     record = json.loads(path.read_text())
                 except (OSError, ValueError):  # written atomically: a record that does not read is not ours
                     continue
-                records.append(rel)
-                parts += [p.relative_to(self.work).as_posix() for p in unit_parts(stage_root.parent, record)]
+                records.append(path.relative_to(self.work).as_posix())
+                parts += [p.relative_to(self.work).as_posix() for p in unit_parts(units.parent, record, shard_names)]
         for names in (parts, records):
             if names:
                 self.fs.put([str(self.work / rel) for rel in names], [join(self.root, rel) for rel in names])

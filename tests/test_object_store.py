@@ -162,16 +162,20 @@ def test_a_running_prep_publishes_each_committed_unit_parts_first(s3_bucket, tmp
     (stage / "shards" / "cache-01-0.tar").write_bytes(b"tar")
     (stage / "shards" / "cache-01-0.idx").write_bytes(b"idx")
     (stage / "shards" / "cache-01-detail.json").write_bytes(b"{}")
+    (stage / "shards" / "cache-01-scores.parquet").write_bytes(b"a file of the unit its record does not name")
     (stage / "shards" / "cache-02-0.tar.tmp").write_bytes(b"a unit being written")
-    record = {"shards": [{"path": "shards/cache-01-0.tar", "index": {"name": "cache-01-0.idx"}}],
-              "extra": {"detail": "shards/cache-01-detail.json"}}
+    (stage / "shards" / "cache-02-detail.json").write_bytes(b"{}")
+    record = {"stage": "cache", "unit_id": "01", "extra": {"detail": "shards/cache-01-detail.json"},
+              "shards": [{"path": "shards/cache-01-0.tar", "index": {"name": "cache-01-0.idx"}}]}
     (stage / "units" / "01.json").write_text(json.dumps(record))
     fs = fsspec.filesystem("s3")
     with objectstore.UnitPublisher(work, url, every_s=3600) as publisher:
         assert publisher.publish() == 1 and publisher.publish() == 0  # published once
     assert sorted(fs.find(f"{s3_bucket}/out")) == [f"{s3_bucket}/out/prep/cache/{rel}" for rel in (
-        "shards/cache-01-0.idx", "shards/cache-01-0.tar", "shards/cache-01-detail.json", "units/01.json")]
-    (stage / "units" / "02.json").write_text(json.dumps({"shards": []}))
+        "shards/cache-01-0.idx", "shards/cache-01-0.tar", "shards/cache-01-detail.json",
+        "shards/cache-01-scores.parquet", "units/01.json")]
+    (stage / "units" / "02.json").write_text(json.dumps({"stage": "cache", "unit_id": "02", "shards": []}))
     with objectstore.UnitPublisher(work, url, every_s=3600) as publisher:  # knows 01 from the store
         pass
     assert publisher.published == 1 and fs.exists(f"{s3_bucket}/out/prep/cache/units/02.json")
+    assert fs.exists(f"{s3_bucket}/out/prep/cache/shards/cache-02-detail.json")

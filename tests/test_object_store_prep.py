@@ -13,8 +13,7 @@ import fsspec
 import pytest
 
 from latentmill.cli import main
-
-from .conftest import S3_SECRET
+from tests.conftest import S3_SECRET
 
 REPO = Path(__file__).resolve().parents[1]
 DEMO_CONFIG = REPO / "configs" / "demo.yaml"
@@ -138,3 +137,57 @@ def test_a_second_prep_on_a_held_output_is_refused_in_one_line(s3_bucket, tiny_f
                                                          f"(PID {os.getpid()} on "), err
     assert err.endswith("set prep.on_busy=wait to queue behind it")
     assert fs.find(s3_bucket) == [f"{s3_bucket}/out/.writer.lock"]  # nothing else written
+
+
+def _shards(fs, root: str) -> dict[str, list[tuple[str, str]]]:
+    """Each stage's shards (name, sha256) from its manifest on the store."""
+    return {stage: [(x["name"], x["sha256"]) for x in json.loads(fs.cat_file(f"{root}/prep/{stage}/manifest.json"))
+                    ["shards"]] for stage in STAGES}
+
+
+@pytest.mark.heavy
+def test_a_prep_killed_midway_leaves_whole_units_that_another_machine_reuses_to_the_same_bytes(
+        s3_bucket, tiny_flux, tmp_path, monkeypatch):
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    fs = fsspec.filesystem("s3")
+    source = _upload_inputs(fs, s3_bucket)
+    clean = _prep(f"s3://{s3_bucket}/clean", source, tiny_flux, tmp_path / "clean.json")
+
+    url = f"s3://{s3_bucket}/out"
+    log = tmp_path / "killed.log"
+    killed = subprocess.Popen([sys.executable, "-m", "latentmill.cli", "prep", str(DEMO_CONFIG), f"output_dir={url}",
+                               f"model.pretrained={tiny_flux}", f"ingest.source={source}"],
+                              env={**os.environ, "PYTHONPATH": str(REPO)}, stdout=open(log, "w"),
+                              stderr=subprocess.STDOUT, cwd=REPO, start_new_session=True)
+    deadline = time.monotonic() + 600
+    while not fs.glob(f"{s3_bucket}/out/prep/*/units/*.json"):  # the first units it published while running
+        assert killed.poll() is None and time.monotonic() < deadline, log.read_text()
+        time.sleep(0.2)
+        fs.invalidate_cache()
+    os.killpg(killed.pid, signal.SIGKILL)
+    killed.wait(timeout=30)
+    fs.invalidate_cache()
+    assert not fs.exists(f"{s3_bucket}/out/snapshots/LATEST"), "the prep ended before it was killed"
+    # every record on the store has its parts there (parts first, then the record)
+    records = fs.glob(f"{s3_bucket}/out/prep/*/units/*.json")
+    for record in records:
+        stage_root = record.rsplit("/units/", 1)[0]
+        for shard in json.loads(fs.cat_file(record))["shards"]:
+            data = fs.cat_file(f"{stage_root}/{shard['path']}")
+            assert hashlib.sha256(data).hexdigest() == shard["sha256"]
+    # its lease ran out (60 s: written so here rather than waited for); another machine takes over
+    lock = f"{s3_bucket}/out/.writer.lock"
+    holder = json.loads(fs.cat_file(lock))["holder"]
+    assert holder.startswith(f"PID {killed.pid} on ")
+    fs.pipe_file(lock, json.dumps({"holder": holder, "expires": time.time() - 1}).encode())
+    monkeypatch.setenv("LATENTMILL_WORK_DIR", str(tmp_path / "another-machine"))
+    again = _prep(url, source, tiny_flux, tmp_path / "again.json")
+    reused = sum(again["stages"][s]["reused"] for s in STAGES)
+    assert 0 < reused and sum(again["stages"][s]["processed"] for s in STAGES) > 0
+    assert again["store"]["downloaded"] >= 2 * len(records)  # records and their parts
+    assert _shards(fs, f"{s3_bucket}/out") == _shards(fs, f"{s3_bucket}/clean")  # the same bytes as a clean run
+    assert again["snapshot"]["name"] == clean["snapshot"]["name"]
