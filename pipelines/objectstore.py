@@ -208,7 +208,10 @@ class UnitPublisher:
 
     def _run(self) -> None:
         while not self._stop.wait(self.every_s):
-            self.publish()
+            try:
+                self.publish()
+            except Exception:  # a store that failed a request: the next round, or the last one, tries again
+                continue
 
     def __enter__(self) -> "UnitPublisher":
         self._thread.start()

@@ -146,7 +146,7 @@ def _shards(fs, root: str) -> dict[str, list[tuple[str, str]]]:
 
 
 @pytest.mark.heavy
-def test_a_prep_killed_midway_leaves_whole_units_that_another_machine_reuses_to_the_same_bytes(
+def test_a_prep_killed_midway_leaves_whole_units_that_another_machine_reuses_then_a_refresh(
         s3_bucket, tiny_flux, tmp_path, monkeypatch):
     import signal
     import subprocess
@@ -191,3 +191,24 @@ def test_a_prep_killed_midway_leaves_whole_units_that_another_machine_reuses_to_
     assert again["store"]["downloaded"] >= 2 * len(records)  # records and their parts
     assert _shards(fs, f"{s3_bucket}/out") == _shards(fs, f"{s3_bucket}/clean")  # the same bytes as a clean run
     assert again["snapshot"]["name"] == clean["snapshot"]["name"]
+
+    # A refresh through the store: two new inputs cost their own work, every old unit is reused
+    import io
+
+    import numpy as np
+    from PIL import Image
+
+    rows = fs.cat_file(source.removeprefix("s3://")).decode()
+    for n in range(2):
+        pixels = np.random.default_rng(n).integers(40, 200, (96, 128, 3), dtype=np.uint8)
+        buffer = io.BytesIO()
+        Image.fromarray(pixels).save(buffer, format="PNG")
+        fs.pipe_file(f"{s3_bucket}/inputs/new_{n}.png", buffer.getvalue())
+        rows += json.dumps({"path": f"new_{n}.png", "caption": f"a new picture {n}"}) + "\n"
+    fs.pipe_file(source.removeprefix("s3://"), rows.encode())
+    refreshed = _prep(url, source, tiny_flux, tmp_path / "refreshed.json")
+    ingest, cache = refreshed["stages"]["ingest"], refreshed["stages"]["cache"]
+    assert (ingest["in"], ingest["processed"], ingest["reused"]) == (30, 2, 28)
+    assert (cache["in"], cache["out"], cache["processed"]) == (26, 26, 2)
+    assert refreshed["snapshot"]["new"] and refreshed["store"]["downloaded"] == 0
+    assert fs.cat_file(f"{s3_bucket}/out/snapshots/LATEST").decode().strip() == refreshed["snapshot"]["name"]
