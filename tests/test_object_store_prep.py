@@ -21,12 +21,11 @@ DEMO_IMAGES = REPO / "data" / "demo" / "images"
 STAGES = ["ingest", "caption", "curate", "bucket", "cache"]
 
 
-def _upload_inputs(fs, bucket: str) -> str:
-    """The demo images and a JSON-lines manifest of them (path, caption from the sidecar) on the store."""
+def _upload_inputs(fs, bucket: str, count: int | None = None) -> str:
+    """The demo images (the first ``count``) and a JSON-lines manifest of them (path, caption from the
+    sidecar) on the store."""
     rows = []
-    for image in sorted(DEMO_IMAGES.iterdir()):
-        if image.suffix == ".txt":
-            continue
+    for image in sorted(p for p in DEMO_IMAGES.iterdir() if p.suffix != ".txt")[:count]:
         fs.pipe_file(f"{bucket}/inputs/{image.name}", image.read_bytes())
         caption = image.with_suffix(".txt")
         rows.append({"path": image.name, **({"caption": caption.read_text().strip()} if caption.is_file() else {})})
@@ -212,3 +211,27 @@ def test_a_prep_killed_midway_leaves_whole_units_that_another_machine_reuses_the
     assert (cache["in"], cache["out"], cache["processed"]) == (26, 26, 2)
     assert refreshed["snapshot"]["new"] and refreshed["store"]["downloaded"] == 0
     assert fs.cat_file(f"{s3_bucket}/out/snapshots/LATEST").decode().strip() == refreshed["snapshot"]["name"]
+
+
+@pytest.mark.heavy
+def test_two_preps_started_together_on_one_store_output_take_turns(s3_bucket, tiny_flux, tmp_path):
+    import subprocess
+    import sys
+
+    fs = fsspec.filesystem("s3")
+    source = _upload_inputs(fs, s3_bucket, 8)
+    url = f"s3://{s3_bucket}/out"
+    logs = [tmp_path / "a.log", tmp_path / "b.log"]
+    procs = [subprocess.Popen([sys.executable, "-m", "latentmill.cli", "prep", str(DEMO_CONFIG), f"output_dir={url}",
+                               f"model.pretrained={tiny_flux}", f"ingest.source={source}"],
+                              env={**os.environ, "PYTHONPATH": str(REPO)}, stdout=open(log, "w"),
+                              stderr=subprocess.STDOUT, cwd=REPO) for log in logs]
+    codes = [p.wait(timeout=600) for p in procs]
+    texts = [log.read_text() for log in logs]
+    assert codes == [0, 0], texts
+    assert sum(f"prep: waiting for a prep writing to {url} (held by PID " in t for t in texts) == 1, texts
+    fs.invalidate_cache()
+    assert len(fs.ls(f"{s3_bucket}/out/snapshots")) == 2  # one snapshot and LATEST
+    name = fs.cat_file(f"{s3_bucket}/out/snapshots/LATEST").decode().strip()
+    assert all(f"snapshot: {name}" in t for t in texts)
+    assert main(["verify", url]) == 0
