@@ -101,12 +101,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--gpu-memory", type=float, default=80.0, help="GiB per GPU for the fits check (default 80)")
     p.add_argument("--json", type=Path, help="write the plan here as JSON")
     p = sub.add_parser("gc", help="remove snapshots, unit records and shards no kept or pinned snapshot uses")
-    p.add_argument("output", type=Path, help="an output_dir")
+    p.add_argument("output", help="an output_dir (a folder or an object-store URL)")
     p.add_argument("--keep", type=int, required=True, help="keep the newest N snapshots (and pinned ones)")
     p.add_argument("--dry-run", action="store_true", help="report what would be freed; delete nothing")
     p.add_argument("--json", type=Path, help="write the report here as JSON")
     p = sub.add_parser("compact", help="merge the cache's small shards into full-size ones (nothing re-encoded)")
-    p.add_argument("output", type=Path, help="an output_dir")
+    p.add_argument("output", help="an output_dir")
     p.add_argument("--small-below", type=float, default=0.5,
                    help="a unit is small under this fraction of cache.shard_bytes (default 0.5)")
     p.add_argument("--dry-run", action="store_true", help="report what would be merged; write nothing")
@@ -114,7 +114,7 @@ def _parser() -> argparse.ArgumentParser:
     for name, text in [("pin", "keep a snapshot through every gc (no SNAPSHOT: list the pins)"),
                        ("unpin", "let gc remove a snapshot again")]:
         p = sub.add_parser(name, help=text)
-        p.add_argument("output", type=Path, help="an output_dir")
+        p.add_argument("output", help="an output_dir")
         p.add_argument("snapshot", nargs="?" if name == "pin" else None, help="a snapshot name, or latest")
     p = sub.add_parser("doctor", help="check this machine for a run: torch/CUDA/driver, GPUs, disk, decoders, APIs")
     p.add_argument("config", nargs="?", help="a recipe: also check disk and volume at its output_dir")
@@ -293,8 +293,24 @@ def _retention_command(args: argparse.Namespace) -> int:
     """``compact``, ``gc``, ``pin`` and ``unpin`` (``latentmill.pipelines.retention``, ``.compaction``): no
     Prefect, no models."""
     from latentmill.core.config import ConfigError
+    from latentmill.core.store import check_store, is_url, refuse_store
     from latentmill.pipelines import retention
 
+    if args.command == "gc" and is_url(args.output):  # an output on an object store
+        from latentmill.pipelines import objectstore
+
+        if args.keep < 1:
+            raise ConfigError(f"--keep: must be >= 1 (the newest snapshot is always kept), got {args.keep}")
+        check_store(args.output)
+        report = objectstore.gc_store(args.output, args.keep, dry_run=args.dry_run)
+        print(retention.format_report(report))
+        print(f"deleted {report['store']['deleted']} objects from {args.output}")
+        if args.json:
+            args.json.parent.mkdir(parents=True, exist_ok=True)
+            args.json.write_text(json.dumps(report, indent=2, default=str))
+        return 0
+    refuse_store(str(args.output), args.command)
+    args.output = Path(args.output)
     if not args.output.is_dir():
         raise FileNotFoundError(f"{args.output} does not exist")
     if args.command == "compact":

@@ -28,6 +28,7 @@ from typing import Any, Iterator, Literal
 from latentmill.pipelines.retention import LOCK_FILE, OutputBusyError, holder_kind, holder_line
 from latentmill.pipelines.snapshot import LATEST
 from latentmill.stages.catalog import DETAIL_KEY
+from latentmill.stages.killpoint import KillPoint
 
 from latentmill.core.config import ConfigError
 from latentmill.core.store import join, store_fs, work_dir_for
@@ -37,6 +38,7 @@ LOCAL_NAMES = {"last-run.json"}  # the unchanged check's memory: stat signatures
 LEASE_S = 60.0  # a writer lease: renewed every third of it; a holder silent for this long is taken to be dead
 PULLING = ".pull.tmp"  # suffix of a file being downloaded: renamed into place once whole
 PUBLISH_EVERY_S = 10.0  # how often a running prep publishes the units it committed
+PAUSE_ENV = "LATENTMILL_PUBLISH_PAUSE_AFTER"  # tests: pause after this many publishing rounds, for a kill
 
 
 def shared(rel: str) -> bool:
@@ -100,6 +102,11 @@ def _local_files(work: Path) -> Iterator[str]:
             yield Path(os.path.relpath(os.path.join(folder, name), work)).as_posix()
 
 
+def local_files(work: Path) -> list[str]:
+    """The work folder's files that belong on the store (``/`` paths relative to it)."""
+    return [rel for rel in _local_files(work) if shared(rel)]
+
+
 def pull(url: str, work: Path | None = None, tars: bool = True) -> dict[str, Any]:
     """Download what the work folder of ``url`` lacks or holds differently (``tars=False``: everything but the
     shards' tars, for reading manifests and records); ``{"work_dir", "downloaded", "bytes"}``."""
@@ -132,9 +139,7 @@ def push(work: Path, url: str, lease: "StoreLease | None" = None) -> dict[str, A
     fs, root = store_fs(url)
     listing = _listing(fs, root)
     todo: dict[int, list[str]] = {}
-    for rel in _local_files(work):
-        if not shared(rel):
-            continue
+    for rel in local_files(work):
         info = listing.get(rel)
         if info is not None and _same(work / rel, info, rel):
             continue
@@ -179,6 +184,7 @@ class UnitPublisher:
         self.fs, self.root = store_fs(url)
         self.known = {rel for rel in _listing(self.fs, self.root) if phase(rel) == 1}  # records on the store
         self.published = 0
+        self._pause = KillPoint(PAUSE_ENV, "publish", "rounds")  # tests: stop here for a SIGKILL
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="latentmill-publish", daemon=True)
 
@@ -204,6 +210,8 @@ class UnitPublisher:
                 self.fs.put([str(self.work / rel) for rel in names], [join(self.root, rel) for rel in names])
         self.known.update(records)
         self.published += len(records)
+        if records:
+            self._pause.step()
         return len(records)
 
     def _run(self) -> None:
@@ -357,6 +365,34 @@ def check_not_busy(url: str) -> None:
     found = StoreLease(url, "probe").read()
     if found is not None and float(found[0].get("expires") or 0) > time.time():
         raise OutputBusyError(busy_message(url, str(found[0].get("holder") or "?")))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# gc on a store
+# ---------------------------------------------------------------------------------------------------------
+
+
+def gc_store(url: str, keep: int, dry_run: bool = False, on_busy: Literal["wait", "fail"] = "wait") -> dict[str, Any]:
+    """``latentmill gc`` of an output on a store: under the writer lease, pull it, run the local gc in the work
+    folder, then delete from the store what that gc removed, in the reverse of publishing order (snapshot
+    manifests, then unit records, then their parts): a reader never finds a kept snapshot or record without
+    its parts. ``dry_run``: report only (nothing deleted, no lease). The report's ``store.deleted`` counts
+    objects."""
+    from latentmill.pipelines.retention import gc
+
+    if dry_run:
+        work = Path(pull(url)["work_dir"])
+        return {**gc(work, keep, dry_run=True), "store": {"url": url, "deleted": 0}}
+    with store_lease(url, "gc", on_busy=on_busy):
+        work = Path(pull(url)["work_dir"])
+        report = gc(work, keep, on_busy=on_busy)
+        fs, root = store_fs(url)
+        gone = [rel for rel in _listing(fs, root) if shared(rel) and not (work / rel).is_file()]
+        for step in (3, 1, 0, 2):  # LATEST (4) names a kept snapshot: gc never drops it
+            names = [join(root, rel) for rel in gone if phase(rel) == step]
+            if names:
+                fs.rm(names)
+    return {**report, "store": {"url": url, "deleted": len(gone)}}
 
 
 # ---------------------------------------------------------------------------------------------------------

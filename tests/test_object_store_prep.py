@@ -11,6 +11,7 @@ from pathlib import Path
 
 import fsspec
 import pytest
+from latentmill.pipelines import objectstore
 
 from latentmill.cli import main
 from tests.conftest import S3_SECRET
@@ -124,8 +125,6 @@ def test_prep_publishes_to_the_store_and_a_fresh_machine_reuses_every_unit(s3_bu
 
 @pytest.mark.slow
 def test_a_second_prep_on_a_held_output_is_refused_in_one_line(s3_bucket, tiny_flux, capsys):
-    from latentmill.pipelines import objectstore
-
     fs = fsspec.filesystem("s3")
     url = f"s3://{s3_bucket}/out"
     with objectstore.store_lease(url, "prep"):
@@ -145,7 +144,7 @@ def _shards(fs, root: str) -> dict[str, list[tuple[str, str]]]:
 
 
 @pytest.mark.heavy
-def test_a_prep_killed_midway_leaves_whole_units_that_another_machine_reuses_then_a_refresh(
+def test_a_killed_prep_leaves_whole_units_another_machine_reuses_then_a_refresh_and_gc(
         s3_bucket, tiny_flux, tmp_path, monkeypatch):
     import signal
     import subprocess
@@ -160,17 +159,16 @@ def test_a_prep_killed_midway_leaves_whole_units_that_another_machine_reuses_the
     log = tmp_path / "killed.log"
     killed = subprocess.Popen([sys.executable, "-m", "latentmill.cli", "prep", str(DEMO_CONFIG), f"output_dir={url}",
                                f"model.pretrained={tiny_flux}", f"ingest.source={source}"],
-                              env={**os.environ, "PYTHONPATH": str(REPO)}, stdout=open(log, "w"),
-                              stderr=subprocess.STDOUT, cwd=REPO, start_new_session=True)
+                              env={**os.environ, "PYTHONPATH": str(REPO), objectstore.PAUSE_ENV: "1"},
+                              stdout=open(log, "w"), stderr=subprocess.STDOUT, cwd=REPO, start_new_session=True)
     deadline = time.monotonic() + 600
-    while not fs.glob(f"{s3_bucket}/out/prep/*/units/*.json"):  # the first units it published while running
+    while "publish: paused after 1 rounds" not in log.read_text():  # its first units are on the store
         assert killed.poll() is None and time.monotonic() < deadline, log.read_text()
         time.sleep(0.2)
-        fs.invalidate_cache()
     os.killpg(killed.pid, signal.SIGKILL)
     killed.wait(timeout=30)
     fs.invalidate_cache()
-    assert not fs.exists(f"{s3_bucket}/out/snapshots/LATEST"), "the prep ended before it was killed"
+    assert not fs.exists(f"{s3_bucket}/out/snapshots/LATEST")
     # every record on the store has its parts there (parts first, then the record)
     records = fs.glob(f"{s3_bucket}/out/prep/*/units/*.json")
     for record in records:
@@ -185,8 +183,7 @@ def test_a_prep_killed_midway_leaves_whole_units_that_another_machine_reuses_the
     fs.pipe_file(lock, json.dumps({"holder": holder, "expires": time.time() - 1}).encode())
     monkeypatch.setenv("LATENTMILL_WORK_DIR", str(tmp_path / "another-machine"))
     again = _prep(url, source, tiny_flux, tmp_path / "again.json")
-    reused = sum(again["stages"][s]["reused"] for s in STAGES)
-    assert 0 < reused and sum(again["stages"][s]["processed"] for s in STAGES) > 0
+    assert sum(again["stages"][s]["reused"] for s in STAGES) > 0  # the units the killed prep published
     assert again["store"]["downloaded"] >= 2 * len(records)  # records and their parts
     assert _shards(fs, f"{s3_bucket}/out") == _shards(fs, f"{s3_bucket}/clean")  # the same bytes as a clean run
     assert again["snapshot"]["name"] == clean["snapshot"]["name"]
@@ -211,6 +208,17 @@ def test_a_prep_killed_midway_leaves_whole_units_that_another_machine_reuses_the
     assert (cache["in"], cache["out"], cache["processed"]) == (26, 26, 2)
     assert refreshed["snapshot"]["new"] and refreshed["store"]["downloaded"] == 0
     assert fs.cat_file(f"{s3_bucket}/out/snapshots/LATEST").decode().strip() == refreshed["snapshot"]["name"]
+
+    # gc --keep 1 on the store: the older snapshot goes, the newest stays whole; the store holds exactly what
+    # the work folder's gc kept
+    newest = refreshed["snapshot"]["name"]
+    assert main(["gc", url, "--keep", "1"]) == 0
+    fs.invalidate_cache()
+    assert sorted(p.rsplit("/", 1)[-1] for p in fs.ls(f"{s3_bucket}/out/snapshots")) == sorted(["LATEST", newest])
+    assert main(["verify", url]) == 0
+    work = Path(refreshed["store"]["work_dir"])
+    on_store = {p.removeprefix(f"{s3_bucket}/out/") for p in fs.find(f"{s3_bucket}/out")}
+    assert {rel for rel in on_store if objectstore.shared(rel)} == set(objectstore.local_files(work))
 
 
 @pytest.mark.heavy
