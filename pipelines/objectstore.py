@@ -9,6 +9,8 @@ A prep on ``s3://bucket/x`` runs the local code unchanged in a work folder of th
 * :func:`push` publishes the work folder in an order a reader can trust without renames: every shard, index
   and detail file, then the unit records, then the stage manifests and quarantine lists, then the snapshot
   manifests, and ``snapshots/LATEST`` last.
+* :class:`UnitPublisher` publishes each unit the prep commits while it runs (parts, then record).
+* :func:`gc_store`, :func:`verify_store` and :func:`local_view`: ``gc``, ``verify`` and ``inspect`` there.
 * :func:`store_lease` is the writer lock on a store: one object written only if absent (``If-None-Match``),
   renewed while its holder lives (``If-Match`` its ETag), taken over once its lease has run out.
 """

@@ -476,8 +476,7 @@ def run_prep_on_store(recipe: Recipe) -> dict[str, Any]:
     """``run_prep`` of an ``output_dir`` on an object store (``latentmill.pipelines.objectstore``): under the
     store's writer lease, pull what the store holds into the local work folder, run the prep there while
     publishing each unit it commits (parts, then record), then the rest (manifests, the snapshot, ``LATEST``
-    last). The summary's
-    ``store`` says what moved; its snapshot path is the store's."""
+    last). The summary's ``store`` says what moved; its snapshot path is the store's."""
     url = recipe.output_dir.rstrip("/")
     with objectstore.store_lease(url, "prep", on_busy=recipe.prep.on_busy) as lease:
         pulled = objectstore.pull(url)
