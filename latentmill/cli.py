@@ -87,8 +87,8 @@ def _parser() -> argparse.ArgumentParser:
     for name, text in [("inspect", "show a recipe with its defaults, or a snapshot's or stages' report"),
                        ("verify", "re-hash shards against their manifests")]:
         p = sub.add_parser(name, help=text)
-        p.add_argument("path", type=Path, help="a recipe (.yaml, or a shipped name such as demo), an output_dir, "
-                                               "a snapshot or stage folder")
+        p.add_argument("path", help="a recipe (.yaml, or a shipped name such as demo), an output_dir (a folder "
+                                    "or an object-store URL), a snapshot or stage folder")
         if name == "inspect":
             p.add_argument("overrides", nargs="*", help="dotted overrides of a recipe, e.g. trainer.max_steps=200")
             p.add_argument("--plots", type=Path, metavar="OUT",
@@ -101,12 +101,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--gpu-memory", type=float, default=80.0, help="GiB per GPU for the fits check (default 80)")
     p.add_argument("--json", type=Path, help="write the plan here as JSON")
     p = sub.add_parser("gc", help="remove snapshots, unit records and shards no kept or pinned snapshot uses")
-    p.add_argument("output", type=Path, help="an output_dir")
+    p.add_argument("output", help="an output_dir (a folder or an object-store URL)")
     p.add_argument("--keep", type=int, required=True, help="keep the newest N snapshots (and pinned ones)")
     p.add_argument("--dry-run", action="store_true", help="report what would be freed; delete nothing")
     p.add_argument("--json", type=Path, help="write the report here as JSON")
     p = sub.add_parser("compact", help="merge the cache's small shards into full-size ones (nothing re-encoded)")
-    p.add_argument("output", type=Path, help="an output_dir")
+    p.add_argument("output", help="an output_dir")
     p.add_argument("--small-below", type=float, default=0.5,
                    help="a unit is small under this fraction of cache.shard_bytes (default 0.5)")
     p.add_argument("--dry-run", action="store_true", help="report what would be merged; write nothing")
@@ -114,7 +114,7 @@ def _parser() -> argparse.ArgumentParser:
     for name, text in [("pin", "keep a snapshot through every gc (no SNAPSHOT: list the pins)"),
                        ("unpin", "let gc remove a snapshot again")]:
         p = sub.add_parser(name, help=text)
-        p.add_argument("output", type=Path, help="an output_dir")
+        p.add_argument("output", help="an output_dir")
         p.add_argument("snapshot", nargs="?" if name == "pin" else None, help="a snapshot name, or latest")
     p = sub.add_parser("doctor", help="check this machine for a run: torch/CUDA/driver, GPUs, disk, decoders, APIs")
     p.add_argument("config", nargs="?", help="a recipe: also check disk and volume at its output_dir")
@@ -278,9 +278,10 @@ def _run_flow(command: str, config: str | Path, overrides: list[str], recipe: An
         if command != "prep":
             check_launch(recipe, Launch(nproc, nnodes, rdzv_endpoint))
         if command != "train" and recipe.prep.on_busy == "fail":  # fail before Prefect starts, naming the writer
-            from latentmill.pipelines.retention import check_not_busy
+            from latentmill.core.store import is_url
+            from latentmill.pipelines import objectstore, retention
 
-            check_not_busy(recipe.output_dir)
+            (objectstore.check_not_busy if is_url(recipe.output_dir) else retention.check_not_busy)(recipe.output_dir)
         if command == "prep":
             return functools.partial(prep, str(config), overrides)
         if command == "train":
@@ -297,8 +298,24 @@ def _retention_command(args: argparse.Namespace) -> int:
     """``compact``, ``gc``, ``pin`` and ``unpin`` (``latentmill.pipelines.retention``, ``.compaction``): no
     Prefect, no models."""
     from latentmill.core.config import ConfigError
+    from latentmill.core.store import check_store, is_url, refuse_store
     from latentmill.pipelines import retention
 
+    if args.command == "gc" and is_url(args.output):  # an output on an object store
+        from latentmill.pipelines import objectstore
+
+        if args.keep < 1:
+            raise ConfigError(f"--keep: must be >= 1 (the newest snapshot is always kept), got {args.keep}")
+        check_store(args.output)
+        report = objectstore.gc_store(args.output, args.keep, dry_run=args.dry_run)
+        print(retention.format_report(report))
+        print(f"deleted {report['store']['deleted']} objects from {args.output}")
+        if args.json:
+            args.json.parent.mkdir(parents=True, exist_ok=True)
+            args.json.write_text(json.dumps(report, indent=2, default=str))
+        return 0
+    refuse_store(str(args.output), args.command)
+    args.output = Path(args.output)
     if not args.output.is_dir():
         raise FileNotFoundError(f"{args.output} does not exist")
     if args.command == "compact":
@@ -395,6 +412,7 @@ def main(argv: list[str] | None = None) -> int:
     if getattr(args, "summary_json", None):
         args.summary_json = args.summary_json.resolve()
     from latentmill.core.config import ConfigError
+    from latentmill.core.store import StoreError
     from latentmill.interrupt import Interrupted
     from latentmill.models import CacheMismatchError
     from latentmill.pipelines.retention import OutputBusyError
@@ -403,8 +421,17 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         if args.command in ("inspect", "verify"):
+            from latentmill.core.store import check_store, is_url
             from latentmill.inspect import inspect_path, plot_path, verify_path
 
+            if is_url(args.path):  # an output on an object store (latentmill.pipelines.objectstore)
+                from latentmill.pipelines import objectstore
+
+                check_store(args.path)
+                if args.command == "verify":
+                    return objectstore.verify_store(args.path)
+                args.path = objectstore.local_view(args.path)
+            args.path = Path(args.path)
             if args.command == "inspect" and args.plots is not None:
                 return plot_path(args.path, args.plots)
             return inspect_path(args.path, args.overrides) if args.command == "inspect" else verify_path(args.path)
@@ -476,7 +503,7 @@ def main(argv: list[str] | None = None) -> int:
                 summary, out = _run_flow(args.command, args.config, args.overrides, recipe, getattr(args, "nproc", 1),
                                          getattr(args, "nnodes", 1), getattr(args, "rdzv_endpoint", None))
     except (ConfigError, CacheMismatchError, FileNotFoundError, FileExistsError, EmptySnapshotError,
-            MissingExtra) as err:
+            MissingExtra, StoreError) as err:
         if debug:
             traceback.print_exc()
         print(f"latentmill: error: {err}", file=sys.stderr)

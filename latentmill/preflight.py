@@ -24,6 +24,7 @@ import re
 from pathlib import Path
 
 from latentmill.core.config import ConfigError
+from latentmill.core.store import check_store, is_url, refuse_store
 from latentmill.models import ModelConfig, component_source, read_component_config
 from latentmill.recipe import Recipe
 from latentmill.stages.bucket import BucketConfig
@@ -248,6 +249,10 @@ def check_bucket(family: str, bucket: BucketConfig) -> None:
 def check_recipe(recipe: Recipe, command: str) -> None:
     """Everything about ``recipe`` that can be checked before work starts, for ``command``
     (``prep``, ``train``, ``run`` or ``demo``); ConfigError or FileNotFoundError naming the key."""
+    if is_url(recipe.output_dir):  # an object store: reachable, its bucket there, before anything else
+        if command != "prep":
+            refuse_store(recipe.output_dir, "training")
+        check_store(recipe.output_dir)
     model = recipe.model
     check_model_ref("model.pretrained", model.pretrained, model.tiny_recipe, pipeline=True)
     for name in ("vae", "text_encoder", "text_encoder_2"):

@@ -25,6 +25,7 @@ from prefect.cache_policies import NONE
 
 from latentmill import interrupt
 from latentmill.core.config import ConfigError
+from latentmill.core.store import refuse_store
 from latentmill.prefect_env import group_dying_with_parent
 from latentmill.recipe import Recipe, load_recipe, recipe_from_dict
 
@@ -209,6 +210,7 @@ def run_train(recipe: Recipe, launch: Launch = Launch()) -> dict[str, Any]:
     """Train on the recipe's snapshot, in this process or under torchrun, in the run folder
     ``latentmill.pipelines.runs.plan_run`` chooses; a finished run of the same recipe and snapshot is not redone."""
     check_launch(recipe, launch)
+    refuse_store(recipe.output_dir, "training")
     snapshot = resolve_snapshot(recipe.output_dir, recipe.snapshot)  # clear error if prep has not run
     plan = plan_run(recipe, snapshot.name, launch.nproc * launch.nnodes)
     if plan.done is not None:
@@ -240,6 +242,7 @@ def run_prep_then_train(recipe: Recipe, launch: Launch = Launch()) -> dict[str, 
     output_dir's writer lock): the first does the work, the others find it committed.
     """
     check_launch(recipe, launch)
+    refuse_store(recipe.output_dir, "training")  # before the prep, not after it
     prepared = run_prep(recipe)
     release_prep_models()  # the encoders are done: training gets the GPUs whole
     return {**prepared, "train": run_train(recipe, launch)}
@@ -283,6 +286,8 @@ def refresh(config: str = "configs/demo.yaml", overrides: list[str] | None = Non
     train on the snapshot if it is new."""
     recipe = load_recipe(config, overrides)
     check_launch(recipe, Launch(nproc))
+    if train or recipe.retention.keep_snapshots is not None:
+        refuse_store(recipe.output_dir, "training" if train else "retention (gc)")
     prepared = run_prep(recipe)
     result = dict(prepared)
     if recipe.retention.keep_snapshots is not None:

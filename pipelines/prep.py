@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Iterable, NamedTuple
 
-from latentmill.pipelines import unchanged
+from latentmill.pipelines import objectstore, unchanged
 from latentmill.pipelines.report import (
     PLOTS_DIR,
     RunLog,
@@ -42,6 +42,7 @@ from tqdm.auto import tqdm
 
 from latentmill import interrupt
 from latentmill.core.hashing import stable_hash
+from latentmill.core.store import is_url
 from latentmill.recipe import Recipe, RunnerConfig, load_recipe, recipe_from_dict
 
 MAX_UNITS_PER_TASK = 16
@@ -485,6 +486,8 @@ def run_prep(recipe: Recipe) -> dict[str, Any]:
     from latentmill.preflight import check_recipe
 
     check_recipe(recipe, "prep")  # before the lock, the models, the task runner
+    if is_url(recipe.output_dir):
+        return run_prep_on_store(recipe)
     runner_flow = prep_stages.with_options(task_runner=task_runner(recipe.runner))
     # One writer per output_dir: the CLI, a deployment run and the nodes of a multi-node run all pass here.
     with writer_lock(recipe.output_dir, "prep", on_busy=recipe.prep.on_busy):
@@ -494,6 +497,24 @@ def run_prep(recipe: Recipe) -> dict[str, Any]:
         units = result.pop("ingest_units")
         unchanged.remember(recipe, result, unchanged.run_key(base, units), units, source)
         return result
+
+
+def run_prep_on_store(recipe: Recipe) -> dict[str, Any]:
+    """``run_prep`` of an ``output_dir`` on an object store (``latentmill.pipelines.objectstore``): under the
+    store's writer lease, pull what the store holds into the local work folder, run the prep there while
+    publishing each unit it commits (parts, then record), then the rest (manifests, the snapshot, ``LATEST``
+    last). The summary's ``store`` says what moved; its snapshot path is the store's."""
+    url = recipe.output_dir.rstrip("/")
+    with objectstore.store_lease(url, "prep", on_busy=recipe.prep.on_busy) as lease:
+        pulled = objectstore.pull(url)
+        work = Path(pulled["work_dir"])
+        with objectstore.UnitPublisher(work, url):  # each committed unit, while the prep runs
+            result = run_prep(recipe_from_dict({**recipe.to_dict(), "output_dir": str(work)}))
+        pushed = objectstore.push(work, url, lease)
+    result["snapshot"]["path"] = objectstore.published_path(url, work, result["snapshot"]["path"])
+    result["store"] = {"url": url, "work_dir": str(work), "downloaded": pulled["downloaded"],
+                       "uploaded": pushed["uploaded"], "bytes_uploaded": pushed["bytes"]}
+    return result
 
 
 @flow(name="prep")

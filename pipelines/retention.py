@@ -70,18 +70,19 @@ class OutputBusyError(RuntimeError):
 _held = threading.local()  # lock paths this thread holds: a nested writer_lock (prep -> compaction) passes
 
 
-def _holder_line(holder: str) -> str:
+def holder_line(holder: str) -> str:
+    """Who holds a writer lock: process, host, what it runs and since when (no credential, no path)."""
     return (f"PID {os.getpid()} on {socket.gethostname()}: {holder} since "
             f"{time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())}")
 
 
-def _holder_kind(line: str) -> str:
+def holder_kind(line: str) -> str:
     """``prep`` from ``PID 12 on host: prep since ...`` (``writer`` when the line is not ours)."""
     return line.split(": ", 1)[1].split(" ", 1)[0] if ": " in line else "writer"
 
 
 def _busy_message(output_dir: str | Path, line: str, path: Path) -> str:
-    return (f"{output_dir} is busy: a {_holder_kind(line)} is writing it ({line}; lock {path}). Wait for it to "
+    return (f"{output_dir} is busy: a {holder_kind(line)} is writing it ({line}; lock {path}). Wait for it to "
             "finish, or set prep.on_busy=wait to queue behind it")
 
 
@@ -110,7 +111,7 @@ def writer_lock(output_dir: str | Path, holder: str = "prep",
         except BlockingIOError:
             fh.seek(0)
             line = fh.read().strip() or "?"
-            other = _holder_kind(line)
+            other = holder_kind(line)
             if on_busy == "fail":
                 raise OutputBusyError(_busy_message(output_dir, line, path)) from None
             print(f"{holder}: waiting for {'another ' if other == holder else 'a '}{other} writing to "
@@ -123,7 +124,7 @@ def writer_lock(output_dir: str | Path, holder: str = "prep",
                   "gone)", flush=True)
         fh.seek(0)
         fh.truncate()
-        fh.write(_holder_line(holder) + "\n")
+        fh.write(holder_line(holder) + "\n")
         fh.flush()
         held.add(key)
         try:

@@ -29,6 +29,7 @@ from typing import Any, Iterator
 
 from latentmill.core import durable
 from latentmill.core.hashing import stable_hash
+from latentmill.core.store import is_url
 
 LAST_RUN = "last-run.json"  # under <output_dir>/prep/
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")  # "org/name": files this module cannot stat
@@ -190,6 +191,8 @@ def unchanged_summary(recipe: Any) -> dict[str, Any] | None:
     from latentmill.stages import ingest
     from latentmill.stages.shardio import StageDir
 
+    if is_url(recipe.output_dir):  # on a store, the prep itself finds every unit committed
+        return None
     try:
         last = json.loads((Path(recipe.prep_dir) / LAST_RUN).read_text())
         check_not_busy(recipe.output_dir)

@@ -1,0 +1,95 @@
+"""Output folders on an object store: an ``output_dir`` given as an fsspec URL (``s3://bucket/prefix``).
+
+The store is reached through fsspec with no options of ours: credentials, endpoint and region come from the
+environment and fsspec's own configuration (``AWS_ACCESS_KEY_ID``, ``AWS_ENDPOINT_URL``, ``~/.aws``,
+``FSSPEC_S3_*``), so none of them is ever part of a recipe, a manifest or a record. What must be local (the
+SQLite catalog, the input digests, scratch) lives in a work folder on this machine (:func:`work_dir_for`).
+See docs/object-stores.md.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+from latentmill.core.config import ConfigError
+
+CHECK_TIMEOUT_S = 5  # the start-up check's connect timeout: an unreachable endpoint fails in seconds
+
+
+class StoreError(RuntimeError):
+    """An object store that cannot be used (unreachable, missing bucket, refused credentials), in one line."""
+
+
+def is_url(path: Any) -> bool:
+    """Whether ``path`` names an object-store location (``scheme://``) rather than a local folder."""
+    text = str(path)
+    return "://" in text and not text.startswith("file://")
+
+
+def _check_url(url: str) -> None:
+    if urlsplit(url).username is not None or urlsplit(url).password is not None:
+        raise ConfigError("output_dir: the URL holds credentials; give them through the environment (e.g. "
+                          "AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY) or fsspec's configuration, never in a URL")
+
+
+def refuse_store(output_dir: str, what: str) -> None:
+    """Raise a ConfigError naming ``what`` when ``output_dir`` is on a store, where it does not run yet."""
+    if is_url(output_dir):
+        raise ConfigError(f"output_dir: {output_dir}: {what} on an object store is not supported yet (prep, "
+                          "inspect, verify and gc are); use a local output_dir (docs/object-stores.md)")
+
+
+def store_fs(url: str, **options: Any) -> tuple[Any, str]:
+    """The fsspec filesystem of ``url`` and the path inside it (``bucket/prefix``, no trailing slash)."""
+    import fsspec
+
+    _check_url(url)
+    try:
+        fs, root = fsspec.core.url_to_fs(url, **options)
+    except ImportError as err:  # s3fs, gcsfs, adlfs: an extra each
+        scheme = url.split("://", 1)[0]
+        raise ConfigError(f"output_dir: {url} needs the {scheme} filesystem for fsspec ({err}); for S3 "
+                          "install `latentmill[s3]`") from None
+    return fs, root.rstrip("/")
+
+
+def join(root: str, *parts: str) -> str:
+    """``root/part/...`` inside a store (its paths always use ``/``)."""
+    return "/".join([root.rstrip("/"), *[p.strip("/") for p in parts if p]])
+
+
+def check_store(url: str) -> None:
+    """Fail in one line, before any work, when the store behind ``url`` cannot be used: an endpoint that does
+    not answer, a bucket that does not exist, credentials it refuses."""
+    options: dict[str, Any] = {"skip_instance_cache": True}
+    if url.startswith(("s3://", "s3a://")):  # botocore's defaults retry for about 8 s before giving up
+        options["config_kwargs"] = {"connect_timeout": CHECK_TIMEOUT_S, "retries": {"max_attempts": 1}}
+    fs, root = store_fs(url, **options)
+    bucket = root.split("/", 1)[0]
+    try:
+        fs.info(bucket)
+    except FileNotFoundError:
+        raise StoreError(f"output_dir: {url}: the bucket {bucket!r} does not exist on the store; create it "
+                         "first (e.g. `aws s3 mb s3://" + bucket + "`)") from None
+    except PermissionError as err:
+        raise StoreError(f"output_dir: {url}: the store refused access to the bucket {bucket!r} ({err}); check "
+                         "the credentials in the environment (AWS_ACCESS_KEY_ID, ...)") from None
+    except Exception as err:  # botocore's EndpointConnectionError and friends are no OSError
+        endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL") or "the default"
+        raise StoreError(f"output_dir: {url}: cannot reach the store (endpoint {endpoint}): "
+                         f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}; check "
+                         "AWS_ENDPOINT_URL and the network") from None
+
+
+def work_dir_for(url: str) -> Path:
+    """The local work folder of an output on a store: ``$LATENTMILL_WORK_DIR/<hash of url>``, else under
+    ``$XDG_CACHE_HOME/latentmill/work`` (``~/.cache``). Only the URL decides it, so a rerun on this machine
+    finds what it uploaded already."""
+    base = os.environ.get("LATENTMILL_WORK_DIR")
+    if not base:
+        base = str(Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "latentmill" / "work")
+    return Path(base) / hashlib.sha256(url.rstrip("/").encode()).hexdigest()[:16]

@@ -1,0 +1,468 @@
+"""An ``output_dir`` on an object store: the local work folder, publishing to the store, the writer lease.
+
+A prep on ``s3://bucket/x`` runs the local code unchanged in a work folder of this machine
+(``latentmill.core.store.work_dir_for``), between two copies (docs/object-stores.md):
+
+* :func:`pull` brings the store's output into the work folder (what the folder lacks, through temporary names),
+  so the units the store holds are reused; the SQLite catalog and the input digests stay local and are
+  rebuilt from the records.
+* :func:`push` publishes the work folder in an order a reader can trust without renames: every shard, index
+  and detail file, then the unit records, then the stage manifests and quarantine lists, then the snapshot
+  manifests, and ``snapshots/LATEST`` last.
+* :class:`UnitPublisher` publishes each unit the prep commits while it runs (parts, then record).
+* :func:`gc_store`, :func:`verify_store` and :func:`local_view`: ``gc``, ``verify`` and ``inspect`` there.
+* :func:`store_lease` is the writer lock on a store: one object written only if absent (``If-None-Match``),
+  renewed while its holder lives (``If-Match`` its ETag), taken over once its lease has run out.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import posixpath
+import threading
+import time
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Iterator, Literal
+
+from latentmill.pipelines.retention import LOCK_FILE, OutputBusyError, holder_kind, holder_line
+from latentmill.pipelines.snapshot import LATEST
+from latentmill.stages.catalog import DETAIL_KEY
+from latentmill.stages.killpoint import KillPoint
+
+from latentmill.core.config import ConfigError
+from latentmill.core.store import join, store_fs, work_dir_for
+
+LOCAL_SUFFIXES = (".sqlite", ".sqlite-wal", ".sqlite-shm", ".sqlite-journal", ".tmp")  # catalog, digests
+LOCAL_NAMES = {"last-run.json"}  # the unchanged check's memory: stat signatures of this machine's files
+LEASE_S = 60.0  # a writer lease: renewed every third of it; a holder silent for this long is taken to be dead
+PULLING = ".pull.tmp"  # suffix of a file being downloaded: renamed into place once whole
+PUBLISH_EVERY_S = 10.0  # how often a running prep publishes the units it committed
+PAUSE_ENV = "LATENTMILL_PUBLISH_PAUSE_AFTER"  # tests: pause after this many publishing rounds, for a kill
+
+
+def shared(rel: str) -> bool:
+    """Whether the work folder's file ``rel`` (a ``/`` path) belongs on the store: not the local catalog,
+    digest stores, locks, pins, temporaries or training runs."""
+    parts = rel.split("/")
+    name = parts[-1]
+    return (parts[0] in ("prep", "snapshots") and not name.startswith(".") and not name.endswith(LOCAL_SUFFIXES)
+            and name not in LOCAL_NAMES)
+
+
+def phase(rel: str) -> int:
+    """The order in which ``rel`` is published: parts (0), unit records (1), stage manifests and the other
+    prep files (2), snapshot manifests (3), the ``LATEST`` pointer (4)."""
+    parts = rel.split("/")
+    if rel == f"snapshots/{LATEST}":
+        return 4
+    if parts[0] == "snapshots":
+        return 3
+    if len(parts) >= 4 and parts[0] == "prep" and parts[2] == "units":
+        return 1
+    if len(parts) >= 4 and parts[0] == "prep" and parts[2] == "shards":
+        return 0
+    return 2
+
+
+def _md5(path: Path) -> str:
+    digest = hashlib.md5(usedforsecurity=False)
+    with open(path, "rb") as fh:
+        for block in iter(lambda: fh.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _same(local: Path, info: dict[str, Any], rel: str) -> bool:
+    """Whether the local file holds the store object's bytes: by size for shards (content-addressed names),
+    else by the object's ETag, the MD5 of a single-part upload."""
+    size = local.stat().st_size
+    if size != int(info.get("size") or 0):
+        return False
+    etag = str(info.get("ETag") or info.get("etag") or "").strip('"')
+    if phase(rel) == 0 or not etag or "-" in etag:
+        return True
+    return _md5(local) == etag
+
+
+def _listing(fs: Any, root: str) -> dict[str, dict[str, Any]]:
+    """Every object below ``root``, by its ``/`` path relative to it (one listing request per 1,000)."""
+    try:
+        found = fs.find(root, detail=True, refresh=True) if fs.exists(root) else {}
+    except FileNotFoundError:
+        return {}
+    prefix = root.rstrip("/") + "/"
+    return {name[len(prefix):]: info for name, info in found.items() if name.startswith(prefix)}
+
+
+def _local_files(work: Path) -> Iterator[str]:
+    for folder, dirs, files in os.walk(work):
+        dirs.sort()
+        for name in sorted(files):
+            yield Path(os.path.relpath(os.path.join(folder, name), work)).as_posix()
+
+
+def local_files(work: Path) -> list[str]:
+    """The work folder's files that belong on the store (``/`` paths relative to it)."""
+    return [rel for rel in _local_files(work) if shared(rel)]
+
+
+def pull(url: str, work: Path | None = None, tars: bool = True) -> dict[str, Any]:
+    """Download what the work folder of ``url`` lacks or holds differently (``tars=False``: everything but the
+    shards' tars, for reading manifests and records); ``{"work_dir", "downloaded", "bytes"}``."""
+    fs, root = store_fs(url)
+    work = work or work_dir_for(url)
+    work.mkdir(parents=True, exist_ok=True)
+    remote, local, size = [], [], 0
+    for rel, info in sorted(_listing(fs, root).items()):
+        if not shared(rel) or (not tars and rel.endswith(".tar")):
+            continue
+        path = work / rel
+        if path.is_file() and _same(path, info, rel):
+            continue
+        path.parent.mkdir(parents=True, exist_ok=True)
+        remote.append(join(root, rel))
+        local.append(str(path) + PULLING)
+        size += int(info.get("size") or 0)
+    if remote:
+        fs.get(remote, local)
+        for tmp in local:  # whole files only: a killed download leaves a .tmp that nothing reads
+            os.replace(tmp, tmp[: -len(PULLING)])
+    return {"work_dir": str(work), "downloaded": len(remote), "bytes": size}
+
+
+def push(work: Path, url: str, lease: "StoreLease | None" = None) -> dict[str, Any]:
+    """Publish the work folder's shared files that the store lacks or holds differently, phase after phase
+    (:func:`phase`), so a reader never finds a record before its parts or a pointer before its manifest;
+    ``{"uploaded", "bytes"}``. ``lease``: checked before the pointer is written (a writer that lost its lease
+    publishes no snapshot)."""
+    fs, root = store_fs(url)
+    listing = _listing(fs, root)
+    todo: dict[int, list[str]] = {}
+    for rel in local_files(work):
+        info = listing.get(rel)
+        if info is not None and _same(work / rel, info, rel):
+            continue
+        todo.setdefault(phase(rel), []).append(rel)
+    uploaded = size = 0
+    for step in sorted(todo):
+        if step == 4 and lease is not None:
+            lease.check()
+        names = todo[step]
+        fs.put([str(work / rel) for rel in names], [join(root, rel) for rel in names])
+        uploaded += len(names)
+        size += sum((work / rel).stat().st_size for rel in names)
+    return {"uploaded": uploaded, "bytes": size}
+
+
+def unit_parts(stage_root: Path, record: dict[str, Any], shard_names: list[str]) -> list[Path]:
+    """The files of a committed unit: those its record names (each shard's tar and index, its detail file),
+    and every other file it wrote beside them, named ``<stage>-<unit id[:16]>...`` (curate's Parquet scores,
+    its embeddings). ``shard_names``: the names in the stage's ``shards/`` folder."""
+    parts = set()
+    for shard in record.get("shards") or []:
+        tar = stage_root / shard["path"]
+        parts.add(tar)
+        if shard.get("index"):
+            parts.add(tar.with_name(shard["index"]["name"]))
+    detail = (record.get("extra") or {}).get(DETAIL_KEY)
+    if detail:
+        parts.add(stage_root / detail)
+    prefix = f"{record['stage']}-{record['unit_id'][:16]}"
+    parts.update(stage_root / "shards" / name for name in shard_names
+                 if name.startswith(prefix) and not name.endswith(LOCAL_SUFFIXES))
+    return sorted(parts)
+
+
+class UnitPublisher:
+    """Publishes each unit the prep commits in the work folder while the prep runs: its parts, then its
+    record, every ``every_s`` seconds in a thread and once more when stopped (a prep that fails or is
+    stopped leaves its finished units on the store, where another machine's prep reuses them)."""
+
+    def __init__(self, work: Path, url: str, every_s: float = PUBLISH_EVERY_S):
+        self.work, self.url, self.every_s = work, url, every_s
+        self.fs, self.root = store_fs(url)
+        self.known = {rel for rel in _listing(self.fs, self.root) if phase(rel) == 1}  # records on the store
+        self.published = 0
+        self._pause = KillPoint(PAUSE_ENV, "publish", "rounds")  # tests: stop here for a SIGKILL
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="latentmill-publish", daemon=True)
+
+    def publish(self) -> int:
+        """Upload the parts, then the records, of the committed units not published yet; how many units."""
+        records, parts = [], []
+        for units in sorted((self.work / "prep").glob("*/units")):
+            new = [path for path in sorted(units.glob("*.json"))
+                   if path.relative_to(self.work).as_posix() not in self.known]
+            if not new:
+                continue
+            # listed after the records: a record is written after every file of its unit
+            shard_names = sorted(os.listdir(units.parent / "shards")) if (units.parent / "shards").is_dir() else []
+            for path in new:
+                try:
+                    record = json.loads(path.read_text())
+                except (OSError, ValueError):  # written atomically: a record that does not read is not ours
+                    continue
+                records.append(path.relative_to(self.work).as_posix())
+                parts += [p.relative_to(self.work).as_posix() for p in unit_parts(units.parent, record, shard_names)]
+        for names in (parts, records):
+            if names:
+                self.fs.put([str(self.work / rel) for rel in names], [join(self.root, rel) for rel in names])
+        self.known.update(records)
+        self.published += len(records)
+        if records:
+            self._pause.step()
+        return len(records)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.every_s):
+            try:
+                self.publish()
+            except Exception:  # a store that failed a request: the next round, or the last one, tries again
+                continue
+
+    def __enter__(self) -> "UnitPublisher":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.publish()
+
+
+def published_path(url: str, work: Path, path: str) -> str:
+    """``path`` (under the work folder) as the URL of the same object on the store."""
+    rel = os.path.relpath(path, work)
+    return url.rstrip("/") if rel == "." else join(url, Path(rel).as_posix())
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The writer lease
+# ---------------------------------------------------------------------------------------------------------
+
+
+class LostLease(OutputBusyError):
+    """This writer's lease on a store ran out and another writer took it: it must not publish."""
+
+
+class StoreLease:
+    """The writer lock of an output on a store: ``<url>/.writer.lock``, a JSON object naming its holder and
+    when its lease ends. Taken with ``If-None-Match: *`` (or, once a lease ran out, ``If-Match`` the ETag
+    read), renewed and released with ``If-Match`` this holder's ETag: of two writers, one wins each write."""
+
+    def __init__(self, url: str, holder: str, lease_s: float = LEASE_S):
+        if not url.startswith(("s3://", "s3a://")):
+            raise ConfigError(f"output_dir: {url}: the writer lease needs S3's conditional writes "
+                              "(If-None-Match); other stores are not supported yet")
+        self.url, self.holder, self.lease_s = url, holder, lease_s
+        self.fs, root = store_fs(url)
+        self.path = join(root, LOCK_FILE)
+        self.etag: str | None = None
+        self.lost: str | None = None
+        self._stop = threading.Event()
+        self._renewer: threading.Thread | None = None
+
+    def _body(self, expires: float) -> bytes:
+        return json.dumps({"holder": holder_line(self.holder), "expires": expires}).encode()
+
+    def _write(self, expires: float, if_match: str | None) -> str:
+        """One conditional PUT; the new ETag. Raises OSError when the condition does not hold."""
+        extra = {"IfMatch": if_match} if if_match else {}
+        response = self.fs.pipe_file(self.path, self._body(expires), mode="overwrite" if if_match else "create",
+                                     **extra)
+        return str(response["ETag"])
+
+    def read(self) -> tuple[dict[str, Any], str] | None:
+        """The lock object's holder and lease end, and its ETag (read first: a newer body fails the If-Match)."""
+        try:
+            etag = str(self.fs.info(self.path, refresh=True)["ETag"])
+            data = json.loads(self.fs.cat_file(self.path))
+        except FileNotFoundError:
+            return None
+        return data, etag
+
+    def try_acquire(self) -> str | None:
+        """Take the lease if it is free or ran out; None when taken, else the live holder's line."""
+        try:
+            self.etag = self._write(time.time() + self.lease_s, None)
+            return None
+        except FileExistsError:
+            pass
+        found = self.read()
+        if found is None:
+            return self.try_acquire()
+        data, etag = found
+        if float(data.get("expires") or 0) > time.time():
+            return str(data.get("holder") or "?")
+        try:
+            self.etag = self._write(time.time() + self.lease_s, etag)
+        except OSError:  # another writer took it first
+            return self.try_acquire()
+        if data.get("holder"):  # a holder releases by clearing its line: this one stopped renewing
+            print(f"{self.holder}: taking over the writer lease of {self.url} left by {data['holder']} (its "
+                  "lease ran out)", flush=True)
+        return None
+
+    def _renew(self) -> None:
+        while not self._stop.wait(self.lease_s / 3):
+            try:
+                self.etag = self._write(time.time() + self.lease_s, self.etag)
+            except OSError as err:
+                found = self.read()
+                self.lost = (f"the writer lease of {self.url} was lost ({type(err).__name__}); now held by "
+                             f"{found[0].get('holder') if found else 'nobody'}")
+                return
+
+    def check(self) -> None:
+        """Raise :class:`LostLease` if the lease was lost (before publishing a snapshot)."""
+        if self.lost:
+            raise LostLease(self.lost + "; nothing more was published by this writer")
+
+    def start(self) -> None:
+        self._renewer = threading.Thread(target=self._renew, name="latentmill-lease", daemon=True)
+        self._renewer.start()
+
+    def release(self) -> None:
+        self._stop.set()
+        if self._renewer is not None:
+            self._renewer.join()
+        if self.lost is None and self.etag is not None:
+            try:  # an expired, holderless body: the next writer takes it over without a message
+                self.fs.pipe_file(self.path, json.dumps({"holder": "", "expires": 0}).encode(), IfMatch=self.etag)
+            except OSError:
+                pass
+
+
+def busy_message(url: str, line: str) -> str:
+    return (f"{url} is busy: a {holder_kind(line)} is writing it ({line}; lease {join(url, LOCK_FILE)}). Wait "
+            "for it to finish, or set prep.on_busy=wait to queue behind it")
+
+
+@contextmanager
+def store_lease(url: str, holder: str = "prep", on_busy: Literal["wait", "fail"] = "wait",
+                lease_s: float = LEASE_S, poll_s: float = 1.0) -> Iterator[StoreLease]:
+    """Hold the writer lease of ``url`` for the body, renewed in a thread (``writer_lock``'s rules: ``wait``
+    says who holds it and waits its turn, ``fail`` raises :class:`OutputBusyError` naming the holder)."""
+    lease = StoreLease(url, holder, lease_s)
+    said = False
+    while (line := lease.try_acquire()) is not None:
+        if on_busy == "fail":
+            raise OutputBusyError(busy_message(url, line))
+        if not said:
+            print(f"{holder}: waiting for a {holder_kind(line)} writing to {url} (held by {line})", flush=True)
+            said = True
+        time.sleep(poll_s)
+    lease.start()
+    try:
+        yield lease
+    finally:
+        lease.release()
+
+
+def check_not_busy(url: str) -> None:
+    """Raise :class:`OutputBusyError` naming the holder if a writer holds the lease of ``url`` now."""
+    found = StoreLease(url, "probe").read()
+    if found is not None and float(found[0].get("expires") or 0) > time.time():
+        raise OutputBusyError(busy_message(url, str(found[0].get("holder") or "?")))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# gc on a store
+# ---------------------------------------------------------------------------------------------------------
+
+
+def gc_store(url: str, keep: int, dry_run: bool = False, on_busy: Literal["wait", "fail"] = "wait") -> dict[str, Any]:
+    """``latentmill gc`` of an output on a store: under the writer lease, pull it, run the local gc in the work
+    folder, then delete from the store what that gc removed, in the reverse of publishing order (snapshot
+    manifests, then unit records, then their parts): a reader never finds a kept snapshot or record without
+    its parts. ``dry_run``: report only (nothing deleted, no lease). The report's ``store.deleted`` counts
+    objects."""
+    from latentmill.pipelines.retention import gc
+
+    if dry_run:
+        work = Path(pull(url)["work_dir"])
+        return {**gc(work, keep, dry_run=True), "store": {"url": url, "deleted": 0}}
+    with store_lease(url, "gc", on_busy=on_busy):
+        work = Path(pull(url)["work_dir"])
+        report = gc(work, keep, on_busy=on_busy)
+        fs, root = store_fs(url)
+        gone = [rel for rel in _listing(fs, root) if shared(rel) and not (work / rel).is_file()]
+        for step in (3, 1, 0, 2):  # LATEST (4) names a kept snapshot: gc never drops it
+            names = [join(root, rel) for rel in gone if phase(rel) == step]
+            if names:
+                fs.rm(names)
+    return {**report, "store": {"url": url, "deleted": len(gone)}}
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Reading an output on a store: inspect and verify
+# ---------------------------------------------------------------------------------------------------------
+
+
+def local_view(url: str) -> Path:
+    """The work-folder copy of ``url``'s manifests, records and quarantine lists (not the tars), for
+    ``latentmill inspect``: ``url`` is an output_dir, or a folder below one (``.../snapshots/NAME``)."""
+    text = url.rstrip("/")
+    for marker in ("/snapshots", "/prep"):
+        if marker + "/" in text + "/":
+            root, rest = text.split(marker, 1)
+            rel = marker.strip("/") + rest
+            break
+    else:
+        root, rel = text, ""
+    work = Path(pull(root, tars=False)["work_dir"])
+    return work / rel if rel else work
+
+
+def _manifests(fs: Any, root: str) -> list[str]:
+    """The manifest objects to verify below ``root``: its own, else every stage's and snapshot's."""
+    own = join(root, "manifest.json")
+    if fs.exists(own):
+        return [own]
+    found = sorted(path for path in fs.find(root) if path.endswith("/manifest.json"))
+    if not found:
+        raise FileNotFoundError(f"no manifest under {root}; run `latentmill prep` first")
+    return found
+
+
+def _sha256_object(fs: Any, path: str) -> str:
+    digest = hashlib.sha256()
+    with fs.open(path, "rb", block_size=1 << 22) as fh:
+        for block in iter(lambda: fh.read(1 << 22), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def verify_store(url: str) -> int:
+    """``latentmill verify`` of an output on a store: re-hash every shard, and its index, that a manifest
+    there lists, reading the store's objects (not a local copy); 1 if any is missing or differs."""
+    fs, root = store_fs(url)
+    bad = checked = 0
+    seen: set[str] = set()
+    for manifest_path in _manifests(fs, root):
+        manifest = json.loads(fs.cat_file(manifest_path))
+        folder = posixpath.dirname(manifest_path)
+        for shard in manifest.get("shards") or []:
+            path = posixpath.normpath(posixpath.join(folder, shard["path"]))
+            if path in seen:  # a snapshot lists the cache's shards again
+                continue
+            seen.add(path)
+            checked += 1
+            index = shard.get("index")
+            index_path = posixpath.join(posixpath.dirname(path), index["name"]) if index else None
+            if not fs.exists(path):
+                print(f"MISSING  {fs.unstrip_protocol(path)}")
+                bad += 1
+            elif _sha256_object(fs, path) != shard["sha256"]:
+                print(f"MISMATCH {fs.unstrip_protocol(path)}: sha256 differs from the manifest")
+                bad += 1
+            elif index_path is not None and (not fs.exists(index_path)
+                                              or _sha256_object(fs, index_path) != index["sha256"]):
+                print(f"MISMATCH {fs.unstrip_protocol(index_path)}: the shard index differs from the manifest")
+                bad += 1
+    print(f"verified {checked} shards on {url}: {checked - bad} ok, {bad} bad")
+    return 1 if bad else 0
+

@@ -1,0 +1,189 @@
+"""An output_dir on an S3-compatible store, against a real S3 server (moto's, tests/conftest.py ``s3_server``):
+the start-up check, the writer lease, publishing order and copies (docs/object-stores.md)."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import time
+from pathlib import Path
+
+import fsspec
+import pytest
+from latentmill.pipelines import objectstore
+from latentmill.pipelines.retention import OutputBusyError
+
+from latentmill.cli import main
+
+REPO = Path(__file__).resolve().parents[1]
+DEMO_CONFIG = REPO / "configs" / "demo.yaml"
+
+
+def _prep_fails_before_work(url: str, tmp_path: Path, monkeypatch, capsys) -> str:
+    monkeypatch.chdir(tmp_path)
+    assert main(["prep", str(DEMO_CONFIG), f"output_dir={url}", "model.pretrained=/nonexistent/model"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1, err
+    assert not (tmp_path / "work").exists() and os.listdir(tmp_path) in ([], ["work"])  # nothing written here
+    return err
+
+
+def test_an_unreachable_endpoint_fails_in_one_line_before_any_work(tmp_path, monkeypatch, capsys):
+    with socket.socket() as sock:  # a port nothing listens on
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "k")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "s")
+    monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{port}")
+    monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
+    monkeypatch.setenv("LATENTMILL_WORK_DIR", str(tmp_path / "work"))
+    err = _prep_fails_before_work("s3://some-bucket/out", tmp_path, monkeypatch, capsys)
+    assert err.startswith("latentmill: error: output_dir: s3://some-bucket/out: cannot reach the store "
+                          f"(endpoint http://127.0.0.1:{port}): EndpointConnectionError"), err
+    assert "check AWS_ENDPOINT_URL" in err
+
+
+def test_a_missing_bucket_fails_in_one_line_before_any_work(s3_bucket, tmp_path, monkeypatch, capsys):
+    err = _prep_fails_before_work(f"s3://{s3_bucket}-absent/out", tmp_path, monkeypatch, capsys)
+    assert err == (f"latentmill: error: output_dir: s3://{s3_bucket}-absent/out: the bucket '{s3_bucket}-absent' "
+                   f"does not exist on the store; create it first (e.g. `aws s3 mb s3://{s3_bucket}-absent`)")
+
+
+def test_credentials_in_the_url_are_refused(tmp_path, monkeypatch, capsys):
+    err = _prep_fails_before_work("s3://AKIA:secret@bucket/out", tmp_path, monkeypatch, capsys)
+    assert "output_dir: the URL holds credentials; give them through the environment" in err
+    assert "secret" not in err.split("credentials", 1)[1].split("(", 1)[0]
+
+
+def test_one_writer_holds_the_lease_and_a_second_is_refused_naming_it(s3_bucket, capsys):
+    url = f"s3://{s3_bucket}/out"
+    with objectstore.store_lease(url, "prep", lease_s=30):
+        with pytest.raises(OutputBusyError, match=rf"^{url} is busy: a prep is writing it \(PID {os.getpid()} on "):
+            with objectstore.store_lease(url, "gc", on_busy="fail"):
+                pass
+        with pytest.raises(OutputBusyError, match="a prep is writing it"):
+            objectstore.check_not_busy(url)
+    objectstore.check_not_busy(url)  # released
+    with objectstore.store_lease(url, "gc", on_busy="fail") as lease:
+        data, _ = lease.read()
+        assert ": gc since " in data["holder"] and data["expires"] > time.time()
+    assert "taking over" not in capsys.readouterr().out  # a released lease is free, not left behind
+
+
+def test_a_lease_is_renewed_while_held_and_taken_over_once_its_holder_stops(s3_bucket, capsys):
+    url = f"s3://{s3_bucket}/out"
+    with objectstore.store_lease(url, "prep", lease_s=1.5) as held:
+        first_etag, first = held.etag, held.read()[0]["expires"]
+        deadline = time.monotonic() + 60
+        while held.etag == first_etag and time.monotonic() < deadline:  # renewed every lease_s / 3
+            time.sleep(0.1)
+        assert held.read()[0]["expires"] > first and held.lost is None
+        # another writer overwrites it (a clock far ahead saw it expired): the next renewal fails, and this
+        # writer publishes no snapshot
+        other = "PID 1 on elsewhere: prep since 2026-12-02T00:00:00Z"
+        fsspec.filesystem("s3").pipe_file(held.path, json.dumps({"holder": other, "expires": time.time() + 60}).encode())
+        while held.lost is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert held.lost.endswith(f"now held by {other}")
+        with pytest.raises(objectstore.LostLease, match="nothing more was published by this writer"):
+            held.check()
+    assert held.read()[0]["holder"] == other  # not released by the writer that lost it
+    assert objectstore.StoreLease(url, "gc").try_acquire() == other  # live until its lease runs out
+    before = held.read()[1]
+    fsspec.filesystem("s3").pipe_file(held.path, json.dumps({"holder": other, "expires": time.time() - 1}).encode())
+    taker = objectstore.StoreLease(url, "prep", lease_s=30)  # ... which it now has: its holder died
+    assert taker.try_acquire() is None
+    assert f"taking over the writer lease of {url} left by {other} (its lease ran out)" in capsys.readouterr().out
+    assert taker.read()[0]["holder"].startswith(f"PID {os.getpid()} on ")
+    with pytest.raises(OSError):  # a write conditional on an older version fails
+        taker._write(time.time() + 30, before)
+
+
+def test_a_lease_refuses_a_store_without_conditional_writes():
+    from latentmill.core.config import ConfigError
+
+    with pytest.raises(ConfigError, match="the writer lease needs S3's conditional writes"):
+        objectstore.StoreLease("memory://bucket/out", "prep")
+
+
+def test_publishing_order_puts_parts_before_records_before_manifests_before_the_pointer():
+    order = ["prep/cache/shards/cache-0123-0.tar", "prep/cache/shards/cache-0123-0.idx",
+             "prep/cache/shards/cache-0123-detail.json", "prep/cache/units/0123.json", "prep/cache/manifest.json",
+             "prep/cache/quarantine.jsonl", "prep/scores.parquet", "snapshots/0001-abc/manifest.json",
+             "snapshots/LATEST"]
+    assert [objectstore.phase(rel) for rel in order] == [0, 0, 0, 1, 2, 2, 2, 3, 4]
+    local = ["prep/catalog.sqlite", "prep/catalog.sqlite-wal", "prep/ingest/file-hashes.sqlite",
+             "prep/last-run.json", ".writer.lock", "pins/0001-abc.pin", "prep/cache/shards/.x.tar.123.tmp",
+             "train/runs/r/metrics.jsonl"]
+    assert [objectstore.shared(rel) for rel in order + local] == [True] * len(order) + [False] * len(local)
+
+
+def test_push_then_pull_copies_the_shared_files_and_skips_what_is_there(s3_bucket, tmp_path):
+    url = f"s3://{s3_bucket}/out"
+    work = tmp_path / "a"
+    files = {"prep/cache/shards/cache-01-0.tar": b"t" * 3000, "prep/cache/units/01.json": b'{"u": 1}',
+             "prep/cache/manifest.json": b'{"m": 1}', "snapshots/0001-x/manifest.json": b'{"s": 1}',
+             "snapshots/LATEST": b"0001-x\n", "prep/catalog.sqlite": b"local only", "prep/last-run.json": b"{}"}
+    for rel, data in files.items():
+        (work / rel).parent.mkdir(parents=True, exist_ok=True)
+        (work / rel).write_bytes(data)
+    assert objectstore.push(work, url) == {"uploaded": 5, "bytes": 3000 + 8 + 8 + 8 + 7}
+    assert objectstore.push(work, url)["uploaded"] == 0  # everything there already
+    (work / "prep/cache/manifest.json").write_bytes(b'{"m": 2}')  # same size, new bytes: found by its ETag
+    assert objectstore.push(work, url)["uploaded"] == 1
+    fresh = tmp_path / "b"
+    pulled = objectstore.pull(url, fresh)
+    assert (pulled["downloaded"], pulled["bytes"]) == (5, 3031)
+    got = {p.relative_to(fresh).as_posix(): p.read_bytes() for p in fresh.rglob("*") if p.is_file()}
+    assert got == {rel: (b'{"m": 2}' if rel.endswith("cache/manifest.json") else data)
+                   for rel, data in files.items() if objectstore.shared(rel)}
+    assert objectstore.pull(url, fresh)["downloaded"] == 0
+    fs = fsspec.filesystem("s3")
+    assert json.loads(fs.cat_file(f"{s3_bucket}/out/prep/cache/manifest.json")) == {"m": 2}
+    assert not fs.exists(f"{s3_bucket}/out/prep/catalog.sqlite")
+
+
+def test_training_on_a_store_is_refused_before_any_work(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    assert main(["run", str(DEMO_CONFIG), "output_dir=s3://bucket/out"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == ("latentmill: error: output_dir: s3://bucket/out: training on an object store is not supported "
+                   "yet (prep, inspect, verify and gc are); use a local output_dir (docs/object-stores.md)")
+    assert os.listdir(tmp_path) == []
+
+
+def test_a_running_prep_publishes_each_committed_unit_parts_first(s3_bucket, tmp_path):
+    url = f"s3://{s3_bucket}/out"
+    work = tmp_path / "w"
+    stage = work / "prep" / "cache"
+    (stage / "shards").mkdir(parents=True)
+    (stage / "units").mkdir()
+    (stage / "shards" / "cache-01-0.tar").write_bytes(b"tar")
+    (stage / "shards" / "cache-01-0.idx").write_bytes(b"idx")
+    (stage / "shards" / "cache-01-detail.json").write_bytes(b"{}")
+    (stage / "shards" / "cache-01-scores.parquet").write_bytes(b"a file of the unit its record does not name")
+    (stage / "shards" / "cache-02-0.tar.tmp").write_bytes(b"a unit being written")
+    (stage / "shards" / "cache-02-detail.json").write_bytes(b"{}")
+    record = {"stage": "cache", "unit_id": "01", "extra": {"detail": "shards/cache-01-detail.json"},
+              "shards": [{"path": "shards/cache-01-0.tar", "index": {"name": "cache-01-0.idx"}}]}
+    (stage / "units" / "01.json").write_text(json.dumps(record))
+    fs = fsspec.filesystem("s3")
+    with objectstore.UnitPublisher(work, url, every_s=3600) as publisher:
+        assert publisher.publish() == 1 and publisher.publish() == 0  # published once
+    assert sorted(fs.find(f"{s3_bucket}/out")) == [f"{s3_bucket}/out/prep/cache/{rel}" for rel in (
+        "shards/cache-01-0.idx", "shards/cache-01-0.tar", "shards/cache-01-detail.json",
+        "shards/cache-01-scores.parquet", "units/01.json")]
+    (stage / "units" / "02.json").write_text(json.dumps({"stage": "cache", "unit_id": "02", "shards": []}))
+    with objectstore.UnitPublisher(work, url, every_s=3600) as publisher:  # knows 01 from the store
+        pass
+    assert publisher.published == 1 and fs.exists(f"{s3_bucket}/out/prep/cache/units/02.json")
+    assert fs.exists(f"{s3_bucket}/out/prep/cache/shards/cache-02-detail.json")
+
+
+def test_compact_and_pin_on_a_store_are_refused_in_one_line(capsys):
+    for argv in (["compact", "s3://bucket/out"], ["pin", "s3://bucket/out", "latest"]):
+        assert main(argv) == 2
+        assert capsys.readouterr().err.strip() == (
+            f"latentmill: error: output_dir: s3://bucket/out: {argv[0]} on an object store is not supported yet "
+            "(prep, inspect, verify and gc are); use a local output_dir (docs/object-stores.md)")
