@@ -1,7 +1,8 @@
 """The step's tensors are made on the batch's device: per-sample draws from generators on that device, and position
 ids built there once per shape. A default device of ``meta`` stands in for "not the batch's device" on a CPU host:
 any tensor made without naming the device lands there and the step's arithmetic with the CPU batch fails. The
-count of host-to-device copies of a real step is ``make gpu-check``'s ``step_copies`` phase (CUDA only)."""
+count of host-to-device copies of a real step is ``make gpu-check``'s ``step_copies`` phase (CUDA only); that a
+sample's draws do not depend on how its batch is cut is ``tests/test_trainer_steps.py``."""
 
 from __future__ import annotations
 
@@ -32,17 +33,6 @@ def test_draws_name_the_batch_device():
         assert t.device == CPU
     assert (eps.shape, sigmas.shape, noise.shape, clean.shape, extra[0].shape) == (SHAPE, (4,), SHAPE, (4,), EXTRA[0])
     assert clean.dtype == torch.bool and 0 < float(sigmas.min()) and float(sigmas.max()) < 1
-
-
-def test_a_samples_draws_do_not_depend_on_how_the_batch_is_split():
-    whole = _draw([0, 1, 2, 3])
-    for cut in ([[0, 1], [2, 3]], [[0], [1], [2], [3]]):
-        parts = [_draw(ordinals) for ordinals in cut]
-        for i, name in enumerate(("eps", "sigmas", "noise", "clean")):
-            assert torch.equal(torch.cat([p[i] for p in parts]), whole[i]), (name, len(cut))
-        assert torch.equal(torch.cat([p[4][0] for p in parts]), whole[4][0])
-    other_epoch = _draw([0, 1, 2, 3], epoch=4)
-    assert not torch.equal(other_epoch[2], whole[2])  # the epoch keys the draws too
 
 
 def test_cpu_draws_are_the_reference_stream():
