@@ -18,7 +18,7 @@ import pytest
 import torch
 from latentmill.trainer import ParallelConfig, TrainerConfig
 from latentmill.trainer.adapters import get_adapter
-from latentmill.trainer.context import check_context_parallel, check_cp_batch, cp_plan
+from latentmill.trainer.context import check_context_parallel, check_cp_batch, check_cp_validation, cp_plan
 from PIL import Image
 
 from latentmill.core.config import ConfigError
@@ -210,6 +210,26 @@ def test_cp_batch_must_split_evenly():
         check_cp_batch(flux, {**batch, "latents": torch.zeros(1, 16, 4, 8), "prompt_embeds": torch.zeros(1, 7, 32)}, 2)
     # Wan splits only the video tokens (its cross-attention keeps the whole text)
     check_cp_batch(wan, {"latents": torch.zeros(1, 16, 2, 4, 4), "prompt_embeds": torch.zeros(1, 7, 32)}, 2)
+
+
+def test_a_validation_size_cp_does_not_divide_is_refused_before_work(tmp_path):
+    # every cp rank samples the validation prompts, and the plan splits their sequences as a batch's
+    cp2, flux, wan = ParallelConfig("fsdp2", cp_size=2), get_adapter("flux"), get_adapter("wan")
+    (tmp_path / "vae").mkdir()
+    (tmp_path / "vae" / "config.json").write_text(json.dumps({"latent_channels": 16, "block_out_channels": [8] * 4}))
+    with pytest.raises(ConfigError, match=r"^parallel.cp_size: 2 does not divide the sequence of "
+                                          r"trainer.validation_size \[48, 48\]: 9 latent tokens; use a validation"):
+        check_cp_validation(cp2, flux, [48, 48], str(tmp_path), 16)  # 6 x 6 latents: 3 x 3 packed tokens
+    with pytest.raises(ConfigError, match=r"\[32, 48\]: 7 text tokens"):  # Flux-class: the text is split too
+        check_cp_validation(cp2, flux, [32, 48], str(tmp_path), 7)
+    check_cp_validation(cp2, flux, [32, 48], str(tmp_path), 16)  # 2 x 3 packed tokens
+    check_cp_validation(ParallelConfig("fsdp2"), flux, [48, 48], str(tmp_path), 16)  # cp 1: any size
+    # Wan (no folder, as for a hub id: the published VAE's 8x spatial and 4x temporal factors; 1x2x2 patches),
+    # 17 frames when the size names none: 5 latent frames x 3 x 3 tokens
+    with pytest.raises(ConfigError, match=r"\[48, 48\]: 45 latent tokens"):
+        check_cp_validation(cp2, wan, [48, 48], str(tmp_path / "hub-id"), 7)  # Wan does not split its text
+    check_cp_validation(cp2, wan, [32, 32], str(tmp_path / "hub-id"), 7)  # 5 x 2 x 2
+    check_cp_validation(cp2, wan, [48, 48, 5], str(tmp_path / "hub-id"), 7)  # 2 x 3 x 3
 
 
 def test_plan_takes_cp_size():

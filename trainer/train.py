@@ -39,7 +39,7 @@ from latentmill.trainer.checkpoint import (
     save_checkpoint,
 )
 from latentmill.trainer.config import ParallelConfig, TrainerConfig
-from latentmill.trainer.context import check_context_parallel, check_cp_batch
+from latentmill.trainer.context import check_context_parallel, check_cp_batch, check_cp_validation
 from latentmill.trainer.experts import Part, expert_sigma, other_parts, route_micro_batches, routing_warning
 from latentmill.trainer.export import export_trained
 from latentmill.trainer.loader import (
@@ -399,6 +399,8 @@ class _Run:
             caption_dropout=cfg.caption_dropout, check_on_read=not cfg.verify_shards,
         )
         self.text_len = _text_length(self.manifest)
+        if cfg.validate_every:  # every cp rank samples the validation prompts: the plan splits their sequences
+            check_cp_validation(self.parallel, self.adapter, cfg.validation_size, self.pretrained, self.text_len)
         log.info("%s cache %s: %d samples in %d buckets, %d batches per epoch and rank", self.adapter.family,
                  cache_dir, self.loader.num_samples, len(self.loader.buckets), len(self.loader))
 
