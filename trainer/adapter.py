@@ -65,6 +65,8 @@ class Expert:
 
 ONE_EXPERT = (Expert("all", "transformer"),)
 
+VALIDATION_FRAMES = 17  # frames of a video family's validation samples when trainer.validation_size names none
+
 
 def pipeline_index(pretrained: str) -> dict[str, Any]:
     """``model_index.json`` of a pipeline folder or hub id (only that file is read); {} for a folder without one

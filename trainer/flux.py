@@ -13,6 +13,7 @@ tokens, L text tokens, D text feature width.
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 import torch
@@ -40,13 +41,18 @@ def unpack_latents(tokens_BNK: torch.Tensor, height: int, width: int) -> torch.T
     return x.reshape(B, K // 4, height, width)
 
 
+@functools.lru_cache(maxsize=64)
 def latent_image_ids(height: int, width: int, device=None, dtype=torch.float32) -> torch.Tensor:
-    """Position ids [(H/2)*(W/2), 3] = (0, row, col) per packed token, for a latent of ``height`` x ``width``."""
+    """Position ids [(H/2)*(W/2), 3] = (0, row, col) per packed token, for a latent of ``height`` x ``width``.
+
+    Built on ``device`` once per (shape, device, dtype) and shared: a bucket's training steps reuse one tensor
+    (callers must not change it in place).
+    """
     h, w = height // 2, width // 2
-    ids = torch.zeros(h, w, 3)
-    ids[..., 1] = torch.arange(h)[:, None]
-    ids[..., 2] = torch.arange(w)[None, :]
-    return ids.reshape(h * w, 3).to(device=device, dtype=dtype)
+    ids = torch.zeros(h, w, 3, device=device)
+    ids[..., 1] = torch.arange(h, device=device)[:, None]
+    ids[..., 2] = torch.arange(w, device=device)[None, :]
+    return ids.reshape(h * w, 3).to(dtype)
 
 
 def text_ids(seq_len: int, device=None, dtype=torch.float32) -> torch.Tensor:

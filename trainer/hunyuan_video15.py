@@ -31,7 +31,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from latentmill.trainer.adapter import ModelAdapter, mask_problems
+from latentmill.trainer.adapter import VALIDATION_FRAMES, ModelAdapter, mask_problems
 from torch import nn
 
 # the zero image tokens that stand for the pipeline's 729 (vision_num_semantic_tokens) in text-to-video
@@ -125,7 +125,7 @@ class HunyuanVideo15Adapter(ModelAdapter):
         from PIL import Image
 
         width, height = size[0], size[1]
-        frames = size[2] if len(size) > 2 else 17
+        frames = size[2] if len(size) > 2 else VALIDATION_FRAMES
         rows = []
         for prompt in prompts:  # one at a time: the VAE's decoder takes no batch (diffusers 0.42)
             video = pipe(prompt=prompt, height=height, width=width, num_frames=frames, num_inference_steps=steps,

@@ -24,7 +24,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from latentmill.trainer.adapter import ModelAdapter
+from latentmill.trainer.adapter import VALIDATION_FRAMES, ModelAdapter
 from torch import nn
 
 
@@ -109,7 +109,7 @@ class LTX2Adapter(ModelAdapter):
         from PIL import Image
 
         width, height = size[0], size[1]
-        frames = size[2] if len(size) > 2 else 17
+        frames = size[2] if len(size) > 2 else VALIDATION_FRAMES
         video, _ = pipe(prompt=prompts, height=height, width=width, num_frames=frames, num_inference_steps=steps,
                         guidance_scale=guidance_scale, max_sequence_length=max_sequence_length, generator=generator,
                         output_type="np", return_dict=False)

@@ -39,7 +39,7 @@ from latentmill.trainer.checkpoint import (
     save_checkpoint,
 )
 from latentmill.trainer.config import ParallelConfig, TrainerConfig
-from latentmill.trainer.context import check_context_parallel, check_cp_batch
+from latentmill.trainer.context import check_context_parallel, check_cp_batch, check_cp_validation
 from latentmill.trainer.experts import Part, expert_sigma, other_parts, route_micro_batches, routing_warning
 from latentmill.trainer.export import export_trained
 from latentmill.trainer.loader import (
@@ -307,6 +307,42 @@ def _log_record(record: dict, metrics_file: Any, trackers: Trackers, on_step: Ca
         on_step(record)
 
 
+Draws = tuple[torch.Tensor | None, torch.Tensor, torch.Tensor, torch.Tensor | None, list[torch.Tensor]]
+
+
+def draw_micro_batch(cfg: TrainerConfig, seed: int, shape: torch.Size, *, epoch: int, ordinals: list[int],
+                     device: torch.device, posterior: bool, shift: float, expert: Expert,
+                     extra_shapes: list[torch.Size] = ()) -> Draws:
+    """(posterior eps or None, sigmas [B] (in ``expert``'s range), noise, image-to-video flags [B] or None, the
+    noise of each of ``extra_shapes``: the adapter's ``noised_streams``) of one micro-batch of latents ``shape``,
+    drawn sample by sample on ``device``.
+
+    Per sample, in order: its posterior eps, its sigma, its noise, the noise of each noised stream and
+    (``trainer.i2v_probability`` > 0) whether its first frame is a clean image condition, all from a generator
+    of its own on ``device``, seeded by (run ``seed``, ``epoch``, the sample's epoch ordinal: its place in the
+    epoch's global sequence, ``ordinals``). So a sample's draws depend neither on the rank that reads it, nor on
+    the number of ranks, nor on how the global batch is cut into micro-batches: a run resumed on other ranks
+    draws what the uninterrupted run drew, and accumulation 2 at batch B sees the same noise as accumulation 1
+    at batch 2B. Nothing is drawn on the host and copied: a CUDA generator's draws are kernels seeded from
+    its host-side state (they differ from the CPU's numbers, so a CPU run draws what it always drew).
+    """
+    eps, sigmas, noise, clean = [], [], [], []
+    extra: list[list[torch.Tensor]] = [[] for _ in extra_shapes]
+    i2v = cfg.i2v_probability
+    for ordinal in ordinals:
+        gen = torch.Generator(device).manual_seed(derive_seed(seed, f"sample:{epoch}:{ordinal}"))
+        if posterior:
+            eps.append(torch.randn(shape[1:], generator=gen, dtype=torch.float32, device=device))
+        sigmas.append(expert_sigma(cfg, gen, shift, expert))
+        noise.append(torch.randn(shape[1:], generator=gen, dtype=torch.float32, device=device))
+        for draws, extra_shape in zip(extra, extra_shapes):
+            draws.append(torch.randn(extra_shape[1:], generator=gen, dtype=torch.float32, device=device))
+        if i2v > 0:
+            clean.append(torch.rand(1, generator=gen, device=device) < i2v)
+    return (torch.stack(eps) if posterior else None, torch.cat(sigmas), torch.stack(noise),
+            torch.cat(clean) if i2v > 0 else None, [torch.stack(draws) for draws in extra])
+
+
 class _Run:
     """One process's training run: data, model, optimizer and their state, and the steps that change them.
 
@@ -363,6 +399,8 @@ class _Run:
             caption_dropout=cfg.caption_dropout, check_on_read=not cfg.verify_shards,
         )
         self.text_len = _text_length(self.manifest)
+        if cfg.validate_every:  # every cp rank samples the validation prompts: the plan splits their sequences
+            check_cp_validation(self.parallel, self.adapter, cfg.validation_size, self.pretrained, self.text_len)
         log.info("%s cache %s: %d samples in %d buckets, %d batches per epoch and rank", self.adapter.family,
                  cache_dir, self.loader.num_samples, len(self.loader.buckets), len(self.loader))
 
@@ -432,17 +470,17 @@ class _Run:
         """Flow-matching loss of one micro-batch on ``part``, backpropagated (scaled by 1/``micro_batches``, the
         part's micro-batches in this step); returns it detached.
 
-        Each sample's randomness comes from its own generator (``_draw``). DDP reduces gradients on the last
-        micro-batch only; FSDP2 reduce-scatters on every one (gradients stay sharded).
+        Each sample's randomness comes from its own generator on the device (``draw_micro_batch``). DDP reduces
+        gradients on the last micro-batch only; FSDP2 reduce-scatters on every one (gradients stay sharded).
         """
         cfg, device, adapter = self.cfg, self.device, self.adapter
         inputs = {k: v.to(device, non_blocking=True) for k, v in batch.items() if isinstance(v, torch.Tensor)}
         latents = inputs["latents"]
         check_cp_batch(adapter, inputs, self.ctx.cp_size)  # every bucket: its sequences must split evenly
         extra = adapter.noised_streams
-        eps, sigmas, noise, clean_first, extra_noise = self._draw(
-            latents.shape, epoch=batch["epoch"], ordinals=batch["ordinals"], posterior="latents_std" in inputs,
-            shift=shift_for(cfg, adapter.seq_len(latents), adapter.resolution_mu), expert=part.expert,
+        eps, sigmas, noise, clean_first, extra_noise = draw_micro_batch(
+            cfg, self.seed, latents.shape, device=device, epoch=batch["epoch"], ordinals=batch["ordinals"],
+            posterior="latents_std" in inputs, shift=shift_for(cfg, adapter.seq_len(latents), adapter.resolution_mu), expert=part.expert,
             extra_shapes=[inputs[name].shape for name in extra])
         if eps is not None:  # a fresh draw from the cached posterior each time
             latents = latents + inputs["latents_std"] * eps
@@ -470,38 +508,6 @@ class _Run:
             # FSDP2 also averages over the cp ranks, whose gradients are shares to be summed (trainer/context.py)
             (loss * self.ctx.cp_size / micro_batches).backward()
         return loss.detach()
-
-    def _draw(self, shape: torch.Size, *, epoch: int, ordinals: list[int], posterior: bool, shift: float,
-              expert: Expert, extra_shapes: list[torch.Size] = ()
-              ) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor, torch.Tensor | None, list[torch.Tensor]]:
-        """(posterior eps or None, sigmas [B] (in ``expert``'s range), noise, image-to-video flags [B] or None,
-        the noise of each of ``extra_shapes``: the adapter's ``noised_streams``) of one micro-batch, drawn sample
-        by sample.
-
-        Per sample, in order: its posterior eps, its sigma, its noise, the noise of each noised stream and
-        (``trainer.i2v_probability`` > 0) whether its first frame is a clean image condition, all from a
-        generator of its own, seeded by (run seed, ``epoch``, the sample's epoch ordinal: its place in the
-        epoch's global sequence, ``ordinals``). So a sample's draws depend neither on the rank that reads it,
-        nor on the number of ranks, nor on how the global batch is cut into micro-batches: a run resumed on
-        other ranks draws what the uninterrupted run drew, and accumulation 2 at batch B sees the same noise as
-        accumulation 1 at batch 2B.
-        """
-        eps, sigmas, noise, clean = [], [], [], []
-        extra: list[list[torch.Tensor]] = [[] for _ in extra_shapes]
-        i2v = self.cfg.i2v_probability
-        for ordinal in ordinals:
-            gen = torch.Generator().manual_seed(derive_seed(self.seed, f"sample:{epoch}:{ordinal}"))
-            if posterior:
-                eps.append(torch.randn(shape[1:], generator=gen, dtype=torch.float32))
-            sigmas.append(expert_sigma(self.cfg, gen, shift, expert))
-            noise.append(torch.randn(shape[1:], generator=gen, dtype=torch.float32))
-            for draws, extra_shape in zip(extra, extra_shapes):
-                draws.append(torch.randn(extra_shape[1:], generator=gen, dtype=torch.float32))
-            if i2v > 0:
-                clean.append(torch.rand(1, generator=gen) < i2v)
-        to = self.device
-        return (torch.stack(eps).to(to) if posterior else None, torch.cat(sigmas).to(to), torch.stack(noise).to(to),
-                torch.cat(clean).to(to) if i2v > 0 else None, [torch.stack(draws).to(to) for draws in extra])
 
     def train_step(self, batches: Any) -> dict[str, Any]:
         """One optimizer step over ``grad_accum_steps`` micro-batches; returns its metrics record.
@@ -784,11 +790,10 @@ def _reduce_step_stats(ctx: DistContext, loss_sum: torch.Tensor, samples: int, g
     else:
         squares = torch.zeros((), dtype=torch.float64, device=device)
     flag = (~torch.isfinite(loss_sum)).to(torch.float64)
-    # the host's values travel to the device in one copy
-    host = torch.tensor([float(samples), float(stop == signal.SIGINT), float(stop == signal.SIGTERM),
-                         float(bad_shard)], dtype=torch.float64, device=device)
-    stats = torch.cat([torch.stack([torch.nan_to_num(loss_sum, nan=0.0, posinf=0.0, neginf=0.0), flag, squares]),
-                       host])
+    # the host's values enter as fill kernels' arguments: a copy from the host would wait for the step's kernels
+    host = [torch.full((), float(v), dtype=torch.float64, device=device)
+            for v in (samples, stop == signal.SIGINT, stop == signal.SIGTERM, bad_shard)]
+    stats = torch.stack([torch.nan_to_num(loss_sum, nan=0.0, posinf=0.0, neginf=0.0), flag, squares, *host])
     if ctx.initialized:
         torch.distributed.all_reduce(stats)
     total_loss, nonfinite, squares_sum, total_samples, sigints, sigterms, bad_shards = stats.tolist()

@@ -19,7 +19,7 @@ height/width (pixels / 8), L text tokens, D text width (UMT5 d_model).
 from __future__ import annotations
 
 import torch
-from latentmill.trainer.adapter import ONE_EXPERT, Expert, ModelAdapter, pipeline_index
+from latentmill.trainer.adapter import ONE_EXPERT, VALIDATION_FRAMES, Expert, ModelAdapter, pipeline_index
 from torch import nn
 
 
@@ -101,7 +101,7 @@ class WanAdapter(ModelAdapter):
         from PIL import Image
 
         width, height = size[0], size[1]
-        frames = size[2] if len(size) > 2 else 17
+        frames = size[2] if len(size) > 2 else VALIDATION_FRAMES
         out = pipe(
             prompt=prompts,
             height=height,
