@@ -10,8 +10,6 @@ import numpy as np
 import pytest
 import torch
 from diffusers import ModelMixin
-from latentmill.core.config import ConfigError
-from latentmill.models import ModelConfig
 from latentmill.stages import cache
 from latentmill.stages.cache_config import CacheConfig
 from latentmill.stages.shardio import StageDir
@@ -22,6 +20,8 @@ from PIL import Image
 from safetensors.torch import load_file, save_file
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from latentmill.core.config import ConfigError
+from latentmill.models import ModelConfig
 from tests.trainer_helpers import add_validation_prompts, torch_threads, write_fake_cache
 
 PROMPTS = ["a red square", "a blue circle on a green field"]  # two lengths: a masked batch pads one of them

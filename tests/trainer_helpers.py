@@ -212,11 +212,12 @@ def add_validation_prompts(cache_dir: str | Path, pretrained: str, prompts: list
     """Encode ``prompts`` (and the family's negative prompt) with ``pretrained``'s text encoders, as the prep's
     cache stage does (``latentmill.stages.cache.ensure_prompts``), into a fake cache; its manifest names them.
     Returns the manifest."""
-    from latentmill.models import ModelConfig
     from latentmill.stages.cache import ensure_prompts
     from latentmill.stages.cache_config import CacheConfig
     from latentmill.stages.shardio import StageDir
     from latentmill.trainer.adapters import get_adapter
+
+    from latentmill.models import ModelConfig
 
     cache_dir = Path(cache_dir)
     manifest = json.loads((cache_dir / "manifest.json").read_text())
