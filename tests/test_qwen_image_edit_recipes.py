@@ -22,7 +22,7 @@ SCHEDULER = json.loads((REPO / "configs/models/Qwen-Image-Edit/scheduler/schedul
 QWEN_IMAGE_PARAMS = 20_430_401_088  # Qwen-Image's transformer, which Qwen-Image-Edit fine-tunes
 
 
-@pytest.mark.parametrize(("name", "mode", "strategy"), [("qwen-image-edit-lora.yaml", "lora", "ddp"),
+@pytest.mark.parametrize(("name", "mode", "strategy"), [("qwen-image-edit-lora.yaml", "lora", "fsdp2"),
                                                         ("qwen-image-edit-full.yaml", "full", "fsdp2")])
 def test_real_size_recipes(name, mode, strategy):
     recipe = load_recipe(REPO / "configs" / name)

@@ -386,8 +386,9 @@ class ModelAdapter(ABC):
     def pipeline_prompt_kwargs(self, prompts: list[dict[str, torch.Tensor]], pad_to: dict[str, int]) -> dict[str, Any]:
         """The pipeline's prompt keyword arguments for cached prompts (each one's text streams as stored: a
         trimmed stream holds its real tokens; ``pad_to``: each token stream's padded length), as the pipeline's
-        own ``encode_prompt`` would give them: by default ``prompt_embeds`` zero-padded to its length."""
-        return {"prompt_embeds": padded([p["prompt_embeds"] for p in prompts], pad_to["prompt_embeds"])[0]}
+        own ``encode_prompt`` would give them: by default ``prompt_embeds`` zero-padded to its length (stored
+        padded: as stored)."""
+        return {"prompt_embeds": padded([p["prompt_embeds"] for p in prompts], pad_to.get("prompt_embeds"))[0]}
 
     @abstractmethod
     def validation_images(

@@ -89,8 +89,8 @@ def decode_in_own_dtype(vae: nn.Module) -> None:
 
 @dataclass(frozen=True)
 class CachedPrompts:
-    """Prompt embeddings of a snapshot: each prompt's text streams as stored, and each token stream's padded
-    length (the loader's: ``pad_to`` of the cache's text, or a stream's own)."""
+    """Prompt embeddings of a snapshot: each prompt's text streams as stored, and each trimmed token stream's
+    padded length (the loader's: ``pad_to`` of the cache's text, or a stream's own; none when stored padded)."""
 
     streams: dict[str, dict[str, torch.Tensor]]  # prompt -> stream name -> tensor
     pad_to: dict[str, int]
