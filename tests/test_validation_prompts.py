@@ -119,10 +119,30 @@ def test_prompts_missing_from_the_snapshot_say_to_rerun_prep(tiny_flux, fake_cac
         cached_prompts(manifest, fake_cache, ["a cat", "a dog"], "old")
 
 
-def test_a_changed_prompt_list_encodes_only_its_new_prompts(tiny_flux, tmp_path):
-    first, stage_dir = _prep_prompts(tmp_path, str(tiny_flux), "flux", ["a cat", "a dog"])
+def _prep(root, tiny_flux, prompts: list[str]):
+    """A prep of the demo images in this process, with ``prompts`` as the recipe's validation prompts."""
+    from latentmill.stages.bucket import BucketConfig
+    from latentmill.stages.curate import CurateConfig
+    from latentmill.stages.ingest import IngestConfig
+
+    from latentmill.recipe import Recipe
+    from tests.conftest import DEMO_IMAGES
+    from tests.helpers import prep_in_process
+
+    recipe = Recipe(output_dir=str(root), model=ModelConfig(pretrained=str(tiny_flux)),
+                    ingest=IngestConfig(source=str(DEMO_IMAGES), shard_size=8), curate=CurateConfig(max_exposure=0.5),
+                    bucket=BucketConfig(resolution=64, aspect_ratios=[0.75, 1.0, 1.3333]),
+                    cache=CacheConfig(dtype="float32", max_sequence_length=16),
+                    trainer=TrainerConfig(validation_prompts=prompts))
+    return prep_in_process(recipe)["cache"]
+
+
+def test_a_changed_prompt_list_encodes_only_its_new_prompts_and_reuses_every_unit(tiny_flux, tmp_path):
+    stage_dir, first, records = _prep(tmp_path, tiny_flux, ["a cat", "a dog"])
     entry = first["validation_prompts"]
-    assert sorted(entry["keys"]) == ["", "a cat", "a dog"]
+    assert sorted(entry["keys"]) == ["", "a cat", "a dog"]  # the flux family's negative: the empty prompt
+    text = cache.component_report(records)["components"]["text"]
+    assert text["processed"] > 0
     # mark the stored "a cat": a copy keeps the mark, an encode would not
     path = stage_dir.root / entry["path"]
     tensors = load_file(path)
@@ -130,7 +150,9 @@ def test_a_changed_prompt_list_encodes_only_its_new_prompts(tiny_flux, tmp_path)
     tensors[f"{cat}.pooled_prompt_embeds"] = torch.full_like(tensors[f"{cat}.pooled_prompt_embeds"], 7.0)
     save_file(tensors, path)
 
-    second, _ = _prep_prompts(tmp_path, str(tiny_flux), "flux", ["a cat", "a bird"])
+    _, second, records = _prep(tmp_path, tiny_flux, ["a cat", "a bird"])
+    assert all(r.reused for r in records)  # every cache unit, captions and latents alike
+    assert cache.component_report(records)["components"]["text"] == {"processed": 0, "reused": sum(text.values())}
     new = second["validation_prompts"]
     assert new["path"] != entry["path"] and new["keys"]["a cat"] == cat
     stored = load_file(stage_dir.root / new["path"])
@@ -139,9 +161,13 @@ def test_a_changed_prompt_list_encodes_only_its_new_prompts(tiny_flux, tmp_path)
     # the new prompt is what a prep of it alone stores
     alone, _ = _prep_prompts(tmp_path / "alone", str(tiny_flux), "flux", ["a bird"])
     bird = load_file(tmp_path / "alone" / "cache" / alone["validation_prompts"]["path"])
-    for name, tensor in bird.items():
-        assert torch.equal(stored[name], tensor)
-    # the caption latents' keys do not depend on the prompts: the stage fingerprint is the same
+    bird_key = new["keys"]["a bird"]
+    assert {k: v for k, v in bird.items() if k.startswith(bird_key)}.keys() == \
+        {k for k in stored if k.startswith(bird_key)}
+    for name in bird:
+        if name.startswith(bird_key):
+            torch.testing.assert_close(stored[name], bird[name], rtol=0, atol=1e-6)
+    # nothing but the prompts' entry differs between the two manifests
     assert second["stage_fingerprint"] == first["stage_fingerprint"]
-    assert {k: v for k, v in second.items() if k != "validation_prompts"} == \
-        {k: v for k, v in first.items() if k != "validation_prompts"}
+    assert {k: v for k, v in second.items() if k not in ("validation_prompts", "units", "created")} == \
+        {k: v for k, v in first.items() if k not in ("validation_prompts", "units", "created")}

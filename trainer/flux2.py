@@ -146,7 +146,9 @@ class Flux2Adapter(ModelAdapter):
 
     def validation_images(self, pipe, text, negative, *, size, steps, generator, max_sequence_length, guidance_scale):
         width, height = size[0], size[1]
-        out = pipe(**text, **(negative if self.negative_embeds else {}), height=height, width=width, num_inference_steps=steps,
+        # [klein] takes the negative's embeddings only (it encodes its own "" from text)
+        negative = {k: v for k, v in negative.items() if self.negative_embeds and k != "negative_prompt"}
+        out = pipe(**text, **negative, height=height, width=width, num_inference_steps=steps,
                    guidance_scale=guidance_scale, max_sequence_length=max_sequence_length, generator=generator)
         return [[image] for image in out.images]
 
