@@ -92,10 +92,18 @@ def test_flux_dev_lora_ddp_counts_the_real_lora_layers():
     assert r["optimizer_bytes"] == 2 * lora * 4
     assert r["gathered_bytes"] == 0
     assert r["host_export_peak_bytes"] == lora * 4  # a LoRA export holds only the LoRA weights
+    # what DDP LoRA costs, stated beside FSDP2's share (the shipped recipe's: test_plan_states_what_ddp_lora_costs...)
+    assert result["ddp_lora"] == {"gpu_base_bytes": FLUX_DEV_PARAMS * 2, "host_load_bytes": r["host_load_peak_bytes"],
+                                  "node_host_load_bytes": 8 * r["host_load_peak_bytes"],
+                                  "fsdp2_gpu_base_bytes": FLUX_DEV_PARAMS * 2 // 8}
+    assert r["host_load_peak_bytes"] == FLUX_DEV_PARAMS * 2 + lora * 4
+    assert "DDP LoRA: each rank holds the whole frozen base, 22.17 GiB of GPU memory" in format_plan(result)
 
 
+@pytest.mark.heavy
 def test_plan_states_what_ddp_lora_costs_beside_fsdp2():
-    """Issue 34: DDP LoRA holds the whole bf16 base on every rank; the shipped recipe shards it (FSDP2)."""
+    """Issue 34: DDP LoRA holds the whole bf16 base on every rank; the shipped recipe shards it (FSDP2). Two plans
+    of FLUX.1-dev: make test checks the DDP figures in test_flux_dev_lora_ddp_counts_the_real_lora_layers."""
     ddp = plan_config("configs/flux-dev-lora.yaml", ["parallel.strategy=ddp"], nproc=8)
     fsdp = plan_config("configs/flux-dev-lora.yaml", nproc=8)  # the shipped recipe: fsdp2
     assert fsdp["config"]["strategy"] == "fsdp2" and fsdp["fits"] and "ddp_lora" not in fsdp
