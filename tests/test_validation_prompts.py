@@ -93,7 +93,8 @@ def test_grid_from_cached_embeddings_is_the_pipelines_own(request, family, fixtu
 def fake_cache(tmp_path_factory, tiny_flux):
     root = tmp_path_factory.mktemp("valprompts-cache")
     write_fake_cache(root, {(32, 32, 1): 4}, seq_len=16, smooth=True)
-    add_validation_prompts(root, str(tiny_flux), ["a cat"], max_sequence_length=16)
+    # stored in bf16 as a default cache stores text: validation hands them to the float32 CPU model as float32
+    add_validation_prompts(root, str(tiny_flux), ["a cat"], max_sequence_length=16, dtype="bfloat16")
     return root
 
 

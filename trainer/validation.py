@@ -250,8 +250,13 @@ class Validator:
 
 
 def _to(kwargs: dict[str, Any], device: torch.device) -> dict[str, Any]:
-    """Tensors (and lists of tensors: Z-Image's prompts) of pipeline keyword arguments, on ``device``."""
-    return {k: [t.to(device) for t in v] if isinstance(v, list) else v.to(device) for k, v in kwargs.items()}
+    """Tensors (and lists of tensors: Z-Image's prompts) of pipeline keyword arguments on ``device``, embeddings in
+    float32 as the training loader hands them out (a cache may store bf16; masks keep their dtype)."""
+
+    def to(t: torch.Tensor) -> torch.Tensor:
+        return t.to(device, torch.float32) if t.is_floating_point() else t.to(device)
+
+    return {k: [to(t) for t in v] if isinstance(v, list) else to(v) for k, v in kwargs.items()}
 
 
 def run_validation(
