@@ -139,7 +139,10 @@ def _prep(root, tiny_flux, prompts: list[str]):
 
 
 def test_a_changed_prompt_list_encodes_only_its_new_prompts_and_reuses_every_unit(tiny_flux, tmp_path):
+    from latentmill.pipelines.snapshot import publish
+
     stage_dir, first, records = _prep(tmp_path, tiny_flux, ["a cat", "a dog"])
+    one = publish(tmp_path, stage_dir.root)
     entry = first["validation_prompts"]
     assert sorted(entry["keys"]) == ["", "a cat", "a dog"]  # the flux family's negative: the empty prompt
     text = cache.component_report(records)["components"]["text"]
@@ -168,6 +171,14 @@ def test_a_changed_prompt_list_encodes_only_its_new_prompts_and_reuses_every_uni
     for name in bird:
         if name.startswith(bird_key):
             torch.testing.assert_close(stored[name], bird[name], rtol=0, atol=1e-6)
+    # a new snapshot of the same shards, whose manifest names the new prompts' file (read from the snapshot's folder)
+    two = publish(tmp_path, stage_dir.root)
+    assert two["new"] and two["name"] != one["name"]
+    snapshot = json.loads((tmp_path / "snapshots" / two["name"] / "manifest.json").read_text())
+    assert snapshot["shards"] == json.loads((tmp_path / "snapshots" / one["name"] / "manifest.json").read_text())["shards"]
+    read = cached_prompts(snapshot, tmp_path / "snapshots" / two["name"], ["a cat", "a bird", ""], "new")
+    assert bool((read.streams["a cat"]["pooled_prompt_embeds"] == 7.0).all())
+    assert torch.equal(read.streams["a bird"]["prompt_embeds"], stored[f"{bird_key}.prompt_embeds"])
     # nothing but the prompts' entry differs between the two manifests
     assert second["stage_fingerprint"] == first["stage_fingerprint"]
     assert {k: v for k, v in second.items() if k not in ("validation_prompts", "units", "created")} == \
