@@ -126,7 +126,21 @@ def manifest_header(stage: str, recipe: Recipe, records: list[UnitRecord] | None
         return curate.manifest_header(recipe.curate, recipe.cache.background, _clip_spec(recipe) if per_clip else None)
     if stage == "bucket":
         return {"fingerprint": stable_hash(bucket.fingerprint(recipe.bucket, _near_dups(recipe)))}
-    return cache.manifest_header(recipe.cache, recipe.model, stage_dir_for(recipe, stage), records)
+    return cache.manifest_header(recipe.cache, recipe.model, stage_dir_for(recipe, stage), records,
+                                 prompts=validation_texts(recipe))
+
+
+def validation_texts(recipe: Recipe) -> list[str]:
+    """The texts the cache encodes for validation: ``trainer.validation_prompts`` and the family's negative
+    prompt (classifier-free guidance), when the family's validation samples from cached embeddings."""
+    from latentmill.trainer.adapters import get_adapter
+
+    if not recipe.trainer.validation_prompts:
+        return []
+    adapter = get_adapter(cache.cache_plan(recipe.cache, recipe.model).family)
+    if not (adapter.validates_from_prompts and adapter.prompts_from_cache):
+        return []
+    return [*recipe.trainer.validation_prompts, adapter.negative_prompt]
 
 
 def auto_compact(recipe: Recipe, cache_dir: StageDir) -> dict[str, Any] | None:

@@ -129,8 +129,9 @@ def publish(output_dir: str | Path, cache_dir: str | Path) -> dict[str, Any]:
             "prep": prep_summary(cache.root.parent),
         },
     }
-    if "empty_prompt" in manifest:
-        snapshot["empty_prompt"] = {**manifest["empty_prompt"], "path": f"{rel}/{manifest['empty_prompt']['path']}"}
+    for field in ("empty_prompt", "validation_prompts"):  # files beside the cache's shards
+        if field in manifest:
+            snapshot[field] = {**manifest[field], "path": f"{rel}/{manifest[field]['path']}"}
     tmp = root / f".{name}.tmp"
     tmp.mkdir(exist_ok=True)
     durable.write_json(tmp / "manifest.json", snapshot)

@@ -18,7 +18,7 @@ from latentmill.trainer.card import model_card, public, trigger_phrase
 from latentmill.trainer.trackers import TrackerError, flatten, scalars, start_trackers
 
 from latentmill.core.config import ConfigError
-from tests.trainer_helpers import read_metrics, torch_threads, write_fake_cache
+from tests.trainer_helpers import add_validation_prompts, read_metrics, torch_threads, write_fake_cache
 
 PREP = {"stages": {"ingest": {"in": 6, "out": 5, "quarantined": 1}, "cache": {"in": 4, "out": 4, "quarantined": 0}},
         "captioner": "/home/someone/models/blip", "curation": {"scorers": ["sharpness"],
@@ -67,6 +67,7 @@ def tracked(tiny_flux, mlflow_server, tmp_path_factory):
     manifest = write_fake_cache(cache, {(32, 32, 1): 4}, seq_len=16, smooth=True)
     manifest["snapshot"] = {"name": PROVENANCE["snapshot"], "samples": 4, "buckets": {"32x32x1": 4}, "prep": PREP}
     (cache / "manifest.json").write_text(json.dumps(manifest))
+    add_validation_prompts(cache, str(tiny_flux), ["a red square"], max_sequence_length=16)  # as a prep does
     cfg = TrainerConfig(max_steps=2, batch_size=2, learning_rate=1e-3, save_every=0, mode="lora", lora_rank=4,
                         validate_every=2, validation_prompts=["a red square"], validation_steps=1,
                         validation_size=[32, 32], trackers=["tensorboard", "wandb", "mlflow"],

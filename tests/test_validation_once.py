@@ -54,7 +54,7 @@ def _reference_grid(adapter, transformer, pretrained: str, cfg, max_sequence_len
     pipe.set_progress_bar_config(disable=True)
     with torch.random.fork_rng(devices=[]), torch.no_grad():
         rows = adapter.validation_images(
-            pipe, PROMPTS, size=list(cfg.validation_size), steps=cfg.validation_steps,
+            pipe, {"prompt": PROMPTS}, {}, size=list(cfg.validation_size), steps=cfg.validation_steps,
             generator=torch.Generator("cpu").manual_seed(cfg.validation_seed),
             max_sequence_length=max_sequence_length, guidance_scale=cfg.guidance_scale,
         )

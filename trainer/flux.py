@@ -160,12 +160,16 @@ class FluxAdapter(ModelAdapter):
             model, noisy, sigmas_B, batch["prompt_embeds"], batch["pooled_prompt_embeds"], cfg.guidance_scale
         )
 
+    def pipeline_prompt_kwargs(self, prompts, pad_to):
+        return {"prompt_embeds": torch.stack([p["prompt_embeds"] for p in prompts]),  # stored padded (keep)
+                "pooled_prompt_embeds": torch.stack([p["pooled_prompt_embeds"] for p in prompts])}
+
     def validation_images(
-        self, pipe, prompts, *, size, steps, generator, max_sequence_length, guidance_scale
+        self, pipe, text, negative, *, size, steps, generator, max_sequence_length, guidance_scale
     ):
         width, height = size[0], size[1]
-        out = pipe(
-            prompts,
+        out = pipe(  # guidance is embedded (FLUX.1-dev): no negative prompt
+            **text,
             height=height,
             width=width,
             num_inference_steps=steps,

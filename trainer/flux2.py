@@ -133,6 +133,7 @@ class Flux2Adapter(ModelAdapter):
     streams = ("latents", "prompt_embeds")
     latent_ndim = 3
     lora_targets = LORA_TARGETS
+    negative_embeds = False  # its guidance is embedded: the pipeline takes no negative prompt
 
     def blocks(self, transformer: nn.Module) -> list[nn.Module]:
         return [*transformer.transformer_blocks, *transformer.single_transformer_blocks]
@@ -150,9 +151,11 @@ class Flux2Adapter(ModelAdapter):
     def forward(self, model: nn.Module, noisy, sigmas_B, batch: dict, cfg) -> torch.Tensor:
         return flux2_forward(model, noisy, sigmas_B, batch["prompt_embeds"], cfg.guidance_scale)
 
-    def validation_images(self, pipe, prompts, *, size, steps, generator, max_sequence_length, guidance_scale):
+    def validation_images(self, pipe, text, negative, *, size, steps, generator, max_sequence_length, guidance_scale):
         width, height = size[0], size[1]
-        out = pipe(prompt=prompts, height=height, width=width, num_inference_steps=steps,
+        # [klein] takes the negative's embeddings only (it encodes its own "" from text)
+        negative = {k: v for k, v in negative.items() if self.negative_embeds and k != "negative_prompt"}
+        out = pipe(**text, **negative, height=height, width=width, num_inference_steps=steps,
                    guidance_scale=guidance_scale, max_sequence_length=max_sequence_length, generator=generator)
         return [[image] for image in out.images]
 
@@ -163,3 +166,4 @@ class Flux2KleinAdapter(Flux2Adapter):
 
     family = "flux2-klein"
     pipeline_class = "Flux2KleinPipeline"
+    negative_embeds = True  # classifier-free guidance (guidance_scale > 1) against them

@@ -63,7 +63,7 @@ from latentmill.trainer.parallel import DistContext, init_distributed, shutdown
 from latentmill.trainer.shard_check import CorruptShardError
 from latentmill.trainer.threads import ThreadChoice, choose_cpu_threads
 from latentmill.trainer.trackers import Trackers, start_trackers
-from latentmill.trainer.validation import Validator
+from latentmill.trainer.validation import CachedPrompts, Validator, cached_prompts
 from tqdm.auto import tqdm
 
 from latentmill import interrupt
@@ -376,11 +376,19 @@ class _Run:
         self.samples_seen, self.train_time, self.data_time = 0, 0.0, 0.0
         self.step_batches: list[dict[str, Any]] = []  # where the last step's micro-batches sat (record_samples)
         self.stop_signal: int | None = None  # a stop request every rank agreed on (train_step)
-        # the VAE and text encoders of validation: loaded at the first validation, kept on the CPU in between
-        self.validator = Validator(self.adapter, pretrained, self.device, component=self.parts[0].expert.component) \
-            if cfg.validate_every else None
+        # validation's VAE: loaded at the first validation, kept on the CPU in between (its prompts: _build_data)
+        self.validator = Validator(self.adapter, pretrained, self.device, component=self.parts[0].expert.component,
+                                   prompts=self.validation_prompts) if cfg.validate_every else None
 
     # ---------------------------------------------------------------- building
+    def _validation_prompts(self, cache_dir: Path) -> CachedPrompts | None:
+        """The validation prompts' cached embeddings (and the negative prompt's); None for a family whose
+        pipeline encodes its prompts itself."""
+        if not self.adapter.prompts_from_cache:
+            return None
+        return cached_prompts(self.manifest, cache_dir, [*self.cfg.validation_prompts, self.adapter.negative_prompt],
+                              str(cache_dir))
+
     def _build_data(self, cache_dir: Path, check_cache: Callable[[dict], None] | None) -> None:
         """The cache manifest, the family's adapter, and this rank's loader."""
         cfg, ctx = self.cfg, self.ctx
@@ -401,6 +409,8 @@ class _Run:
         self.text_len = _text_length(self.manifest)
         if cfg.validate_every:  # every cp rank samples the validation prompts: the plan splits their sequences
             check_cp_validation(self.parallel, self.adapter, cfg.validation_size, self.pretrained, self.text_len)
+        # validation prompts' embeddings from the snapshot, before any model loads (a snapshot without them stops here)
+        self.validation_prompts = self._validation_prompts(cache_dir) if cfg.validate_every else None
         log.info("%s cache %s: %d samples in %d buckets, %d batches per epoch and rank", self.adapter.family,
                  cache_dir, self.loader.num_samples, len(self.loader.buckets), len(self.loader))
 

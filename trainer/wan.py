@@ -96,14 +96,15 @@ class WanAdapter(ModelAdapter):
         return wan_forward(model, noisy, sigmas_B, batch["prompt_embeds"])
 
     def validation_images(
-        self, pipe, prompts, *, size, steps, generator, max_sequence_length, guidance_scale
+        self, pipe, text, negative, *, size, steps, generator, max_sequence_length, guidance_scale
     ):
         from PIL import Image
 
         width, height = size[0], size[1]
         frames = size[2] if len(size) > 2 else VALIDATION_FRAMES
         out = pipe(
-            prompt=prompts,
+            **text,
+            **negative,  # used with classifier-free guidance (guidance_scale > 1)
             height=height,
             width=width,
             num_frames=frames,
