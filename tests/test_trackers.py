@@ -66,6 +66,7 @@ def tracked(tiny_flux, mlflow_server, tmp_path_factory):
     cache = root / "cache"
     manifest = write_fake_cache(cache, {(32, 32, 1): 4}, seq_len=16, smooth=True)
     manifest["snapshot"] = {"name": PROVENANCE["snapshot"], "samples": 4, "buckets": {"32x32x1": 4}, "prep": PREP}
+    manifest["shards"][0]["held_out"] = [3]  # one held-out sample: the evaluation's losses go to every tracker
     (cache / "manifest.json").write_text(json.dumps(manifest))
     cfg = TrainerConfig(max_steps=2, batch_size=2, learning_rate=1e-3, save_every=0, mode="lora", lora_rank=4,
                         validate_every=2, validation_prompts=["a red square"], validation_steps=1,
@@ -131,6 +132,9 @@ def test_wandb_offline_run_holds_the_metrics_images_and_recipe(tracked):
     losses = [h["train/loss"] for h in history if "train/loss" in h]
     assert losses == pytest.approx([r["loss"] for r in read_metrics(run_dir)])
     assert [h["_step"] for h in history if "train/loss" in h] == [1, 2]
+    (evaluated,) = [r["eval"] for r in read_metrics(run_dir) if "eval" in r]
+    assert [(h["_step"], h["eval/loss"], h["eval/loss_0.5"]) for h in history if "eval/loss" in h] == \
+        [(2, pytest.approx(evaluated["loss"]), pytest.approx(evaluated["loss_0.5"]))]
     (image,) = [(h["_step"], h["validation"]) for h in history if "validation" in h]
     assert image[0] == 2 and image[1]["_type"] == "image-file" and (image[1]["width"], image[1]["height"]) == (32, 32)
     config = {}
@@ -157,6 +161,9 @@ def test_mlflow_server_holds_the_metrics_params_and_artifacts(tracked):
     assert [m.step for m in history] == [r["step"] for r in read_metrics(run_dir)]
     assert [m.value for m in history] == pytest.approx([r["loss"] for r in read_metrics(run_dir)])
     assert run.data.params["trainer.max_steps"] == "2" and run.data.params["seed"] == "0"
+    (evaluated,) = [r["eval"] for r in read_metrics(run_dir) if "eval" in r]
+    assert [(m.step, m.value) for m in client.get_metric_history(run.info.run_id, "eval/loss_0.9")] == \
+        [(2, pytest.approx(evaluated["loss_0.9"]))]
     assert run.data.tags["snapshot"] == PROVENANCE["snapshot"]
     assert [a.path for a in client.list_artifacts(run.info.run_id, "validation")] == ["validation/step-000002.png"]
     provenance = client.download_artifacts(run.info.run_id, "provenance.json", str(run_dir / "dl"))
@@ -172,6 +179,8 @@ def test_tensorboard_has_the_same_scalars_and_the_grid(tracked):
     events = EventAccumulator(str(run_dir / "tb"), size_guidance={"images": 0, "tensors": 0})
     events.Reload()
     assert [e.value for e in events.Scalars("train/loss")] == pytest.approx([r["loss"] for r in read_metrics(run_dir)])
+    (evaluated,) = [r["eval"] for r in read_metrics(run_dir) if "eval" in r]
+    assert [(e.step, e.value) for e in events.Scalars("eval/loss")] == [(2, pytest.approx(evaluated["loss"]))]
     (image,) = events.Images("validation")
     assert image.step == 2 and (image.width, image.height) == (32, 32)
     assert "recipe/text_summary" in events.Tags()["tensors"]

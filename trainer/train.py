@@ -39,6 +39,7 @@ from latentmill.trainer.checkpoint import (
 )
 from latentmill.trainer.config import ParallelConfig, TrainerConfig
 from latentmill.trainer.context import check_context_parallel, check_cp_batch
+from latentmill.trainer.evaluation import Evaluator
 from latentmill.trainer.experts import Part, expert_sigma, other_parts, route_micro_batches, routing_warning
 from latentmill.trainer.export import export_trained
 from latentmill.trainer.loader import (
@@ -266,6 +267,9 @@ def _loop(run: _Run, trackers: Trackers, *, progress: bool, on_step: Callable[[d
     with bar, run.loader, metrics_file, samples_file, interrupt.stop_on_signals():
         while run.step < cfg.max_steps:
             record = run.train_step(batches)
+            validating = cfg.validate_every and (run.step % cfg.validate_every == 0 or run.step == cfg.max_steps)
+            if validating and run.evaluator is not None:
+                record["eval"] = run.evaluate()
             if ctx.is_main:
                 _log_record(record, metrics_file, trackers, on_step)
             if cfg.record_samples:
@@ -278,7 +282,7 @@ def _loop(run: _Run, trackers: Trackers, *, progress: bool, on_step: Callable[[d
                          record["grad_norm"])
             if run.stop_signal is not None and run.step < cfg.max_steps:  # every rank read it in the same step
                 run.stop()
-            if cfg.validate_every and (run.step % cfg.validate_every == 0 or run.step == cfg.max_steps):
+            if validating:
                 path = run.validate()  # every rank takes part: an FSDP2 forward is collective
                 if path is not None:
                     validations.append(str(path))
@@ -288,6 +292,8 @@ def _loop(run: _Run, trackers: Trackers, *, progress: bool, on_step: Callable[[d
         run.check_shards_read(wait=True)  # the run ends only on shards checked whole (before the loader closes)
     if run.validator is not None:
         run.validator.close()
+    if run.evaluator is not None:
+        run.evaluator.close()
     exported = run.export(export_dir if export_dir is not None else train_dir / "export", validations) \
         if cfg.export else None
     return run.summary(exported, validations)
@@ -298,6 +304,8 @@ def _log_record(record: dict, metrics_file: Any, trackers: Trackers, on_step: Ca
     metrics_file.write(json.dumps(record) + "\n")
     metrics_file.flush()
     trackers.log_metrics(record)
+    if "eval" in record:
+        trackers.log_metrics({"step": record["step"], **record["eval"]}, prefix="eval")
     if on_step is not None:
         on_step(record)
 
@@ -338,6 +346,8 @@ class _Run:
         # the VAE and text encoders of validation: loaded at the first validation, kept on the CPU in between
         self.validator = Validator(self.adapter, pretrained, self.device, component=self.parts[0].expert.component) \
             if cfg.validate_every else None
+        self.evaluator = self._build_evaluator(cache_dir)
+        self.last_eval: dict[str, float] = {}
 
     # ---------------------------------------------------------------- building
     def _build_data(self, cache_dir: Path, check_cache: Callable[[dict], None] | None) -> None:
@@ -360,6 +370,18 @@ class _Run:
         self.text_len = _text_length(self.manifest)
         log.info("%s cache %s: %d samples in %d buckets, %d batches per epoch and rank", self.adapter.family,
                  cache_dir, self.loader.num_samples, len(self.loader.buckets), len(self.loader))
+
+    def _build_evaluator(self, cache_dir: Path) -> Evaluator | None:
+        """The held-out evaluation at each validation (``trainer.evaluation``): on rank 0, or on every rank under
+        FSDP2 (a collective forward); none without validations, held-out samples, or with context parallelism."""
+        ctx = self.ctx
+        if not self.cfg.validate_every or not any("held_out" in e for e in self.manifest["shards"]):
+            return None
+        if ctx.cp_size > 1 or not (ctx.is_main or ctx.sharded):
+            if ctx.is_main:
+                log.warning("held-out evaluation is off with context parallelism (parallel.cp_size > 1)")
+            return None
+        return Evaluator(cache_dir, self.manifest, self.cfg.batch_size, self.adapter, self.device)
 
     def _build_model(self) -> None:
         """The trained models (``self.parts``: the pipeline's transformer, or the experts ``trainer.expert``
@@ -632,6 +654,15 @@ class _Run:
                                   max_sequence_length=self.text_len, is_main=self.ctx.is_main,
                                   others={p.expert.component: p.transformer for p in self.parts[1:]})
 
+    def evaluate(self) -> dict[str, float]:
+        """The held-out losses of the current weights (``trainer.evaluation``), every trained model serving its
+        sigmas; logged on rank 0."""
+        self.last_eval = self.evaluator.run([(p.expert, p.transformer) for p in self.parts], self.cfg)
+        if self.ctx.is_main:
+            log.info("step %d eval loss %.5f on %d held-out samples", self.step, self.last_eval.get("loss", float("nan")),
+                     self.evaluator.samples)
+        return self.last_eval
+
     def check_shards_read(self, *, wait: bool) -> None:
         """Stop, naming the shard, when any rank's shard check found a damaged one (every rank takes part);
         ``wait``: first let the checks of every shard read so far finish (a checkpoint, the end of the run)."""
@@ -733,6 +764,7 @@ class _Run:
             "family": self.adapter.family,
             "expert": self.expert_name,
             "validation": validations,
+            **({"eval": self.last_eval} if self.last_eval else {}),
             "cpu_threads": self.cpu_threads.threads,  # intra-op threads of this run (CUDA: torch's own)
             "cpu_threads_reason": self.cpu_threads.reason,
             "shards_checked": self.loader.shard_check.checked if self.loader.shard_check is not None
