@@ -164,3 +164,47 @@ def test_two_runs_report_equal_eval_losses_and_never_train_on_held_out_keys(tiny
     assert [step for step, _ in evals[0]] == [2, 4]
     assert evals[0] == evals[1]  # same seed, same weights, same fixed noise: equal losses
     assert evals[0][0][1] != evals[0][1][1]  # and they follow the weights
+
+
+@pytest.mark.slow
+def test_with_the_curate_clip_scorer_each_validation_reports_its_clip_score(tiny_flux, held_out_cache, tmp_path):
+    from latentmill.stages.curate import CurateConfig
+    from latentmill.stages.curate_models import model_scores
+    from latentmill.trainer import TrainerConfig, train
+    from PIL import Image
+
+    from latentmill.tiny_clip import build_tiny_clip
+    from tests.trainer_helpers import read_metrics, torch_threads
+
+    clip = build_tiny_clip(tmp_path / "tiny-clip", seed=0)
+    prompts = ["a red square", "a blue circle"]
+    cfg = TrainerConfig(max_steps=2, batch_size=3, learning_rate=1e-3, save_every=0, validate_every=2,
+                        validation_prompts=prompts, validation_steps=1, validation_size=[32, 32], export=False)
+    curate = {"clip_model": str(clip), "scorers": ["clip_score"]}
+    with torch_threads(1):
+        train(cfg, cache_dir=held_out_cache, pretrained=str(tiny_flux), train_dir=tmp_path / "run", seed=0,
+              progress=False, recipe={"curate": curate})
+    (record,) = [r for r in read_metrics(tmp_path / "run") if "eval" in r]
+    assert {"loss", "loss_0.5", "clip_score"} <= set(record["eval"])
+    grid = Image.open(tmp_path / "run" / "validation" / "step-000002.png").convert("RGB")
+    tiles = [[grid.crop((0, 32 * i, 32, 32 * i + 32))] for i in range(2)]  # each prompt's image, lossless
+    scores = model_scores(CurateConfig(**curate), tiles, prompts, [["clip_score"]] * 2)
+    assert record["eval"]["clip_score"] == pytest.approx((scores[0]["clip_score"] + scores[1]["clip_score"]) / 2,
+                                                         rel=1e-5)
+
+
+@pytest.mark.slow
+def test_under_ddp_rank_0_evaluates_and_under_fsdp2_every_rank_does(tiny_flux, held_out_cache, tmp_path):
+    from tests.trainer_helpers import launch_jobs, read_metrics
+
+    cfg = {"max_steps": 2, "batch_size": 1, "learning_rate": 1e-3, "save_every": 0, "export": False,
+           "validate_every": 2, "validation_prompts": ["a red square"], "validation_steps": 1,
+           "validation_size": [32, 32]}
+    jobs = [{"cfg": cfg, "cache": str(held_out_cache), "pretrained": str(tiny_flux), "train_dir": str(tmp_path / s),
+             "parallel": {"strategy": s}} for s in ("ddp", "fsdp2")]
+    (ddp0, ddp1), (fsdp0, fsdp1) = launch_jobs(tmp_path, jobs)
+    assert len(ddp0["eval"]) == 10 and "eval" not in ddp1  # rank 0 alone; the run went on in step
+    assert fsdp0["eval"] == fsdp1["eval"] and len(fsdp0["eval"]) == 10  # a collective forward on every rank
+    for strategy in ("ddp", "fsdp2"):
+        (record,) = [r for r in read_metrics(tmp_path / strategy) if "eval" in r]
+        assert record["step"] == 2 and record["eval"] == (ddp0 if strategy == "ddp" else fsdp0)["eval"]

@@ -378,5 +378,5 @@ class ModelAdapter(ABC):
         max_sequence_length: int,
         guidance_scale: float,
     ) -> list[list[Any]]:
-        """Sample ``pipe`` once per prompt; one row of PIL images per prompt (frames of a video, or 1 image)."""
+        """Sample ``pipe`` once per prompt; one row of PIL images per prompt (every frame of a video, or 1 image)."""
         ...

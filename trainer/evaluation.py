@@ -7,6 +7,9 @@ shifts compare at the same levels) with noise seeded by the sample's key alone (
 see the same noise), and reports the unweighted velocity MSE per sigma (``loss_0.1`` ... ``loss_0.9``) and
 their mean (``loss``). Cost: held-out samples x 9 forwards without gradient, on rank 0 (on every rank under
 FSDP2, whose forward is collective). No weight changes and no RNG stream of training is drawn from.
+
+With the curate stage's CLIP scorer in the recipe, each validation also scores its images (a video: the four
+frames of its grid) against their prompts (``clip_score``, ``eval/clip_score``), on rank 0.
 """
 
 from __future__ import annotations
@@ -59,6 +62,28 @@ def sample_losses(adapter: ModelAdapter, model: torch.nn.Module, batch: dict[str
                                                                      extra_targets[name][row:row + 1])
         losses.append(loss)
     return torch.stack(losses).float().cpu()
+
+
+def clip_scorer(recipe: dict[str, Any] | None) -> Any:
+    """The recipe's curate config when its CLIP scorer is on (``clip_score`` in ``curate.scorers``, or
+    ``curate.min_clip_score`` set), else None: what ``clip_score`` scores validation images with."""
+    if not recipe or "curate" not in recipe:
+        return None
+    from latentmill.stages.curate import CurateConfig
+
+    from latentmill.core.config import from_dict
+
+    cfg = from_dict(CurateConfig, recipe["curate"])
+    return cfg if "clip_score" in cfg.active_scorers() else None
+
+
+def clip_score(curate_cfg: Any, rows: list[list[Any]], prompts: list[str]) -> float:
+    """The mean CLIP score (the curate stage's ``clip_score``: 100 x cosine) of each prompt's validation images
+    (a video: the mean over its frames) against that prompt."""
+    from latentmill.stages.curate_models import model_scores
+
+    scores = model_scores(curate_cfg, rows, list(prompts), [["clip_score"]] * len(rows))
+    return sum(s["clip_score"] for s in scores) / len(scores)
 
 
 class Evaluator:

@@ -39,7 +39,7 @@ from latentmill.trainer.checkpoint import (
 )
 from latentmill.trainer.config import ParallelConfig, TrainerConfig
 from latentmill.trainer.context import check_context_parallel, check_cp_batch
-from latentmill.trainer.evaluation import Evaluator
+from latentmill.trainer.evaluation import Evaluator, clip_score, clip_scorer
 from latentmill.trainer.experts import Part, expert_sigma, other_parts, route_micro_batches, routing_warning
 from latentmill.trainer.export import export_trained
 from latentmill.trainer.loader import (
@@ -63,7 +63,7 @@ from latentmill.trainer.parallel import DistContext, init_distributed, shutdown
 from latentmill.trainer.shard_check import CorruptShardError
 from latentmill.trainer.threads import ThreadChoice, choose_cpu_threads
 from latentmill.trainer.trackers import Trackers, start_trackers
-from latentmill.trainer.validation import Validator
+from latentmill.trainer.validation import Validator, grid_frames, video_path
 from tqdm.auto import tqdm
 
 from latentmill import interrupt
@@ -239,6 +239,7 @@ def _train(
     """The body of ``train`` for one process (rank ``ctx.rank`` of ``ctx.world_size``): set up, loop, export."""
     run = _Run(cfg, ctx, parallel, cache_dir, pretrained, train_dir, seed, check_cache, provenance)
     run.resume()
+    run.clip = clip_scorer(recipe) if ctx.is_main and cfg.validate_every else None
     trackers = Trackers([])
     if ctx.is_main:
         trackers = start_trackers(cfg.active_trackers(), project=cfg.tracker_project, run_name=train_dir.name,
@@ -268,8 +269,9 @@ def _loop(run: _Run, trackers: Trackers, *, progress: bool, on_step: Callable[[d
         while run.step < cfg.max_steps:
             record = run.train_step(batches)
             validating = cfg.validate_every and (run.step % cfg.validate_every == 0 or run.step == cfg.max_steps)
-            if validating and run.evaluator is not None:
-                record["eval"] = run.evaluate()
+            path, scores = _validation(run) if validating else (None, {})  # before the record, which holds scores
+            if scores:
+                record["eval"] = scores
             if ctx.is_main:
                 _log_record(record, metrics_file, trackers, on_step)
             if cfg.record_samples:
@@ -282,11 +284,11 @@ def _loop(run: _Run, trackers: Trackers, *, progress: bool, on_step: Callable[[d
                          record["grad_norm"])
             if run.stop_signal is not None and run.step < cfg.max_steps:  # every rank read it in the same step
                 run.stop()
-            if validating:
-                path = run.validate()  # every rank takes part: an FSDP2 forward is collective
-                if path is not None:
-                    validations.append(str(path))
-                    trackers.log_image("validation", path, run.step)
+            if path is not None:
+                validations.append(str(path))
+                trackers.log_image("validation", path, run.step)
+                if video_path(path).is_file():  # a video family's videos, every frame
+                    trackers.log_video("validation_video", video_path(path), run.step)
             if cfg.save_every and (run.step % cfg.save_every == 0 or run.step == cfg.max_steps):
                 run.save()
         run.check_shards_read(wait=True)  # the run ends only on shards checked whole (before the loader closes)
@@ -297,6 +299,18 @@ def _loop(run: _Run, trackers: Trackers, *, progress: bool, on_step: Callable[[d
     exported = run.export(export_dir if export_dir is not None else train_dir / "export", validations) \
         if cfg.export else None
     return run.summary(exported, validations)
+
+
+def _validation(run: _Run) -> tuple[Path | None, dict[str, float]]:
+    """A validation step's work: the held-out evaluation, the samples (every rank takes part) and, with the
+    curate CLIP scorer, their CLIP score. The grid's path and the scores on rank 0 (None and {} elsewhere,
+    but the evaluation's under FSDP2)."""
+    scores = run.evaluate() if run.evaluator is not None else {}
+    path = run.validate()
+    if path is not None and run.clip is not None:
+        rows = [grid_frames(row) for row in run.validator.rows]
+        scores["clip_score"] = clip_score(run.clip, rows, run.cfg.validation_prompts)
+    return path, scores
 
 
 def _log_record(record: dict, metrics_file: Any, trackers: Trackers, on_step: Callable[[dict], None] | None) -> None:
@@ -347,6 +361,7 @@ class _Run:
         self.validator = Validator(self.adapter, pretrained, self.device, component=self.parts[0].expert.component) \
             if cfg.validate_every else None
         self.evaluator = self._build_evaluator(cache_dir)
+        self.clip: Any = None  # the curate stage's CLIP scorer of validation images (_train: the recipe's)
         self.last_eval: dict[str, float] = {}
 
     # ---------------------------------------------------------------- building
