@@ -12,6 +12,7 @@ import torch
 from latentmill.pipelines.snapshot import held_out, holdout_rank, publish
 from latentmill.trainer.loader import LatentLoader
 
+from latentmill.inspect import inspect_path
 from tests.trainer_helpers import write_fake_cache
 
 
@@ -44,7 +45,7 @@ def _cache_keys(loader: LatentLoader) -> list[str]:
     return [ref.key for refs in loader.buckets.values() for ref in refs]
 
 
-def test_training_never_reads_a_held_out_sample_and_the_snapshot_records_both(tmp_path):
+def test_training_never_reads_a_held_out_sample_and_the_snapshot_records_both(tmp_path, capsys):
     out = tmp_path / "out"
     cache = out / "prep" / "cache"
     write_fake_cache(cache, {(32, 32, 1): 20, (64, 32, 1): 12}, seq_len=8, shards_per_bucket=2)
@@ -67,10 +68,13 @@ def test_training_never_reads_a_held_out_sample_and_the_snapshot_records_both(tm
     evaluation = LatentLoader(Path(split["path"]), 3, held_out="only")
     assert sorted(k for b in evaluation.in_order() for k in b["keys"]) == sorted(expected)
     assert train.dataset_id != LatentLoader(Path(plain["path"]), 4).dataset_id
+    inspect_path(Path(split["path"]))
+    assert "  held out for evaluation: 8 samples (eval_fraction 0.1, eval_min_count 8)" in capsys.readouterr().out
     # a compaction (no recipe) keeps the latest rule: the same snapshot
     assert publish(out, cache) == {**split, "new": False}
 
 
+@pytest.mark.heavy  # the real prep flow twice (~35 s); the fast test above pins the same contract on publish
 @pytest.mark.slow
 def test_a_new_fraction_is_a_new_snapshot_that_encodes_nothing(tiny_flux, demo_images, tmp_path):
     from latentmill.pipelines.prep import run_prep
@@ -193,6 +197,7 @@ def test_with_the_curate_clip_scorer_each_validation_reports_its_clip_score(tiny
                                                          rel=1e-5)
 
 
+@pytest.mark.heavy  # a 2-rank torchrun launch of two runs (~50 s)
 @pytest.mark.slow
 def test_under_ddp_rank_0_evaluates_and_under_fsdp2_every_rank_does(tiny_flux, held_out_cache, tmp_path):
     from tests.trainer_helpers import launch_jobs, read_metrics
