@@ -114,10 +114,13 @@ def held_out(keys: list[str], fraction: float, min_count: int) -> set[str]:
     groups: dict[str, list[str]] = {}
     for key in keys:
         groups.setdefault(media_key(key), []).append(key)
-    ranked = sorted(groups, key=lambda media: (holdout_rank(media), media))
-    wanted = max(sum(len(groups[m]) for m in ranked if holdout_rank(m) < fraction), min_count)
-    cap, chosen = len(keys) // 4, set()
-    for media in ranked:
+    ranks = {media: holdout_rank(media) for media in groups}
+    below = [media for media, rank in ranks.items() if rank < fraction]
+    wanted, cap = max(sum(len(groups[m]) for m in below), min_count), len(keys) // 4
+    if wanted == sum(len(groups[m]) for m in below) <= cap:  # the fraction alone decides: no sort
+        return {key for media in below for key in groups[media]}
+    chosen: set[str] = set()
+    for media in sorted(groups, key=lambda m: (ranks[m], m)):
         if len(chosen) >= wanted or len(chosen) + len(groups[media]) > cap:
             break
         chosen.update(groups[media])
