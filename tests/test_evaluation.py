@@ -140,7 +140,6 @@ def test_eval_loss_is_the_objective_by_hand_and_changes_nothing(tiny_flux, held_
     assert first["loss"] == pytest.approx(sum(first[f"loss_{s:g}"] for s in EVAL_SIGMAS) / 9)
     assert model.training and torch.equal(torch.get_rng_state(), rng)
     assert all(torch.equal(weights[k], v) for k, v in model.state_dict().items())  # eval never trains
-    assert evaluator.run([(expert, model)], cfg) == first  # fixed noise
     evaluator.close()
 
 
