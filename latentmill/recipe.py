@@ -55,6 +55,19 @@ class PrepConfig:
     # Prefect artifact (latentmill.plots; only when matplotlib is installed: latentmill[plots]). Cost: the
     # scores table and manifests, plus decoding at most 48 quarantined samples per reason.
     plots: bool = True
+    # The held-out set the trainer evaluates on and never trains on (pipelines/snapshot.py ``held_out``): the
+    # samples whose key hashes below this fraction, at least eval_min_count of them, at most a quarter of the
+    # snapshot; 0 turns it off. Off by default so that a recipe's training set stays what it was; the
+    # real-size recipes set 0.02.
+    eval_fraction: float = 0.0
+    eval_min_count: int = 8
+
+    def validate(self) -> None:
+        if not 0.0 <= self.eval_fraction < 1.0:
+            raise ConfigError(f"prep.eval_fraction: must be in [0, 1) (0 turns the held-out set off), got "
+                              f"{self.eval_fraction}")
+        if self.eval_min_count < 0:
+            raise ConfigError(f"prep.eval_min_count: must be >= 0, got {self.eval_min_count}")
 
 
 @dataclass

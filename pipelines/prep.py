@@ -460,7 +460,8 @@ def _prep_stages(recipe_data: dict, started_run: str | None) -> dict[str, Any]:
     if recipe.prep.plots:  # only with matplotlib; a failed picture is a warning, never a failed prep
         if publish_prep_plots(recipe.prep_dir, run_log.warning, also=[started_run] if started_run else []):
             plots = str(recipe.prep_dir / PLOTS_DIR / "index.md")
-    snapshot = publish_snapshot(recipe.output_dir, recipe.stage_dir("cache"))
+    snapshot = publish_snapshot(recipe.output_dir, recipe.stage_dir("cache"), recipe.prep.eval_fraction,
+                                recipe.prep.eval_min_count)
     trackers = log_prep_to_trackers(recipe, report, snapshot)
     publish_tracker_links(trackers, "prep", also=[started_run] if started_run else [])
     return {"stages": report, "snapshot": snapshot, "plots": plots, "ingest_units": ingest_units,

@@ -405,7 +405,7 @@ class ModelAdapter(ABC):
         max_sequence_length: int,
         guidance_scale: float,
     ) -> list[list[Any]]:
-        """Sample ``pipe`` once per prompt; one row of PIL images per prompt (frames of a video, or 1 image).
+        """Sample ``pipe`` once per prompt; one row of PIL images per prompt (every frame of a video, or 1 image).
 
         ``text``: the prompts as pipeline keyword arguments (``pipeline_prompt_kwargs``, or ``prompt=`` where
         the pipeline encodes them); ``negative``: the negative prompt's, ``negative_``-prefixed (for classifier-free

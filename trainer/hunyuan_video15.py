@@ -139,6 +139,5 @@ class HunyuanVideo15Adapter(ModelAdapter):
             one = {k: v[i:i + 1] for k, v in {**text, **negative}.items()}
             video = pipe(**one, height=height, width=width, num_frames=frames, num_inference_steps=steps,
                          generator=generator, output_type="np").frames[0]  # [F, H, W, 3] in [0, 1]
-            picks = sorted({round(i * (len(video) - 1) / 3) for i in range(4)})  # first, last, two between
-            rows.append([Image.fromarray((video[i] * 255).round().astype("uint8")) for i in picks])
+            rows.append([Image.fromarray((frame * 255).round().astype("uint8")) for frame in video])  # every frame
         return rows

@@ -38,6 +38,8 @@ Design choices:
   the trainer's per-sample noise draws.
 * Trimmed text (``text.trimmed``): ``prompt_embeds`` hold only the real tokens and are zero-padded to
   ``text.pad_to`` when a batch is assembled, which is what ``WanPipeline`` feeds its transformer.
+* Held-out samples (a snapshot's ``held_out`` places per shard entry, ``prep.eval_fraction``) are skipped
+  as the indexes are read: training never sees them; ``held_out="only"`` reads nothing else (the evaluation).
 * Caption dropout: a sample trains on the empty prompt's tensors with probability ``caption_dropout``; the
   decision is a pure function of (seed, epoch, sample key), so a resumed run drops the very same captions.
 """
@@ -389,12 +391,15 @@ class LatentLoader:
         prefetch: bool = True,
         io_threads: int = 2,
         check_on_read: bool = False,
+        held_out: str = "skip",
     ) -> None:
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} is outside world_size {world_size}")
-        self.rank, self.world_size = rank, world_size
+        if held_out not in ("skip", "only"):
+            raise ValueError(f"held_out must be 'skip' or 'only', got {held_out!r}")
+        self.rank, self.world_size, self.held_out = rank, world_size, held_out
         self.cache_dir = Path(cache_dir)
         if manifest is None:
             manifest = read_manifest(self.cache_dir)
@@ -423,8 +428,11 @@ class LatentLoader:
         self.empty_prompt = self._load_empty_prompt() if caption_dropout > 0 else None
         # What the sample order depends on: the shard list (content-addressed), not the stage config.
         shard_ids = [
-            (e["path"], e.get("sha256"), e.get("samples"), e.get("bucket")) for e in self.manifest["shards"]
+            (e["path"], e.get("sha256"), e.get("samples"), e.get("bucket"), *([e["held_out"]] if "held_out" in e else []))
+            for e in self.manifest["shards"]
         ]
+        if held_out == "only":
+            shard_ids.append("held_out")
         self.dataset_id = hashlib.sha256(json.dumps(shard_ids, sort_keys=True).encode()).hexdigest()
 
         # --- every shard's index read, samples grouped by bucket (manifest order, then tar order) ---
@@ -515,7 +523,18 @@ class LatentLoader:
             if n and int(buckets_of.min()) < 0:
                 key = index.key(int(np.argmin(buckets_of)))
                 raise ValueError(f"{where}: sample {key!r} has no bucket (neither in the index nor the manifest)")
-            if n and int(buckets_of.min()) == int(buckets_of.max()):  # a single-bucket shard: a range
+            keep = None
+            if "held_out" in entry or self.held_out == "only":
+                keep = np.zeros(n, dtype=bool)
+                keep[np.asarray(entry.get("held_out", []), dtype=np.int64)] = True
+                keep = keep if self.held_out == "only" else ~keep
+            if keep is not None:
+                kept = np.flatnonzero(keep)
+                order = kept[np.argsort(buckets_of[kept], kind="stable")]
+                cuts = np.flatnonzero(np.diff(buckets_of[order])) + 1
+                for part in np.split(order, cuts) if len(order) else []:
+                    segments.setdefault(int(buckets_of[part[0]]), []).append(part + base)
+            elif n and int(buckets_of.min()) == int(buckets_of.max()):  # a single-bucket shard: a range
                 parts = segments.setdefault(int(buckets_of[0]), [])
                 if parts and isinstance(parts[-1], range) and parts[-1].stop == base:
                     parts[-1] = range(parts[-1].start, base + n)  # follows the bucket's previous shard
@@ -819,6 +838,13 @@ class LatentLoader:
                 self.epoch, self.batch_index = at.after  # state now points at the next batch
                 handed_at = time.perf_counter()
                 yield batch
+
+    def in_order(self) -> Iterator[dict[str, Any]]:
+        """Every sample once, unshuffled: each bucket's samples in manifest then tar order, ``batch_size`` at a
+        time (the evaluation's pass over the held-out set; epoch 0's caption choice, position untouched)."""
+        for bucket, refs in self.buckets.items():
+            for start in range(0, len(refs), self.batch_size):
+                yield self._read_batch(bucket, list(range(start, min(start + self.batch_size, len(refs)))), 0)
 
     def _read(self, ref: SampleRef, ext: str) -> bytes:
         """The bytes of one member of a sample (metadata, tests; batches read with ``_read_batch``)."""

@@ -119,6 +119,5 @@ class LTX2Adapter(ModelAdapter):
                         output_type="np", return_dict=False)
         rows = []
         for clip in video:
-            picks = sorted({round(i * (len(clip) - 1) / 3) for i in range(4)})
-            rows.append([Image.fromarray((clip[i] * 255).round().astype("uint8")) for i in picks])
+            rows.append([Image.fromarray((frame * 255).round().astype("uint8")) for frame in clip])  # every frame
         return rows

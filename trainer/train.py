@@ -40,6 +40,7 @@ from latentmill.trainer.checkpoint import (
 )
 from latentmill.trainer.config import ParallelConfig, TrainerConfig
 from latentmill.trainer.context import check_context_parallel, check_cp_batch, check_cp_validation
+from latentmill.trainer.evaluation import Evaluator, clip_score, clip_scorer
 from latentmill.trainer.experts import Part, expert_sigma, other_parts, route_micro_batches, routing_warning
 from latentmill.trainer.export import export_trained
 from latentmill.trainer.loader import (
@@ -63,7 +64,7 @@ from latentmill.trainer.parallel import DistContext, init_distributed, shutdown
 from latentmill.trainer.shard_check import CorruptShardError
 from latentmill.trainer.threads import ThreadChoice, choose_cpu_threads
 from latentmill.trainer.trackers import Trackers, start_trackers
-from latentmill.trainer.validation import CachedPrompts, Validator, cached_prompts
+from latentmill.trainer.validation import CachedPrompts, Validator, cached_prompts, grid_frames, video_path
 from tqdm.auto import tqdm
 
 from latentmill import interrupt
@@ -243,6 +244,7 @@ def _train(
     """The body of ``train`` for one process (rank ``ctx.rank`` of ``ctx.world_size``): set up, loop, export."""
     run = _Run(cfg, ctx, parallel, cache_dir, pretrained, train_dir, seed, check_cache, provenance)
     run.resume()
+    run.clip = clip_scorer(recipe) if ctx.is_main and cfg.validate_every else None
     trackers = Trackers([])
     if ctx.is_main:
         trackers = start_trackers(cfg.active_trackers(), project=cfg.tracker_project, run_name=train_dir.name,
@@ -271,6 +273,10 @@ def _loop(run: _Run, trackers: Trackers, *, progress: bool, on_step: Callable[[d
     with bar, run.loader, metrics_file, samples_file, interrupt.stop_on_signals():
         while run.step < cfg.max_steps:
             record = run.train_step(batches)
+            validating = cfg.validate_every and (run.step % cfg.validate_every == 0 or run.step == cfg.max_steps)
+            path, scores = _validation(run) if validating else (None, {})  # before the record, which holds scores
+            if scores:
+                record["eval"] = scores
             if ctx.is_main:
                 _log_record(record, metrics_file, trackers, on_step)
             if cfg.record_samples:
@@ -283,19 +289,33 @@ def _loop(run: _Run, trackers: Trackers, *, progress: bool, on_step: Callable[[d
                          record["grad_norm"])
             if run.stop_signal is not None and run.step < cfg.max_steps:  # every rank read it in the same step
                 run.stop()
-            if cfg.validate_every and (run.step % cfg.validate_every == 0 or run.step == cfg.max_steps):
-                path = run.validate()  # every rank takes part: an FSDP2 forward is collective
-                if path is not None:
-                    validations.append(str(path))
-                    trackers.log_image("validation", path, run.step)
+            if path is not None:
+                validations.append(str(path))
+                trackers.log_image("validation", path, run.step)
+                if video_path(path).is_file():  # a video family's videos, every frame
+                    trackers.log_video("validation_video", video_path(path), run.step)
             if cfg.save_every and (run.step % cfg.save_every == 0 or run.step == cfg.max_steps):
                 run.save()
         run.check_shards_read(wait=True)  # the run ends only on shards checked whole (before the loader closes)
     if run.validator is not None:
         run.validator.close()
+    if run.evaluator is not None:
+        run.evaluator.close()
     exported = run.export(export_dir if export_dir is not None else train_dir / "export", validations) \
         if cfg.export else None
     return run.summary(exported, validations)
+
+
+def _validation(run: _Run) -> tuple[Path | None, dict[str, float]]:
+    """A validation step's work: the held-out evaluation, the samples (every rank takes part) and, with the
+    curate CLIP scorer, their CLIP score. The grid's path and the scores on rank 0 (None and {} elsewhere,
+    but the evaluation's under FSDP2)."""
+    scores = run.evaluate() if run.evaluator is not None else {}
+    path = run.validate()
+    if path is not None and run.clip is not None:
+        rows = [grid_frames(row) for row in run.validator.rows]
+        scores["clip_score"] = clip_score(run.clip, rows, run.cfg.validation_prompts)
+    return path, scores
 
 
 def _log_record(record: dict, metrics_file: Any, trackers: Trackers, on_step: Callable[[dict], None] | None) -> None:
@@ -303,6 +323,8 @@ def _log_record(record: dict, metrics_file: Any, trackers: Trackers, on_step: Ca
     metrics_file.write(json.dumps(record) + "\n")
     metrics_file.flush()
     trackers.log_metrics(record)
+    if "eval" in record:
+        trackers.log_metrics({"step": record["step"], **record["eval"]}, prefix="eval")
     if on_step is not None:
         on_step(record)
 
@@ -379,6 +401,9 @@ class _Run:
         # validation's VAE: loaded at the first validation, kept on the CPU in between (its prompts: _build_data)
         self.validator = Validator(self.adapter, pretrained, self.device, component=self.parts[0].expert.component,
                                    prompts=self.validation_prompts) if cfg.validate_every else None
+        self.evaluator = self._build_evaluator(cache_dir)
+        self.clip: Any = None  # the curate stage's CLIP scorer of validation images (_train: the recipe's)
+        self.last_eval: dict[str, float] = {}
 
     # ---------------------------------------------------------------- building
     def _validation_prompts(self, cache_dir: Path) -> CachedPrompts | None:
@@ -413,6 +438,18 @@ class _Run:
         self.validation_prompts = self._validation_prompts(cache_dir) if cfg.validate_every else None
         log.info("%s cache %s: %d samples in %d buckets, %d batches per epoch and rank", self.adapter.family,
                  cache_dir, self.loader.num_samples, len(self.loader.buckets), len(self.loader))
+
+    def _build_evaluator(self, cache_dir: Path) -> Evaluator | None:
+        """The held-out evaluation at each validation (``trainer.evaluation``): on rank 0, or on every rank under
+        FSDP2 (a collective forward); none without validations, held-out samples, or with context parallelism."""
+        ctx = self.ctx
+        if not self.cfg.validate_every or not any("held_out" in e for e in self.manifest["shards"]):
+            return None
+        if ctx.cp_size > 1 or not (ctx.is_main or ctx.sharded):
+            if ctx.is_main:
+                log.warning("held-out evaluation is off with context parallelism (parallel.cp_size > 1)")
+            return None
+        return Evaluator(cache_dir, self.manifest, self.cfg.batch_size, self.adapter, self.device)
 
     def _build_model(self) -> None:
         """The trained models (``self.parts``: the pipeline's transformer, or the experts ``trainer.expert``
@@ -653,6 +690,15 @@ class _Run:
                                   max_sequence_length=self.text_len, is_main=self.ctx.is_main,
                                   others={p.expert.component: p.transformer for p in self.parts[1:]})
 
+    def evaluate(self) -> dict[str, float]:
+        """The held-out losses of the current weights (``trainer.evaluation``), every trained model serving its
+        sigmas; logged on rank 0."""
+        self.last_eval = self.evaluator.run([(p.expert, p.transformer) for p in self.parts], self.cfg)
+        if self.ctx.is_main:
+            log.info("step %d eval loss %.5f on %d held-out samples", self.step, self.last_eval.get("loss", float("nan")),
+                     self.evaluator.samples)
+        return self.last_eval
+
     def check_shards_read(self, *, wait: bool) -> None:
         """Stop, naming the shard, when any rank's shard check found a damaged one (every rank takes part);
         ``wait``: first let the checks of every shard read so far finish (a checkpoint, the end of the run)."""
@@ -754,6 +800,7 @@ class _Run:
             "family": self.adapter.family,
             "expert": self.expert_name,
             "validation": validations,
+            **({"eval": self.last_eval} if self.last_eval else {}),
             "cpu_threads": self.cpu_threads.threads,  # intra-op threads of this run (CUDA: torch's own)
             "cpu_threads_reason": self.cpu_threads.reason,
             "shards_checked": self.loader.shard_check.checked if self.loader.shard_check is not None

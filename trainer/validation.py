@@ -57,6 +57,26 @@ def image_grid(rows: list[list[Any]]) -> Any:
     return grid
 
 
+def grid_frames(frames: list[Any]) -> list[Any]:
+    """The frames of one video a validation grid shows: the first, the last and two between."""
+    return [frames[i] for i in sorted({round(i * (len(frames) - 1) / 3) for i in range(4)})]
+
+
+def video_path(grid: Path) -> Path:
+    """The animated GIF a video validation writes beside its grid ``step-N.png``."""
+    return grid.with_suffix(".gif")
+
+
+def save_video(rows: list[list[Any]], path: Path, frame_ms: int = 125) -> Path:
+    """Every frame of the validation videos as one animated GIF (each frame: the prompts' frames side by side),
+    written whole under a temporary name first."""
+    frames = [image_grid([[row[i] for row in rows]]) for i in range(min(len(row) for row in rows))]
+    tmp = path.with_suffix(".gif.tmp")
+    frames[0].save(tmp, format="GIF", save_all=True, append_images=frames[1:], duration=frame_ms, loop=0)
+    os.replace(tmp, path)
+    return path
+
+
 def component_dtypes(family: str, device: torch.device | str) -> dict[str, torch.dtype]:
     """The dtype of each part of a validation pipeline of ``family`` on ``device``: ``vae`` and ``text`` (every
     other loaded component: text encoders) as the cache stage ran them (``compute_dtypes``), ``transformer``
@@ -138,6 +158,7 @@ class Validator:
         self.dtypes = component_dtypes(adapter.family, self.device)
         self.prompts = prompts
         self.pipe: Any = None  # loaded by the first run
+        self.rows: list[list[Any]] = []
 
     def _text_components(self) -> dict[str, None]:
         """None for every text encoder and tokenizer of the pipeline folder, when the prompts come cached."""
@@ -197,7 +218,8 @@ class Validator:
         is_main: bool = True,
         others: dict[str, nn.Module] | None = None,
     ) -> Path | None:
-        """Generate ``cfg.validation_prompts`` with ``transformer``; save ``<train_dir>/validation/step-N.png``.
+        """Generate ``cfg.validation_prompts`` with ``transformer``; save ``<train_dir>/validation/step-N.png`` (a
+        video family: four frames of each video, and every frame in ``step-N.gif`` beside it, ``video_path``).
 
         ``others``: further in-training models by pipeline slot (``transformer_2`` of a run of both experts).
         Returns the PNG path on the main rank (None elsewhere). Every rank calls it (FSDP2: collective).
@@ -233,10 +255,14 @@ class Validator:
                 torch.cuda.empty_cache()
         if not is_main:
             return None
-        grid = image_grid(rows)
+        self.rows = rows  # the last validation's images, each prompt's row (its CLIP score)
+        video = any(len(row) > 1 for row in rows)  # a video family: every frame of each video
+        grid = image_grid([grid_frames(row) for row in rows] if video else rows)
         out_dir = train_dir / "validation"
         out_dir.mkdir(parents=True, exist_ok=True)
         path = out_dir / f"step-{step:06d}.png"
+        if video:
+            save_video(rows, video_path(path))
         tmp = path.with_suffix(".png.tmp")
         grid.save(tmp, format="PNG")
         os.replace(tmp, path)

@@ -116,6 +116,5 @@ class WanAdapter(ModelAdapter):
         ).frames  # [B, F, H, W, 3] in [0, 1]
         rows = []
         for video in out:
-            picks = sorted({round(i * (len(video) - 1) / 3) for i in range(4)})  # first, last, two between
-            rows.append([Image.fromarray((video[i] * 255).round().astype("uint8")) for i in picks])
+            rows.append([Image.fromarray((frame * 255).round().astype("uint8")) for frame in video])  # every frame
         return rows
