@@ -69,7 +69,7 @@ def stream_source(recipe: Recipe) -> tuple[Path, StreamSource]:
     folder = resolve_snapshot(work, recipe.snapshot)
     cache = recipe.loader.cache_dir or str(work / "stream-cache")
     return folder, StreamSource(published_path(recipe.output_dir, work, str(folder)), cache,
-                                recipe.loader.limit_bytes)
+                                recipe.loader.limit_bytes, str(folder))
 
 
 def _family(recipe: Recipe) -> str | None:

@@ -492,6 +492,21 @@ def run_phase(rel: str) -> int:
     return 2
 
 
+def check_snapshot(url: str, name: str) -> None:
+    """Raise ``FileNotFoundError`` as ``resolve_snapshot`` does when the store holds no snapshot ``name``
+    (``latest``: the one ``snapshots/LATEST`` names)."""
+    fs, root = store_fs(url)
+    folder = join(url, "snapshots")
+    if name == "latest":
+        try:
+            name = fs.cat_file(join(root, "snapshots", LATEST)).decode().strip()
+        except FileNotFoundError:
+            raise FileNotFoundError(f"no snapshot published under {folder}: run `latentmill prep` first") from None
+    if not fs.exists(join(root, "snapshots", name, "manifest.json")):
+        raise FileNotFoundError(f"snapshot {name!r} not found under {folder}; `latentmill inspect {url}` lists the "
+                                "published ones")
+
+
 def pull_runs(url: str, work: Path) -> dict[str, Any]:
     """Download the store's training-run files that the work folder lacks (a fresh machine resuming a run
     finds its checkpoints); ``{"downloaded", "bytes"}``. What this machine holds already is its own truth."""
@@ -516,7 +531,8 @@ class RunPublisher:
     """Publishes the training runs of a work folder to the store while they train: every ``every_s`` seconds
     in a thread, and once more when stopped (a run killed midway leaves its checkpoints there). A checkpoint's
     parts go before its ``trainer_state.json``, so one found on the store is whole; checkpoints pruned here
-    (``keep_latest_k``) are deleted there, ``trainer_state.json`` first. Links (``metrics.jsonl``, the export
+    (``keep_latest_k``) are deleted there, ``trainer_state.json`` first (so are run files the store holds and
+    this folder lacks when it starts: ``pull_runs`` brings every one in first). Links (``metrics.jsonl``, the export
     links) are not published: ``run.json`` and ``LATEST`` name the folders."""
 
     def __init__(self, work: Path, url: str, every_s: float = PUBLISH_EVERY_S):
@@ -569,9 +585,11 @@ class RunPublisher:
                 continue
 
     def __enter__(self) -> "RunPublisher":
-        listing = _listing(self.fs, self.root)  # what the store holds already (pulled, or published before)
-        self.sent = {rel: sig for rel, sig in self._files().items()
-                     if rel in listing and int(listing[rel].get("size") or -1) == sig[0]}
+        # what the store holds already: a copy of the same size is taken as this file's, one this folder lacks
+        # (``pull_runs`` brought every one in) was pruned here and goes at the first round
+        local = self._files()
+        self.sent = {rel: local.get(rel, (-1, -1)) if int(info.get("size") or 0) == local.get(rel, (-1,))[0]
+                     else (-1, -1) for rel, info in _listing(self.fs, self.root).items() if run_file(rel)}
         self._thread.start()
         return self
 

@@ -1,8 +1,10 @@
 """Training from a snapshot on an object store: ``ShardStream`` downloads the shards a rank's batches read
 into a bounded local cache folder, ahead of the step.
 
-At start-up it reads the snapshot's manifest and every shard's index from the store (small files, kept in
-the cache folder beside the tars, as the loader expects them); the tars come later, as batches need them.
+At start-up it reads the snapshot's manifest and every shard's index (small files, kept in the cache folder
+beside the tars, as the loader expects them) from ``local_copy`` where a copy with the manifest's sha256 is
+there (the work folder's, which ``latentmill train`` pulled), else from the store; the tars come later, as
+batches need them, one GET each.
 ``LatentLoader`` (``stream=``) tells it, a few batches ahead of the step, which shards each coming batch reads
 (``want``); a background thread downloads them in that order while they fit under ``cache_limit`` bytes, and
 the loader waits (``ready``) only for a shard not there yet. To make room, the shards no coming batch reads
@@ -24,6 +26,7 @@ import logging
 import os
 import posixpath
 import re
+import shutil
 import threading
 from collections import OrderedDict, deque
 from dataclasses import dataclass
@@ -68,7 +71,8 @@ class ShardStream:
     """The shards of the snapshot at ``url`` (an fsspec URL of its folder), downloaded into ``cache_dir`` as
     they are wanted; at most ``cache_limit`` bytes of tars kept (None: no limit)."""
 
-    def __init__(self, url: str, cache_dir: str | Path, cache_limit: int | None = None) -> None:
+    def __init__(self, url: str, cache_dir: str | Path, cache_limit: int | None = None,
+                 local_copy: str | Path | None = None) -> None:
         from latentmill.core.store import store_fs
 
         self.url = url.rstrip("/")
@@ -77,7 +81,12 @@ class ShardStream:
         self.cache_dir.mkdir(parents=True, exist_ok=True)
         self.limit = cache_limit
         self.requests = self.bytes_downloaded = self.downloads = self.evictions = 0
-        self.manifest = json.loads(self._cat("manifest.json"))
+        self.local_copy = Path(local_copy) if local_copy is not None else None
+        if self.local_copy is not None and (self.local_copy / "manifest.json").is_file():  # a snapshot's name
+            self.manifest = json.loads((self.local_copy / "manifest.json").read_text())  # is its content
+        else:
+            self._get("manifest.json", self.cache_dir / "manifest.json")
+            self.manifest = json.loads((self.cache_dir / "manifest.json").read_text())
         entries = self.manifest.get("shards") or []
         self.remote = [self._remote(e["path"]) for e in entries]
         self.local = [self.cache_dir / posixpath.basename(e["path"]) for e in entries]
@@ -106,13 +115,16 @@ class ShardStream:
     def _remote(self, rel: str) -> str:
         return posixpath.normpath(posixpath.join(self.root, rel))
 
-    def _cat(self, rel: str) -> bytes:
+    def _get(self, rel: str, path: Path) -> None:
+        """Download the snapshot's file ``rel`` to ``path`` (one GET), through its ``.partial`` name."""
+        tmp = path.with_name(path.name + PARTIAL)
         self.requests += 1
-        return self.fs.cat_file(self._remote(rel))
+        self.fs.get_file(self._remote(rel), str(tmp))
+        os.replace(tmp, path)
 
     def _fetch_indexes(self, entries: list[dict]) -> None:
-        """Every shard's index (and the empty prompt's tensors) beside where its tar will be, unless a copy
-        with the manifest's sha256 is there already."""
+        """Every shard's index (and the empty prompt's tensors) beside where its tar will be: kept if a copy
+        with the manifest's sha256 is there, else copied from ``local_copy``'s, else downloaded."""
         small = [(posixpath.join(posixpath.dirname(e["path"]), e["index"]["name"]), e["index"]["sha256"])
                  for e in entries if e.get("index")]
         if self.manifest.get("empty_prompt"):
@@ -121,10 +133,12 @@ class ShardStream:
             path = self.path_of(rel)
             if path.is_file() and (sha is None or sha256_file(path) == sha):
                 continue
-            data = self._cat(rel)
-            tmp = path.with_name(path.name + PARTIAL)
-            tmp.write_bytes(data)
-            os.replace(tmp, path)
+            copy = self.local_copy / rel if self.local_copy is not None else None
+            if copy is not None and copy.is_file() and (sha is None or sha256_file(copy) == sha):
+                shutil.copyfile(copy, path.with_name(path.name + PARTIAL))
+                os.replace(path.with_name(path.name + PARTIAL), path)
+            else:
+                self._get(rel, path)
 
     def path_of(self, rel: str) -> Path:
         """The local path of the snapshot's file ``rel`` (a path relative to its manifest)."""
@@ -143,12 +157,14 @@ class ShardStream:
     def want(self, shards: Iterable[int]) -> None:
         """A coming batch reads ``shards``: queue those not here for download, in the batches' order."""
         with self._cond:
+            queued = len(self._queue)
             for shard in shards:
                 self._wanted[shard] = self._wanted.get(shard, 0) + 1
                 self._finished.discard(shard)
                 if shard not in self._present and shard not in self._queue:
                     self._queue.append(shard)
-            self._cond.notify_all()
+            if len(self._queue) > queued:  # a wake-up per batch costs the reading thread the GIL
+                self._cond.notify_all()
 
     def ready(self, shards: Iterable[int]) -> None:
         """The batch to be read next reads ``shards`` (the previous one was read): block until each is in the
@@ -176,7 +192,8 @@ class ShardStream:
                 else:
                     self._wanted.pop(shard, None)
             self._finished.update(finished)
-            self._cond.notify_all()
+            if self._queue:  # room may have been made for a shard that waits
+                self._cond.notify_all()
 
     def fetch_now(self, shard: int) -> None:
         """Bring shard ``shard`` into the cache in this thread (reading after the loader closed: the model
@@ -321,6 +338,7 @@ class StreamSource:
     url: str
     cache_dir: str
     cache_limit: int | None = None
+    local_copy: str | None = None  # the snapshot's folder in the work folder: its manifest and indexes
 
     def open(self, rank: int) -> ShardStream:
-        return ShardStream(self.url, Path(self.cache_dir) / f"rank-{rank}", self.cache_limit)
+        return ShardStream(self.url, Path(self.cache_dir) / f"rank-{rank}", self.cache_limit, self.local_copy)
