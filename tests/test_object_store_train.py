@@ -18,8 +18,10 @@ DEMO_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "demo.yaml"
 
 
 def _run(command: str, output_dir: str, tiny_flux: Path, source: str, summary: Path, *overrides: str) -> dict:
+    """``latentmill COMMAND`` on the demo recipe (cache shards of 128 KiB: the 24 samples in several shards)."""
     assert main([command, str(DEMO_CONFIG), f"output_dir={output_dir}", f"model.pretrained={tiny_flux}",
-                 f"ingest.source={source}", "trainer.save_every=2", "trainer.log_every=1", *overrides,
+                 f"ingest.source={source}", "cache.shard_bytes=131072", "trainer.save_every=2", "trainer.log_every=1",
+                 *overrides,
                  "--summary-json", str(summary)]) == 0
     return json.loads(summary.read_text())
 
@@ -35,10 +37,10 @@ def test_prep_then_train_on_the_store_trains_the_local_losses_and_resumes_from_t
     source = upload_demo_inputs(fs, s3_bucket)
     url = f"s3://{s3_bucket}/out"
 
-    # the reference: 6 steps on a local output_dir, from the same inputs
-    local = _run("run", str(tmp_path / "local"), tiny_flux, source, tmp_path / "local.json", "trainer.max_steps=6")
+    # the reference: 10 steps on a local output_dir, from the same inputs
+    local = _run("run", str(tmp_path / "local"), tiny_flux, source, tmp_path / "local.json", "trainer.max_steps=10")
     reference = _losses((Path(local["train"]["run_dir"]) / "metrics.jsonl").read_text())
-    assert [step for step, _ in reference] == list(range(1, 7))
+    assert [step for step, _ in reference] == list(range(1, 11))
 
     # the same prep-then-train on the store, 4 steps: the same snapshot, the same losses, bit for bit
     stored = _run("run", url, tiny_flux, source, tmp_path / "store.json", "trainer.max_steps=4")
@@ -58,13 +60,13 @@ def test_prep_then_train_on_the_store_trains_the_local_losses_and_resumes_from_t
     assert fs.exists(f"{prefix}/export/model_index.json")
     assert fs.cat_file(f"{s3_bucket}/out/train/LATEST").decode().strip() == run
 
-    # a fresh machine (empty work folder) resumes the store's latest checkpoint to step 6, with a cache limit of
-    # half the snapshot: the losses of steps 5 and 6 are the local run's, bit for bit
+    # a fresh machine (empty work folder) resumes the store's latest checkpoint to step 10, with a cache limit of
+    # one byte (each batch keeps only its own shards): the losses of steps 5 to 10 are the local run's, bit for bit
     monkeypatch.setenv("LATENTMILL_WORK_DIR", str(tmp_path / "fresh"))
-    resumed = _run("train", url, tiny_flux, source, tmp_path / "resumed.json", "trainer.max_steps=6",
-                   "trainer.resume=latest", f"loader.cache_limit={snapshot_bytes // 2}")
+    resumed = _run("train", url, tiny_flux, source, tmp_path / "resumed.json", "trainer.max_steps=10",
+                   "trainer.resume=latest", "loader.cache_limit=1B")
     assert resumed["train"]["resumed_from"].endswith("step-000004")
     assert resumed["train"]["stream"]["evictions"] > 0
     metrics = _losses(fs.cat_file(f"{prefix}/metrics.jsonl").decode())
     assert metrics == reference
-    assert sorted(p.rsplit("/", 1)[1] for p in fs.ls(f"{prefix}/checkpoints")) == ["step-000004", "step-000006"]
+    assert sorted(p.rsplit("/", 1)[1] for p in fs.ls(f"{prefix}/checkpoints")) == ["step-000008", "step-000010"]

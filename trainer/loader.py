@@ -751,14 +751,27 @@ class LatentLoader:
             yield read[0]
 
     def _last_uses(self, epoch: int) -> dict[int, int]:
-        """Per shard, the index of this rank's last batch of ``epoch`` that reads it."""
+        """Per shard, the index of this rank's last batch of ``epoch`` that reads it (over the plan's arrays:
+        no Python step per batch)."""
+        import numpy as np
+
         if self._last_use is None or self._last_use[0] != epoch:
-            plan, last = self.epoch_batches(epoch), {}
-            for index in range(len(plan)):
-                bucket, indices = plan[index]
-                if indices:
-                    last.update(dict.fromkeys(self._shards_of(bucket, indices), index))
-            self._last_use = (epoch, last)
+            plan = self.epoch_batches(epoch)
+            sizes = np.asarray(plan.sizes, dtype=np.int64)
+            batch_of = np.repeat(np.arange(len(plan), dtype=np.int64), sizes)
+            where = np.repeat(np.asarray(plan.starts, dtype=np.int64), sizes) + (
+                np.arange(int(sizes.sum()), dtype=np.int64) - np.repeat(np.cumsum(sizes) - sizes, sizes))
+            number = np.repeat(np.asarray(plan.which, dtype=np.int64), sizes)
+            shard = np.empty(len(batch_of), dtype=np.int64)
+            for b, bucket in enumerate(plan.buckets):
+                mask = number == b
+                local = np.asarray(plan.perms[b])[where[mask]]
+                samples = self.buckets[bucket].samples
+                ids = local + samples.start if isinstance(samples, range) else samples[local]
+                shard[mask] = np.searchsorted(self._shard_base_np, ids, side="right") - 1
+            last = np.full(len(self._indexes), -1, dtype=np.int64)
+            np.maximum.at(last, shard, batch_of)
+            self._last_use = (epoch, {s: int(i) for s, i in enumerate(last.tolist()) if i >= 0})
         return self._last_use[1]
 
     def captions(self) -> Iterator[str]:

@@ -6,7 +6,7 @@ beside the tars, as the loader expects them) from ``local_copy`` where a copy wi
 there (the work folder's, which ``latentmill train`` pulled), else from the store; the tars come later, as
 batches need them, one GET each.
 ``LatentLoader`` (``stream=``) tells it, a few batches ahead of the step, which shards each coming batch reads
-(``want``); a background thread downloads them in that order while they fit under ``cache_limit`` bytes, and
+(``want``); two background threads download them in that order while they fit under ``cache_limit`` bytes, and
 the loader waits (``ready``) only for a shard not there yet. To make room, the shards no coming batch reads
 go first (those this rank has finished with for the epoch, then the least recently used), and only for the
 batch being read, the shards wanted furthest ahead; a shard the batch being read needs is never evicted. The
@@ -42,6 +42,7 @@ log = logging.getLogger(__name__)
 
 PARTIAL = ".partial"  # suffix of a shard being downloaded: renamed into place once whole and checked
 AHEAD_BATCHES = 8  # the loader announces this many of its coming batches (their shards are downloaded first)
+DOWNLOAD_THREADS = 2  # downloads at once: one request's latency overlaps another's transfer
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "b": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}
 
@@ -108,8 +109,11 @@ class ShardStream:
         self._closed = False
         self.on_evict: Callable[[int], None] | None = None  # the loader closes an evicted shard's file
         self._fetch_indexes(entries)
-        self._thread = threading.Thread(target=self._run, name="latent-stream", daemon=True)
-        self._thread.start()
+        self._inflight: dict[int, int] = {}  # shards being downloaded -> their bytes (counted as used)
+        self._threads = [threading.Thread(target=self._run, name=f"latent-stream-{i}", daemon=True)
+                         for i in range(DOWNLOAD_THREADS)]
+        for thread in self._threads:
+            thread.start()
 
     # ---------------------------------------------------------------- start-up: manifest and indexes
     def _remote(self, rel: str) -> str:
@@ -217,18 +221,21 @@ class ShardStream:
         with self._cond:
             self._closed = True
             self._cond.notify_all()
-        if self._thread is not threading.current_thread():
-            self._thread.join()
+        for thread in self._threads:
+            if thread is not threading.current_thread():
+                thread.join()
 
     def counters(self) -> dict[str, int]:
         """What the stream did so far: requests to the store, bytes and tars downloaded, tars evicted."""
         return {"requests": self.requests, "bytes_downloaded": self.bytes_downloaded, "downloads": self.downloads,
                 "evictions": self.evictions}
 
-    # ---------------------------------------------------------------- the download thread
+    # ---------------------------------------------------------------- the download threads
     def _next(self) -> int | None:
         """The next shard to download (under the lock), evicting what must go to make room; None: wait."""
         for shard in list(self._urgent) + list(self._queue):
+            if shard in self._inflight:
+                continue
             if shard in self._present or shard in self._failed:
                 self._urgent.discard(shard)
                 if shard in self._queue:
@@ -241,6 +248,7 @@ class ShardStream:
             self._urgent.discard(shard)
             if shard in self._queue:
                 self._queue.remove(shard)
+            self._inflight[shard] = size
             return shard
         return None
 
@@ -248,7 +256,7 @@ class ShardStream:
         """Evict shards until ``size`` more bytes fit under the limit: those no coming batch reads (finished
         ones first, then least recently used), then (``force``: for the batch being read) those wanted furthest
         ahead, never one the batch being read needs. False when the bytes do not fit (``force``: go over)."""
-        used = sum(self._present.values())
+        used = sum(self._present.values()) + sum(self._inflight.values())
         candidates = [s for s in self._present if s not in self._pins and s not in self._wanted]
         candidates.sort(key=lambda s: s not in self._finished)  # stable: LRU order within each group
         if force:
@@ -283,6 +291,7 @@ class ShardStream:
                 continue
             problem = self._download(shard)
             with self._cond:
+                del self._inflight[shard]
                 if problem is None:
                     self._present[shard] = self.sizes[shard]
                 else:
@@ -292,12 +301,12 @@ class ShardStream:
     def _next_ready(self) -> bool:
         """Whether ``_next`` would find work now (under the lock): a shard to fetch that fits or is urgent."""
         pending = [s for s in list(self._urgent) + list(self._queue)
-                   if s not in self._present and s not in self._failed]
+                   if s not in self._present and s not in self._failed and s not in self._inflight]
         if not pending:
             return False
         if self.limit is None or pending[0] in self._urgent:
             return True
-        free = self.limit - sum(self._present.values())
+        free = self.limit - sum(self._present.values()) - sum(self._inflight.values())
         evictable = sum(size for s, size in self._present.items() if s not in self._pins and s not in self._wanted)
         return free + evictable >= self.sizes[pending[0]]
 
@@ -310,14 +319,16 @@ class ShardStream:
         actual = ""
         for _attempt in range(2):
             try:
-                self.requests += 1
+                with self._cond:
+                    self.requests += 1
                 self.fs.get_file(remote, str(tmp))
             except Exception as err:  # the store failed the request: a second try, then the error
                 actual = f"unreadable ({type(err).__name__}: {err})"
                 continue
             size = tmp.stat().st_size
-            self.bytes_downloaded += size
-            self.downloads += 1
+            with self._cond:
+                self.bytes_downloaded += size
+                self.downloads += 1
             actual = sha256_file(tmp)
             if not expected or actual == expected:
                 os.replace(tmp, path)
