@@ -130,3 +130,6 @@ def test_a_killed_download_is_never_read(s3_bucket, tmp_path):
     _same(_batches(LatentLoader(local, 4, seed=7, stream=stream), 5), expected)
     assert stream.counters()["downloads"] == len(names)  # both fetched whole, from the store
     assert (cache / names[0]).read_bytes() == first
+    # the model card's captions, read after the loader closed, come through the stream's cache too
+    captions = list(LatentLoader(local, 4, seed=7).captions())
+    assert len(captions) == 20 and captions == list(LatentLoader(local, 4, seed=7, stream=ShardStream(url, cache)).captions())

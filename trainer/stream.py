@@ -211,7 +211,7 @@ class ShardStream:
         if problem is not None:
             raise CorruptShardError(problem)
         with self._cond:
-            self._present[shard] = self.sizes[shard]
+            self._place(shard)
 
     def cached_bytes(self) -> int:
         with self._cond:
@@ -292,11 +292,23 @@ class ShardStream:
             problem = self._download(shard)
             with self._cond:
                 del self._inflight[shard]
-                if problem is None:
-                    self._present[shard] = self.sizes[shard]
-                else:
+                if problem is not None:
                     self._failed[shard] = problem
+                elif shard in self._pins or self.limit is None or self._make_room(self.sizes[shard], force=False):
+                    self._place(shard)
+                else:  # the batches moved on while it downloaded and it no longer fits: fetched again later
+                    self._partial(shard).unlink(missing_ok=True)
+                    if shard in self._wanted:
+                        self._queue.append(shard)
                 self._cond.notify_all()
+
+    def _partial(self, shard: int) -> Path:
+        return self.local[shard].with_name(self.local[shard].name + PARTIAL)
+
+    def _place(self, shard: int) -> None:
+        """Rename a checked download into place (under the lock, after room was made for it)."""
+        os.replace(self._partial(shard), self.local[shard])
+        self._present[shard] = self.sizes[shard]
 
     def _next_ready(self) -> bool:
         """Whether ``_next`` would find work now (under the lock): a shard to fetch that fits or is urgent."""
@@ -311,10 +323,10 @@ class ShardStream:
         return free + evictable >= self.sizes[pending[0]]
 
     def _download(self, shard: int) -> str | None:
-        """Fetch shard ``shard`` to its ``.partial`` name and rename it once its sha256 matches the manifest;
-        a mismatch is fetched once more. None when done, else the error naming the shard."""
-        remote, path = self.remote[shard], self.local[shard]
-        tmp = path.with_name(path.name + PARTIAL)
+        """Fetch shard ``shard`` to its ``.partial`` name and check its sha256 against the manifest (the caller
+        renames it into place: ``_place``); a mismatch is fetched once more. None when done, else the error
+        naming the shard."""
+        remote, tmp = self.remote[shard], self._partial(shard)
         expected = self._entries[shard].get("sha256")
         actual = ""
         for _attempt in range(2):
@@ -331,7 +343,6 @@ class ShardStream:
                 self.downloads += 1
             actual = sha256_file(tmp)
             if not expected or actual == expected:
-                os.replace(tmp, path)
                 self.sizes[shard] = size
                 return None
             log.warning("shard %s: sha256 differs from the manifest; fetching it once more", remote)
