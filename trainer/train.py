@@ -21,6 +21,7 @@ import resource
 import signal
 import sys
 import time
+import traceback
 import warnings
 from contextlib import nullcontext
 from pathlib import Path
@@ -213,8 +214,12 @@ def train(
                          provenance=provenance or {}, recipe=recipe, stream=stream)  # fmt: skip
         finished = True
         return summary
-    except interrupt.Interrupted:
-        finished = True  # every rank stopped after the same step (_Run.stop): all of them reach the barrier
+    except (interrupt.Interrupted, CorruptShardError) as err:
+        # every rank stopped at the same point (_Run.stop, _stop_on_bad_shard): all of them reach the barrier.
+        # The traceback's finished frames let the model go, so its process groups end in shutdown, not with
+        # their threads still running at interpreter exit (where a rank could hang or abort)
+        traceback.clear_frames(err.__traceback__)
+        finished = True
         raise
     finally:
         shutdown(ctx, synchronize=finished)
