@@ -289,7 +289,10 @@ class ShardStream:
                 shard = self._next()
             if shard is None:
                 continue
-            problem = self._download(shard)
+            try:
+                problem = self._download(shard)
+            except OSError as err:  # the local disk (full, removed): the batch that waits says so
+                problem = f"cache shard {self.local[shard]}: cannot be written ({err.strerror or err})"
             with self._cond:
                 del self._inflight[shard]
                 if problem is not None:
