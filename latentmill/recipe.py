@@ -19,7 +19,7 @@ from latentmill.stages.caption import CaptionConfig
 from latentmill.stages.compact import CompactionConfig
 from latentmill.stages.curate import CurateConfig
 from latentmill.stages.ingest import IngestConfig
-from latentmill.trainer.config import ParallelConfig, TrainerConfig
+from latentmill.trainer.config import LoaderConfig, ParallelConfig, TrainerConfig
 
 
 @dataclass
@@ -97,6 +97,7 @@ class Recipe:
     cache: CacheConfig = field(default_factory=CacheConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    loader: LoaderConfig = field(default_factory=LoaderConfig)
     prep: PrepConfig = field(default_factory=PrepConfig)
     retention: RetentionConfig = field(default_factory=RetentionConfig)
     # A pod's persistent volume (absolute path); else $LATENTMILL_VOLUME. A relative output_dir goes under it,

@@ -28,6 +28,7 @@ newest of each. Outputs of the layout before runs (``train/checkpoints``, ``trai
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import sys
@@ -56,6 +57,16 @@ class RunPlan:
     folder: Path
     key: str
     done: dict[str, Any] | None = None
+
+
+def local_recipe(recipe: Recipe) -> Recipe:
+    """The recipe whose runs live here: an ``output_dir`` on an object store trains in its local work folder
+    (``latentmill.core.store.work_dir_for``), which ``latentmill.pipelines.objectstore.RunPublisher`` publishes."""
+    from latentmill.core.store import is_url, work_dir_for
+
+    if not is_url(recipe.output_dir):
+        return recipe
+    return dataclasses.replace(recipe, output_dir=str(work_dir_for(recipe.output_dir)))
 
 
 def runs_dir(recipe: Recipe) -> Path:

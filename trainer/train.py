@@ -30,7 +30,7 @@ from typing import Any, Callable
 import torch
 from latentmill.trainer.adapter import Expert, choose_experts
 from latentmill.trainer.adapters import check_i2v, check_validation, get_adapter
-from latentmill.trainer.card import cache_captions, trigger_phrase, write_model_card
+from latentmill.trainer.card import trigger_phrase, write_model_card
 from latentmill.trainer.checkpoint import (
     list_checkpoints,
     load_checkpoint,
@@ -62,6 +62,7 @@ from latentmill.trainer.objective import (
 )
 from latentmill.trainer.parallel import DistContext, init_distributed, shutdown
 from latentmill.trainer.shard_check import CorruptShardError
+from latentmill.trainer.stream import StreamSource
 from latentmill.trainer.threads import ThreadChoice, choose_cpu_threads
 from latentmill.trainer.trackers import Trackers, start_trackers
 from latentmill.trainer.validation import CachedPrompts, Validator, cached_prompts, grid_frames, video_path
@@ -181,6 +182,7 @@ def train(
     on_step: Callable[[dict], None] | None = None,
     provenance: dict[str, Any] | None = None,
     recipe: dict[str, Any] | None = None,
+    stream: StreamSource | None = None,
 ) -> dict[str, Any]:
     """Train on the latents in ``cache_dir``, starting from the Diffusers pipeline ``pretrained``.
 
@@ -190,7 +192,8 @@ def train(
     report; keep it cheap). ``provenance`` (optional: the dataset snapshot's name and id, the run) goes into
     every checkpoint's trainer state, the summary, and ``latentmill.json`` beside the export, so every model
     traces back to its data. ``recipe`` (optional: the whole resolved recipe, else the trainer section) is what
-    the trackers record as the run's settings. ``export_dir``
+    the trackers record as the run's settings. ``stream`` (optional): the snapshot is on an object store, and
+    ``cache_dir`` holds its manifest only; the shards come through ``latentmill.trainer.stream``. ``export_dir``
     defaults to ``<train_dir>/export`` (used when ``cfg.export``). Returns a summary: ``steps``,
     ``steps_this_run``, ``final_loss``, ``samples_per_s``, ``data_wait_fraction``, ``peak_rss_mb``,
     ``peak_mem_mb``, ``export_dir``, ``resumed_from``, ``world_size``, ``epochs`` (epochs of data this rank
@@ -209,7 +212,7 @@ def train(
     try:
         summary = _train(cfg, ctx, parallel, Path(cache_dir), pretrained, Path(train_dir), seed, export_dir,
                          progress=progress, check_cache=check_cache, on_step=on_step,
-                         provenance=provenance or {}, recipe=recipe)  # fmt: skip
+                         provenance=provenance or {}, recipe=recipe, stream=stream)  # fmt: skip
         finished = True
         return summary
     except (interrupt.Interrupted, CorruptShardError) as err:
@@ -240,9 +243,10 @@ def _train(
     on_step: Callable[[dict], None] | None = None,
     provenance: dict[str, Any],
     recipe: dict[str, Any] | None = None,
+    stream: StreamSource | None = None,
 ) -> dict[str, Any]:
     """The body of ``train`` for one process (rank ``ctx.rank`` of ``ctx.world_size``): set up, loop, export."""
-    run = _Run(cfg, ctx, parallel, cache_dir, pretrained, train_dir, seed, check_cache, provenance)
+    run = _Run(cfg, ctx, parallel, cache_dir, pretrained, train_dir, seed, check_cache, provenance, stream)
     run.resume()
     run.clip = clip_scorer(recipe) if ctx.is_main and cfg.validate_every else None
     trackers = Trackers([])
@@ -376,7 +380,7 @@ class _Run:
 
     def __init__(self, cfg: TrainerConfig, ctx: DistContext, parallel: ParallelConfig, cache_dir: Path,
                  pretrained: str, train_dir: Path, seed: int, check_cache: Callable[[dict], None] | None,
-                 provenance: dict[str, Any]) -> None:
+                 provenance: dict[str, Any], stream: StreamSource | None = None) -> None:
         self.cfg, self.ctx, self.parallel, self.pretrained, self.seed = cfg, ctx, parallel, pretrained, seed
         self.train_dir, self.provenance = train_dir, provenance
         self.ckpt_dir, self.metrics_path = train_dir / "checkpoints", train_dir / "metrics.jsonl"
@@ -390,7 +394,7 @@ class _Run:
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
         self.cpu_threads = _use_cpu_threads(cfg, self.device)
-        self._build_data(cache_dir, check_cache)
+        self._build_data(cache_dir, check_cache, stream)
         self._build_model()
         self._build_optimizer()
         self.start_step = self.step = 0
@@ -414,7 +418,8 @@ class _Run:
         return cached_prompts(self.manifest, cache_dir, [*self.cfg.validation_prompts, self.adapter.negative_prompt],
                               str(cache_dir))
 
-    def _build_data(self, cache_dir: Path, check_cache: Callable[[dict], None] | None) -> None:
+    def _build_data(self, cache_dir: Path, check_cache: Callable[[dict], None] | None,
+                    stream: StreamSource | None) -> None:
         """The cache manifest, the family's adapter, and this rank's loader."""
         cfg, ctx = self.cfg, self.ctx
         self.manifest = read_manifest(cache_dir)
@@ -430,6 +435,7 @@ class _Run:
             cache_dir, cfg.batch_size, self.seed, dtype=torch.float32, drop_last=cfg.drop_last,
             verify=cfg.verify_shards, manifest=self.manifest, rank=ctx.dp_rank, world_size=ctx.dp_size,
             caption_dropout=cfg.caption_dropout, check_on_read=not cfg.verify_shards,
+            stream=stream.open(ctx.rank) if stream is not None else None,
         )
         self.text_len = _text_length(self.manifest)
         if cfg.validate_every:  # every cp rank samples the validation prompts: the plan splits their sequences
@@ -448,6 +454,10 @@ class _Run:
         if ctx.cp_size > 1 or not (ctx.is_main or ctx.sharded):
             if ctx.is_main:
                 log.warning("held-out evaluation is off with context parallelism (parallel.cp_size > 1)")
+            return None
+        if self.loader.stream is not None:  # its reader opens local shards; the stream brings only training's
+            if ctx.is_main:
+                log.warning("held-out evaluation is off when training streams its snapshot from a store")
             return None
         return Evaluator(cache_dir, self.manifest, self.cfg.batch_size, self.adapter, self.device)
 
@@ -777,7 +787,7 @@ class _Run:
             write_model_card(folder, cfg=cfg, info=self.info(), pretrained=self.pretrained, steps=self.step,
                              final_loss=self.last_loss, video=self.adapter.latent_ndim == 4,
                              validations=validations,
-                             trigger=trigger_phrase(cache_captions(self.loader.cache_dir, self.manifest)))
+                             trigger=trigger_phrase(self.loader.captions()))
             log.info("exported %s weights to %s", cfg.mode, exported)
         return exported
 
@@ -805,6 +815,8 @@ class _Run:
             "cpu_threads_reason": self.cpu_threads.reason,
             "shards_checked": self.loader.shard_check.checked if self.loader.shard_check is not None
             else len(self.loader.verified_shards),
+            # a snapshot on a store: what this rank's stream fetched (requests, bytes, downloads, evictions)
+            **({"stream": self.loader.stream.counters()} if self.loader.stream is not None else {}),
             **self.provenance,
         }
 
