@@ -101,10 +101,14 @@ def test_a_new_fraction_is_a_new_snapshot_that_encodes_nothing(tiny_flux, demo_i
 
 
 @pytest.fixture()
-def held_out_cache(tmp_path) -> Path:
-    """A snapshot of 12 samples of one bucket, 3 of them held out."""
+def held_out_cache(tiny_flux, tmp_path) -> Path:
+    """A snapshot of 12 samples of one bucket, 3 of them held out, with the validation prompts encoded."""
+    from tests.trainer_helpers import add_validation_prompts
+
     out = tmp_path / "out"
     write_fake_cache(out / "prep" / "cache", {(32, 32, 1): 12}, seq_len=16, smooth=True)
+    add_validation_prompts(out / "prep" / "cache", str(tiny_flux), ["a red square", "a blue circle"],
+                           max_sequence_length=16)  # as a prep does
     return Path(publish(out, out / "prep" / "cache", 0.01, 3)["path"])
 
 

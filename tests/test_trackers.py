@@ -347,6 +347,7 @@ def tracked_video(tiny_wan, mlflow_server, tmp_path_factory):
     """A Wan 2.1 run of 2 steps with a validation at step 2 (a 5-frame video), logged to all three trackers."""
     root = tmp_path_factory.mktemp("tracked-video")
     write_fake_cache(root / "cache", {(32, 32, 5): 4}, family="wan", trimmed=True, seq_len=16, smooth=True)
+    add_validation_prompts(root / "cache", str(tiny_wan), ["a red ball"], max_sequence_length=16)  # as a prep does
     cfg = TrainerConfig(max_steps=2, batch_size=2, learning_rate=1e-3, save_every=0, mode="lora", lora_rank=4,
                         validate_every=2, validation_prompts=["a red ball"], validation_steps=1,
                         validation_size=[32, 32, 5], trackers=["tensorboard", "wandb", "mlflow"],
