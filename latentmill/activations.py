@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import json
 import math
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -109,3 +110,48 @@ def activation_shape(adapter: Any, family: str, folder: Path, transformer_config
     hidden, ffn = adapter.block_widths(transformer_config)
     return ActivationShape(tuple(bucket), tokens(bucket), int(text), adapter.text_in_blocks,
                            tuple(adapter.float32_activations), hidden, ffn, blocks, recipe.trainer.batch_size)
+
+
+def measured_activation_bytes(family: str, config: dict[str, Any], bucket: list[int], max_sequence_length: int, *,
+                              checkpointing: bool, batch: int = 1) -> int:
+    """Peak activation bytes of one forward and backward of ``family``'s real Diffusers transformer built from
+    ``config`` in bf16, at ``bucket``, measured by torch's ``MemTracker`` under ``FakeTensorMode`` (no memory
+    is used: real sizes run on a CPU). Each gradient is dropped as soon as it is accumulated, as FSDP2's
+    reduce-scatter frees it; the peak minus parameters and buffers is the activations' (the check of
+    :func:`activation_bytes`)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    from latentmill.stages.families import family_class
+    from latentmill.trainer.adapters import get_adapter
+
+    adapter = get_adapter(family)
+    cls = adapter.diffusers_class(adapter.transformer_class)
+    shapes = family_class(family).sample_shapes(lambda name: {}, bucket, max_sequence_length)
+
+    class Guidance:  # what the adapters' forward reads of the trainer config
+        guidance_scale = 3.5
+
+    with FakeTensorMode():
+        default = torch.get_default_dtype()
+        torch.set_default_dtype(torch.bfloat16)  # FSDP2's bf16 gathered parameters
+        try:
+            model = cls.from_config(config)
+        finally:
+            torch.set_default_dtype(default)
+        if checkpointing:
+            model.enable_gradient_checkpointing()
+        for p in model.parameters():
+            p.register_post_accumulate_grad_hook(lambda p: setattr(p, "grad", None))
+        inputs = {name: torch.randn(batch, *shape, dtype=torch.bfloat16) for name, shape in shapes.items()}
+        tracker = MemTracker()
+        tracker.track_external(model)
+        with tracker, warnings.catch_warnings():
+            # the tracker names each None it meets among a module's outputs (Diffusers returns some)
+            warnings.filterwarnings("ignore", message="Expected a tensor or a traceable wrapper-subclass")
+            out = adapter.forward(model, inputs["latents"].clone(), torch.rand(batch), inputs, Guidance())
+            out = out[0] if isinstance(out, tuple) else out
+            out.float().pow(2).mean().backward()
+        (peak,) = tracker.get_tracker_snapshot("peak").values()
+    return sum(v for k, v in peak.items() if k == "Total") - sum(
+        v for k, v in peak.items() if str(getattr(k, "value", k)) in ("Parameter", "Buffer"))

@@ -14,8 +14,10 @@ What is counted per rank: parameters (local shards; DDP and none: the full repli
 local shards in float32, kept sharded across accumulation micro-batches; DDP adds its bucket buffers),
 AdamW state (read from a real ``torch.optim.AdamW`` stepped once over the meta parameters), the transient
 gathered parameters of FSDP2 (the root unit plus two block units, current and prefetched, in the compute
-dtype), and host RAM at load and at export. Activations are not counted: they depend on the batch and the
-bucket, and activation checkpointing keeps them to one block's worth plus the block inputs.
+dtype), and host RAM at load and at export. On top of that static part: the activations of the recipe's largest
+bucket with and without activation checkpointing, divided by cp (:mod:`latentmill.activations`), AdamW's foreach
+temporaries, FSDP2's reduce-scatter buffers and a CUDA/NCCL context allowance; ``fits`` is judged on the peak
+(:func:`total_bytes`), and :func:`suggest` names the smallest cp and checkpointing setting that fit.
 """
 
 from __future__ import annotations
@@ -559,7 +561,8 @@ def suggest(result: dict[str, Any]) -> dict[str, Any]:
     peak, cp, ac = min(tried)
     static_left = gpu - total_bytes({**r, "activation_bytes": 0, "optimizer_temp_bytes": 0, "comm_buffer_bytes": 0})
     more = ("more ranks to shard the static part" if static_left <= 0 else
-            f"a GPU of {math.ceil(peak / GIB)} GiB, or a smaller bucket or batch")
+            f"a GPU of {math.ceil(peak / GIB)} GiB, more ranks to shard the static {_gib(r['static_bytes'])}, or a "
+            "smaller bucket or batch")
     return {"cp_size": None, "activation_checkpointing": None, "total_bytes": peak,
             "line": f"nothing fits {gpu / GIB:g} GiB: the least is cp_size {cp} with activation checkpointing "
                     f"{'on' if ac else 'off'} at {_gib(peak)} (cp options {a['cp_options']}); {more} would fit"}
