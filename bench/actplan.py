@@ -52,7 +52,7 @@ def run(args) -> list:
         frames = [f"bucket.max_frames={bucket[2]}", f"bucket.frame_counts=[{bucket[2]}]"] if bucket[2] > 1 else []
         recipe = load_recipe("demo", [f"bucket.resolution={round((bucket[0] * bucket[1]) ** 0.5)}",
                                       f"bucket.aspect_ratios=[{bucket[0] / bucket[1]}]", "bucket.step=16",
-                                      f"cache.max_sequence_length={TEXT_TOKENS}", *frames])
+                                      f"cache.max_sequence_length={TEXT_TOKENS}", "trainer.batch_size=1", *frames])
         shape = activation_shape(adapter, family, shipped_models_dir() / folder, config, recipe, blocks)
         assert list(shape.bucket) == (bucket if bucket[2] > 1 else bucket[:2]), (shape.bucket, bucket)
         for checkpointing in (True, False):
