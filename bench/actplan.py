@@ -11,7 +11,10 @@ with 512 text tokens; Wan 832×480 at 17 and 33 frames), with and without activa
   reduce-scatter frees it (``latentmill.activations.measured_activation_bytes``);
 * estimate: ``latentmill.activations.activation_bytes`` for the same shape.
 
-The figure is ``|estimate / measured - 1|``, goal ≤ 0.15 for every point. Run alone: ``python -m bench.actplan``
+Then Qwen-Image (a family the constants were not set on) and FLUX.2 [dev] (whose SwiGLU width its adapter declares
+from this point) at 1024². HunyuanVideo 1.5 and Z-Image trim their text by its mask (a data-dependent shape
+that ``FakeTensorMode`` cannot run) and are not measured. The figure is ``|estimate / measured - 1|``, goal ≤ 0.15
+for every point. Run alone: ``python -m bench.actplan``
 (``--quick``: the smaller size of each family only).
 """
 
@@ -28,6 +31,10 @@ POINTS = [  # family, shipped config folder, depth, bucket [W, H, F]
     ("flux", "FLUX.1-dev", {"num_layers": 1, "num_single_layers": 2}, [1024, 1024, 1]),
     ("wan", "Wan2.1-T2V-14B-Diffusers", {"num_layers": 2}, [832, 480, 17]),
     ("wan", "Wan2.1-T2V-14B-Diffusers", {"num_layers": 2}, [832, 480, 33]),
+    # a family the constants were not set on (3072 hidden, GELU 4 x, joint attention)
+    ("qwen-image", "Qwen-Image", {"num_layers": 2}, [1024, 1024, 1]),
+    # FLUX.2 [dev] (6144 hidden, SwiGLU): its adapter declares the feed-forward width this point measured
+    ("flux2", "FLUX.2-dev", {"num_layers": 1, "num_single_layers": 2}, [1024, 1024, 1]),
 ]
 TEXT_TOKENS = 512
 
@@ -41,7 +48,7 @@ def run(args) -> list:
     from latentmill.recipe import load_recipe
 
     figures = []
-    points = POINTS[0::2] if args.quick else POINTS
+    points = POINTS[0::2] if args.quick else POINTS  # quick: the smaller size of FLUX.1 and Wan, and Qwen-Image
     for family, folder, depth, bucket in points:
         adapter = get_adapter(family)
         cls = adapter.diffusers_class(adapter.transformer_class)
