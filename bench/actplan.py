@@ -1,4 +1,4 @@
-"""Figure 23: ``latentmill plan``'s activation estimate against a measured peak (issue 34).
+"""Figure 32: ``latentmill plan``'s activation estimate against a measured peak (issue 34).
 
 For FLUX.1-dev's and Wan2.1-T2V-14B's real block widths (the shipped configs; 3072 hidden, 24 heads, FFN 12288;
 5120 hidden, 40 heads, FFN 13824) at a reduced depth (FLUX: 1 double + 2 single blocks; Wan: 2 blocks: each
@@ -72,7 +72,7 @@ def run(args) -> list:
             inputs = {"family": family, "config": f"configs/models/{folder} with {depth}", "bucket": bucket,
                       "tokens": shape.tokens, "text_tokens": TEXT_TOKENS, "batch": 1, "blocks": blocks,
                       "checkpointing": checkpointing}
-            figures.append(figure(f"23. plan's activation estimate vs MemTracker, {family} {'x'.join(map(str, bucket))}, "
+            figures.append(figure(f"32. plan's activation estimate vs MemTracker, {family} {'x'.join(map(str, bucket))}, "
                                   f"checkpointing {'on' if checkpointing else 'off'} (|estimate/measured - 1|)",
                                   [estimate / 2**30], [measured / 2**30], "GiB", "<= 0.15", inputs,
                                   "MemTracker peak under FakeTensorMode minus parameters and buffers, bf16, one "
