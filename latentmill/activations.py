@@ -25,6 +25,7 @@ The constants count tensors per token, and were checked against torch's own memo
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import warnings
@@ -112,6 +113,13 @@ def activation_shape(adapter: Any, family: str, folder: Path, transformer_config
                            tuple(adapter.float32_activations), hidden, ffn, blocks, recipe.trainer.batch_size)
 
 
+@functools.cache
+def _fake_mode(cls: type) -> Any:
+    """One fake mode per process: the adapters cache small tensors (Flux's position ids) across calls, and a
+    fake tensor cannot enter another fake mode; real ones may (a cache filled by real steps)."""
+    return cls(allow_non_fake_inputs=True)
+
+
 def measured_activation_bytes(family: str, config: dict[str, Any], bucket: list[int], max_sequence_length: int, *,
                               checkpointing: bool, batch: int = 1) -> int:
     """Peak activation bytes of one forward and backward of ``family``'s real Diffusers transformer built from
@@ -132,7 +140,7 @@ def measured_activation_bytes(family: str, config: dict[str, Any], bucket: list[
     class Guidance:  # what the adapters' forward reads of the trainer config
         guidance_scale = 3.5
 
-    with FakeTensorMode():
+    with _fake_mode(FakeTensorMode):
         default = torch.get_default_dtype()
         torch.set_default_dtype(torch.bfloat16)  # FSDP2's bf16 gathered parameters
         try:
