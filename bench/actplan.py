@@ -3,7 +3,8 @@
 For FLUX.1-dev's and Wan2.1-T2V-14B's real block widths (the shipped configs; 3072 hidden, 24 heads, FFN 12288;
 5120 hidden, 40 heads, FFN 13824) at a reduced depth (FLUX: 1 double + 2 single blocks; Wan: 2 blocks: each
 block adds a fixed term, so depth changes nothing the check needs), two token counts each (FLUX 512² and 1024²
-with 512 text tokens; Wan 832×480 at 17 and 33 frames), with and without activation checkpointing, batch 1:
+with 512 text tokens; Wan 832×480 at 17 and 33 frames), and the whole FLUX.1-dev at 1024² (about 3 minutes a
+point: the tracker's cost grows with the modules), with and without activation checkpointing, batch 1:
 
 * measured: the peak of one forward and backward of the real Diffusers class in bf16, through the adapter's
   training forward, tracked by torch's ``MemTracker`` under ``FakeTensorMode`` (nothing is allocated: real
@@ -31,6 +32,8 @@ POINTS = [  # family, shipped config folder, depth, bucket [W, H, F]
     ("flux", "FLUX.1-dev", {"num_layers": 1, "num_single_layers": 2}, [1024, 1024, 1]),
     ("wan", "Wan2.1-T2V-14B-Diffusers", {"num_layers": 2}, [832, 480, 17]),
     ("wan", "Wan2.1-T2V-14B-Diffusers", {"num_layers": 2}, [832, 480, 33]),
+    # the whole FLUX.1-dev (19 double + 38 single blocks) at 1024²
+    ("flux", "FLUX.1-dev", {}, [1024, 1024, 1]),
     # a family the constants were not set on (3072 hidden, GELU 4 x, joint attention)
     ("qwen-image", "Qwen-Image", {"num_layers": 2}, [1024, 1024, 1]),
     # FLUX.2 [dev] (6144 hidden, SwiGLU): its adapter declares the feed-forward width this point measured
