@@ -10,7 +10,7 @@ init, serve, compare.
     latentmill inspect PATH [key.path=value ...]   (a recipe with its defaults, an output_dir, a snapshot or a stage)
     latentmill inspect --plots OUT PATH   (PNG score and bucket histograms, quarantine contact sheets, index.md)
     latentmill verify PATH         (re-hash shards against their manifests; exit 1 on any mismatch)
-    latentmill plan CONFIG [key.path=value ...] [--nproc N] [--nnodes M] [--gpu-memory GiB] [--json PATH]
+    latentmill plan CONFIG [key.path=value ...] [--nproc N] [--nnodes M] [--gpu-memory GiB] [--suggest] [--json PATH]
                    (per-rank memory of the run, from its config files on the meta device)
     latentmill gc OUTPUT --keep N [--dry-run] [--json PATH]
                    (remove what neither the newest N snapshots nor a pinned one references)
@@ -100,7 +100,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. parallel.hsdp_replicate=1")
     p.add_argument("--nproc", type=int, help="processes (GPUs) per node (default: 8; 1 for strategy none)")
     p.add_argument("--nnodes", type=int, help="nodes (default: parallel.hsdp_replicate for HSDP, else 1)")
-    p.add_argument("--gpu-memory", type=float, default=80.0, help="GiB per GPU for the fits check (default 80)")
+    p.add_argument("--gpu-memory", type=float, help="GiB per GPU for the fits check (default 80)")
+    p.add_argument("--suggest", action="store_true",
+                   help="name the smallest parallel.cp_size and the activation checkpointing setting that fit "
+                        "--gpu-memory")
     p.add_argument("--json", type=Path, help="write the plan here as JSON")
     p = sub.add_parser("gc", help="remove snapshots, unit records and shards no kept or pinned snapshot uses")
     p.add_argument("output", help="an output_dir (a folder or an object-store URL)")
@@ -445,7 +448,7 @@ def main(argv: list[str] | None = None) -> int:
             from latentmill.plan import format_plan, plan_config
 
             result = plan_config(args.config, args.overrides, nproc=args.nproc, nnodes=args.nnodes,
-                                 gpu_memory_gib=args.gpu_memory)
+                                 gpu_memory_gib=args.gpu_memory, with_suggestion=args.suggest)
             print(format_plan(result))
             if args.json:
                 args.json.parent.mkdir(parents=True, exist_ok=True)

@@ -14,12 +14,15 @@ What is counted per rank: parameters (local shards; DDP and none: the full repli
 local shards in float32, kept sharded across accumulation micro-batches; DDP adds its bucket buffers),
 AdamW state (read from a real ``torch.optim.AdamW`` stepped once over the meta parameters), the transient
 gathered parameters of FSDP2 (the root unit plus two block units, current and prefetched, in the compute
-dtype), and host RAM at load and at export. Activations are not counted: they depend on the batch and the
-bucket, and activation checkpointing keeps them to one block's worth plus the block inputs.
+dtype), and host RAM at load and at export. On top of that static part: the activations of the recipe's largest
+bucket with and without activation checkpointing, divided by cp (:mod:`latentmill.activations`), AdamW's foreach
+temporaries, FSDP2's reduce-scatter buffers and a CUDA/NCCL context allowance; ``fits`` is judged on the peak
+(:func:`total_bytes`), and :func:`suggest` names the smallest cp and checkpointing setting that fit.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import struct
@@ -30,10 +33,14 @@ from typing import Any
 import torch
 from torch import nn
 
+from latentmill.activations import COMPUTE_BYTES, ActivationShape, activation_bytes, activation_shape
 from latentmill.core.config import ConfigError
 from latentmill.recipe import Recipe, load_recipe
 
 GIB = 1024**3
+# what a rank holds outside PyTorch's allocator: the CUDA context with cuBLAS/cuDNN workspaces (~0.5 GiB on an
+# H100) and NCCL's communicator buffers (~1 GiB for the default, shard, replicate and cp groups of a node)
+CONTEXT_BYTES = int(1.5 * GIB)
 GPUS_PER_NODE = 8  # the default --nproc: recipes describe nodes of 8 GPUs (H100/H200/A100 nodes)
 
 # Hub ids whose published config files ship with latentmill (configs/models/<folder>), with the dtype of
@@ -255,6 +262,7 @@ class Unit:
     name: str
     gathered_bytes: int  # full parameters in the unit's compute dtype (mixed precision: its param_dtype)
     block: int | None  # the transformer block it belongs to; None: a root-level unit
+    grad_numel: int = 0  # elements of its trainable parameters: the gradients one reduce-scatter sends
 
 
 def fsdp_units(model: nn.Module, blocks: list[nn.Module]) -> list[Unit]:
@@ -274,7 +282,8 @@ def fsdp_units(model: nn.Module, blocks: list[nn.Module]) -> list[Unit]:
         dtype = group.mp_policy.param_dtype
         gathered = sum(fp._orig_size.numel() * (dtype or fp.sharded_param.dtype).itemsize
                        for fp in group.fsdp_params)
-        units[id(state)] = Unit(name, gathered, block_of.get(id(module)))
+        grads = sum(fp._orig_size.numel() for fp in group.fsdp_params if fp.sharded_param.requires_grad)
+        units[id(state)] = Unit(name, gathered, block_of.get(id(module)), grads)
     return list(units.values())
 
 
@@ -348,8 +357,6 @@ def plan(recipe: Recipe, *, nproc: int | None = None, nnodes: int | None = None,
     notes: list[str] = []
     if cfg.compile:
         notes.append("trainer.compile: not applied on meta (torch.compile does not change parameter memory)")
-    notes.append("activations are not counted (they depend on batch and bucket; activation checkpointing: "
-                 f"{'on' if cfg.activation_checkpointing else 'off'})")
     if parallel.cp_size > 1:
         notes.append(f"parallel.cp_size {parallel.cp_size} ({parallel.cp_kind}): each sample's tokens are split "
                      f"over {parallel.cp_size} ranks, so a rank's sequence activations are 1/{parallel.cp_size}; "
@@ -362,6 +369,17 @@ def plan(recipe: Recipe, *, nproc: int | None = None, nnodes: int | None = None,
         notes.append(f"trainer.expert {expert.name}: {expert.component} only (one expert per run; the other "
                      "expert is neither loaded nor trained)")
     check_heads(model, parallel)
+    heads = int(getattr(model.config, "num_attention_heads", None) or getattr(model.config, "n_heads", 0))
+    cp_options = [1]
+    try:
+        if sharded:
+            check_context_parallel(dataclasses.replace(parallel, cp_size=2), adapter, torch.device("cuda"))
+            shard_group = world // parallel.hsdp_replicate
+            cp_options = [n for n in range(1, shard_group + 1) if shard_group % n == 0
+                          and (parallel.cp_kind != "ulysses" or not heads or heads % n == 0)]
+    except ConfigError:  # the family has no context-parallel plan in this diffusers: cp 1 only
+        pass
+    shape = activation_shape(adapter, family, source.path, dict(model.config), recipe, len(adapter.blocks(model)))
     total_params = sum(p.numel() for p in model.parameters())
     trainable_params = sum(p.numel() for p in model.parameters() if p.requires_grad)
     largest_fp32 = max(p.numel() for p in model.parameters()) * 4
@@ -403,6 +421,12 @@ def plan(recipe: Recipe, *, nproc: int | None = None, nnodes: int | None = None,
             notes.append(f"DDP: full replica per rank; gradients = .grad ({_gib(grads_bytes - bucket_bytes)}) "
                          f"+ {buckets} reducer buckets ({_gib(bucket_bytes)}, torch's bucket assignment)")
         optimizer_bytes = _optimizer_state_bytes(trainable, recipe)
+        # AdamW's foreach step (torch's default on CUDA) makes one new tensor list per device and dtype group:
+        # sqrt(exp_avg_sq), as large as the group's parameters
+        groups: dict[torch.dtype, int] = {}
+        for p in trainable:
+            groups[p.dtype] = groups.get(p.dtype, 0) + _nbytes(_local(p))
+        optimizer_temp_bytes = max(groups.values(), default=0)
         if sharded:
             # root-level units stay gathered through the step; blocks are gathered one at a time, the
             # next one prefetched while the current one computes
@@ -416,8 +440,18 @@ def plan(recipe: Recipe, *, nproc: int | None = None, nnodes: int | None = None,
             gathered_bytes = root + 2 * largest_block
             notes.append(f"gathered: {len(units)} FSDP2 units; root-level {_gib(root)} + 2 x the largest block "
                          f"{_gib(largest_block)} (current + prefetch), in each unit's compute dtype")
+            # a block's backward holds its unsharded gradients in the compute dtype until FSDP2 copies them
+            # into the reduce-scatter input in the reduce dtype (float32)
+            block_grads: dict[int | None, int] = {}
+            for u in units:
+                block_grads[u.block] = block_grads.get(u.block, 0) + u.grad_numel
+            grad_elements = max(block_grads.values(), default=0)
+            comm_bytes = grad_elements * (COMPUTE_BYTES + 4)
+            notes.append(f"communication buffers: the largest unit's {grad_elements:,} gradients, unsharded in "
+                         "bf16 and as the float32 reduce-scatter input")
         else:
             gathered_bytes = 0
+            comm_bytes = 0  # DDP's buckets are counted with the gradients
             if lay.nproc > 1:
                 notes.append(f"host RAM at load is per rank: {lay.nproc} ranks on a node load "
                              f"{_gib(lay.nproc * (base_params * torch.finfo(base_dtype).bits // 8 + lora_bytes))}")
@@ -445,7 +479,30 @@ def plan(recipe: Recipe, *, nproc: int | None = None, nnodes: int | None = None,
         model_export = total_params * torch.finfo(export_dtype).bits // 8
         host_export = export_peak_bytes(model_export, largest_fp32)
     static = params_bytes + buffers_bytes + grads_bytes + optimizer_bytes + gathered_bytes
+    act = {ac: activation_bytes(shape, checkpointing=ac, cp=parallel.cp_size) for ac in (True, False)}
+    activations = act[cfg.activation_checkpointing]
+    notes.append(f"activations: bucket {'x'.join(map(str, shape.bucket))}, {shape.latent_tokens:,} latent + "
+                 f"{shape.text_tokens:,} text tokens ({'joined to' if shape.text_in_blocks else 'cross-attention of'} "
+                 f"the blocks' sequence), batch {shape.batch}, {shape.blocks} blocks of {shape.hidden} x "
+                 f"{shape.ffn}, in bf16 (latentmill.activations)")
     gpu_bytes = int(gpu_memory_gib * GIB)
+    per_rank = {
+        "params_bytes": params_bytes,
+        "buffers_bytes": buffers_bytes,
+        "grads_bytes": grads_bytes,
+        "optimizer_bytes": optimizer_bytes,
+        "gathered_bytes": gathered_bytes,
+        "static_bytes": static,
+        "activation_bytes": activations,
+        "activation_bytes_checkpointing": act[True],
+        "activation_bytes_no_checkpointing": act[False],
+        "optimizer_temp_bytes": optimizer_temp_bytes,
+        "comm_buffer_bytes": comm_bytes,
+        "context_bytes": CONTEXT_BYTES,
+        "host_load_peak_bytes": host_load,
+        "host_export_peak_bytes": host_export,
+    }
+    per_rank["total_bytes"] = total_bytes(per_rank)
     return {
         "config": {"pretrained": recipe.model.pretrained, "family": family, "mode": cfg.mode, "expert": cfg.expert,
                    "strategy": parallel.strategy, "hsdp_replicate": parallel.hsdp_replicate,
@@ -460,25 +517,57 @@ def plan(recipe: Recipe, *, nproc: int | None = None, nnodes: int | None = None,
         "nnodes": lay.nnodes,
         "mesh": mesh_shape if started else [1],
         "checkpoint_dtype": str(source.checkpoint_dtype).removeprefix("torch."),
-        "per_rank": {
-            "params_bytes": params_bytes,
-            "buffers_bytes": buffers_bytes,
-            "grads_bytes": grads_bytes,
-            "optimizer_bytes": optimizer_bytes,
-            "gathered_bytes": gathered_bytes,
-            "static_bytes": static,
-            "host_load_peak_bytes": host_load,
-            "host_export_peak_bytes": host_export,
-        },
+        "activations": {"bucket": list(shape.bucket), "latent_tokens": shape.latent_tokens,
+                        "text_tokens": shape.text_tokens, "text_in_blocks": shape.text_in_blocks,
+                        "tokens_per_rank": math.ceil(shape.tokens / parallel.cp_size), "batch_size": shape.batch,
+                        "blocks": shape.blocks, "hidden": shape.hidden, "ffn": shape.ffn, "heads": heads,
+                        "checkpointing": cfg.activation_checkpointing,
+                        "float32_extra": list(shape.float32_extra), "cp_options": cp_options},
+        "per_rank": per_rank,
         "gpu_memory_bytes": gpu_bytes,
-        "fits": static <= gpu_bytes,
-        "margin_bytes": gpu_bytes - static,
+        "fits": per_rank["total_bytes"] <= gpu_bytes,
+        "margin_bytes": gpu_bytes - per_rank["total_bytes"],
         "notes": [source.note, f"layout: {lay.note}",
                   f"checkpoint dtype {str(source.checkpoint_dtype).removeprefix('torch.')}: {source.dtype_note}",
                   *notes],
         **ddp_lora_cost(cfg.mode, parallel.strategy, base_params * torch.finfo(base_dtype).bits // 8, host_load,
                         lay.nproc, world),
     }
+
+
+def total_bytes(per_rank: dict[str, int]) -> int:
+    """A rank's peak GPU bytes: the static part and the CUDA/NCCL context, plus the larger of the two phases
+    that never overlap: forward/backward (activations and communication buffers) and AdamW's step (its
+    temporaries; the activations are freed by then)."""
+    return (per_rank["static_bytes"] + per_rank["context_bytes"]
+            + max(per_rank["activation_bytes"] + per_rank["comm_buffer_bytes"], per_rank["optimizer_temp_bytes"]))
+
+
+def suggest(result: dict[str, Any]) -> dict[str, Any]:
+    """The smallest ``parallel.cp_size`` (of those dividing the shard group and the heads) and the activation
+    checkpointing setting (off first: it is faster) whose peak fits ``result``'s GPU memory; with
+    ``line``, one sentence saying it, or what would fit when nothing does."""
+    a, r = result["activations"], result["per_rank"]
+    shape = ActivationShape(tuple(a["bucket"]), a["latent_tokens"], a["text_tokens"], a["text_in_blocks"],
+                            tuple(a["float32_extra"]), a["hidden"], a["ffn"], a["blocks"], a["batch_size"])
+    gpu = result["gpu_memory_bytes"]
+    tried = []
+    for cp in a["cp_options"]:
+        for ac in (False, True):
+            peak = total_bytes({**r, "activation_bytes": activation_bytes(shape, checkpointing=ac, cp=cp)})
+            tried.append((peak, cp, ac))
+            if peak <= gpu:
+                return {"cp_size": cp, "activation_checkpointing": ac, "total_bytes": peak,
+                        "line": f"parallel.cp_size={cp} trainer.activation_checkpointing={str(ac).lower()} "
+                                f"(peak {_gib(peak)} of {gpu / GIB:g} GiB)"}
+    peak, cp, ac = min(tried)
+    static_left = gpu - total_bytes({**r, "activation_bytes": 0, "optimizer_temp_bytes": 0, "comm_buffer_bytes": 0})
+    more = ("more ranks to shard the static part" if static_left <= 0 else
+            f"a GPU of {math.ceil(peak / GIB)} GiB, more ranks to shard the static {_gib(r['static_bytes'])}, or a "
+            "smaller bucket or batch")
+    return {"cp_size": None, "activation_checkpointing": None, "total_bytes": peak,
+            "line": f"nothing fits {gpu / GIB:g} GiB: the least is cp_size {cp} with activation checkpointing "
+                    f"{'on' if ac else 'off'} at {_gib(peak)} (cp options {a['cp_options']}); {more} would fit"}
 
 
 def ddp_lora_cost(mode: str, strategy: str, base_bytes: int, host_load: int, nproc: int, world: int) -> dict:
@@ -495,8 +584,6 @@ def _plan_both(recipe: Recipe, **kwargs: Any) -> dict[str, Any]:
     the way a run holds them: parameters, buffers and AdamW state of every expert stay resident; gradients and
     gathered units are one expert's at a time (an expert drops its gradients before the other trains); host
     RAM peaks are one expert's (they load and export one after the other)."""
-    import dataclasses
-
     from latentmill.trainer.adapter import choose_experts
     from latentmill.trainer.adapters import get_adapter
 
@@ -510,13 +597,16 @@ def _plan_both(recipe: Recipe, **kwargs: Any) -> dict[str, Any]:
         combined[key] = sum(p[key] for p in plans)
     ranks = [p["per_rank"] for p in plans]
     per_rank = {key: sum(r[key] for r in ranks) for key in ("params_bytes", "buffers_bytes", "optimizer_bytes")}
-    per_rank.update({key: max(r[key] for r in ranks) for key in ("grads_bytes", "gathered_bytes",
-                                                                  "host_load_peak_bytes", "host_export_peak_bytes")})
+    per_rank.update({key: max(r[key] for r in ranks) for key in (
+        "grads_bytes", "gathered_bytes", "activation_bytes", "activation_bytes_checkpointing",
+        "activation_bytes_no_checkpointing", "optimizer_temp_bytes", "comm_buffer_bytes", "context_bytes",
+        "host_load_peak_bytes", "host_export_peak_bytes")})
     per_rank["static_bytes"] = sum(per_rank[key] for key in ("params_bytes", "buffers_bytes", "grads_bytes",
                                                             "optimizer_bytes", "gathered_bytes"))
+    per_rank["total_bytes"] = total_bytes(per_rank)
     combined["per_rank"] = per_rank
-    combined["fits"] = per_rank["static_bytes"] <= combined["gpu_memory_bytes"]
-    combined["margin_bytes"] = combined["gpu_memory_bytes"] - per_rank["static_bytes"]
+    combined["fits"] = per_rank["total_bytes"] <= combined["gpu_memory_bytes"]
+    combined["margin_bytes"] = combined["gpu_memory_bytes"] - per_rank["total_bytes"]
     combined["notes"] = [n for n in plans[0]["notes"] if not n.startswith("trainer.expert")] + [
         f"trainer.expert both: {' + '.join(e.component for e in experts)}, each sharded on its own; parameters, "
         "buffers and AdamW state of both resident, gradients and gathered units of one at a time (an expert "
@@ -542,23 +632,35 @@ def format_plan(result: dict[str, Any]) -> str:
         f"{' data-parallel ranks' if cp > 1 else ''} = {global_batch}",
         f"parameters: {result['total_params']:,} total, {result['trainable_params']:,} trainable",
         "",
-        f"{'per rank (rank 0: the largest shards)' if c['strategy'] == 'fsdp2' else 'per rank':<47}GiB",
+        f"{'per rank (rank 0: the largest shards)' if c['strategy'] == 'fsdp2' else 'per rank':<51}GiB",
     ]
     rows = [("parameters (local shards)" if c["strategy"] == "fsdp2" else "parameters (full replica)",
              r["params_bytes"]), ("buffers", r["buffers_bytes"]),
             (f"gradients (float32, {c['grad_accum_steps']} accum steps)", r["grads_bytes"]),
             ("AdamW state (exp_avg + exp_avg_sq)", r["optimizer_bytes"]),
             ("gathered FSDP units (transient)", r["gathered_bytes"])]
-    lines += [f"  {name:<42} {value / GIB:>8.2f}" for name, value in rows]
-    lines += [f"  {'static GPU total':<42} {r['static_bytes'] / GIB:>8.2f}",
-              f"  {'host RAM peak at load':<42} {r['host_load_peak_bytes'] / GIB:>8.2f}",
-              f"  {'host RAM peak at export (rank 0)':<42} {r['host_export_peak_bytes'] / GIB:>8.2f}", ""]
+    a = result["activations"]
+    act_label = (f"activations, checkpointing {'on' if a['checkpointing'] else 'off'} "
+                 f"({a['tokens_per_rank']:,} x {a['batch_size']})")
+    lines += [f"  {name:<46} {value / GIB:>8.2f}" for name, value in rows]
+    lines += [f"  {'static GPU total':<46} {r['static_bytes'] / GIB:>8.2f}",
+              f"  {act_label:<46} {r['activation_bytes'] / GIB:>8.2f}",
+              f"  {'  with / without checkpointing':<46} {r['activation_bytes_checkpointing'] / GIB:>8.2f} / "
+              f"{r['activation_bytes_no_checkpointing'] / GIB:.2f}",
+              f"  {'communication buffers (reduce-scatter)':<46} {r['comm_buffer_bytes'] / GIB:>8.2f}",
+              f"  {'AdamW foreach temporaries (at the step)':<46} {r['optimizer_temp_bytes'] / GIB:>8.2f}",
+              f"  {'CUDA/NCCL context (allowance)':<46} {r['context_bytes'] / GIB:>8.2f}",
+              f"  {'peak GPU total':<46} {r['total_bytes'] / GIB:>8.2f}",
+              f"  {'host RAM peak at load':<46} {r['host_load_peak_bytes'] / GIB:>8.2f}",
+              f"  {'host RAM peak at export (rank 0)':<46} {r['host_export_peak_bytes'] / GIB:>8.2f}", ""]
     gpu = result["gpu_memory_bytes"] / GIB
     margin = result["margin_bytes"] / GIB
     if result["fits"]:
-        lines.append(f"fits: yes, the static part fits {gpu:g} GiB with {margin:.2f} GiB left for activations")
+        lines.append(f"fits: yes, the peak fits {gpu:g} GiB with {margin:.2f} GiB left")
     else:
-        lines.append(f"fits: NO, the static part exceeds {gpu:g} GiB by {-margin:.2f} GiB")
+        lines.append(f"fits: NO, the peak exceeds {gpu:g} GiB by {-margin:.2f} GiB")
+    if "suggest" in result:
+        lines.append(f"suggest: {result['suggest']['line']}")
     if "ddp_lora" in result:
         d = result["ddp_lora"]
         lines.append(f"DDP LoRA: each rank holds the whole frozen base, {_gib(d['gpu_base_bytes'])} of GPU memory and "
@@ -569,8 +671,16 @@ def format_plan(result: dict[str, Any]) -> str:
 
 
 def plan_config(config: str | Path, overrides: list[str] | None = None, *, nproc: int | None = None,
-                nnodes: int | None = None, gpu_memory_gib: float = 80.0) -> dict[str, Any]:
-    """:func:`plan` of a recipe file (or shipped recipe name) with dotted overrides."""
+                nnodes: int | None = None, gpu_memory_gib: float | None = None,
+                with_suggestion: bool = False) -> dict[str, Any]:
+    """:func:`plan` of a recipe file (or shipped recipe name) with dotted overrides; ``gpu_memory_gib`` None:
+    80. ``with_suggestion`` adds :func:`suggest` (it needs the GPU memory stated)."""
+    if with_suggestion and gpu_memory_gib is None:
+        raise ConfigError("--suggest: needs --gpu-memory GiB, the memory of the GPU to fit (e.g. --gpu-memory 80)")
+    gpu_memory_gib = 80.0 if gpu_memory_gib is None else gpu_memory_gib
     if not math.isfinite(gpu_memory_gib) or gpu_memory_gib <= 0:
         raise ConfigError(f"--gpu-memory: must be a positive number of GiB, got {gpu_memory_gib}")
-    return plan(load_recipe(config, overrides), nproc=nproc, nnodes=nnodes, gpu_memory_gib=gpu_memory_gib)
+    result = plan(load_recipe(config, overrides), nproc=nproc, nnodes=nnodes, gpu_memory_gib=gpu_memory_gib)
+    if with_suggestion:
+        result["suggest"] = suggest(result)
+    return result

@@ -309,6 +309,18 @@ class ModelAdapter(ABC):
     prompts_from_cache: bool = True
     # the prompt whose embeddings stand for "no prompt" in validation's classifier-free guidance (the pipeline's)
     negative_prompt: str = ""
+    # the text tokens run through the blocks with the latent tokens (joint attention); False: they only feed
+    # cross-attention (latentmill.activations: what a block's sequence holds)
+    text_in_blocks: bool = True
+    # bytes per token and unit of hidden width a block holds in float32 on top of latentmill.activations' bf16
+    # count: (its input while checkpointed, its saved tensors); Wan's blocks run their norms and residuals in float32
+    float32_activations: tuple[int, int] = (0, 0)
+
+    def block_widths(self, config: dict[str, Any]) -> tuple[int, int]:
+        """(hidden, feed-forward) widths of the repeated blocks from the transformer's config: heads x head
+        dim, and ``ffn_dim`` or ``mlp_ratio`` (4 by default) x hidden (latentmill.activations)."""
+        hidden = int(config["num_attention_heads"]) * int(config["attention_head_dim"])
+        return hidden, int(config.get("ffn_dim") or round(float(config.get("mlp_ratio") or 4.0) * hidden))
 
     @staticmethod
     def diffusers_class(name: str) -> type:

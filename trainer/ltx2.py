@@ -79,6 +79,7 @@ class LTX2Adapter(ModelAdapter):
                "prompt_attention_mask")
     noised_streams = ("audio_latents",)
     latent_ndim = 4
+    text_in_blocks = False  # the text feeds each block's cross-attention
 
     def blocks(self, transformer: nn.Module) -> list[nn.Module]:
         return list(transformer.transformer_blocks)

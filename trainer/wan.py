@@ -72,6 +72,8 @@ class WanAdapter(ModelAdapter):
     pipeline_class = "WanPipeline"
     streams = ("latents", "prompt_embeds")
     latent_ndim = 4
+    text_in_blocks = False  # the text feeds each block's cross-attention
+    float32_activations = (2, 32)  # FP32LayerNorm and the float32 residual adds (measured: bench/actplan.py)
 
     def experts(self, pretrained: str) -> tuple[Expert, ...]:
         """Wan 2.2 A14B (``boundary_ratio`` and ``transformer_2`` in ``model_index.json``): the high-noise

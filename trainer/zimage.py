@@ -104,6 +104,10 @@ class ZImageAdapter(ModelAdapter):
     def seq_len(self, latents: torch.Tensor) -> int:
         return (latents.shape[-2] // 2) * (latents.shape[-1] // 2)  # 2x2 patches
 
+    def block_widths(self, config: dict) -> tuple[int, int]:
+        hidden = int(config["dim"])
+        return hidden, int(hidden / 3 * 8)  # ZImageTransformerBlock's SwiGLU FeedForward
+
     def forward(self, model: nn.Module, noisy, sigmas_B, batch: dict, cfg) -> torch.Tensor:
         return zimage_forward(model, noisy, sigmas_B, batch["prompt_embeds"], batch["prompt_embeds_mask"])
 

@@ -1,0 +1,92 @@
+"""Figure 32: ``latentmill plan``'s activation estimate against a measured peak (issue 34).
+
+For FLUX.1-dev's and Wan2.1-T2V-14B's real block widths (the shipped configs; 3072 hidden, 24 heads, FFN 12288;
+5120 hidden, 40 heads, FFN 13824) at a reduced depth (FLUX: 1 double + 2 single blocks; Wan: 2 blocks: each
+block adds a fixed term, so depth changes nothing the check needs), two token counts each (FLUX 512² and 1024²
+with 512 text tokens; Wan 832×480 at 17 and 33 frames), and the whole FLUX.1-dev at 1024² (about 3 minutes a
+point: the tracker's cost grows with the modules), with and without activation checkpointing, batch 1:
+
+* measured: the peak of one forward and backward of the real Diffusers class in bf16, through the adapter's
+  training forward, tracked by torch's ``MemTracker`` under ``FakeTensorMode`` (nothing is allocated: real
+  sizes run on a CPU), minus parameters and buffers; each gradient is dropped once accumulated, as FSDP2's
+  reduce-scatter frees it (``latentmill.activations.measured_activation_bytes``);
+* estimate: ``latentmill.activations.activation_bytes`` for the same shape.
+
+Then Qwen-Image (a family the constants were not set on) and FLUX.2 [dev] (whose SwiGLU width its adapter declares
+from this point) at 1024². HunyuanVideo 1.5 and Z-Image trim their text by its mask (a data-dependent shape
+that ``FakeTensorMode`` cannot run) and are not measured. The figure is ``|estimate / measured - 1|``, goal ≤ 0.15
+for every point. Run alone: ``python -m bench.actplan``
+(``--quick``: the smaller size of each family only).
+"""
+
+from __future__ import annotations
+
+import time
+
+from bench.common import figure, log, run_benchmark, setup_env
+
+setup_env()
+
+POINTS = [  # family, shipped config folder, depth, bucket [W, H, F]
+    ("flux", "FLUX.1-dev", {"num_layers": 1, "num_single_layers": 2}, [512, 512, 1]),
+    ("flux", "FLUX.1-dev", {"num_layers": 1, "num_single_layers": 2}, [1024, 1024, 1]),
+    ("wan", "Wan2.1-T2V-14B-Diffusers", {"num_layers": 2}, [832, 480, 17]),
+    ("wan", "Wan2.1-T2V-14B-Diffusers", {"num_layers": 2}, [832, 480, 33]),
+    # the whole FLUX.1-dev (19 double + 38 single blocks) at 1024²
+    ("flux", "FLUX.1-dev", {}, [1024, 1024, 1]),
+    # a family the constants were not set on (3072 hidden, GELU 4 x, joint attention)
+    ("qwen-image", "Qwen-Image", {"num_layers": 2}, [1024, 1024, 1]),
+    # FLUX.2 [dev] (6144 hidden, SwiGLU): its adapter declares the feed-forward width this point measured
+    ("flux2", "FLUX.2-dev", {"num_layers": 1, "num_single_layers": 2}, [1024, 1024, 1]),
+]
+TEXT_TOKENS = 512
+
+
+def run(args) -> list:
+    import torch
+    from latentmill.trainer.adapters import get_adapter
+
+    from latentmill.activations import activation_bytes, activation_shape, measured_activation_bytes
+    from latentmill.plan import shipped_models_dir
+    from latentmill.recipe import load_recipe
+
+    figures = []
+    # quick: the smaller size of FLUX.1 and Wan, and Qwen-Image (the whole FLUX.1-dev takes minutes)
+    points = [POINTS[0], POINTS[2], POINTS[5]] if args.quick else POINTS
+    for family, folder, depth, bucket in points:
+        adapter = get_adapter(family)
+        cls = adapter.diffusers_class(adapter.transformer_class)
+        config = {**cls.load_config(str(shipped_models_dir() / folder), subfolder="transformer"), **depth}
+        with torch.device("meta"):
+            blocks = len(adapter.blocks(cls.from_config(config)))
+        # the recipe's largest bucket is this one bucket: one aspect ratio at its pixel budget, its frame count
+        frames = [f"bucket.max_frames={bucket[2]}", f"bucket.frame_counts=[{bucket[2]}]"] if bucket[2] > 1 else []
+        recipe = load_recipe("demo", [f"bucket.resolution={round((bucket[0] * bucket[1]) ** 0.5)}",
+                                      f"bucket.aspect_ratios=[{bucket[0] / bucket[1]}]", "bucket.step=16",
+                                      f"cache.max_sequence_length={TEXT_TOKENS}", "trainer.batch_size=1", *frames])
+        shape = activation_shape(adapter, family, shipped_models_dir() / folder, config, recipe, blocks)
+        assert list(shape.bucket) == (bucket if bucket[2] > 1 else bucket[:2]), (shape.bucket, bucket)
+        for checkpointing in (True, False):
+            start = time.perf_counter()
+            measured = measured_activation_bytes(family, config, bucket, TEXT_TOKENS, checkpointing=checkpointing)
+            estimate = activation_bytes(shape, checkpointing=checkpointing)
+            error = abs(estimate / measured - 1)
+            log(f"actplan {family} {bucket} checkpointing {checkpointing}: estimate {estimate / 2**30:.3f} GiB, "
+                f"measured {measured / 2**30:.3f} GiB, error {error:.3f} ({time.perf_counter() - start:.0f} s)")
+            inputs = {"family": family, "config": f"configs/models/{folder} with {depth}", "bucket": bucket,
+                      "tokens": shape.tokens, "text_tokens": TEXT_TOKENS, "batch": 1, "blocks": blocks,
+                      "checkpointing": checkpointing}
+            figures.append(figure(f"32. plan's activation estimate vs MemTracker, {family} {'x'.join(map(str, bucket))}, "
+                                  f"checkpointing {'on' if checkpointing else 'off'} (|estimate/measured - 1|)",
+                                  [estimate / 2**30], [measured / 2**30], "GiB", "<= 0.15", inputs,
+                                  "MemTracker peak under FakeTensorMode minus parameters and buffers, bf16, one "
+                                  "forward and backward through the adapter", ratios=[error]))
+    return figures
+
+
+def main(argv=None) -> None:
+    run_benchmark("actplan", __doc__, run, argv)
+
+
+if __name__ == "__main__":
+    main()
