@@ -18,6 +18,7 @@ Command line: ``python -m latentmill.tiny_ltx2 OUT_DIR [--seed N] [--recipe PATH
 
 from __future__ import annotations
 
+import math
 import os
 import string
 from collections import Counter
@@ -64,6 +65,10 @@ def load_recipe(recipe: str | os.PathLike[str] = DEFAULT_RECIPE_PATH) -> dict[st
     require(audio.get("base_channels") == audio_width,
             f"components.audio_vae.base_channels: {audio.get('base_channels')} != latent_channels x mel_bins / 4 "
             f"({audio_width}): the pipeline normalises packed audio latents with base_channels statistics")
+    for key in ("latents_mean", "latents_std"):
+        require(len(audio.get(key) or []) == audio_width,
+                f"components.audio_vae.{key}: {len(audio.get(key) or [])} values, expected base_channels "
+                f"({audio_width}): the VAE's own statistics (latentmill.tiny_ltx2.measure_audio_statistics)")
     width = text.get("hidden_size")
     require(tr.get("caption_channels") == con.get("caption_channels") == width,
             f"components.transformer.caption_channels / connectors.caption_channels: {tr.get('caption_channels')} / "
@@ -84,6 +89,40 @@ def load_recipe(recipe: str | os.PathLike[str] = DEFAULT_RECIPE_PATH) -> dict[st
             f"components.text_encoder.text_config.vocab_size: must be > {len(SPECIALS) + 95} (specials + characters)")
     require("model_max_length" in (toks["tokenizer"] or {}), "tokenizers.tokenizer.model_max_length: must be set")
     return data
+
+
+def synthetic_sounds(generator: Any, n: int, seconds: float = 1.0, sample_rate: int = 16000) -> Any:
+    """``n`` stereo sounds ``[n, 2, seconds * sample_rate]``: three tones each (100 Hz to 6.4 kHz, log-uniform, at
+    0.003 to 0.3 of full scale, random phases), panned between the channels; a pure function of ``generator``'s
+    seed (a ``torch.Generator``)."""
+    import torch
+
+    t = torch.arange(round(seconds * sample_rate)) / sample_rate
+    freq = 100.0 * 2 ** (6 * torch.rand(n, 3, 1, generator=generator))
+    amplitude = 0.3 * 10 ** (-2 * torch.rand(n, 3, 1, generator=generator))
+    phase = 2 * math.pi * torch.rand(n, 3, 1, generator=generator)
+    mono = (amplitude * torch.sin(2 * math.pi * freq * t + phase)).sum(1)
+    pan = torch.rand(n, 1, generator=generator)
+    return torch.stack([mono * (1 - pan), mono * pan], 1) * math.sqrt(2)
+
+
+def measure_audio_statistics(audio_vae: Any, samples: int = 32, seed: int = 0) -> tuple[list[float], list[float]]:
+    """Mean and standard deviation of ``audio_vae``'s latent means over ``synthetic_sounds``, per packed feature
+    (channel, then mel bin: ``LTX2Pipeline._pack_audio_latents``'s order).
+
+    This is how the recipe's ``audio_vae.latents_mean`` / ``latents_std`` are set (rounded to 4 decimals, for
+    the VAE of seed 0): the pipeline normalises audio latents with these buffers, which LTX-2's VAE carries as its
+    own statistics, and at their defaults (0 / 1) the tiny VAE's audio latents (std 0.15) lay under unit noise.
+    """
+    import torch
+
+    from latentmill.stages.audio import log_mel
+
+    cfg = audio_vae.config
+    with torch.no_grad():
+        sounds = synthetic_sounds(torch.Generator().manual_seed(seed), samples, sample_rate=cfg.sample_rate)
+        z_BCLM = audio_vae.encode(log_mel(sounds, cfg.sample_rate, cfg.mel_hop_length, cfg.mel_bins)).latent_dist.mean
+    return z_BCLM.mean((0, 2)).flatten().tolist(), z_BCLM.std((0, 2)).flatten().tolist()
 
 
 def build_gemma_tokenizer(vocab_size: int, settings: dict[str, Any], corpus: Sequence[str] = CORPUS) -> Any:
@@ -133,10 +172,18 @@ def _build_pipeline(data: dict[str, Any], seed: int) -> Any:
     def tuples(kwargs: dict[str, Any]) -> dict[str, Any]:
         return {k: tuple(v) if isinstance(v, list) else v for k, v in kwargs.items()}
 
+    def audio_vae() -> Any:
+        kwargs = dict(comps["audio_vae"])
+        stats = {key: torch.tensor(kwargs.pop(key), dtype=torch.float32) for key in ("latents_mean", "latents_std")}
+        vae = AutoencoderKLLTX2Audio(**tuples(kwargs))
+        vae.latents_mean.copy_(stats["latents_mean"])
+        vae.latents_std.copy_(stats["latents_std"])
+        return vae
+
     return LTX2Pipeline(
         scheduler=FlowMatchEulerDiscreteScheduler(**comps["scheduler"]),
         vae=seeded(lambda: AutoencoderKLLTX2Video(**tuples(comps["vae"]))),
-        audio_vae=seeded(lambda: AutoencoderKLLTX2Audio(**tuples(comps["audio_vae"]))),
+        audio_vae=seeded(audio_vae),
         text_encoder=seeded(lambda: Gemma3ForConditionalGeneration(config)),
         tokenizer=tokenizer,
         connectors=seeded(lambda: LTX2TextConnectors(**comps["connectors"])),

@@ -145,10 +145,12 @@ class CachePlan:
         pixel_side = family_class(family).PIXEL_COMPONENTS
         # a family whose pixels meet more than the VAE (an image encoder) keys its vae member with them too
         others = {k: prints[k] for k in pixel_side if k != "vae"}
+        # a stream from a clip's sound keys the vae member with its declared rule (the window, its latent length)
+        sound = [s.to_json() for s in family_class(family).STREAMS if s.from_audio]
         vae_fp = stable_hash({"family": family, "vae": prints["vae"], "dtype": cfg.dtype, "latents": cfg.latents,
                               "seed": cfg.seed if cfg.latents == "sample" else None, "resample": "lanczos",
                               "version": FORMAT_VERSION, **_compute(compute["vae"]),
-                              **({"pixel_encoders": others} if others else {})})
+                              **({"pixel_encoders": others} if others else {}), **({"sound": sound} if sound else {})})
         text_fp = stable_hash({"family": family, "encoders": {k: v for k, v in prints.items() if k not in pixel_side},
                                "dtype": cfg.dtype, "max_sequence_length": cfg.max_sequence_length,
                                "trim": trims_text(cfg, family), "version": FORMAT_VERSION,

@@ -8,7 +8,8 @@ Streams, each as ``LTX2Pipeline`` feeds its transformer:
 * ``audio_latents``: the clip's sound (the same window as its frames, :mod:`latentmill.stages.audio`) as a
   16 kHz stereo log-mel spectrogram encoded by ``AutoencoderKLLTX2Audio``: means [C, L, M], normalised with the
   VAE's statistics over the packed (channel, mel bin) features, as ``prepare_audio_latents`` does after
-  ``_pack_audio_latents``.
+  ``_pack_audio_latents``; ``L`` is the count ``LTX2Pipeline`` generates for the clip's duration
+  (:func:`audio_latent_frames`).
 * ``frame_rate``: the clip's frames per second (the transformer places video tokens in seconds).
 * ``prompt_embeds``, ``audio_prompt_embeds``, ``prompt_attention_mask``: Gemma 3's hidden states of every layer,
   stacked as ``_get_gemma_prompt_embeds`` stacks them (left padding to ``max_sequence_length``), passed through
@@ -33,6 +34,12 @@ from latentmill.models import ModelConfig
 NATIVE_FPS = 24  # LTX-2's frame rate: only for the byte estimate of a bucket's audio (a bucket has no rate)
 
 
+def audio_latent_frames(duration_s: float, sample_rate: int, hop_length: int, compression: int = 4) -> int:
+    """The audio latent frames ``LTX2Pipeline.__call__`` generates for ``duration_s`` seconds (``num_frames /
+    frame_rate``): ``round(duration_s * sample_rate / hop_length / compression)``, its own expression."""
+    return round(duration_s * (sample_rate / hop_length / float(compression)))
+
+
 class LTX2Encoders(Encoders):
     """AutoencoderKLLTX2Video + AutoencoderKLLTX2Audio + Gemma 3 with the pipeline's connectors."""
 
@@ -44,7 +51,7 @@ class LTX2Encoders(Encoders):
     FRAME_STEP = 8  # 8x temporal VAE: 8k + 1 frames
     STREAMS = (
         Stream("latents", "vae", "[C, 1 + (F - 1)/8, H/32, W/32]", "(z - latents_mean) * scaling_factor / latents_std"),
-        Stream("audio_latents", "vae", "[C_a, 1 + (S/hop)/4, mel_bins/4]",
+        Stream("audio_latents", "vae", "[C_a, round(F / fps * sample_rate / hop / 4), mel_bins/4]",
                "(z - latents_mean) / latents_std over the packed (C_a, mel_bins/4) features", from_audio=True),
         # the clip's frame rate: the transformer's video positions are in seconds (LTX2Pipeline's frame_rate)
         Stream("frame_rate", "vae", "[1]", "frames per second of the clip", from_audio=True),
@@ -69,12 +76,12 @@ class LTX2Encoders(Encoders):
         spatial = int(vae.get("spatial_compression_ratio") or 32)
         temporal = int(vae.get("temporal_compression_ratio") or 8)
         frames = int(bucket[2]) if len(bucket) > 2 else 1
-        mel_frames = 1 + frames * int(audio.get("sample_rate", 16000)) // NATIVE_FPS // int(audio.get("mel_hop_length", 160))
+        audio_frames = audio_latent_frames(frames / NATIVE_FPS, int(audio.get("sample_rate", 16000)),
+                                           int(audio.get("mel_hop_length", 160)))
         width = int(config("connectors").get("caption_channels", 3840))
         return {"latents": (int(vae.get("latent_channels", 128)), (frames - 1) // temporal + 1,
                             int(bucket[1]) // spatial, int(bucket[0]) // spatial),
-                "audio_latents": (int(audio.get("latent_channels", 8)), (mel_frames - 1) // 4 + 1,
-                                  int(audio.get("mel_bins", 64)) // 4),
+                "audio_latents": (int(audio.get("latent_channels", 8)), audio_frames, int(audio.get("mel_bins", 64)) // 4),
                 "frame_rate": (1,), "prompt_embeds": (max_sequence_length, width), "audio_prompt_embeds": (max_sequence_length, width),
                 "prompt_attention_mask": (max_sequence_length,)}
 
@@ -119,10 +126,16 @@ class LTX2Encoders(Encoders):
     @torch.no_grad()
     def encode_audio(self, waveforms_BCN: torch.Tensor, frame_rates_B: torch.Tensor) -> dict[str, torch.Tensor]:
         """``audio_latents`` [B, C_a, L, M/4]: the normalised audio-VAE means of ``[B, 2, N]`` waveforms at
-        ``audio_sample_rate`` (the log-mel spectrogram of :func:`latentmill.stages.audio.log_mel`); and each
-        clip's ``frame_rate`` [B, 1]."""
-        cfg = self.audio_vae.config
+        ``audio_sample_rate`` (the log-mel spectrogram of :func:`latentmill.stages.audio.log_mel`), ``L`` the
+        pipeline's count for ``N / audio_sample_rate`` seconds; and each clip's ``frame_rate`` [B, 1]."""
+        cfg, ratio = self.audio_vae.config, self.audio_vae.temporal_compression_ratio
+        frames = audio_latent_frames(waveforms_BCN.shape[-1] / self.audio_sample_rate, self.audio_sample_rate,
+                                     int(cfg.mel_hop_length), ratio)
         mel_BCTM = log_mel(waveforms_BCN, self.audio_sample_rate, int(cfg.mel_hop_length), int(cfg.mel_bins))
+        # the causal VAE makes 1 + (T - 1) / 4 latents of T mel frames (and its decoder gives L latents back as
+        # 4 (L - 1) + 1), so these mel frames encode to the pipeline's L; the window's own 1 + N / hop give one
+        # more latent for 9 frames at 24 fps
+        mel_BCTM = mel_BCTM[:, :, : ratio * (frames - 1) + 1]
         with self.lock:
             mean = self.audio_vae.encode(mel_BCTM.to(self.device, torch.float32)).latent_dist.mean.float().cpu()
         return {"audio_latents": (mean - self.audio_mean) / self.audio_std,

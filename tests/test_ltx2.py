@@ -45,8 +45,8 @@ def test_family_is_registered_with_its_streams():
     configs = {"vae": {"latent_channels": 128}, "audio_vae": {"latent_channels": 8, "mel_bins": 64},
                "connectors": {"caption_channels": 3840}}
     shapes = LTX2Encoders.sample_shapes(lambda name: configs.get(name, {}), [768, 512, 121], 1024)
-    # 121 frames at 24 fps: 5.04 s of 16 kHz audio, 505 mel frames, 127 latent frames (the pipeline's round(126.04))
-    assert shapes == {"latents": (128, 16, 16, 24), "audio_latents": (8, 127, 16), "frame_rate": (1,),
+    # 121 frames at 24 fps: 5.04 s, the pipeline's round(25 * 5.04) = 126 audio latent frames
+    assert shapes == {"latents": (128, 16, 16, 24), "audio_latents": (8, 126, 16), "frame_rate": (1,),
                       "prompt_embeds": (1024, 3840),
                       "audio_prompt_embeds": (1024, 3840), "prompt_attention_mask": (1024,)}
 
@@ -72,6 +72,10 @@ def test_recipe_rules_name_the_key(tmp_path):
     assert_recipe_refused(tmp_path, load_recipe, DEFAULT_RECIPE_PATH,
                           lambda data: data["components"]["audio_vae"].update(base_channels=8),
                           r"components.audio_vae.base_channels: 8 != latent_channels x mel_bins / 4 \(32\)")
+    assert_recipe_refused(tmp_path, load_recipe, DEFAULT_RECIPE_PATH,
+                          lambda data: data["components"]["audio_vae"].pop("latents_std"),
+                          r"components.audio_vae.latents_std: 0 values, expected base_channels \(32\): the VAE's own "
+                          r"statistics")
     assert_recipe_refused(tmp_path, load_recipe, DEFAULT_RECIPE_PATH,
                           lambda data: data["components"]["connectors"].update(text_proj_in_factor=2),
                           r"connectors.text_proj_in_factor: 2 != text_encoder.text_config.num_hidden_layers \+ 1 "
@@ -170,7 +174,9 @@ def test_cached_streams_equal_the_pipelines_encode_path(pipe, encoders):
     scale = pipe.vae.config.scaling_factor / pipe.vae.latents_std.view(1, -1, 1, 1, 1)
     torch.testing.assert_close(std, dist.std * scale, rtol=1e-5, atol=1e-5)
 
-    # audio: the pipeline's path for given audio latents packs, then normalises (prepare_audio_latents, no noise)
+    # audio: the pipeline's path for given audio latents packs, then normalises (prepare_audio_latents, no noise),
+    # with the VAE's own statistics (not 0 / 1: test_audio_statistics_are_the_vaes_own)
+    assert not torch.equal(pipe.audio_vae.latents_std, torch.ones(32))
     waves = torch.rand(2, 2, 11333, generator=gen) * 0.2 - 0.1
     encoded = encoders.encode_audio(waves, torch.tensor([24.0, 12.0]))
     audio = encoded["audio_latents"]
@@ -197,6 +203,60 @@ def test_cached_streams_equal_the_pipelines_encode_path(pipe, encoders):
         encoders.encode_text(captions, 40)
 
 
+@pytest.mark.parametrize("frames", [9, 17, 25])
+def test_cached_audio_is_as_long_as_the_pipelines(pipe, encoders, frames):
+    """A clip's audio latents have as many frames as LTX2Pipeline generates beside its video (24 fps): the mel
+    frames of its window, 1 + N / 160, gave one more at 9 and 25 frames (10 and 27 for the pipeline's 9 and 26);
+    the causal VAE's first latents are the same either way."""
+    seconds = frames / 24
+    waves = torch.rand(1, 2, round(seconds * 16000), generator=torch.Generator().manual_seed(frames)) * 0.2 - 0.1
+    audio = encoders.encode_audio(waves, torch.tensor([24.0]))["audio_latents"]
+    _, generated = pipe("a tone", height=32, width=32, num_frames=frames, frame_rate=24.0, num_inference_steps=2,
+                        guidance_scale=1.0, max_sequence_length=64, output_type="latent", return_dict=False)
+    assert audio.shape[2] == generated.shape[2] == {9: 9, 17: 18, 25: 26}[frames]
+    with torch.no_grad():
+        raw = pipe.audio_vae.encode(log_mel(waves, 16000, 160, 64)).latent_dist.mean
+    assert raw.shape[2] == {9: 10, 17: 18, 25: 27}[frames]  # the whole window's mel frames
+    expected = pipe.prepare_audio_latents(1, latents=raw[:, :, : audio.shape[2]], noise_scale=0.0, dtype=torch.float32)
+    torch.testing.assert_close(pipe._pack_audio_latents(audio), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_audio_statistics_are_the_vaes_own(pipe, encoders):
+    """The audio VAE's latents_mean / latents_std buffers are the recipe's, which are this VAE's (seed 0) own
+    statistics, so cached audio latents are about unit variance, as the pipeline's normalisation makes the real
+    VAE's: at the buffers' defaults 0 / 1 they had std 0.15 under unit training noise."""
+    from latentmill.tiny_ltx2 import measure_audio_statistics, synthetic_sounds
+
+    recipe = load_recipe()["components"]["audio_vae"]
+    assert pipe.audio_vae.latents_mean.tolist() == pytest.approx(recipe["latents_mean"], abs=1e-7)
+    assert pipe.audio_vae.latents_std.tolist() == pytest.approx(recipe["latents_std"], abs=1e-7)
+    mean, std = measure_audio_statistics(pipe.audio_vae)
+    assert mean == pytest.approx(recipe["latents_mean"], abs=6e-5) and std == pytest.approx(recipe["latents_std"],
+                                                                                             abs=6e-5)
+    sounds = synthetic_sounds(torch.Generator().manual_seed(1), 8)  # other sounds than measured
+    audio = encoders.encode_audio(sounds, torch.full((8,), 24.0))["audio_latents"]
+    assert audio.shape == (8, 2, 25, 16) and abs(float(audio.mean())) < 0.2 and 0.7 < float(audio.std()) < 1.3
+    with torch.no_grad():
+        raw = pipe.audio_vae.encode(log_mel(sounds, 16000, 160, 64)).latent_dist.mean
+    assert float(raw.std()) < 0.25  # what the cache held before
+
+
+def test_audio_rule_keys_the_cached_latents(tiny_ltx2, monkeypatch):
+    """A change to how a clip's sound is encoded (its declared rule) re-encodes its vae member, not its text."""
+    import dataclasses
+
+    from latentmill.stages.cache import CachePlan
+    from latentmill.stages.cache_config import CacheConfig
+
+    model = ModelConfig(pretrained=str(tiny_ltx2), family="ltx2")
+    before = CachePlan.of(CacheConfig(), model)
+    streams = tuple(dataclasses.replace(s, shape=s.shape + " (changed)") if s.from_audio else s
+                    for s in LTX2Encoders.STREAMS)
+    monkeypatch.setattr(LTX2Encoders, "STREAMS", streams)
+    after = CachePlan.of(CacheConfig(), model)
+    assert after.vae_fp != before.vae_fp and after.text_fp == before.text_fp
+
+
 def test_prep_caches_each_clips_sound_beside_its_latents(ltx2_prep, encoders):
     """The demo set with sound through prep: every clip has its audio latents; the video without a track gets the
     encoded silence; counts conserve."""
@@ -217,8 +277,8 @@ def test_prep_caches_each_clips_sound_beside_its_latents(ltx2_prep, encoders):
         assert torch.equal(vae["frame_rate"], torch.tensor([24.0])) and meta["clip"]["fps"] == 24.0
         by_source.setdefault(meta["source"], []).append(vae["audio_latents"])
     assert sorted(by_source) == ["high_tone.mp4", "low_tone.mp4", "mid_tone.mp4", "silent.mp4"]
-    for audio in by_source["silent.mp4"]:
-        torch.testing.assert_close(audio, silent, rtol=0, atol=1e-6)
+    for audio in by_source["silent.mp4"]:  # (the statistics' 1 / std, up to 16, scale float rounding)
+        torch.testing.assert_close(audio, silent, rtol=0, atol=2e-5)
     for source in ("low_tone.mp4", "mid_tone.mp4", "high_tone.mp4"):
         assert (by_source[source][0] - silent).abs().max() > 0.1  # a sound track is not silence
     assert (by_source["low_tone.mp4"][0] - by_source["high_tone.mp4"][0]).abs().max() > 0.1  # pitch is in it
