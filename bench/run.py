@@ -27,7 +27,8 @@ from bench.common import BENCH_DIR, REPO_ROOT, WORK, log, machine_info, setup_en
 setup_env()
 
 BENCHMARKS = ("loader", "trainer", "prep", "onthefly", "memory", "disk", "ranks", "video", "startup", "files",
-              "jaxloader", "scale", "heap", "compaction", "sample", "curate", "dedup", "threads", "families", "longclip")
+              "jaxloader", "scale", "heap", "compaction", "sample", "curate", "dedup", "threads", "families", "longclip",
+              "unchanged", "stream")
 # Benchmarks whose full run needs more than --timeout's default: bench.scale preps 100,000 + 10,000 inputs
 # through the CLI (about 40 minutes on 2 CPU cores).
 MIN_TIMEOUT_S = {"scale": 3600, "heap": 3600}

@@ -144,6 +144,22 @@ def pytest_runtest_teardown(item):
     _UNIT_TEST[0] = None
 
 
+@pytest.fixture(autouse=True)
+def _signal_handlers_kept():
+    """A test that leaves SIGINT or SIGTERM handled otherwise than it found them fails (its teardown), and the
+    handlers are put back: a later test in the same process would otherwise inherit them (a Ctrl-C test once
+    found SIGINT ignored)."""
+    import signal
+
+    before = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    yield
+    changed = {sig.name: (before[sig], signal.getsignal(sig)) for sig in before if signal.getsignal(sig) != before[sig]}
+    for sig, handler in before.items():
+        if handler is not None:  # None: a handler not set from Python, which cannot be put back from here
+            signal.signal(sig, handler)
+    assert not changed, f"the test left signal handlers changed (before, after): {changed}"
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _prefect_home_and_api(request):
     """One Prefect API server per test process (pytest-xdist worker), when the session has tests beyond the unit

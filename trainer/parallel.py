@@ -358,7 +358,7 @@ def shutdown(ctx: DistContext, *, synchronize: bool = True) -> None:
 def end_process_group(*, synchronize: bool = True) -> None:
     """End this process's process groups; drop the models and optimizers first.
 
-    ``synchronize`` (a run that ended normally on every rank): every rank first passes a barrier, so no rank
+    ``synchronize`` (a run that ended normally, or stopped at the same point, on every rank): every rank first passes a barrier, so no rank
     tears its communicator down under a slower peer's last collective and nothing is left in flight. Then the
     groups lose their last references and the backend joins its threads here: a group still referenced (every
     ``DeviceMesh`` holds its groups, and DTensor's caches keep meshes after their model is gone) would keep
