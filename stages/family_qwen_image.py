@@ -53,6 +53,8 @@ class QwenImageEncoders(Encoders):
         from transformers import Qwen2_5_VLForConditionalGeneration
 
         self.vae = self._load(AutoencoderKLQwenImage, "vae", self.compute_dtypes(device)["vae"])
+        if device.type == "cuda":
+            self.vae.enable_slicing()  # one image at a time through the encoder: the peak of one image
         self.text_encoder = self._load(Qwen2_5_VLForConditionalGeneration, "text_encoder")
         self.tokenizer = self._tokenizer("text_encoder")
         self.latents_mean = torch.tensor(self.vae.config.latents_mean).view(1, -1, 1, 1)
@@ -75,19 +77,14 @@ class QwenImageEncoders(Encoders):
 
     @torch.no_grad()
     def encode_latents(self, pixels_BCHW: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(mean, std) [B, C, H/8, W/8] of the normalised latent distribution of images in [-1, 1], each
-        encoded alone as a one-frame clip [1, 3, 1, H, W] (the pipelines' ``_encode_vae_image`` path:
-        ``(z - latents_mean) / latents_std``); one image on the device at a time, as for Wan."""
-        means, stds = [], []
-        for image_13HW in pixels_BCHW.split(1):
-            clip = image_13HW[:, :, None].to(self.device, self.compute_dtypes(self.device)["vae"])
-            with self.lock:
-                dist = self.vae.encode(clip).latent_dist
-            means.append(dist.mean[:, :, 0].float().cpu())
-            stds.append(dist.std[:, :, 0].float().cpu())
-            del dist
-        mean = (torch.cat(means) - self.latents_mean) / self.latents_std
-        return mean, torch.cat(stds) / self.latents_std
+        """(mean, std) [B, C, H/8, W/8] of the normalised latent distribution of images in [-1, 1], encoded
+        as one-frame clips [B, 3, 1, H, W] in one VAE call, as the pipelines' ``_encode_vae_image`` does
+        (``(z - latents_mean) / latents_std``); on a GPU the VAE's slicing takes one image at a time."""
+        clips = pixels_BCHW[:, :, None].to(self.device, self.compute_dtypes(self.device)["vae"])
+        with self.lock:
+            dist = self.vae.encode(clips).latent_dist
+        mean = (dist.mean[:, :, 0].float().cpu() - self.latents_mean) / self.latents_std
+        return mean, dist.std[:, :, 0].float().cpu() / self.latents_std
 
     def encode_pixels(self, pixels_BCHW: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return self.encode_latents(pixels_BCHW)

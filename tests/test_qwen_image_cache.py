@@ -116,3 +116,21 @@ def test_latents_equal_the_pipeline_vae_path(cached):
         vae = load_tensors(sample["vae.safetensors"])
         eps = randn_tensor((1, 16, 1, *vae["latents"].shape[1:]), generator=torch.Generator().manual_seed(7))[:, :, 0]
         torch.testing.assert_close(got[0], vae["latents"] + vae["latents_std"] * eps[0], atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.slow
+def test_cpu_encodes_a_batch_in_one_vae_call(tiny_qwen_image):
+    """On the CPU a batch goes through the VAE in one call, as the pipeline's ``_encode_vae_image`` takes it: bit
+    for bit the VAE's own batched encode (one call per image, which the cache once made, is slower and differs
+    in the last bits)."""
+    encoders = family_class("qwen-image")(ModelConfig(pretrained=str(tiny_qwen_image)), torch.device("cpu"))
+    pixels = torch.rand(4, 3, 64, 48, generator=torch.Generator().manual_seed(0)) * 2 - 1
+    mean, std = encoders.encode_latents(pixels)
+    vae = encoders.vae
+    with torch.no_grad():
+        dist = vae.encode(pixels[:, :, None]).latent_dist
+    latents_mean = torch.tensor(vae.config.latents_mean).view(1, -1, 1, 1, 1)
+    latents_std = torch.tensor(vae.config.latents_std).view(1, -1, 1, 1, 1)
+    assert mean.shape == std.shape == (4, 16, 8, 6)
+    assert torch.equal(mean, ((dist.mode() - latents_mean) / latents_std)[:, :, 0])
+    assert torch.equal(std, (dist.std / latents_std)[:, :, 0])
