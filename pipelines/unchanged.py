@@ -12,8 +12,9 @@ prep: a model named by a hub id, a changed or new input, a gc or compaction sinc
 
 A folder source is first compared by a ``stat`` signature of its files (:func:`source_signature`), taken before
 the last run started: equal, the last run's unit ids stand for the inputs without planning the ingest again;
-different, the prep runs without planning it here first (the flow plans it once). A file touched but not
-changed therefore runs the prep, which reuses every unit.
+different, or none because a file was modified within ``FileHashes.RACY_SECONDS`` (new files just copied in),
+the prep runs without planning it here first (the flow plans it once). A file touched but not changed therefore
+runs the prep, which reuses every unit.
 """
 
 from __future__ import annotations
@@ -209,6 +210,8 @@ def unchanged_summary(recipe: Any) -> dict[str, Any] | None:
         return None
     stage_dir = StageDir(recipe.stage_dir("ingest"), "ingest")
     source = source_signature(recipe)
+    if source is None and Path(str(recipe.ingest.source or "")).expanduser().is_dir():
+        return None  # a file modified a moment ago is a change, like a touch: planning here would list it twice
     if source is not None and last.get("source") is not None:
         if source != last["source"]:
             return None  # a file changed, came or went: the prep plans the ingest once, in the flow

@@ -78,6 +78,10 @@ def test_an_unchanged_prep_returns_without_prefect_and_a_change_runs_again(tmp_p
     assert unchanged.unchanged_summary(recipe) is None
     assert prep(recipe)["stages"]["ingest"]["processed"] > 0
 
+    assert unchanged.unchanged_summary(recipe) is not None  # nothing changed since that prep
+    os.utime(demo_images / "img_001.jpg")  # the same bytes, modified just now (a file being copied in): racy
+    assert unchanged.unchanged_summary(recipe) is None  # a change, as a touch is: the prep runs, no plan here
+
 
 def test_a_folder_sources_stat_signature_sees_a_touch_an_addition_and_a_racy_file(tmp_path):
     from latentmill.recipe import load_recipe
