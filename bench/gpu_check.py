@@ -43,6 +43,13 @@ a CUDA out-of-memory or a hung collective ends that phase only; each child write
     ``enable_parallelism`` itself run (the CPU takes its steps without its device choice:
     ``latentmill.trainer.context``).
 
+``step_copies``
+    One training step of the demo recipe (the third of four) under ``torch.profiler``: on CUDA its host-to-device
+    copies (the trace's ``Memcpy HtoD`` events) must be no more than the batch's own tensors, as the noise,
+    sigmas, position ids and step statistics are made on the device (``latentmill.trainer.train
+    .draw_micro_batch``); failed otherwise, listing the copies. The CPU dry run profiles the same step (no copies
+    to count there: the CPU tests check that the step's tensors name the batch's device).
+
 ``DOC_COMMANDS`` lists the GPU-only commands of docs/gpu-pods.md and the phase that runs each.
 
 Every phase reports ``status`` (``ok`` / ``failed`` / ``skipped``: it cannot run on this machine, and says why), ``seconds``, ``peak_mem_mb`` and, when failed, the
@@ -74,8 +81,8 @@ from typing import Any, Callable
 BENCH_DIR = Path(__file__).resolve().parent
 REPO_ROOT = BENCH_DIR.parent
 DEFAULT_WORK = BENCH_DIR / ".work" / "gpu-check"  # git-ignored; removed at the start of every check
-PHASES = ("doctor", "demo", "bench", "fsdp2", "lora", "full", "sample", "cache_repro", "cp")
-NEEDS_DEMO = ("fsdp2", "lora", "full", "sample", "cp")  # they use the snapshot (or export) the demo phase made
+PHASES = ("doctor", "demo", "bench", "fsdp2", "lora", "full", "sample", "cache_repro", "cp", "step_copies")
+NEEDS_DEMO = ("fsdp2", "lora", "full", "sample", "cp", "step_copies")  # they use the snapshot (or export) the demo phase made
 MARKER = ".gpu-check-work"  # in a work folder this script made: only such a folder (or an empty one) is emptied
 PROMPT = "a red circle on a blue background"
 ERROR_TAIL = 3000  # characters of a failed phase's error (or log) kept in the JSON
@@ -302,6 +309,39 @@ def phase_cp(work: Path, device: str, sizes: dict[str, int], mem: PeakMemory) ->
                         "cp_size": train["cp_size"]}
         if not diff <= CP_TOLERANCE[device]:
             raise RuntimeError(f"cp=2 ({kind}) differs from one process by {diff:.3g} (relative): {two} vs {one}")
+    return result
+
+
+def phase_step_copies(work: Path, device: str, sizes: dict[str, int], mem: PeakMemory) -> dict[str, Any]:
+    """The host-to-device copies of one training step, from a profiler trace (see the module docstring)."""
+    import torch
+    from latentmill.pipelines.launch import train_recipe
+    from latentmill.pipelines.snapshot import resolve_snapshot
+    from latentmill.trainer.loader import LatentLoader
+    from torch.profiler import ProfilerActivity, profile, schedule
+
+    recipe = _recipe(work, device, ["trainer.max_steps=4", "trainer.save_every=0", "trainer.export=false",
+                                    "trainer.validate_every=0", f"trainer.batch_size={sizes['batch']}",
+                                    "trainer.drop_last=true"])
+    with LatentLoader(resolve_snapshot(recipe.output_dir, recipe.snapshot), sizes["batch"], recipe.seed,
+                      drop_last=True) as loader:
+        batch = next(iter(loader))
+    own = [k for k, v in batch.items() if isinstance(v, torch.Tensor)]  # what forward_backward moves
+    trace = work / "step-copies-trace.json"
+    activities = [ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if device == "cuda" else [])]
+    # the profiler's steps follow the training steps (on_step): step 1 waits, step 2 warms up, step 3 is recorded
+    with profile(activities=activities, schedule=schedule(wait=1, warmup=1, active=1, repeat=1),
+                 on_trace_ready=lambda p: p.export_chrome_trace(str(trace))) as prof:
+        train = train_recipe(recipe, work / "step-copies-run", progress=False, on_step=lambda record: prof.step())
+    mem.mark("train")
+    events = json.loads(trace.read_text())["traceEvents"]
+    copies = [{"name": e["name"], "bytes": (e.get("args") or {}).get("bytes")} for e in events
+              if "Memcpy HtoD" in e.get("name", "")]
+    result = {**_train_fields(train), "batch_tensors": own, "htod_copies": len(copies),
+              "htod_bytes": sum(c["bytes"] or 0 for c in copies), "trace": str(trace)}
+    if len(copies) > len(own):
+        raise RuntimeError(f"one training step made {len(copies)} host-to-device copies, its batch has {len(own)} "
+                           f"tensors ({own}): {copies}")
     return result
 
 
@@ -557,7 +597,7 @@ def run_child(phase: str, work: Path, device: str, dry: bool, timeout_s: float, 
             else:
                 fn: Callable[..., dict[str, Any]] = {"demo": phase_demo, "fsdp2": phase_fsdp2, "lora": phase_lora,
                                                      "full": phase_full, "cache_repro": phase_cache_repro,
-                                                     "cp": phase_cp}[phase]
+                                                     "cp": phase_cp, "step_copies": phase_step_copies}[phase]
                 result = fn(work, device, sizes, mem)
         result["status"] = "skipped" if "skipped" in result else "ok"
     except BaseException as err:  # an OOM or any failure: reported, the check goes on with the next phase

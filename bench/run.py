@@ -28,7 +28,7 @@ setup_env()
 
 BENCHMARKS = ("loader", "trainer", "prep", "onthefly", "memory", "disk", "ranks", "video", "startup", "files",
               "jaxloader", "scale", "heap", "compaction", "sample", "curate", "dedup", "threads", "families", "longclip",
-              "unchanged")
+              "unchanged", "stream")
 # Benchmarks whose full run needs more than --timeout's default: bench.scale preps 100,000 + 10,000 inputs
 # through the CLI (about 40 minutes on 2 CPU cores).
 MIN_TIMEOUT_S = {"scale": 3600, "heap": 3600}

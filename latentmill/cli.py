@@ -1,4 +1,5 @@
-"""The latentmill command: prep, train, run, demo, inspect, verify, plan, gc, compact, pin, unpin, doctor, sample, init, serve.
+"""The latentmill command: prep, train, run, demo, inspect, verify, plan, gc, compact, pin, unpin, doctor, sample, push,
+init, serve, compare.
 
     latentmill prep CONFIG [key.path=value ...] [--summary-json PATH]
     latentmill train CONFIG [key.path=value ...] [--nproc N] [--nnodes M --rdzv-endpoint HOST:PORT]
@@ -21,6 +22,7 @@
     latentmill sample EXPORT_OR_CHECKPOINT --prompt TEXT [--prompts FILE] [--batch N] [--steps S]
                    [--size WxH[xF]] [--repeat K] [--compile] [--base PIPELINE] [--out DIR]
     latentmill serve start|stop [--port N] [--home DIR]   (local Prefect server + UI, worker, deployments)
+    latentmill compare RUN_A RUN_B [--plot FILE]   (settings, snapshot and loss curves of two runs side by side)
 
 CONFIG is a recipe file, or the name of a shipped example recipe (``demo``, ``demo-video``, ...).
 """
@@ -142,6 +144,10 @@ def _parser() -> argparse.ArgumentParser:
                                            "(<output_dir>/snapshots/<name>)")
     p.add_argument("--repo-id", required=True, help="OWNER/NAME on the Hub (made if missing)")
     p.add_argument("--private", action="store_true", help="make a new repository private")
+    p = sub.add_parser("compare", help="two training runs side by side: settings, snapshots, losses at equal steps")
+    p.add_argument("run_a", type=Path, help="a run folder (<output_dir>/train/runs/<run>) or an output_dir")
+    p.add_argument("run_b", type=Path, help="the other run")
+    p.add_argument("--plot", type=Path, help="also draw both runs' loss curves into this PNG")
     p = sub.add_parser("init", help="write a starter recipe for your images, with the example recipes and demo data")
     p.add_argument("folder", type=Path, help="where to write them (made if missing; no file is overwritten)")
     p.add_argument("--images", type=Path, help="your images (a folder); default: FOLDER/images, made empty")
@@ -467,6 +473,14 @@ def main(argv: list[str] | None = None) -> int:
             pushed = push(args.path, args.repo_id, private=args.private)
             print(f"pushed {len(pushed['files'])} files to {pushed['url']} ({pushed['repo_type']} repo, commit "
                   f"{pushed['commit'][:12]})")
+            return 0
+        if args.command == "compare":
+            from latentmill.compare import compare_runs, format_comparison, plot_comparison
+
+            result = compare_runs(args.run_a, args.run_b)
+            print(format_comparison(result))
+            if args.plot:
+                print(f"\nplot: {plot_comparison(result, args.plot)}")
             return 0
         if args.command == "init":
             from latentmill.resources import init_folder, write_starter_recipe

@@ -68,6 +68,9 @@ def _print_snapshot(folder: Path, manifest: dict) -> None:
           f"{snap['bytes'] / 1e6:.2f} MB, family {manifest.get('family')}, dtype {manifest.get('dtype')}, "
           f"parent {snap['parent'] or '-'}, created {snap['created']}")
     print("  buckets: " + ", ".join(f"{k}: {v}" for k, v in snap["buckets"].items()))
+    if snap.get("eval"):  # prep.eval_fraction: samples training never reads
+        print(f"  held out for evaluation: {snap['eval']['samples']} samples (eval_fraction {snap['eval']['fraction']:g}, "
+              f"eval_min_count {snap['eval']['min_count']})")
     for name, model in (manifest.get("models") or {}).items():
         print(f"  {name}: {model.get('class')} fingerprint {model.get('fingerprint', '')[:16]}")
     _print_encoded_on(manifest)

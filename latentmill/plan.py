@@ -476,7 +476,18 @@ def plan(recipe: Recipe, *, nproc: int | None = None, nnodes: int | None = None,
         "notes": [source.note, f"layout: {lay.note}",
                   f"checkpoint dtype {str(source.checkpoint_dtype).removeprefix('torch.')}: {source.dtype_note}",
                   *notes],
+        **ddp_lora_cost(cfg.mode, parallel.strategy, base_params * torch.finfo(base_dtype).bits // 8, host_load,
+                        lay.nproc, world),
     }
+
+
+def ddp_lora_cost(mode: str, strategy: str, base_bytes: int, host_load: int, nproc: int, world: int) -> dict:
+    """``{"ddp_lora": ...}`` for a LoRA recipe on DDP: every rank holds the whole frozen base (``base_bytes``) on
+    its GPU and loads it through host RAM (``host_load``), where FSDP2 would hold 1/``world`` of it; {} otherwise."""
+    if mode != "lora" or strategy != "ddp" or world < 2:
+        return {}
+    return {"ddp_lora": {"gpu_base_bytes": base_bytes, "host_load_bytes": host_load,
+                         "node_host_load_bytes": nproc * host_load, "fsdp2_gpu_base_bytes": -(-base_bytes // world)}}
 
 
 def _plan_both(recipe: Recipe, **kwargs: Any) -> dict[str, Any]:
@@ -548,6 +559,11 @@ def format_plan(result: dict[str, Any]) -> str:
         lines.append(f"fits: yes, the static part fits {gpu:g} GiB with {margin:.2f} GiB left for activations")
     else:
         lines.append(f"fits: NO, the static part exceeds {gpu:g} GiB by {-margin:.2f} GiB")
+    if "ddp_lora" in result:
+        d = result["ddp_lora"]
+        lines.append(f"DDP LoRA: each rank holds the whole frozen base, {_gib(d['gpu_base_bytes'])} of GPU memory and "
+                     f"{_gib(d['host_load_bytes'])} of host RAM at load ({_gib(d['node_host_load_bytes'])} per node); "
+                     f"parallel.strategy: fsdp2 holds {_gib(d['fsdp2_gpu_base_bytes'])} of it per rank")
     lines += [f"note: {n}" for n in result["notes"]]
     return "\n".join(lines)
 

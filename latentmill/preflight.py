@@ -24,7 +24,7 @@ import re
 from pathlib import Path
 
 from latentmill.core.config import ConfigError
-from latentmill.core.store import check_store, is_url, refuse_store
+from latentmill.core.store import check_store, is_url
 from latentmill.models import ModelConfig, component_source, read_component_config
 from latentmill.recipe import Recipe
 from latentmill.stages.bucket import BucketConfig
@@ -250,8 +250,6 @@ def check_recipe(recipe: Recipe, command: str) -> None:
     """Everything about ``recipe`` that can be checked before work starts, for ``command``
     (``prep``, ``train``, ``run`` or ``demo``); ConfigError or FileNotFoundError naming the key."""
     if is_url(recipe.output_dir):  # an object store: reachable, its bucket there, before anything else
-        if command != "prep":
-            refuse_store(recipe.output_dir, "training")
         check_store(recipe.output_dir)
     model = recipe.model
     check_model_ref("model.pretrained", model.pretrained, model.tiny_recipe, pipeline=True)
@@ -288,7 +286,11 @@ def check_recipe(recipe: Recipe, command: str) -> None:
         check_context_parallel(recipe.parallel, get_adapter(model.family))
     if command in ("train", "run", "demo"):
         check_expert(recipe)
-    if command == "train":
+    if command == "train" and is_url(recipe.output_dir):
+        from latentmill.pipelines.objectstore import check_snapshot
+
+        check_snapshot(recipe.output_dir, recipe.snapshot)
+    elif command == "train":
         from latentmill.pipelines.snapshot import resolve_snapshot
 
         resolve_snapshot(recipe.output_dir, recipe.snapshot)

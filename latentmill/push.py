@@ -86,10 +86,11 @@ def dataset_files(snapshot: Path) -> list[tuple[str, Path | bytes]]:
             files.append((f"shards/{entry['index']['name']}", tar.parent / entry["index"]["name"]))
         shards.append({**entry, "path": f"shards/{tar.name}"})
     published = {**manifest, "shards": shards}
-    if "empty_prompt" in manifest:
-        empty = (snapshot / manifest["empty_prompt"]["path"]).resolve()
-        files.append((f"shards/{empty.name}", empty))
-        published["empty_prompt"] = {**manifest["empty_prompt"], "path": f"shards/{empty.name}"}
+    for field in ("empty_prompt", "validation_prompts"):  # files beside the cache's shards
+        if field in manifest:
+            file = (snapshot / manifest[field]["path"]).resolve()
+            files.append((f"shards/{file.name}", file))
+            published[field] = {**manifest[field], "path": f"shards/{file.name}"}
     files.append(("manifest.json", json.dumps(public_data(published), indent=1, sort_keys=True).encode()))
     files.append(("README.md", dataset_card(published).encode()))
     return files

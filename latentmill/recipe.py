@@ -19,7 +19,7 @@ from latentmill.stages.caption import CaptionConfig
 from latentmill.stages.compact import CompactionConfig
 from latentmill.stages.curate import CurateConfig
 from latentmill.stages.ingest import IngestConfig
-from latentmill.trainer.config import ParallelConfig, TrainerConfig
+from latentmill.trainer.config import LoaderConfig, ParallelConfig, TrainerConfig
 
 
 @dataclass
@@ -55,6 +55,19 @@ class PrepConfig:
     # Prefect artifact (latentmill.plots; only when matplotlib is installed: latentmill[plots]). Cost: the
     # scores table and manifests, plus decoding at most 48 quarantined samples per reason.
     plots: bool = True
+    # The held-out set the trainer evaluates on and never trains on (pipelines/snapshot.py ``held_out``): the
+    # samples whose key hashes below this fraction, at least eval_min_count of them, at most a quarter of the
+    # snapshot; 0 turns it off. Off by default so that a recipe's training set stays what it was; the
+    # real-size recipes set 0.02.
+    eval_fraction: float = 0.0
+    eval_min_count: int = 8
+
+    def validate(self) -> None:
+        if not 0.0 <= self.eval_fraction < 1.0:
+            raise ConfigError(f"prep.eval_fraction: must be in [0, 1) (0 turns the held-out set off), got "
+                              f"{self.eval_fraction}")
+        if self.eval_min_count < 0:
+            raise ConfigError(f"prep.eval_min_count: must be >= 0, got {self.eval_min_count}")
 
 
 @dataclass
@@ -84,6 +97,7 @@ class Recipe:
     cache: CacheConfig = field(default_factory=CacheConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    loader: LoaderConfig = field(default_factory=LoaderConfig)
     prep: PrepConfig = field(default_factory=PrepConfig)
     retention: RetentionConfig = field(default_factory=RetentionConfig)
     # A pod's persistent volume (absolute path); else $LATENTMILL_VOLUME. A relative output_dir goes under it,

@@ -12,20 +12,22 @@ import signal
 import subprocess
 import sys
 import time
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
 from latentmill.pipelines.launch import train_recipe
+from latentmill.pipelines.objectstore import RunPublisher, pull, pull_runs
 from latentmill.pipelines.prep import prep, release_prep_models, run_prep
 from latentmill.pipelines.report import TrainProgress
-from latentmill.pipelines.runs import RunPlan, finish_run, plan_run
+from latentmill.pipelines.runs import RunPlan, finish_run, local_recipe, plan_run
 from latentmill.pipelines.snapshot import resolve_snapshot
 from prefect import flow, task
 from prefect.cache_policies import NONE
 
 from latentmill import interrupt
 from latentmill.core.config import ConfigError
-from latentmill.core.store import refuse_store
+from latentmill.core.store import check_store, refuse_store
 from latentmill.prefect_env import group_dying_with_parent
 from latentmill.recipe import Recipe, load_recipe, recipe_from_dict
 
@@ -47,7 +49,8 @@ def train_task(recipe_data: dict, run_dir: str, run_key: str) -> dict[str, Any]:
     """
     recipe = recipe_from_dict(recipe_data)
     progress = TrainProgress(recipe.trainer.max_steps)
-    summary = finish_run(recipe, RunPlan(Path(run_dir), run_key), train_recipe(recipe, run_dir, on_step=progress))
+    summary = finish_run(local_recipe(recipe), RunPlan(Path(run_dir), run_key),
+                         train_recipe(recipe, run_dir, on_step=progress))
     progress.finish(summary)
     return summary
 
@@ -210,17 +213,26 @@ def run_train(recipe: Recipe, launch: Launch = Launch()) -> dict[str, Any]:
     """Train on the recipe's snapshot, in this process or under torchrun, in the run folder
     ``latentmill.pipelines.runs.plan_run`` chooses; a finished run of the same recipe and snapshot is not redone."""
     check_launch(recipe, launch)
-    refuse_store(recipe.output_dir, "training")
-    snapshot = resolve_snapshot(recipe.output_dir, recipe.snapshot)  # clear error if prep has not run
-    plan = plan_run(recipe, snapshot.name, launch.nproc * launch.nnodes)
+    local = local_recipe(recipe)  # on a store: the work folder, where the run trains before it is published
+    if local is not recipe:
+        check_store(recipe.output_dir)
+        if launch.nnodes > 1:
+            raise ConfigError(f"output_dir: {recipe.output_dir}: training on an object store runs on one node "
+                              "for now (--nnodes 1); use a local output_dir for several nodes")
+        pull(recipe.output_dir, Path(local.output_dir), tars=False)  # manifests and indexes; shards stream
+        pull_runs(recipe.output_dir, Path(local.output_dir))  # the checkpoints a resume reads
+    snapshot = resolve_snapshot(local.output_dir, recipe.snapshot)  # clear error if prep has not run
+    plan = plan_run(local, snapshot.name, launch.nproc * launch.nnodes)
     if plan.done is not None:
         print(f"train: already trained on snapshot {snapshot.name} with this recipe, in {plan.folder} "
               "(nothing to redo; change the recipe or the data to train again)")
         return plan.done
     check_resume_batch(recipe, plan.folder, launch.nproc * launch.nnodes)
-    if launch.nproc * launch.nnodes == 1:
-        return train_task(recipe.to_dict(), str(plan.folder), plan.key)
-    return torchrun_task(recipe.to_dict(), launch, str(plan.folder))
+    # on a store, the run's checkpoints, metrics and export are published while it trains, and at its end
+    with RunPublisher(Path(local.output_dir), recipe.output_dir) if local is not recipe else nullcontext():
+        if launch.nproc * launch.nnodes == 1:
+            return train_task(recipe.to_dict(), str(plan.folder), plan.key)
+        return torchrun_task(recipe.to_dict(), launch, str(plan.folder))
 
 
 def check_resume_batch(recipe: Recipe, run_folder: str | Path, world: int) -> None:
@@ -242,7 +254,6 @@ def run_prep_then_train(recipe: Recipe, launch: Launch = Launch()) -> dict[str, 
     output_dir's writer lock): the first does the work, the others find it committed.
     """
     check_launch(recipe, launch)
-    refuse_store(recipe.output_dir, "training")  # before the prep, not after it
     prepared = run_prep(recipe)
     release_prep_models()  # the encoders are done: training gets the GPUs whole
     return {**prepared, "train": run_train(recipe, launch)}
@@ -286,8 +297,8 @@ def refresh(config: str = "configs/demo.yaml", overrides: list[str] | None = Non
     train on the snapshot if it is new."""
     recipe = load_recipe(config, overrides)
     check_launch(recipe, Launch(nproc))
-    if train or recipe.retention.keep_snapshots is not None:
-        refuse_store(recipe.output_dir, "training" if train else "retention (gc)")
+    if recipe.retention.keep_snapshots is not None:
+        refuse_store(recipe.output_dir, "retention (gc)")
     prepared = run_prep(recipe)
     result = dict(prepared)
     if recipe.retention.keep_snapshots is not None:

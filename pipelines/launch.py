@@ -10,9 +10,13 @@ from __future__ import annotations
 import json
 import os
 import sys
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Any, Callable
 
+from latentmill.trainer.stream import StreamSource
+
+from latentmill.core.store import is_url, work_dir_for
 from latentmill.interrupt import Interrupted
 from latentmill.models import check_cache_compatible
 from latentmill.recipe import Recipe, recipe_from_dict
@@ -29,7 +33,11 @@ def train_recipe(recipe: Recipe, run_dir: str | Path, progress: bool = True,
     from latentmill.trainer import train
 
     # The snapshot stays pinned while this process reads it: a gc meanwhile keeps it (pipelines.retention).
-    with pinned_for_training(recipe.output_dir, recipe.snapshot) as cache_dir:
+    with (nullcontext(None) if is_url(recipe.output_dir) else pinned_for_training(recipe.output_dir,
+                                                                                 recipe.snapshot)) as cache_dir:
+        stream = None
+        if cache_dir is None:  # on a store: its manifest pulled into the work folder, its shards streamed
+            cache_dir, stream = stream_source(recipe)
         manifest = json.loads((cache_dir / "manifest.json").read_text())
         run_dir = Path(run_dir)
         return train(
@@ -47,7 +55,21 @@ def train_recipe(recipe: Recipe, run_dir: str | Path, progress: bool = True,
                         "run": run_dir.name, "output_dir": str(recipe.output_dir),
                         "pretrained": recipe.model.pretrained, "mode": recipe.trainer.mode},
             recipe=recipe.to_dict(),
+            stream=stream,
         )
+
+
+def stream_source(recipe: Recipe) -> tuple[Path, StreamSource]:
+    """An ``output_dir`` on a store: the snapshot's folder in the work folder (its manifest, pulled by
+    ``run_train``) and where its shards stream from and to (``loader.cache_dir``, else ``<work>/stream-cache``)."""
+    from latentmill.pipelines.objectstore import published_path
+    from latentmill.pipelines.snapshot import resolve_snapshot
+
+    work = work_dir_for(recipe.output_dir)
+    folder = resolve_snapshot(work, recipe.snapshot)
+    cache = recipe.loader.cache_dir or str(work / "stream-cache")
+    return folder, StreamSource(published_path(recipe.output_dir, work, str(folder)), cache,
+                                recipe.loader.limit_bytes, str(folder))
 
 
 def _family(recipe: Recipe) -> str | None:
@@ -75,10 +97,11 @@ def main(argv: list[str] | None = None) -> int:
         # that launched torchrun asked for the stop (pipelines.flows._stop_ranks) and says it in one line
         return 0
     if rank == 0:  # the run is finished: record it, link its export
-        from latentmill.pipelines.runs import RunPlan, finish_run, run_key
+        from latentmill.pipelines.runs import RunPlan, finish_run, local_recipe, run_key
 
         world = int(os.environ.get("WORLD_SIZE", "1"))
-        summary = finish_run(recipe, RunPlan(Path(run_dir), run_key(recipe, summary["snapshot"], world)), summary)
+        summary = finish_run(local_recipe(recipe), RunPlan(Path(run_dir), run_key(recipe, summary["snapshot"], world)),
+                             summary)
         Path(summary_json).write_text(json.dumps(summary, indent=2))
     return 0
 

@@ -466,3 +466,134 @@ def verify_store(url: str) -> int:
     print(f"verified {checked} shards on {url}: {checked - bad} ok, {bad} bad")
     return 1 if bad else 0
 
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Training runs on a store: the run folder in the work folder, published while it trains
+# ---------------------------------------------------------------------------------------------------------
+
+
+def run_file(rel: str) -> bool:
+    """Whether the work folder's file ``rel`` belongs to the training runs (``train/``, ``train-<expert>/``)."""
+    return rel.split("/", 1)[0].startswith("train") and "/" in rel and not rel.endswith(LOCAL_SUFFIXES)
+
+
+def run_phase(rel: str) -> int:
+    """The order in which a run's file is published: checkpoint parts (0), a checkpoint's
+    ``trainer_state.json`` (1: what makes it complete for ``resume``), the run's other files (2), the
+    ``LATEST`` pointer (3)."""
+    from latentmill.trainer.checkpoint import STATE_FILE
+
+    parts = rel.split("/")
+    if len(parts) == 2 and parts[1] == LATEST:
+        return 3
+    if "checkpoints" in parts[:-1]:
+        return 1 if parts[-1] == STATE_FILE else 0
+    return 2
+
+
+def check_snapshot(url: str, name: str) -> None:
+    """Raise ``FileNotFoundError`` as ``resolve_snapshot`` does when the store holds no snapshot ``name``
+    (``latest``: the one ``snapshots/LATEST`` names)."""
+    fs, root = store_fs(url)
+    folder = join(url, "snapshots")
+    if name == "latest":
+        try:
+            name = fs.cat_file(join(root, "snapshots", LATEST)).decode().strip()
+        except FileNotFoundError:
+            raise FileNotFoundError(f"no snapshot published under {folder}: run `latentmill prep` first") from None
+    if not fs.exists(join(root, "snapshots", name, "manifest.json")):
+        raise FileNotFoundError(f"snapshot {name!r} not found under {folder}; `latentmill inspect {url}` lists the "
+                                "published ones")
+
+
+def pull_runs(url: str, work: Path) -> dict[str, Any]:
+    """Download the store's training-run files that the work folder lacks (a fresh machine resuming a run
+    finds its checkpoints); ``{"downloaded", "bytes"}``. What this machine holds already is its own truth."""
+    fs, root = store_fs(url)
+    remote, local, size = [], [], 0
+    for rel, info in sorted(_listing(fs, root).items()):
+        path = work / rel
+        if not run_file(rel) or path.exists() or path.is_symlink():
+            continue
+        path.parent.mkdir(parents=True, exist_ok=True)
+        remote.append(join(root, rel))
+        local.append(str(path) + PULLING)
+        size += int(info.get("size") or 0)
+    if remote:
+        fs.get(remote, local)
+        for tmp in local:
+            os.replace(tmp, tmp[: -len(PULLING)])
+    return {"downloaded": len(remote), "bytes": size}
+
+
+class RunPublisher:
+    """Publishes the training runs of a work folder to the store while they train: every ``every_s`` seconds
+    in a thread, and once more when stopped (a run killed midway leaves its checkpoints there). A checkpoint's
+    parts go before its ``trainer_state.json``, so one found on the store is whole; checkpoints pruned here
+    (``keep_latest_k``) are deleted there, ``trainer_state.json`` first (so are run files the store holds and
+    this folder lacks when it starts: ``pull_runs`` brings every one in first). Links (``metrics.jsonl``, the export
+    links) are not published: ``run.json`` and ``LATEST`` name the folders."""
+
+    def __init__(self, work: Path, url: str, every_s: float = PUBLISH_EVERY_S):
+        self.work, self.url, self.every_s = work, url, every_s
+        self.fs, self.root = store_fs(url)
+        self.sent: dict[str, tuple[int, int]] = {}  # rel -> (size, mtime_ns) of the copy on the store
+        self.uploaded = 0
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="latentmill-publish-runs", daemon=True)
+
+    def _files(self) -> dict[str, tuple[int, int]]:
+        found = {}
+        for rel in _local_files(self.work):
+            path = self.work / rel
+            if run_file(rel) and ".tmp/" not in rel and not path.is_symlink():
+                try:
+                    stat = path.stat()
+                except FileNotFoundError:  # pruned meanwhile
+                    continue
+                found[rel] = (stat.st_size, stat.st_mtime_ns)
+        return found
+
+    def publish(self) -> int:
+        """Upload what changed since the last round, phase after phase; delete what was pruned; how many
+        files were uploaded."""
+        with self._lock:
+            now = self._files()
+            changed = sorted((rel for rel, sig in now.items() if self.sent.get(rel) != sig), key=run_phase)
+            count = 0
+            for step in sorted({run_phase(rel) for rel in changed}):
+                names = [rel for rel in changed if run_phase(rel) == step and (self.work / rel).is_file()]
+                if names:
+                    self.fs.put([str(self.work / rel) for rel in names], [join(self.root, rel) for rel in names])
+                    self.sent.update({rel: now[rel] for rel in names})
+                    count += len(names)
+            gone = sorted((rel for rel in self.sent if rel not in now), key=lambda rel: -run_phase(rel))
+            if gone:
+                self.fs.rm([join(self.root, rel) for rel in gone])
+                for rel in gone:
+                    del self.sent[rel]
+            self.uploaded += count
+            return count
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.every_s):
+            try:
+                self.publish()
+            except Exception:  # a store that failed a request, a file pruned meanwhile: the next round retries
+                continue
+
+    def __enter__(self) -> "RunPublisher":
+        # what the store holds already: a copy of the same size is taken as this file's, one this folder lacks
+        # (``pull_runs`` brought every one in) was pruned here and goes at the first round
+        local = self._files()
+        self.sent = {rel: local.get(rel, (-1, -1)) if int(info.get("size") or 0) == local.get(rel, (-1,))[0]
+                     else (-1, -1) for rel, info in _listing(self.fs, self.root).items() if run_file(rel)}
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.publish()

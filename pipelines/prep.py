@@ -126,7 +126,21 @@ def manifest_header(stage: str, recipe: Recipe, records: list[UnitRecord] | None
         return curate.manifest_header(recipe.curate, recipe.cache.background, _clip_spec(recipe) if per_clip else None)
     if stage == "bucket":
         return {"fingerprint": stable_hash(bucket.fingerprint(recipe.bucket, _near_dups(recipe)))}
-    return cache.manifest_header(recipe.cache, recipe.model, stage_dir_for(recipe, stage), records)
+    return cache.manifest_header(recipe.cache, recipe.model, stage_dir_for(recipe, stage), records,
+                                 prompts=validation_texts(recipe))
+
+
+def validation_texts(recipe: Recipe) -> list[str]:
+    """The texts the cache encodes for validation: ``trainer.validation_prompts`` and the family's negative
+    prompt (classifier-free guidance), when the family's validation samples from cached embeddings."""
+    from latentmill.trainer.adapters import get_adapter
+
+    if not recipe.trainer.validation_prompts:
+        return []
+    adapter = get_adapter(cache.cache_plan(recipe.cache, recipe.model).family)
+    if not (adapter.validates_from_prompts and adapter.prompts_from_cache):
+        return []
+    return [*recipe.trainer.validation_prompts, adapter.negative_prompt]
 
 
 def auto_compact(recipe: Recipe, cache_dir: StageDir) -> dict[str, Any] | None:
@@ -446,7 +460,8 @@ def _prep_stages(recipe_data: dict, started_run: str | None) -> dict[str, Any]:
     if recipe.prep.plots:  # only with matplotlib; a failed picture is a warning, never a failed prep
         if publish_prep_plots(recipe.prep_dir, run_log.warning, also=[started_run] if started_run else []):
             plots = str(recipe.prep_dir / PLOTS_DIR / "index.md")
-    snapshot = publish_snapshot(recipe.output_dir, recipe.stage_dir("cache"))
+    snapshot = publish_snapshot(recipe.output_dir, recipe.stage_dir("cache"), recipe.prep.eval_fraction,
+                                recipe.prep.eval_min_count)
     trackers = log_prep_to_trackers(recipe, report, snapshot)
     publish_tracker_links(trackers, "prep", also=[started_run] if started_run else [])
     return {"stages": report, "snapshot": snapshot, "plots": plots, "ingest_units": ingest_units,

@@ -13,7 +13,7 @@ What a kept snapshot references, per stage (``<output_dir>/prep/<stage>/``):
   ``inputs`` are the sha256 of its input shards), one unit that wrote it (a current one when there is one,
   else the newest), followed up to ingest, with their files.
 
-Deleted: unit records (``units/*.json``), shards (``shards/<stage>-*``), ``empty_prompt-*`` files and
+Deleted: unit records (``units/*.json``), shards (``shards/<stage>-*``), ``empty_prompt-*`` and ``prompts-*`` files and
 snapshot folders that none of that names, and temporaries (``*.tmp``) that a killed writer left. Nothing
 else in an output_dir is touched (manifests, quarantine lists, hash stores, training runs).
 
@@ -351,14 +351,14 @@ class Plan:
 
 def _stage_files(root: Path, stage: str) -> list[Path]:
     """The files gc may delete in one stage: unit records, this stage's shards (and sidecars), the cache's
-    empty-prompt embeddings, and temporaries. Anything else is never a candidate."""
+    empty-prompt and validation-prompt embeddings, and temporaries. Anything else is never a candidate."""
     files = []
     if (root / "units").is_dir():
         files += [p for p in (root / "units").iterdir() if p.is_file() and p.name.endswith((".json", ".tmp"))]
     if (root / "shards").is_dir():
         files += [p for p in (root / "shards").iterdir() if p.is_file() and p.name.startswith(f"{stage}-")]
     if root.is_dir():
-        files += [p for p in root.iterdir() if p.is_file() and p.name.startswith("empty_prompt-")]
+        files += [p for p in root.iterdir() if p.is_file() and p.name.startswith(("empty_prompt-", "prompts-"))]
     return sorted(files)
 
 

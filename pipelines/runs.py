@@ -2,7 +2,7 @@
 
 ::
 
-    <output_dir>/train/runs/<key>/      run.json, metrics.jsonl, checkpoints/, tb/, validation/, export/,
+    <output_dir>/train/runs/<key>/      run.json, recipe.json, metrics.jsonl, checkpoints/, tb/, validation/, export/,
                                         sample.png (the demo)
     <output_dir>/train/LATEST           the name of the run started last
     <output_dir>/train/metrics.jsonl    -> runs/<LATEST>/metrics.jsonl
@@ -28,6 +28,7 @@ newest of each. Outputs of the layout before runs (``train/checkpoints``, ``trai
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import sys
@@ -44,6 +45,7 @@ from latentmill.recipe import Recipe
 LATEST = "LATEST"
 LEGACY = "0000-legacy"
 RUN_FILE = "run.json"
+RECIPE_FILE = "recipe.json"  # the resolved recipe of the run's latest start (``latentmill compare`` diffs it)
 # Trainer keys that say how a run is carried out, not what it learns: a change trains nothing again.
 RUN_SETTINGS = ("resume", "cpu_threads")
 
@@ -55,6 +57,16 @@ class RunPlan:
     folder: Path
     key: str
     done: dict[str, Any] | None = None
+
+
+def local_recipe(recipe: Recipe) -> Recipe:
+    """The recipe whose runs live here: an ``output_dir`` on an object store trains in its local work folder
+    (``latentmill.core.store.work_dir_for``), which ``latentmill.pipelines.objectstore.RunPublisher`` publishes."""
+    from latentmill.core.store import is_url, work_dir_for
+
+    if not is_url(recipe.output_dir):
+        return recipe
+    return dataclasses.replace(recipe, output_dir=str(work_dir_for(recipe.output_dir)))
 
 
 def runs_dir(recipe: Recipe) -> Path:
@@ -123,6 +135,7 @@ def _start(recipe: Recipe, folder: Path, key: str, snapshot: str) -> RunPlan:
         _write_json(folder / RUN_FILE, {"key": key, "snapshot": snapshot, "mode": recipe.trainer.mode,
                                         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                                         "finished": False, **({"resumed_from": record} if record else {})})
+    _write_json(folder / RECIPE_FILE, recipe.to_dict())
     durable.write_text(recipe.train_dir / LATEST, folder.name + "\n")
     relink(recipe.train_dir / "metrics.jsonl", folder / "metrics.jsonl")
     return RunPlan(folder, key)

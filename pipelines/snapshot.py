@@ -7,10 +7,16 @@ never rewritten, so a snapshot stays valid while newer ones are published. ``sna
 newest. A prep run whose cache is unchanged publishes nothing new: its snapshot is the current one. A prep
 run whose inputs all ended in quarantine publishes nothing and fails (:class:`EmptySnapshotError`): an empty
 snapshot is never the one training reads.
+
+The held-out set (``prep.eval_fraction``, ``prep.eval_min_count``): the samples whose media key hashes lowest
+(``held_out``), recorded per shard entry as ``held_out`` (the samples' places in the shard) and as
+``snapshot.eval``; the training loader skips them, the evaluation reads only them. The rule is part of the
+content id (a new fraction is a new snapshot) but not of any cache unit (no latent is encoded again).
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import time
@@ -18,6 +24,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
+from latentmill.stages.shardindex import load_shard_index
 from latentmill.stages.shardio import StageDir, shard_buckets
 
 from latentmill.core import durable
@@ -84,8 +91,72 @@ def prep_summary(prep_dir: str | Path) -> dict[str, Any]:
     return summary
 
 
-def publish(output_dir: str | Path, cache_dir: str | Path) -> dict[str, Any]:
-    """Publish the cache's current manifest as a snapshot (or return the current one if identical)."""
+def media_key(key: str) -> str:
+    """The part of a sample key that names its media: a video's clips (``<key>-c<j>``) share their video's."""
+    return key.split("-", 1)[0]
+
+
+def holdout_rank(key: str) -> float:
+    """Where sample ``key`` falls in [0, 1) for the held-out rule: a hash of its media key, so it never moves."""
+    digest = hashlib.sha256(f"latentmill:eval:{media_key(key)}".encode()).digest()
+    return int.from_bytes(digest[:8], "big") / 2**64
+
+
+def held_out(keys: list[str], fraction: float, min_count: int) -> set[str]:
+    """The held-out keys of ``keys``: those whose ``holdout_rank`` is below ``fraction``, raised to at least
+    ``min_count`` samples and cut to at most a quarter of ``keys`` (training keeps three quarters), taking
+    whole media (a video's clips stay together) lowest rank first. ``fraction`` 0: none.
+
+    While ``min_count`` or the cap decides the count (a small dataset), a refresh can move a sample between
+    the sets; above it, the set of a key depends on the key alone."""
+    if fraction <= 0 or not keys:
+        return set()
+    groups: dict[str, list[str]] = {}
+    for key in keys:
+        groups.setdefault(media_key(key), []).append(key)
+    ranks = {media: holdout_rank(media) for media in groups}
+    below = [media for media, rank in ranks.items() if rank < fraction]
+    wanted, cap = max(sum(len(groups[m]) for m in below), min_count), len(keys) // 4
+    if wanted == sum(len(groups[m]) for m in below) <= cap:  # the fraction alone decides: no sort
+        return {key for media in below for key in groups[media]}
+    chosen: set[str] = set()
+    for media in sorted(groups, key=lambda m: (ranks[m], m)):
+        if len(chosen) >= wanted or len(chosen) + len(groups[media]) > cap:
+            break
+        chosen.update(groups[media])
+    return chosen
+
+
+def _eval_rule(output_dir: str | Path, eval_fraction: float | None, eval_min_count: int) -> dict[str, Any] | None:
+    """The held-out rule of a new snapshot: the given one, or (``eval_fraction`` None: a compaction, which has
+    no recipe) the latest snapshot's; None when off."""
+    if eval_fraction is None:
+        latest = latest_name(output_dir)
+        if latest is None:
+            return None
+        rule = json.loads((snapshots_dir(output_dir) / latest / "manifest.json").read_text())["snapshot"].get("eval")
+        return {"fraction": rule["fraction"], "min_count": rule["min_count"]} if rule else None
+    return {"fraction": eval_fraction, "min_count": eval_min_count} if eval_fraction > 0 else None
+
+
+def _mark_held_out(cache_root: Path, shards: list[dict[str, Any]], rule: dict[str, Any]) -> int:
+    """Add ``held_out`` (sample places in the shard) to the entries of ``shards`` that hold held-out samples,
+    from their indexes (no tar is read); returns how many samples are held out."""
+    keys = [[index.key(i) for i in range(index.num_samples)]
+            for index in (load_shard_index(cache_root / s["path"], s["index"]) for s in shards)]
+    chosen = held_out([k for shard_keys in keys for k in shard_keys], rule["fraction"], rule["min_count"])
+    for shard, shard_keys in zip(shards, keys):
+        places = [i for i, key in enumerate(shard_keys) if key in chosen]
+        if places:
+            shard["held_out"] = places
+    return len(chosen)
+
+
+def publish(output_dir: str | Path, cache_dir: str | Path, eval_fraction: float | None = None,
+            eval_min_count: int = 8) -> dict[str, Any]:
+    """Publish the cache's current manifest as a snapshot (or return the current one if identical).
+
+    ``eval_fraction``/``eval_min_count``: the held-out rule (``held_out``); None keeps the latest snapshot's."""
     cache = StageDir(cache_dir, "cache")
     manifest = cache.read_manifest()
     if not manifest["counts"]["out"]:
@@ -100,7 +171,9 @@ def publish(output_dir: str | Path, cache_dir: str | Path) -> dict[str, Any]:
     root = snapshots_dir(output_dir)
     root.mkdir(parents=True, exist_ok=True)
     # The data identity: everything but bookkeeping that changes between identical runs.
-    content_id = stable_hash({k: v for k, v in manifest.items() if k not in ("units",)})
+    rule = _eval_rule(output_dir, eval_fraction, eval_min_count)
+    identity = {k: v for k, v in manifest.items() if k not in ("units",)}
+    content_id = stable_hash({**identity, "eval": rule} if rule else identity)  # without one: ids as before
     parent = latest_name(output_dir)
     if parent is not None:
         current = json.loads((root / parent / "manifest.json").read_text())
@@ -110,7 +183,9 @@ def publish(output_dir: str | Path, cache_dir: str | Path) -> dict[str, Any]:
                      default=0)
     name = f"{number:04d}-{content_id[:12]}"
     rel = os.path.relpath(cache.root, root / name)
-    shards = [{**s, "path": f"{rel}/{s['path']}"} for s in manifest["shards"]]
+    entries = [dict(s) for s in manifest["shards"]]
+    evaluated = _mark_held_out(cache.root, entries, rule) if rule else 0
+    shards = [{**s, "path": f"{rel}/{s['path']}"} for s in entries]
     buckets = Counter()
     for shard in manifest["shards"]:
         buckets.update(shard_buckets(shard))  # one bucket, or several (layout 2)
@@ -127,10 +202,12 @@ def publish(output_dir: str | Path, cache_dir: str | Path) -> dict[str, Any]:
             "buckets": dict(sorted(buckets.items())),
             "quarantine": _quarantine_tally(cache.root.parent),
             "prep": prep_summary(cache.root.parent),
+            **({"eval": {**rule, "samples": evaluated}} if rule else {}),
         },
     }
-    if "empty_prompt" in manifest:
-        snapshot["empty_prompt"] = {**manifest["empty_prompt"], "path": f"{rel}/{manifest['empty_prompt']['path']}"}
+    for field in ("empty_prompt", "validation_prompts"):  # files beside the cache's shards
+        if field in manifest:
+            snapshot[field] = {**manifest[field], "path": f"{rel}/{manifest[field]['path']}"}
     tmp = root / f".{name}.tmp"
     tmp.mkdir(exist_ok=True)
     durable.write_json(tmp / "manifest.json", snapshot)

@@ -728,10 +728,54 @@ def ensure_empty_prompt(cfg: CacheConfig, model: ModelConfig, stage_dir: StageDi
     return {"path": name, "sha256": sha256_bytes(path.read_bytes())}
 
 
+PROMPTS_PREFIX = "prompts-"  # the validation prompts' embeddings beside the cache's shards
+
+
+def ensure_prompts(cfg: CacheConfig, model: ModelConfig, stage_dir: StageDir, prompts: list[str]) -> dict[str, Any]:
+    """Embeddings of ``prompts`` (the validation prompts and the family's negative prompt), as captions'.
+
+    One safetensors file per prompt set, ``prompts-<hash>.safetensors``, tensors named ``<text key>.<stream>``
+    (the caption's component key: the prompt's text under the text encoders' fingerprints); a prompt already in
+    an earlier file of this folder is copied from it, so a changed list encodes only its new prompts. The new
+    prompts are encoded in one batch in the list's order, as a pipeline given the list encodes them. Returns
+    the manifest entry: ``path``, ``sha256`` and ``keys`` (prompt -> text key); {} for no prompts.
+    """
+    if not prompts:
+        return {}
+    from safetensors import safe_open
+    from safetensors.torch import load_file
+
+    plan_ = cache_plan(cfg, model)
+    keys = {prompt: plan_.text_key(prompt) for prompt in prompts}
+    name = f"{PROMPTS_PREFIX}{stable_hash(sorted(set(keys.values())))[:16]}.safetensors"
+    path = stage_dir.root / name
+    if not path.is_file():
+        tensors: dict[str, torch.Tensor] = {}
+        for older in sorted(stage_dir.root.glob(f"{PROMPTS_PREFIX}*.safetensors")):
+            with safe_open(older, "pt") as f:
+                wanted = [k for k in f.keys() if k.split(".")[0] in keys.values()]
+            if wanted:
+                stored = load_file(older)
+                tensors.update({k: stored[k] for k in wanted})
+        missing = list(dict.fromkeys(p for p in prompts if not any(k.startswith(keys[p] + ".") for k in tensors)))
+        if missing:
+            encoders = _load_encoders(cfg, model, plan_.family, _device(cfg))
+            with deterministic_encoding(_deterministic(cfg)):
+                encoded = encoders.encode_text(missing, cfg.max_sequence_length)
+            for i, prompt in enumerate(missing):
+                for stream, tensor in _text_tensors(encoded, i, trims_text(cfg, plan_.family), plan_.family).items():
+                    tensors[f"{keys[prompt]}.{stream}"] = tensor.to(DTYPES[cfg.dtype]).contiguous()
+        tmp = path.with_name(name + ".tmp")
+        tmp.write_bytes(safetensors_save(tensors))
+        tmp.replace(path)
+    return {"path": name, "sha256": sha256_bytes(path.read_bytes()), "keys": keys}
+
+
 def manifest_header(cfg: CacheConfig, model: ModelConfig, stage_dir: StageDir,
-                    records: list[UnitRecord] | None = None) -> dict[str, Any]:
-    """Family, models, dtype, latent mode, text layout and empty prompt of this cache. ``records``: the
-    records of the run's units, when the caller has them (else the current plan's are read again)."""
+                    records: list[UnitRecord] | None = None, prompts: list[str] | None = None) -> dict[str, Any]:
+    """Family, models, dtype, latent mode, text layout, empty prompt and validation prompts (``prompts``: the
+    validation prompts' embeddings, ``ensure_prompts``) of this cache. ``records``: the records of the run's
+    units, when the caller has them (else the current plan's are read again)."""
     plan_ = cache_plan(cfg, model)
     models = describe_components(model, plan_.family)
     for name, fp in plan_.prints.items():
@@ -751,6 +795,8 @@ def manifest_header(cfg: CacheConfig, model: ModelConfig, stage_dir: StageDir,
         "streams": [stream.to_json() for stream in family_class(plan_.family).STREAMS],
         "empty_prompt": ensure_empty_prompt(cfg, model, stage_dir),
         **_encoded_on_field(cfg, model, stage_dir, records),
+        # only with prompts: a cache without them keeps its manifest, and so its snapshot name
+        **({"validation_prompts": ensure_prompts(cfg, model, stage_dir, prompts)} if prompts else {}),
     }
 
 

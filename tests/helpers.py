@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 from latentmill.pipelines.prep import run_stages_in_process as prep_in_process  # noqa: F401  (the stages, no Prefect)
 
 
@@ -41,3 +44,18 @@ def assert_recipe_refused(tmp_path, load_recipe, recipe, change, match: str) -> 
     bad.write_text(yaml.safe_dump(data))
     with pytest.raises(ConfigError, match=match):
         load_recipe(bad)
+
+
+DEMO_IMAGES = Path(__file__).resolve().parents[1] / "data" / "demo" / "images"
+
+
+def upload_demo_inputs(fs, bucket: str, count: int | None = None) -> str:
+    """The demo images (the first ``count``) and a JSON-lines manifest of them (path, caption from the
+    sidecar) on the store."""
+    rows = []
+    for image in sorted(p for p in DEMO_IMAGES.iterdir() if p.suffix != ".txt")[:count]:
+        fs.pipe_file(f"{bucket}/inputs/{image.name}", image.read_bytes())
+        caption = image.with_suffix(".txt")
+        rows.append({"path": image.name, **({"caption": caption.read_text().strip()} if caption.is_file() else {})})
+    fs.pipe_file(f"{bucket}/inputs/list.jsonl", "".join(json.dumps(r) + "\n" for r in rows).encode())
+    return f"s3://{bucket}/inputs/list.jsonl"

@@ -127,7 +127,7 @@ def test_the_help_lists_every_command_in_plain_text():
     from latentmill.cli import _parser
 
     commands = list(_parser()._subparsers._group_actions[0].choices)
-    assert len(commands) == 16
+    assert len(commands) == 17
     proc = _cli("--help")
     assert proc.returncode == 0
     listed = re.findall(r"^    (\S+)", proc.stdout, re.M)  # deeper lines continue a command's help

@@ -34,7 +34,7 @@ from safetensors.torch import load as load_tensors
 from latentmill.models import ModelConfig
 from latentmill.recipe import Recipe
 from tests.helpers import prep_in_process
-from tests.trainer_helpers import read_metrics, torch_threads
+from tests.trainer_helpers import add_validation_prompts, read_metrics, torch_threads
 
 SEQ = 32  # klein's cache.max_sequence_length in these tests (its chat template alone is 15 tokens)
 DEV_SEQ = 64  # dev's (its system message and template are 32 tokens of the tiny tokenizer)
@@ -313,6 +313,7 @@ def test_lora_export_loads_into_the_base_pipeline(request, variant, pipeline, se
     pipe_cls = getattr(diffusers, pipeline)
     pretrained = request.getfixturevalue(f"tiny_flux2_{variant}")
     sd, _, _ = request.getfixturevalue(f"{variant}_cache")
+    add_validation_prompts(sd.root, str(pretrained), ["a red square"], max_sequence_length=seq)  # as a prep does
     cfg = TrainerConfig(mode="lora", max_steps=3, batch_size=2, learning_rate=1e-2, lora_rank=4, save_every=0,
                         lora_target_modules=list(LORA_TARGETS), validate_every=3, validation_prompts=["a red square"],
                         validation_steps=1, validation_size=[48, 64])

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-PHASES = ["doctor", "demo", "bench", "fsdp2", "lora", "full", "sample", "cache_repro", "cp"]
+PHASES = ["doctor", "demo", "bench", "fsdp2", "lora", "full", "sample", "cache_repro", "cp", "step_copies"]
 DRY_IMAGE = 64  # bench.gpu_check.SIZES["dry"]["image"]
 
 
@@ -134,6 +134,18 @@ def test_cp_phase_matches_one_process(dry_run):
     assert (cp["ulysses"]["world_size"], cp["ulysses"]["cp_size"]) == (2, 2)  # what the run itself reported
     assert cp["ulysses"]["max_relative_difference"] <= cp["tolerance"] == 1e-5
     assert "ring" not in cp  # ring needs CUDA's flash or cuDNN attention
+
+
+@pytest.mark.slow
+@pytest.mark.heavy
+def test_step_copies_phase_profiled_one_step(dry_run):
+    # issue 34: on CUDA the phase counts a step's host-to-device copies; the CPU dry run profiles the same step
+    _, report, _ = dry_run
+    phase = report["phases"]["step_copies"]
+    assert phase["steps"] == 4 and {"latents", "prompt_embeds"} <= set(phase["batch_tensors"])
+    assert (phase["htod_copies"], phase["htod_bytes"]) == (0, 0)  # no device to copy to
+    trace = json.loads(Path(phase["trace"]).read_text())
+    assert any(e.get("name") == "aten::randn" for e in trace["traceEvents"])  # the recorded step drew its noise
 
 
 @pytest.mark.slow

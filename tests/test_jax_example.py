@@ -64,9 +64,9 @@ def test_writes_summary_and_samples(ran):
     assert summary["sampler"]["repeats"] == 2 and summary["sampler"]["median_s"] > 0
     samples = np.load(out / "samples.npy")
     assert samples.shape == (3, 16, 4, 4) and np.isfinite(samples).all()
-    # 16 samples, batch 4 (drop_last): 4 batches an epoch; after 40 steps the next is epoch 9's 5th: none, so
-    # (9, 4), which the loader turns into (10, 0) when asked for the next batch (LatentLoader's state)
-    assert (result.summary["loader_state"]["epoch"], result.summary["loader_state"]["batch_index"]) == (9, 4)
+    # 16 samples, batch 4 (drop_last): 4 batches an epoch; after 40 steps, 10 whole epochs read: a batch's
+    # position carries the state after it, so the next is epoch 10's first (LatentLoader's state)
+    assert (result.summary["loader_state"]["epoch"], result.summary["loader_state"]["batch_index"]) == (10, 0)
 
 
 def test_sampler_is_deterministic_under_a_fixed_key(example, ran):

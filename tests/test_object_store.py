@@ -144,13 +144,49 @@ def test_push_then_pull_copies_the_shared_files_and_skips_what_is_there(s3_bucke
     assert not fs.exists(f"{s3_bucket}/out/prep/catalog.sqlite")
 
 
-def test_training_on_a_store_is_refused_before_any_work(tmp_path, monkeypatch, capsys):
-    monkeypatch.chdir(tmp_path)
-    assert main(["run", str(DEMO_CONFIG), "output_dir=s3://bucket/out"]) == 2
-    err = capsys.readouterr().err.strip()
-    assert err == ("latentmill: error: output_dir: s3://bucket/out: training on an object store is not supported "
-                   "yet (prep, inspect, verify and gc are); use a local output_dir (docs/object-stores.md)")
-    assert os.listdir(tmp_path) == []
+def test_a_training_run_is_published_checkpoint_parts_first_and_pruned_checkpoints_deleted(s3_bucket, tmp_path):
+    url = f"s3://{s3_bucket}/out"
+    work = tmp_path / "w"
+    run = work / "train" / "runs" / "r1"
+    step2 = run / "checkpoints" / "step-000002"
+    step2.mkdir(parents=True)
+    (step2 / "model.safetensors").write_bytes(b"weights")
+    (step2 / "trainer_state.json").write_text("{}")
+    (run / "checkpoints" / "step-000004.tmp").mkdir()
+    (run / "checkpoints" / "step-000004.tmp" / "model.safetensors").write_bytes(b"being written")
+    (run / "metrics.jsonl").write_text('{"step": 1}\n')
+    (work / "train" / "LATEST").write_text("r1\n")
+    (work / "train" / "metrics.jsonl").symlink_to(run / "metrics.jsonl")
+    fs = fsspec.filesystem("s3")
+    fs.ls(s3_bucket)
+    sent: list[str] = []
+    record = lambda request, **_: sent.append(request.url.split(f"/{s3_bucket}/out/", 1)[-1].split("?")[0])  # noqa: E731
+    fs.s3.meta.events.register("before-send.s3.PutObject", record)
+    with objectstore.RunPublisher(work, url, every_s=3600) as publisher:
+        assert publisher.publish() == 4 and publisher.publish() == 0
+    prefix = "train/runs/r1/"
+    assert sent == [prefix + "checkpoints/step-000002/model.safetensors",
+                    prefix + "checkpoints/step-000002/trainer_state.json", prefix + "metrics.jsonl", "train/LATEST"]
+    # the next checkpoint, and the older one pruned: deleted from the store too; a grown metrics file again
+    os.rename(run / "checkpoints" / "step-000004.tmp", run / "checkpoints" / "step-000004")
+    (run / "checkpoints" / "step-000004" / "trainer_state.json").write_text("{}")
+    for path in step2.iterdir():
+        path.unlink()
+    step2.rmdir()
+    (run / "metrics.jsonl").write_text('{"step": 1}\n{"step": 2}\n')
+    with objectstore.RunPublisher(work, url, every_s=3600):  # knows what the store holds
+        pass
+    assert sorted(fs.find(f"{s3_bucket}/out")) == [f"{s3_bucket}/out/{rel}" for rel in (
+        "train/LATEST", prefix + "checkpoints/step-000004/model.safetensors",
+        prefix + "checkpoints/step-000004/trainer_state.json", prefix + "metrics.jsonl")]
+    assert fs.cat_file(f"{s3_bucket}/out/{prefix}metrics.jsonl") == b'{"step": 1}\n{"step": 2}\n'
+    # a fresh machine pulls the runs back; what it holds already stays its own
+    fresh = tmp_path / "fresh"
+    (fresh / "train").mkdir(parents=True)
+    (fresh / "train" / "LATEST").write_text("mine\n")
+    assert objectstore.pull_runs(url, fresh)["downloaded"] == 3
+    assert (fresh / prefix / "checkpoints" / "step-000004" / "model.safetensors").read_bytes() == b"being written"
+    assert (fresh / "train" / "LATEST").read_text() == "mine\n"
 
 
 def test_a_running_prep_publishes_each_committed_unit_parts_first(s3_bucket, tmp_path):
@@ -186,4 +222,4 @@ def test_compact_and_pin_on_a_store_are_refused_in_one_line(capsys):
         assert main(argv) == 2
         assert capsys.readouterr().err.strip() == (
             f"latentmill: error: output_dir: s3://bucket/out: {argv[0]} on an object store is not supported yet "
-            "(prep, inspect, verify and gc are); use a local output_dir (docs/object-stores.md)")
+            "(prep, train, inspect, verify and gc are); use a local output_dir (docs/object-stores.md)")

@@ -15,23 +15,12 @@ from latentmill.pipelines import objectstore
 
 from latentmill.cli import main
 from tests.conftest import S3_SECRET
+from tests.helpers import upload_demo_inputs
 
 REPO = Path(__file__).resolve().parents[1]
 DEMO_CONFIG = REPO / "configs" / "demo.yaml"
 DEMO_IMAGES = REPO / "data" / "demo" / "images"
 STAGES = ["ingest", "caption", "curate", "bucket", "cache"]
-
-
-def _upload_inputs(fs, bucket: str, count: int | None = None) -> str:
-    """The demo images (the first ``count``) and a JSON-lines manifest of them (path, caption from the
-    sidecar) on the store."""
-    rows = []
-    for image in sorted(p for p in DEMO_IMAGES.iterdir() if p.suffix != ".txt")[:count]:
-        fs.pipe_file(f"{bucket}/inputs/{image.name}", image.read_bytes())
-        caption = image.with_suffix(".txt")
-        rows.append({"path": image.name, **({"caption": caption.read_text().strip()} if caption.is_file() else {})})
-    fs.pipe_file(f"{bucket}/inputs/list.jsonl", "".join(json.dumps(r) + "\n" for r in rows).encode())
-    return f"s3://{bucket}/inputs/list.jsonl"
 
 
 def _prep(url: str, source: str, tiny_flux: Path, summary: Path) -> dict:
@@ -49,7 +38,7 @@ def test_prep_publishes_to_the_store_and_a_fresh_machine_reuses_every_unit(s3_bu
                                                                            monkeypatch, capsys):
     fs = fsspec.filesystem("s3")
     url = f"s3://{s3_bucket}/out"
-    source = _upload_inputs(fs, s3_bucket)
+    source = upload_demo_inputs(fs, s3_bucket)
 
     first = _prep(url, source, tiny_flux, tmp_path / "first.json")
     stages = first["stages"]
@@ -152,7 +141,7 @@ def test_a_killed_prep_leaves_whole_units_another_machine_reuses_then_a_refresh_
     import time
 
     fs = fsspec.filesystem("s3")
-    source = _upload_inputs(fs, s3_bucket)
+    source = upload_demo_inputs(fs, s3_bucket)
     clean = _prep(f"s3://{s3_bucket}/clean", source, tiny_flux, tmp_path / "clean.json")
 
     url = f"s3://{s3_bucket}/out"
@@ -227,7 +216,7 @@ def test_two_preps_started_together_on_one_store_output_take_turns(s3_bucket, ti
     import sys
 
     fs = fsspec.filesystem("s3")
-    source = _upload_inputs(fs, s3_bucket, 8)
+    source = upload_demo_inputs(fs, s3_bucket, 8)
     url = f"s3://{s3_bucket}/out"
     logs = [tmp_path / "a.log", tmp_path / "b.log"]
     procs = [subprocess.Popen([sys.executable, "-m", "latentmill.cli", "prep", str(DEMO_CONFIG), f"output_dir={url}",

@@ -77,7 +77,7 @@ def test_flux_dev_full_on_8_ranks_counts_the_real_shards():
 
 
 def test_flux_dev_lora_ddp_counts_the_real_lora_layers():
-    result = plan_config("configs/flux-dev-lora.yaml", nproc=8)
+    result = plan_config("configs/flux-dev-lora.yaml", ["parallel.strategy=ddp"], nproc=8)
     assert not dist.is_initialized()
     model = _meta("flux", "FLUX.1-dev")
     targets = ("to_k", "to_q", "to_v", "to_out.0")
@@ -92,6 +92,35 @@ def test_flux_dev_lora_ddp_counts_the_real_lora_layers():
     assert r["optimizer_bytes"] == 2 * lora * 4
     assert r["gathered_bytes"] == 0
     assert r["host_export_peak_bytes"] == lora * 4  # a LoRA export holds only the LoRA weights
+    # what DDP LoRA costs, stated beside FSDP2's share (the shipped recipe's: test_plan_states_what_ddp_lora_costs...)
+    assert result["ddp_lora"] == {"gpu_base_bytes": FLUX_DEV_PARAMS * 2, "host_load_bytes": r["host_load_peak_bytes"],
+                                  "node_host_load_bytes": 8 * r["host_load_peak_bytes"],
+                                  "fsdp2_gpu_base_bytes": FLUX_DEV_PARAMS * 2 // 8}
+    assert r["host_load_peak_bytes"] == FLUX_DEV_PARAMS * 2 + lora * 4
+    assert "DDP LoRA: each rank holds the whole frozen base, 22.17 GiB of GPU memory" in format_plan(result)
+
+
+@pytest.mark.heavy
+def test_plan_states_what_ddp_lora_costs_beside_fsdp2():
+    """Issue 34: DDP LoRA holds the whole bf16 base on every rank; the shipped recipe shards it (FSDP2). Two plans
+    of FLUX.1-dev: make test checks the DDP figures in test_flux_dev_lora_ddp_counts_the_real_lora_layers."""
+    ddp = plan_config("configs/flux-dev-lora.yaml", ["parallel.strategy=ddp"], nproc=8)
+    fsdp = plan_config("configs/flux-dev-lora.yaml", nproc=8)  # the shipped recipe: fsdp2
+    assert fsdp["config"]["strategy"] == "fsdp2" and fsdp["fits"] and "ddp_lora" not in fsdp
+    cost = ddp["ddp_lora"]
+    assert cost["gpu_base_bytes"] == FLUX_DEV_PARAMS * 2  # the bf16 base, whole, on each of the 8 GPUs
+    assert cost["host_load_bytes"] == ddp["per_rank"]["host_load_peak_bytes"] == FLUX_DEV_PARAMS * 2 + 37_355_520 * 4
+    assert cost["node_host_load_bytes"] == 8 * cost["host_load_bytes"]  # about 178 GB for one node of 8
+    assert cost["fsdp2_gpu_base_bytes"] == -(-FLUX_DEV_PARAMS * 2 // 8)
+    # what FSDP2 holds instead: rank 0's parameters are an eighth of the base (rows rounded up) plus its LoRA share
+    assert cost["fsdp2_gpu_base_bytes"] < fsdp["per_rank"]["params_bytes"] < cost["fsdp2_gpu_base_bytes"] * 1.1
+    assert ddp["per_rank"]["params_bytes"] > 7 * fsdp["per_rank"]["params_bytes"]
+    assert fsdp["per_rank"]["host_load_peak_bytes"] < cost["host_load_bytes"] / 7
+    line = next(x for x in format_plan(ddp).splitlines() if x.startswith("DDP LoRA:"))
+    assert line == (f"DDP LoRA: each rank holds the whole frozen base, {cost['gpu_base_bytes'] / 2**30:.2f} GiB of GPU "
+                    f"memory and {cost['host_load_bytes'] / 2**30:.2f} GiB of host RAM at load "
+                    f"({cost['node_host_load_bytes'] / 2**30:.2f} GiB per node); parallel.strategy: fsdp2 holds "
+                    f"{cost['fsdp2_gpu_base_bytes'] / 2**30:.2f} GiB of it per rank")
 
 
 def test_hsdp_replicate_and_uneven_ranks_follow_the_sharding(wan_small):
@@ -239,4 +268,4 @@ def test_flux2_klein_lora_reaches_the_single_blocks():
     lora = sum(32 * (m.in_features + m.out_features) for m in wrapped)
     assert result["trainable_params"] == lora
     assert result["total_params"] == FLUX2_PARAMS["FLUX.2-klein-base-4B"] + lora
-    assert result["config"]["strategy"] == "ddp" and result["fits"]
+    assert result["config"]["strategy"] == "fsdp2" and result["fits"]  # the shipped recipe shards the base

@@ -49,7 +49,7 @@ def test_full_fsdp2_on_8_ranks_counts_the_real_shards():
 
 
 def test_lora_ddp_counts_the_community_targets():
-    result = plan_config("configs/z-image-lora.yaml", nproc=8)
+    result = plan_config("configs/z-image-lora.yaml", ["parallel.strategy=ddp"], nproc=8)
     assert not dist.is_initialized()
     model = _meta()
     lora = sum(32 * (m.in_features + m.out_features) for name, m in model.named_modules()

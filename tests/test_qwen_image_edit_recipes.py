@@ -22,7 +22,7 @@ SCHEDULER = json.loads((REPO / "configs/models/Qwen-Image-Edit/scheduler/schedul
 QWEN_IMAGE_PARAMS = 20_430_401_088  # Qwen-Image's transformer, which Qwen-Image-Edit fine-tunes
 
 
-@pytest.mark.parametrize(("name", "mode", "strategy"), [("qwen-image-edit-lora.yaml", "lora", "ddp"),
+@pytest.mark.parametrize(("name", "mode", "strategy"), [("qwen-image-edit-lora.yaml", "lora", "fsdp2"),
                                                         ("qwen-image-edit-full.yaml", "full", "fsdp2")])
 def test_real_size_recipes(name, mode, strategy):
     recipe = load_recipe(REPO / "configs" / name)
@@ -38,8 +38,8 @@ def test_real_size_recipes(name, mode, strategy):
         SCHEDULER["max_image_seq_len"])
     if mode == "lora":
         assert tuple(t.lora_target_modules) == QWEN_IMAGE_LORA_TARGETS
-    if strategy == "fsdp2":
-        assert recipe.parallel.hsdp_replicate == 2 and recipe.parallel.mixed_precision
+    if strategy == "fsdp2":  # the full recipe is HSDP over 2 nodes; the LoRA shards its base over one node
+        assert recipe.parallel.hsdp_replicate == (2 if mode == "full" else 1) and recipe.parallel.mixed_precision
 
 
 def test_demo_edits_are_what_make_demo_writes(tmp_path):

@@ -19,7 +19,7 @@ QWEN_IMAGE_PARAMS = 20_430_401_088  # "20B MMDiT" (Qwen-Image technical report; 
 SCHEDULER = json.loads((REPO / "configs/models/Qwen-Image/scheduler/scheduler_config.json").read_text())
 
 
-@pytest.mark.parametrize(("name", "mode", "strategy"), [("qwen-image-lora.yaml", "lora", "ddp"),
+@pytest.mark.parametrize(("name", "mode", "strategy"), [("qwen-image-lora.yaml", "lora", "fsdp2"),
                                                         ("qwen-image-full.yaml", "full", "fsdp2")])
 def test_real_size_recipes(name, mode, strategy):
     recipe = load_recipe(REPO / "configs" / name)

@@ -18,7 +18,7 @@ from latentmill.trainer.card import model_card, public, trigger_phrase
 from latentmill.trainer.trackers import TrackerError, flatten, scalars, start_trackers
 
 from latentmill.core.config import ConfigError
-from tests.trainer_helpers import read_metrics, torch_threads, write_fake_cache
+from tests.trainer_helpers import add_validation_prompts, read_metrics, torch_threads, write_fake_cache
 
 PREP = {"stages": {"ingest": {"in": 6, "out": 5, "quarantined": 1}, "cache": {"in": 4, "out": 4, "quarantined": 0}},
         "captioner": "/home/someone/models/blip", "curation": {"scorers": ["sharpness"],
@@ -66,7 +66,9 @@ def tracked(tiny_flux, mlflow_server, tmp_path_factory):
     cache = root / "cache"
     manifest = write_fake_cache(cache, {(32, 32, 1): 4}, seq_len=16, smooth=True)
     manifest["snapshot"] = {"name": PROVENANCE["snapshot"], "samples": 4, "buckets": {"32x32x1": 4}, "prep": PREP}
+    manifest["shards"][0]["held_out"] = [3]  # one held-out sample: the evaluation's losses go to every tracker
     (cache / "manifest.json").write_text(json.dumps(manifest))
+    add_validation_prompts(cache, str(tiny_flux), ["a red square"], max_sequence_length=16)  # as a prep does
     cfg = TrainerConfig(max_steps=2, batch_size=2, learning_rate=1e-3, save_every=0, mode="lora", lora_rank=4,
                         validate_every=2, validation_prompts=["a red square"], validation_steps=1,
                         validation_size=[32, 32], trackers=["tensorboard", "wandb", "mlflow"],
@@ -131,6 +133,9 @@ def test_wandb_offline_run_holds_the_metrics_images_and_recipe(tracked):
     losses = [h["train/loss"] for h in history if "train/loss" in h]
     assert losses == pytest.approx([r["loss"] for r in read_metrics(run_dir)])
     assert [h["_step"] for h in history if "train/loss" in h] == [1, 2]
+    (evaluated,) = [r["eval"] for r in read_metrics(run_dir) if "eval" in r]
+    assert [(h["_step"], h["eval/loss"], h["eval/loss_0.5"]) for h in history if "eval/loss" in h] == \
+        [(2, pytest.approx(evaluated["loss"]), pytest.approx(evaluated["loss_0.5"]))]
     (image,) = [(h["_step"], h["validation"]) for h in history if "validation" in h]
     assert image[0] == 2 and image[1]["_type"] == "image-file" and (image[1]["width"], image[1]["height"]) == (32, 32)
     config = {}
@@ -157,6 +162,9 @@ def test_mlflow_server_holds_the_metrics_params_and_artifacts(tracked):
     assert [m.step for m in history] == [r["step"] for r in read_metrics(run_dir)]
     assert [m.value for m in history] == pytest.approx([r["loss"] for r in read_metrics(run_dir)])
     assert run.data.params["trainer.max_steps"] == "2" and run.data.params["seed"] == "0"
+    (evaluated,) = [r["eval"] for r in read_metrics(run_dir) if "eval" in r]
+    assert [(m.step, m.value) for m in client.get_metric_history(run.info.run_id, "eval/loss_0.9")] == \
+        [(2, pytest.approx(evaluated["loss_0.9"]))]
     assert run.data.tags["snapshot"] == PROVENANCE["snapshot"]
     assert [a.path for a in client.list_artifacts(run.info.run_id, "validation")] == ["validation/step-000002.png"]
     provenance = client.download_artifacts(run.info.run_id, "provenance.json", str(run_dir / "dl"))
@@ -172,6 +180,8 @@ def test_tensorboard_has_the_same_scalars_and_the_grid(tracked):
     events = EventAccumulator(str(run_dir / "tb"), size_guidance={"images": 0, "tensors": 0})
     events.Reload()
     assert [e.value for e in events.Scalars("train/loss")] == pytest.approx([r["loss"] for r in read_metrics(run_dir)])
+    (evaluated,) = [r["eval"] for r in read_metrics(run_dir) if "eval" in r]
+    assert [(e.step, e.value) for e in events.Scalars("eval/loss")] == [(2, pytest.approx(evaluated["loss"]))]
     (image,) = events.Images("validation")
     assert image.step == 2 and (image.width, image.height) == (32, 32)
     assert "recipe/text_summary" in events.Tags()["tensors"]
@@ -330,3 +340,60 @@ def test_a_run_ends_finished_failed_or_killed_in_mlflow(mlflow_server, tmp_path,
     client = MlflowClient(uri)
     assert {s: client.get_run(i).info.status for s, i in ids.items()} == {
         "finished": "FINISHED", "failed": "FAILED", "killed": "KILLED"}
+
+
+@pytest.fixture(scope="module")
+def tracked_video(tiny_wan, mlflow_server, tmp_path_factory):
+    """A Wan 2.1 run of 2 steps with a validation at step 2 (a 5-frame video), logged to all three trackers."""
+    root = tmp_path_factory.mktemp("tracked-video")
+    write_fake_cache(root / "cache", {(32, 32, 5): 4}, family="wan", trimmed=True, seq_len=16, smooth=True)
+    cfg = TrainerConfig(max_steps=2, batch_size=2, learning_rate=1e-3, save_every=0, mode="lora", lora_rank=4,
+                        validate_every=2, validation_prompts=["a red ball"], validation_steps=1,
+                        validation_size=[32, 32, 5], trackers=["tensorboard", "wandb", "mlflow"],
+                        tracker_project="latentmill-video-test", export=False)
+    pytest.importorskip("wandb").teardown()  # an earlier test's online W&B session would otherwise be reused
+    env = {"WANDB_MODE": "offline", "WANDB_SILENT": "true", "MLFLOW_TRACKING_URI": mlflow_server}
+    before = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        with torch_threads(1):
+            summary = train(cfg, cache_dir=root / "cache", pretrained=str(tiny_wan), train_dir=root / "run", seed=0,
+                            progress=False)
+    finally:
+        for k, v in before.items():
+            os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
+    gif = root / "run" / "validation" / "step-000002.gif"
+    return summary, root / "run", gif, mlflow_server
+
+
+@pytest.mark.slow
+def test_a_video_validation_goes_to_every_tracker_as_a_video(tracked_video):
+    from mlflow import MlflowClient
+    from PIL import Image
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    summary, run_dir, gif, uri = tracked_video
+    assert sorted(summary["trackers"]) == ["mlflow", "tensorboard", "wandb"]
+    with Image.open(gif) as video:
+        assert (video.format, video.n_frames, video.size) == ("GIF", 5, (32, 32))  # every frame of the video
+    with Image.open(run_dir / "validation" / "step-000002.png") as grid:
+        assert grid.size == (4 * 32, 32)  # the grid: four frames
+    # W&B: a video at step 2, the GIF's bytes in the run's media folder
+    history = [_unflatten(r.history.item) for r in _wandb_records(run_dir)
+               if r.WhichOneof("record_type") == "history"]
+    (video,) = [(h["_step"], h["validation_video"]) for h in history if "validation_video" in h]
+    assert video[0] == 2 and video[1]["_type"] == "video-file" and video[1]["path"].endswith(".gif")
+    (media,) = run_dir.glob(f"wandb/offline-run-*/files/{video[1]['path']}")
+    assert media.read_bytes() == gif.read_bytes()
+    # MLflow: the GIF as an artifact
+    client = MlflowClient(uri)
+    (run,) = client.search_runs([client.get_experiment_by_name("latentmill-video-test").experiment_id])
+    assert [a.path for a in client.list_artifacts(run.info.run_id, "validation_video")] == \
+        ["validation_video/step-000002.gif"]
+    fetched = client.download_artifacts(run.info.run_id, "validation_video/step-000002.gif", str(run_dir / "dl"))
+    assert Path(fetched).read_bytes() == gif.read_bytes()
+    # TensorBoard: the image summary add_video writes, holding the GIF
+    events = EventAccumulator(str(run_dir / "tb"), size_guidance={"images": 0})
+    events.Reload()
+    (image,) = events.Images("validation_video")
+    assert image.step == 2 and image.encoded_image_string == gif.read_bytes()

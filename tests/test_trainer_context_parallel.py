@@ -1,6 +1,8 @@
 """Context parallelism (``parallel.cp_size``) on CPU: two gloo ranks split each sample's sequence with Diffusers'
 Ulysses attention, under FSDP2, and train exactly as one process does: the same loss and gradient norm at every
-step, for a tiny Flux and a tiny Wan. And the one-line refusals before any work."""
+step, for a tiny Flux and a tiny Wan, the same validation grid and exported weights (Flux), and a checkpoint
+resumed with another cp_size continues with the uninterrupted run's losses. And the one-line refusals before
+any work."""
 
 from __future__ import annotations
 
@@ -11,15 +13,16 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from latentmill.trainer import ParallelConfig, TrainerConfig
 from latentmill.trainer.adapters import get_adapter
-from latentmill.trainer.context import check_context_parallel, check_cp_batch, cp_plan
+from latentmill.trainer.context import check_context_parallel, check_cp_batch, check_cp_validation, cp_plan
+from PIL import Image
 
 from latentmill.core.config import ConfigError
 from tests.trainer_helpers import (
-    build_tiny_transformer,
     build_tiny_wan_transformer,
     read_metrics,
     run_train,
@@ -48,34 +51,56 @@ end_process_group()  # a barrier, then every group (the meshes' too) released
 
 STEPS, BATCH = 4, 2
 CFG = {"max_steps": STEPS, "batch_size": BATCH, "learning_rate": 3e-3, "save_every": 0, "export": False}
-# family -> (transformer builder, cache buckets: flux 48x64 -> 12 packed tokens and 8 text tokens; wan 32x32x5 ->
-# 2 latent frames x 2 x 2 = 8 tokens: both split in two)
-FAMILIES = {"flux": (build_tiny_transformer, {(48, 64, 1): 6}), "wan": (build_tiny_wan_transformer, {(32, 32, 5): 6})}
+# Flux: the whole tiny pipeline, validated at the last step and exported in float32 (the trained weights as they are)
+FLUX_EXTRA = {"validate_every": STEPS, "validation_prompts": ["a red square", "a blue circle"], "validation_steps": 2,
+              "validation_size": [32, 48], "export": True, "export_dtype": "float32"}
+# family -> cache buckets: flux 48x64 -> 12 packed tokens and 16 text tokens; wan 32x32x5 -> 2 latent frames x 2 x 2
+# = 8 tokens: both split in two (so does Flux's validation size, 32x48: 6 packed tokens)
+BUCKETS = {"flux": {(48, 64, 1): 6}, "wan": {(32, 32, 5): 6}}
 
 
-def _cp_runs(root: Path, family: str) -> dict:
-    """The cp=1 run (one process) of ``family`` and the two ranks' summaries and metrics of its cp=2 run."""
-    build, buckets = FAMILIES[family]
-    pretrained, cache = build(root / "model"), root / "cache"
-    write_fake_cache(cache, buckets, family=family, smooth=True)
-    with torch_threads(1):
-        run_train((str(pretrained), cache), root / "cp1", **CFG)
-    job = {"cfg": CFG, "cache": str(cache), "pretrained": str(pretrained), "train_dir": str(root / "cp2"),
-           "parallel": {"strategy": "fsdp2", "cp_size": 2}}
+def _launch(root: Path, jobs: list[dict]) -> None:
+    """Run ``jobs`` in turn on 2 gloo ranks (one torchrun launch)."""
     (root / "worker.py").write_text(WORKER)
     env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "OMP_NUM_THREADS": "1"}
     done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-                           str(root / "worker.py"), json.dumps([job])],
+                           str(root / "worker.py"), json.dumps(jobs)],
                           cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-4000:]
-    return {"cp1": read_metrics(root / "cp1"), "cp2": read_metrics(job["train_dir"]),
+
+
+def _setup(root: Path, family: str, pretrained: Path | None) -> tuple[str, Path]:
+    """(the pretrained folder, a cache of ``family``): the given pipeline (Flux), else a tiny Wan transformer."""
+    pretrained = pretrained or build_tiny_wan_transformer(root / "model")
+    cache = root / "cache"
+    write_fake_cache(cache, BUCKETS[family], family=family, smooth=True, seq_len=16)
+    return str(pretrained), cache
+
+
+def _cp_runs(root: Path, family: str, pretrained: Path | None) -> dict:
+    """The cp=1 run (one process) of ``family`` and the two ranks' summaries and metrics of its cp=2 run."""
+    setup = _setup(root, family, pretrained)
+    cfg = {**CFG, **(FLUX_EXTRA if family == "flux" else {})}
+    with torch_threads(1):
+        one = run_train(setup, root / "cp1", **cfg)
+    job = {"cfg": cfg, "cache": str(setup[1]), "pretrained": setup[0], "train_dir": str(root / "cp2"),
+           "parallel": {"strategy": "fsdp2", "cp_size": 2}}
+    _launch(root, [job])
+    return {"cp1": read_metrics(root / "cp1"), "cp2": read_metrics(job["train_dir"]), "cp1_summary": one,
             "summaries": [json.loads(Path(job["train_dir"], f"summary-{r}.json").read_text()) for r in (0, 1)]}
+
+
+def _weights(export: str) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    files = sorted(Path(export, "transformer").glob("*.safetensors"))
+    return {k: v for f in files for k, v in load_file(f).items()}
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("family", ["flux", pytest.param("wan", marks=pytest.mark.heavy)])
-def test_cp2_trains_as_one_process(tmp_path, family):
-    runs = _cp_runs(tmp_path, family)
+def test_cp2_trains_validates_and_exports_as_one_process(tmp_path, tiny_flux, family):
+    runs = _cp_runs(tmp_path, family, tiny_flux if family == "flux" else None)
     cp1, cp2, summaries = runs["cp1"], runs["cp2"], runs["summaries"]
     assert [r["step"] for r in cp2] == list(range(1, STEPS + 1))
     for one, two in zip(cp1, cp2):
@@ -87,6 +112,63 @@ def test_cp2_trains_as_one_process(tmp_path, family):
     assert [s["final_loss"] for s in summaries] == [cp2[-1]["loss"]] * 2
     assert [(s["world_size"], s["cp_size"]) for s in summaries] == [(2, 2)] * 2
     assert summaries[0]["epochs"] == summaries[1]["epochs"] and math.isclose(summaries[0]["epochs"], STEPS * BATCH / 6)
+    if family != "flux":
+        return
+    # validation: every cp rank runs the sampling forward (its plan splits the sequence), rank 0 writes the grid
+    grid_one, grid_two = (np.asarray(Image.open(tmp_path / run / "validation" / f"step-{STEPS:06d}.png"))
+                          for run in ("cp1", "cp2"))
+    assert grid_one.shape == grid_two.shape == (2 * 48, 32, 3)
+    assert summaries[0]["validation"] and not summaries[1]["validation"]
+    # float32 weights trained 4 steps in another summation order: 8-bit pixels agree to one level at most
+    assert int(np.abs(grid_one.astype(int) - grid_two.astype(int)).max()) <= 1
+    # the export (rank 0's): the same weights to float32 rounding, not bit for bit. The cp shares of a gradient are
+    # summed in another order than one process sums the whole, and AdamW divides each element by its own scale,
+    # so an element whose gradient is near adam_eps moves its rounding difference up to lr-sized steps: measured,
+    # the difference's norm is 5e-6 of the training update's, its largest element 1.8e-5 (the update's: 1.2e-2)
+    one, two = _weights(runs["cp1_summary"]["export_dir"]), _weights(summaries[0]["export_dir"])
+    init = _weights(str(tiny_flux))
+    assert summaries[1]["export_dir"] is None and one.keys() == two.keys() and len(one) > 20
+
+    def norm(pairs) -> float:
+        return math.sqrt(sum(float((a - b).double().square().sum()) for a, b in pairs))
+
+    update = norm((one[k], init[k]) for k in one)
+    assert update > 1.0  # it trained
+    assert norm((one[k], two[k]) for k in one) <= 2e-5 * update
+    assert max(float((one[k] - two[k]).abs().max()) for k in one) <= 1e-4
+
+
+@pytest.mark.slow
+@pytest.mark.heavy
+def test_resume_with_another_cp_size_continues_the_run(tmp_path, tiny_flux):
+    """cp_size changes neither the data order nor the global batch: a checkpoint of a cp=2 run resumes at cp=1 on
+    the same 2 ranks (2 data-parallel ranks, half the batch each), and a cp=1 one at cp=2, with the losses of the
+    uninterrupted run."""
+    pretrained, cache = _setup(tmp_path, "flux", tiny_flux)
+    with torch_threads(1):
+        run_train((pretrained, cache), tmp_path / "one", **CFG)
+    reference = [r["loss"] for r in read_metrics(tmp_path / "one")]
+    half = {**CFG, "save_every": STEPS // 2}
+
+    def job(name: str, cfg: dict, cp: int) -> dict:
+        return {"cfg": cfg, "cache": str(cache), "pretrained": pretrained, "train_dir": str(tmp_path / name),
+                "parallel": {"strategy": "fsdp2", "cp_size": cp}}
+
+    resume = f"checkpoints/step-{STEPS // 2:06d}"
+    _launch(tmp_path, [
+        job("cp2", half, 2), job("cp2-then-1", {**CFG, "resume": str(tmp_path / "cp2" / resume)}, 1),
+        job("cp1", {**half, "batch_size": BATCH // 2}, 1),
+        job("cp1-then-2", {**CFG, "batch_size": BATCH // 2, "resume": str(tmp_path / "cp1" / resume)}, 2)])
+    for name in ("cp2", "cp1"):
+        assert [r["loss"] for r in read_metrics(tmp_path / name)] == pytest.approx(reference, rel=1e-5), name
+    for name, cp in (("cp2-then-1", 1), ("cp1-then-2", 2)):
+        resumed = read_metrics(tmp_path / name)
+        assert [r["step"] for r in resumed] == list(range(STEPS // 2 + 1, STEPS + 1)), name
+        assert [r["loss"] for r in resumed] == pytest.approx(reference[STEPS // 2:], rel=1e-5), name
+        summary = json.loads((tmp_path / name / "summary-0.json").read_text())
+        assert (summary["cp_size"], summary["steps_this_run"]) == (cp, STEPS // 2)
+        # the same global batch: every step trained BATCH samples (the epoch position says so)
+        assert math.isclose(summary["epochs"], STEPS * BATCH / 6)
 
 
 def test_refusals_before_work():
@@ -128,6 +210,26 @@ def test_cp_batch_must_split_evenly():
         check_cp_batch(flux, {**batch, "latents": torch.zeros(1, 16, 4, 8), "prompt_embeds": torch.zeros(1, 7, 32)}, 2)
     # Wan splits only the video tokens (its cross-attention keeps the whole text)
     check_cp_batch(wan, {"latents": torch.zeros(1, 16, 2, 4, 4), "prompt_embeds": torch.zeros(1, 7, 32)}, 2)
+
+
+def test_a_validation_size_cp_does_not_divide_is_refused_before_work(tmp_path):
+    # every cp rank samples the validation prompts, and the plan splits their sequences as a batch's
+    cp2, flux, wan = ParallelConfig("fsdp2", cp_size=2), get_adapter("flux"), get_adapter("wan")
+    (tmp_path / "vae").mkdir()
+    (tmp_path / "vae" / "config.json").write_text(json.dumps({"latent_channels": 16, "block_out_channels": [8] * 4}))
+    with pytest.raises(ConfigError, match=r"^parallel.cp_size: 2 does not divide the sequence of "
+                                          r"trainer.validation_size \[48, 48\]: 9 latent tokens; use a validation"):
+        check_cp_validation(cp2, flux, [48, 48], str(tmp_path), 16)  # 6 x 6 latents: 3 x 3 packed tokens
+    with pytest.raises(ConfigError, match=r"\[32, 48\]: 7 text tokens"):  # Flux-class: the text is split too
+        check_cp_validation(cp2, flux, [32, 48], str(tmp_path), 7)
+    check_cp_validation(cp2, flux, [32, 48], str(tmp_path), 16)  # 2 x 3 packed tokens
+    check_cp_validation(ParallelConfig("fsdp2"), flux, [48, 48], str(tmp_path), 16)  # cp 1: any size
+    # Wan (no folder, as for a hub id: the published VAE's 8x spatial and 4x temporal factors; 1x2x2 patches),
+    # 17 frames when the size names none: 5 latent frames x 3 x 3 tokens
+    with pytest.raises(ConfigError, match=r"\[48, 48\]: 45 latent tokens"):
+        check_cp_validation(cp2, wan, [48, 48], str(tmp_path / "hub-id"), 7)  # Wan does not split its text
+    check_cp_validation(cp2, wan, [32, 32], str(tmp_path / "hub-id"), 7)  # 5 x 2 x 2
+    check_cp_validation(cp2, wan, [48, 48, 5], str(tmp_path / "hub-id"), 7)  # 2 x 3 x 3
 
 
 def test_plan_takes_cp_size():

@@ -9,17 +9,18 @@ import pytest
 import torch
 from latentmill.trainer.checkpoint import list_checkpoints
 
-from tests.trainer_helpers import launch_jobs, read_metrics, write_fake_cache
+from tests.trainer_helpers import add_validation_prompts, launch_jobs, read_metrics, write_fake_cache
 
 pytestmark = pytest.mark.slow  # each torchrun launch starts two interpreters (~10 s on 2 cores)
 
 
 @pytest.fixture(scope="module")
-def setup(tmp_path_factory):
+def setup(tmp_path_factory, tiny_flux):
     root = tmp_path_factory.mktemp("fsdp")
     # uneven on purpose: shards of 3+2 and 2+1 samples; batches of 2 -> 3 + 2 = 5 global batches per epoch,
     # which 2 ranks cannot split evenly
     write_fake_cache(root / "cache", {(48, 64, 1): 5, (64, 32, 1): 3}, smooth=True, shards_per_bucket=2)
+    add_validation_prompts(root / "cache", str(tiny_flux), ["a red square"], max_sequence_length=16)  # run c's
     return root
 
 

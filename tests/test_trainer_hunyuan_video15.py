@@ -45,7 +45,8 @@ def test_first_step_loss_is_the_objective_by_hand(tiny_hunyuan_video15, cache, t
     assert batch["prompt_embeds"].shape == (1, 8, 32) and batch["prompt_embeds_2"].shape == (1, 256, 32)
     assert batch["prompt_embeds_mask"].sum() >= 2 and batch["prompt_embeds_2_mask"].sum() <= 3
     x0 = batch["latents"]
-    gen = torch.Generator().manual_seed(derive_seed(3, "sampling:0"))
+    # the sample's own generator: keyed by (seed, epoch, its epoch ordinal), as the run drew it
+    gen = torch.Generator().manual_seed(derive_seed(3, f"sample:{batch['epoch']}:{batch['ordinals'][0]}"))
     sigma = sample_sigmas(1, cfg, gen, shift=5.0)
     noise = torch.randn(x0.shape[1:], generator=gen)[None]
     from diffusers import HunyuanVideo15Transformer3DModel

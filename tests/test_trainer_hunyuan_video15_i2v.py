@@ -45,7 +45,8 @@ def test_first_step_loss_is_the_objective_by_hand(tiny_hunyuan_video15_i2v, cach
     batch = next(iter(LatentLoader(cache, 1, 3)))
     assert batch["image_latents"].shape == (1, 16, 1, 2, 3) and batch["image_embeds"].shape == (1, 16, 16)
     x0 = batch["latents"]
-    gen = torch.Generator().manual_seed(derive_seed(3, "sampling:0"))
+    # the sample's own generator: keyed by (seed, epoch, its epoch ordinal), as the run drew it
+    gen = torch.Generator().manual_seed(derive_seed(3, f"sample:{batch['epoch']}:{batch['ordinals'][0]}"))
     sigma = sample_sigmas(1, cfg, gen, shift=5.0)
     noise = torch.randn(x0.shape[1:], generator=gen)[None]
     from diffusers import HunyuanVideo15Transformer3DModel

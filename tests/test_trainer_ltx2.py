@@ -99,7 +99,8 @@ def test_first_step_loss_is_video_plus_weighted_audio(tiny_ltx2, snapshot, tmp_p
 
     batch = next(iter(LatentLoader(snapshot, 1, 3)))
     x0, a0 = batch["latents"], batch["audio_latents"]
-    gen = torch.Generator().manual_seed(derive_seed(3, "sampling:0"))
+    # the sample's own generator: keyed by (seed, epoch, its epoch ordinal), as the run drew it
+    gen = torch.Generator().manual_seed(derive_seed(3, f"sample:{batch['epoch']}:{batch['ordinals'][0]}"))
     sigma = sample_sigmas(1, cfg, gen, shift=1.0)
     noise = torch.randn(x0.shape[1:], generator=gen)[None]
     audio_noise = torch.randn(a0.shape[1:], generator=gen)[None]

@@ -19,7 +19,7 @@ from latentmill.trainer.qwen_image import (
     trim_to_longest,
 )
 
-from tests.trainer_helpers import read_metrics, torch_threads, write_fake_cache
+from tests.trainer_helpers import add_validation_prompts, read_metrics, torch_threads, write_fake_cache
 
 TINY = dict(patch_size=2, in_channels=64, out_channels=16, num_layers=2, attention_head_dim=32,
             num_attention_heads=4, joint_attention_dim=32, axes_dims_rope=(8, 12, 12))
@@ -222,6 +222,7 @@ def test_full_export_loads_and_generates(tiny_qwen_image, fake_cache, tmp_path):
 
 @pytest.mark.slow
 def test_lora_export_loads_into_the_base_pipeline(tiny_qwen_image, fake_cache, tmp_path):
+    add_validation_prompts(fake_cache, str(tiny_qwen_image), ["a red ball"], max_sequence_length=8)  # as a prep does
     cfg = TrainerConfig(mode="lora", max_steps=3, batch_size=2, learning_rate=1e-2, lora_rank=4,
                         lora_target_modules=list(QWEN_IMAGE_LORA_TARGETS), save_every=0, validate_every=3,
                         validation_prompts=["a red ball"], validation_steps=2, validation_size=[48, 32])

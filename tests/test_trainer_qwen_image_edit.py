@@ -141,5 +141,5 @@ def test_lora_export_loads_into_the_base_pipeline(tiny_qwen_image_edit, fake_cac
 
 def test_validation_prompts_are_refused_for_an_edit_family():
     with pytest.raises(ValueError, match="trainer.validate_every: the qwen-image-edit family samples from a source"):
-        QwenImageEditAdapter().validation_images(None, ["x"], size=[32, 32], steps=1, generator=None,
+        QwenImageEditAdapter().validation_images(None, {"prompt": ["x"]}, {}, size=[32, 32], steps=1, generator=None,
                                                  max_sequence_length=8, guidance_scale=1.0)

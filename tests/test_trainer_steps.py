@@ -10,7 +10,7 @@ import torch
 from latentmill.trainer.config import ParallelConfig, TrainerConfig
 from latentmill.trainer.objective import flow_matching_loss, interpolate, velocity_target
 from latentmill.trainer.parallel import DistContext
-from latentmill.trainer.train import _reduce_step_stats, _Run
+from latentmill.trainer.train import _reduce_step_stats, _Run, draw_micro_batch
 
 from tests.trainer_helpers import build_tiny_transformer, torch_threads, write_fake_cache
 
@@ -27,28 +27,34 @@ def run(tmp_path_factory):
                    0, None, {})
 
 
+def _draw(run, shape: torch.Size, **kw):
+    """The draws of a micro-batch of ``shape`` in ``run`` (its config, seed and device)."""
+    return draw_micro_batch(run.cfg, run.seed, shape, device=run.device, **kw)
+
+
 def test_draws_are_keyed_by_epoch_and_ordinal_not_by_how_the_batch_is_cut(run):
     shape = torch.Size([4, 16, 6, 8])
     expert = run.parts[0].expert
     audio = torch.Size([4, 2, 5, 3])  # a noised stream beside the latents (LTX-2's audio): drawn per sample too
-    eps4, sig4, noise4, _, (audio4,) = run._draw(shape, epoch=1, ordinals=[4, 5, 6, 7], posterior=True, shift=1.0,
-                                                  expert=expert, extra_shapes=[audio])
-    # the same samples in two halves, in another order (other ranks or micro-batches): the same draws
-    halves = [run._draw(torch.Size([2, *shape[1:]]), epoch=1, ordinals=ordinals, posterior=True, shift=1.0,
-                        expert=expert, extra_shapes=[torch.Size([2, *audio[1:]])]) for ordinals in ([6, 7], [4, 5])]
-    halves.reverse()
-    assert torch.equal(eps4, torch.cat([h[0] for h in halves]))
-    assert torch.equal(sig4, torch.cat([h[1] for h in halves]))
-    assert torch.equal(noise4, torch.cat([h[2] for h in halves]))
-    assert torch.equal(audio4, torch.cat([h[4][0] for h in halves])) and audio4.shape == audio
+    eps4, sig4, noise4, _, (audio4,) = _draw(run, shape, epoch=1, ordinals=[4, 5, 6, 7], posterior=True, shift=1.0,
+                                             expert=expert, extra_shapes=[audio])
+    # the same samples in halves or one by one, in another order (other ranks or micro-batches): the same draws
+    for cut in ([[6, 7], [4, 5]], [[7], [5], [6], [4]]):
+        parts = {o[0]: _draw(run, torch.Size([len(o), *shape[1:]]), epoch=1, ordinals=o, posterior=True, shift=1.0,
+                             expert=expert, extra_shapes=[torch.Size([len(o), *audio[1:]])]) for o in cut}
+        parts = [parts[first] for first in sorted(parts)]
+        assert torch.equal(eps4, torch.cat([h[0] for h in parts]))
+        assert torch.equal(sig4, torch.cat([h[1] for h in parts]))
+        assert torch.equal(noise4, torch.cat([h[2] for h in parts]))
+        assert torch.equal(audio4, torch.cat([h[4][0] for h in parts])) and audio4.shape == audio
     assert sig4.shape == (4,) and bool(((sig4 > 0) & (sig4 < 1)).all())
     assert len(set(sig4.tolist())) == 4  # every sample its own draw
     # another epoch, other ordinals: other draws
-    other = run._draw(shape, epoch=2, ordinals=[4, 5, 6, 7], posterior=True, shift=1.0, expert=expert)
+    other = _draw(run, shape, epoch=2, ordinals=[4, 5, 6, 7], posterior=True, shift=1.0, expert=expert)
     assert not torch.equal(other[2], noise4)
-    assert not torch.equal(run._draw(shape, epoch=1, ordinals=[0, 1, 2, 3], posterior=True, shift=1.0,
-                                     expert=expert)[2], noise4)
-    assert run._draw(shape, epoch=1, ordinals=[0, 1, 2, 3], posterior=False, shift=1.0, expert=expert)[0] is None
+    assert not torch.equal(_draw(run, shape, epoch=1, ordinals=[0, 1, 2, 3], posterior=True, shift=1.0,
+                                 expert=expert)[2], noise4)
+    assert _draw(run, shape, epoch=1, ordinals=[0, 1, 2, 3], posterior=False, shift=1.0, expert=expert)[0] is None
 
 
 def test_forward_backward_is_the_flow_matching_loss_of_its_draws(run):
@@ -56,8 +62,8 @@ def test_forward_backward_is_the_flow_matching_loss_of_its_draws(run):
     run.parts[0].optimizer.zero_grad(set_to_none=True)
     loss = run.forward_backward(batch, run.parts[0], last_micro=True, micro_batches=run.cfg.grad_accum_steps)
     latents = batch["latents"]
-    eps, sigmas, noise, _, _ = run._draw(latents.shape, epoch=batch["epoch"], ordinals=batch["ordinals"],
-                                         posterior=True, shift=1.0, expert=run.parts[0].expert)  # by hand
+    eps, sigmas, noise, _, _ = _draw(run, latents.shape, epoch=batch["epoch"], ordinals=batch["ordinals"],
+                                     posterior=True, shift=1.0, expert=run.parts[0].expert)  # by hand
     x0 = latents + batch["latents_std"] * eps
     with torch.no_grad():
         pred = run.adapter.forward(run.parts[0].model, interpolate(x0, noise, sigmas), sigmas, batch, run.cfg)

@@ -7,15 +7,16 @@ from latentmill.trainer import TrainerConfig, train
 from latentmill.trainer.validation import image_grid
 from PIL import Image
 
-from tests.trainer_helpers import read_metrics, torch_threads, write_fake_cache
+from tests.trainer_helpers import add_validation_prompts, read_metrics, torch_threads, write_fake_cache
 
 PROMPTS = ["a red square", "a blue circle"]
 
 
 @pytest.fixture(scope="module")
-def cache(tmp_path_factory):
+def cache(tmp_path_factory, tiny_flux):
     root = tmp_path_factory.mktemp("validation-cache")
     write_fake_cache(root, {(32, 48, 1): 4}, seq_len=16, smooth=True)
+    add_validation_prompts(root, str(tiny_flux), [*PROMPTS, "a cat"], max_sequence_length=16)  # as a prep does
     return root
 
 

@@ -12,6 +12,7 @@ from latentmill.trainer.wan import WanAdapter, check_video_batch_fits, wan_forwa
 
 from tests.trainer_helpers import (
     TINY_WAN_TRANSFORMER,
+    add_validation_prompts,
     build_tiny_wan_transformer,
     read_metrics,
     torch_threads,
@@ -182,6 +183,7 @@ def test_full_export_loads_and_generates(tiny_wan, export_cache, tmp_path):
 def test_lora_export_loads_into_the_base_pipeline(tiny_wan, export_cache, tmp_path):
     from diffusers import WanPipeline
 
+    add_validation_prompts(export_cache, str(tiny_wan), ["a red ball"], max_sequence_length=16)  # as a prep does
     cfg = TrainerConfig(
         mode="lora",
         max_steps=3,

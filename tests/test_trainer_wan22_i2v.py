@@ -47,7 +47,8 @@ def test_low_expert_step_is_the_objective_by_hand(tiny_wan22_i2v, cache, tmp_pat
 
     batch = next(iter(LatentLoader(cache, 1, 3)))
     x0 = batch["latents"]
-    gen = torch.Generator().manual_seed(derive_seed(3, "sampling:0"))
+    # the sample's own generator: keyed by (seed, epoch, its epoch ordinal), as the run drew it
+    gen = torch.Generator().manual_seed(derive_seed(3, f"sample:{batch['epoch']}:{batch['ordinals'][0]}"))
     (_, low) = get_adapter("wan2.2-i2v").experts(str(tiny_wan22_i2v))
     sigma = expert_sigma(cfg, gen, 3.0, low)
     assert float(sigma) < 0.9

@@ -24,7 +24,7 @@ from latentmill.trainer.zimage import (
 )
 
 from tests.conftest import REPO_ROOT
-from tests.trainer_helpers import read_metrics, torch_threads, write_fake_cache
+from tests.trainer_helpers import add_validation_prompts, read_metrics, torch_threads, write_fake_cache
 
 TINY = yaml.safe_load((REPO_ROOT / "data" / "tiny-z-image.yaml").read_text())["components"]["transformer"]
 
@@ -241,6 +241,7 @@ def test_full_export_loads_and_generates(tiny_zimage, export_cache, tmp_path):
 def test_lora_export_loads_into_the_base_pipeline(tiny_zimage, export_cache, tmp_path):
     from diffusers import ZImagePipeline
 
+    add_validation_prompts(export_cache, str(tiny_zimage), ["a red ball"], max_sequence_length=16)  # as a prep does
     cfg = TrainerConfig(mode="lora", max_steps=3, batch_size=2, learning_rate=1e-2, lora_rank=4,
                         lora_target_modules=list(LORA_TARGETS), save_every=0, shift=3.0,
                         validate_every=3, validation_prompts=["a red ball"], validation_steps=1,

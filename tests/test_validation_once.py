@@ -14,7 +14,14 @@ import torch
 from diffusers import FluxTransformer2DModel, ModelMixin, WanTransformer3DModel
 from latentmill.trainer import TrainerConfig
 from latentmill.trainer.adapters import get_adapter
-from latentmill.trainer.validation import Validator, component_dtypes, image_grid, run_validation
+from latentmill.trainer.validation import (
+    Validator,
+    component_dtypes,
+    grid_frames,
+    image_grid,
+    run_validation,
+    video_path,
+)
 from PIL import Image
 from transformers import PreTrainedModel
 
@@ -54,11 +61,11 @@ def _reference_grid(adapter, transformer, pretrained: str, cfg, max_sequence_len
     pipe.set_progress_bar_config(disable=True)
     with torch.random.fork_rng(devices=[]), torch.no_grad():
         rows = adapter.validation_images(
-            pipe, PROMPTS, size=list(cfg.validation_size), steps=cfg.validation_steps,
+            pipe, {"prompt": PROMPTS}, {}, size=list(cfg.validation_size), steps=cfg.validation_steps,
             generator=torch.Generator("cpu").manual_seed(cfg.validation_seed),
             max_sequence_length=max_sequence_length, guidance_scale=cfg.guidance_scale,
         )
-    return np.asarray(image_grid(rows))
+    return np.asarray(image_grid([grid_frames(row) for row in rows]))
 
 
 def test_one_validator_loads_the_components_once(tiny_flux, loads, tmp_path):
@@ -104,6 +111,8 @@ def test_wan_validator_grids_equal_a_fresh_pipeline(tiny_wan, loads, tmp_path):
     assert reference.shape == (2 * 32, 4 * 32, 3)  # one row per prompt: 4 frames of each video
     for path in paths:  # the components' round trip to the device and back changes nothing
         assert np.array_equal(np.asarray(Image.open(path)), reference)
+        with Image.open(video_path(path)) as video:  # every frame, the two prompts side by side
+            assert (video.format, video.n_frames, video.size) == ("GIF", 5, (2 * 32, 32))
 
 
 def test_dtype_table_follows_the_cache():

@@ -19,7 +19,7 @@ from latentmill.trainer.wan import WanAdapter
 
 from latentmill.core.config import ConfigError, from_dict
 from tests.conftest import REPO_ROOT
-from tests.trainer_helpers import read_metrics, torch_threads, write_fake_cache
+from tests.trainer_helpers import add_validation_prompts, read_metrics, torch_threads, write_fake_cache
 
 A14B = REPO_ROOT / "configs" / "models" / "Wan2.2-T2V-A14B-Diffusers"
 WAN21 = REPO_ROOT / "configs" / "models" / "Wan2.1-T2V-14B-Diffusers"
@@ -119,6 +119,7 @@ def test_low_expert_full_trains_transformer_2_and_exports_both(tiny_wan22, cache
 def test_lora_exports_load_into_their_experts(tiny_wan22, cache, tmp_path):
     from diffusers import WanPipeline
 
+    add_validation_prompts(cache, str(tiny_wan22), ["a red ball"], max_sequence_length=16)  # as a prep does
     runs = {}
     for expert in ("high", "low"):
         runs[expert] = _train(cache, tiny_wan22, tmp_path / expert, mode="lora", expert=expert, lora_rank=4,
@@ -232,12 +233,14 @@ def test_a_step_of_both_experts_trains_the_routed_expert_like_a_run_of_it_alone(
 def test_both_experts_lora_export_loads_into_both_slots(tiny_wan22, cache, tmp_path):
     from diffusers import WanPipeline
 
+    add_validation_prompts(cache, str(tiny_wan22), ["a red ball"], max_sequence_length=16)  # as a prep does
     summary = _train(cache, tiny_wan22, tmp_path, mode="lora", expert="both", lora_rank=4, learning_rate=1e-2,
                      batch_size=1, grad_accum_steps=2, save_every=0, shift=3.0,
                      validate_every=3, validation_prompts=["a red ball"], validation_steps=2,
                      validation_size=[48, 32, 9])
     export = Path(summary["export_dir"])
-    assert sorted(p.name for p in export.iterdir() if p.is_dir()) == ["high_noise", "low_noise"]
+    # the model card's validation grid in images/ (trainer/card.py)
+    assert sorted(p.name for p in export.iterdir() if p.is_dir()) == ["high_noise", "images", "low_noise"]
     assert len(summary["validation"]) == 1
     pipe = WanPipeline.from_pretrained(tiny_wan22)
     pipe.load_lora_weights(export / "high_noise", adapter_name="high")

@@ -207,6 +207,29 @@ def write_fake_cache(
     return stage.write_manifest(records, header)
 
 
+def add_validation_prompts(cache_dir: str | Path, pretrained: str, prompts: list[str], *,
+                           max_sequence_length: int, family: str | None = None, dtype: str = "float32") -> dict:
+    """Encode ``prompts`` (and the family's negative prompt) with ``pretrained``'s text encoders, as the prep's
+    cache stage does (``latentmill.stages.cache.ensure_prompts``), into a fake cache, stored in ``dtype``; its
+    manifest names them. Returns the manifest."""
+    from latentmill.stages.cache import ensure_prompts
+    from latentmill.stages.cache_config import CacheConfig
+    from latentmill.stages.shardio import StageDir
+    from latentmill.trainer.adapters import get_adapter
+
+    from latentmill.models import ModelConfig
+
+    cache_dir = Path(cache_dir)
+    manifest = json.loads((cache_dir / "manifest.json").read_text())
+    negative = get_adapter(family or manifest.get("family") or "flux").negative_prompt
+    cfg = CacheConfig(dtype=dtype, max_sequence_length=max_sequence_length, device="cpu",
+                      trim_text="always" if (manifest.get("text") or {}).get("trimmed") else "never")
+    model = ModelConfig(pretrained=pretrained, **({"family": family} if family else {}))
+    manifest["validation_prompts"] = ensure_prompts(cfg, model, StageDir(cache_dir, "cache"), [*prompts, negative])
+    (cache_dir / "manifest.json").write_text(json.dumps(manifest))
+    return manifest
+
+
 def reindex(cache_dir: str | Path) -> dict:
     """After a test changed a cache's tars: each tar's index and sha256 written again, as a prep re-run
     would (the index from the tar's bytes alone). Returns the manifest."""

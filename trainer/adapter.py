@@ -9,7 +9,8 @@ An adapter stands between cached latents and an unmodified Diffusers transformer
 * ``seq_len(latents)``                 transformer tokens per sample (resolution-dependent shift);
 * ``forward(model, noisy, sigmas, batch, cfg)``  the velocity prediction, shaped like ``noisy``;
 * ``export(transformer, mode=..., pretrained=..., export_dir=...)``  the Diffusers artefact;
-* ``validation_images(pipe, ...)``     sample the assembled pipeline for the validation grid.
+* ``pipeline_prompt_kwargs(prompts, pad_to)``  cached prompt embeddings as the pipeline's keyword arguments;
+* ``validation_images(pipe, text, negative, ...)``  sample the assembled pipeline for the validation grid.
 
 A new family (SD3, HunyuanVideo, LTX...) is one module with a subclass and one line in
 ``latentmill.trainer.adapters.ADAPTERS``; the loop does not change.
@@ -64,6 +65,8 @@ class Expert:
 
 
 ONE_EXPERT = (Expert("all", "transformer"),)
+
+VALIDATION_FRAMES = 17  # frames of a video family's validation samples when trainer.validation_size names none
 
 
 def pipeline_index(pretrained: str) -> dict[str, Any]:
@@ -256,6 +259,18 @@ def export_pipeline(
     return replace_export(tmp, export_dir)
 
 
+def padded(tensors: list[torch.Tensor], length: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token-axis tensors ``[L_i, D]`` stacked as ``[B, length, D]``, zero past each one's tokens, and their mask
+    ``[B, length]`` (int64, 1 on real tokens), as the pipelines pad prompts; ``length`` None: the longest."""
+    length = max(len(t) for t in tensors) if length is None else length
+    embeds_BLD = tensors[0].new_zeros(len(tensors), length, *tensors[0].shape[1:])
+    mask_BL = torch.zeros(len(tensors), length, dtype=torch.int64)
+    for i, tensor in enumerate(tensors):
+        embeds_BLD[i, : len(tensor)] = tensor
+        mask_BL[i, : len(tensor)] = 1
+    return embeds_BLD, mask_BL
+
+
 def mask_problems(prompt_embeds_BLD: torch.Tensor, mask_BL: torch.Tensor, template: str) -> list[str]:
     """What is wrong with a batch of a ``mask`` text stream: a sample without a real token (``template``
     says what the pipeline's prompt template alone gives), or embeddings stored padded (zeros inside the
@@ -290,6 +305,10 @@ class ModelAdapter(ABC):
     noised_streams: tuple[str, ...] = ()
     # validation samples from the recipe's prompts alone (an edit model needs a source image too)
     validates_from_prompts: bool = True
+    # validation takes the prompts' embeddings from the snapshot (encoded at prep), never a text encoder
+    prompts_from_cache: bool = True
+    # the prompt whose embeddings stand for "no prompt" in validation's classifier-free guidance (the pipeline's)
+    negative_prompt: str = ""
 
     @staticmethod
     def diffusers_class(name: str) -> type:
@@ -366,11 +385,19 @@ class ModelAdapter(ABC):
             export_dir=export_dir,
         )
 
+    def pipeline_prompt_kwargs(self, prompts: list[dict[str, torch.Tensor]], pad_to: dict[str, int]) -> dict[str, Any]:
+        """The pipeline's prompt keyword arguments for cached prompts (each one's text streams as stored: a
+        trimmed stream holds its real tokens; ``pad_to``: each token stream's padded length), as the pipeline's
+        own ``encode_prompt`` would give them: by default ``prompt_embeds`` zero-padded to its length (stored
+        padded: as stored)."""
+        return {"prompt_embeds": padded([p["prompt_embeds"] for p in prompts], pad_to.get("prompt_embeds"))[0]}
+
     @abstractmethod
     def validation_images(
         self,
         pipe: Any,
-        prompts: list[str],
+        text: dict[str, Any],
+        negative: dict[str, Any],
         *,
         size: list[int],
         steps: int,
@@ -378,5 +405,9 @@ class ModelAdapter(ABC):
         max_sequence_length: int,
         guidance_scale: float,
     ) -> list[list[Any]]:
-        """Sample ``pipe`` once per prompt; one row of PIL images per prompt (frames of a video, or 1 image)."""
+        """Sample ``pipe`` once per prompt; one row of PIL images per prompt (every frame of a video, or 1 image).
+
+        ``text``: the prompts as pipeline keyword arguments (``pipeline_prompt_kwargs``, or ``prompt=`` where
+        the pipeline encodes them); ``negative``: the negative prompt's, ``negative_``-prefixed (for classifier-free
+        guidance; ``negative_prompt=`` where the pipeline encodes it)."""
         ...

@@ -100,6 +100,13 @@ class ShardReader:
                     fd = self._fds[shard] = os.open(self.shard_paths[shard], os.O_RDONLY)
         return fd
 
+    def forget(self, shard: int) -> None:
+        """Close shard ``shard``'s file (a streamed shard evicted from the local cache; reopened on next use)."""
+        with self._fd_lock:
+            fd = self._fds.pop(shard, None)
+        if fd is not None:
+            os.close(fd)
+
     def read(self, ref: SampleRef, ext: str) -> bytes:
         """The bytes of one member of a sample (metadata, tests; batches read with ``read_batch``)."""
         offset, size = ref.members[ext]

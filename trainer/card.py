@@ -10,12 +10,10 @@ nor anything read from the environment, so it can be pushed as it is (``latentmi
 
 from __future__ import annotations
 
-import json
-import os
 import re
 import shutil
 from pathlib import Path
-from typing import Any, Iterable, Iterator
+from typing import Any, Iterable
 
 import yaml
 
@@ -46,19 +44,6 @@ def trigger_phrase(captions: Iterable[str]) -> str | None:
             return None
         shared, seen = head, seen + 1
     return shared if seen >= 2 else None
-
-
-def cache_captions(cache_dir: Path, manifest: dict) -> Iterator[str]:
-    """The captions of a cache's samples (each sample's ``json`` member), read lazily shard by shard."""
-    from latentmill.stages.tarshard import index_shard
-
-    for entry in manifest.get("shards", []):
-        path = cache_dir / entry["path"]
-        with open(path, "rb") as fh:
-            for _key, members in index_shard(path):
-                if "json" in members:
-                    offset, size = members["json"]
-                    yield str(json.loads(os.pread(fh.fileno(), size, offset)).get("caption", ""))
 
 
 def model_card(*, cfg: Any, info: dict[str, Any], pretrained: str, steps: int, final_loss: float,

@@ -5,7 +5,7 @@ Layout of ``<train_dir>/checkpoints/step-000010/``:
 * ``model.safetensors``  - the trainable parameters (all of them in full mode, the LoRA ones in lora mode);
 * ``optimizer.pt``       - optimizer and LR-scheduler state dicts (``torch.save``; loaded ``weights_only=True``);
 * ``rng-rank0.safetensors`` - torch's CPU (and CUDA) RNG states (uint8), one file per rank (the noise of
-  training draws from generators keyed by sample, not from these: ``latentmill.trainer.train._Run._draw``);
+  training draws from generators keyed by sample, not from these: ``latentmill.trainer.train.draw_micro_batch``);
 * ``trainer_state.json`` - step, loader position, last loss, config;
 * ``<component>/``         - a run of two models (``trainer.expert: both``): the second model's weights, optimizer
   and LR-schedule files, laid out as above (``others``).

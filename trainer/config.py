@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Literal, Optional
+from typing import Literal, Optional, Union
 
 from latentmill.core.config import ConfigError
 
@@ -240,3 +240,27 @@ class ParallelConfig:
                 f"parallel.hsdp_replicate: {self.hsdp_replicate} needs parallel.strategy 'fsdp2' "
                 f"(got {self.strategy!r})"
             )
+
+
+@dataclass
+class LoaderConfig:
+    """How the trainer reads a snapshot on an object store (``output_dir: s3://...``): its shards are streamed
+    into a local cache folder of bounded size (``latentmill.trainer.stream``). A local snapshot is read in place."""
+
+    # the local cache folder of streamed shards (each rank its own subfolder); null: <work folder>/stream-cache
+    cache_dir: Optional[str] = None
+    # the most bytes of shards kept there per rank: an int or a string like "20GB", "512MiB"; null: no limit
+    # (a limit below a rank's share of the snapshot evicts shards and may fetch some again)
+    cache_limit: Optional[Union[int, str]] = None
+
+    def validate(self) -> None:
+        from latentmill.trainer.stream import parse_bytes
+
+        parse_bytes(self.cache_limit, "loader.cache_limit")
+
+    @property
+    def limit_bytes(self) -> int | None:
+        """``cache_limit`` in bytes."""
+        from latentmill.trainer.stream import parse_bytes
+
+        return parse_bytes(self.cache_limit, "loader.cache_limit")

@@ -18,10 +18,12 @@ The rest of the contract lives in the training loop (``latentmill.trainer.train`
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import Any
 
 import torch
-from latentmill.trainer.adapter import ModelAdapter
+from latentmill.trainer.adapter import VALIDATION_FRAMES, ModelAdapter
 from latentmill.trainer.config import ParallelConfig
 from torch import nn
 
@@ -66,18 +68,49 @@ def check_heads(transformer: nn.Module, parallel: ParallelConfig) -> None:
                           "attention heads (Ulysses splits them); use a divisor of it, or parallel.cp_kind: ring")
 
 
+def _undivided(adapter: ModelAdapter, latents: torch.Tensor, text_tokens: int, cp_size: int) -> list[str]:
+    """The token counts of a sample's sequences that the plan splits and ``cp_size`` does not divide."""
+    tokens = {"latent tokens": adapter.seq_len(latents)}
+    if "encoder_hidden_states" in (cp_plan(adapter) or {}).get("", {}):  # Flux-class: the text is split too
+        tokens["text tokens"] = text_tokens
+    return [f"{n} {what}" for what, n in tokens.items() if n % cp_size]
+
+
 def check_cp_batch(adapter: ModelAdapter, batch: dict[str, Any], cp_size: int) -> None:
     """A ValueError naming the bucket's token counts when the sequences the plan splits do not divide by cp."""
     if cp_size == 1:
         return
-    tokens = {"latent tokens": adapter.seq_len(batch["latents"])}
-    if "encoder_hidden_states" in (cp_plan(adapter) or {}).get("", {}):  # Flux-class: the text is split too
-        tokens["text tokens"] = int(batch["prompt_embeds"].shape[1])
-    bad = [f"{n} {what}" for what, n in tokens.items() if n % cp_size]
+    bad = _undivided(adapter, batch["latents"], int(batch["prompt_embeds"].shape[1]), cp_size)
     if bad:
         raise ValueError(f"parallel.cp_size: {cp_size} does not divide the sequence of bucket "
                          f"{list(batch['latents'].shape[2:])}: {', '.join(bad)}; use a cp_size that divides "
                          "them, or buckets whose token counts it divides")
+
+
+def check_cp_validation(parallel: ParallelConfig, adapter: ModelAdapter, validation_size: list[int],
+                        pretrained: str, text_tokens: int) -> None:
+    """A one-line ConfigError before any work when cp does not divide the validation samples' sequences: every cp
+    rank runs the sampling forward, whose sequence the plan splits as it splits a batch's.
+
+    The latent shape comes from the family's ``sample_shapes`` over the pipeline folder's VAE config (its rule's
+    defaults for a hub id), the frames of a video without any from ``VALIDATION_FRAMES``.
+    """
+    if parallel.cp_size == 1:
+        return
+    from latentmill.stages.families import family_class
+
+    def config(name: str) -> dict[str, Any]:
+        path = Path(pretrained, name, "config.json")  # a hub id: the shapes rule's defaults, the published model's
+        return json.loads(path.read_text()) if path.is_file() else {}
+
+    frames = VALIDATION_FRAMES if adapter.latent_ndim == 4 else 1
+    bucket = [*validation_size, frames][:3]
+    shape = family_class(adapter.family).sample_shapes(config, bucket, text_tokens)["latents"]
+    bad = _undivided(adapter, torch.empty(1, *shape, device="meta"), text_tokens, parallel.cp_size)
+    if bad:
+        raise ConfigError(f"parallel.cp_size: {parallel.cp_size} does not divide the sequence of "
+                          f"trainer.validation_size {list(validation_size)}: {', '.join(bad)}; use a validation "
+                          "size whose token counts it divides")
 
 
 def apply_context_parallel(model: nn.Module, parallel: ParallelConfig, ctx: Any) -> None:

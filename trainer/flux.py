@@ -13,6 +13,7 @@ tokens, L text tokens, D text feature width.
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 import torch
@@ -40,13 +41,18 @@ def unpack_latents(tokens_BNK: torch.Tensor, height: int, width: int) -> torch.T
     return x.reshape(B, K // 4, height, width)
 
 
+@functools.lru_cache(maxsize=64)
 def latent_image_ids(height: int, width: int, device=None, dtype=torch.float32) -> torch.Tensor:
-    """Position ids [(H/2)*(W/2), 3] = (0, row, col) per packed token, for a latent of ``height`` x ``width``."""
+    """Position ids [(H/2)*(W/2), 3] = (0, row, col) per packed token, for a latent of ``height`` x ``width``.
+
+    Built on ``device`` once per (shape, device, dtype) and shared: a bucket's training steps reuse one tensor
+    (callers must not change it in place).
+    """
     h, w = height // 2, width // 2
-    ids = torch.zeros(h, w, 3)
-    ids[..., 1] = torch.arange(h)[:, None]
-    ids[..., 2] = torch.arange(w)[None, :]
-    return ids.reshape(h * w, 3).to(device=device, dtype=dtype)
+    ids = torch.zeros(h, w, 3, device=device)
+    ids[..., 1] = torch.arange(h, device=device)[:, None]
+    ids[..., 2] = torch.arange(w, device=device)[None, :]
+    return ids.reshape(h * w, 3).to(dtype)
 
 
 def text_ids(seq_len: int, device=None, dtype=torch.float32) -> torch.Tensor:
@@ -154,12 +160,16 @@ class FluxAdapter(ModelAdapter):
             model, noisy, sigmas_B, batch["prompt_embeds"], batch["pooled_prompt_embeds"], cfg.guidance_scale
         )
 
+    def pipeline_prompt_kwargs(self, prompts, pad_to):
+        return {"prompt_embeds": torch.stack([p["prompt_embeds"] for p in prompts]),  # stored padded (keep)
+                "pooled_prompt_embeds": torch.stack([p["pooled_prompt_embeds"] for p in prompts])}
+
     def validation_images(
-        self, pipe, prompts, *, size, steps, generator, max_sequence_length, guidance_scale
+        self, pipe, text, negative, *, size, steps, generator, max_sequence_length, guidance_scale
     ):
         width, height = size[0], size[1]
-        out = pipe(
-            prompts,
+        out = pipe(  # guidance is embedded (FLUX.1-dev): no negative prompt
+            **text,
             height=height,
             width=width,
             num_inference_steps=steps,

@@ -24,6 +24,8 @@ N = H*W image tokens, L text tokens, D text width (3 x the text encoder's hidden
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from latentmill.trainer.adapter import ModelAdapter
 from torch import nn
@@ -54,16 +56,21 @@ def unpack_latents(tokens_BNC: torch.Tensor, height: int, width: int) -> torch.T
     return tokens_BNC.permute(0, 2, 1).reshape(B, C, height, width)
 
 
+@functools.lru_cache(maxsize=64)
+def _coordinates(sizes: tuple[int, int, int, int], device) -> torch.Tensor:
+    """[prod(sizes), 4] integer coordinates of the (t, h, w, l) grid of ``sizes``, built on ``device`` once per grid
+    and shared (callers must not change it in place)."""
+    return torch.cartesian_prod(*(torch.arange(n, device=device) for n in sizes))
+
+
 def latent_ids(batch: int, height: int, width: int, device=None) -> torch.Tensor:
     """[B, H*W, 4] integer coordinates (t=0, h, w, l=0), as ``Flux2Pipeline._prepare_latent_ids``."""
-    ids = torch.cartesian_prod(torch.arange(1), torch.arange(height), torch.arange(width), torch.arange(1))
-    return ids.unsqueeze(0).expand(batch, -1, -1).to(device)
+    return _coordinates((1, height, width, 1), device).unsqueeze(0).expand(batch, -1, -1)
 
 
 def text_ids(batch: int, seq_len: int, device=None) -> torch.Tensor:
     """[B, L, 4] integer coordinates (0, 0, 0, l), as ``Flux2Pipeline._prepare_text_ids``."""
-    ids = torch.cartesian_prod(torch.arange(1), torch.arange(1), torch.arange(1), torch.arange(seq_len))
-    return ids.unsqueeze(0).expand(batch, -1, -1).to(device)
+    return _coordinates((1, 1, 1, seq_len), device).unsqueeze(0).expand(batch, -1, -1)
 
 
 def empirical_mu(image_seq_len: int, num_steps: int = SHIFT_NUM_STEPS) -> float:
@@ -126,6 +133,7 @@ class Flux2Adapter(ModelAdapter):
     streams = ("latents", "prompt_embeds")
     latent_ndim = 3
     lora_targets = LORA_TARGETS
+    negative_embeds = False  # its guidance is embedded: the pipeline takes no negative prompt
 
     def blocks(self, transformer: nn.Module) -> list[nn.Module]:
         return [*transformer.transformer_blocks, *transformer.single_transformer_blocks]
@@ -143,9 +151,11 @@ class Flux2Adapter(ModelAdapter):
     def forward(self, model: nn.Module, noisy, sigmas_B, batch: dict, cfg) -> torch.Tensor:
         return flux2_forward(model, noisy, sigmas_B, batch["prompt_embeds"], cfg.guidance_scale)
 
-    def validation_images(self, pipe, prompts, *, size, steps, generator, max_sequence_length, guidance_scale):
+    def validation_images(self, pipe, text, negative, *, size, steps, generator, max_sequence_length, guidance_scale):
         width, height = size[0], size[1]
-        out = pipe(prompt=prompts, height=height, width=width, num_inference_steps=steps,
+        # [klein] takes the negative's embeddings only (it encodes its own "" from text)
+        negative = {k: v for k, v in negative.items() if self.negative_embeds and k != "negative_prompt"}
+        out = pipe(**text, **negative, height=height, width=width, num_inference_steps=steps,
                    guidance_scale=guidance_scale, max_sequence_length=max_sequence_length, generator=generator)
         return [[image] for image in out.images]
 
@@ -156,3 +166,4 @@ class Flux2KleinAdapter(Flux2Adapter):
 
     family = "flux2-klein"
     pipeline_class = "Flux2KleinPipeline"
+    negative_embeds = True  # classifier-free guidance (guidance_scale > 1) against them

@@ -31,7 +31,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from latentmill.trainer.adapter import ModelAdapter, mask_problems
+from latentmill.trainer.adapter import VALIDATION_FRAMES, ModelAdapter, mask_problems, padded
 from torch import nn
 
 # the zero image tokens that stand for the pipeline's 729 (vision_num_semantic_tokens) in text-to-video
@@ -121,15 +121,23 @@ class HunyuanVideo15Adapter(ModelAdapter):
         glyph, glyph_mask = trim_tokens(batch["prompt_embeds_2"], batch["prompt_embeds_2_mask"])
         return hunyuan_video15_forward(model, noisy, sigmas_B, text, mask, glyph, glyph_mask)
 
-    def validation_images(self, pipe, prompts, *, size, steps, generator, max_sequence_length, guidance_scale):
+    def pipeline_prompt_kwargs(self, prompts, pad_to):
+        # both streams padded to the pipeline's tokenizer lengths, each with its mask
+        embeds_BLD, mask_BL = padded([p["prompt_embeds"] for p in prompts], pad_to["prompt_embeds"])
+        glyph_BLD, glyph_mask_BL = padded([p["prompt_embeds_2"] for p in prompts], pad_to["prompt_embeds_2"])
+        return {"prompt_embeds": embeds_BLD, "prompt_embeds_mask": mask_BL, "prompt_embeds_2": glyph_BLD,
+                "prompt_embeds_mask_2": glyph_mask_BL}
+
+    def validation_images(self, pipe, text, negative, *, size, steps, generator, max_sequence_length, guidance_scale):
         from PIL import Image
 
         width, height = size[0], size[1]
-        frames = size[2] if len(size) > 2 else 17
+        frames = size[2] if len(size) > 2 else VALIDATION_FRAMES
         rows = []
-        for prompt in prompts:  # one at a time: the VAE's decoder takes no batch (diffusers 0.42)
-            video = pipe(prompt=prompt, height=height, width=width, num_frames=frames, num_inference_steps=steps,
+        count = len(next(iter(text.values())))
+        for i in range(count):  # one at a time: the VAE's decoder takes no batch (diffusers 0.42)
+            one = {k: v[i:i + 1] for k, v in {**text, **negative}.items()}
+            video = pipe(**one, height=height, width=width, num_frames=frames, num_inference_steps=steps,
                          generator=generator, output_type="np").frames[0]  # [F, H, W, 3] in [0, 1]
-            picks = sorted({round(i * (len(video) - 1) / 3) for i in range(4)})  # first, last, two between
-            rows.append([Image.fromarray((video[i] * 255).round().astype("uint8")) for i in picks])
+            rows.append([Image.fromarray((frame * 255).round().astype("uint8")) for frame in video])  # every frame
         return rows

@@ -53,6 +53,6 @@ class HunyuanVideo15I2VAdapter(HunyuanVideo15Adapter):
         return hunyuan_video15_forward(model, noisy, sigmas_B, text, mask, glyph, glyph_mask,
                                        image_latents_BC1HW=batch["image_latents"], image_embeds_BSE=batch["image_embeds"])
 
-    def validation_images(self, pipe, prompts, *, size, steps, generator, max_sequence_length, guidance_scale):
+    def validation_images(self, pipe, text, negative, *, size, steps, generator, max_sequence_length, guidance_scale):
         raise ValueError(f"trainer.validate_every: the {self.family} family samples from an image (see "
                          "latentmill.trainer.adapters.check_validation)")

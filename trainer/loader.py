@@ -38,6 +38,8 @@ Design choices:
   the trainer's per-sample noise draws.
 * Trimmed text (``text.trimmed``): ``prompt_embeds`` hold only the real tokens and are zero-padded to
   ``text.pad_to`` when a batch is assembled, which is what ``WanPipeline`` feeds its transformer.
+* Held-out samples (a snapshot's ``held_out`` places per shard entry, ``prep.eval_fraction``) are skipped
+  as the indexes are read: training never sees them; ``held_out="only"`` reads nothing else (the evaluation).
 * Caption dropout: a sample trains on the empty prompt's tensors with probability ``caption_dropout``; the
   decision is a pure function of (seed, epoch, sample key), so a resumed run drops the very same captions.
 """
@@ -51,9 +53,10 @@ import logging
 import os
 import threading
 import time
+from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Iterator, NamedTuple, Sequence
+from typing import TYPE_CHECKING, Any, Iterator, NamedTuple, Sequence
 
 import torch
 from latentmill.trainer.batch_reader import META_MEMBER, TEXT_MEMBER, VAE_MEMBER, SampleRef, ShardReader
@@ -70,6 +73,9 @@ from safetensors.torch import load as load_safetensors
 
 from latentmill.core.config import ConfigError
 from latentmill.models import CacheMismatchError
+
+if TYPE_CHECKING:
+    from latentmill.trainer.stream import ShardStream
 
 log = logging.getLogger(__name__)
 
@@ -389,13 +395,20 @@ class LatentLoader:
         prefetch: bool = True,
         io_threads: int = 2,
         check_on_read: bool = False,
+        held_out: str = "skip",
+        stream: "ShardStream | None" = None,
     ) -> None:
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} is outside world_size {world_size}")
-        self.rank, self.world_size = rank, world_size
+        if held_out not in ("skip", "only"):
+            raise ValueError(f"held_out must be 'skip' or 'only', got {held_out!r}")
+        self.rank, self.world_size, self.held_out = rank, world_size, held_out
         self.cache_dir = Path(cache_dir)
+        self.stream = stream  # a snapshot on a store: its shards come through this local cache (trainer.stream)
+        if stream is not None:  # each download is checked against the manifest's sha256 (ShardStream)
+            verify = check_on_read = False
         if manifest is None:
             manifest = read_manifest(self.cache_dir)
         else:
@@ -420,19 +433,24 @@ class LatentLoader:
         self.io_threads = io_threads  # threads that copy one batch's members (os.preadv releases the GIL)
         self.shard_paths: list[Path] = []  # filled below; the reader holds this very list
         self._reader = ShardReader(self.shard_paths, io_threads)  # open files, batch assembly
+        if stream is not None:  # an evicted shard's file is closed, so its disk space is freed
+            stream.on_evict = self._reader.forget
         self.empty_prompt = self._load_empty_prompt() if caption_dropout > 0 else None
         # What the sample order depends on: the shard list (content-addressed), not the stage config.
         shard_ids = [
-            (e["path"], e.get("sha256"), e.get("samples"), e.get("bucket")) for e in self.manifest["shards"]
+            (e["path"], e.get("sha256"), e.get("samples"), e.get("bucket"), *([e["held_out"]] if "held_out" in e else []))
+            for e in self.manifest["shards"]
         ]
+        if held_out == "only":
+            shard_ids.append("held_out")
         self.dataset_id = hashlib.sha256(json.dumps(shard_ids, sort_keys=True).encode()).hexdigest()
 
         # --- every shard's index read, samples grouped by bucket (manifest order, then tar order) ---
         self._on_disk = False  # set by _buckets_from_indexes: the shards were not in the page cache
         self._nowait = hasattr(os, "RWF_NOWAIT")  # page-cache probes (Linux >= 4.14), see _on_disk_now
         self._probe = bytearray(1)
-        for entry in self.manifest["shards"]:
-            path = self.cache_dir / entry["path"]
+        for number, entry in enumerate(self.manifest["shards"]):
+            path = self.cache_dir / entry["path"] if stream is None else stream.local[number]
             if path.suffix != ".tar":
                 raise ValueError(f"{path}: only uncompressed .tar shards are supported")
             self.shard_paths.append(path)
@@ -449,6 +467,8 @@ class LatentLoader:
         self._shard_layouts: list[list[MemberLayout]] = []  # per shard: its index's layouts table
         self._shard_base: list[int] = []  # per shard: the global id of its first sample
         self.buckets = self._buckets_from_indexes(entries)
+        if stream is not None:
+            stream.expect_sizes([index.tar_size for index in self._indexes])
         self.num_samples = sum(len(refs) for refs in self.buckets.values())
 
         self.epoch, self.batch_index = 0, 0
@@ -456,10 +476,10 @@ class LatentLoader:
         self._order: BatchPlan | list = []
         self._global_epoch: int | None = None  # the global plan of that epoch (shard checks under a group)
         self._global: BatchPlan | list = []
-        if self.shard_check is not None:
-            import numpy as np
+        self._last_use: tuple[int, dict[int, int]] | None = None  # (epoch, shard -> its last batch there)
+        import numpy as np
 
-            self._shard_base_np = np.asarray(self._shard_base, dtype=np.int64)
+        self._shard_base_np = np.asarray(self._shard_base, dtype=np.int64)
 
     def _buckets_from_indexes(self, entries: list[dict]) -> dict[tuple[int, ...], "_IndexedRefs"]:
         """Every shard's index read whole, in manifest order, and no tar opened; samples grouped by their own
@@ -480,8 +500,8 @@ class LatentLoader:
                 elapsed = time.perf_counter() - start
                 self._on_disk = elapsed > INDEX_FILE_COLD_S + INDEX_FILE_COLD_S_PER_BYTE * entry["index"]["size"]
             where = f"{path} (index {entry['index']['name']})"
-            try:
-                tar_size = os.stat(path).st_size
+            try:  # a streamed shard is checked whole when it arrives (ShardStream)
+                tar_size = os.stat(path).st_size if self.stream is None else index.tar_size
             except OSError as err:
                 raise ValueError(f"{path}: cannot read the shard ({err.strerror or err})") from None
             if tar_size != index.tar_size:
@@ -515,7 +535,18 @@ class LatentLoader:
             if n and int(buckets_of.min()) < 0:
                 key = index.key(int(np.argmin(buckets_of)))
                 raise ValueError(f"{where}: sample {key!r} has no bucket (neither in the index nor the manifest)")
-            if n and int(buckets_of.min()) == int(buckets_of.max()):  # a single-bucket shard: a range
+            keep = None
+            if "held_out" in entry or self.held_out == "only":
+                keep = np.zeros(n, dtype=bool)
+                keep[np.asarray(entry.get("held_out", []), dtype=np.int64)] = True
+                keep = keep if self.held_out == "only" else ~keep
+            if keep is not None:
+                kept = np.flatnonzero(keep)
+                order = kept[np.argsort(buckets_of[kept], kind="stable")]
+                cuts = np.flatnonzero(np.diff(buckets_of[order])) + 1
+                for part in np.split(order, cuts) if len(order) else []:
+                    segments.setdefault(int(buckets_of[part[0]]), []).append(part + base)
+            elif n and int(buckets_of.min()) == int(buckets_of.max()):  # a single-bucket shard: a range
                 parts = segments.setdefault(int(buckets_of[0]), [])
                 if parts and isinstance(parts[-1], range) and parts[-1].stop == base:
                     parts[-1] = range(parts[-1].start, base + n)  # follows the bucket's previous shard
@@ -572,7 +603,7 @@ class LatentLoader:
                 f"{self.cache_dir}: trainer.caption_dropout needs the empty prompt's embeddings, and the cache "
                 "manifest has no empty_prompt entry; re-run the cache stage"
             )
-        path = self.cache_dir / entry["path"]
+        path = self.cache_dir / entry["path"] if self.stream is None else self.stream.path_of(entry["path"])
         data = path.read_bytes()
         if entry.get("sha256") and hashlib.sha256(data).hexdigest() != entry["sha256"]:
             raise ValueError(f"{path}: sha256 differs from the manifest")
@@ -694,7 +725,6 @@ class LatentLoader:
     def _touch(self, epoch: int, index: int) -> None:
         """Hand the shards read at this rank's batch ``index`` of ``epoch`` to the shard check: this batch's
         (alone), or under a process group those of every rank's batch at this position that this rank owns."""
-        import numpy as np
 
         rank, size = self._check_owner
         if size == 1:
@@ -703,15 +733,75 @@ class LatentLoader:
             if self._global_epoch != epoch:
                 self._global, self._global_epoch = self.global_batches(epoch), epoch
             batches = [self._global[index]]
-        shards: set[int] = set()
-        for bucket, indices in batches:  # global sample ids -> shard numbers, no SampleRef built
-            samples = self.buckets[bucket].samples
-            ids = (np.asarray(indices, dtype=np.int64) + samples.start if isinstance(samples, range)
-                   else samples[indices])
-            found = np.searchsorted(self._shard_base_np, ids, side="right") - 1
-            shards.update(found.tolist())
+        shards = {s for bucket, indices in batches for s in self._shards_of(bucket, indices)}
         entries = self.manifest["shards"]
         self.shard_check.touch(sorted(s for s in shards if s % size == rank and entries[s].get("sha256")))
+
+    def _shards_of(self, bucket: tuple[int, ...], indices: list[int]) -> list[int]:
+        """The shard numbers a batch of ``indices`` within ``bucket`` reads (global sample ids -> shards, no
+        ``SampleRef`` built)."""
+        import numpy as np
+
+        samples = self.buckets[bucket].samples
+        ids = np.asarray(indices, dtype=np.int64) + samples.start if isinstance(samples, range) else samples[indices]
+        return np.unique(np.searchsorted(self._shard_base_np, ids, side="right") - 1).tolist()
+
+    def _streamed(self, positions: Iterator[Position]) -> Iterator[Position]:
+        """``positions``, each yielded once its shards are in the stream's cache: the stream is told the
+        shards of the next ``AHEAD_BATCHES`` batches (downloaded in that order), and when a position is asked
+        for, the batch of the one before it was read (both ``__iter__`` paths read a batch before asking for
+        the next position): its shards are released, those this rank has finished with for the epoch marked
+        for eviction first."""
+        from latentmill.trainer.stream import AHEAD_BATCHES
+
+        ahead: deque[tuple[Position, list[int]]] = deque()
+        read: tuple[Position, list[int]] | None = None
+        for position in positions:
+            shards = self._shards_of(position.bucket, position.indices)
+            self.stream.want(shards)
+            ahead.append((position, shards))
+            if len(ahead) < AHEAD_BATCHES:
+                continue
+            if read is not None:
+                last = self._last_uses(read[0].epoch)
+                self.stream.release(read[1], [s for s in read[1] if last.get(s, -1) <= read[0].index])
+            read = ahead.popleft()
+            self.stream.ready(read[1])
+            yield read[0]
+
+    def _last_uses(self, epoch: int) -> dict[int, int]:
+        """Per shard, the index of this rank's last batch of ``epoch`` that reads it (over the plan's arrays:
+        no Python step per batch)."""
+        import numpy as np
+
+        if self._last_use is None or self._last_use[0] != epoch:
+            plan = self.epoch_batches(epoch)
+            sizes = np.asarray(plan.sizes, dtype=np.int64)
+            batch_of = np.repeat(np.arange(len(plan), dtype=np.int64), sizes)
+            where = np.repeat(np.asarray(plan.starts, dtype=np.int64), sizes) + (
+                np.arange(int(sizes.sum()), dtype=np.int64) - np.repeat(np.cumsum(sizes) - sizes, sizes))
+            number = np.repeat(np.asarray(plan.which, dtype=np.int64), sizes)
+            shard = np.empty(len(batch_of), dtype=np.int64)
+            for b, bucket in enumerate(plan.buckets):
+                mask = number == b
+                local = np.asarray(plan.perms[b])[where[mask]]
+                samples = self.buckets[bucket].samples
+                ids = local + samples.start if isinstance(samples, range) else samples[local]
+                shard[mask] = np.searchsorted(self._shard_base_np, ids, side="right") - 1
+            last = np.full(len(self._indexes), -1, dtype=np.int64)
+            np.maximum.at(last, shard, batch_of)
+            self._last_use = (epoch, {s: int(i) for s, i in enumerate(last.tolist()) if i >= 0})
+        return self._last_use[1]
+
+    def captions(self) -> Iterator[str]:
+        """Every sample's caption (its ``json`` member), shard after shard, read through the shard indexes."""
+        for shard, index in enumerate(self._indexes):
+            if self.stream is not None:
+                self.stream.fetch_now(shard)
+            for local in range(index.num_samples):
+                ref = self._indexed_ref(self._shard_base[shard] + local)
+                if META_MEMBER in ref.members:
+                    yield str(json.loads(self._read(ref, META_MEMBER)).get("caption", ""))
 
     def _check_shard(self, shard: int) -> str | None:
         """The shard check's verdict on shard number ``shard`` (``shard_problems``), as one error message."""
@@ -776,7 +866,7 @@ class LatentLoader:
         The position (``state_dict``) only moves when a batch is handed out, so a checkpoint taken after
         batch N resumes at batch N+1 whatever was prefetched.
         """
-        positions = self._advised(self._positions())
+        positions = self._advised(self._positions()) if self.stream is None else self._streamed(self._positions())
         if not self.prefetch:
             for at in positions:
                 batch = self._read_batch(at.bucket, at.indices, at.epoch)
@@ -819,6 +909,13 @@ class LatentLoader:
                 self.epoch, self.batch_index = at.after  # state now points at the next batch
                 handed_at = time.perf_counter()
                 yield batch
+
+    def in_order(self) -> Iterator[dict[str, Any]]:
+        """Every sample once, unshuffled: each bucket's samples in manifest then tar order, ``batch_size`` at a
+        time (the evaluation's pass over the held-out set; epoch 0's caption choice, position untouched)."""
+        for bucket, refs in self.buckets.items():
+            for start in range(0, len(refs), self.batch_size):
+                yield self._read_batch(bucket, list(range(start, min(start + self.batch_size, len(refs)))), 0)
 
     def _read(self, ref: SampleRef, ext: str) -> bytes:
         """The bytes of one member of a sample (metadata, tests; batches read with ``_read_batch``)."""
@@ -876,6 +973,8 @@ class LatentLoader:
         """Close the shard files (and stop the read threads and the shard check)."""
         if getattr(self, "shard_check", None) is not None:
             self.shard_check.close()
+        if getattr(self, "stream", None) is not None:
+            self.stream.close()
         self._reader.close()
 
     def __enter__(self) -> "LatentLoader":

@@ -24,7 +24,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from latentmill.trainer.adapter import ModelAdapter
+from latentmill.trainer.adapter import VALIDATION_FRAMES, ModelAdapter
 from torch import nn
 
 
@@ -105,16 +105,19 @@ class LTX2Adapter(ModelAdapter):
         video, audio = ltx2_forward(model, noisy, batch["audio_latents"], sigmas_B, batch)
         return video, {"audio_latents": audio}
 
-    def validation_images(self, pipe, prompts, *, size, steps, generator, max_sequence_length, guidance_scale):
+    # its pipeline takes the Gemma hidden states before the connectors, which the cache does not keep (it stores
+    # the connectors' outputs): validation loads the text encoder and encodes the prompts itself
+    prompts_from_cache = False
+
+    def validation_images(self, pipe, text, negative, *, size, steps, generator, max_sequence_length, guidance_scale):
         from PIL import Image
 
         width, height = size[0], size[1]
-        frames = size[2] if len(size) > 2 else 17
-        video, _ = pipe(prompt=prompts, height=height, width=width, num_frames=frames, num_inference_steps=steps,
+        frames = size[2] if len(size) > 2 else VALIDATION_FRAMES
+        video, _ = pipe(**text, **negative, height=height, width=width, num_frames=frames, num_inference_steps=steps,
                         guidance_scale=guidance_scale, max_sequence_length=max_sequence_length, generator=generator,
                         output_type="np", return_dict=False)
         rows = []
         for clip in video:
-            picks = sorted({round(i * (len(clip) - 1) / 3) for i in range(4)})
-            rows.append([Image.fromarray((clip[i] * 255).round().astype("uint8")) for i in picks])
+            rows.append([Image.fromarray((frame * 255).round().astype("uint8")) for frame in clip])  # every frame
         return rows

@@ -81,20 +81,21 @@ def shift_for(cfg, image_seq_len: int, mu_for: Callable[[int, Any], float] | Non
 def sample_sigmas(
     n: int, cfg: SigmaSampling, generator: torch.Generator | None = None, shift: float | None = None
 ) -> torch.Tensor:
-    """Draw ``n`` noise levels in [0, 1] as float32 on the CPU, from ``generator``.
+    """Draw ``n`` noise levels in [0, 1] as float32 from ``generator``, on its device (the CPU without one).
 
     ``logit_normal``: sigma = sigmoid(u), u ~ N(logit_mean, logit_std) (SD3's default);
     ``mode``: u ~ U[0, 1), sigma = 1 - u - mode_scale * (cos(pi u / 2)^2 - 1 + u) (SD3's mode sampling);
     ``uniform``: sigma ~ U[0, 1). Then ``shift`` (default ``cfg.shift``) is applied (``shift_sigmas``).
     """
+    device = generator.device if generator is not None else None
     if cfg.timestep_sampling == "logit_normal":
-        u = torch.randn(n, generator=generator, dtype=torch.float32)
+        u = torch.randn(n, generator=generator, dtype=torch.float32, device=device)
         sigmas = torch.sigmoid(cfg.logit_mean + cfg.logit_std * u)
     elif cfg.timestep_sampling == "mode":
-        u = torch.rand(n, generator=generator, dtype=torch.float32)
+        u = torch.rand(n, generator=generator, dtype=torch.float32, device=device)
         sigmas = 1.0 - u - cfg.mode_scale * (torch.cos(math.pi * u / 2) ** 2 - 1.0 + u)
     elif cfg.timestep_sampling == "uniform":
-        sigmas = torch.rand(n, generator=generator, dtype=torch.float32)
+        sigmas = torch.rand(n, generator=generator, dtype=torch.float32, device=device)
     else:
         raise ValueError(f"unknown timestep_sampling {cfg.timestep_sampling!r}")
     return shift_sigmas(sigmas, cfg.shift if shift is None else shift)

@@ -34,7 +34,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from latentmill.trainer.adapter import ModelAdapter, mask_problems
+from latentmill.trainer.adapter import ModelAdapter, mask_problems, padded
 from latentmill.trainer.flux import pack_latents, unpack_latents
 from torch import nn
 
@@ -157,13 +157,19 @@ class QwenImageAdapter(ModelAdapter):
     def forward(self, model: nn.Module, noisy, sigmas_B, batch: dict, cfg) -> torch.Tensor:
         return qwen_image_forward(model, noisy, sigmas_B, **self.transformer_inputs(batch))
 
-    def validation_images(self, pipe, prompts, *, size, steps, generator, max_sequence_length, guidance_scale):
+    negative_prompt = " "  # the Qwen-Image model card's
+
+    def pipeline_prompt_kwargs(self, prompts, pad_to):
+        # the pipeline pads a batch of prompts to its longest, with a mask
+        embeds_BLD, mask_BL = padded([p["prompt_embeds"] for p in prompts])
+        return {"prompt_embeds": embeds_BLD, "prompt_embeds_mask": mask_BL}
+
+    def validation_images(self, pipe, text, negative, *, size, steps, generator, max_sequence_length, guidance_scale):
         """Sampled as the Qwen-Image model card does: true CFG at ``guidance_scale`` (``true_cfg_scale``)
         against the negative prompt " " when it is above 1, none otherwise."""
         width, height = size[0], size[1]
-        cfg = {"negative_prompt": [" "] * len(prompts), "true_cfg_scale": guidance_scale} if guidance_scale > 1 else \
-            {"true_cfg_scale": 1.0}
-        out = pipe(prompts, height=height, width=width, num_inference_steps=steps, generator=generator,
+        cfg = {**negative, "true_cfg_scale": guidance_scale} if guidance_scale > 1 else {"true_cfg_scale": 1.0}
+        out = pipe(**text, height=height, width=width, num_inference_steps=steps, generator=generator,
                    max_sequence_length=max_sequence_length, **cfg)
         return [[image] for image in out.images]
 
@@ -190,6 +196,6 @@ class QwenImageEditAdapter(QwenImageAdapter):
 
     validates_from_prompts = False  # its pipeline samples from a source image (check_validation)
 
-    def validation_images(self, pipe, prompts, *, size, steps, generator, max_sequence_length, guidance_scale):
+    def validation_images(self, pipe, text, negative, *, size, steps, generator, max_sequence_length, guidance_scale):
         raise ValueError("trainer.validate_every: the qwen-image-edit family samples from a source image (see "
                          "latentmill.trainer.adapters.check_validation)")

@@ -1,7 +1,7 @@
 """Experiment trackers: where a run's metrics, validation images, recipe and data provenance also go.
 
 ``trainer.trackers`` names them (``tensorboard``, ``wandb``, ``mlflow``). Each is one small class with the
-same four methods (``Tracker``: metrics, an image, the recipe and provenance, close); ``start_trackers``
+same five methods (``Tracker``: metrics, an image, a video, the recipe and provenance, close); ``start_trackers``
 starts the named ones (rank 0 only: the caller decides) and returns a ``Trackers`` that passes every call
 to each. A tracker that cannot start, or fails later,
 costs one warning line and the run goes on without it, unless ``required`` (``trainer.trackers_required``).
@@ -59,6 +59,10 @@ class Tracker:
     def log_image(self, key: str, path: Path, step: int) -> None:
         raise NotImplementedError
 
+    def log_video(self, key: str, path: Path, step: int) -> None:
+        """A video family's validation videos (an animated GIF, ``latentmill.trainer.validation.save_video``)."""
+        raise NotImplementedError
+
     def log_info(self, recipe: dict[str, Any], info: dict[str, Any]) -> None:
         """The resolved recipe and the run's provenance (snapshot id, prep summary), once at the start."""
         raise NotImplementedError
@@ -91,6 +95,16 @@ class TensorBoardTracker(Tracker):
         with Image.open(path) as image:
             self.writer.add_image(key, np.asarray(image.convert("RGB")), step, dataformats="HWC")
 
+    def log_video(self, key: str, path: Path, step: int) -> None:
+        from PIL import Image
+        from tensorboard.compat.proto.summary_pb2 import Summary
+
+        # what add_video writes (an image summary holding a GIF), without the moviepy it needs to encode one
+        with Image.open(path) as video:
+            width, height = video.size
+        image = Summary.Image(height=height, width=width, colorspace=3, encoded_image_string=path.read_bytes())
+        self.writer.file_writer.add_summary(Summary(value=[Summary.Value(tag=key, image=image)]), step)
+
     def log_info(self, recipe: dict[str, Any], info: dict[str, Any]) -> None:
         for tag, data in (("recipe", recipe), ("provenance", info)):
             self.writer.add_text(tag, "```json\n" + json.dumps(data, indent=1, default=str) + "\n```", 0)
@@ -117,6 +131,9 @@ class WandbTracker(Tracker):
 
     def log_image(self, key: str, path: Path, step: int) -> None:
         self.run.log({key: self.wandb.Image(str(path))}, step=step)
+
+    def log_video(self, key: str, path: Path, step: int) -> None:
+        self.run.log({key: self.wandb.Video(str(path), format="gif")}, step=step)
 
     def log_info(self, recipe: dict[str, Any], info: dict[str, Any]) -> None:
         self.run.config.update({"recipe": recipe, **info}, allow_val_change=True)
@@ -154,6 +171,9 @@ class MlflowTracker(Tracker):
                               synchronous=False)
 
     def log_image(self, key: str, path: Path, step: int) -> None:
+        self.client.log_artifact(self.run_id, str(path), key)
+
+    def log_video(self, key: str, path: Path, step: int) -> None:
         self.client.log_artifact(self.run_id, str(path), key)
 
     def log_info(self, recipe: dict[str, Any], info: dict[str, Any]) -> None:
@@ -222,6 +242,9 @@ class Trackers:
 
     def log_image(self, key: str, path: Path, step: int) -> None:
         self._each("logging an image", lambda t: t.log_image(key, Path(path), step))
+
+    def log_video(self, key: str, path: Path, step: int) -> None:
+        self._each("logging a video", lambda t: t.log_video(key, Path(path), step))
 
     def log_info(self, recipe: dict[str, Any], info: dict[str, Any]) -> None:
         self._each("logging the recipe", lambda t: t.log_info(recipe, info))

@@ -30,7 +30,7 @@ from typing import Any, Callable
 import torch
 from latentmill.trainer.adapter import Expert, choose_experts
 from latentmill.trainer.adapters import check_i2v, check_validation, get_adapter
-from latentmill.trainer.card import cache_captions, trigger_phrase, write_model_card
+from latentmill.trainer.card import trigger_phrase, write_model_card
 from latentmill.trainer.checkpoint import (
     list_checkpoints,
     load_checkpoint,
@@ -39,7 +39,8 @@ from latentmill.trainer.checkpoint import (
     save_checkpoint,
 )
 from latentmill.trainer.config import ParallelConfig, TrainerConfig
-from latentmill.trainer.context import check_context_parallel, check_cp_batch
+from latentmill.trainer.context import check_context_parallel, check_cp_batch, check_cp_validation
+from latentmill.trainer.evaluation import Evaluator, clip_score, clip_scorer
 from latentmill.trainer.experts import Part, expert_sigma, other_parts, route_micro_batches, routing_warning
 from latentmill.trainer.export import export_trained
 from latentmill.trainer.loader import (
@@ -61,9 +62,10 @@ from latentmill.trainer.objective import (
 )
 from latentmill.trainer.parallel import DistContext, init_distributed, shutdown
 from latentmill.trainer.shard_check import CorruptShardError
+from latentmill.trainer.stream import StreamSource
 from latentmill.trainer.threads import ThreadChoice, choose_cpu_threads
 from latentmill.trainer.trackers import Trackers, start_trackers
-from latentmill.trainer.validation import Validator
+from latentmill.trainer.validation import CachedPrompts, Validator, cached_prompts, grid_frames, video_path
 from tqdm.auto import tqdm
 
 from latentmill import interrupt
@@ -180,6 +182,7 @@ def train(
     on_step: Callable[[dict], None] | None = None,
     provenance: dict[str, Any] | None = None,
     recipe: dict[str, Any] | None = None,
+    stream: StreamSource | None = None,
 ) -> dict[str, Any]:
     """Train on the latents in ``cache_dir``, starting from the Diffusers pipeline ``pretrained``.
 
@@ -189,7 +192,8 @@ def train(
     report; keep it cheap). ``provenance`` (optional: the dataset snapshot's name and id, the run) goes into
     every checkpoint's trainer state, the summary, and ``latentmill.json`` beside the export, so every model
     traces back to its data. ``recipe`` (optional: the whole resolved recipe, else the trainer section) is what
-    the trackers record as the run's settings. ``export_dir``
+    the trackers record as the run's settings. ``stream`` (optional): the snapshot is on an object store, and
+    ``cache_dir`` holds its manifest only; the shards come through ``latentmill.trainer.stream``. ``export_dir``
     defaults to ``<train_dir>/export`` (used when ``cfg.export``). Returns a summary: ``steps``,
     ``steps_this_run``, ``final_loss``, ``samples_per_s``, ``data_wait_fraction``, ``peak_rss_mb``,
     ``peak_mem_mb``, ``export_dir``, ``resumed_from``, ``world_size``, ``epochs`` (epochs of data this rank
@@ -208,7 +212,7 @@ def train(
     try:
         summary = _train(cfg, ctx, parallel, Path(cache_dir), pretrained, Path(train_dir), seed, export_dir,
                          progress=progress, check_cache=check_cache, on_step=on_step,
-                         provenance=provenance or {}, recipe=recipe)  # fmt: skip
+                         provenance=provenance or {}, recipe=recipe, stream=stream)  # fmt: skip
         finished = True
         return summary
     except (interrupt.Interrupted, CorruptShardError) as err:
@@ -239,10 +243,12 @@ def _train(
     on_step: Callable[[dict], None] | None = None,
     provenance: dict[str, Any],
     recipe: dict[str, Any] | None = None,
+    stream: StreamSource | None = None,
 ) -> dict[str, Any]:
     """The body of ``train`` for one process (rank ``ctx.rank`` of ``ctx.world_size``): set up, loop, export."""
-    run = _Run(cfg, ctx, parallel, cache_dir, pretrained, train_dir, seed, check_cache, provenance)
+    run = _Run(cfg, ctx, parallel, cache_dir, pretrained, train_dir, seed, check_cache, provenance, stream)
     run.resume()
+    run.clip = clip_scorer(recipe) if ctx.is_main and cfg.validate_every else None
     trackers = Trackers([])
     if ctx.is_main:
         trackers = start_trackers(cfg.active_trackers(), project=cfg.tracker_project, run_name=train_dir.name,
@@ -271,6 +277,10 @@ def _loop(run: _Run, trackers: Trackers, *, progress: bool, on_step: Callable[[d
     with bar, run.loader, metrics_file, samples_file, interrupt.stop_on_signals():
         while run.step < cfg.max_steps:
             record = run.train_step(batches)
+            validating = cfg.validate_every and (run.step % cfg.validate_every == 0 or run.step == cfg.max_steps)
+            path, scores = _validation(run) if validating else (None, {})  # before the record, which holds scores
+            if scores:
+                record["eval"] = scores
             if ctx.is_main:
                 _log_record(record, metrics_file, trackers, on_step)
             if cfg.record_samples:
@@ -283,19 +293,33 @@ def _loop(run: _Run, trackers: Trackers, *, progress: bool, on_step: Callable[[d
                          record["grad_norm"])
             if run.stop_signal is not None and run.step < cfg.max_steps:  # every rank read it in the same step
                 run.stop()
-            if cfg.validate_every and (run.step % cfg.validate_every == 0 or run.step == cfg.max_steps):
-                path = run.validate()  # every rank takes part: an FSDP2 forward is collective
-                if path is not None:
-                    validations.append(str(path))
-                    trackers.log_image("validation", path, run.step)
+            if path is not None:
+                validations.append(str(path))
+                trackers.log_image("validation", path, run.step)
+                if video_path(path).is_file():  # a video family's videos, every frame
+                    trackers.log_video("validation_video", video_path(path), run.step)
             if cfg.save_every and (run.step % cfg.save_every == 0 or run.step == cfg.max_steps):
                 run.save()
         run.check_shards_read(wait=True)  # the run ends only on shards checked whole (before the loader closes)
     if run.validator is not None:
         run.validator.close()
+    if run.evaluator is not None:
+        run.evaluator.close()
     exported = run.export(export_dir if export_dir is not None else train_dir / "export", validations) \
         if cfg.export else None
     return run.summary(exported, validations)
+
+
+def _validation(run: _Run) -> tuple[Path | None, dict[str, float]]:
+    """A validation step's work: the held-out evaluation, the samples (every rank takes part) and, with the
+    curate CLIP scorer, their CLIP score. The grid's path and the scores on rank 0 (None and {} elsewhere,
+    but the evaluation's under FSDP2)."""
+    scores = run.evaluate() if run.evaluator is not None else {}
+    path = run.validate()
+    if path is not None and run.clip is not None:
+        rows = [grid_frames(row) for row in run.validator.rows]
+        scores["clip_score"] = clip_score(run.clip, rows, run.cfg.validation_prompts)
+    return path, scores
 
 
 def _log_record(record: dict, metrics_file: Any, trackers: Trackers, on_step: Callable[[dict], None] | None) -> None:
@@ -303,8 +327,46 @@ def _log_record(record: dict, metrics_file: Any, trackers: Trackers, on_step: Ca
     metrics_file.write(json.dumps(record) + "\n")
     metrics_file.flush()
     trackers.log_metrics(record)
+    if "eval" in record:
+        trackers.log_metrics({"step": record["step"], **record["eval"]}, prefix="eval")
     if on_step is not None:
         on_step(record)
+
+
+Draws = tuple[torch.Tensor | None, torch.Tensor, torch.Tensor, torch.Tensor | None, list[torch.Tensor]]
+
+
+def draw_micro_batch(cfg: TrainerConfig, seed: int, shape: torch.Size, *, epoch: int, ordinals: list[int],
+                     device: torch.device, posterior: bool, shift: float, expert: Expert,
+                     extra_shapes: list[torch.Size] = ()) -> Draws:
+    """(posterior eps or None, sigmas [B] (in ``expert``'s range), noise, image-to-video flags [B] or None, the
+    noise of each of ``extra_shapes``: the adapter's ``noised_streams``) of one micro-batch of latents ``shape``,
+    drawn sample by sample on ``device``.
+
+    Per sample, in order: its posterior eps, its sigma, its noise, the noise of each noised stream and
+    (``trainer.i2v_probability`` > 0) whether its first frame is a clean image condition, all from a generator
+    of its own on ``device``, seeded by (run ``seed``, ``epoch``, the sample's epoch ordinal: its place in the
+    epoch's global sequence, ``ordinals``). So a sample's draws depend neither on the rank that reads it, nor on
+    the number of ranks, nor on how the global batch is cut into micro-batches: a run resumed on other ranks
+    draws what the uninterrupted run drew, and accumulation 2 at batch B sees the same noise as accumulation 1
+    at batch 2B. Nothing is drawn on the host and copied: a CUDA generator's draws are kernels seeded from
+    its host-side state (they differ from the CPU's numbers, so a CPU run draws what it always drew).
+    """
+    eps, sigmas, noise, clean = [], [], [], []
+    extra: list[list[torch.Tensor]] = [[] for _ in extra_shapes]
+    i2v = cfg.i2v_probability
+    for ordinal in ordinals:
+        gen = torch.Generator(device).manual_seed(derive_seed(seed, f"sample:{epoch}:{ordinal}"))
+        if posterior:
+            eps.append(torch.randn(shape[1:], generator=gen, dtype=torch.float32, device=device))
+        sigmas.append(expert_sigma(cfg, gen, shift, expert))
+        noise.append(torch.randn(shape[1:], generator=gen, dtype=torch.float32, device=device))
+        for draws, extra_shape in zip(extra, extra_shapes):
+            draws.append(torch.randn(extra_shape[1:], generator=gen, dtype=torch.float32, device=device))
+        if i2v > 0:
+            clean.append(torch.rand(1, generator=gen, device=device) < i2v)
+    return (torch.stack(eps) if posterior else None, torch.cat(sigmas), torch.stack(noise),
+            torch.cat(clean) if i2v > 0 else None, [torch.stack(draws) for draws in extra])
 
 
 class _Run:
@@ -318,7 +380,7 @@ class _Run:
 
     def __init__(self, cfg: TrainerConfig, ctx: DistContext, parallel: ParallelConfig, cache_dir: Path,
                  pretrained: str, train_dir: Path, seed: int, check_cache: Callable[[dict], None] | None,
-                 provenance: dict[str, Any]) -> None:
+                 provenance: dict[str, Any], stream: StreamSource | None = None) -> None:
         self.cfg, self.ctx, self.parallel, self.pretrained, self.seed = cfg, ctx, parallel, pretrained, seed
         self.train_dir, self.provenance = train_dir, provenance
         self.ckpt_dir, self.metrics_path = train_dir / "checkpoints", train_dir / "metrics.jsonl"
@@ -332,7 +394,7 @@ class _Run:
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
         self.cpu_threads = _use_cpu_threads(cfg, self.device)
-        self._build_data(cache_dir, check_cache)
+        self._build_data(cache_dir, check_cache, stream)
         self._build_model()
         self._build_optimizer()
         self.start_step = self.step = 0
@@ -340,12 +402,24 @@ class _Run:
         self.samples_seen, self.train_time, self.data_time = 0, 0.0, 0.0
         self.step_batches: list[dict[str, Any]] = []  # where the last step's micro-batches sat (record_samples)
         self.stop_signal: int | None = None  # a stop request every rank agreed on (train_step)
-        # the VAE and text encoders of validation: loaded at the first validation, kept on the CPU in between
-        self.validator = Validator(self.adapter, pretrained, self.device, component=self.parts[0].expert.component) \
-            if cfg.validate_every else None
+        # validation's VAE: loaded at the first validation, kept on the CPU in between (its prompts: _build_data)
+        self.validator = Validator(self.adapter, pretrained, self.device, component=self.parts[0].expert.component,
+                                   prompts=self.validation_prompts) if cfg.validate_every else None
+        self.evaluator = self._build_evaluator(cache_dir)
+        self.clip: Any = None  # the curate stage's CLIP scorer of validation images (_train: the recipe's)
+        self.last_eval: dict[str, float] = {}
 
     # ---------------------------------------------------------------- building
-    def _build_data(self, cache_dir: Path, check_cache: Callable[[dict], None] | None) -> None:
+    def _validation_prompts(self, cache_dir: Path) -> CachedPrompts | None:
+        """The validation prompts' cached embeddings (and the negative prompt's); None for a family whose
+        pipeline encodes its prompts itself."""
+        if not self.adapter.prompts_from_cache:
+            return None
+        return cached_prompts(self.manifest, cache_dir, [*self.cfg.validation_prompts, self.adapter.negative_prompt],
+                              str(cache_dir))
+
+    def _build_data(self, cache_dir: Path, check_cache: Callable[[dict], None] | None,
+                    stream: StreamSource | None) -> None:
         """The cache manifest, the family's adapter, and this rank's loader."""
         cfg, ctx = self.cfg, self.ctx
         self.manifest = read_manifest(cache_dir)
@@ -361,10 +435,31 @@ class _Run:
             cache_dir, cfg.batch_size, self.seed, dtype=torch.float32, drop_last=cfg.drop_last,
             verify=cfg.verify_shards, manifest=self.manifest, rank=ctx.dp_rank, world_size=ctx.dp_size,
             caption_dropout=cfg.caption_dropout, check_on_read=not cfg.verify_shards,
+            stream=stream.open(ctx.rank) if stream is not None else None,
         )
         self.text_len = _text_length(self.manifest)
+        if cfg.validate_every:  # every cp rank samples the validation prompts: the plan splits their sequences
+            check_cp_validation(self.parallel, self.adapter, cfg.validation_size, self.pretrained, self.text_len)
+        # validation prompts' embeddings from the snapshot, before any model loads (a snapshot without them stops here)
+        self.validation_prompts = self._validation_prompts(cache_dir) if cfg.validate_every else None
         log.info("%s cache %s: %d samples in %d buckets, %d batches per epoch and rank", self.adapter.family,
                  cache_dir, self.loader.num_samples, len(self.loader.buckets), len(self.loader))
+
+    def _build_evaluator(self, cache_dir: Path) -> Evaluator | None:
+        """The held-out evaluation at each validation (``trainer.evaluation``): on rank 0, or on every rank under
+        FSDP2 (a collective forward); none without validations, held-out samples, or with context parallelism."""
+        ctx = self.ctx
+        if not self.cfg.validate_every or not any("held_out" in e for e in self.manifest["shards"]):
+            return None
+        if ctx.cp_size > 1 or not (ctx.is_main or ctx.sharded):
+            if ctx.is_main:
+                log.warning("held-out evaluation is off with context parallelism (parallel.cp_size > 1)")
+            return None
+        if self.loader.stream is not None:  # its reader opens local shards; the stream brings only training's
+            if ctx.is_main:
+                log.warning("held-out evaluation is off when training streams its snapshot from a store")
+            return None
+        return Evaluator(cache_dir, self.manifest, self.cfg.batch_size, self.adapter, self.device)
 
     def _build_model(self) -> None:
         """The trained models (``self.parts``: the pipeline's transformer, or the experts ``trainer.expert``
@@ -432,17 +527,17 @@ class _Run:
         """Flow-matching loss of one micro-batch on ``part``, backpropagated (scaled by 1/``micro_batches``, the
         part's micro-batches in this step); returns it detached.
 
-        Each sample's randomness comes from its own generator (``_draw``). DDP reduces gradients on the last
-        micro-batch only; FSDP2 reduce-scatters on every one (gradients stay sharded).
+        Each sample's randomness comes from its own generator on the device (``draw_micro_batch``). DDP reduces
+        gradients on the last micro-batch only; FSDP2 reduce-scatters on every one (gradients stay sharded).
         """
         cfg, device, adapter = self.cfg, self.device, self.adapter
         inputs = {k: v.to(device, non_blocking=True) for k, v in batch.items() if isinstance(v, torch.Tensor)}
         latents = inputs["latents"]
         check_cp_batch(adapter, inputs, self.ctx.cp_size)  # every bucket: its sequences must split evenly
         extra = adapter.noised_streams
-        eps, sigmas, noise, clean_first, extra_noise = self._draw(
-            latents.shape, epoch=batch["epoch"], ordinals=batch["ordinals"], posterior="latents_std" in inputs,
-            shift=shift_for(cfg, adapter.seq_len(latents), adapter.resolution_mu), expert=part.expert,
+        eps, sigmas, noise, clean_first, extra_noise = draw_micro_batch(
+            cfg, self.seed, latents.shape, device=device, epoch=batch["epoch"], ordinals=batch["ordinals"],
+            posterior="latents_std" in inputs, shift=shift_for(cfg, adapter.seq_len(latents), adapter.resolution_mu), expert=part.expert,
             extra_shapes=[inputs[name].shape for name in extra])
         if eps is not None:  # a fresh draw from the cached posterior each time
             latents = latents + inputs["latents_std"] * eps
@@ -470,38 +565,6 @@ class _Run:
             # FSDP2 also averages over the cp ranks, whose gradients are shares to be summed (trainer/context.py)
             (loss * self.ctx.cp_size / micro_batches).backward()
         return loss.detach()
-
-    def _draw(self, shape: torch.Size, *, epoch: int, ordinals: list[int], posterior: bool, shift: float,
-              expert: Expert, extra_shapes: list[torch.Size] = ()
-              ) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor, torch.Tensor | None, list[torch.Tensor]]:
-        """(posterior eps or None, sigmas [B] (in ``expert``'s range), noise, image-to-video flags [B] or None,
-        the noise of each of ``extra_shapes``: the adapter's ``noised_streams``) of one micro-batch, drawn sample
-        by sample.
-
-        Per sample, in order: its posterior eps, its sigma, its noise, the noise of each noised stream and
-        (``trainer.i2v_probability`` > 0) whether its first frame is a clean image condition, all from a
-        generator of its own, seeded by (run seed, ``epoch``, the sample's epoch ordinal: its place in the
-        epoch's global sequence, ``ordinals``). So a sample's draws depend neither on the rank that reads it,
-        nor on the number of ranks, nor on how the global batch is cut into micro-batches: a run resumed on
-        other ranks draws what the uninterrupted run drew, and accumulation 2 at batch B sees the same noise as
-        accumulation 1 at batch 2B.
-        """
-        eps, sigmas, noise, clean = [], [], [], []
-        extra: list[list[torch.Tensor]] = [[] for _ in extra_shapes]
-        i2v = self.cfg.i2v_probability
-        for ordinal in ordinals:
-            gen = torch.Generator().manual_seed(derive_seed(self.seed, f"sample:{epoch}:{ordinal}"))
-            if posterior:
-                eps.append(torch.randn(shape[1:], generator=gen, dtype=torch.float32))
-            sigmas.append(expert_sigma(self.cfg, gen, shift, expert))
-            noise.append(torch.randn(shape[1:], generator=gen, dtype=torch.float32))
-            for draws, extra_shape in zip(extra, extra_shapes):
-                draws.append(torch.randn(extra_shape[1:], generator=gen, dtype=torch.float32))
-            if i2v > 0:
-                clean.append(torch.rand(1, generator=gen) < i2v)
-        to = self.device
-        return (torch.stack(eps).to(to) if posterior else None, torch.cat(sigmas).to(to), torch.stack(noise).to(to),
-                torch.cat(clean).to(to) if i2v > 0 else None, [torch.stack(draws).to(to) for draws in extra])
 
     def train_step(self, batches: Any) -> dict[str, Any]:
         """One optimizer step over ``grad_accum_steps`` micro-batches; returns its metrics record.
@@ -637,6 +700,15 @@ class _Run:
                                   max_sequence_length=self.text_len, is_main=self.ctx.is_main,
                                   others={p.expert.component: p.transformer for p in self.parts[1:]})
 
+    def evaluate(self) -> dict[str, float]:
+        """The held-out losses of the current weights (``trainer.evaluation``), every trained model serving its
+        sigmas; logged on rank 0."""
+        self.last_eval = self.evaluator.run([(p.expert, p.transformer) for p in self.parts], self.cfg)
+        if self.ctx.is_main:
+            log.info("step %d eval loss %.5f on %d held-out samples", self.step, self.last_eval.get("loss", float("nan")),
+                     self.evaluator.samples)
+        return self.last_eval
+
     def check_shards_read(self, *, wait: bool) -> None:
         """Stop, naming the shard, when any rank's shard check found a damaged one (every rank takes part);
         ``wait``: first let the checks of every shard read so far finish (a checkpoint, the end of the run)."""
@@ -715,7 +787,7 @@ class _Run:
             write_model_card(folder, cfg=cfg, info=self.info(), pretrained=self.pretrained, steps=self.step,
                              final_loss=self.last_loss, video=self.adapter.latent_ndim == 4,
                              validations=validations,
-                             trigger=trigger_phrase(cache_captions(self.loader.cache_dir, self.manifest)))
+                             trigger=trigger_phrase(self.loader.captions()))
             log.info("exported %s weights to %s", cfg.mode, exported)
         return exported
 
@@ -738,10 +810,13 @@ class _Run:
             "family": self.adapter.family,
             "expert": self.expert_name,
             "validation": validations,
+            **({"eval": self.last_eval} if self.last_eval else {}),
             "cpu_threads": self.cpu_threads.threads,  # intra-op threads of this run (CUDA: torch's own)
             "cpu_threads_reason": self.cpu_threads.reason,
             "shards_checked": self.loader.shard_check.checked if self.loader.shard_check is not None
             else len(self.loader.verified_shards),
+            # a snapshot on a store: what this rank's stream fetched (requests, bytes, downloads, evictions)
+            **({"stream": self.loader.stream.counters()} if self.loader.stream is not None else {}),
             **self.provenance,
         }
 
@@ -784,11 +859,10 @@ def _reduce_step_stats(ctx: DistContext, loss_sum: torch.Tensor, samples: int, g
     else:
         squares = torch.zeros((), dtype=torch.float64, device=device)
     flag = (~torch.isfinite(loss_sum)).to(torch.float64)
-    # the host's values travel to the device in one copy
-    host = torch.tensor([float(samples), float(stop == signal.SIGINT), float(stop == signal.SIGTERM),
-                         float(bad_shard)], dtype=torch.float64, device=device)
-    stats = torch.cat([torch.stack([torch.nan_to_num(loss_sum, nan=0.0, posinf=0.0, neginf=0.0), flag, squares]),
-                       host])
+    # the host's values enter as fill kernels' arguments: a copy from the host would wait for the step's kernels
+    host = [torch.full((), float(v), dtype=torch.float64, device=device)
+            for v in (samples, stop == signal.SIGINT, stop == signal.SIGTERM, bad_shard)]
+    stats = torch.stack([torch.nan_to_num(loss_sum, nan=0.0, posinf=0.0, neginf=0.0), flag, squares, *host])
     if ctx.initialized:
         torch.distributed.all_reduce(stats)
     total_loss, nonfinite, squares_sum, total_samples, sigints, sigterms, bad_shards = stats.tolist()

@@ -19,7 +19,7 @@ height/width (pixels / 8), L text tokens, D text width (UMT5 d_model).
 from __future__ import annotations
 
 import torch
-from latentmill.trainer.adapter import ONE_EXPERT, Expert, ModelAdapter, pipeline_index
+from latentmill.trainer.adapter import ONE_EXPERT, VALIDATION_FRAMES, Expert, ModelAdapter, pipeline_index
 from torch import nn
 
 
@@ -96,14 +96,15 @@ class WanAdapter(ModelAdapter):
         return wan_forward(model, noisy, sigmas_B, batch["prompt_embeds"])
 
     def validation_images(
-        self, pipe, prompts, *, size, steps, generator, max_sequence_length, guidance_scale
+        self, pipe, text, negative, *, size, steps, generator, max_sequence_length, guidance_scale
     ):
         from PIL import Image
 
         width, height = size[0], size[1]
-        frames = size[2] if len(size) > 2 else 17
+        frames = size[2] if len(size) > 2 else VALIDATION_FRAMES
         out = pipe(
-            prompt=prompts,
+            **text,
+            **negative,  # used with classifier-free guidance (guidance_scale > 1)
             height=height,
             width=width,
             num_frames=frames,
@@ -115,6 +116,5 @@ class WanAdapter(ModelAdapter):
         ).frames  # [B, F, H, W, 3] in [0, 1]
         rows = []
         for video in out:
-            picks = sorted({round(i * (len(video) - 1) / 3) for i in range(4)})  # first, last, two between
-            rows.append([Image.fromarray((video[i] * 255).round().astype("uint8")) for i in picks])
+            rows.append([Image.fromarray((frame * 255).round().astype("uint8")) for frame in video])  # every frame
         return rows

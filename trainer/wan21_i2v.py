@@ -93,6 +93,6 @@ class WanI2VAdapter(WanAdapter):
 
     validates_from_prompts = False  # its pipeline samples from an image (check_validation)
 
-    def validation_images(self, pipe, prompts, *, size, steps, generator, max_sequence_length, guidance_scale):
+    def validation_images(self, pipe, text, negative, *, size, steps, generator, max_sequence_length, guidance_scale):
         raise ValueError(f"trainer.validate_every: the {self.family} family samples from an image (see "
                          "latentmill.trainer.adapters.check_validation)")

@@ -107,8 +107,11 @@ class ZImageAdapter(ModelAdapter):
     def forward(self, model: nn.Module, noisy, sigmas_B, batch: dict, cfg) -> torch.Tensor:
         return zimage_forward(model, noisy, sigmas_B, batch["prompt_embeds"], batch["prompt_embeds_mask"])
 
-    def validation_images(self, pipe, prompts, *, size, steps, generator, max_sequence_length, guidance_scale):
+    def pipeline_prompt_kwargs(self, prompts, pad_to):
+        return {"prompt_embeds": [p["prompt_embeds"] for p in prompts]}  # a list of each prompt's real tokens
+
+    def validation_images(self, pipe, text, negative, *, size, steps, generator, max_sequence_length, guidance_scale):
         width, height = size[0], size[1]
-        out = pipe(prompts, height=height, width=width, num_inference_steps=steps, guidance_scale=guidance_scale,
+        out = pipe(**text, **negative, height=height, width=width, num_inference_steps=steps, guidance_scale=guidance_scale,
                    max_sequence_length=max_sequence_length, generator=generator)
         return [[image] for image in out.images]

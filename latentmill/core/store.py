@@ -40,7 +40,7 @@ def refuse_store(output_dir: str, what: str) -> None:
     """Raise a ConfigError naming ``what`` when ``output_dir`` is on a store, where it does not run yet."""
     if is_url(output_dir):
         raise ConfigError(f"output_dir: {output_dir}: {what} on an object store is not supported yet (prep, "
-                          "inspect, verify and gc are); use a local output_dir (docs/object-stores.md)")
+                          "train, inspect, verify and gc are); use a local output_dir (docs/object-stores.md)")
 
 
 def store_fs(url: str, **options: Any) -> tuple[Any, str]:

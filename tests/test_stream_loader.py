@@ -1,0 +1,135 @@
+"""The streaming loader (latentmill.trainer.stream): a snapshot's shards read from a real S3 server (moto's,
+tests/conftest.py) through a bounded local cache give the very batches the local loader gives; a damaged
+object is fetched again once, then named; a killed download is never read."""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+from pathlib import Path
+
+import fsspec
+import pytest
+import torch
+from latentmill.trainer.loader import LatentLoader
+from latentmill.trainer.shard_check import CorruptShardError
+from latentmill.trainer.stream import PARTIAL, ShardStream, parse_bytes
+
+from latentmill.core.config import ConfigError
+from tests.trainer_helpers import write_fake_cache
+
+BUCKETS = {(16, 16, 1): 12, (32, 16, 1): 8}  # 20 samples in 6 shards (3 per bucket)
+
+
+def _snapshot_on_store(root: Path, bucket: str) -> tuple[str, dict]:
+    """A cache written locally, then uploaded as it is: its URL on the store and its manifest."""
+    manifest = write_fake_cache(root, BUCKETS, shards_per_bucket=3, seed=3)
+    fsspec.filesystem("s3").put(str(root) + "/", f"{bucket}/snap", recursive=True)
+    return f"s3://{bucket}/snap", manifest
+
+
+def _batches(loader: LatentLoader, n: int) -> list[dict]:
+    with loader:
+        return list(itertools.islice(iter(loader), n))
+
+
+def _same(a: list[dict], b: list[dict]) -> None:
+    assert len(a) == len(b)
+    for x, y in zip(a, b):
+        assert x["keys"] == y["keys"] and x["bucket"] == y["bucket"] and x["ordinals"] == y["ordinals"]
+        for name in ("latents", "prompt_embeds", "pooled_prompt_embeds"):
+            assert torch.equal(x[name], y[name]), name
+
+
+def _tar_bytes(root: Path, manifest: dict) -> list[int]:
+    return [(root / e["path"]).stat().st_size for e in manifest["shards"]]
+
+
+def test_sizes_parse_from_ints_and_strings():
+    assert parse_bytes(None, "k") is None
+    assert parse_bytes(1234, "k") == 1234
+    assert parse_bytes("20GB", "k") == 20 * 10**9
+    assert parse_bytes("512MiB", "k") == 512 * 2**20
+    assert parse_bytes("1.5k", "k") == 1500
+    with pytest.raises(ConfigError, match=r"^loader.cache_limit: 'lots' is not a size"):
+        parse_bytes("lots", "loader.cache_limit")
+    with pytest.raises(ConfigError, match=r"^loader.cache_limit: a size in bytes must be >= 1, got 0"):
+        parse_bytes(0, "loader.cache_limit")
+
+
+def test_streamed_batches_equal_local_ones_with_and_without_evictions(s3_bucket, tmp_path):
+    local = tmp_path / "cache"
+    url, manifest = _snapshot_on_store(local, s3_bucket)
+    sizes = _tar_bytes(local, manifest)
+    steps = 15  # three epochs of 5 batches (batch 4: 3 + 2 batches)
+    expected = _batches(LatentLoader(local, 4, seed=7), steps)
+
+    # no limit: every shard downloaded once, whatever the epochs; one request for the manifest, the empty
+    # prompt, each index and each tar
+    stream = ShardStream(url, tmp_path / "hot")
+    _same(_batches(LatentLoader(local, 4, seed=7, stream=stream), steps), expected)
+    counters = stream.counters()
+    assert counters["downloads"] == len(sizes) and counters["bytes_downloaded"] == sum(sizes)
+    assert counters["evictions"] == 0 and counters["requests"] == 2 + 2 * len(sizes)
+    assert sorted(p.name for p in (tmp_path / "hot").glob("*.tar")) == sorted(
+        Path(e["path"]).name for e in manifest["shards"])
+
+    # a second run on the full cache downloads no tar
+    again = ShardStream(url, tmp_path / "hot")
+    _same(_batches(LatentLoader(local, 4, seed=7, stream=again), steps), expected)
+    assert again.counters()["downloads"] == 0 and again.counters()["requests"] == 1
+
+    # a limit of three shards (what one batch may read): shards are evicted and fetched again, the batches
+    # stay the same, and the cache never holds more
+    limit = 3 * max(sizes)
+    small = ShardStream(url, tmp_path / "small", cache_limit=limit)
+    seen = []
+    loader = LatentLoader(local, 4, seed=7, stream=small)
+    with loader:
+        for batch in itertools.islice(iter(loader), steps):
+            seen.append(batch)
+            assert sum(p.stat().st_size for p in (tmp_path / "small").glob("*.tar")) <= limit
+    _same(seen, expected)
+    assert small.counters()["evictions"] > 0 and small.counters()["bytes_downloaded"] > sum(sizes)
+
+
+def test_a_damaged_object_is_fetched_again_once_then_named(s3_bucket, tmp_path):
+    local = tmp_path / "cache"
+    url, manifest = _snapshot_on_store(local, s3_bucket)
+    fs = fsspec.filesystem("s3")
+    damaged = f"{s3_bucket}/snap/{manifest['shards'][0]['path']}"
+    data = bytearray(fs.cat_file(damaged))
+    data[700] ^= 0xFF
+    fs.pipe_file(damaged, bytes(data))
+    stream = ShardStream(url, tmp_path / "stream")
+    loader = LatentLoader(local, 4, seed=7, stream=stream)
+    with pytest.raises(CorruptShardError) as err, loader:
+        list(itertools.islice(iter(loader), 15))
+    actual = hashlib.sha256(bytes(data)).hexdigest()
+    assert str(err.value) == (
+        f"cache shard s3://{damaged} differs from the snapshot's manifest after two downloads (expected sha256 "
+        f"{manifest['shards'][0]['sha256']}, actual {actual}); run `latentmill verify {url}` and re-run the "
+        "prep to rebuild it")
+    assert not (tmp_path / "stream" / Path(damaged).name).exists()  # never renamed into place
+    assert stream.counters()["downloads"] >= 2
+
+
+def test_a_killed_download_is_never_read(s3_bucket, tmp_path):
+    local = tmp_path / "cache"
+    url, manifest = _snapshot_on_store(local, s3_bucket)
+    cache = tmp_path / "stream"
+    cache.mkdir()
+    names = [Path(e["path"]).name for e in manifest["shards"]]
+    # a download killed midway (its first half under the temporary name), and a tar of the wrong size
+    first = (local / manifest["shards"][0]["path"]).read_bytes()
+    (cache / (names[0] + PARTIAL)).write_bytes(first[: len(first) // 2])
+    (cache / names[1]).write_bytes(b"\0" * 100)
+    stream = ShardStream(url, cache)
+    assert not (cache / (names[0] + PARTIAL)).exists()
+    expected = _batches(LatentLoader(local, 4, seed=7), 5)
+    _same(_batches(LatentLoader(local, 4, seed=7, stream=stream), 5), expected)
+    assert stream.counters()["downloads"] == len(names)  # both fetched whole, from the store
+    assert (cache / names[0]).read_bytes() == first
+    # the model card's captions, read after the loader closed, come through the stream's cache too
+    captions = list(LatentLoader(local, 4, seed=7).captions())
+    assert len(captions) == 20 and captions == list(LatentLoader(local, 4, seed=7, stream=ShardStream(url, cache)).captions())
