@@ -276,9 +276,9 @@ def _checked_recipe(command: str, config: str | Path, overrides: list[str]) -> A
 
 
 def _run_flow(command: str, config: str | Path, overrides: list[str], recipe: Any, nproc: int = 1, nnodes: int = 1,
-              rdzv_endpoint: str | None = None) -> tuple[dict, str]:
+              rdzv_endpoint: str | None = None, source: str | None = None) -> tuple[dict, str]:
     """Run the flow of ``prep``, ``train`` or ``run`` on a checked recipe (``latentmill.prefect_env.run_command``);
-    the summary and the recipe's output_dir."""
+    the summary and the recipe's output_dir. ``source``: the unchanged check's source signature (``prep``)."""
     from latentmill.prefect_env import run_command
 
     def prepare():
@@ -292,7 +292,7 @@ def _run_flow(command: str, config: str | Path, overrides: list[str], recipe: An
 
             (objectstore.check_not_busy if is_url(recipe.output_dir) else retention.check_not_busy)(recipe.output_dir)
         if command == "prep":
-            return functools.partial(prep, str(config), overrides)
+            return functools.partial(prep, str(config), overrides, source)
         if command == "train":
             return functools.partial(train, str(config), overrides, nproc, nnodes, rdzv_endpoint)
         return functools.partial(prep_then_train, str(config), overrides, nproc, nnodes, rdzv_endpoint)
@@ -507,18 +507,18 @@ def main(argv: list[str] | None = None) -> int:
 
         # Ctrl-C and SIGTERM stop the work at its next safe point (latentmill.interrupt), not where they land
         with stop_on_signals():
-            summary, out = None, recipe.output_dir
+            summary, out, source = None, recipe.output_dir, None
             if args.command == "prep":  # nothing changed since the last prep: its outcome, without Prefect
-                from latentmill.pipelines.unchanged import unchanged_summary
+                from latentmill.pipelines.unchanged import check
 
-                summary = unchanged_summary(recipe)
+                summary, source = check(recipe)
             if summary is None and args.command == "demo":
                 summary, out = _run_flow("run", DEMO_CONFIG, args.overrides, recipe)
                 if summary["train"].get("export_dir"):
                     summary["sample"] = str(_sample_image(summary["train"], Path(out)))
             elif summary is None:
                 summary, out = _run_flow(args.command, args.config, args.overrides, recipe, getattr(args, "nproc", 1),
-                                         getattr(args, "nnodes", 1), getattr(args, "rdzv_endpoint", None))
+                                         getattr(args, "nnodes", 1), getattr(args, "rdzv_endpoint", None), source)
     except (ConfigError, CacheMismatchError, FileNotFoundError, FileExistsError, EmptySnapshotError,
             MissingExtra, StoreError) as err:
         if debug:

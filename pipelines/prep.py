@@ -491,12 +491,13 @@ def log_prep_to_trackers(recipe: Recipe, report: dict[str, Any], snapshot: dict[
     return urls
 
 
-def run_prep(recipe: Recipe) -> dict[str, Any]:
+def run_prep(recipe: Recipe, source: str | None = None) -> dict[str, Any]:
     """Run the prep stages with the task runner the recipe asks for, holding the output_dir's writer lock
     (``prep.on_busy``: wait for another writer, or fail naming it; see ``latentmill.pipelines.retention``).
 
     Called inside a flow run (``prep``, ``prep-then-train``, ``refresh``), that run also gets the progress,
-    stage lines and artifacts of the ``prep-stages`` subflow.
+    stage lines and artifacts of the ``prep-stages`` subflow. ``source``: the source folder's signature that the
+    caller's unchanged check took before this run (``latentmill.pipelines.unchanged.check``); None: taken here.
     """
     from latentmill.preflight import check_recipe
 
@@ -507,7 +508,7 @@ def run_prep(recipe: Recipe) -> dict[str, Any]:
     # One writer per output_dir: the CLI, a deployment run and the nodes of a multi-node run all pass here.
     with writer_lock(recipe.output_dir, "prep", on_busy=recipe.prep.on_busy):
         # before the run: a file changed meanwhile is seen next time
-        base, source = unchanged.key_base(recipe), unchanged.source_signature(recipe)
+        base, source = unchanged.key_base(recipe), source or unchanged.source_signature(recipe)
         result = runner_flow(recipe.to_dict(), started_run=current_run_id())
         units = result.pop("ingest_units")
         unchanged.remember(recipe, result, unchanged.run_key(base, units), units, source)
@@ -533,9 +534,13 @@ def run_prep_on_store(recipe: Recipe) -> dict[str, Any]:
 
 
 @flow(name="prep")
-def prep(config: str = "configs/demo.yaml", overrides: list[str] | None = None) -> dict[str, Any]:
-    """Prepare a latent cache and publish its snapshot: ``{"stages": {...}, "snapshot": {...}}``."""
-    return run_prep(load_recipe(config, overrides))
+def prep(config: str = "configs/demo.yaml", overrides: list[str] | None = None,
+         source_signature: str | None = None) -> dict[str, Any]:
+    """Prepare a latent cache and publish its snapshot: ``{"stages": {...}, "snapshot": {...}}``.
+
+    ``source_signature``: the command line's unchanged check's signature of the source folder (``run_prep``'s
+    ``source``), so that one command walks the folder once."""
+    return run_prep(load_recipe(config, overrides), source_signature)
 
 
 @flow(name="prep")

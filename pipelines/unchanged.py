@@ -12,8 +12,9 @@ prep: a model named by a hub id, a changed or new input, a gc or compaction sinc
 
 A folder source is first compared by a ``stat`` signature of its files (:func:`source_signature`), taken before
 the last run started: equal, the last run's unit ids stand for the inputs without planning the ingest again;
-different, the prep runs without planning it here first (the flow plans it once). A file touched but not
-changed therefore runs the prep, which reuses every unit.
+different, or none because a file was modified within ``FileHashes.RACY_SECONDS`` (new files just copied in),
+the prep runs without planning it here first (the flow plans it once). A file touched but not changed therefore
+runs the prep, which reuses every unit.
 """
 
 from __future__ import annotations
@@ -186,37 +187,45 @@ def unchanged_summary(recipe: Any) -> dict[str, Any] | None:
     """The summary of a prep of ``recipe`` that would change nothing, from the last one; None when it might.
 
     ``unchanged_since`` says when the reported run finished."""
+    return check(recipe)[0]
+
+
+def check(recipe: Any) -> tuple[dict[str, Any] | None, str | None]:
+    """:func:`unchanged_summary`, and the :func:`source_signature` it was compared with: the prep that runs next
+    records that one (``run_prep``'s ``source``) rather than walking the source folder again."""
     from latentmill.pipelines.retention import OutputBusyError, check_not_busy
     from latentmill.pipelines.snapshot import latest_name
     from latentmill.stages import ingest
     from latentmill.stages.shardio import StageDir
 
     if is_url(recipe.output_dir):  # on a store, the prep itself finds every unit committed
-        return None
+        return None, None
+    source = source_signature(recipe)
     try:
         last = json.loads((Path(recipe.prep_dir) / LAST_RUN).read_text())
         check_not_busy(recipe.output_dir)
     except (OSError, ValueError, OutputBusyError):
-        return None
+        return None, source
     summary = last.get("summary") or {}
     snapshot = summary.get("snapshot") or {}
     if not snapshot or latest_name(recipe.output_dir) != snapshot.get("name"):
-        return None
+        return None, source
     if not _snapshot_on_disk(Path(snapshot.get("path", ""))):
-        return None
+        return None, source
     base = key_base(recipe)
     if base is None:
-        return None
+        return None, source
     stage_dir = StageDir(recipe.stage_dir("ingest"), "ingest")
-    source = source_signature(recipe)
+    if source is None and Path(str(recipe.ingest.source or "")).expanduser().is_dir():
+        return None, None  # a file modified a moment ago is a change, like a touch: planning here would list it twice
     if source is not None and last.get("source") is not None:
         if source != last["source"]:
-            return None  # a file changed, came or went: the prep plans the ingest once, in the flow
+            return None, source  # a file changed, came or went: the prep plans the ingest once, in the flow
         units = list(last.get("ingest_units") or [])
     else:
         units = [unit.unit_id for unit in ingest.plan(recipe.ingest, stage_dir)]
     if run_key(base, units) != last.get("key") or not all(stage_dir.unit_path(u).is_file() for u in units):
-        return None
+        return None, source
     stages = {name: _as_reused(name, counts) for name, counts in (summary.get("stages") or {}).items()}
     return {**summary, "stages": stages, "snapshot": {**snapshot, "new": False},
-            "unchanged_since": last.get("finished")}
+            "unchanged_since": last.get("finished")}, source

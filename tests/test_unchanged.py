@@ -40,6 +40,7 @@ def test_an_unchanged_prep_returns_without_prefect_and_a_change_runs_again(tmp_p
     """The first prep and the preps after a change run in this process (``latentmill.api.prep``, the flow the
     command runs); the unchanged one is the command itself, in a fresh process."""
     import yaml
+    from latentmill.pipelines.prep import run_prep
 
     from latentmill.api import prep
     from latentmill.recipe import load_recipe
@@ -70,13 +71,19 @@ def test_an_unchanged_prep_returns_without_prefect_and_a_change_runs_again(tmp_p
     snapshot = Path(first["snapshot"]["path"])
     shard = snapshot / json.loads((snapshot / "manifest.json").read_text())["shards"][0]["path"]
     shard.rename(shard.with_name("gone"))  # a shard deleted by hand: the prep runs and writes it again
-    assert unchanged.unchanged_summary(recipe) is None  # what the command checks before it starts Prefect
-    rewritten = prep(recipe)
+    summary, signature = unchanged.check(recipe)  # what the command checks before it starts Prefect
+    assert summary is None and signature == unchanged.source_signature(recipe)
+    rewritten = run_prep(recipe, source="taken-by-the-check")  # the command's prep records its check's signature
     assert shard.is_file() and rewritten["stages"]["cache"]["processed"] > 0
+    assert json.loads((tmp_path / "out" / "prep" / unchanged.LAST_RUN).read_text())["source"] == "taken-by-the-check"
 
     (demo_images / "img_000.png").rename(demo_images / "img_000_moved.png")  # a changed input
     assert unchanged.unchanged_summary(recipe) is None
     assert prep(recipe)["stages"]["ingest"]["processed"] > 0
+
+    assert unchanged.unchanged_summary(recipe) is not None  # nothing changed since that prep
+    os.utime(demo_images / "img_001.jpg")  # the same bytes, modified just now (a file being copied in): racy
+    assert unchanged.unchanged_summary(recipe) is None  # a change, as a touch is: the prep runs, no plan here
 
 
 def test_a_folder_sources_stat_signature_sees_a_touch_an_addition_and_a_racy_file(tmp_path):
@@ -132,3 +139,4 @@ def test_a_hub_id_or_a_missing_last_run_always_runs_the_prep(tmp_path):
     assert base is not None and "runner" not in base["recipe"] and base["code"]
     assert unchanged.run_key(base, ["a"]) != unchanged.run_key(base, ["b"])
     assert unchanged.unchanged_summary(local) is None  # no prep yet
+    assert unchanged.check(local) == (None, unchanged.source_signature(local))  # the signature the prep records
