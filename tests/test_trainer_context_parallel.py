@@ -23,6 +23,7 @@ from PIL import Image
 
 from latentmill.core.config import ConfigError
 from tests.trainer_helpers import (
+    add_validation_prompts,
     build_tiny_wan_transformer,
     read_metrics,
     run_train,
@@ -74,6 +75,8 @@ def _setup(root: Path, family: str, pretrained: Path | None) -> tuple[str, Path]
     pretrained = pretrained or build_tiny_wan_transformer(root / "model")
     cache = root / "cache"
     write_fake_cache(cache, BUCKETS[family], family=family, smooth=True, seq_len=16)
+    if family == "flux":  # its validation prompts encoded, as a prep does
+        add_validation_prompts(cache, str(pretrained), FLUX_EXTRA["validation_prompts"], max_sequence_length=16)
     return str(pretrained), cache
 
 
