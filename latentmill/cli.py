@@ -111,7 +111,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--dry-run", action="store_true", help="report what would be freed; delete nothing")
     p.add_argument("--json", type=Path, help="write the report here as JSON")
     p = sub.add_parser("compact", help="merge the cache's small shards into full-size ones (nothing re-encoded)")
-    p.add_argument("output", help="an output_dir")
+    p.add_argument("output", help="an output_dir (a folder or an object-store URL)")
     p.add_argument("--small-below", type=float, default=0.5,
                    help="a unit is small under this fraction of cache.shard_bytes (default 0.5)")
     p.add_argument("--dry-run", action="store_true", help="report what would be merged; write nothing")
@@ -119,7 +119,7 @@ def _parser() -> argparse.ArgumentParser:
     for name, text in [("pin", "keep a snapshot through every gc (no SNAPSHOT: list the pins)"),
                        ("unpin", "let gc remove a snapshot again")]:
         p = sub.add_parser(name, help=text)
-        p.add_argument("output", help="an output_dir")
+        p.add_argument("output", help="an output_dir (a folder or an object-store URL)")
         p.add_argument("snapshot", nargs="?" if name == "pin" else None, help="a snapshot name, or latest")
     p = sub.add_parser("doctor", help="check this machine for a run: torch/CUDA/driver, GPUs, disk, decoders, APIs")
     p.add_argument("config", nargs="?", help="a recipe: also check disk and volume at its output_dir")
@@ -304,62 +304,60 @@ def _run_flow(command: str, config: str | Path, overrides: list[str], recipe: An
 
 
 def _retention_command(args: argparse.Namespace) -> int:
-    """``compact``, ``gc``, ``pin`` and ``unpin`` (``latentmill.pipelines.retention``, ``.compaction``): no
-    Prefect, no models."""
+    """``compact``, ``gc``, ``pin`` and ``unpin`` (``latentmill.pipelines.retention``, ``.compaction``; on an
+    object store ``latentmill.pipelines.objectstore``): no Prefect, no models."""
     from latentmill.core.config import ConfigError
-    from latentmill.core.store import check_store, is_url, refuse_store
+    from latentmill.core.store import check_store, is_url
     from latentmill.pipelines import retention
 
-    if args.command == "gc" and is_url(args.output):  # an output on an object store
+    if args.command == "gc" and args.keep < 1:
+        raise ConfigError(f"--keep: must be >= 1 (the newest snapshot is always kept), got {args.keep}")
+    if args.command == "compact" and not 0 < args.small_below <= 1:
+        raise ConfigError(f"--small-below: a fraction of cache.shard_bytes in (0, 1], got {args.small_below}")
+    if is_url(args.output):  # an output on an object store: the same commands, the store's way
         from latentmill.pipelines import objectstore
 
-        if args.keep < 1:
-            raise ConfigError(f"--keep: must be >= 1 (the newest snapshot is always kept), got {args.keep}")
         check_store(args.output)
-        report = objectstore.gc_store(args.output, args.keep, dry_run=args.dry_run)
-        print(retention.format_report(report))
-        print(f"deleted {report['store']['deleted']} objects from {args.output}")
-        if args.json:
-            args.json.parent.mkdir(parents=True, exist_ok=True)
-            args.json.write_text(json.dumps(report, indent=2, default=str))
-        return 0
-    refuse_store(str(args.output), args.command)
-    args.output = Path(args.output)
-    if not args.output.is_dir():
-        raise FileNotFoundError(f"{args.output} does not exist")
-    if args.command == "compact":
-        from latentmill.pipelines import compaction
+        gc, compact = objectstore.gc_store, objectstore.compact_store
+        list_pins, pin, unpin = objectstore.store_pins, objectstore.pin_store, objectstore.unpin_store
+    else:
+        from latentmill.pipelines.compaction import compact
 
-        if not 0 < args.small_below <= 1:
-            raise ConfigError(f"--small-below: a fraction of cache.shard_bytes in (0, 1], got {args.small_below}")
-        report = compaction.compact(args.output, args.small_below, dry_run=args.dry_run)
-        print(compaction.format_report(report))
-        if args.json:
-            args.json.parent.mkdir(parents=True, exist_ok=True)
-            args.json.write_text(json.dumps(report, indent=2))
+        args.output = Path(args.output)
+        if not args.output.is_dir():
+            raise FileNotFoundError(f"{args.output} does not exist")
+        gc, list_pins, pin, unpin = retention.gc, retention.list_pins, retention.pin, retention.unpin
+    report = None
+    if args.command == "compact":
+        from latentmill.pipelines.compaction import format_report
+
+        report = compact(args.output, args.small_below, dry_run=args.dry_run)
+        print(format_report(report))
     elif args.command == "gc":
-        if args.keep < 1:
-            raise ConfigError(f"--keep: must be >= 1 (the newest snapshot is always kept), got {args.keep}")
-        report = retention.gc(args.output, args.keep, dry_run=args.dry_run)
+        report = gc(args.output, args.keep, dry_run=args.dry_run)
         print(retention.format_report(report))
-        if args.json:
-            args.json.parent.mkdir(parents=True, exist_ok=True)
-            args.json.write_text(json.dumps(report, indent=2))
     elif args.command == "pin" and args.snapshot is None:
-        pins = retention.list_pins(args.output)
+        pins = list_pins(args.output)
         for name, holders in sorted(pins.items()):
             print(f"{name}: " + ", ".join("pinned by user" if h.get("pid") is None
                                           else f"training PID {h['pid']} on {h['host']}" for h in holders))
         if not pins:
             print(f"no pinned snapshot in {args.output}")
     elif args.command == "pin":
-        name = retention.pin(args.output, args.snapshot)
+        name = pin(args.output, args.snapshot)
         print(f"pinned {name}: gc keeps it until `latentmill unpin {args.output} {name}`")
-    elif retention.unpin(args.output, args.snapshot):
+    elif unpin(args.output, args.snapshot):
         print(f"unpinned {args.snapshot}: the next gc may remove it unless it is among the newest kept")
     else:
         raise FileNotFoundError(f"{args.snapshot} is not pinned in {args.output} (`latentmill pin "
                                 f"{args.output}` lists the pins)")
+    if report is not None and "store" in report:
+        store = report["store"]
+        print(f"deleted {store['deleted']} objects from {args.output}" if "deleted" in store else
+              f"uploaded {store['uploaded']} objects ({store['bytes_uploaded'] / 1e6:.3f} MB) to {args.output}")
+    if report is not None and args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(report, indent=2, default=str))
     return 0
 
 

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from latentmill.pipelines.launch import train_recipe
-from latentmill.pipelines.objectstore import RunPublisher, pull, pull_runs
+from latentmill.pipelines.objectstore import RunPublisher, gc_store, pinned_on_store, pull, pull_runs
 from latentmill.pipelines.prep import prep, release_prep_models, run_prep
 from latentmill.pipelines.report import TrainProgress
 from latentmill.pipelines.runs import RunPlan, finish_run, local_recipe, plan_run
@@ -27,7 +27,7 @@ from prefect.cache_policies import NONE
 
 from latentmill import interrupt
 from latentmill.core.config import ConfigError
-from latentmill.core.store import check_store, refuse_store
+from latentmill.core.store import check_store, is_url
 from latentmill.prefect_env import group_dying_with_parent
 from latentmill.recipe import Recipe, load_recipe, recipe_from_dict
 
@@ -228,8 +228,11 @@ def run_train(recipe: Recipe, launch: Launch = Launch()) -> dict[str, Any]:
               "(nothing to redo; change the recipe or the data to train again)")
         return plan.done
     check_resume_batch(recipe, plan.folder, launch.nproc * launch.nnodes)
-    # on a store, the run's checkpoints, metrics and export are published while it trains, and at its end
-    with RunPublisher(Path(local.output_dir), recipe.output_dir) if local is not recipe else nullcontext():
+    # on a store, the run's checkpoints, metrics and export are published while it trains, and at its end; the
+    # snapshot it streams is pinned by this process, which lives as long as the run (a gc there keeps it)
+    on_store = local is not recipe
+    with (RunPublisher(Path(local.output_dir), recipe.output_dir) if on_store else nullcontext(),
+          pinned_on_store(recipe.output_dir, snapshot.name) if on_store else nullcontext()):
         if launch.nproc * launch.nnodes == 1:
             return train_task(recipe.to_dict(), str(plan.folder), plan.key)
         return torchrun_task(recipe.to_dict(), launch, str(plan.folder))
@@ -289,6 +292,17 @@ def train_recipe_flow(recipe: dict, nproc: int = 1, nnodes: int = 1,
     return {"train": run_train(recipe_from_dict(recipe), Launch(nproc, nnodes, rdzv_endpoint))}
 
 
+def apply_retention(recipe: Recipe) -> dict[str, Any]:
+    """The refresh flow's retention step: ``latentmill gc`` of the recipe's output with
+    ``retention.keep_snapshots``, on an object store the store's way (``objectstore.gc_store``)."""
+    from latentmill.pipelines.retention import format_report, gc
+
+    collect = gc_store if is_url(recipe.output_dir) else gc
+    report = collect(recipe.output_dir, recipe.retention.keep_snapshots, on_busy=recipe.prep.on_busy)
+    print(format_report(report), flush=True)
+    return report
+
+
 @flow(name="refresh")
 def refresh(config: str = "configs/demo.yaml", overrides: list[str] | None = None, train: bool = False,
             nproc: int = 1) -> dict[str, Any]:
@@ -297,14 +311,10 @@ def refresh(config: str = "configs/demo.yaml", overrides: list[str] | None = Non
     train on the snapshot if it is new."""
     recipe = load_recipe(config, overrides)
     check_launch(recipe, Launch(nproc))
-    if recipe.retention.keep_snapshots is not None:
-        refuse_store(recipe.output_dir, "retention (gc)")
     prepared = run_prep(recipe)
     result = dict(prepared)
     if recipe.retention.keep_snapshots is not None:
-        from latentmill.pipelines.retention import apply_retention
-
-        result["gc"] = apply_retention(recipe.output_dir, recipe.retention.keep_snapshots, recipe.prep.on_busy)
+        result["gc"] = apply_retention(recipe)
     if train and prepared["snapshot"]["new"]:
         snapshot = dataclasses.replace(recipe, snapshot=prepared["snapshot"]["name"])
         release_prep_models()  # the encoders are done: training gets the GPUs whole

@@ -10,9 +10,13 @@ A prep on ``s3://bucket/x`` runs the local code unchanged in a work folder of th
   and detail file, then the unit records, then the stage manifests and quarantine lists, then the snapshot
   manifests, and ``snapshots/LATEST`` last.
 * :class:`UnitPublisher` publishes each unit the prep commits while it runs (parts, then record).
-* :func:`gc_store`, :func:`verify_store` and :func:`local_view`: ``gc``, ``verify`` and ``inspect`` there.
+* :func:`gc_store`, :func:`compact_store`, :func:`verify_store` and :func:`local_view`: ``gc``, ``compact``,
+  ``verify`` and ``inspect`` there.
 * :func:`store_lease` is the writer lock on a store: one object written only if absent (``If-None-Match``),
   renewed while its holder lives (``If-Match`` its ETag), taken over once its lease has run out.
+* Pins: a user's pin is an object ``pins/<snapshot>.pin`` (:func:`pin_store`, :func:`unpin_store`); a training
+  run's is a lease of its own, ``pins/<snapshot>@<host>-<pid>.pin`` (:func:`pinned_on_store`), which lapses
+  when its holder dies. :func:`gc_store` keeps what the live pins name (:func:`store_pins`).
 """
 
 from __future__ import annotations
@@ -21,13 +25,21 @@ import hashlib
 import json
 import os
 import posixpath
+import socket
 import threading
 import time
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator, Literal
 
-from latentmill.pipelines.retention import LOCK_FILE, OutputBusyError, holder_kind, holder_line
+from latentmill.pipelines.retention import (
+    LOCK_FILE,
+    PINS,
+    OutputBusyError,
+    holder_kind,
+    holder_line,
+    pin_record,
+)
 from latentmill.pipelines.snapshot import LATEST
 from latentmill.stages.catalog import DETAIL_KEY
 from latentmill.stages.killpoint import KillPoint
@@ -89,8 +101,8 @@ def _same(local: Path, info: dict[str, Any], rel: str) -> bool:
 
 def _listing(fs: Any, root: str) -> dict[str, dict[str, Any]]:
     """Every object below ``root``, by its ``/`` path relative to it (one listing request per 1,000)."""
-    try:
-        found = fs.find(root, detail=True, refresh=True) if fs.exists(root) else {}
+    try:  # a listing request every time: fsspec's cached listings miss what another process wrote
+        found = fs.find(root, detail=True, refresh=True)
     except FileNotFoundError:
         return {}
     prefix = root.rstrip("/") + "/"
@@ -109,15 +121,17 @@ def local_files(work: Path) -> list[str]:
     return [rel for rel in _local_files(work) if shared(rel)]
 
 
-def pull(url: str, work: Path | None = None, tars: bool = True) -> dict[str, Any]:
+def pull(url: str, work: Path | None = None, tars: bool | str = True) -> dict[str, Any]:
     """Download what the work folder of ``url`` lacks or holds differently (``tars=False``: everything but the
-    shards' tars, for reading manifests and records); ``{"work_dir", "downloaded", "bytes"}``."""
+    shards' tars, for reading manifests and records; a stage's name: only that stage's tars);
+    ``{"work_dir", "downloaded", "bytes"}``."""
     fs, root = store_fs(url)
     work = work or work_dir_for(url)
     work.mkdir(parents=True, exist_ok=True)
     remote, local, size = [], [], 0
     for rel, info in sorted(_listing(fs, root).items()):
-        if not shared(rel) or (not tars and rel.endswith(".tar")):
+        if not shared(rel) or (rel.endswith(".tar") and tars is not True
+                               and not (tars and rel.startswith(f"prep/{tars}/"))):
             continue
         path = work / rel
         if path.is_file() and _same(path, info, rel):
@@ -249,24 +263,26 @@ class LostLease(OutputBusyError):
 
 
 class StoreLease:
-    """The writer lock of an output on a store: ``<url>/.writer.lock``, a JSON object naming its holder and
-    when its lease ends. Taken with ``If-None-Match: *`` (or, once a lease ran out, ``If-Match`` the ETag
-    read), renewed and released with ``If-Match`` this holder's ETag: of two writers, one wins each write."""
+    """A lease on an output on a store: the object ``<url>/<key>``, JSON naming its holder and when its lease
+    ends (and ``fields``). Taken with ``If-None-Match: *`` (or, once a lease ran out, ``If-Match`` the ETag
+    read), renewed and released with ``If-Match`` this holder's ETag: of two writers, one wins each write.
+    ``key``: the writer lock ``.writer.lock`` by default; a training run's pin otherwise."""
 
-    def __init__(self, url: str, holder: str, lease_s: float = LEASE_S):
+    def __init__(self, url: str, holder: str, lease_s: float = LEASE_S, key: str = LOCK_FILE,
+                 fields: dict[str, Any] | None = None):
         if not url.startswith(("s3://", "s3a://")):
             raise ConfigError(f"output_dir: {url}: the writer lease needs S3's conditional writes "
                               "(If-None-Match); other stores are not supported yet")
-        self.url, self.holder, self.lease_s = url, holder, lease_s
+        self.url, self.holder, self.lease_s, self.key, self.fields = url, holder, lease_s, key, fields or {}
         self.fs, root = store_fs(url)
-        self.path = join(root, LOCK_FILE)
+        self.path = join(root, key)
         self.etag: str | None = None
         self.lost: str | None = None
         self._stop = threading.Event()
         self._renewer: threading.Thread | None = None
 
     def _body(self, expires: float) -> bytes:
-        return json.dumps({"holder": holder_line(self.holder), "expires": expires}).encode()
+        return json.dumps({**self.fields, "holder": holder_line(self.holder), "expires": expires}).encode()
 
     def _write(self, expires: float, if_match: str | None) -> str:
         """One conditional PUT; the new ETag. Raises OSError when the condition does not hold."""
@@ -330,8 +346,11 @@ class StoreLease:
         if self._renewer is not None:
             self._renewer.join()
         if self.lost is None and self.etag is not None:
-            try:  # an expired, holderless body: the next writer takes it over without a message
-                self.fs.pipe_file(self.path, json.dumps({"holder": "", "expires": 0}).encode(), IfMatch=self.etag)
+            try:
+                if self.key == LOCK_FILE:  # an expired, holderless body: the next writer takes it over quietly
+                    self.fs.pipe_file(self.path, json.dumps({"holder": "", "expires": 0}).encode(), IfMatch=self.etag)
+                else:  # a pin's object is its holder's alone
+                    self.fs.rm_file(self.path)
             except OSError:
                 pass
 
@@ -370,24 +389,111 @@ def check_not_busy(url: str) -> None:
 
 
 # ---------------------------------------------------------------------------------------------------------
-# gc on a store
+# Pins, gc and compaction on a store
 # ---------------------------------------------------------------------------------------------------------
+
+
+def store_pins(url: str, drop_stale: bool = False) -> dict[str, list[dict[str, Any]]]:
+    """The live pins of the output at ``url`` by snapshot name (a user's always; a training run's while its
+    lease lasts); with ``drop_stale`` the objects of lapsed leases are deleted (logged)."""
+    fs, root = store_fs(url)
+    pins: dict[str, list[dict[str, Any]]] = {}
+    for rel in sorted(_listing(fs, join(root, PINS))):
+        path = join(root, PINS, rel)
+        try:
+            data = json.loads(fs.cat_file(path)) if rel.endswith(".pin") else {}
+        except (FileNotFoundError, ValueError):  # removed meanwhile, or not a pin of ours
+            continue
+        if not isinstance(data, dict) or "snapshot" not in data:
+            continue
+        if "expires" in data and float(data["expires"] or 0) <= time.time():
+            if drop_stale:
+                print(f"gc: dropping the stale pin {rel} (its lease ran out: its process is gone)", flush=True)
+                fs.rm_file(path)
+            continue
+        pins.setdefault(data["snapshot"], []).append({**data, "file": rel})
+    return pins
+
+
+def _after_pinning(url: str, name: str, poll_s: float = 1.0) -> None:
+    """Once a pin of ``name`` is on the store: a gc that took the writer lease before may have listed the pins
+    without it, so wait for that gc to end; then the snapshot must still be there (FileNotFoundError)."""
+    probe, said = StoreLease(url, "probe"), False
+    while ((found := probe.read()) is not None and holder_kind(str(found[0].get("holder") or "")) == "gc"
+           and float(found[0].get("expires") or 0) > time.time()):
+        if not said:
+            print(f"pin: waiting for a gc of {url} to end (held by {found[0]['holder']})", flush=True)
+            said = True
+        time.sleep(poll_s)
+    check_snapshot(url, name)
+
+
+def pin_store(url: str, snapshot: str) -> str:
+    """``latentmill pin`` on a store: the object ``pins/<name>.pin``, kept until :func:`unpin_store`; the name."""
+    name = check_snapshot(url, snapshot)
+    fs, root = store_fs(url)
+    path = join(root, PINS, f"{name}.pin")
+    fs.pipe_file(path, json.dumps(pin_record(name)).encode())
+    try:
+        _after_pinning(url, name)
+    except FileNotFoundError:
+        fs.rm_file(path)
+        raise
+    return name
+
+
+def unpin_store(url: str, snapshot: str) -> bool:
+    """Remove the user's pin of ``snapshot`` on a store; False when it was not pinned (training pins stay)."""
+    fs, root = store_fs(url)
+    name = check_snapshot(url, snapshot) if snapshot == "latest" else snapshot
+    path = join(root, PINS, f"{name}.pin")
+    if not fs.exists(path):
+        return False
+    fs.rm_file(path)
+    return True
+
+
+@contextmanager
+def pinned_on_store(url: str, snapshot: str, lease_s: float = LEASE_S) -> Iterator[str]:
+    """Pin the snapshot a training run streams from a store for as long as the run lives: a lease of its own
+    (``pins/<name>@<host>-<pid>.pin``), renewed in a thread, deleted at the end; it lapses when the process
+    dies, and the next gc drops it. Yields the snapshot's name."""
+    name = check_snapshot(url, snapshot)
+    key = f"{PINS}/{name}@{socket.gethostname()}-{os.getpid()}.pin"
+    try:
+        lease = StoreLease(url, "training", lease_s, key=key, fields=pin_record(name, "training"))
+    except ConfigError as err:  # no conditional writes there: train, but say that nothing protects the snapshot
+        print(f"train: cannot pin snapshot {name} ({err}); a gc of {url} could remove it while this run reads it",
+              flush=True)
+        yield name
+        return
+    held = lease.try_acquire()
+    if held is not None:  # the key names this process: only a second pin of the same snapshot in it lands here
+        raise OutputBusyError(f"{join(url, key)}: this process pins {name} already ({held})")
+    lease.start()
+    try:
+        _after_pinning(url, name)
+        yield name
+    finally:
+        lease.release()
 
 
 def gc_store(url: str, keep: int, dry_run: bool = False, on_busy: Literal["wait", "fail"] = "wait") -> dict[str, Any]:
     """``latentmill gc`` of an output on a store: under the writer lease, pull it, run the local gc in the work
-    folder, then delete from the store what that gc removed, in the reverse of publishing order (snapshot
-    manifests, then unit records, then their parts): a reader never finds a kept snapshot or record without
-    its parts. ``dry_run``: report only (nothing deleted, no lease). The report's ``store.deleted`` counts
-    objects."""
+    folder with the store's live pins (:func:`store_pins`, read once the lease is held: a pin made later
+    waits for this gc, see :func:`_after_pinning`), then delete from the store what that gc removed, in the
+    reverse of publishing order (snapshot manifests, then unit records, then their parts): a reader never
+    finds a kept snapshot or record without its parts. ``dry_run``: report only (nothing deleted, no lease).
+    The report's ``store.deleted`` counts objects."""
     from latentmill.pipelines.retention import gc
 
     if dry_run:
         work = Path(pull(url)["work_dir"])
-        return {**gc(work, keep, dry_run=True), "store": {"url": url, "deleted": 0}}
+        return {**gc(work, keep, dry_run=True, pins=store_pins(url)), "store": {"url": url, "deleted": 0}}
     with store_lease(url, "gc", on_busy=on_busy):
+        pins = store_pins(url, drop_stale=True)
         work = Path(pull(url)["work_dir"])
-        report = gc(work, keep, on_busy=on_busy)
+        report = gc(work, keep, on_busy=on_busy, pins=pins)
         fs, root = store_fs(url)
         gone = [rel for rel in _listing(fs, root) if shared(rel) and not (work / rel).is_file()]
         for step in (3, 1, 0, 2):  # LATEST (4) names a kept snapshot: gc never drops it
@@ -395,6 +501,27 @@ def gc_store(url: str, keep: int, dry_run: bool = False, on_busy: Literal["wait"
             if names:
                 fs.rm(names)
     return {**report, "store": {"url": url, "deleted": len(gone)}}
+
+
+def compact_store(url: str, small_below: float = 0.5, dry_run: bool = False,
+                  on_busy: Literal["wait", "fail"] = "wait") -> dict[str, Any]:
+    """``latentmill compact`` of an output on a store: under the writer lease, pull its manifests, records and
+    the cache's tars, compact the work folder as locally (the same merged bytes), then publish as a prep does
+    (:func:`push`: the new parts, then their records, then the cache manifest, the snapshot, ``LATEST``
+    last). ``dry_run``: report only (nothing written to the store, no lease). The report's ``store`` says
+    what moved."""
+    from latentmill.pipelines.compaction import compact
+
+    if dry_run:
+        return compact(pull(url, tars="cache")["work_dir"], small_below, dry_run=True)
+    with store_lease(url, "compact", on_busy=on_busy) as lease:
+        pulled = pull(url, tars="cache")
+        work = Path(pulled["work_dir"])
+        report = compact(work, small_below, on_busy=on_busy)
+        pushed = push(work, url, lease)
+    report["snapshot"]["path"] = published_path(url, work, report["snapshot"]["path"])
+    return {**report, "store": {"url": url, "work_dir": str(work), "downloaded": pulled["downloaded"],
+                                "uploaded": pushed["uploaded"], "bytes_uploaded": pushed["bytes"]}}
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -492,9 +619,9 @@ def run_phase(rel: str) -> int:
     return 2
 
 
-def check_snapshot(url: str, name: str) -> None:
-    """Raise ``FileNotFoundError`` as ``resolve_snapshot`` does when the store holds no snapshot ``name``
-    (``latest``: the one ``snapshots/LATEST`` names)."""
+def check_snapshot(url: str, name: str) -> str:
+    """The name of the store's snapshot ``name`` (``latest``: the one ``snapshots/LATEST`` names); raise
+    ``FileNotFoundError`` as ``resolve_snapshot`` does when the store holds no such snapshot."""
     fs, root = store_fs(url)
     folder = join(url, "snapshots")
     if name == "latest":
@@ -502,9 +629,12 @@ def check_snapshot(url: str, name: str) -> None:
             name = fs.cat_file(join(root, "snapshots", LATEST)).decode().strip()
         except FileNotFoundError:
             raise FileNotFoundError(f"no snapshot published under {folder}: run `latentmill prep` first") from None
-    if not fs.exists(join(root, "snapshots", name, "manifest.json")):
+    try:  # asked of the store, not of a cached listing: a gc elsewhere may have removed it
+        fs.info(join(root, "snapshots", name, "manifest.json"), refresh=True)
+    except FileNotFoundError:
         raise FileNotFoundError(f"snapshot {name!r} not found under {folder}; `latentmill inspect {url}` lists the "
-                                "published ones")
+                                "published ones") from None
+    return name
 
 
 def pull_runs(url: str, work: Path) -> dict[str, Any]:

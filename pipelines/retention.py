@@ -211,13 +211,21 @@ def list_pins(output_dir: str | Path, drop_stale: bool = False) -> dict[str, lis
     return pins
 
 
+def pin_record(snapshot: str, by: str = "user") -> dict[str, Any]:
+    """What a pin file (or object, on a store) holds: its snapshot, who pinned it and when; a training
+    process's pin (``by="training"``) also names the process."""
+    record: dict[str, Any] = {"snapshot": snapshot, "by": by}
+    if by == "training":
+        record.update(pid=os.getpid(), host=socket.gethostname())
+    return {**record, "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+
+
 def pin(output_dir: str | Path, snapshot: str) -> str:
     """Pin ``snapshot`` (a published name or ``latest``) until :func:`unpin`; returns its name."""
     with _pins_lock(output_dir):
         name = resolve_snapshot(output_dir, snapshot).name
         path = pins_dir(output_dir) / f"{name}.pin"
-        durable.write_text(path, json.dumps({"snapshot": name, "by": "user", "created": time.strftime(
-            "%Y-%m-%dT%H:%M:%SZ", time.gmtime())}))
+        durable.write_text(path, json.dumps(pin_record(name)))
     return name
 
 
@@ -256,8 +264,7 @@ def pinned_for_training(output_dir: str | Path, snapshot: str) -> Iterator[Path]
         tmp = path.with_name(path.name + ".tmp")
         fh = open(tmp, "w")
         fcntl.flock(fh, fcntl.LOCK_EX)
-        fh.write(json.dumps({"snapshot": folder.name, "by": "training", "pid": pid, "host": host,
-                             "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}))
+        fh.write(json.dumps(pin_record(folder.name, "training")))
         fh.flush()
         os.replace(tmp, path)
     try:
@@ -362,13 +369,14 @@ def _stage_files(root: Path, stage: str) -> list[Path]:
     return sorted(files)
 
 
-def plan_gc(output_dir: str | Path, keep: int) -> Plan:
-    """What ``gc(output_dir, keep)`` would keep and remove now (nothing is changed)."""
+def plan_gc(output_dir: str | Path, keep: int, pins: dict[str, list[dict[str, Any]]] | None = None) -> Plan:
+    """What ``gc(output_dir, keep)`` would keep and remove now (nothing is changed). ``pins``: the live pins
+    by snapshot (default: the output_dir's pins folder's; a gc on a store passes the store's)."""
     if keep < 1:
         raise ValueError(f"--keep: must be >= 1 (the newest snapshot is always kept), got {keep}")
     output_dir = Path(output_dir)
     names = published(output_dir)
-    pinned = list_pins(output_dir)
+    pinned = list_pins(output_dir) if pins is None else pins
     latest = latest_name(output_dir)
     kept = set(names[-keep:]) | {n for n in names if n in pinned} | ({latest} if latest in names else set())
     snapshots_kept = [n for n in names if n in kept]
@@ -474,9 +482,10 @@ def report_of(plan: Plan, output_dir: str | Path) -> dict[str, Any]:
 
 
 def gc(output_dir: str | Path, keep: int, dry_run: bool = False,
-       on_busy: Literal["wait", "fail"] = "wait") -> dict[str, Any]:
+       on_busy: Literal["wait", "fail"] = "wait", pins: dict[str, list[dict[str, Any]]] | None = None) -> dict[str, Any]:
     """Remove every snapshot, unit record and shard that neither the newest ``keep`` snapshots, a pinned
     snapshot nor the current stage manifests reference; return what was (``dry_run``: would be) freed.
+    ``pins``: as for :func:`plan_gc`.
 
     A dry run reads only and takes no lock. A real run holds the writer lock (no prep or compaction runs
     meanwhile), removes dropped snapshots first (renamed out of sight, then deleted), then unit records,
@@ -486,12 +495,12 @@ def gc(output_dir: str | Path, keep: int, dry_run: bool = False,
     if not (snapshots_dir(output_dir) / LATEST).is_file() and not (output_dir / "prep").is_dir():
         raise FileNotFoundError(f"{output_dir} holds no prep output or snapshot: nothing to collect")
     if dry_run:
-        return {**report_of(plan_gc(output_dir, keep), output_dir), "dry_run": True}
+        return {**report_of(plan_gc(output_dir, keep, pins), output_dir), "dry_run": True}
     removals = KillPoint(PAUSE_ENV, "gc", "removals")
     with writer_lock(output_dir, "gc", on_busy=on_busy):
         with _pins_lock(output_dir):  # no training pins a snapshot while snapshots are chosen and removed
             list_pins(output_dir, drop_stale=True)
-            plan = plan_gc(output_dir, keep)
+            plan = plan_gc(output_dir, keep, pins)
             report = report_of(plan, output_dir)
             root = snapshots_dir(output_dir)
             for name in plan.snapshots_removed:
@@ -521,13 +530,3 @@ def format_report(report: dict[str, Any]) -> str:
                  f"{report['kept_bytes'] / 1e6:.3f} MB of shards and records kept"
                  + (" (dry run: nothing deleted)" if report["dry_run"] else ""))
     return "\n".join(lines)
-
-
-def apply_retention(output_dir: str | Path, keep_snapshots: int | None,
-                    on_busy: Literal["wait", "fail"] = "wait") -> dict[str, Any] | None:
-    """The refresh flow's retention step: ``gc`` with ``retention.keep_snapshots`` (None: keep everything)."""
-    if keep_snapshots is None:
-        return None
-    report = gc(output_dir, keep_snapshots, on_busy=on_busy)
-    print(format_report(report), flush=True)
-    return report

@@ -215,11 +215,3 @@ def test_a_running_prep_publishes_each_committed_unit_parts_first(s3_bucket, tmp
         pass
     assert publisher.published == 1 and fs.exists(f"{s3_bucket}/out/prep/cache/units/02.json")
     assert fs.exists(f"{s3_bucket}/out/prep/cache/shards/cache-02-detail.json")
-
-
-def test_compact_and_pin_on_a_store_are_refused_in_one_line(capsys):
-    for argv in (["compact", "s3://bucket/out"], ["pin", "s3://bucket/out", "latest"]):
-        assert main(argv) == 2
-        assert capsys.readouterr().err.strip() == (
-            f"latentmill: error: output_dir: s3://bucket/out: {argv[0]} on an object store is not supported yet "
-            "(prep, train, inspect, verify and gc are); use a local output_dir (docs/object-stores.md)")

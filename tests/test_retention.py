@@ -8,6 +8,9 @@ exactly the unit records and shards they name for the kept snapshots, and delete
 Processes are real too: gc killed with SIGKILL mid-way (``LATENTMILL_GC_PAUSE_AFTER`` stops it after the
 k-th removal, where the test kills it), ``latentmill prep`` processes started together or killed while
 they hold the lock, a process holding a training pin. Their output goes to files, never to an unread pipe.
+
+On an object store (moto's S3 server, tests/conftest.py ``s3_bucket``) the same output is uploaded as a prep
+there publishes it; gc, pins, a training run's lease pin and the refresh flow's retention step run there.
 """
 
 from __future__ import annotations
@@ -18,17 +21,20 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
+import fsspec
 import pytest
+from latentmill.pipelines import objectstore
 from latentmill.pipelines.retention import (
     PAUSE_ENV,
     gc,
     plan_gc,
     published,
 )
-from latentmill.pipelines.snapshot import latest_name
+from latentmill.pipelines.snapshot import LATEST, latest_name
 from latentmill.stages.tarshard import read_shard
 
 from latentmill.core.hashing import sha256_file
@@ -333,3 +339,157 @@ def test_refresh_flow_runs_gc_after_publishing(output, tiny_flux):
     assert result["gc"]["snapshots_removed"] == names[:-1] and published(out) == names[-1:]
     assert {s: set(f) for s, f in _files(out).items()} == expected
     _assert_readable(out, names[-1:])
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The same output on an object store
+# ---------------------------------------------------------------------------------------------------------
+
+
+def _on_store(out: Path, bucket: str) -> str:
+    """The output_dir uploaded to the store in publishing order (as a prep there leaves it); its URL."""
+    url = f"s3://{bucket}/out"
+    objectstore.push(out, url)
+    return url
+
+
+def _store_snapshots(bucket: str) -> list[str]:
+    fs = fsspec.filesystem("s3")
+    return sorted(p.split("/")[-2] for p in fs.find(f"{bucket}/out/snapshots", refresh=True)
+                  if p.endswith("/manifest.json"))
+
+
+def _store_files(bucket: str) -> dict[str, set[str]]:
+    """``_files`` of the store's objects: every gc-managed object per stage, by its name below the stage."""
+    fs = fsspec.filesystem("s3")
+    objects = [p.removeprefix(f"{bucket}/out/prep/").split("/") for p in fs.find(f"{bucket}/out/prep", refresh=True)]
+    return {stage: {"/".join(parts[1:]) for parts in objects if parts[0] == stage and (
+        (len(parts) == 3 and parts[1] in ("units", "shards")) or (len(parts) == 2 and parts[1].startswith(
+            "empty_prompt-")))} for stage in STAGES}
+
+
+def test_pin_and_unpin_on_a_store_keep_a_snapshot_through_gc_there(output, s3_bucket, capsys):
+    from latentmill.cli import main as cli
+
+    out, _, manifests = output
+    names = published(out)
+    expected = _expected(out, manifests, [names[2]])
+    url = _on_store(out, s3_bucket)
+    assert cli(["pin", url, names[0]]) == 0
+    assert cli(["pin", url]) == 0
+    assert f"{names[0]}: pinned by user" in capsys.readouterr().out
+    assert cli(["gc", url, "--keep", "1"]) == 0
+    assert _store_snapshots(s3_bucket) == [names[0], names[2]]
+    assert cli(["verify", url]) == 0
+    assert cli(["unpin", url, names[0]]) == 0
+    capsys.readouterr()
+    assert cli(["gc", url, "--keep", "1"]) == 0
+    assert "deleted " in capsys.readouterr().out
+    assert _store_snapshots(s3_bucket) == [names[2]]
+    assert _store_files(s3_bucket) == expected  # what a local gc --keep 1 keeps
+    assert cli(["verify", url]) == 0
+    assert cli(["unpin", url, names[0]]) == 2  # not pinned: one error line
+    assert cli(["pin", url, "0099-absent"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.splitlines()[-1] == (f"latentmill: error: snapshot '0099-absent' not found under {url}/snapshots; "
+                                    f"`latentmill inspect {url}` lists the published ones")
+    assert fsspec.filesystem("s3").find(f"{s3_bucket}/out/pins", refresh=True) == []
+
+
+_HOLD_STORE_PIN = """
+import sys, time
+from latentmill.pipelines.objectstore import pinned_on_store
+with pinned_on_store(sys.argv[1], sys.argv[2], lease_s=float(sys.argv[3])) as name:
+    print("pinned", name, flush=True)
+    time.sleep(3600)
+"""
+
+
+def test_a_training_lease_pin_on_a_store_protects_while_its_holder_lives_and_lapses_when_killed(
+        output, s3_bucket, tmp_path, capsys):
+    from latentmill.cli import main as cli
+
+    out, _, _ = output
+    names = published(out)
+    url = _on_store(out, s3_bucket)
+    lease_s = 3.0
+    log = tmp_path / "pin.log"
+    proc = subprocess.Popen([sys.executable, "-c", _HOLD_STORE_PIN, url, names[0], str(lease_s)],
+                            stdout=open(log, "w"), stderr=subprocess.STDOUT,
+                            env={**os.environ, "PYTHONPATH": str(REPO_ROOT)})
+    fs = fsspec.filesystem("s3")
+    try:
+        _wait_for(log, f"pinned {names[0]}", proc)
+        assert cli(["pin", url]) == 0
+        assert f"{names[0]}: training PID {proc.pid} on " in capsys.readouterr().out
+        report = objectstore.gc_store(url, 1)
+        assert report["pinned"] == [names[0]] and report["snapshots_removed"] == [names[1]]
+        time.sleep(lease_s + 0.5)  # past one lease: renewed by its living holder
+        assert list(objectstore.store_pins(url)) == [names[0]]
+    finally:
+        proc.kill()
+        proc.wait(timeout=30)
+    (pin,) = fs.find(f"{s3_bucket}/out/pins", refresh=True)
+    time.sleep(max(0.0, json.loads(fs.cat_file(pin))["expires"] - time.time()) + 0.1)  # its lease runs out
+    capsys.readouterr()
+    report = objectstore.gc_store(url, 1)
+    assert f"gc: dropping the stale pin {names[0]}@" in capsys.readouterr().out
+    assert report["pinned"] == [] and report["snapshots_removed"] == [names[0]]
+    assert _store_snapshots(s3_bucket) == [names[2]]
+    assert fs.find(f"{s3_bucket}/out/pins", refresh=True) == []
+
+
+def test_a_training_run_streaming_from_a_store_pins_its_snapshot_there(output, s3_bucket, tiny_flux):
+    """A gc on the store during a real training run that streams from it (started once the run's pin is there)
+    keeps the run's snapshot; the pin goes with the run, and the next gc removes the snapshot."""
+    from latentmill.pipelines.flows import train
+
+    out, source, _ = output
+    names = published(out)
+    url = _on_store(out, s3_bucket)
+    overrides = [f"output_dir={url}", f"model.pretrained={tiny_flux}", f"ingest.source={source}",
+                 f"snapshot={names[0]}", "trainer.max_steps=3", "trainer.batch_size=1", "trainer.export=false",
+                 "trainer.save_every=0", "trainer.log_every=1"]
+    reports: list[dict] = []
+    done = threading.Event()
+
+    def gc_once_pinned() -> None:
+        while not done.is_set() and not reports:
+            if objectstore.store_pins(url):
+                reports.append(objectstore.gc_store(url, 1))
+            time.sleep(0.1)
+
+    watcher = threading.Thread(target=gc_once_pinned)
+    watcher.start()
+    try:
+        summary = train(str(DEMO_CONFIG), overrides)["train"]
+    finally:
+        done.set()
+        watcher.join()
+    assert summary["steps"] == 3
+    assert reports[0]["pinned"] == [names[0]] and reports[0]["snapshots_removed"] == [names[1]]
+    assert objectstore.store_pins(url) == {}  # the pin ends with the run
+    assert fsspec.filesystem("s3").find(f"{s3_bucket}/out/pins", refresh=True) == []
+    assert objectstore.gc_store(url, 1)["snapshots_removed"] == [names[0]]
+    assert _store_snapshots(s3_bucket) == [names[2]]
+
+
+def test_refresh_flow_on_a_store_runs_gc_there(output, s3_bucket, tiny_flux):
+    """``retention.keep_snapshots`` with ``output_dir`` on a store: the refresh preps there (every unit reused),
+    then collects there what a local gc keeps."""
+    from latentmill.pipelines.flows import refresh
+
+    from latentmill.cli import main as cli
+
+    out, source, manifests = output
+    names = published(out)
+    expected = _expected(out, manifests, names[-1:])
+    url = _on_store(out, s3_bucket)
+    result = refresh(str(DEMO_CONFIG), [f"output_dir={url}", f"model.pretrained={tiny_flux}", f"ingest.source={source}",
+                                        "retention.keep_snapshots=1"])
+    assert result["snapshot"]["name"] == names[-1] and not result["snapshot"]["new"]
+    assert result["gc"]["snapshots_removed"] == names[:-1] and result["gc"]["store"]["deleted"] > 0
+    assert _store_snapshots(s3_bucket) == names[-1:]
+    assert fsspec.filesystem("s3").cat_file(f"{s3_bucket}/out/snapshots/{LATEST}").decode().strip() == names[-1]
+    assert _store_files(s3_bucket) == expected
+    assert cli(["verify", url]) == 0

@@ -36,13 +36,6 @@ def _check_url(url: str) -> None:
                           "AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY) or fsspec's configuration, never in a URL")
 
 
-def refuse_store(output_dir: str, what: str) -> None:
-    """Raise a ConfigError naming ``what`` when ``output_dir`` is on a store, where it does not run yet."""
-    if is_url(output_dir):
-        raise ConfigError(f"output_dir: {output_dir}: {what} on an object store is not supported yet (prep, "
-                          "train, inspect, verify and gc are); use a local output_dir (docs/object-stores.md)")
-
-
 def store_fs(url: str, **options: Any) -> tuple[Any, str]:
     """The fsspec filesystem of ``url`` and the path inside it (``bucket/prefix``, no trailing slash)."""
     import fsspec
