@@ -5,7 +5,8 @@ The output under test is real: a first prep of six demo images with the tiny Flu
 refreshes of three new images each (``cache.shard_bytes`` is the demo's 512 KiB, so every refresh's cache
 unit is a small one), each published as a snapshot. Compaction must merge the small units into the unit the
 next prep's planner asks for, keep every sample's bytes, run no encoder, leave the older snapshots readable
-until gc, and survive a SIGKILL.
+until gc, and survive a SIGKILL. On an object store (moto's S3 server, tests/conftest.py ``s3_bucket``) it must
+publish what a local compaction writes, parts before records before manifests before ``LATEST``.
 """
 
 from __future__ import annotations
@@ -19,8 +20,10 @@ import sys
 import time
 from pathlib import Path
 
+import fsspec
 import pytest
 import torch
+from latentmill.pipelines import objectstore
 from latentmill.pipelines.compaction import compact
 from latentmill.pipelines.retention import gc
 from latentmill.pipelines.snapshot import latest_name, publish, resolve_snapshot
@@ -332,3 +335,45 @@ def test_a_damaged_small_shard_is_not_copied_into_a_merged_one(output, monkeypat
 
     assert "left as is" in format_report(report) and victim.shards[0].path in format_report(report)
     assert verify_path(out) != 0  # verify still sees the damage, in the shard it was in
+
+
+def test_compact_on_a_store_publishes_the_bytes_of_a_local_compaction_parts_first(output, s3_bucket, tmp_path,
+                                                                                   monkeypatch):
+    from latentmill.cli import main
+
+    out, _ = output
+    url = f"s3://{s3_bucket}/out"
+    objectstore.push(out, url)  # the output as a prep on the store leaves it
+    _tripwire(monkeypatch)
+    local = compact(out)  # the same output compacted locally: the oracle
+    name = local["snapshot"]["name"]
+    fs = fsspec.filesystem("s3")
+    fs.ls(s3_bucket)
+    sent: list[str] = []
+    record = lambda request, **_: sent.append(request.url.split(f"/{s3_bucket}/out/", 1)[-1].split("?")[0])  # noqa: E731
+    fs.s3.meta.events.register("before-send.s3.PutObject", record)
+    try:
+        assert main(["compact", url, "--json", str(tmp_path / "compact.json")]) == 0
+    finally:
+        fs.s3.meta.events.unregister("before-send.s3.PutObject", record)
+    report = json.loads((tmp_path / "compact.json").read_text())
+    assert report["compacted"] and report["units_written"] == local["units_written"]
+    assert report["snapshot"] == {**local["snapshot"], "path": f"{url}/snapshots/{name}"}
+    # published as a prep publishes: the merged units' parts, then their records, then the cache manifest,
+    # the snapshot, LATEST last (the lease object is no part of the output)
+    sent = [rel for rel in sent if rel != ".writer.lock"]
+    assert report["store"]["downloaded"] > 0 and report["store"]["uploaded"] == len(sent)
+    phases = [objectstore.phase(rel) for rel in sent]
+    assert phases == sorted(phases) and sent[-1] == "snapshots/LATEST"
+    new_records = [f"prep/cache/units/{unit}.json" for unit in local["units_written"]]
+    new_shards = [f"prep/cache/{s['path']}" for unit in new_records for s in json.loads((out / unit).read_text())["shards"]]
+    assert set(new_records) | set(new_shards) <= set(sent)
+    assert f"snapshots/{name}/manifest.json" in sent and "prep/cache/manifest.json" in sent
+    # the store's snapshot: the local compaction's shards, every member byte-identical; LATEST names it
+    assert fs.cat_file(f"{s3_bucket}/out/snapshots/LATEST").decode().strip() == name
+    stored = json.loads(fs.cat_file(f"{s3_bucket}/out/snapshots/{name}/manifest.json"))
+    assert stored["shards"] == json.loads((out / "snapshots" / name / "manifest.json").read_text())["shards"]
+    fresh = tmp_path / "fresh"
+    objectstore.pull(url, fresh, tars="cache")
+    assert _members(fresh / "snapshots" / name) == _members(out / "snapshots" / name)
+    assert main(["verify", url]) == 0
