@@ -159,8 +159,9 @@ def test_cp2_trains_wan22_experts_as_one_process(tmp_path, request, pipeline, cf
     cfg = {**CFG, "batch_size": 1, "grad_accum_steps": 2, "shift": 3.0, **cfg}  # shift 3: both experts routed
     with torch_threads(1):
         run_train((pretrained, cache), tmp_path / "cp1", **cfg)
-    launch_jobs(tmp_path, [{"cfg": cfg, "cache": str(cache), "pretrained": pretrained, "train_dir": str(tmp_path / "cp2"),
-                            "parallel": {"strategy": "fsdp2", "cp_size": 2}}])
+    (summaries,) = launch_jobs(tmp_path, [{"cfg": cfg, "cache": str(cache), "pretrained": pretrained,
+                                           "train_dir": str(tmp_path / "cp2"), "parallel": {"strategy": "fsdp2", "cp_size": 2}}])
+    assert [(s["world_size"], s["cp_size"]) for s in summaries] == [(2, 2)] * 2
     cp1, cp2 = read_metrics(tmp_path / "cp1"), read_metrics(tmp_path / "cp2")
     assert [r["step"] for r in cp2] == list(range(1, STEPS + 1))
     for one, two in zip(cp1, cp2):
