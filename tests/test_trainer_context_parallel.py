@@ -25,6 +25,7 @@ from latentmill.core.config import ConfigError
 from tests.trainer_helpers import (
     add_validation_prompts,
     build_tiny_wan_transformer,
+    launch_jobs,
     read_metrics,
     run_train,
     torch_threads,
@@ -139,6 +140,37 @@ def test_cp2_trains_validates_and_exports_as_one_process(tmp_path, tiny_flux, fa
     assert update > 1.0  # it trained
     assert norm((one[k], two[k]) for k in one) <= 2e-5 * update
     assert max(float((one[k] - two[k]).abs().max()) for k in one) <= 1e-4
+
+
+# Wan 2.2 A14B at cp 2, as its recipes ship: both experts in one run (each expert its own cp hooks and mesh), and
+# one expert of the I2V pair as a LoRA (the 36-channel conditioned input, the LoRA layers inside the split blocks)
+@pytest.mark.slow
+@pytest.mark.heavy  # second variants of the cp path above, on the two-expert pipelines
+@pytest.mark.parametrize(("pipeline", "cfg"), [
+    ("tiny_wan22", {"mode": "full", "expert": "both"}),
+    ("tiny_wan22_i2v", {"mode": "lora", "expert": "high", "lora_rank": 4, "learning_rate": 1e-2})])
+def test_cp2_trains_wan22_experts_as_one_process(tmp_path, request, pipeline, cfg):
+    from latentmill.stages.families import WanI2VA14BEncoders
+
+    pretrained, i2v = str(request.getfixturevalue(pipeline)), pipeline.endswith("i2v")
+    cache = tmp_path / "cache"
+    write_fake_cache(cache, BUCKETS["wan"], family="wan2.2-i2v" if i2v else "wan", smooth=True, seq_len=16,
+                     streams=[s.to_json() for s in WanI2VA14BEncoders.STREAMS] if i2v else None)
+    cfg = {**CFG, "batch_size": 1, "grad_accum_steps": 2, "shift": 3.0, **cfg}  # shift 3: both experts routed
+    with torch_threads(1):
+        run_train((pretrained, cache), tmp_path / "cp1", **cfg)
+    (summaries,) = launch_jobs(tmp_path, [{"cfg": cfg, "cache": str(cache), "pretrained": pretrained,
+                                           "train_dir": str(tmp_path / "cp2"), "parallel": {"strategy": "fsdp2", "cp_size": 2}}])
+    assert [(s["world_size"], s["cp_size"]) for s in summaries] == [(2, 2)] * 2
+    cp1, cp2 = read_metrics(tmp_path / "cp1"), read_metrics(tmp_path / "cp2")
+    assert [r["step"] for r in cp2] == list(range(1, STEPS + 1))
+    for one, two in zip(cp1, cp2):
+        assert math.isclose(two["loss"], one["loss"], rel_tol=1e-5), (one["step"], one["loss"], two["loss"])
+        assert math.isclose(two["grad_norm"], one["grad_norm"], rel_tol=1e-5), (one["grad_norm"], two["grad_norm"])
+        assert two.get("expert_micro_batches") == one.get("expert_micro_batches")
+    assert len({r["loss"] for r in cp1}) == STEPS  # the weights changed at every step
+    if cfg["expert"] == "both":
+        assert {name for r in cp1 for name in r["expert_micro_batches"]} == {"high", "low"}
 
 
 @pytest.mark.slow

@@ -1,0 +1,89 @@
+"""Every shipped real-size recipe fits an 80 GiB GPU by its own ``latentmill plan`` (static part, activations of
+its largest bucket, optimizer temporaries, communication buffers, CUDA/NCCL context), at the layout it states;
+and a recipe that splits its sequences over GPUs (``parallel.cp_size``) passes the trainer's context-parallel
+checks for every bucket it can make, before any work."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from latentmill.plan import GIB, plan_config
+from latentmill.recipe import load_recipe
+
+CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+REAL_SIZE = sorted(p.stem for p in CONFIGS.glob("*.yaml") if not p.stem.startswith(("demo", "tiny", "small")))
+# the nodes of 8 GPUs a recipe's header states where plan's default (parallel.hsdp_replicate nodes, else one) is
+# not it: FLUX.2 [dev]'s full fine-tune shards over 2 nodes (on one, its static part leaves no room), the Qwen-Image
+# full fine-tunes over 16 GPUs of 4 nodes (2 replicas)
+NNODES = {"flux2-dev-full": 2, "qwen-image-full": 4, "qwen-image-edit-full": 4}
+# on every make test, with Wan2.1-14B's (tests/test_plan.py): the tightest of the other Wan 14B families, under
+# 3 GiB left of 80 (the rest under make test-all: a plan of a 14B model takes seconds on a shared core)
+TIGHTEST = ["wan2.2-a14b-i2v-full", "wan2.1-i2v-14b-full"]
+
+
+def _check_fits(name: str) -> None:
+    result = plan_config(CONFIGS / f"{name}.yaml", nnodes=NNODES.get(name), gpu_memory_gib=80, with_suggestion=True)
+    peak = result["per_rank"]["total_bytes"] / GIB
+    assert result["fits"], f"configs/{name}.yaml: plan's peak {peak:.2f} GiB exceeds 80 GiB; {result['suggest']['line']}"
+    assert result["per_rank"]["activation_bytes"] > 0  # judged on the peak, not on the static part
+
+
+def test_the_real_size_recipes_are_the_shipped_ones_without_demos():
+    assert {"flux2-dev-full", "wan2.1-14b", "wan2.2-a14b-i2v-lora", "ltx2-full"} <= set(REAL_SIZE)
+    assert len(REAL_SIZE) >= 30 and set(TIGHTEST) | set(NNODES) <= set(REAL_SIZE)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", TIGHTEST)
+def test_the_tightest_recipes_fit_80_gib(name):
+    _check_fits(name)
+
+
+@pytest.mark.slow
+@pytest.mark.heavy  # every other real-size recipe: about 30 plans on meta
+@pytest.mark.parametrize("name", [n for n in REAL_SIZE if n not in TIGHTEST])
+def test_every_real_size_recipe_fits_80_gib(name):
+    _check_fits(name)
+
+
+CP_RECIPES = [n for n in REAL_SIZE if load_recipe(CONFIGS / f"{n}.yaml").parallel.cp_size > 1]
+
+
+def test_the_long_video_recipes_split_their_sequences():
+    # 720p x 81 frames (75,600 tokens) on a 14B transformer: their activations alone exceed 80 GiB at cp 1
+    assert CP_RECIPES == ["wan2.1-14b", "wan2.2-a14b-full", "wan2.2-a14b-i2v-full", "wan2.2-a14b-i2v-lora",
+                          "wan2.2-a14b-lora"]
+
+
+@pytest.mark.parametrize("name", CP_RECIPES)
+def test_a_context_parallel_recipe_passes_the_trainers_checks(name):
+    """What the trainer refuses with cp before any work (family, diffusers, strategy, validation size) and at the
+    first batch of a bucket (its sequence must split evenly), for every bucket of the recipe's bucket config:
+    images at the image tiers, clips of every admissible frame count at the video tiers."""
+    from latentmill.stages.bucket import bucket_sizes
+    from latentmill.stages.families import family_class
+    from latentmill.trainer.adapters import get_adapter
+    from latentmill.trainer.context import check_context_parallel, check_cp_batch, check_cp_validation
+
+    from latentmill.preflight import check_recipe
+
+    recipe = load_recipe(CONFIGS / f"{name}.yaml")
+    parallel, cfg, family = recipe.parallel, recipe.trainer, recipe.model.family
+    adapter = get_adapter(family)
+    parallel.validate()
+    check_recipe(recipe, "prep")
+    check_context_parallel(parallel, adapter, torch.device("cuda"))
+    text = recipe.cache.max_sequence_length
+    if cfg.validate_every:
+        check_cp_validation(parallel, adapter, cfg.validation_size, recipe.model.pretrained, text)
+    buckets = [(w, h, frames) for kind, frame_counts in (("image", [1]), ("video", recipe.bucket.frame_count_list()))
+               for tier in recipe.bucket.tiers(kind) for w, h in bucket_sizes(recipe.bucket, tier).values()
+               for frames in frame_counts]
+    assert len(buckets) > 100  # 5 aspect ratios x (an image and every clip length up to 81 frames)
+    for bucket in buckets:  # the published configs' shapes, as the trainer reads them for a hub id
+        shapes = family_class(family).sample_shapes(lambda component: {}, list(bucket), text)
+        batch = {k: torch.empty(1, *shape, device="meta") for k, shape in shapes.items()}
+        check_cp_batch(adapter, batch, parallel.cp_size)
