@@ -95,7 +95,6 @@ class LTX2Encoders(Encoders):
         from transformers import Gemma3ForConditionalGeneration
 
         self.vae = self._load(AutoencoderKLLTX2Video, "vae", self.compute_dtypes(device)["vae"])
-        self.vae.tile_sample_min_num_frames, self.vae.tile_sample_stride_num_frames = self.VAE_TEMPORAL_TILE
         self.audio_vae = self._load(AutoencoderKLLTX2Audio, "audio_vae", torch.float32)  # (a small model)
         self.text_encoder = self._load(Gemma3ForConditionalGeneration, "text_encoder")
         self.connectors = self._load(LTX2TextConnectors, "connectors")
@@ -125,6 +124,7 @@ class LTX2Encoders(Encoders):
             with self.lock:
                 # (sic) Diffusers 0.42 gates AutoencoderKLLTX2Video's temporal encode tiles on its decoding flag
                 self.vae.use_framewise_decoding = tiled
+                self.vae.tile_sample_min_num_frames, self.vae.tile_sample_stride_num_frames = self.VAE_TEMPORAL_TILE
                 dist = self.vae.encode(clip_1CFHW.to(self.device, self.vae.dtype)).latent_dist
             means.append(dist.mean.float().cpu())
             stds.append(dist.std.float().cpu())

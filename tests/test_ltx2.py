@@ -439,6 +439,35 @@ def test_vae_tiling_keys_only_the_clips_it_changes(tiny_ltx2, ltx2_prep, monkeyp
     committed = json.loads((ltx2_prep / "prep" / "cache" / "manifest.json").read_text())["units"]
     ids = [u.unit_id for u in plan(cfg, model, upstream)]
     assert sorted(ids) == sorted(committed) == sorted(u.unit_id for u in plan(never, model, upstream))
-    monkeypatch.setattr(LTX2Encoders, "VAE_TEMPORAL_TILE", (8, 4))  # the demo's 17 frames: longer than a tile
+    monkeypatch.setattr(LTX2Encoders, "VAE_TEMPORAL_TILE", (8, 8))  # the demo's 17 frames: longer than a tile
     tiled = [u.unit_id for u in plan(cfg, model, upstream)]
     assert len(tiled) == len(ids) and not set(tiled) & set(ids)
+
+
+@pytest.mark.slow
+def test_prep_encodes_clips_longer_than_a_tile_in_tiles(tiny_ltx2, ltx2_prep, tmp_path, monkeypatch):
+    """Through prep, with the VAE's tiles shrunk to 8 frames so that the demo's 17-frame clips are longer than one:
+    the cache re-encodes the latents only (the text is reused), under the units' tiled ids, and the moving
+    clips' latents are no longer the whole clips'."""
+    import shutil
+
+    from latentmill.stages.tarshard import read_shard
+    from safetensors.torch import load
+
+    from latentmill.cli import main
+
+    def latents(out):
+        return {s["__key__"]: load(s["vae.safetensors"])["latents"]
+                for path in sorted((out / "prep" / "cache").rglob("*.tar")) for s in read_shard(str(path))}
+
+    out = tmp_path / "prep"
+    shutil.copytree(ltx2_prep, out)
+    monkeypatch.setattr(LTX2Encoders, "VAE_TEMPORAL_TILE", (8, 8))
+    assert main(["prep", str(REPO_ROOT / "configs" / "demo-ltx2.yaml"), f"output_dir={out}",
+                 f"model.pretrained={tiny_ltx2}", "runner.workers=1", "--summary-json", str(out / "tiled.json")]) == 0
+    cache = json.loads((out / "tiled.json").read_text())["stages"]["cache"]
+    assert (cache["components"]["vae"]["processed"], cache["components"]["text"]["processed"]) == (8, 0)
+    before, after = latents(ltx2_prep), latents(out)
+    assert sorted(before) == sorted(after) and all(after[k].shape == before[k].shape for k in before)
+    moved = [k for k in before if (after[k] - before[k]).abs().max() > 1e-3]
+    assert len(moved) >= 6, moved  # the demo's shapes move: a tile after the first misses the frames before it
