@@ -15,10 +15,10 @@ whatever the clip; it shows that nothing on the Python side grows with the clip)
 The figure per family is the harsher reading of figure 8's long-clip row: the peak's increment over the
 floor, long against short (the clip's own pixels, 4× larger, are in the floor). Goal ≤ 1.3×: the VAE's
 activations must not grow with the clip. Wan's VAEs encode causally a few frames at a time with a feature
-cache; HunyuanVideo 1.5's and LTX-2's encode the whole clip at once (Diffusers 0.42's
-``AutoencoderKLHunyuanVideo15`` tiles space only; ``AutoencoderKLLTX2Video`` encodes 16-frame tiles with 8 frames of
-overlap, blended, when its ``use_framewise_decoding`` is set, which the cache stage does not set: the blended
-latents differ from the whole clip's). ``details.tiled`` gives LTX-2's increments with that tiling on, for
+cache; HunyuanVideo 1.5's encodes the whole clip at once (Diffusers 0.42's ``AutoencoderKLHunyuanVideo15`` tiles
+space only); LTX-2's ``AutoencoderKLLTX2Video`` encodes a clip longer than 17 frames in 16-frame tiles with 8 frames
+of overlap, blended, as the cache stage runs it (``cache.vae_tiling: auto``, docs/cache-format.md "Long clips").
+``details.untiled`` gives LTX-2's increments with ``cache.vae_tiling: never`` (the whole clip in one call), for
 comparison.
 
 Run alone: ``python -m bench.longclip --quick`` (17 against 65 frames).
@@ -48,7 +48,7 @@ def tiny_set(family: str):
                        REPO_ROOT / "data" / FAMILIES[family])
 
 
-def child(family: str, frames: str, tiled: str = "") -> dict:
+def child(family: str, frames: str, vae_tiling: str = "auto") -> dict:
     import gc
     import tracemalloc
 
@@ -59,8 +59,7 @@ def child(family: str, frames: str, tiled: str = "") -> dict:
 
     encoders = get_encoders(ModelConfig(pretrained=str(tiny_set(family)), family=family), family,
                             torch.device("cpu"))
-    if tiled:
-        encoders.vae.use_framewise_decoding = True  # (sic: Diffusers 0.42 gates LTX-2's temporal tiles on it)
+    encoders.vae_tiling = vae_tiling  # as the cache stage sets it from cache.vae_tiling
     gen = torch.Generator().manual_seed(0)
     step = encoders.FRAME_STEP
     encoders.encode_pixels(torch.rand(1, 3, step + 1, SIDE, SIDE, generator=gen) * 2 - 1)  # one-time costs
@@ -102,12 +101,12 @@ def run(args) -> list:
                 log(f"longclip {family} {frames} frames rep {rep + 1}/{reps}: peak {r['peak_rss_mb']:.0f} MiB "
                     f"(floor {r['floor_rss_mb']:.0f}, traced {r['traced_peak_mb']:.2f}, {r['seconds']:.1f} s)")
         growth = {k: [r["peak_rss_mb"] - r["floor_rss_mb"] for r in v] for k, v in res.items()}
-        tiled = {}
+        untiled = {}
         if family == "ltx2":
             for frames in (short, long):
-                r = spawn(family, str(frames), "tiled")
-                tiled[f"increment_mib_{frames}"] = round(r["peak_rss_mb"] - r["floor_rss_mb"], 1)
-            tiled["ratio"] = round(tiled[f"increment_mib_{long}"] / tiled[f"increment_mib_{short}"], 3)
+                r = spawn(family, str(frames), "never")
+                untiled[f"increment_mib_{frames}"] = round(r["peak_rss_mb"] - r["floor_rss_mb"], 1)
+            untiled["ratio"] = round(untiled[f"increment_mib_{long}"] / untiled[f"increment_mib_{short}"], 3)
         inputs = {"family": family, "models": f"data/{FAMILIES[family]} (tiny, seed 0)",
                   "clip": f"1 x 3 x F x {SIDE} x {SIDE} float32 in [-1, 1], CPU; F = {short} and {long}",
                   "encode": "stages.families.get_encoders(...).encode_pixels (the cache stage's call)",
@@ -117,8 +116,8 @@ def run(args) -> list:
                                                   for a, b in zip(res[long], res[short]))[reps // 2], 3),
                    "traced_peak_mb": {str(k): round(max(r["traced_peak_mb"] for r in v), 3) for k, v in res.items()},
                    "seconds": {str(k): round(min(r["seconds"] for r in v), 2) for k, v in res.items()}}
-        if tiled:
-            details["tiled"] = tiled
+        if untiled:
+            details["untiled"] = untiled
         figures.append(figure(f"22. peak RSS of caching one {long}-frame clip vs {short} frames, {family} "
                               "(increment over floor)", growth[long], growth[short], "MiB", "<= 1.3", inputs,
                               "fresh process per measurement; peak RSS (VmHWM, reset by clear_refs) minus the floor "

@@ -41,11 +41,13 @@ from latentmill.stages.families import (
 )
 from latentmill.stages.shardindex import ShardIndexError, load_shard_index
 from latentmill.stages.shardio import (
+    GROUP_KEY,
     StageDir,
     StageRecords,
     UnitOutput,
     UnitRecord,
     WorkUnit,
+    grouped_unit_id,
     sample_json,
     shard_buckets,
     sibling_stage,
@@ -102,6 +104,7 @@ def _load_encoders(cfg: CacheConfig, model: ModelConfig, family: str, device: to
     if _deterministic(cfg):
         prepare_cublas_determinism()
     encoders = get_encoders(model, family, device)
+    encoders.vae_tiling = cfg.vae_tiling
     _pin_threads(cfg)
     return encoders
 
@@ -132,6 +135,7 @@ class CachePlan:
     vae_fp: str
     text_fp: str
     background: tuple[int, int, int] = pixels.WHITE  # cache.alpha_background
+    vae_tiling: str = "auto"  # cache.vae_tiling
 
     @classmethod
     def of(cls, cfg: CacheConfig, model: ModelConfig) -> CachePlan:
@@ -155,7 +159,7 @@ class CachePlan:
                                "dtype": cfg.dtype, "max_sequence_length": cfg.max_sequence_length,
                                "trim": trims_text(cfg, family), "version": FORMAT_VERSION,
                                **_compute(compute["text"])})
-        return cls(family, prints, vae_fp, text_fp, cfg.background)
+        return cls(family, prints, vae_fp, text_fp, cfg.background, cfg.vae_tiling)
 
     def fingerprint(self) -> dict[str, Any]:
         return {"stage": STAGE, "version": FORMAT_VERSION, "vae": self.vae_fp, "text": self.text_fp,
@@ -167,10 +171,19 @@ class CachePlan:
         parts = [self.vae_fp, meta["sha256"], meta.get("clip"), meta["bucket"], meta.get("crop")]
         rules = pixels.pixel_rules(meta, self.background)
         parts = parts + [rules] if rules else parts
+        tiling = self.tiling(meta["bucket"])
+        parts = parts + [tiling] if tiling else parts
         if any(s.from_reference for s in family_class(self.family).STREAMS):  # an edit pair: its source too
             reference = meta.get(REFERENCE) or {}
             parts.append([reference.get("sha256"), reference.get("crop"), pixels.pixel_rules(reference, self.background)])
         return stable_hash(parts)
+
+    def tiling(self, bucket: list[int]) -> dict[str, Any] | None:
+        """The VAE's temporal tiles when a clip of ``bucket`` is encoded in them (``cache.vae_tiling``), else
+        None: only then do they key its latents and its unit, so every other latent keeps the key it had."""
+        family = family_class(self.family)
+        frames = int(bucket[2]) if len(bucket) > 2 else 1
+        return {"vae_tiling": list(family.VAE_TEMPORAL_TILE)} if family.tiles_clip(frames, self.vae_tiling) else None
 
     def text_key(self, caption: str, meta: dict[str, Any] | None = None) -> str:
         if meta is not None and family_class(self.family).TEXT_SEES_REFERENCE:  # the caption and the image
@@ -251,6 +264,8 @@ def plan(cfg: CacheConfig, model: ModelConfig, upstream: StageDir, stage_dir: St
     plan_ = cache_plan(cfg, model)
     per_sample = sample_bytes_estimate(cfg, model, plan_.family)
 
+    tiled: dict[str, dict[str, Any]] = {}  # upstream shard name -> the VAE tiles its long clips are encoded in
+
     def estimate(upstream: StageDir, entry: dict[str, Any]) -> int:
         counts = shard_buckets(entry)
         if not counts:  # a bucket shard written before per-shard bucket counts: its index has them
@@ -258,13 +273,19 @@ def plan(cfg: CacheConfig, model: ModelConfig, upstream: StageDir, stage_dir: St
             for b in index.columns["sample_bucket"].tolist():
                 name = "x".join(map(str, index.buckets[b])) if b >= 0 else "0x0x1"
                 counts[name] = counts.get(name, 0) + 1
-        return sum(n * per_sample([int(d) for d in name.split("x")]) for name, n in counts.items())
+        buckets = [[int(d) for d in name.split("x")] for name in counts]
+        if tiling := next((t for b in buckets if (t := plan_.tiling(b))), None):
+            tiled[entry["name"]] = tiling
+        return sum(n * per_sample(b) for n, b in zip(counts.values(), buckets))
 
     units = units_by_bytes(upstream, plan_.fingerprint(), cfg.shard_bytes,
                            stage_dir if stage_dir is not None else sibling_stage(upstream, STAGE), estimate)
     cutoff = time.time_ns()
     for unit in units:
         unit.payload["reuse_before_ns"] = cutoff
+        # a unit holding clips encoded in the VAE's tiles has them in its id (as curate's units with videos)
+        if tiling := next((tiled[name] for name in unit.payload[GROUP_KEY] if name in tiled), None):
+            unit.unit_id = grouped_unit_id({**plan_.fingerprint(), **tiling}, unit.inputs)
     return units
 
 

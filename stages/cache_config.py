@@ -39,6 +39,10 @@ class CacheConfig:
     # Deterministic algorithms, cuDNN deterministic, no TF32 while encoding ("auto": on CUDA; see
     # docs/cache-format.md, "Reproducible where"). Not part of the component keys.
     deterministic: Union[bool, Literal["auto"]] = "auto"
+    # Encode a clip longer than one of the VAE's temporal tiles in those tiles, blended as the VAE blends them
+    # ("auto"), so memory stays that of one tile; or whole ("never"). A no-op for a family whose VAE has none
+    # (see docs/cache-format.md, "Long clips").
+    vae_tiling: Literal["auto", "never"] = "auto"
 
     @property
     def background(self) -> tuple[int, int, int]:

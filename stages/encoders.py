@@ -82,6 +82,9 @@ class Encoders(ABC):
     # the text encoder sees the edit pair's source image: encode_text gets ``images`` (PIL, one per caption)
     # and a text component is keyed by the caption and that image's bytes
     TEXT_SEES_REFERENCE: ClassVar[bool] = False
+    # the VAE's own temporal tiles (frames per tile, stride), which ``cache.vae_tiling`` turns on for longer clips;
+    # None: the VAE has none (the key is then a no-op)
+    VAE_TEMPORAL_TILE: ClassVar[tuple[int, int] | None] = None
 
     def __init__(self, model: ModelConfig, device: torch.device):
         self.model = model
@@ -89,6 +92,7 @@ class Encoders(ABC):
         self.compute_dtype = self.compute_dtypes(device)["text"]  # (and the VAE's, unless VAE_FLOAT32)
         self.lock = threading.Lock()  # one forward at a time per loaded model set
         self.audio_sample_rate: int | None = None  # with ``from_audio`` streams: the rate encode_audio takes
+        self.vae_tiling = "auto"  # ``cache.vae_tiling``, which the cache stage sets from its recipe
 
     # --- declared without weights --------------------------------------------------------------------
 
@@ -118,6 +122,14 @@ class Encoders(ABC):
     def text_pad(cls) -> Pad:
         """The padding rule of the family's token-axis text stream ("keep" when it has none)."""
         return next((s.pad for s in cls.STREAMS if s.component == "text" and s.pad != "none"), "keep")
+
+    @classmethod
+    def tiles_clip(cls, frames: int, vae_tiling: str) -> bool:
+        """Whether a clip of ``frames`` frames is encoded in the VAE's temporal tiles under ``cache.vae_tiling``:
+        with ``auto``, a clip longer than one tile (a tile's frames plus the first, which the next tile shares); a
+        clip of at most one tile is encoded whole, with the bytes it had before the key."""
+        tile = cls.VAE_TEMPORAL_TILE
+        return vae_tiling == "auto" and tile is not None and frames > tile[0] + 1
 
     @classmethod
     def describe_vae(cls, vae_config: dict[str, Any]) -> dict[str, Any]:

@@ -49,6 +49,9 @@ class LTX2Encoders(Encoders):
     PIXEL_COMPONENTS = ("vae", "audio_vae")  # the vae member holds the clip's audio latents too
     PIXEL_MULTIPLE = 32  # 32x VAE, 1 x 1 patches
     FRAME_STEP = 8  # 8x temporal VAE: 8k + 1 frames
+    # AutoencoderKLLTX2Video's defaults, set on it explicitly so that a Diffusers release with other defaults
+    # cannot change the bytes under an unchanged key
+    VAE_TEMPORAL_TILE = (16, 8)
     STREAMS = (
         Stream("latents", "vae", "[C, 1 + (F - 1)/8, H/32, W/32]", "(z - latents_mean) * scaling_factor / latents_std"),
         Stream("audio_latents", "vae", "[C_a, round(F / fps * sample_rate / hop / 4), mel_bins/4]",
@@ -112,10 +115,16 @@ class LTX2Encoders(Encoders):
     @torch.no_grad()
     def encode_pixels(self, pixels_BCFHW: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(mean, std) [B, 128, F', H/32, W/32] of the normalised latent distribution of clips in [-1, 1], one clip
-        on the device at a time (as the Wan family: each clip's latents are those of encoding it alone)."""
+        on the device at a time (as the Wan family: each clip's latents are those of encoding it alone); a clip
+        longer than one temporal tile in the VAE's tiles under ``vae_tiling`` (:meth:`tiles_clip`), so the VAE's
+        activations stay those of one tile however long the clip."""
         means, stds = [], []
+        tiled = self.tiles_clip(pixels_BCFHW.shape[2], self.vae_tiling)
         for clip_1CFHW in pixels_BCFHW.split(1):
             with self.lock:
+                # (sic) Diffusers 0.42 gates AutoencoderKLLTX2Video's temporal encode tiles on its decoding flag
+                self.vae.use_framewise_decoding = tiled
+                self.vae.tile_sample_min_num_frames, self.vae.tile_sample_stride_num_frames = self.VAE_TEMPORAL_TILE
                 dist = self.vae.encode(clip_1CFHW.to(self.device, self.vae.dtype)).latent_dist
             means.append(dist.mean.float().cpu())
             stds.append(dist.std.float().cpu())

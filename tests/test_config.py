@@ -48,6 +48,7 @@ def test_override_values_parse_as_yaml():
         ("bucket.step=10", r"bucket.step: must be a positive multiple of 16"),
         ("trainer.max_steps=0", r"trainer.max_steps: must be >= 1"),
         ("cache.prefetch=sometimes", r"cache.prefetch: 'sometimes' does not fit bool or 'auto'"),
+        ("cache.vae_tiling=always", r"cache.vae_tiling: 'always' is not one of 'auto', 'never'"),
         ("trainer.trackers=[wandb,comet]", r"trainer.trackers: 'comet' is not a known tracker; known: 'tensorboard', "
                                            r"'wandb', 'mlflow'"),
     ],

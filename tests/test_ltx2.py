@@ -375,3 +375,99 @@ def test_tiny_set_is_a_pure_function_of_its_seed(tiny_ltx2, tmp_path):
     tokenizer = AutoTokenizer.from_pretrained(tiny_ltx2 / "tokenizer")
     ids = tokenizer("a red ball").input_ids
     assert ids[0] == tokenizer.convert_tokens_to_ids("<bos>") == 2 and len(tokenizer) == 320
+
+
+@pytest.mark.slow
+def test_long_clips_are_encoded_in_the_vaes_own_temporal_tiles(pipe, encoders):
+    """cache.vae_tiling: auto leaves a clip of one tile (17 frames) byte for byte as the whole-clip encode; a
+    longer clip is the VAE's own tiled encode (use_framewise_decoding): the whole clip's latents up to float
+    rounding where a tile lacks no context, different where it does."""
+    from latentmill.tiny_wan import synthetic_clips
+
+    gen = torch.Generator().manual_seed(3)
+    short = torch.rand(1, 3, 17, 64, 64, generator=gen) * 2 - 1
+    noise = torch.rand(1, 3, 33, 64, 64, generator=gen) * 2 - 1  # every frame unrelated to the one before
+    still = synthetic_clips(gen, 1, size=64, frames=33)
+    assert encoders.vae_tiling == "auto" and not LTX2Encoders.tiles_clip(17, "auto")
+    assert LTX2Encoders.tiles_clip(25, "auto") and not LTX2Encoders.tiles_clip(25, "never")
+    assert not any(FAMILIES[f].tiles_clip(129, "auto") for f in ("wan", "wan2.2-ti2v", "hunyuanvideo1.5"))
+    tiled = [encoders.encode_pixels(clip) for clip in (short, noise, still)]
+    try:
+        encoders.vae_tiling = "never"
+        whole = [encoders.encode_pixels(clip) for clip in (short, noise, still)]
+    finally:
+        encoders.vae_tiling = "auto"
+    assert torch.equal(tiled[0][0], whole[0][0]) and torch.equal(tiled[0][1], whole[0][1])
+    assert tiled[1][0].shape == whole[1][0].shape == (1, 128, 5, 2, 2)
+    # The tiles start at frames 0, 8, 16, 24; the blend (one latent frame wide) keeps each tile's last latent
+    # frame, so latent frame 3 comes from the tile of frames 8-24 and 4 from that of 16-32. A tile's causal
+    # encoder pads before its first frame with copies of it: a still clip loses nothing (equal up to float
+    # rounding), a clip whose frames are unrelated loses all context (as different as two latents).
+    diff = (tiled[1][0] - whole[1][0]).abs().amax(dim=(0, 1, 3, 4))
+    assert float(diff[:3].max()) < 1e-5 and float(diff[3:].min()) > 0.5  # measured: 6e-6; 2.5 and 2.7
+    torch.testing.assert_close(tiled[2][0], whole[2][0], rtol=1e-5, atol=1e-5)  # measured: 4e-6
+    pipe.vae.use_framewise_decoding = True  # (sic) Diffusers 0.42 gates its temporal encode tiles on this flag
+    try:
+        with torch.no_grad():
+            dist = pipe.vae.encode(noise).latent_dist
+    finally:
+        pipe.vae.use_framewise_decoding = False
+    expected = pipe._normalize_latents(dist.mean, pipe.vae.latents_mean, pipe.vae.latents_std,
+                                       pipe.vae.config.scaling_factor)
+    torch.testing.assert_close(tiled[1][0], expected, rtol=1e-5, atol=1e-5)
+
+
+def test_vae_tiling_keys_only_the_clips_it_changes(tiny_ltx2, ltx2_prep, monkeypatch):
+    """The demo's clips (at most one tile) keep their latents' keys and their units' ids under the default
+    (those of cache.vae_tiling: never, i.e. of caches made before the key); a clip the tiles change has them in
+    its key and its unit's id."""
+    from latentmill.stages.cache import CachePlan, plan
+    from latentmill.stages.cache_config import CacheConfig
+    from latentmill.stages.shardio import StageDir
+
+    from latentmill.recipe import load_recipe as load_full_recipe
+
+    model = ModelConfig(pretrained=str(tiny_ltx2), family="ltx2")
+    cfg = load_full_recipe(REPO_ROOT / "configs" / "demo-ltx2.yaml").cache
+    never = CacheConfig(**{**cfg.__dict__, "vae_tiling": "never"})
+    auto, whole = CachePlan.of(cfg, model), CachePlan.of(never, model)
+    assert cfg.vae_tiling == "auto" and auto.fingerprint() == whole.fingerprint()
+    meta = {"sha256": "0" * 64, "clip": {"start_frame": 0}, "crop": None}
+    assert auto.vae_key({**meta, "bucket": [64, 64, 17]}) == whole.vae_key({**meta, "bucket": [64, 64, 17]})
+    assert auto.vae_key({**meta, "bucket": [64, 64, 25]}) != whole.vae_key({**meta, "bucket": [64, 64, 25]})
+    upstream = StageDir(ltx2_prep / "prep" / "bucket", "bucket")
+    committed = json.loads((ltx2_prep / "prep" / "cache" / "manifest.json").read_text())["units"]
+    ids = [u.unit_id for u in plan(cfg, model, upstream)]
+    assert sorted(ids) == sorted(committed) == sorted(u.unit_id for u in plan(never, model, upstream))
+    monkeypatch.setattr(LTX2Encoders, "VAE_TEMPORAL_TILE", (8, 8))  # the demo's 17 frames: longer than a tile
+    tiled = [u.unit_id for u in plan(cfg, model, upstream)]
+    assert len(tiled) == len(ids) and not set(tiled) & set(ids)
+
+
+@pytest.mark.slow
+def test_prep_encodes_clips_longer_than_a_tile_in_tiles(tiny_ltx2, ltx2_prep, tmp_path, monkeypatch):
+    """Through prep, with the VAE's tiles shrunk to 8 frames so that the demo's 17-frame clips are longer than one:
+    the cache re-encodes the latents only (the text is reused), under the units' tiled ids, and the moving
+    clips' latents are no longer the whole clips'."""
+    import shutil
+
+    from latentmill.stages.tarshard import read_shard
+    from safetensors.torch import load
+
+    from latentmill.cli import main
+
+    def latents(out):
+        return {s["__key__"]: load(s["vae.safetensors"])["latents"]
+                for path in sorted((out / "prep" / "cache").rglob("*.tar")) for s in read_shard(str(path))}
+
+    out = tmp_path / "prep"
+    shutil.copytree(ltx2_prep, out)
+    monkeypatch.setattr(LTX2Encoders, "VAE_TEMPORAL_TILE", (8, 8))
+    assert main(["prep", str(REPO_ROOT / "configs" / "demo-ltx2.yaml"), f"output_dir={out}",
+                 f"model.pretrained={tiny_ltx2}", "runner.workers=1", "--summary-json", str(out / "tiled.json")]) == 0
+    cache = json.loads((out / "tiled.json").read_text())["stages"]["cache"]
+    assert (cache["components"]["vae"]["processed"], cache["components"]["text"]["processed"]) == (8, 0)
+    before, after = latents(ltx2_prep), latents(out)
+    assert sorted(before) == sorted(after) and all(after[k].shape == before[k].shape for k in before)
+    moved = [k for k in before if (after[k] - before[k]).abs().max() > 1e-3]
+    assert len(moved) >= 6, moved  # the demo's shapes move: a tile after the first misses the frames before it
