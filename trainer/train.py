@@ -760,10 +760,12 @@ class _Run:
 
     def info(self) -> dict[str, Any]:
         """What trackers and the model card say about the run's data: the provenance (snapshot name and id),
-        the family, and the snapshot's samples, buckets and prep summary (``snapshot.prep``)."""
+        the family, and the snapshot's samples (``held_out`` of them never trained on), buckets and prep summary
+        (``snapshot.prep``)."""
         snapshot = self.manifest.get("snapshot") or {}
         return {**self.provenance, "family": self.adapter.family,
                 "samples": snapshot.get("samples", self.loader.num_samples),
+                "held_out": (snapshot.get("eval") or {}).get("samples", 0),
                 "buckets": snapshot.get("buckets", {}), "prep": snapshot.get("prep", {})}
 
     def export(self, export_dir: str | Path, validations: list[str]) -> Path | None:
