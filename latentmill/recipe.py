@@ -57,9 +57,8 @@ class PrepConfig:
     plots: bool = True
     # The held-out set the trainer evaluates on and never trains on (pipelines/snapshot.py ``held_out``): the
     # samples whose key hashes below this fraction, at least eval_min_count of them, at most a quarter of the
-    # snapshot; 0 turns it off. Off by default so that a recipe's training set stays what it was; the
-    # real-size recipes set 0.02.
-    eval_fraction: float = 0.0
+    # snapshot; 0 turns it off. On by default so that every run can report a loss on data it never trained on.
+    eval_fraction: float = 0.02
     eval_min_count: int = 8
 
     def validate(self) -> None:

@@ -80,8 +80,11 @@ def test_every_model_traces_back_to_its_snapshot(demo_run):
     # the model card: the snapshot and what its prep did (sidecar captions, the demo's exposure threshold)
     manifest = json.loads((out / "snapshots" / snapshot / "manifest.json").read_text())["snapshot"]
     assert manifest["prep"]["stages"]["ingest"] == {"in": 28, "out": 27, "quarantined": 1}
+    # held out by default: 2% of 24 raised to the minimum of 8, cut to a quarter (6); training reads the other 18
+    assert manifest["eval"] == {"fraction": 0.02, "min_count": 8, "samples": 6}
     card = (out / "export" / "README.md").read_text()
-    for expected in (f"dataset snapshot | {snapshot}", "| samples | 24 |", "| captioner | sidecar |",
+    for expected in (f"dataset snapshot | {snapshot}", "| samples | 24 (6 held out for evaluation, never trained on) |",
+                     "| captioner | sidecar |",
                      "| steps | 8 |", "| training | full fine-tune |", "| ingest | 28 | 27 | 1 |",
                      "| curation thresholds | max_exposure 0.5 |"):
         assert expected in card, expected

@@ -148,11 +148,18 @@ def test_eval_loss_is_the_objective_by_hand_and_changes_nothing(tiny_flux, held_
 
 
 @pytest.mark.slow
-def test_two_runs_report_equal_eval_losses_and_never_train_on_held_out_keys(tiny_flux, held_out_cache, tmp_path):
+def test_a_local_and_a_streaming_run_report_equal_eval_losses_and_never_train_on_held_out_keys(
+        tiny_flux, held_out_cache, s3_bucket, tmp_path):
+    import fsspec
     from latentmill.trainer import TrainerConfig, train
+    from latentmill.trainer.stream import StreamSource
 
     from tests.trainer_helpers import read_metrics, torch_threads
 
+    out = held_out_cache.parent.parent
+    fsspec.filesystem("s3").put(str(out) + "/", f"{s3_bucket}/out", recursive=True)
+    streams = {"a": None, "b": StreamSource(f"s3://{s3_bucket}/out/snapshots/{held_out_cache.name}",
+                                            str(tmp_path / "stream-cache"))}
     held = {k for b in LatentLoader(held_out_cache, 4, held_out="only").in_order() for k in b["keys"]}
     cfg = TrainerConfig(max_steps=4, batch_size=3, learning_rate=1e-3, save_every=0, validate_every=2,
                         validation_prompts=["a red square"], validation_steps=1, validation_size=[32, 32],
@@ -161,7 +168,7 @@ def test_two_runs_report_equal_eval_losses_and_never_train_on_held_out_keys(tiny
     for name in ("a", "b"):
         with torch_threads(1):
             summary = train(cfg, cache_dir=held_out_cache, pretrained=str(tiny_flux), train_dir=tmp_path / name,
-                            seed=5, progress=False)
+                            seed=5, progress=False, stream=streams[name])
         records = read_metrics(tmp_path / name)
         evals.append([(r["step"], r["eval"]) for r in records if "eval" in r])
         assert summary["eval"] == evals[-1][-1][1]
@@ -169,8 +176,49 @@ def test_two_runs_report_equal_eval_losses_and_never_train_on_held_out_keys(tiny
                    for b in json.loads(line)["batches"] for k in b["keys"]}
         assert len(trained) == 9 and not trained & held  # every training sample, and no held-out one
     assert [step for step, _ in evals[0]] == [2, 4]
-    assert evals[0] == evals[1]  # same seed, same weights, same fixed noise: equal losses
+    assert evals[0] == evals[1]  # same seed, same weights, same fixed noise, streamed or not: equal losses
     assert evals[0][0][1] != evals[0][1][1]  # and they follow the weights
+    # the streaming run read its 3 held-out samples from a local cache of their own, not from the snapshot
+    (folder,) = (tmp_path / "stream-cache").glob("held-out-rank-0")
+    assert sum(e["samples"] for e in json.loads((folder / "manifest.json").read_text())["shards"]) == 3
+
+
+def test_while_streaming_the_held_out_samples_come_once_into_a_cache_of_their_own(s3_bucket, tmp_path):
+    import fsspec
+    from latentmill.trainer.evaluation import held_out_cache
+    from latentmill.trainer.loader import read_manifest
+    from latentmill.trainer.shard_check import CorruptShardError
+    from latentmill.trainer.stream import StreamSource
+
+    fs = fsspec.filesystem("s3")
+    out = tmp_path / "out"
+    write_fake_cache(out / "prep" / "cache", {(16, 16, 1): 12, (32, 16, 1): 8}, seq_len=8, shards_per_bucket=3,
+                     seed=3)  # 20 samples in 6 shards
+    snapshot = Path(publish(out, out / "prep" / "cache", 0.1, 5)["path"])
+    manifest = read_manifest(snapshot)
+    holding = [e for e in manifest["shards"] if e.get("held_out")]
+    assert sum(len(e["held_out"]) for e in holding) == 5  # 20 samples: the minimum of 5, under the cap of 5
+    fs.put(str(out) + "/", f"{s3_bucket}/out", recursive=True)
+    url = f"s3://{s3_bucket}/out/snapshots/{snapshot.name}"
+    folder = held_out_cache(StreamSource(url, str(tmp_path / "cache")), manifest, 0)
+    local = list(LatentLoader(snapshot, 2, held_out="only").in_order())
+    streamed = list(LatentLoader(folder, 2, held_out="only").in_order())
+    assert [b["keys"] for b in streamed] == [b["keys"] for b in local] and len(local) >= 3  # the same batches
+    for x, y in zip(streamed, local):
+        for name in ("latents", "prompt_embeds", "pooled_prompt_embeds"):
+            assert torch.equal(x[name], y[name]), name
+    tars = sorted(folder.glob("*.tar"))
+    assert len(tars) == len(holding) and not (folder / "download").exists()  # the held-out samples alone
+    # kept while the held-out set is the same: a second start reads nothing from the store
+    fs.rm(f"{s3_bucket}/out", recursive=True)
+    assert held_out_cache(StreamSource(url, str(tmp_path / "cache")), manifest, 0) == folder
+    assert sorted(folder.glob("*.tar")) == tars
+    # a damaged shard on the store is fetched again once, then named
+    fs.put(str(out) + "/", f"{s3_bucket}/out", recursive=True)
+    damaged = (snapshot / holding[0]["path"]).resolve().relative_to(out.resolve())
+    fs.pipe(f"{s3_bucket}/out/{damaged.as_posix()}", b"not the shard")
+    with pytest.raises(CorruptShardError, match=f"{damaged.name} differs from the snapshot's manifest"):
+        held_out_cache(StreamSource(url, str(tmp_path / "fresh")), manifest, 0)
 
 
 @pytest.mark.slow

@@ -77,7 +77,8 @@ def three_snapshots(tiny_flux, tmp_path_factory):
         _fill(source, stems)
         recipe = _recipe(out, source, tiny_flux)
         run_stages_in_process(recipe)
-        name = publish(out, recipe.stage_dir("cache"))["name"]
+        # with the recipe's held-out rule, as a prep publishes (a refresh of the same inputs then publishes nothing)
+        name = publish(out, recipe.stage_dir("cache"), recipe.prep.eval_fraction, recipe.prep.eval_min_count)["name"]
         manifests[name] = {s: json.loads((out / "prep" / s / "manifest.json").read_text()) for s in STAGES}
     assert len(published(out)) == 3
     return out, source, manifests

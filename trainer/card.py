@@ -74,7 +74,9 @@ def model_card(*, cfg: Any, info: dict[str, Any], pretrained: str, steps: int, f
         ("batch size", f"{cfg.batch_size} per rank x {cfg.grad_accum_steps} accumulation"),
         ("timesteps", f"{cfg.timestep_sampling}, shift {cfg.shift:g} ({cfg.shift_mode})"),
         ("dataset snapshot", f"{info.get('snapshot', '?')} (content id {str(info.get('snapshot_content_id', '?'))[:16]})"),
-        ("samples", info.get("samples", "?")), ("captioner", prep.get("captioner") or "?"),
+        ("samples", f"{info.get('samples', '?')}" + (f" ({info['held_out']} held out for evaluation, never trained on)"
+                                                       if info.get("held_out") else "")),
+        ("captioner", prep.get("captioner") or "?"),
         ("curation scorers", ", ".join(curation.get("scorers", [])) or "none"),
         ("curation thresholds", ", ".join(f"{k} {v}" for k, v in sorted(curation.get("thresholds", {}).items()))
          or "none"),

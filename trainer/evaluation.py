@@ -8,20 +8,34 @@ see the same noise), and reports the unweighted velocity MSE per sigma (``loss_0
 their mean (``loss``). Cost: held-out samples x 9 forwards without gradient, on rank 0 (on every rank under
 FSDP2, whose forward is collective). No weight changes and no RNG stream of training is drawn from.
 
+While training streams its snapshot from a store (``latentmill.trainer.stream``), the held-out samples are read
+from a local cache of their own (``held_out_cache``): built once per snapshot, at the first evaluation, by
+fetching each shard that holds one (whole, checked against the manifest's sha256, one at a time) and keeping
+only its held-out samples, so a validation downloads nothing and the disk holds the held-out samples alone.
+
 With the curate stage's CLIP scorer in the recipe, each validation also scores its images (a video: the four
 frames of its grid) against their prompts (``clip_score``, ``eval/clip_score``), on rank 0.
 """
 
 from __future__ import annotations
 
+import shutil
+import tarfile
 from contextlib import nullcontext
+from io import BytesIO
 from pathlib import Path
 from typing import Any
 
 import torch
+from latentmill.stages.shardindex import write_index_file
+from latentmill.stages.tarshard import read_shard
 from latentmill.trainer.adapter import ModelAdapter
-from latentmill.trainer.loader import LatentLoader
+from latentmill.trainer.loader import LatentLoader, read_manifest
 from latentmill.trainer.objective import derive_seed, flow_matching_loss, interpolate, velocity_target
+from latentmill.trainer.stream import ShardStream, StreamSource
+
+from latentmill.core import durable
+from latentmill.core.hashing import sha256_file, stable_hash
 
 EVAL_SIGMAS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)
 
@@ -86,14 +100,64 @@ def clip_score(curate_cfg: Any, rows: list[list[Any]], prompts: list[str]) -> fl
     return sum(s["clip_score"] for s in scores) / len(scores)
 
 
+def held_out_cache(source: StreamSource, manifest: dict, rank: int) -> Path:
+    """A local cache (folder with ``manifest.json``) of the held-out samples alone of the snapshot that
+    ``source`` streams (``manifest``: its manifest), under ``source.cache_dir``: kept while the snapshot's
+    held-out set is the same, else built again by fetching each shard that holds a held-out sample, whole and
+    checked against the manifest's sha256 (``CorruptShardError`` otherwise), and keeping those samples."""
+    entries = [(number, entry) for number, entry in enumerate(manifest["shards"]) if entry.get("held_out")]
+    held = stable_hash([[entry["path"], entry.get("sha256"), entry["held_out"]] for _, entry in entries])
+    folder = Path(source.cache_dir) / f"held-out-rank-{rank}"
+    if (folder / "manifest.json").is_file() and read_manifest(folder).get("held_out_of") == held:
+        return folder
+    shutil.rmtree(folder, ignore_errors=True)  # a build killed midway: its manifest, written last, is missing
+    stream = ShardStream(source.url, folder / "download", None, source.local_copy)
+    shards = []
+    try:
+        for number, entry in entries:
+            stream.fetch_now(number)
+            places, tar_path = set(entry["held_out"]), folder / f"held-out-{number:06d}.tar"
+            with tarfile.open(tar_path, "w", format=tarfile.USTAR_FORMAT) as tar:
+                for place, sample in enumerate(read_shard(stream.local[number])):
+                    if place not in places:
+                        continue
+                    for ext in sorted(e for e in sample if not e.startswith("__")):
+                        info = tarfile.TarInfo(f"{sample['__key__']}.{ext}")
+                        info.size = len(sample[ext])
+                        tar.addfile(info, BytesIO(sample[ext]))
+            stream.local[number].unlink()  # one downloaded shard on disk at a time
+            shards.append({"path": tar_path.name, "sha256": sha256_file(tar_path), "samples": len(places),
+                           "index": write_index_file(tar_path), "held_out": list(range(len(places))),
+                           **({"bucket": entry["bucket"]} if entry.get("bucket") else {})})
+    finally:
+        stream.close()
+    shutil.rmtree(folder / "download")
+    durable.write_json(folder / "manifest.json", {**manifest, "shards": shards, "held_out_of": held})
+    return folder
+
+
 class Evaluator:
-    """The held-out evaluation of one run: its loader over the snapshot's held-out samples only."""
+    """The held-out evaluation of one run: its loader over the snapshot's held-out samples only (``stream``: the
+    snapshot is on a store, and the loader reads their ``held_out_cache``, built at the first evaluation)."""
 
     def __init__(self, cache_dir: str | Path, manifest: dict, batch_size: int, adapter: ModelAdapter,
-                 device: torch.device) -> None:
-        self.adapter, self.device = adapter, device
-        self.loader = LatentLoader(cache_dir, batch_size, manifest=manifest, held_out="only", prefetch=False)
-        self.samples = self.loader.num_samples
+                 device: torch.device, stream: StreamSource | None = None, rank: int = 0) -> None:
+        self.adapter, self.device, self.batch_size = adapter, device, batch_size
+        self.samples = sum(len(entry.get("held_out", [])) for entry in manifest["shards"])
+        self._source = (cache_dir, manifest, stream, rank)
+        self._loader: LatentLoader | None = None
+
+    @property
+    def loader(self) -> LatentLoader:
+        """The held-out samples' loader, opened at first use: a streaming run's start-up downloads no tar."""
+        if self._loader is None:
+            cache_dir, manifest, stream, rank = self._source
+            if stream is not None:
+                cache_dir = held_out_cache(stream, manifest, rank)
+                manifest = read_manifest(cache_dir)
+            self._loader = LatentLoader(cache_dir, self.batch_size, manifest=manifest, held_out="only",
+                                        prefetch=False)
+        return self._loader
 
     def run(self, models: list[tuple[Any, torch.nn.Module]], cfg: Any) -> dict[str, float]:
         """``{"loss_0.1": ..., "loss": mean}`` of ``models`` (each an ``Expert`` and the model it trains: a sigma
@@ -116,4 +180,5 @@ class Evaluator:
         return {**scores, "loss": sum(scores.values()) / len(scores)} if scores else {}
 
     def close(self) -> None:
-        self.loader.close()
+        if self._loader is not None:
+            self._loader.close()

@@ -422,6 +422,7 @@ class _Run:
                     stream: StreamSource | None) -> None:
         """The cache manifest, the family's adapter, and this rank's loader."""
         cfg, ctx = self.cfg, self.ctx
+        self.stream_source = stream
         self.manifest = read_manifest(cache_dir)
         if check_cache is not None:
             check_cache(self.manifest)
@@ -455,11 +456,8 @@ class _Run:
             if ctx.is_main:
                 log.warning("held-out evaluation is off with context parallelism (parallel.cp_size > 1)")
             return None
-        if self.loader.stream is not None:  # its reader opens local shards; the stream brings only training's
-            if ctx.is_main:
-                log.warning("held-out evaluation is off when training streams its snapshot from a store")
-            return None
-        return Evaluator(cache_dir, self.manifest, self.cfg.batch_size, self.adapter, self.device)
+        return Evaluator(cache_dir, self.manifest, self.cfg.batch_size, self.adapter, self.device,
+                         stream=self.stream_source, rank=ctx.rank)
 
     def _build_model(self) -> None:
         """The trained models (``self.parts``: the pipeline's transformer, or the experts ``trainer.expert``
@@ -760,10 +758,12 @@ class _Run:
 
     def info(self) -> dict[str, Any]:
         """What trackers and the model card say about the run's data: the provenance (snapshot name and id),
-        the family, and the snapshot's samples, buckets and prep summary (``snapshot.prep``)."""
+        the family, and the snapshot's samples (``held_out`` of them never trained on), buckets and prep summary
+        (``snapshot.prep``)."""
         snapshot = self.manifest.get("snapshot") or {}
         return {**self.provenance, "family": self.adapter.family,
                 "samples": snapshot.get("samples", self.loader.num_samples),
+                "held_out": (snapshot.get("eval") or {}).get("samples", 0),
                 "buckets": snapshot.get("buckets", {}), "prep": snapshot.get("prep", {})}
 
     def export(self, export_dir: str | Path, validations: list[str]) -> Path | None:
