@@ -39,6 +39,8 @@ def _generate(pipe) -> tuple:
                 generator=torch.Generator().manual_seed(0)).frames.shape
 
 
+@pytest.mark.heavy  # the mechanism (two experts, FSDP2, exact resume, both exported) runs in make test for
+# text-to-video (tests/test_trainer_wan22_parallel.py); the I2V conditioning in tests/test_wan22_i2v.py
 def test_fsdp2_both_experts_full_resume_exactly_and_export_both(tiny_wan22_i2v, tmp_path):
     from diffusers import DiffusionPipeline, WanImageToVideoPipeline
 
