@@ -456,9 +456,11 @@ def test_prep_encodes_clips_longer_than_a_tile_in_tiles(tiny_ltx2, ltx2_prep, tm
 
     from latentmill.cli import main
 
-    def latents(out):
+    def latents(out):  # the shards the cache's manifest names (a re-encoded unit's old tar stays until a gc)
+        cache = out / "prep" / "cache"
+        manifest = json.loads((cache / "manifest.json").read_text())
         return {s["__key__"]: load(s["vae.safetensors"])["latents"]
-                for path in sorted((out / "prep" / "cache").rglob("*.tar")) for s in read_shard(str(path))}
+                for shard in manifest["shards"] for s in read_shard(str(cache / shard["path"]))}
 
     out = tmp_path / "prep"
     shutil.copytree(ltx2_prep, out)
