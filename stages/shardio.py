@@ -12,7 +12,7 @@ Layout of one stage under ``<output_dir>/prep/<stage>/``::
 A work unit's id is the hash of its inputs' content and the stage fingerprint (contract 1), so a unit
 whose record exists is done: re-running reuses it, and a killed run resumes at the first missing unit.
 
-This module is the stages' bookkeeping over shards: writing a unit's shards (``_ShardSink``, a tar and its
+This module is the stages' bookkeeping over shards: writing a unit's shards (``ShardSink``, a tar and its
 index together), unit records, manifests, sample iteration and unit planning. The layers beneath it, each
 importing nothing from here: ``tarshard`` (the tar format: member headers, reading samples, the header
 scan), ``shardindex`` (the ``.idx`` file beside each tar), ``hashing`` (content hashes, canonical JSON) and
@@ -54,7 +54,7 @@ FORMAT_VERSION = 1
 # ---------------------------------------------------------------------------------------------------------
 
 
-class _ShardSink:
+class ShardSink:
     """Writes samples into ``path`` through a temporary file; ``commit`` renames it into place.
 
     The tar is what ``webdataset.TarWriter(user=group=_TAR_USER, mtime=0, encoder=False)`` writes over a
@@ -248,7 +248,7 @@ class UnitOutput:
     def __init__(self, stage_dir: "StageDir", unit: WorkUnit):
         self.stage_dir = stage_dir
         self.unit = unit
-        self._sinks: dict[tuple[str, int], _ShardSink] = {}
+        self._sinks: dict[tuple[str, int], ShardSink] = {}
         self._open: dict[str, int] = {}  # part -> the number of its shard now written
         self._buckets: dict[tuple[str, int], Any] = {}
         self._counts: dict[tuple[str, int], dict[str, int]] = {}
@@ -272,7 +272,7 @@ class UnitOutput:
         if sink is None:
             suffix = part if seq == 0 else f"{part}-{seq}"
             name = f"{self.stage_dir.stage}-{self.unit.unit_id[:16]}-{suffix}.tar"
-            sink = self._sinks[(part, seq)] = _ShardSink(self.stage_dir.shard_dir / name)
+            sink = self._sinks[(part, seq)] = ShardSink(self.stage_dir.shard_dir / name)
             self._buckets[(part, seq)] = bucket
             self._open[part] = seq
         elif self._buckets[(part, seq)] != bucket:

@@ -94,7 +94,7 @@ def test_a_chunk_is_decoded_then_scored_and_a_broken_sample_goes_on_unscored(tmp
     import io
     import json
 
-    from latentmill.stages.shardio import WorkUnit, _ShardSink
+    from latentmill.stages.shardio import ShardSink, WorkUnit
     from PIL import Image
 
     def png(value: int) -> bytes:
@@ -103,7 +103,7 @@ def test_a_chunk_is_decoded_then_scored_and_a_broken_sample_goes_on_unscored(tmp
         return buf.getvalue()
 
     tar = tmp_path / "up.tar"
-    sink = _ShardSink(tar)
+    sink = ShardSink(tar)
     for i in range(6):
         data = b"not an image" if i == 2 else png(40 * i)
         sink.write({"__key__": f"k{i}", "image": data,

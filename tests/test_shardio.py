@@ -149,14 +149,14 @@ def test_shard_sink_writes_tarwriters_bytes_and_the_index_of_a_read_back(tmp_pat
     builds the shard index from what it wrote: both must be byte for byte what TarWriter wrote and what
     ``index_tar`` reads back. ``pax``: names over 100 bytes and non-ASCII ones (pax headers)."""
     from latentmill.stages.shardindex import index_path, index_tar
-    from latentmill.stages.shardio import _ShardSink
+    from latentmill.stages.shardio import ShardSink
 
     samples = _awkward_samples()
     if names == "pax":
         samples += [{"__key__": "long/" + "n" * 120, "json": b'{"bucket": [1, 2, 3]}', "txt": b"long"},
                     {"__key__": "caf\u00e9-\u4e2d", "json": b"{}", "txt": b"utf8"}]
     path = tmp_path / "s.tar"
-    sink = _ShardSink(path)
+    sink = ShardSink(path)
     for sample in samples:
         sink.write(sample)
     digest = sink.commit()
@@ -169,9 +169,9 @@ def test_shard_sink_writes_tarwriters_bytes_and_the_index_of_a_read_back(tmp_pat
 
 
 def test_shard_sink_refuses_what_tarwriter_refuses(tmp_path):
-    from latentmill.stages.shardio import _ShardSink
+    from latentmill.stages.shardio import ShardSink
 
-    sink = _ShardSink(tmp_path / "s.tar")
+    sink = ShardSink(tmp_path / "s.tar")
     with pytest.raises(ValueError, match="__key__"):
         sink.write({"txt": b"x"})
     with pytest.raises(ValueError, match="txt doesn't map to a bytes"):

@@ -20,14 +20,12 @@ frames of its grid) against their prompts (``clip_score``, ``eval/clip_score``),
 from __future__ import annotations
 
 import shutil
-import tarfile
 from contextlib import nullcontext
-from io import BytesIO
 from pathlib import Path
 from typing import Any
 
 import torch
-from latentmill.stages.shardindex import write_index_file
+from latentmill.stages.shardio import ShardSink
 from latentmill.stages.tarshard import read_shard
 from latentmill.trainer.adapter import ModelAdapter
 from latentmill.trainer.loader import LatentLoader, read_manifest
@@ -35,7 +33,7 @@ from latentmill.trainer.objective import derive_seed, flow_matching_loss, interp
 from latentmill.trainer.stream import ShardStream, StreamSource
 
 from latentmill.core import durable
-from latentmill.core.hashing import sha256_file, stable_hash
+from latentmill.core.hashing import stable_hash
 
 EVAL_SIGMAS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)
 
@@ -117,17 +115,14 @@ def held_out_cache(source: StreamSource, manifest: dict, rank: int) -> Path:
         for number, entry in entries:
             stream.fetch_now(number)
             places, tar_path = set(entry["held_out"]), folder / f"held-out-{number:06d}.tar"
-            with tarfile.open(tar_path, "w", format=tarfile.USTAR_FORMAT) as tar:
-                for place, sample in enumerate(read_shard(stream.local[number])):
-                    if place not in places:
-                        continue
-                    for ext in sorted(e for e in sample if not e.startswith("__")):
-                        info = tarfile.TarInfo(f"{sample['__key__']}.{ext}")
-                        info.size = len(sample[ext])
-                        tar.addfile(info, BytesIO(sample[ext]))
+            sink = ShardSink(tar_path)  # the stages' writer: the same tar layout, and its index beside it
+            for place, sample in enumerate(read_shard(stream.local[number])):
+                if place in places:
+                    sink.write({k: v for k, v in sample.items() if k == "__key__" or not k.startswith("__")})
+            sha256 = sink.commit()
             stream.local[number].unlink()  # one downloaded shard on disk at a time
-            shards.append({"path": tar_path.name, "sha256": sha256_file(tar_path), "samples": len(places),
-                           "index": write_index_file(tar_path), "held_out": list(range(len(places))),
+            shards.append({"path": tar_path.name, "sha256": sha256, "samples": len(places),
+                           "index": sink.index, "held_out": list(range(len(places))),
                            **({"bucket": entry["bucket"]} if entry.get("bucket") else {})})
     finally:
         stream.close()
