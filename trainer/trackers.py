@@ -18,6 +18,7 @@ import logging
 import time
 import urllib.error
 import urllib.request
+from abc import ABC, abstractmethod
 from pathlib import Path
 from typing import Any, Callable
 
@@ -47,29 +48,31 @@ def scalars(record: dict[str, Any], prefix: str = "train") -> dict[str, float]:
             if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool)}
 
 
-class Tracker:
+class Tracker(ABC):
     """One backend. ``url``: where a person follows the run (a web page, or a local folder)."""
 
     name = "tracker"
     url: str | None = None
 
+    @abstractmethod
     def log_metrics(self, values: dict[str, float], step: int) -> None:
-        raise NotImplementedError
+        """The scalars of one step (``scalars`` of a ``metrics.jsonl`` record)."""
 
+    @abstractmethod
     def log_image(self, key: str, path: Path, step: int) -> None:
-        raise NotImplementedError
+        """A validation grid (PNG) under ``key``."""
 
+    @abstractmethod
     def log_video(self, key: str, path: Path, step: int) -> None:
         """A video family's validation videos (an animated GIF, ``latentmill.trainer.validation.save_video``)."""
-        raise NotImplementedError
 
+    @abstractmethod
     def log_info(self, recipe: dict[str, Any], info: dict[str, Any]) -> None:
         """The resolved recipe and the run's provenance (snapshot id, prep summary), once at the start."""
-        raise NotImplementedError
 
+    @abstractmethod
     def close(self, status: str = "finished") -> None:
         """End the run as ``finished``, ``failed`` or ``killed`` (stopped by a signal: it can resume)."""
-        raise NotImplementedError
 
 
 class TensorBoardTracker(Tracker):
