@@ -20,7 +20,8 @@ The result loads like the real thing::
 
 The image-to-video set (``data/tiny-hunyuanvideo1.5-i2v.yaml``) is built by the same code: its recipe adds a
 SigLIP ``image_encoder`` (``SiglipVisionModel``) and its ``feature_extractor`` (``SiglipImageProcessor``), and it is
-saved as a ``HunyuanVideo15ImageToVideoPipeline``.
+saved as a ``HunyuanVideo15ImageToVideoPipeline``. Its ``vae_residual_scale`` scales the VAE's residual branches
+(``scale_vae_residuals``), so that what appears after a clip's first frame reaches the latents.
 
 Command line: ``python -m latentmill.tiny_hunyuan_video15 OUT_DIR [--seed N] [--recipe PATH] [--if-missing]``.
 """
@@ -69,7 +70,8 @@ def load_recipe(recipe: str | os.PathLike[str] = DEFAULT_RECIPE_PATH) -> dict[st
 
     raw = yaml.safe_load(Path(recipe).read_text(encoding="utf-8"))
     image = isinstance(raw, dict) and "image_encoder" in (raw.get("components") or {})
-    data, comps, toks = read_sections(Path(recipe), _COMPONENTS + (_IMAGE_COMPONENTS if image else ()), _TOKENIZERS)
+    data, comps, toks = read_sections(Path(recipe), _COMPONENTS + (_IMAGE_COMPONENTS if image else ()), _TOKENIZERS,
+                                      optional=("vae_residual_scale",))
     tr, vae = comps["transformer"], comps["vae"]
 
     def require(ok: bool, message: str) -> None:
@@ -100,7 +102,33 @@ def load_recipe(recipe: str | os.PathLike[str] = DEFAULT_RECIPE_PATH) -> dict[st
             "components.vae.block_out_channels: 5 entries (4 spatial downsamplings: 16x)")
     if "model_max_length" not in toks["tokenizer"]:
         raise ConfigError("tokenizers.tokenizer.model_max_length: must be set")
+    scale = data.get("vae_residual_scale", 1.0)
+    require(isinstance(scale, (int, float)) and not isinstance(scale, bool) and 0 < scale <= 1,
+            f"vae_residual_scale: {scale!r} is not a number in (0, 1]; 1 keeps the VAE's random init")
     return data
+
+
+def scale_vae_residuals(vae: Any, scale: float) -> None:
+    """Multiply, in place, the layer of every residual branch of ``vae`` (an ``AutoencoderKLHunyuanVideo15``) whose
+    output is added to its shortcut by ``scale``: the resnets' ``conv2``, the attention's ``proj_out``, the down- and
+    upsamplers' convolutions (beside their space-to-channel shortcuts), the encoder's ``conv_out`` and the decoder's
+    ``conv_in``.
+
+    At full scale the random branches bury what the shortcuts carry of the frames after a clip's first (each
+    temporal downsampling averages it with random channels), so a mark that appears after frame 0 barely moves the
+    latents, unlike a trained VAE's; scaled down (Fixup-style), the shortcuts carry it (docs/training.md,
+    "HunyuanVideo 1.5 (image-to-video)").
+    """
+    import torch
+    from diffusers.models.autoencoders import autoencoder_kl_hunyuanvideo15 as hv
+
+    last = {hv.HunyuanVideo15ResnetBlock: "conv2", hv.HunyuanVideo15AttnBlock: "proj_out",
+            hv.HunyuanVideo15Downsample: "conv", hv.HunyuanVideo15Upsample: "conv"}
+    layers = [getattr(m, last[type(m)]) for m in vae.modules() if type(m) in last]
+    with torch.no_grad():
+        for layer in [*layers, vae.encoder.conv_out, vae.decoder.conv_in]:
+            for param in layer.parameters():
+                param.mul_(scale)
 
 
 def measure_scaling_factor(vae: Any, samples: int = 8, seed: int = 0, size: int = 32, frames: int = 5) -> float:
@@ -154,9 +182,11 @@ def _build_pipeline(data: dict[str, Any], seed: int) -> Any:
 
     tr_kwargs = dict(comps["transformer"], rope_axes_dim=tuple(comps["transformer"]["rope_axes_dim"]))
     vae_kwargs = dict(comps["vae"], block_out_channels=tuple(comps["vae"]["block_out_channels"]))
+    vae = seeded(lambda: AutoencoderKLHunyuanVideo15(**vae_kwargs))
+    scale_vae_residuals(vae, data.get("vae_residual_scale", 1.0))
     common = dict(
         transformer=seeded(lambda: HunyuanVideo15Transformer3DModel(**tr_kwargs)),
-        vae=seeded(lambda: AutoencoderKLHunyuanVideo15(**vae_kwargs)),
+        vae=vae,
         text_encoder=seeded(lambda: Qwen2_5_VLTextModel(Qwen2_5_VLTextConfig(**te, **specials))),
         tokenizer=tokenizer,
         text_encoder_2=seeded(lambda: T5EncoderModel(T5Config(**comps["text_encoder_2"]))),

@@ -15,7 +15,7 @@ from latentmill.trainer.loader import CacheFamilyError, check_streams
 
 from latentmill.core.config import ConfigError
 from latentmill.models import ModelConfig, tokenizer_source
-from latentmill.tiny_hunyuan_video15 import I2V_RECIPE_PATH, load_recipe
+from latentmill.tiny_hunyuan_video15 import I2V_RECIPE_PATH, load_recipe, measure_scaling_factor
 from tests.helpers import assert_recipe_refused
 from tests.trainer_helpers import torch_threads
 
@@ -64,6 +64,8 @@ def test_recipe_rules_name_the_key(tmp_path):
                           lambda data: data["components"]["transformer"].update(image_embed_dim=64),
                           r"components.transformer.image_embed_dim: 64 != components.image_encoder.hidden_size "
                           r"\(16\)")
+    assert_recipe_refused(tmp_path, load_recipe, I2V_RECIPE_PATH, lambda data: data.update(vae_residual_scale=0),
+                          r"^vae_residual_scale: 0 is not a number in \(0, 1\]; 1 keeps the VAE's random init$")
 
 
 def test_validation_from_prompts_alone_is_refused_before_any_work():
@@ -112,6 +114,51 @@ def test_cache_equals_the_pipelines_encode_path(tiny_hunyuan_video15_i2v, pipe):
     mean, _ = encoders.encode_pixels(pixels)
     assert float((mean[:, :, :1] - image_latents).abs().max()) > 0  # the first frame alone, not the clip's frame 0
     assert not torch.equal(embeds[0], embeds[1])
+
+
+def corner_latents(vae, appearing: bool, scale: float) -> dict[str, torch.Tensor]:
+    """Per corner, the latent mean [C, 2, 4, 4] times ``scale`` of a 5-frame 64 px clip with a 16 px dark mark in
+    that corner, in frames 1-4 after a plain frame 0 (``appearing``) or in all five."""
+    import numpy as np
+
+    from tests.learning import CORNERS, LIGHT, marked_pixels
+
+    latents = {}
+    for corner in CORNERS:
+        marked = marked_pixels(corner, 4, 64, 16)
+        frames = np.stack([np.full_like(marked, LIGHT + 4) if appearing else marked] + [marked] * 4)
+        pixels = torch.from_numpy(frames).float().permute(3, 0, 1, 2)[None] / 127.5 - 1
+        with torch.no_grad():
+            latents[corner] = vae.encode(pixels).latent_dist.mean[0] * scale
+    return latents
+
+
+def frame_1_spread(latents: dict[str, torch.Tensor]) -> list[float]:
+    """The mean square difference of latent frame 1 between every two corners."""
+    corners = list(latents)
+    return [float(((latents[a][:, 1] - latents[b][:, 1]) ** 2).mean())
+            for i, a in enumerate(corners) for b in corners[i + 1:]]
+
+
+@pytest.mark.slow
+def test_the_vae_keeps_a_mark_that_appears_after_the_first_frame(pipe):
+    """The tiny set's VAE (residual branches scaled by the recipe's vae_residual_scale) puts a mark that appears in
+    frames 1-4 into latent frame 1 as strongly as one there from frame 0: what the learning test
+    (tests/test_learns_hunyuan_video15_i2v.py) asks the caption to decide. The same VAE at its random init's full
+    scale keeps a hundredth of it; its scaling factor is the recipe's, measured."""
+    from diffusers import AutoencoderKLHunyuanVideo15
+
+    scale = pipe.vae.config.scaling_factor
+    assert scale == pytest.approx(measure_scaling_factor(pipe.vae), rel=2e-3)
+    appearing = frame_1_spread(corner_latents(pipe.vae, True, scale))
+    present = frame_1_spread(corner_latents(pipe.vae, False, scale))
+    # measured: appearing 0.21-0.23, present from frame 0 0.18-0.35 (latents about unit variance)
+    assert min(appearing) > 0.15 and min(appearing) > 0.5 * max(present), (appearing, present)
+    torch.manual_seed(0)
+    unscaled = AutoencoderKLHunyuanVideo15.from_config(pipe.vae.config)  # the recipe's VAE before the scaling
+    assert torch.equal(unscaled.encoder.conv_in.conv.weight, pipe.vae.encoder.conv_in.conv.weight)  # not scaled
+    # measured: 0.0026-0.0041
+    assert max(frame_1_spread(corner_latents(unscaled, True, measure_scaling_factor(unscaled)))) < 0.01
 
 
 def _capture(transformer):
