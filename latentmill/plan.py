@@ -218,8 +218,8 @@ def layout(recipe: Recipe, nproc: int | None, nnodes: int | None) -> Layout:
     """The run's process layout: ``--nproc``/``--nnodes``, else the recipe's.
 
     A recipe states its layout through ``parallel``: ``strategy: none`` is one process; ``ddp``/``fsdp2``
-    run on nodes of 8 GPUs, and an HSDP recipe's ``hsdp_replicate`` is its number of nodes (shard within a
-    node, replicate across nodes).
+    run on nodes of 8 GPUs, ``parallel.nnodes`` of them; without that key, an HSDP recipe's ``hsdp_replicate``
+    is its number of nodes (shard within a node, replicate across nodes), any other one node.
     """
     parallel = recipe.parallel
     if parallel.strategy == "none":
@@ -227,11 +227,16 @@ def layout(recipe: Recipe, nproc: int | None, nnodes: int | None) -> Layout:
         nproc, nnodes = nproc or 1, nnodes or 1
     else:
         hsdp = parallel.strategy == "fsdp2" and parallel.hsdp_replicate > 1
-        note = (f"--nproc {nproc}" if nproc else f"{GPUS_PER_NODE} GPUs per node (default)") + ", " + (
-            f"--nnodes {nnodes}" if nnodes else
-            (f"{parallel.hsdp_replicate} nodes (= parallel.hsdp_replicate)" if hsdp else "1 node (default)"))
+        if nnodes:
+            nodes = f"--nnodes {nnodes}"
+        elif parallel.nnodes:
+            nnodes, nodes = parallel.nnodes, f"{parallel.nnodes} nodes (parallel.nnodes)"
+        elif hsdp:
+            nnodes, nodes = parallel.hsdp_replicate, f"{parallel.hsdp_replicate} nodes (= parallel.hsdp_replicate)"
+        else:
+            nnodes, nodes = 1, "1 node (default)"
+        note = (f"--nproc {nproc}" if nproc else f"{GPUS_PER_NODE} GPUs per node (default)") + ", " + nodes
         nproc = nproc or GPUS_PER_NODE
-        nnodes = nnodes or (parallel.hsdp_replicate if hsdp else 1)
     if nproc < 1 or nnodes < 1:
         raise ConfigError(f"--nproc and --nnodes: must be >= 1, got {nproc} and {nnodes}")
     world = nproc * nnodes
