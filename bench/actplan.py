@@ -13,9 +13,12 @@ point: the tracker's cost grows with the modules), with and without activation c
 * estimate: ``latentmill.activations.activation_bytes`` for the same shape.
 
 Then Qwen-Image (a family the constants were not set on) and FLUX.2 [dev] (whose SwiGLU width its adapter declares
-from this point) at 1024². HunyuanVideo 1.5 and Z-Image trim their text by its mask (a data-dependent shape
-that ``FakeTensorMode`` cannot run) and are not measured. The figure is ``|estimate / measured - 1|``, goal ≤ 0.15
-for every point. Run alone: ``python -m bench.actplan``
+from this point) at 1024²; Z-Image-Turbo at 1024² without its refiners (which see only the image or the caption
+tokens; its adapter declares its SwiGLU width and its float32 norms and RoPE from this point; the text mask's values
+are known to the fake tensors, so its real-token count is too) and LTX-2 at 1024 x 768 x 25 frames (its float32 RoPE
+and its audio tokens, declared from this point). HunyuanVideo 1.5 is not measured: its Diffusers class branches on
+its inputs' values (``torch.all(image_embeds == 0)``) and selects each caption's tokens by a boolean mask, shapes
+that ``FakeTensorMode`` cannot run. The figure is ``|estimate / measured - 1|``, goal ≤ 0.15 for every point. Run alone: ``python -m bench.actplan``
 (``--quick``: the smaller size of each family only).
 """
 
@@ -38,6 +41,10 @@ POINTS = [  # family, shipped config folder, depth, bucket [W, H, F]
     ("qwen-image", "Qwen-Image", {"num_layers": 2}, [1024, 1024, 1]),
     # FLUX.2 [dev] (6144 hidden, SwiGLU): its adapter declares the feed-forward width this point measured
     ("flux2", "FLUX.2-dev", {"num_layers": 1, "num_single_layers": 2}, [1024, 1024, 1]),
+    # Z-Image-Turbo (3840 hidden, SwiGLU, sandwich RMSNorms in float32), its main layers only
+    ("z-image", "Z-Image-Turbo", {"n_layers": 2, "n_refiner_layers": 0}, [1024, 1024, 1]),
+    # LTX-2 (4096 video and 2048 audio hidden, float32 RoPE): 3,072 video and 26 audio tokens
+    ("ltx2", "LTX-2", {"num_layers": 2}, [1024, 768, 25]),
 ]
 TEXT_TOKENS = 512
 

@@ -527,7 +527,8 @@ def plan(recipe: Recipe, *, nproc: int | None = None, nnodes: int | None = None,
                         "tokens_per_rank": math.ceil(shape.tokens / parallel.cp_size), "batch_size": shape.batch,
                         "blocks": shape.blocks, "hidden": shape.hidden, "ffn": shape.ffn, "heads": heads,
                         "checkpointing": cfg.activation_checkpointing,
-                        "float32_extra": list(shape.float32_extra), "cp_options": cp_options},
+                        "float32_extra": list(shape.float32_extra), "side_streams": [list(t) for t in shape.side_streams],
+                        "cp_options": cp_options},
         "per_rank": per_rank,
         "gpu_memory_bytes": gpu_bytes,
         "fits": per_rank["total_bytes"] <= gpu_bytes,
@@ -554,7 +555,8 @@ def suggest(result: dict[str, Any]) -> dict[str, Any]:
     ``line``, one sentence saying it, or what would fit when nothing does."""
     a, r = result["activations"], result["per_rank"]
     shape = ActivationShape(tuple(a["bucket"]), a["latent_tokens"], a["text_tokens"], a["text_in_blocks"],
-                            tuple(a["float32_extra"]), a["hidden"], a["ffn"], a["blocks"], a["batch_size"])
+                            tuple(a["float32_extra"]), a["hidden"], a["ffn"], a["blocks"], a["batch_size"],
+                            tuple(map(tuple, a["side_streams"])))
     gpu = result["gpu_memory_bytes"]
     tried = []
     for cp in a["cp_options"]:

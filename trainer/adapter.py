@@ -322,6 +322,12 @@ class ModelAdapter(ABC):
         hidden = int(config["num_attention_heads"]) * int(config["attention_head_dim"])
         return hidden, int(config.get("ffn_dim") or round(float(config.get("mlp_ratio") or 4.0) * hidden))
 
+    def side_streams(self, config: dict[str, Any], shapes: dict[str, tuple[int, ...]]) -> list[tuple[int, int, int]]:
+        """(tokens per sample, hidden width, feed-forward width) of each token stream the blocks carry beside the
+        latents', from the transformer's config and a sample's stream ``shapes`` (latentmill.activations); none by
+        default."""
+        return []
+
     @staticmethod
     def diffusers_class(name: str) -> type:
         """A class of the ``diffusers`` package by name (imported on use)."""
