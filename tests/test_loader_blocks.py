@@ -135,3 +135,24 @@ def test_the_key_is_validated_in_one_line():
         LoaderConfig(shuffle_block=0).validate()
     with pytest.raises(ConfigError, match=r"^loader.shuffle_block: 'many' does not fit"):
         recipe_from_dict({"output_dir": "x", "model": {"pretrained": "p"}, "loader": {"shuffle_block": "many"}})
+
+
+@pytest.mark.slow  # builds a tiny transformer
+def test_training_reads_the_block_order(tmp_path):
+    """``train(loader=LoaderConfig(shuffle_block=...))`` trains on the block order: the steps' recorded samples
+    are the loader's plan."""
+    from latentmill.trainer import TrainerConfig, train
+
+    from tests.trainer_helpers import build_tiny_transformer, torch_threads
+
+    build_tiny_transformer(tmp_path / "pretrained")
+    write_fake_cache(tmp_path / "cache", ALIGNED, shards_per_bucket=4)
+    cfg = TrainerConfig(max_steps=2, batch_size=2, save_every=0, export=False, tensorboard=False,
+                        record_samples=True, mode="full")
+    with torch_threads(1):
+        train(cfg, cache_dir=tmp_path / "cache", pretrained=str(tmp_path / "pretrained"), train_dir=tmp_path / "train",
+              seed=3, progress=False, loader=LoaderConfig(shuffle_block=2))
+    records = [json.loads(line) for line in (tmp_path / "train" / "samples-rank0.jsonl").read_text().splitlines()]
+    read = [k for r in records for b in r["batches"] for k in b["keys"]]
+    plan = LatentLoader(tmp_path / "cache", batch_size=2, seed=3, shuffle_block=2).global_batches(0)
+    assert read == _keys(LatentLoader(tmp_path / "cache", batch_size=2, seed=3), plan)[:4]
