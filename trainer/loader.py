@@ -673,9 +673,9 @@ class LatentLoader:
         """One bucket's samples in shuffle blocks: (its indices in block order, each block's end in that order).
 
         The bucket's samples of one shard stay together while its shards are shuffled; every ``shuffle_block``
-        of them make a block, whose end moves up to the next multiple of the global batch (a batch never reads
-        two blocks: a block reads its shards and the head of the next one's first); samples are shuffled
-        within each block."""
+        of them make a block, whose end moves up to the next multiple of the global batch (so that no batch reads
+        two blocks: a block reads its shards and, up to that boundary, the head of the shard after them);
+        samples are shuffled within each block."""
         import numpy as np
 
         samples = self.buckets[bucket].samples
