@@ -356,7 +356,8 @@ def _retention_command(args: argparse.Namespace) -> int:
     if report is not None and "store" in report:
         store = report["store"]
         print(f"deleted {store['deleted']} objects from {args.output}" if "deleted" in store else
-              f"uploaded {store['uploaded']} objects ({store['bytes_uploaded'] / 1e6:.3f} MB) to {args.output}")
+              f"downloaded {store['downloaded']} objects ({store['bytes_downloaded'] / 1e6:.3f} MB), uploaded "
+              f"{store['uploaded']} objects ({store['bytes_uploaded'] / 1e6:.3f} MB) to {args.output}")
     if report is not None and args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(report, indent=2, default=str))
