@@ -489,7 +489,9 @@ def plan(recipe: Recipe, *, nproc: int | None = None, nnodes: int | None = None,
     notes.append(f"activations: bucket {'x'.join(map(str, shape.bucket))}, {shape.latent_tokens:,} latent + "
                  f"{shape.text_tokens:,} text tokens ({'joined to' if shape.text_in_blocks else 'cross-attention of'} "
                  f"the blocks' sequence), batch {shape.batch}, {shape.blocks} blocks of {shape.hidden} x "
-                 f"{shape.ffn}, in bf16 (latentmill.activations)")
+                 f"{shape.ffn}, in bf16"
+                 + (f", and a dense attention mask of {shape.mask_bytes} bytes per token pair in each block"
+                    if shape.mask_bytes else "") + " (latentmill.activations)")
     gpu_bytes = int(gpu_memory_gib * GIB)
     per_rank = {
         "params_bytes": params_bytes,
@@ -528,6 +530,7 @@ def plan(recipe: Recipe, *, nproc: int | None = None, nnodes: int | None = None,
                         "blocks": shape.blocks, "hidden": shape.hidden, "ffn": shape.ffn, "heads": heads,
                         "checkpointing": cfg.activation_checkpointing,
                         "float32_extra": list(shape.float32_extra), "side_streams": [list(t) for t in shape.side_streams],
+                        "mask_bytes": shape.mask_bytes,
                         "cp_options": cp_options},
         "per_rank": per_rank,
         "gpu_memory_bytes": gpu_bytes,
@@ -556,7 +559,7 @@ def suggest(result: dict[str, Any]) -> dict[str, Any]:
     a, r = result["activations"], result["per_rank"]
     shape = ActivationShape(tuple(a["bucket"]), a["latent_tokens"], a["text_tokens"], a["text_in_blocks"],
                             tuple(a["float32_extra"]), a["hidden"], a["ffn"], a["blocks"], a["batch_size"],
-                            tuple(map(tuple, a["side_streams"])))
+                            tuple(map(tuple, a["side_streams"])), a["mask_bytes"])
     gpu = result["gpu_memory_bytes"]
     tried = []
     for cp in a["cp_options"]:
