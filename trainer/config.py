@@ -244,19 +244,28 @@ class ParallelConfig:
 
 @dataclass
 class LoaderConfig:
-    """How the trainer reads a snapshot on an object store (``output_dir: s3://...``): its shards are streamed
-    into a local cache folder of bounded size (``latentmill.trainer.stream``). A local snapshot is read in place."""
+    """How the trainer orders an epoch (``shuffle_block``) and reads a snapshot on an object store
+    (``output_dir: s3://...``): its shards are streamed into a local cache folder of bounded size
+    (``latentmill.trainer.stream``). A local snapshot is read in place."""
 
     # the local cache folder of streamed shards (each rank its own subfolder); null: <work folder>/stream-cache
     cache_dir: Optional[str] = None
     # the most bytes of shards kept there per rank: an int or a string like "20GB", "512MiB"; null: no limit
     # (a limit below a rank's share of the snapshot evicts shards and may fetch some again)
     cache_limit: Optional[Union[int, str]] = None
+    # shards per shuffle block (mosaicml-streaming's shuffle_block_size, counted in shards: the cache limit
+    # counts their bytes): each bucket's shards shuffled, cut into blocks of this many, samples shuffled within
+    # a block and the blocks read one after another, so a rank needs about shuffle_block + 1 shards in its
+    # cache; null: each bucket shuffled whole (any batch may read any shard)
+    shuffle_block: Optional[int] = None
 
     def validate(self) -> None:
         from latentmill.trainer.stream import parse_bytes
 
         parse_bytes(self.cache_limit, "loader.cache_limit")
+        if self.shuffle_block is not None and self.shuffle_block < 1:
+            raise ConfigError(f"loader.shuffle_block: a number of shards >= 1, or null (each bucket shuffled "
+                              f"whole), got {self.shuffle_block!r}")
 
     @property
     def limit_bytes(self) -> int | None:
