@@ -17,7 +17,14 @@ from pathlib import Path
 
 import pytest
 from latentmill.pipelines.flows import Launch, run_train
-from latentmill.pipelines.retention import LOCK_FILE, TRAIN_LOCK, OutputBusyError, published, writer_lock
+from latentmill.pipelines.retention import (
+    LOCK_FILE,
+    TRAIN_LOCK,
+    OutputBusyError,
+    published,
+    training_lock,
+    writer_lock,
+)
 from latentmill.pipelines.snapshot import latest_name
 
 from latentmill.inspect import verify_path
@@ -181,6 +188,38 @@ def test_the_nodes_of_one_multi_node_training_share_its_lock_and_other_trainings
             with pytest.raises(OutputBusyError, match=f"a training is writing it \\(PID {proc.pid} on "):
                 run_train(recipe, other)
         assert (out / TRAIN_LOCK).read_text().strip() == line  # a node that joined leaves the holder's line
+    finally:
+        proc.kill()
+        proc.wait(timeout=30)
+
+
+_LOCK_THEN_NAME = """
+import fcntl, os, socket, sys, time
+with open(sys.argv[1], "a+") as fh:
+    fcntl.flock(fh, fcntl.LOCK_EX)
+    print("locked", flush=True)
+    time.sleep(0.6)  # the moment between a holder's flock and its line (writer_lock), drawn out
+    fh.write(f"PID {os.getpid()} on {socket.gethostname()}: {sys.argv[2]} since 2026-12-03T00:00:00Z\\n")
+    fh.flush()
+    time.sleep(3600)
+"""
+
+
+def test_a_node_finding_the_lock_taken_but_not_yet_named_reads_the_name_and_joins(tmp_path, capsys):
+    """Nodes start together: the second may find the first's flock before its line; it reads again, and joins
+    (it would otherwise be refused by a holder it could not name)."""
+    out = tmp_path / "out"
+    out.mkdir()
+    log = tmp_path / "first.log"
+    holder = "training of rendezvous node1:29500/latentmill"
+    proc = subprocess.Popen([sys.executable, "-c", _LOCK_THEN_NAME, str(out / TRAIN_LOCK), holder],
+                            stdout=open(log, "w"), stderr=subprocess.STDOUT)
+    try:
+        _wait_for(log, "locked", proc)
+        with training_lock(out, "node1:29500/latentmill"):
+            pass
+        assert f"{holder}: joining the training lock of {out} that this run's first node holds (PID {proc.pid} " in \
+            capsys.readouterr().out
     finally:
         proc.kill()
         proc.wait(timeout=30)
