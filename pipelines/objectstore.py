@@ -37,7 +37,9 @@ from typing import Any, Collection, Iterator, Literal
 from latentmill.pipelines.retention import (
     LOCK_FILE,
     PINS,
+    TRAIN_LOCK,
     OutputBusyError,
+    busy_message,
     holder_kind,
     holder_line,
     pin_record,
@@ -56,7 +58,6 @@ LEASE_S = 60.0  # a writer lease: renewed every third of it; a holder silent for
 PULLING = ".pull.tmp"  # suffix of a file being downloaded: renamed into place once whole
 PUBLISH_EVERY_S = 10.0  # how often a running prep publishes the units it committed
 CACHE = "prep/cache/"  # the cache stage's folder, the one compaction merges
-TRAIN_LOCK = ".train.lock"  # the lease of the one training that writes an output's runs on a store
 PAUSE_ENV = "LATENTMILL_PUBLISH_PAUSE_AFTER"  # tests: pause after this many publishing rounds, for a kill
 
 
@@ -368,12 +369,6 @@ class StoreLease:
                 pass
 
 
-def busy_message(url: str, line: str, key: str = LOCK_FILE) -> str:
-    then = "set prep.on_busy=wait to queue behind it" if key == LOCK_FILE else "train into another output_dir"
-    return (f"{url} is busy: a {holder_kind(line)} is writing it ({line}; lease {join(url, key)}). Wait for it "
-            f"to finish, or {then}")
-
-
 @contextmanager
 def store_lease(url: str, holder: str = "prep", on_busy: Literal["wait", "fail"] = "wait",
                 lease_s: float = LEASE_S, poll_s: float = 1.0, key: str = LOCK_FILE) -> Iterator[StoreLease]:
@@ -384,7 +379,7 @@ def store_lease(url: str, holder: str = "prep", on_busy: Literal["wait", "fail"]
     said = False
     while (line := lease.try_acquire()) is not None:
         if on_busy == "fail":
-            raise OutputBusyError(busy_message(url, line, key))
+            raise OutputBusyError(busy_message(url, line, f"lease {join(url, key)}", key))
         if not said:
             print(f"{holder}: waiting for a {holder_kind(line)} writing to {url} (held by {line})", flush=True)
             said = True
@@ -400,7 +395,7 @@ def check_not_busy(url: str) -> None:
     """Raise :class:`OutputBusyError` naming the holder if a writer holds the lease of ``url`` now."""
     found = StoreLease(url, "probe").read()
     if found is not None and float(found[0].get("expires") or 0) > time.time():
-        raise OutputBusyError(busy_message(url, str(found[0].get("holder") or "?")))
+        raise OutputBusyError(busy_message(url, str(found[0].get("holder") or "?"), f"lease {join(url, LOCK_FILE)}"))
 
 
 @contextmanager
