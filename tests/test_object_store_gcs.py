@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import time
+from pathlib import Path
 
 import fsspec
 import pytest
@@ -86,3 +87,65 @@ def test_an_azure_output_is_refused_in_one_line_saying_why(capsys):
     out = capsys.readouterr().out.strip()
     assert len(out.splitlines()) == 1 and out.startswith("train: a second training of az://container/out would not "
                                                          "be refused: its lease needs conditional writes")
+
+
+def test_a_second_push_to_gcs_uploads_only_what_changed(gcs_bucket, tmp_path):
+    """GCS's ETag is no MD5: objects are compared by their md5Hash, so an unchanged file is not sent again."""
+    url = f"gs://{gcs_bucket}/out"
+    files = {"prep/cache/shards/cache-01-0.tar": b"t" * 3000, "prep/cache/units/01.json": b'{"u": 1}',
+             "prep/cache/manifest.json": b'{"m": 1}', "snapshots/LATEST": b"0001-x\n"}
+    for rel, data in files.items():
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_bytes(data)
+    assert objectstore.push(tmp_path, url) == {"uploaded": 4, "bytes": 3000 + 8 + 8 + 7}
+    assert objectstore.push(tmp_path, url)["uploaded"] == 0
+    (tmp_path / "prep/cache/manifest.json").write_bytes(b'{"m": 2}')  # same size, new bytes
+    assert objectstore.push(tmp_path, url) == {"uploaded": 1, "bytes": 8}
+    assert fsspec.filesystem("gs").cat_file(f"{gcs_bucket}/out/prep/cache/manifest.json") == b'{"m": 2}'
+
+
+@pytest.mark.heavy
+def test_the_demo_prep_on_gcs_publishes_is_reused_from_a_fresh_machine_then_pin_and_gc_keep_1(
+        gcs_bucket, tiny_flux, tmp_path, monkeypatch, capsys):
+    """The S3 prep test's path on GCS (tests/test_object_store_prep.py): the prep takes the lease there, a fresh
+    machine reuses every unit and uploads nothing (objects compared by md5Hash), pin and gc work there."""
+    from latentmill.cli import main
+    from tests.helpers import upload_demo_inputs
+
+    fs = fsspec.filesystem("gs")
+    url = f"gs://{gcs_bucket}/out"
+    source = upload_demo_inputs(fs, gcs_bucket)
+    config = str(Path(__file__).resolve().parents[1] / "configs" / "demo.yaml")
+
+    def prep(summary: Path) -> dict:
+        assert main(["prep", config, f"output_dir={url}", f"model.pretrained={tiny_flux}", f"ingest.source={source}",
+                     "--summary-json", str(summary)]) == 0
+        return json.loads(summary.read_text())
+
+    first = prep(tmp_path / "first.json")
+    name = first["snapshot"]["name"]
+    assert first["stages"]["cache"]["out"] == 24 and first["store"]["uploaded"] > 0
+    assert fs.cat_file(f"{gcs_bucket}/out/snapshots/LATEST").decode().strip() == name
+    assert json.loads(fs.cat_file(f"{gcs_bucket}/out/.writer.lock")) == {"holder": "", "expires": 0}  # released
+    monkeypatch.setenv("LATENTMILL_WORK_DIR", str(tmp_path / "work-fresh"))
+    again = prep(tmp_path / "again.json")
+    assert all(s["processed"] == 0 for s in again["stages"].values())
+    assert again["snapshot"]["name"] == name and again["store"]["uploaded"] == 0
+    capsys.readouterr()
+    assert main(["pin", url, "latest"]) == 0
+    assert main(["gc", url, "--keep", "1"]) == 0
+    assert main(["verify", url]) == 0
+    assert capsys.readouterr().out.strip().endswith("ok, 0 bad")
+    assert list(objectstore.store_pins(url)) == [name]
+
+
+def test_a_missing_gcs_bucket_fails_in_one_line_naming_the_gcs_command(gcs_bucket, tmp_path, monkeypatch, capsys):
+    from latentmill.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    config = str(Path(__file__).resolve().parents[1] / "configs" / "demo.yaml")
+    assert main(["prep", config, f"output_dir=gs://{gcs_bucket}-absent/out", "model.pretrained=/nonexistent"]) == 2
+    assert capsys.readouterr().err.strip() == (
+        f"latentmill: error: output_dir: gs://{gcs_bucket}-absent/out: the bucket '{gcs_bucket}-absent' does not "
+        f"exist on the store; create it first (e.g. `gcloud storage buckets create gs://{gcs_bucket}-absent`)")
+    assert not (tmp_path / "work").exists()
