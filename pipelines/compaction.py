@@ -10,7 +10,7 @@ before it publishes.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, Mapping
 
 from latentmill.pipelines.retention import writer_lock
 from latentmill.pipelines.snapshot import publish
@@ -27,16 +27,18 @@ def cache_stage(output_dir: str | Path) -> StageDir:
 
 
 def compact(output_dir: str | Path, small_below: float = 0.5, dry_run: bool = False,
-            on_busy: Literal["wait", "fail"] = "wait") -> dict[str, Any]:
+            on_busy: Literal["wait", "fail"] = "wait", tar_sizes: Mapping[str, int] | None = None) -> dict[str, Any]:
     """Compact the cache of ``output_dir`` now (every small unit that fits a group of two or more) and publish
-    the result; ``dry_run`` reports what would be merged, reads only and takes no lock."""
+    the result; ``dry_run`` reports what would be merged, reads only and takes no lock. ``tar_sizes``: the
+    cache's tars' bytes by path in its folder, for a folder that holds only the tars it merges (a work
+    folder of an output on a store)."""
     stage = cache_stage(output_dir)
     if dry_run:
-        return compact_stage(stage, small_below, dry_run=True)
+        return compact_stage(stage, small_below, dry_run=True, tar_sizes=tar_sizes)
     with writer_lock(output_dir, "compact", on_busy=on_busy):
-        report = compact_stage(stage, small_below)
+        report = compact_stage(stage, small_below, tar_sizes=tar_sizes)
         # publish also when nothing was merged now: a compaction killed after its manifest still publishes
-        report["snapshot"] = publish(output_dir, stage.root)
+        report["snapshot"] = publish(output_dir, stage.root, tar_sizes=tar_sizes)
     return report
 
 

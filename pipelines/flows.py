@@ -12,14 +12,22 @@ import signal
 import subprocess
 import sys
 import time
-from contextlib import nullcontext
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
 from latentmill.pipelines.launch import train_recipe
-from latentmill.pipelines.objectstore import RunPublisher, gc_store, pinned_on_store, pull, pull_runs
+from latentmill.pipelines.objectstore import (
+    RunPublisher,
+    gc_store,
+    pinned_on_store,
+    pull,
+    pull_runs,
+    training_lease,
+)
 from latentmill.pipelines.prep import prep, release_prep_models, run_prep
 from latentmill.pipelines.report import TrainProgress
+from latentmill.pipelines.retention import training_lock
 from latentmill.pipelines.runs import RunPlan, finish_run, local_recipe, plan_run
 from latentmill.pipelines.snapshot import resolve_snapshot
 from prefect import flow, task
@@ -63,6 +71,11 @@ class Launch:
     nnodes: int = 1
     rdzv_endpoint: str | None = None  # host:port of the rendezvous (the first node), needed when nnodes > 1
     rdzv_id: str = "latentmill"
+
+    @property
+    def rendezvous(self) -> str | None:
+        """What names one training on several nodes (each runs the same command): its rendezvous."""
+        return f"{self.rdzv_endpoint}/{self.rdzv_id}" if self.nnodes > 1 else None
 
     def torchrun_args(self) -> list[str]:
         if self.nnodes == 1:
@@ -214,25 +227,32 @@ def run_train(recipe: Recipe, launch: Launch = Launch()) -> dict[str, Any]:
     ``latentmill.pipelines.runs.plan_run`` chooses; a finished run of the same recipe and snapshot is not redone."""
     check_launch(recipe, launch)
     local = local_recipe(recipe)  # on a store: the work folder, where the run trains before it is published
-    if local is not recipe:
-        check_store(recipe.output_dir)
-        if launch.nnodes > 1:
-            raise ConfigError(f"output_dir: {recipe.output_dir}: training on an object store runs on one node "
-                              "for now (--nnodes 1); use a local output_dir for several nodes")
-        pull(recipe.output_dir, Path(local.output_dir), tars=False)  # manifests and indexes; shards stream
-        pull_runs(recipe.output_dir, Path(local.output_dir))  # the checkpoints a resume reads
-    snapshot = resolve_snapshot(local.output_dir, recipe.snapshot)  # clear error if prep has not run
-    plan = plan_run(local, snapshot.name, launch.nproc * launch.nnodes)
-    if plan.done is not None:
-        print(f"train: already trained on snapshot {snapshot.name} with this recipe, in {plan.folder} "
-              "(nothing to redo; change the recipe or the data to train again)")
-        return plan.done
-    check_resume_batch(recipe, plan.folder, launch.nproc * launch.nnodes)
-    # on a store, the run's checkpoints, metrics and export are published while it trains, and at its end; the
-    # snapshot it streams is pinned by this process, which lives as long as the run (a gc there keeps it)
     on_store = local is not recipe
-    with (RunPublisher(Path(local.output_dir), recipe.output_dir) if on_store else nullcontext(),
-          pinned_on_store(recipe.output_dir, snapshot.name) if on_store else nullcontext()):
+    with ExitStack() as held:
+        lease = None
+        if on_store:
+            check_store(recipe.output_dir)
+            if launch.nnodes > 1:
+                raise ConfigError(f"output_dir: {recipe.output_dir}: training on an object store runs on one node "
+                                  "for now (--nnodes 1); use a local output_dir for several nodes")
+            # before the runs are pulled and a run folder chosen: a second training changes nothing there
+            lease = held.enter_context(training_lease(recipe.output_dir))
+            pull(recipe.output_dir, Path(local.output_dir), tars=False)  # manifests and indexes; shards stream
+            pull_runs(recipe.output_dir, Path(local.output_dir))  # the checkpoints a resume reads
+        else:  # the same for a local output; under torchrun this process holds it, not the ranks
+            held.enter_context(training_lock(recipe.output_dir, launch.rendezvous))
+        snapshot = resolve_snapshot(local.output_dir, recipe.snapshot)  # clear error if prep has not run
+        plan = plan_run(local, snapshot.name, launch.nproc * launch.nnodes)
+        if plan.done is not None:
+            print(f"train: already trained on snapshot {snapshot.name} with this recipe, in {plan.folder} "
+                  "(nothing to redo; change the recipe or the data to train again)")
+            return plan.done
+        check_resume_batch(recipe, plan.folder, launch.nproc * launch.nnodes)
+        if on_store:
+            # the run's checkpoints, metrics and export are published while it trains, and at its end; the
+            # snapshot it streams is pinned by this process, which lives as long as the run (a gc there keeps it)
+            held.enter_context(RunPublisher(Path(local.output_dir), recipe.output_dir, lease=lease))
+            held.enter_context(pinned_on_store(recipe.output_dir, snapshot.name))
         if launch.nproc * launch.nnodes == 1:
             return train_task(recipe.to_dict(), str(plan.folder), plan.key)
         return torchrun_task(recipe.to_dict(), launch, str(plan.folder))

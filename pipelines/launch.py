@@ -56,6 +56,7 @@ def train_recipe(recipe: Recipe, run_dir: str | Path, progress: bool = True,
                         "pretrained": recipe.model.pretrained, "mode": recipe.trainer.mode},
             recipe=recipe.to_dict(),
             stream=stream,
+            loader=recipe.loader,
         )
 
 

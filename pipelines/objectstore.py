@@ -12,8 +12,10 @@ A prep on ``s3://bucket/x`` runs the local code unchanged in a work folder of th
 * :class:`UnitPublisher` publishes each unit the prep commits while it runs (parts, then record).
 * :func:`gc_store`, :func:`compact_store`, :func:`verify_store` and :func:`local_view`: ``gc``, ``compact``,
   ``verify`` and ``inspect`` there.
-* :func:`store_lease` is the writer lock on a store: one object written only if absent (``If-None-Match``),
-  renewed while its holder lives (``If-Match`` its ETag), taken over once its lease has run out.
+* :func:`store_lease` is the writer lock on a store: one object written only if absent (``If-None-Match``;
+  GCS: ``ifGenerationMatch=0``), renewed while its holder lives (``If-Match`` its ETag; GCS: its generation),
+  taken over once its lease has run out. A training holds a lease of the same kind, ``.train.lock``
+  (:func:`training_lease`): one training writes an output's runs at a time.
 * Pins: a user's pin is an object ``pins/<snapshot>.pin`` (:func:`pin_store`, :func:`unpin_store`); a training
   run's is a lease of its own, ``pins/<snapshot>@<host>-<pid>.pin`` (:func:`pinned_on_store`), which lapses
   when its holder dies. :func:`gc_store` keeps what the live pins name (:func:`store_pins`).
@@ -21,6 +23,7 @@ A prep on ``s3://bucket/x`` runs the local code unchanged in a work folder of th
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import json
 import os
@@ -30,12 +33,14 @@ import threading
 import time
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterator, Literal
+from typing import Any, Collection, Iterator, Literal
 
 from latentmill.pipelines.retention import (
     LOCK_FILE,
     PINS,
+    TRAIN_LOCK,
     OutputBusyError,
+    busy_message,
     holder_kind,
     holder_line,
     pin_record,
@@ -49,9 +54,17 @@ from latentmill.core.store import join, store_fs, work_dir_for
 
 LOCAL_SUFFIXES = (".sqlite", ".sqlite-wal", ".sqlite-shm", ".sqlite-journal", ".tmp")  # catalog, digests
 LOCAL_NAMES = {"last-run.json"}  # the unchanged check's memory: stat signatures of this machine's files
+# The stores whose conditional writes leases use, with the field of ``info()`` that names an object's version
+# there: S3's ETag (If-None-Match, If-Match), GCS's generation (ifGenerationMatch).
+LEASE_TOKENS = {"s3://": "ETag", "s3a://": "ETag", "gs://": "generation", "gcs://": "generation"}
+LEASE_SCHEMES = tuple(LEASE_TOKENS)
+NO_LEASE = ("needs conditional writes (S3's If-None-Match and If-Match, or GCS's ifGenerationMatch): s3:// and "
+            "gs:// have them; az:// is not supported yet (no Azure test server here to test its conditional "
+            "writes against)")
 LEASE_S = 60.0  # a writer lease: renewed every third of it; a holder silent for this long is taken to be dead
 PULLING = ".pull.tmp"  # suffix of a file being downloaded: renamed into place once whole
 PUBLISH_EVERY_S = 10.0  # how often a running prep publishes the units it committed
+CACHE = "prep/cache/"  # the cache stage's folder, the one compaction merges
 PAUSE_ENV = "LATENTMILL_PUBLISH_PAUSE_AFTER"  # tests: pause after this many publishing rounds, for a kill
 
 
@@ -89,11 +102,14 @@ def _md5(path: Path) -> str:
 
 def _same(local: Path, info: dict[str, Any], rel: str) -> bool:
     """Whether the local file holds the store object's bytes: by size for shards (content-addressed names),
-    else by the object's ETag, the MD5 of a single-part upload."""
+    else by the object's MD5: S3's ETag of a single-part upload, GCS's ``md5Hash`` (its ETag is no MD5)."""
     size = local.stat().st_size
     if size != int(info.get("size") or 0):
         return False
-    etag = str(info.get("ETag") or info.get("etag") or "").strip('"')
+    if info.get("md5Hash"):
+        etag = base64.b64decode(info["md5Hash"]).hex()
+    else:
+        etag = str(info.get("ETag") or info.get("etag") or "").strip('"')
     if phase(rel) == 0 or not etag or "-" in etag:
         return True
     return _md5(local) == etag
@@ -121,18 +137,21 @@ def local_files(work: Path) -> list[str]:
     return [rel for rel in _local_files(work) if shared(rel)]
 
 
-def pull(url: str, work: Path | None = None, tars: bool | str = True) -> dict[str, Any]:
+def pull(url: str, work: Path | None = None, tars: bool | Collection[str] = True) -> dict[str, Any]:
     """Download what the work folder of ``url`` lacks or holds differently (``tars=False``: everything but the
-    shards' tars, for reading manifests and records; a stage's name: only that stage's tars);
-    ``{"work_dir", "downloaded", "bytes"}``."""
+    shards' tars, for reading manifests, records and indexes; a collection of ``/`` paths: only those tars);
+    ``{"work_dir", "downloaded", "bytes", "tar_sizes"}``, the last the bytes of every tar on the store by path."""
     fs, root = store_fs(url)
     work = work or work_dir_for(url)
     work.mkdir(parents=True, exist_ok=True)
-    remote, local, size = [], [], 0
+    remote, local, size, tar_sizes = [], [], 0, {}
     for rel, info in sorted(_listing(fs, root).items()):
-        if not shared(rel) or (rel.endswith(".tar") and tars is not True
-                               and not (tars and rel.startswith(f"prep/{tars}/"))):
+        if not shared(rel):
             continue
+        if rel.endswith(".tar"):
+            tar_sizes[rel] = int(info.get("size") or 0)
+            if tars is not True and (tars is False or rel not in tars):
+                continue
         path = work / rel
         if path.is_file() and _same(path, info, rel):
             continue
@@ -144,7 +163,7 @@ def pull(url: str, work: Path | None = None, tars: bool | str = True) -> dict[st
         fs.get(remote, local)
         for tmp in local:  # whole files only: a killed download leaves a .tmp that nothing reads
             os.replace(tmp, tmp[: -len(PULLING)])
-    return {"work_dir": str(work), "downloaded": len(remote), "bytes": size}
+    return {"work_dir": str(work), "downloaded": len(remote), "bytes": size, "tar_sizes": tar_sizes}
 
 
 def push(work: Path, url: str, lease: "StoreLease | None" = None) -> dict[str, Any]:
@@ -264,16 +283,18 @@ class LostLease(OutputBusyError):
 
 class StoreLease:
     """A lease on an output on a store: the object ``<url>/<key>``, JSON naming its holder and when its lease
-    ends (and ``fields``). Taken with ``If-None-Match: *`` (or, once a lease ran out, ``If-Match`` the ETag
-    read), renewed and released with ``If-Match`` this holder's ETag: of two writers, one wins each write.
-    ``key``: the writer lock ``.writer.lock`` by default; a training run's pin otherwise."""
+    ends (and ``fields``). Taken only if absent (or, once a lease ran out, only if still the version read),
+    renewed and released only if still this holder's version: of two writers, one wins each write. The
+    version is S3's ETag (``If-None-Match: *``, ``If-Match``) or GCS's generation (``ifGenerationMatch``),
+    :meth:`put` the one write that differs. ``key``: the writer lock ``.writer.lock`` by default; the
+    training lease (:func:`training_lease`) or a training run's pin otherwise."""
 
     def __init__(self, url: str, holder: str, lease_s: float = LEASE_S, key: str = LOCK_FILE,
                  fields: dict[str, Any] | None = None):
-        if not url.startswith(("s3://", "s3a://")):
-            raise ConfigError(f"output_dir: {url}: the writer lease needs S3's conditional writes "
-                              "(If-None-Match); other stores are not supported yet")
+        if not url.startswith(LEASE_SCHEMES):
+            raise ConfigError(f"output_dir: {url}: the writer lease {NO_LEASE}")
         self.url, self.holder, self.lease_s, self.key, self.fields = url, holder, lease_s, key, fields or {}
+        self.token_field = LEASE_TOKENS[url.split("://", 1)[0] + "://"]
         self.fs, root = store_fs(url)
         self.path = join(root, key)
         self.etag: str | None = None
@@ -281,20 +302,39 @@ class StoreLease:
         self._stop = threading.Event()
         self._renewer: threading.Thread | None = None
 
+    @property
+    def name(self) -> str:
+        return "writer lease" if self.key == LOCK_FILE else f"lease {self.key}"
+
     def _body(self, expires: float) -> bytes:
         return json.dumps({**self.fields, "holder": holder_line(self.holder), "expires": expires}).encode()
 
-    def _write(self, expires: float, if_match: str | None) -> str:
-        """One conditional PUT; the new ETag. Raises OSError when the condition does not hold."""
-        extra = {"IfMatch": if_match} if if_match else {}
-        response = self.fs.pipe_file(self.path, self._body(expires), mode="overwrite" if if_match else "create",
-                                     **extra)
-        return str(response["ETag"])
+    def put(self, data: bytes, version: str | None) -> str:
+        """Write ``data`` to the lock object only if it is absent (``version`` None) or still that version; the
+        new version. Raises OSError (FileExistsError) when the condition does not hold."""
+        if self.token_field == "ETag":
+            extra = {"IfMatch": version} if version else {}
+            return str(self.fs.pipe_file(self.path, data, mode="overwrite" if version else "create", **extra)["ETag"])
+        # gcsfs has no argument for ifGenerationMatch=<generation>: a multipart upload through its public call
+        # passes it (a store answers 412, raised as FileExistsError, when the generation differs)
+        bucket, name = self.path.split("/", 1)
+        meta = json.dumps({"name": name})
+        body = (f"--==0==\nContent-Type: application/json; charset=UTF-8\n\n{meta}\n--==0==\n"
+                "Content-Type: application/octet-stream\n\n").encode() + data + b"\n--==0==--"
+        written = self.fs.call("POST", self.fs.base.removesuffix("storage/v1/") + "upload/storage/v1/b/{}/o", bucket,
+                               uploadType="multipart", ifGenerationMatch=version or "0", data=body, json_out=True,
+                               headers={"Content-Type": 'multipart/related; boundary="==0=="'})
+        self.fs.invalidate_cache(self.path)
+        return str(written["generation"])
+
+    def _write(self, expires: float, version: str | None) -> str:
+        return self.put(self._body(expires), version)
 
     def read(self) -> tuple[dict[str, Any], str] | None:
-        """The lock object's holder and lease end, and its ETag (read first: a newer body fails the If-Match)."""
+        """The lock object's holder and lease end, and its version (read first: a newer body fails the write
+        conditional on it)."""
         try:
-            etag = str(self.fs.info(self.path, refresh=True)["ETag"])
+            etag = str(self.fs.info(self.path, refresh=True)[self.token_field])
             data = json.loads(self.fs.cat_file(self.path))
         except FileNotFoundError:
             return None
@@ -318,7 +358,7 @@ class StoreLease:
         except OSError:  # another writer took it first
             return self.try_acquire()
         if data.get("holder"):  # a holder releases by clearing its line: this one stopped renewing
-            print(f"{self.holder}: taking over the writer lease of {self.url} left by {data['holder']} (its "
+            print(f"{self.holder}: taking over the {self.name} of {self.url} left by {data['holder']} (its "
                   "lease ran out)", flush=True)
         return None
 
@@ -328,7 +368,7 @@ class StoreLease:
                 self.etag = self._write(time.time() + self.lease_s, self.etag)
             except OSError as err:
                 found = self.read()
-                self.lost = (f"the writer lease of {self.url} was lost ({type(err).__name__}); now held by "
+                self.lost = (f"the {self.name} of {self.url} was lost ({type(err).__name__}); now held by "
                              f"{found[0].get('holder') if found else 'nobody'}")
                 return
 
@@ -348,28 +388,24 @@ class StoreLease:
         if self.lost is None and self.etag is not None:
             try:
                 if self.key == LOCK_FILE:  # an expired, holderless body: the next writer takes it over quietly
-                    self.fs.pipe_file(self.path, json.dumps({"holder": "", "expires": 0}).encode(), IfMatch=self.etag)
+                    self.put(json.dumps({"holder": "", "expires": 0}).encode(), self.etag)
                 else:  # a pin's object is its holder's alone
                     self.fs.rm_file(self.path)
             except OSError:
                 pass
 
 
-def busy_message(url: str, line: str) -> str:
-    return (f"{url} is busy: a {holder_kind(line)} is writing it ({line}; lease {join(url, LOCK_FILE)}). Wait "
-            "for it to finish, or set prep.on_busy=wait to queue behind it")
-
-
 @contextmanager
 def store_lease(url: str, holder: str = "prep", on_busy: Literal["wait", "fail"] = "wait",
-                lease_s: float = LEASE_S, poll_s: float = 1.0) -> Iterator[StoreLease]:
-    """Hold the writer lease of ``url`` for the body, renewed in a thread (``writer_lock``'s rules: ``wait``
-    says who holds it and waits its turn, ``fail`` raises :class:`OutputBusyError` naming the holder)."""
-    lease = StoreLease(url, holder, lease_s)
+                lease_s: float = LEASE_S, poll_s: float = 1.0, key: str = LOCK_FILE) -> Iterator[StoreLease]:
+    """Hold the writer lease of ``url`` (``key``: another lease of it) for the body, renewed in a thread
+    (``writer_lock``'s rules: ``wait`` says who holds it and waits its turn, ``fail`` raises
+    :class:`OutputBusyError` naming the holder)."""
+    lease = StoreLease(url, holder, lease_s, key=key)
     said = False
     while (line := lease.try_acquire()) is not None:
         if on_busy == "fail":
-            raise OutputBusyError(busy_message(url, line))
+            raise OutputBusyError(busy_message(url, line, f"lease {join(url, key)}", key))
         if not said:
             print(f"{holder}: waiting for a {holder_kind(line)} writing to {url} (held by {line})", flush=True)
             said = True
@@ -385,7 +421,22 @@ def check_not_busy(url: str) -> None:
     """Raise :class:`OutputBusyError` naming the holder if a writer holds the lease of ``url`` now."""
     found = StoreLease(url, "probe").read()
     if found is not None and float(found[0].get("expires") or 0) > time.time():
-        raise OutputBusyError(busy_message(url, str(found[0].get("holder") or "?")))
+        raise OutputBusyError(busy_message(url, str(found[0].get("holder") or "?"), f"lease {join(url, LOCK_FILE)}"))
+
+
+@contextmanager
+def training_lease(url: str, lease_s: float = LEASE_S) -> Iterator[StoreLease | None]:
+    """Hold the training lease of ``url`` (:data:`TRAIN_LOCK`) for the body: one training at a time writes the
+    runs of an output on a store (two would prune, set aside and overwrite each other's checkpoints and
+    ``train/LATEST``); a second raises :class:`OutputBusyError` naming the first. The writer lease's rules: it
+    is renewed in a thread, and a holder that dies stops blocking once its lease ran out. Yields None, said in
+    one line, on a store without conditional writes."""
+    if not url.startswith(LEASE_SCHEMES):
+        print(f"train: a second training of {url} would not be refused: its lease {NO_LEASE}", flush=True)
+        yield None
+        return
+    with store_lease(url, "training", on_busy="fail", lease_s=lease_s, key=TRAIN_LOCK) as lease:
+        yield lease
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -506,21 +557,31 @@ def gc_store(url: str, keep: int, dry_run: bool = False, on_busy: Literal["wait"
 def compact_store(url: str, small_below: float = 0.5, dry_run: bool = False,
                   on_busy: Literal["wait", "fail"] = "wait") -> dict[str, Any]:
     """``latentmill compact`` of an output on a store: under the writer lease, pull its manifests, records and
-    the cache's tars, compact the work folder as locally (the same merged bytes), then publish as a prep does
+    indexes, plan from them and the store's listing (the same rule as locally), download only the tars of the
+    units it merges, compact the work folder as locally (the same merged bytes), then publish as a prep does
     (:func:`push`: the new parts, then their records, then the cache manifest, the snapshot, ``LATEST``
-    last). ``dry_run``: report only (nothing written to the store, no lease). The report's ``store`` says
-    what moved."""
-    from latentmill.pipelines.compaction import compact
+    last). ``dry_run``: report only (no tar downloaded, nothing written to the store, no lease). The report's
+    ``store`` says what moved."""
+    from latentmill.pipelines.compaction import cache_stage, compact
+    from latentmill.stages.compact import plan_compaction
+
+    def sizes_in(pulled: dict[str, Any]) -> dict[str, int]:  # the cache's tars, by path in its stage folder
+        return {rel[len(CACHE):]: n for rel, n in pulled["tar_sizes"].items() if rel.startswith(CACHE)}
 
     if dry_run:
-        return compact(pull(url, tars="cache")["work_dir"], small_below, dry_run=True)
+        pulled = pull(url, tars=False)
+        return compact(pulled["work_dir"], small_below, dry_run=True, tar_sizes=sizes_in(pulled))
     with store_lease(url, "compact", on_busy=on_busy) as lease:
-        pulled = pull(url, tars="cache")
-        work = Path(pulled["work_dir"])
-        report = compact(work, small_below, on_busy=on_busy)
+        pulled = pull(url, tars=False)
+        work, tar_sizes = Path(pulled["work_dir"]), sizes_in(pulled)
+        groups, _ = plan_compaction(cache_stage(work), small_below, tar_sizes=tar_sizes)
+        merged = pull(url, work, tars={CACHE + s.path for group in groups for record in group for s in record.shards})
+        report = compact(work, small_below, on_busy=on_busy, tar_sizes=tar_sizes)
         pushed = push(work, url, lease)
     report["snapshot"]["path"] = published_path(url, work, report["snapshot"]["path"])
-    return {**report, "store": {"url": url, "work_dir": str(work), "downloaded": pulled["downloaded"],
+    return {**report, "store": {"url": url, "work_dir": str(work),
+                                "downloaded": pulled["downloaded"] + merged["downloaded"],
+                                "bytes_downloaded": pulled["bytes"] + merged["bytes"],
                                 "uploaded": pushed["uploaded"], "bytes_uploaded": pushed["bytes"]}}
 
 
@@ -663,10 +724,11 @@ class RunPublisher:
     parts go before its ``trainer_state.json``, so one found on the store is whole; checkpoints pruned here
     (``keep_latest_k``) are deleted there, ``trainer_state.json`` first (so are run files the store holds and
     this folder lacks when it starts: ``pull_runs`` brings every one in first). Links (``metrics.jsonl``, the export
-    links) are not published: ``run.json`` and ``LATEST`` name the folders."""
+    links) are not published: ``run.json`` and ``LATEST`` name the folders. ``lease``: the training lease; a run
+    that lost it publishes nothing more (:class:`LostLease` at its end)."""
 
-    def __init__(self, work: Path, url: str, every_s: float = PUBLISH_EVERY_S):
-        self.work, self.url, self.every_s = work, url, every_s
+    def __init__(self, work: Path, url: str, every_s: float = PUBLISH_EVERY_S, lease: StoreLease | None = None):
+        self.work, self.url, self.every_s, self.lease = work, url, every_s, lease
         self.fs, self.root = store_fs(url)
         self.sent: dict[str, tuple[int, int]] = {}  # rel -> (size, mtime_ns) of the copy on the store
         self.uploaded = 0
@@ -690,6 +752,8 @@ class RunPublisher:
         """Upload what changed since the last round, phase after phase; delete what was pruned; how many
         files were uploaded."""
         with self._lock:
+            if self.lease is not None:
+                self.lease.check()
             now = self._files()
             changed = sorted((rel for rel, sig in now.items() if self.sent.get(rel) != sig), key=run_phase)
             count = 0

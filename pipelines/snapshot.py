@@ -22,10 +22,10 @@ import os
 import time
 from collections import Counter
 from pathlib import Path
-from typing import Any
+from typing import Any, Mapping
 
 from latentmill.stages.shardindex import load_shard_index
-from latentmill.stages.shardio import StageDir, shard_buckets
+from latentmill.stages.shardio import StageDir, shard_buckets, shard_bytes
 
 from latentmill.core import durable
 from latentmill.core.hashing import stable_hash
@@ -153,10 +153,12 @@ def _mark_held_out(cache_root: Path, shards: list[dict[str, Any]], rule: dict[st
 
 
 def publish(output_dir: str | Path, cache_dir: str | Path, eval_fraction: float | None = None,
-            eval_min_count: int = 8) -> dict[str, Any]:
+            eval_min_count: int = 8, tar_sizes: Mapping[str, int] | None = None) -> dict[str, Any]:
     """Publish the cache's current manifest as a snapshot (or return the current one if identical).
 
-    ``eval_fraction``/``eval_min_count``: the held-out rule (``held_out``); None keeps the latest snapshot's."""
+    ``eval_fraction``/``eval_min_count``: the held-out rule (``held_out``); None keeps the latest snapshot's.
+    ``tar_sizes``: the cache's tars' bytes by path in its folder, where the folder lacks some (a compaction
+    of an output on a store)."""
     cache = StageDir(cache_dir, "cache")
     manifest = cache.read_manifest()
     if not manifest["counts"]["out"]:
@@ -198,7 +200,7 @@ def publish(output_dir: str | Path, cache_dir: str | Path, eval_fraction: float 
             "parent": parent,
             "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
             "samples": sum(s["samples"] for s in shards),
-            "bytes": sum((cache.root / s["path"]).stat().st_size for s in manifest["shards"]),
+            "bytes": sum(shard_bytes(cache.root, s["path"], tar_sizes) for s in manifest["shards"]),
             "buckets": dict(sorted(buckets.items())),
             "quarantine": _quarantine_tally(cache.root.parent),
             "prep": prep_summary(cache.root.parent),

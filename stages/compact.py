@@ -32,11 +32,19 @@ import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterator, Mapping
 
 from latentmill.stages.killpoint import KillPoint
 from latentmill.stages.shardindex import load_shard_index
-from latentmill.stages.shardio import GROUP_KEY, StageDir, UnitOutput, UnitRecord, WorkUnit, grouped_unit_id
+from latentmill.stages.shardio import (
+    GROUP_KEY,
+    StageDir,
+    UnitOutput,
+    UnitRecord,
+    WorkUnit,
+    grouped_unit_id,
+    shard_bytes,
+)
 
 from latentmill.core.config import ConfigError
 from latentmill.core.hashing import sha256_file
@@ -62,8 +70,8 @@ class CompactionConfig:
                               f">= 2, or 0 for never; got {self.auto_after!r}")
 
 
-def _unit_bytes(stage: StageDir, record: UnitRecord) -> int:
-    return sum((stage.root / s.path).stat().st_size for s in record.shards)
+def _unit_bytes(stage: StageDir, record: UnitRecord, tar_sizes: Mapping[str, int] | None = None) -> int:
+    return sum(shard_bytes(stage.root, s.path, tar_sizes) for s in record.shards)
 
 
 def _records(stage: StageDir, manifest: dict[str, Any]) -> Iterator[UnitRecord]:
@@ -102,6 +110,7 @@ def size_tier(nbytes: int, target: int, factor: int) -> int:
 
 
 def plan_compaction(stage: StageDir, small_below: float, min_units: int = 2,
+                    tar_sizes: Mapping[str, int] | None = None,
                     ) -> tuple[list[list[UnitRecord]], dict[str, Any]]:
     """The groups of small units a compaction would merge (each of two units or more), and what it sees:
     ``{"units", "small_units", "shard_bytes", "small_below"}``.
@@ -115,6 +124,9 @@ def plan_compaction(stage: StageDir, small_below: float, min_units: int = 2,
     ``min_units`` of them are there, so a merged unit is merged again only with units about its size. A
     byte is then copied about log_min_units(target / refresh size) times at most, however small the
     refreshes (a merged unit joining every next group would be copied once per compaction).
+
+    ``tar_sizes``: the tars' bytes by path in the stage folder, for a folder without them (an output on a store
+    plans from its records and listing, then downloads only the tars it merges).
     """
     manifest = stage.read_manifest()
     target = manifest.get("shard_bytes")
@@ -124,7 +136,7 @@ def plan_compaction(stage: StageDir, small_below: float, min_units: int = 2,
     sizes: dict[str, int] = {}
     small = []  # only the small units' records are kept (a whole cache's would grow with its samples)
     for record in _records(stage, manifest):
-        sizes[record.unit_id] = _unit_bytes(stage, record)
+        sizes[record.unit_id] = _unit_bytes(stage, record, tar_sizes)
         if sizes[record.unit_id] < small_below * target and record.extra.get(GROUP_KEY):
             small.append(record)
     small.sort(key=lambda r: (r.extra[GROUP_KEY][0], r.unit_id))
@@ -226,16 +238,16 @@ def damaged_shards(stage: StageDir, group: list[UnitRecord]) -> list[dict[str, s
 
 
 def compact_stage(stage: StageDir, small_below: float = 0.5, min_units: int = 2,
-                  dry_run: bool = False) -> dict[str, Any]:
+                  dry_run: bool = False, tar_sizes: Mapping[str, int] | None = None) -> dict[str, Any]:
     """Merge the stage's small units (:func:`plan_compaction`: all of them with ``min_units`` 2, by size
     tiers of ``min_units`` or more otherwise), and write the stage manifest naming the merged units in their
-    place. The caller holds the
-    output_dir's writer lock. Returns what was (``dry_run``: would be) done."""
+    place. The caller holds the output_dir's writer lock. Returns what was (``dry_run``: would be) done.
+    ``tar_sizes``: as for :func:`plan_compaction` (only the merged units' tars need be in the folder)."""
     start = time.perf_counter()
-    groups, seen = plan_compaction(stage, small_below, min_units)
+    groups, seen = plan_compaction(stage, small_below, min_units, tar_sizes)
     merged = [r for g in groups for r in g]
     before = sum(len(r.shards) for r in merged)
-    old_tar_bytes = sum(_unit_bytes(stage, r) for r in merged)
+    old_tar_bytes = sum(_unit_bytes(stage, r, tar_sizes) for r in merged)
     report: dict[str, Any] = {
         **seen, "groups": len(groups), "merged_units": len(merged), "samples": sum(r.samples_out for r in merged),
         "shards_before": before, "tar_bytes_before": old_tar_bytes, "dry_run": dry_run, "compacted": False,
@@ -252,7 +264,7 @@ def compact_stage(stage: StageDir, small_below: float = 0.5, min_units: int = 2,
         merged = [r for g in groups for r in g]
         report.update(groups=len(groups), merged_units=len(merged), samples=sum(r.samples_out for r in merged),
                       shards_before=sum(len(r.shards) for r in merged),
-                      tar_bytes_before=sum(_unit_bytes(stage, r) for r in merged))
+                      tar_bytes_before=sum(_unit_bytes(stage, r, tar_sizes) for r in merged))
         if not groups:
             return {**report, "seconds": round(time.perf_counter() - start, 3)}
     pause = KillPoint(PAUSE_ENV, "compact", "samples")
@@ -272,7 +284,7 @@ def compact_stage(stage: StageDir, small_below: float = 0.5, min_units: int = 2,
     return {
         **report, "compacted": True, "units_written": [r.unit_id for r in new_records],
         "shards_after": sum(len(r.shards) for r in new_records),
-        "tar_bytes_after": sum(_unit_bytes(stage, r) for r in new_records),
+        "tar_bytes_after": sum(_unit_bytes(stage, r, tar_sizes) for r in new_records),
         "member_bytes_in_merged_shards": member_bytes, "member_bytes_copied": copied,
         "seconds": round(time.perf_counter() - start, 3),
     }

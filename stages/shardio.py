@@ -29,7 +29,7 @@ import tarfile
 import time
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
-from typing import Any, Callable, Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator, Mapping
 
 from latentmill.stages.catalog import DETAIL_KEY, Catalog, Lookup, catalog_path, unit_detail
 from latentmill.stages.shardindex import bucket_of, build_shard_index, index_tar, write_index_file
@@ -676,6 +676,14 @@ def iter_unit_samples(unit: WorkUnit) -> Iterator[dict[str, Any]]:
     """Every sample of a unit's upstream shards, shard after shard, in file order."""
     for path in unit_input_shards(unit):
         yield from read_shard(path)
+
+
+def shard_bytes(stage_root: Path, path: str, sizes: Mapping[str, int] | None = None) -> int:
+    """The bytes of the shard ``path`` (relative to its stage folder): ``sizes[path]`` when given there (a work
+    folder of an output on a store holds only the tars it reads), else its file's."""
+    if sizes is not None and path in sizes:
+        return sizes[path]
+    return (stage_root / path).stat().st_size
 
 
 def shard_buckets(entry: dict[str, Any]) -> dict[str, int]:

@@ -374,6 +374,48 @@ def test_compact_on_a_store_publishes_the_bytes_of_a_local_compaction_parts_firs
     stored = json.loads(fs.cat_file(f"{s3_bucket}/out/snapshots/{name}/manifest.json"))
     assert stored["shards"] == json.loads((out / "snapshots" / name / "manifest.json").read_text())["shards"]
     fresh = tmp_path / "fresh"
-    objectstore.pull(url, fresh, tars="cache")
+    objectstore.pull(url, fresh)
     assert _members(fresh / "snapshots" / name) == _members(out / "snapshots" / name)
     assert main(["verify", url]) == 0
+
+
+def test_compact_on_a_store_downloads_only_the_tars_it_merges(output, s3_bucket, monkeypatch):
+    """The plan is made from the store's records, indexes and listing: a dry run downloads no tar, a compaction
+    only the merged units' (not the unit too large to merge, nor another stage's), and publishes what a local
+    compaction with the same threshold publishes."""
+    from latentmill.core.store import work_dir_for
+
+    out, _ = output
+    url = f"s3://{s3_bucket}/out"
+    objectstore.push(out, url)
+    cache = StageDir(out / "prep" / "cache", "cache")
+    manifest = json.loads(cache.manifest_path.read_text())
+    unit_bytes = {unit: sum((cache.root / s["path"]).stat().st_size
+                            for s in json.loads(cache.unit_path(unit).read_text())["shards"]) for unit in manifest["units"]}
+    big = max(unit_bytes, key=unit_bytes.get)  # the first prep's unit: 6 images, the refreshes' 3
+    small_below = unit_bytes[big] / manifest["shard_bytes"]  # not under its own size: every other unit is small
+    groups, seen = plan_compaction(cache, small_below)
+    merged = {r.unit_id for g in groups for r in g}
+    assert seen["small_units"] == 5 and big not in merged and len(merged) >= 2
+    work = work_dir_for(url)
+
+    def tars() -> set[str]:
+        return {p.relative_to(work).as_posix() for p in work.rglob("*.tar")}
+
+    dry = objectstore.compact_store(url, small_below, dry_run=True)
+    assert (dry["small_units"], dry["merged_units"], dry["compacted"]) == (5, len(merged), False)
+    assert tars() == set() and (work / "prep" / "cache" / "manifest.json").is_file()
+    _tripwire(monkeypatch)
+    local = compact(out, small_below)  # the oracle
+    report = objectstore.compact_store(url, small_below)
+    assert report["units_written"] == local["units_written"]
+    assert report["snapshot"] == {**local["snapshot"], "path": f"{url}/snapshots/{local['snapshot']['name']}"}
+    written = [f"prep/cache/{s['path']}" for unit in local["units_written"]
+               for s in json.loads(cache.unit_path(unit).read_text())["shards"]]
+    downloaded = [f"prep/cache/{s.path}" for g in groups for r in g for s in r.shards]
+    assert tars() == set(written) | set(downloaded)
+    fs = fsspec.filesystem("s3")
+    name = local["snapshot"]["name"]
+    stored = json.loads(fs.cat_file(f"{s3_bucket}/out/snapshots/{name}/manifest.json"))
+    oracle = json.loads((out / "snapshots" / name / "manifest.json").read_text())
+    assert stored["shards"] == oracle["shards"] and stored["snapshot"]["bytes"] == oracle["snapshot"]["bytes"]

@@ -6,15 +6,20 @@ from __future__ import annotations
 import json
 import os
 import socket
+import subprocess
+import sys
 import time
 from pathlib import Path
 
 import fsspec
 import pytest
 from latentmill.pipelines import objectstore
+from latentmill.pipelines.flows import run_train
 from latentmill.pipelines.retention import OutputBusyError
 
 from latentmill.cli import main
+from latentmill.core.store import work_dir_for
+from latentmill.recipe import load_recipe
 
 REPO = Path(__file__).resolve().parents[1]
 DEMO_CONFIG = REPO / "configs" / "demo.yaml"
@@ -103,7 +108,7 @@ def test_a_lease_is_renewed_while_held_and_taken_over_once_its_holder_stops(s3_b
 def test_a_lease_refuses_a_store_without_conditional_writes():
     from latentmill.core.config import ConfigError
 
-    with pytest.raises(ConfigError, match="the writer lease needs S3's conditional writes"):
+    with pytest.raises(ConfigError, match="the writer lease needs conditional writes .* az:.. is not supported yet"):
         objectstore.StoreLease("memory://bucket/out", "prep")
 
 
@@ -215,3 +220,69 @@ def test_a_running_prep_publishes_each_committed_unit_parts_first(s3_bucket, tmp
         pass
     assert publisher.published == 1 and fs.exists(f"{s3_bucket}/out/prep/cache/units/02.json")
     assert fs.exists(f"{s3_bucket}/out/prep/cache/shards/cache-02-detail.json")
+
+
+_HOLD_TRAINING = """
+import sys, time
+from latentmill.pipelines.objectstore import training_lease
+with training_lease(sys.argv[1], lease_s=float(sys.argv[2])):
+    print("training", flush=True)
+    time.sleep(3600)
+"""
+
+
+def test_a_second_training_of_a_store_output_is_refused_until_the_first_dies_and_its_lease_runs_out(
+        s3_bucket, tmp_path, capsys):
+    """Two trainings would prune, set aside and overwrite each other's checkpoints on the store: while one holds
+    the training lease (a process, SIGKILLed later), a second is refused in one line naming it, before it pulls
+    anything; once the dead holder's lease ran out, the next training takes it over."""
+    url = f"s3://{s3_bucket}/out"
+    lease_s = 1.5
+    log = tmp_path / "holder.log"
+    proc = subprocess.Popen([sys.executable, "-c", _HOLD_TRAINING, url, str(lease_s)], stdout=open(log, "w"),
+                            stderr=subprocess.STDOUT, env={**os.environ, "PYTHONPATH": str(REPO)})
+    recipe = load_recipe(DEMO_CONFIG, [f"output_dir={url}"])
+    fs = fsspec.filesystem("s3")
+    lock = f"{s3_bucket}/out/{objectstore.TRAIN_LOCK}"
+    try:
+        deadline = time.monotonic() + 120
+        while "training" not in log.read_text():
+            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()
+            time.sleep(0.05)
+        with pytest.raises(OutputBusyError) as refused:
+            run_train(recipe)
+        assert str(refused.value) == (
+            f"{url} is busy: a training is writing it ({json.loads(fs.cat_file(lock))['holder']}; lease "
+            f"{url}/{objectstore.TRAIN_LOCK}). Wait for it to finish, or train into another output_dir")
+        assert f"PID {proc.pid} on " in str(refused.value)
+        assert not work_dir_for(url).exists()  # refused before pulling anything or choosing a run folder
+    finally:
+        proc.kill()
+        proc.wait(timeout=30)
+    time.sleep(max(0.0, json.loads(fs.cat_file(lock))["expires"] - time.time()) + 0.1)  # its lease runs out
+    capsys.readouterr()
+    with pytest.raises(FileNotFoundError, match="no snapshot published"):  # past the lease, to the missing prep
+        run_train(recipe)
+    assert f"training: taking over the lease {objectstore.TRAIN_LOCK} of {url} left by PID {proc.pid} on " in \
+        capsys.readouterr().out
+    assert not fs.exists(lock)  # released when that training ended
+
+
+def test_a_training_that_lost_its_lease_publishes_nothing_more(s3_bucket, tmp_path):
+    url = f"s3://{s3_bucket}/out"
+    work = tmp_path / "work"
+    (work / "train" / "runs" / "r").mkdir(parents=True)
+    (work / "train" / "runs" / "r" / "run.json").write_text("{}")
+    fs = fsspec.filesystem("s3")
+    with pytest.raises(objectstore.LostLease, match=f"the lease {objectstore.TRAIN_LOCK} of {url} was lost"):
+        with objectstore.training_lease(url, lease_s=0.6) as lease:
+            with objectstore.RunPublisher(work, url, every_s=3600, lease=lease) as publisher:
+                assert publisher.publish() == 1
+                other = "PID 1 on elsewhere: training since 2026-12-02T00:00:00Z"  # took it over: a clock ahead
+                fs.pipe_file(lease.path, json.dumps({"holder": other, "expires": time.time() + 60}).encode())
+                (work / "train" / "runs" / "r" / "run.json").write_text('{"step": 1}')
+                deadline = time.monotonic() + 30
+                while lease.lost is None and time.monotonic() < deadline:
+                    time.sleep(0.05)
+    assert json.loads(fs.cat_file(f"{s3_bucket}/out/train/runs/r/run.json")) == {}  # the change stayed local
+    assert json.loads(fs.cat_file(lease.path))["holder"] == other  # not released by the run that lost it

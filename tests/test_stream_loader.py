@@ -133,3 +133,38 @@ def test_a_killed_download_is_never_read(s3_bucket, tmp_path):
     # the model card's captions, read after the loader closed, come through the stream's cache too
     captions = list(LatentLoader(local, 4, seed=7).captions())
     assert len(captions) == 20 and captions == list(LatentLoader(local, 4, seed=7, stream=ShardStream(url, cache)).captions())
+
+
+def test_a_block_shuffle_fetches_each_shard_about_once_under_a_quarter_limit(s3_bucket, tmp_path):
+    """With the cache limit at 25% of the snapshot (2 of 8 shards), the whole-bucket shuffle downloads the
+    snapshot many times over an epoch; ``shuffle_block=1`` reads a shard at a time and downloads it once, with
+    the batches of the same order on the local copy. The start-up says which block fits."""
+    from latentmill.trainer.stream import cache_fit_warning
+
+    local = tmp_path / "cache"
+    manifest = write_fake_cache(local, {(16, 16, 1): 32}, shards_per_bucket=8, seed=5)
+    fsspec.filesystem("s3").put(str(local) + "/", f"{s3_bucket}/blocks", recursive=True)
+    url, sizes = f"s3://{s3_bucket}/blocks", _tar_bytes(local, manifest)
+    limit, steps = sum(sizes) // 4, 8  # one epoch of global batches of 4
+
+    whole = ShardStream(url, tmp_path / "whole", cache_limit=limit)
+    _batches(LatentLoader(local, 4, seed=7, stream=whole), steps)
+    assert whole.counters()["bytes_downloaded"] > 2 * sum(sizes)
+    assert cache_fit_warning(whole, None) == (
+        f"loader.cache_limit: {limit} bytes hold 2 of the snapshot's 8 shards ({sum(sizes)} bytes) and each bucket "
+        "is shuffled whole, so an epoch downloads the snapshot many times over; set loader.shuffle_block=1 (shards "
+        "per shuffle block) to fetch each shard about once per epoch")
+
+    blocks = ShardStream(url, tmp_path / "blocks", cache_limit=limit)
+    expected = _batches(LatentLoader(local, 4, seed=7, shuffle_block=1), 2 * steps)
+    _same(_batches(LatentLoader(local, 4, seed=7, stream=blocks, shuffle_block=1), 2 * steps), expected)
+    # two epochs: each shard once per epoch, and at most the next epoch's first, prefetched before the loader closed
+    counters = blocks.counters()
+    assert counters["bytes_downloaded"] <= 1.1 * 2 * sum(sizes) and counters["downloads"] <= 2 * len(sizes) + 1
+    assert cache_fit_warning(blocks, 1) is None
+    assert cache_fit_warning(blocks, 2) is None  # 2 shards fit: the next block waits for room
+    assert cache_fit_warning(blocks, 3) == (
+        f"loader.shuffle_block: a block of 3 shards takes up to {3 * max(sizes)} bytes, more than loader.cache_limit "
+        f"({limit}): the cache goes over it for a batch's shards or fetches shards again within a block; set "
+        f"loader.shuffle_block=1 or raise loader.cache_limit to {4 * max(sizes)} (a block and the next block's "
+        "first shard)")

@@ -223,9 +223,25 @@ class ParallelConfig:
     # ulysses: all-to-all of heads (cp_size must divide the heads); ring: keys and values passed round the
     # ranks (CUDA flash/cuDNN attention only)
     cp_kind: Literal["ulysses", "ring"] = "ulysses"
+    # nodes the recipe is laid out for (each running --nproc processes): ``latentmill plan``'s layout and the
+    # default of ``train``/``run --nnodes``; null: one node (plan: parallel.hsdp_replicate nodes for HSDP)
+    nnodes: Optional[int] = None
+
+    def launch_nodes(self, given: int | None) -> int:
+        """The nodes a training launch spans: ``given`` (``--nnodes``) when set, else ``nnodes``, else one."""
+        return (self.nnodes or 1) if given is None else given
 
     def validate(self) -> None:
         """Check the options that only make sense together."""
+        if self.nnodes is not None and self.nnodes < 1:
+            raise ConfigError(f"parallel.nnodes: must be >= 1 (or null: one node), got {self.nnodes}")
+        if (self.nnodes or 1) > 1 and self.strategy == "none":
+            raise ConfigError(f"parallel.nnodes: {self.nnodes} nodes need parallel.strategy 'ddp' or 'fsdp2'")
+        replicas = self.hsdp_replicate
+        if self.nnodes is not None and replicas > 1 and self.nnodes % replicas and replicas % self.nnodes:
+            raise ConfigError(f"parallel.nnodes: {self.nnodes} nodes cannot hold parallel.hsdp_replicate: {replicas} "
+                              "replicas along node boundaries; set nnodes to a multiple or a divisor of "
+                              "hsdp_replicate, or leave it unset (plan then counts hsdp_replicate nodes)")
         if self.cp_size < 1:
             raise ConfigError(f"parallel.cp_size: must be >= 1, got {self.cp_size}")
         if self.cp_size > 1 and self.strategy != "fsdp2":
@@ -244,19 +260,28 @@ class ParallelConfig:
 
 @dataclass
 class LoaderConfig:
-    """How the trainer reads a snapshot on an object store (``output_dir: s3://...``): its shards are streamed
-    into a local cache folder of bounded size (``latentmill.trainer.stream``). A local snapshot is read in place."""
+    """How the trainer orders an epoch (``shuffle_block``) and reads a snapshot on an object store
+    (``output_dir: s3://...``): its shards are streamed into a local cache folder of bounded size
+    (``latentmill.trainer.stream``). A local snapshot is read in place."""
 
     # the local cache folder of streamed shards (each rank its own subfolder); null: <work folder>/stream-cache
     cache_dir: Optional[str] = None
     # the most bytes of shards kept there per rank: an int or a string like "20GB", "512MiB"; null: no limit
     # (a limit below a rank's share of the snapshot evicts shards and may fetch some again)
     cache_limit: Optional[Union[int, str]] = None
+    # shards per shuffle block (mosaicml-streaming's shuffle_block_size, counted in shards: the cache limit
+    # counts their bytes): each bucket's shards shuffled, cut into blocks of this many, samples shuffled within
+    # a block and the blocks read one after another, so a rank needs about shuffle_block + 1 shards in its
+    # cache; null: each bucket shuffled whole (any batch may read any shard)
+    shuffle_block: Optional[int] = None
 
     def validate(self) -> None:
         from latentmill.trainer.stream import parse_bytes
 
         parse_bytes(self.cache_limit, "loader.cache_limit")
+        if self.shuffle_block is not None and self.shuffle_block < 1:
+            raise ConfigError(f"loader.shuffle_block: a number of shards >= 1, or null (each bucket shuffled "
+                              f"whole), got {self.shuffle_block!r}")
 
     @property
     def limit_bytes(self) -> int | None:

@@ -10,10 +10,15 @@ the empty caption.
 Design choices:
 
 * One bucket per batch, never mixed shapes. The order is a pure function of (seed, epoch, manifest, global
-  batch size): shuffle each bucket's samples, chunk them into global batches of ``batch_size`` x
-  ``world_size`` samples, shuffle the list of batches; rank r reads the r-th slice of each global batch.
-  The number of ranks enters only through the global batch size, so a run resumed on other ranks with the
-  same global batch continues the same sequence (docs/training.md, "Resume on another number of GPUs").
+  batch size, ``shuffle_block``): shuffle each bucket's samples, chunk them into global batches of
+  ``batch_size`` x ``world_size`` samples, shuffle the list of batches; rank r reads the r-th slice of each
+  global batch. The number of ranks enters only through the global batch size, so a run resumed on other
+  ranks with the same global batch continues the same sequence (docs/training.md, "Resume on another number
+  of GPUs").
+* ``shuffle_block`` (N shards, ``loader.shuffle_block``): a block shuffle, as mosaicml-streaming's, for a
+  streamed snapshot whose local cache holds only a few shards: per bucket the shards are shuffled and cut
+  into blocks of N, samples are shuffled within a block, and the blocks are read one after another, so the
+  shards a rank reads at any time are about one block's (``global_batches``).
 * Start-up reads the shard indexes, each whole and in order, and no tar (samples are grouped by bucket with
   numpy over the index columns; a sample's ``SampleRef`` is built when a batch needs it), so it costs about
   the time to read the index files (~100 bytes per sample; every rank reads all of them). A cache of format
@@ -377,6 +382,7 @@ class LatentLoader:
     background thread (``shard_check``, a ``LazyShardCheck``; the loader itself never raises for it: the
     trainer reads ``shard_check.failure``). Under a process group of ``world_size`` ranks, rank r checks the
     shards ``s % world_size == r`` that any rank's batch reads, so each shard is hashed once per run.
+    ``shuffle_block``: shards per shuffle block (``global_batches``); None: each bucket shuffled whole.
     """
 
     def __init__(
@@ -397,9 +403,13 @@ class LatentLoader:
         check_on_read: bool = False,
         held_out: str = "skip",
         stream: "ShardStream | None" = None,
+        shuffle_block: int | None = None,
     ) -> None:
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        if shuffle_block is not None and shuffle_block < 1:
+            raise ValueError(f"shuffle_block must be a number of shards >= 1 or None, got {shuffle_block}")
+        self.shuffle_block = shuffle_block
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} is outside world_size {world_size}")
         if held_out not in ("skip", "only"):
@@ -624,15 +634,26 @@ class LatentLoader:
         ``global_batch_size``, shuffle the list of batches (one more ``randperm``). The plan depends on the
         number of ranks only through ``global_batch_size``, so a run resumed on other ranks with the same
         global batch continues the very same sequence. Kept as arrays (``BatchPlan``: a batch's indices
-        become a list when it is asked for), so a million samples cost milliseconds."""
+        become a list when it is asked for), so a million samples cost milliseconds.
+
+        With ``shuffle_block`` (N): each bucket's samples in blocks (``_block_perm``: its shards shuffled, N
+        per block, samples shuffled within a block, no batch across two blocks), chunked as above; the
+        batches are not shuffled across the epoch (which would make every batch read anywhere) but read
+        block after block: the blocks of all buckets in a random interleaving that keeps each bucket's blocks
+        in their shuffled order, a block's batches in a row (``_block_order``)."""
         import numpy as np
 
         gen = _epoch_generator(self.seed, epoch)
         size = self.global_batch_size
-        buckets, perms, which, starts, sizes = list(self.buckets), [], [], [], []
+        buckets, perms, which, starts, sizes, ends = list(self.buckets), [], [], [], [], []
         for number, bucket in enumerate(buckets):
             n = len(self.buckets[bucket])
-            perms.append(torch.randperm(n, generator=gen).numpy())
+            if self.shuffle_block is None:
+                perms.append(torch.randperm(n, generator=gen).numpy())
+            else:
+                perm, block_ends = self._block_perm(bucket, gen)
+                perms.append(perm)
+                ends.append(block_ends)
             first = np.arange(0, n, size, dtype=np.int64)
             if self.drop_last:
                 first = first[first + size <= n]
@@ -640,10 +661,58 @@ class LatentLoader:
             starts.append(first)
             sizes.append(np.minimum(n - first, size))
         which_, starts_, sizes_ = (np.concatenate(a) if a else np.zeros(0, np.int64) for a in (which, starts, sizes))
-        order = torch.randperm(len(which_), generator=gen).numpy()
+        if self.shuffle_block is None:
+            order = torch.randperm(len(which_), generator=gen).numpy()
+        else:
+            order = self._block_order(which_, starts_, ends, gen)
         sizes_ = sizes_[order]
         first = np.concatenate(([0], np.cumsum(sizes_)[:-1])).astype(np.int64) if len(sizes_) else sizes_
         return BatchPlan(buckets, perms, which_[order], starts_[order], sizes_, first)
+
+    def _block_perm(self, bucket: tuple[int, ...], gen: torch.Generator) -> tuple[Any, Any]:
+        """One bucket's samples in shuffle blocks: (its indices in block order, each block's end in that order).
+
+        The bucket's samples of one shard stay together while its shards are shuffled; every ``shuffle_block``
+        of them make a block, whose end moves up to the next multiple of the global batch (so that no batch reads
+        two blocks: a block reads its shards and, up to that boundary, the head of the shard after them);
+        samples are shuffled within each block."""
+        import numpy as np
+
+        samples = self.buckets[bucket].samples
+        ids = np.arange(samples.start, samples.stop, dtype=np.int64) if isinstance(samples, range) else samples
+        n, size = len(ids), self.global_batch_size
+        shard = np.searchsorted(self._shard_base_np, ids, side="right") - 1  # ascending: a shard's run is whole
+        bounds = np.concatenate(([0], np.flatnonzero(np.diff(shard)) + 1, [n])).astype(np.int64)
+        pieces = torch.randperm(len(bounds) - 1, generator=gen).numpy()
+        lengths = np.diff(bounds)[pieces]
+        placed = np.cumsum(lengths) - lengths  # where each piece starts in the block order
+        seq = np.arange(n, dtype=np.int64) + np.repeat(bounds[pieces] - placed, lengths)
+        ends = np.cumsum(lengths)[self.shuffle_block - 1 :: self.shuffle_block]
+        ends = np.unique(np.append(np.minimum(n, -(-ends // size) * size), n))
+        start = 0
+        for end in ends.tolist():
+            seq[start:end] = seq[start:end][torch.randperm(end - start, generator=gen).numpy()]
+            start = end
+        return seq, ends
+
+    @staticmethod
+    def _block_order(which: Any, starts: Any, ends: list[Any], gen: torch.Generator) -> Any:
+        """The order of the batches (bucket number ``which``, first place ``starts`` in its bucket's block order)
+        that reads block after block: the blocks of all buckets (``ends``: per bucket, its blocks' ends)
+        interleaved at random, each bucket's in order, and a block's batches in a row."""
+        import numpy as np
+
+        counts = np.asarray([len(e) for e in ends], dtype=np.int64)
+        labels = np.repeat(np.arange(len(ends), dtype=np.int64), counts)[
+            torch.randperm(int(counts.sum()), generator=gen).numpy()]
+        # the k-th block of bucket b is read at the k-th place that holds b
+        place = np.argsort(labels, kind="stable")
+        block = np.zeros(len(which), dtype=np.int64)
+        for number, bucket_ends in enumerate(ends):
+            mask = which == number
+            block[mask] = np.searchsorted(bucket_ends, starts[mask], side="right")
+        offsets = np.cumsum(counts) - counts
+        return np.lexsort((starts, place[offsets[which] + block]))
 
     def epoch_batches(self, epoch: int) -> "BatchPlan":
         """This rank's batches of ``epoch``: its slice of every global batch, rank r the r-th of ``world_size``
@@ -673,23 +742,26 @@ class LatentLoader:
             "batch_size": self.batch_size,
             "dataset_id": self.dataset_id,
             "world_size": self.world_size,
+            "shuffle_block": self.shuffle_block,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue exactly after the batch at which ``state`` was taken, on this loader's ranks: a state of
         the same global batch size (per-rank ``batch_size`` x ``world_size``) continues the same sequence."""
         saved_global = int(state.get("batch_size", 0)) * int(state.get("world_size", 1))
-        same = (state.get("seed"), saved_global, state.get("dataset_id")) == (
+        same = (state.get("seed"), saved_global, state.get("dataset_id"), state.get("shuffle_block")) == (
             self.seed,
             self.global_batch_size,
             self.dataset_id,
+            self.shuffle_block,
         )
         if same:
             self.epoch, self.batch_index = int(state["epoch"]), int(state["batch_index"])
         else:
-            # A refreshed dataset or changed batch size: the old position means nothing, start a new epoch.
+            # A refreshed dataset or changed batch size or shuffle: the old position means nothing, start a new epoch.
             log.warning(
-                "loader state is for another dataset/seed/global batch size; starting epoch %d from its first batch",
+                "loader state is for another dataset/seed/global batch size/shuffle block; starting epoch %d from "
+                "its first batch",
                 int(state["epoch"]) + 1,
             )
             self.epoch, self.batch_index = int(state["epoch"]) + 1, 0

@@ -355,6 +355,30 @@ class ShardStream:
                 f"{self.url}` and re-run the prep to rebuild it")
 
 
+def cache_fit_warning(stream: ShardStream, shuffle_block: int | None) -> str | None:
+    """One line when the stream's ``loader.cache_limit`` holds less than the epoch's order reads at a time, else
+    None: below the snapshot's tars with each bucket shuffled whole (each rank reads every shard: ranks take
+    slices of the same batches), below a block's shards with ``shuffle_block``.
+    Call it once the loader has read the indexes (they give the tars' sizes)."""
+    limit, sizes = stream.limit, stream.sizes
+    if limit is None or not sizes or limit >= sum(sizes):
+        return None
+    largest = max(sizes)
+    fits = max(1, limit // largest - 1)  # leaves room for the next block's first shard, fetched while a block is read
+    if shuffle_block is None:
+        return (f"loader.cache_limit: {limit} bytes hold {limit // largest} of the snapshot's {len(sizes)} shards "
+                f"({sum(sizes)} bytes) and each bucket is shuffled whole, so an epoch downloads the snapshot many "
+                f"times over; set loader.shuffle_block={fits} (shards per shuffle block) to fetch each shard about "
+                "once per epoch")
+    if shuffle_block * largest <= limit:
+        return None
+    fix = f"set loader.shuffle_block={fits} or " if fits < shuffle_block else ""
+    return (f"loader.shuffle_block: a block of {shuffle_block} shards takes up to {shuffle_block * largest} bytes, "
+            f"more than loader.cache_limit ({limit}): the cache goes over it for a batch's shards or fetches shards "
+            f"again within a block; {fix}raise loader.cache_limit to {(shuffle_block + 1) * largest} (a block and "
+            "the next block's first shard)")
+
+
 @dataclass(frozen=True)
 class StreamSource:
     """Where a run streams its snapshot from: the snapshot folder's URL on the store, the local cache folder

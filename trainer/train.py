@@ -38,7 +38,7 @@ from latentmill.trainer.checkpoint import (
     resolve_resume,
     save_checkpoint,
 )
-from latentmill.trainer.config import ParallelConfig, TrainerConfig
+from latentmill.trainer.config import LoaderConfig, ParallelConfig, TrainerConfig
 from latentmill.trainer.context import check_context_parallel, check_cp_batch, check_cp_validation
 from latentmill.trainer.evaluation import Evaluator, clip_score, clip_scorer
 from latentmill.trainer.experts import Part, expert_sigma, other_parts, route_micro_batches, routing_warning
@@ -62,7 +62,7 @@ from latentmill.trainer.objective import (
 )
 from latentmill.trainer.parallel import DistContext, init_distributed, shutdown
 from latentmill.trainer.shard_check import CorruptShardError
-from latentmill.trainer.stream import StreamSource
+from latentmill.trainer.stream import StreamSource, cache_fit_warning
 from latentmill.trainer.threads import ThreadChoice, choose_cpu_threads
 from latentmill.trainer.trackers import Trackers, start_trackers
 from latentmill.trainer.validation import CachedPrompts, Validator, cached_prompts, grid_frames, video_path
@@ -183,6 +183,7 @@ def train(
     provenance: dict[str, Any] | None = None,
     recipe: dict[str, Any] | None = None,
     stream: StreamSource | None = None,
+    loader: LoaderConfig | None = None,
 ) -> dict[str, Any]:
     """Train on the latents in ``cache_dir``, starting from the Diffusers pipeline ``pretrained``.
 
@@ -193,7 +194,8 @@ def train(
     every checkpoint's trainer state, the summary, and ``latentmill.json`` beside the export, so every model
     traces back to its data. ``recipe`` (optional: the whole resolved recipe, else the trainer section) is what
     the trackers record as the run's settings. ``stream`` (optional): the snapshot is on an object store, and
-    ``cache_dir`` holds its manifest only; the shards come through ``latentmill.trainer.stream``. ``export_dir``
+    ``cache_dir`` holds its manifest only; the shards come through ``latentmill.trainer.stream``. ``loader``
+    (optional): the recipe's loader section, whose ``shuffle_block`` orders the epochs. ``export_dir``
     defaults to ``<train_dir>/export`` (used when ``cfg.export``). Returns a summary: ``steps``,
     ``steps_this_run``, ``final_loss``, ``samples_per_s``, ``data_wait_fraction``, ``peak_rss_mb``,
     ``peak_mem_mb``, ``export_dir``, ``resumed_from``, ``world_size``, ``epochs`` (epochs of data this rank
@@ -212,7 +214,8 @@ def train(
     try:
         summary = _train(cfg, ctx, parallel, Path(cache_dir), pretrained, Path(train_dir), seed, export_dir,
                          progress=progress, check_cache=check_cache, on_step=on_step,
-                         provenance=provenance or {}, recipe=recipe, stream=stream)  # fmt: skip
+                         provenance=provenance or {}, recipe=recipe, stream=stream,
+                         shuffle_block=(loader or LoaderConfig()).shuffle_block)  # fmt: skip
         finished = True
         return summary
     except (interrupt.Interrupted, CorruptShardError) as err:
@@ -244,9 +247,11 @@ def _train(
     provenance: dict[str, Any],
     recipe: dict[str, Any] | None = None,
     stream: StreamSource | None = None,
+    shuffle_block: int | None = None,
 ) -> dict[str, Any]:
     """The body of ``train`` for one process (rank ``ctx.rank`` of ``ctx.world_size``): set up, loop, export."""
-    run = _Run(cfg, ctx, parallel, cache_dir, pretrained, train_dir, seed, check_cache, provenance, stream)
+    run = _Run(cfg, ctx, parallel, cache_dir, pretrained, train_dir, seed, check_cache, provenance, stream,
+               shuffle_block)
     run.resume()
     run.clip = clip_scorer(recipe) if ctx.is_main and cfg.validate_every else None
     trackers = Trackers([])
@@ -380,7 +385,8 @@ class _Run:
 
     def __init__(self, cfg: TrainerConfig, ctx: DistContext, parallel: ParallelConfig, cache_dir: Path,
                  pretrained: str, train_dir: Path, seed: int, check_cache: Callable[[dict], None] | None,
-                 provenance: dict[str, Any], stream: StreamSource | None = None) -> None:
+                 provenance: dict[str, Any], stream: StreamSource | None = None,
+                 shuffle_block: int | None = None) -> None:
         self.cfg, self.ctx, self.parallel, self.pretrained, self.seed = cfg, ctx, parallel, pretrained, seed
         self.train_dir, self.provenance = train_dir, provenance
         self.ckpt_dir, self.metrics_path = train_dir / "checkpoints", train_dir / "metrics.jsonl"
@@ -394,7 +400,7 @@ class _Run:
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
         self.cpu_threads = _use_cpu_threads(cfg, self.device)
-        self._build_data(cache_dir, check_cache, stream)
+        self._build_data(cache_dir, check_cache, stream, shuffle_block)
         self._build_model()
         self._build_optimizer()
         self.start_step = self.step = 0
@@ -419,7 +425,7 @@ class _Run:
                               str(cache_dir))
 
     def _build_data(self, cache_dir: Path, check_cache: Callable[[dict], None] | None,
-                    stream: StreamSource | None) -> None:
+                    stream: StreamSource | None, shuffle_block: int | None) -> None:
         """The cache manifest, the family's adapter, and this rank's loader."""
         cfg, ctx = self.cfg, self.ctx
         self.stream_source = stream
@@ -436,8 +442,11 @@ class _Run:
             cache_dir, cfg.batch_size, self.seed, dtype=torch.float32, drop_last=cfg.drop_last,
             verify=cfg.verify_shards, manifest=self.manifest, rank=ctx.dp_rank, world_size=ctx.dp_size,
             caption_dropout=cfg.caption_dropout, check_on_read=not cfg.verify_shards,
-            stream=stream.open(ctx.rank) if stream is not None else None,
+            stream=stream.open(ctx.rank) if stream is not None else None, shuffle_block=shuffle_block,
         )
+        warning = cache_fit_warning(self.loader.stream, shuffle_block) if self.loader.stream is not None else None
+        if warning and ctx.is_main:
+            log.warning(warning)
         self.text_len = _text_length(self.manifest)
         if cfg.validate_every:  # every cp rank samples the validation prompts: the plan splits their sequences
             check_cp_validation(self.parallel, self.adapter, cfg.validation_size, self.pretrained, self.text_len)
