@@ -44,11 +44,11 @@ dev: $(VENV)/.installed-dev
 demo: venv
 	$(VENV)/bin/latentmill demo --summary-json $(DEMO_DIR)/summary.json
 
-# make test leaves out the tests marked heavy (the wheel install, the gpu-check dry run, a second served start,
-# a memory test over a real flow, second variants of a path make test runs: Dask beside Ray, 4 ranks beside 2,
-# the learning, parallel and demo runs of a family beside those of FLUX.1, Wan and FLUX.2 klein) and runs the
-# rest in TEST_WORKERS processes (pytest-xdist): about 10 minutes of pytest on the 2-core box. make test-all
-# runs everything.
+# make test runs one test per mechanism and leaves the tests marked heavy to make test-all: the wheel install,
+# the gpu-check dry run, a second served start, memory measurements, and second variants of a path make test
+# runs (Ray and Dask beside the process runner, 4 ranks beside 2, SIGTERM beside SIGKILL, and the learning,
+# 2-rank and demo runs of the families beside those of FLUX.1 and Wan 2.1). It runs in TEST_WORKERS processes
+# (pytest-xdist): under 10 minutes of pytest on the 2-core box.
 TEST_WORKERS ?= 2
 test: dev
 	$(VENV)/bin/python -m pytest -q -n $(TEST_WORKERS) --dist worksteal -m "not heavy" --durations=25

@@ -13,9 +13,14 @@ point: the tracker's cost grows with the modules), with and without activation c
 * estimate: ``latentmill.activations.activation_bytes`` for the same shape.
 
 Then Qwen-Image (a family the constants were not set on) and FLUX.2 [dev] (whose SwiGLU width its adapter declares
-from this point) at 1024². HunyuanVideo 1.5 and Z-Image trim their text by its mask (a data-dependent shape
-that ``FakeTensorMode`` cannot run) and are not measured. The figure is ``|estimate / measured - 1|``, goal ≤ 0.15
-for every point. Run alone: ``python -m bench.actplan``
+from this point) at 1024²; Z-Image-Turbo at 1024² without its refiners (which see only the image or the caption
+tokens; its adapter declares its SwiGLU width and its float32 norms and RoPE from this point; the text mask's values
+are known to the fake tensors, so its real-token count is too) and LTX-2 at 1024 x 768 x 25 frames (its float32 RoPE
+and its audio tokens, declared from this point). HunyuanVideo 1.5's Diffusers class branches on its inputs' values
+(``torch.all(image_embeds == 0)``) and selects each caption's tokens by a boolean mask, shapes that ``FakeTensorMode``
+cannot run: it is measured on real tensors on the CPU, at its real width with 2 blocks and 512 and 1,536 latent
+tokens (its adapter declares its glyph and image tokens and the bf16 attention mask each block saves from these
+points). The figure is ``|estimate / measured - 1|``, goal ≤ 0.15 for every point. Run alone: ``python -m bench.actplan``
 (``--quick``: the smaller size of each family only).
 """
 
@@ -38,7 +43,15 @@ POINTS = [  # family, shipped config folder, depth, bucket [W, H, F]
     ("qwen-image", "Qwen-Image", {"num_layers": 2}, [1024, 1024, 1]),
     # FLUX.2 [dev] (6144 hidden, SwiGLU): its adapter declares the feed-forward width this point measured
     ("flux2", "FLUX.2-dev", {"num_layers": 1, "num_single_layers": 2}, [1024, 1024, 1]),
+    # Z-Image-Turbo (3840 hidden, SwiGLU, sandwich RMSNorms in float32), its main layers only
+    ("z-image", "Z-Image-Turbo", {"n_layers": 2, "n_refiner_layers": 0}, [1024, 1024, 1]),
+    # LTX-2 (4096 video and 2048 audio hidden, float32 RoPE): 3,072 video and 26 audio tokens
+    ("ltx2", "LTX-2", {"num_layers": 2}, [1024, 768, 25]),
+    # HunyuanVideo 1.5 (2048 hidden, glyph and image tokens in the sequence, a dense mask per block), real tensors
+    ("hunyuanvideo1.5", "HunyuanVideo-1.5-480p_t2v", {"num_layers": 2}, [256, 256, 5]),
+    ("hunyuanvideo1.5", "HunyuanVideo-1.5-480p_t2v", {"num_layers": 2}, [512, 256, 9]),
 ]
+REAL_TENSORS = ("hunyuanvideo1.5",)  # forward branches on its inputs' values: measured on real tensors on the CPU
 TEXT_TOKENS = 512
 
 
@@ -68,7 +81,8 @@ def run(args) -> list:
         assert list(shape.bucket) == (bucket if bucket[2] > 1 else bucket[:2]), (shape.bucket, bucket)
         for checkpointing in (True, False):
             start = time.perf_counter()
-            measured = measured_activation_bytes(family, config, bucket, TEXT_TOKENS, checkpointing=checkpointing)
+            measured = measured_activation_bytes(family, config, bucket, TEXT_TOKENS, checkpointing=checkpointing,
+                                                 fake=family not in REAL_TENSORS)
             estimate = activation_bytes(shape, checkpointing=checkpointing)
             error = abs(estimate / measured - 1)
             log(f"actplan {family} {bucket} checkpointing {checkpointing}: estimate {estimate / 2**30:.3f} GiB, "
@@ -79,7 +93,8 @@ def run(args) -> list:
             figures.append(figure(f"32. plan's activation estimate vs MemTracker, {family} {'x'.join(map(str, bucket))}, "
                                   f"checkpointing {'on' if checkpointing else 'off'} (|estimate/measured - 1|)",
                                   [estimate / 2**30], [measured / 2**30], "GiB", "<= 0.15", inputs,
-                                  "MemTracker peak under FakeTensorMode minus parameters and buffers, bf16, one "
+                                  f"MemTracker peak {'on real CPU tensors' if family in REAL_TENSORS else 'under FakeTensorMode'} "
+                                  "minus parameters and buffers, bf16, one "
                                   "forward and backward through the adapter", ratios=[error]))
     return figures
 

@@ -4,7 +4,10 @@ One formula for every family; what differs between families comes from their own
 count of a bucket (the cache side's ``Encoders.sample_shapes`` gives the latent and text shapes, the adapter's
 ``seq_len`` the tokens after patchify), whether the text tokens run through the blocks with the latent tokens
 (``ModelAdapter.text_in_blocks``: joint attention) or only feed cross-attention, the blocks' widths
-(``ModelAdapter.block_widths``) and what a family's blocks keep in float32 (``ModelAdapter.float32_activations``).
+(``ModelAdapter.block_widths``), what a family's blocks keep in float32 (``ModelAdapter.float32_activations``) and
+the other token streams its blocks carry beside the latents' (``ModelAdapter.side_streams``: LTX-2's audio), each
+counted as the latents' are at its own widths, the text tokens of the blocks' sequence (``ModelAdapter.text_tokens``)
+and the dense attention mask a family's blocks save (``ModelAdapter.attention_mask_bytes``: quadratic in the tokens).
 With ``S`` tokens per sample on a rank (the sequence divided by cp), a micro-batch of ``B``, hidden width ``D``,
 feed-forward width ``F``, ``L`` blocks, activations in bf16 (2 bytes):
 
@@ -55,6 +58,12 @@ class ActivationShape:
     ffn: int  # F
     blocks: int  # L
     batch: int  # B, trainer.batch_size
+    # (tokens per sample, hidden width, feed-forward width) of each other token stream through the same blocks
+    # beside the latents' (LTX-2's audio: ``ModelAdapter.side_streams``)
+    side_streams: tuple[tuple[int, int, int], ...] = ()
+    # bytes per (query token, key token) of the blocks' sequence a block saves for backward: a dense attention mask
+    # (``ModelAdapter.attention_mask_bytes``: HunyuanVideo 1.5's)
+    mask_bytes: int = 0
 
     @property
     def tokens(self) -> int:
@@ -65,13 +74,16 @@ class ActivationShape:
 def activation_bytes(shape: ActivationShape, *, checkpointing: bool, cp: int = 1) -> int:
     """Peak activation bytes of one micro-batch on one rank (see the module docstring); ``cp`` ranks split
     each sample's sequence."""
-    tokens = shape.batch * math.ceil(shape.tokens / cp)
     input_extra, saved_extra = shape.float32_extra
-    saved = tokens * ((SAVED_PER_D * shape.hidden + SAVED_PER_F * shape.ffn) * COMPUTE_BYTES
-                      + saved_extra * shape.hidden)
-    block_input = tokens * shape.hidden * (COMPUTE_BYTES + input_extra)
+    saved = shape.batch * math.ceil(shape.tokens / cp) * shape.tokens * shape.mask_bytes
+    block_input = work = 0
+    for tokens, hidden, ffn in ((shape.tokens, shape.hidden, shape.ffn), *shape.side_streams):
+        n = shape.batch * math.ceil(tokens / cp)
+        saved += n * ((SAVED_PER_D * hidden + SAVED_PER_F * ffn) * COMPUTE_BYTES + saved_extra * hidden)
+        block_input += n * hidden * (COMPUTE_BYTES + input_extra)
+        work += n * WORK_PER_D * hidden * COMPUTE_BYTES
     held = shape.blocks * block_input + saved if checkpointing else shape.blocks * saved
-    return held + tokens * WORK_PER_D * shape.hidden * COMPUTE_BYTES + FIXED_BYTES
+    return held + work + FIXED_BYTES
 
 
 def largest_bucket(bucket_cfg: Any, video: bool, tokens_of: Any) -> list[int]:
@@ -107,10 +119,12 @@ def activation_shape(adapter: Any, family: str, folder: Path, transformer_config
         return adapter.seq_len(torch.empty(1, *shapes(bucket)["latents"], device="meta"))
 
     bucket = largest_bucket(recipe.bucket, encoders.FRAME_STEP is not None, tokens)
-    text = shapes(bucket).get("prompt_embeds", (0,))[0]
+    text = adapter.text_tokens(shapes(bucket))
     hidden, ffn = adapter.block_widths(transformer_config)
     return ActivationShape(tuple(bucket), tokens(bucket), int(text), adapter.text_in_blocks,
-                           tuple(adapter.float32_activations), hidden, ffn, blocks, recipe.trainer.batch_size)
+                           tuple(adapter.float32_activations), hidden, ffn, blocks, recipe.trainer.batch_size,
+                           tuple(adapter.side_streams(transformer_config, shapes(bucket))),
+                           adapter.attention_mask_bytes)
 
 
 @functools.cache
@@ -120,13 +134,25 @@ def _fake_mode(cls: type) -> Any:
     return cls(allow_non_fake_inputs=True)
 
 
+def _known(tensor: torch.Tensor) -> torch.Tensor:
+    """The real ``tensor`` as a fake one that carries its values, so that a scalar computed from it alone (a mask's
+    real-token count) is known: the families that trim their text by its mask take data-dependent shapes."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    mode = _fake_mode(FakeTensorMode)
+    return mode.fake_tensor_converter.from_real_tensor(mode, tensor, make_constant=True)
+
+
 def measured_activation_bytes(family: str, config: dict[str, Any], bucket: list[int], max_sequence_length: int, *,
-                              checkpointing: bool, batch: int = 1) -> int:
+                              checkpointing: bool, batch: int = 1, fake: bool = True) -> int:
     """Peak activation bytes of one forward and backward of ``family``'s real Diffusers transformer built from
     ``config`` in bf16, at ``bucket``, measured by torch's ``MemTracker`` under ``FakeTensorMode`` (no memory
     is used: real sizes run on a CPU). Each gradient is dropped as soon as it is accumulated, as FSDP2's
     reduce-scatter frees it; the peak minus parameters and buffers is the activations' (the check of
-    :func:`activation_bytes`)."""
+    :func:`activation_bytes`). ``fake=False``: real tensors on the CPU, for a class whose forward branches on its
+    inputs' values (HunyuanVideo 1.5's ``torch.all(image_embeds == 0)``); keep ``config`` and ``bucket`` small."""
+    import contextlib
+
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.distributed._tools.mem_tracker import MemTracker
 
@@ -140,7 +166,11 @@ def measured_activation_bytes(family: str, config: dict[str, Any], bucket: list[
     class Guidance:  # what the adapters' forward reads of the trainer config
         guidance_scale = 3.5
 
-    with _fake_mode(FakeTensorMode):
+    # the loader's masks of the trimmed text streams, every token real (the estimate's longest text); made real,
+    # outside the fake mode, so that their values are known in it
+    masks = {f"{stream.name}_mask": torch.ones(batch, shapes[stream.name][0], dtype=torch.bool)
+             for stream in family_class(family).STREAMS if stream.pad == "mask"}
+    with _fake_mode(FakeTensorMode) if fake else contextlib.nullcontext():
         default = torch.get_default_dtype()
         torch.set_default_dtype(torch.bfloat16)  # FSDP2's bf16 gathered parameters
         try:
@@ -152,6 +182,7 @@ def measured_activation_bytes(family: str, config: dict[str, Any], bucket: list[
         for p in model.parameters():
             p.register_post_accumulate_grad_hook(lambda p: setattr(p, "grad", None))
         inputs = {name: torch.randn(batch, *shape, dtype=torch.bfloat16) for name, shape in shapes.items()}
+        inputs.update({name: _known(mask) if fake else mask for name, mask in masks.items()})
         tracker = MemTracker()
         tracker.track_external(model)
         with tracker, warnings.catch_warnings():

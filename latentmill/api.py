@@ -45,14 +45,19 @@ def prep(recipe: Recipe) -> dict[str, Any]:
     return _run_flow("latentmill.pipelines.prep", "prep_recipe", _checked(recipe))
 
 
-def train(recipe: Recipe, nproc: int = 1, nnodes: int = 1, rdzv_endpoint: str | None = None) -> dict[str, Any]:
-    """Train on the recipe's snapshot (``nproc`` > 1: under torchrun): ``{"train": {...}}``."""
-    return _run_flow("latentmill.pipelines.flows", "train_recipe_flow", _checked(recipe), nproc, nnodes, rdzv_endpoint)
+def train(recipe: Recipe, nproc: int = 1, nnodes: int | None = None, rdzv_endpoint: str | None = None
+          ) -> dict[str, Any]:
+    """Train on the recipe's snapshot (``nproc`` > 1: under torchrun; ``nnodes`` None: ``parallel.nnodes``, else
+    1): ``{"train": {...}}``."""
+    return _run_flow("latentmill.pipelines.flows", "train_recipe_flow", _checked(recipe), nproc,
+                     recipe.parallel.launch_nodes(nnodes), rdzv_endpoint)
 
 
-def run(recipe: Recipe, nproc: int = 1, nnodes: int = 1, rdzv_endpoint: str | None = None) -> dict[str, Any]:
+def run(recipe: Recipe, nproc: int = 1, nnodes: int | None = None, rdzv_endpoint: str | None = None
+        ) -> dict[str, Any]:
     """Prep, then train on the new snapshot: ``{"stages": {...}, "snapshot": {...}, "train": {...}}``."""
-    return _run_flow("latentmill.pipelines.flows", "prep_then_train_recipe", _checked(recipe), nproc, nnodes, rdzv_endpoint)
+    return _run_flow("latentmill.pipelines.flows", "prep_then_train_recipe", _checked(recipe), nproc,
+                     recipe.parallel.launch_nodes(nnodes), rdzv_endpoint)
 
 
 __all__ = ["prep", "train", "run"]

@@ -84,7 +84,8 @@ def _parser() -> argparse.ArgumentParser:
         if name in ("train", "run"):
             p.add_argument("--nproc", type=int, default=1, help="processes on this node (torchrun when > 1)")
         if name in ("train", "run"):
-            p.add_argument("--nnodes", type=int, default=1, help="nodes (each runs this same command)")
+            p.add_argument("--nnodes", type=int, help="nodes, each running this same command (default: "
+                                                       "parallel.nnodes, else 1)")
             p.add_argument("--rdzv-endpoint", help="HOST:PORT of the first node, for --nnodes > 1")
     for name, text in [("inspect", "show a recipe with its defaults, or a snapshot's or stages' report"),
                        ("verify", "re-hash shards against their manifests")]:
@@ -99,7 +100,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("config", help="YAML recipe, e.g. configs/flux-dev-full.yaml")
     p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. parallel.hsdp_replicate=1")
     p.add_argument("--nproc", type=int, help="processes (GPUs) per node (default: 8; 1 for strategy none)")
-    p.add_argument("--nnodes", type=int, help="nodes (default: parallel.hsdp_replicate for HSDP, else 1)")
+    p.add_argument("--nnodes", type=int, help="nodes (default: parallel.nnodes, else parallel.hsdp_replicate for "
+                                              "HSDP, else 1)")
     p.add_argument("--gpu-memory", type=float, help="GiB per GPU for the fits check (default 80)")
     p.add_argument("--suggest", action="store_true",
                    help="name the smallest parallel.cp_size and the activation checkpointing setting that fit "
@@ -517,7 +519,8 @@ def main(argv: list[str] | None = None) -> int:
                     summary["sample"] = str(_sample_image(summary["train"], Path(out)))
             elif summary is None:
                 summary, out = _run_flow(args.command, args.config, args.overrides, recipe, getattr(args, "nproc", 1),
-                                         getattr(args, "nnodes", 1), getattr(args, "rdzv_endpoint", None), source)
+                                         recipe.parallel.launch_nodes(getattr(args, "nnodes", None)),
+                                         getattr(args, "rdzv_endpoint", None), source)
     except (ConfigError, CacheMismatchError, FileNotFoundError, FileExistsError, EmptySnapshotError,
             MissingExtra, StoreError) as err:
         if debug:

@@ -83,8 +83,9 @@ class JaxLatentLoader:
 
     ``dtype``: ``float32`` (default, as ``LatentLoader``), ``bfloat16``, ``float16`` or ``float64``; None: the
     dtype the cache stage wrote (its manifest's ``dtype``: no conversion on the host). ``as_jax``: put each batch's arrays on ``device`` (``to_jax``) before it is
-    handed out. The other arguments are ``LatentLoader`` 's (``prefetch``: the next batch is read in a thread
-    while the caller's step runs, which with JAX's asynchronous dispatch overlaps the device's work too).
+    handed out. The other arguments are ``LatentLoader`` 's (``shuffle_block``: the recipe's
+    ``loader.shuffle_block``, the same block shuffle; ``prefetch``: the next batch is read in a thread while the
+    caller's step runs, which with JAX's asynchronous dispatch overlaps the device's work too).
     """
 
     def __init__(
@@ -104,6 +105,7 @@ class JaxLatentLoader:
         io_threads: int = 2,
         as_jax: bool = False,
         device: Any = None,
+        shuffle_block: int | None = None,
     ) -> None:
         import torch
 
@@ -117,7 +119,7 @@ class JaxLatentLoader:
         self._loader = LatentLoader(
             cache_dir, batch_size, seed, dtype=getattr(torch, self.dtype), drop_last=drop_last, verify=verify,
             manifest=manifest, rank=rank, world_size=world_size, caption_dropout=caption_dropout,
-            prefetch=prefetch, io_threads=io_threads,
+            prefetch=prefetch, io_threads=io_threads, shuffle_block=shuffle_block,
         )
 
     # --- what the torch loader knows: the snapshot, its buckets and the plan ---

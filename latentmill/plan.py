@@ -218,8 +218,8 @@ def layout(recipe: Recipe, nproc: int | None, nnodes: int | None) -> Layout:
     """The run's process layout: ``--nproc``/``--nnodes``, else the recipe's.
 
     A recipe states its layout through ``parallel``: ``strategy: none`` is one process; ``ddp``/``fsdp2``
-    run on nodes of 8 GPUs, and an HSDP recipe's ``hsdp_replicate`` is its number of nodes (shard within a
-    node, replicate across nodes).
+    run on nodes of 8 GPUs, ``parallel.nnodes`` of them; without that key, an HSDP recipe's ``hsdp_replicate``
+    is its number of nodes (shard within a node, replicate across nodes), any other one node.
     """
     parallel = recipe.parallel
     if parallel.strategy == "none":
@@ -227,11 +227,16 @@ def layout(recipe: Recipe, nproc: int | None, nnodes: int | None) -> Layout:
         nproc, nnodes = nproc or 1, nnodes or 1
     else:
         hsdp = parallel.strategy == "fsdp2" and parallel.hsdp_replicate > 1
-        note = (f"--nproc {nproc}" if nproc else f"{GPUS_PER_NODE} GPUs per node (default)") + ", " + (
-            f"--nnodes {nnodes}" if nnodes else
-            (f"{parallel.hsdp_replicate} nodes (= parallel.hsdp_replicate)" if hsdp else "1 node (default)"))
+        if nnodes:
+            nodes = f"--nnodes {nnodes}"
+        elif parallel.nnodes:
+            nnodes, nodes = parallel.nnodes, f"{parallel.nnodes} nodes (parallel.nnodes)"
+        elif hsdp:
+            nnodes, nodes = parallel.hsdp_replicate, f"{parallel.hsdp_replicate} nodes (= parallel.hsdp_replicate)"
+        else:
+            nnodes, nodes = 1, "1 node (default)"
+        note = (f"--nproc {nproc}" if nproc else f"{GPUS_PER_NODE} GPUs per node (default)") + ", " + nodes
         nproc = nproc or GPUS_PER_NODE
-        nnodes = nnodes or (parallel.hsdp_replicate if hsdp else 1)
     if nproc < 1 or nnodes < 1:
         raise ConfigError(f"--nproc and --nnodes: must be >= 1, got {nproc} and {nnodes}")
     world = nproc * nnodes
@@ -484,7 +489,9 @@ def plan(recipe: Recipe, *, nproc: int | None = None, nnodes: int | None = None,
     notes.append(f"activations: bucket {'x'.join(map(str, shape.bucket))}, {shape.latent_tokens:,} latent + "
                  f"{shape.text_tokens:,} text tokens ({'joined to' if shape.text_in_blocks else 'cross-attention of'} "
                  f"the blocks' sequence), batch {shape.batch}, {shape.blocks} blocks of {shape.hidden} x "
-                 f"{shape.ffn}, in bf16 (latentmill.activations)")
+                 f"{shape.ffn}, in bf16"
+                 + (f", and a dense attention mask of {shape.mask_bytes} bytes per token pair in each block"
+                    if shape.mask_bytes else "") + " (latentmill.activations)")
     gpu_bytes = int(gpu_memory_gib * GIB)
     per_rank = {
         "params_bytes": params_bytes,
@@ -522,7 +529,9 @@ def plan(recipe: Recipe, *, nproc: int | None = None, nnodes: int | None = None,
                         "tokens_per_rank": math.ceil(shape.tokens / parallel.cp_size), "batch_size": shape.batch,
                         "blocks": shape.blocks, "hidden": shape.hidden, "ffn": shape.ffn, "heads": heads,
                         "checkpointing": cfg.activation_checkpointing,
-                        "float32_extra": list(shape.float32_extra), "cp_options": cp_options},
+                        "float32_extra": list(shape.float32_extra), "side_streams": [list(t) for t in shape.side_streams],
+                        "mask_bytes": shape.mask_bytes,
+                        "cp_options": cp_options},
         "per_rank": per_rank,
         "gpu_memory_bytes": gpu_bytes,
         "fits": per_rank["total_bytes"] <= gpu_bytes,
@@ -549,7 +558,8 @@ def suggest(result: dict[str, Any]) -> dict[str, Any]:
     ``line``, one sentence saying it, or what would fit when nothing does."""
     a, r = result["activations"], result["per_rank"]
     shape = ActivationShape(tuple(a["bucket"]), a["latent_tokens"], a["text_tokens"], a["text_in_blocks"],
-                            tuple(a["float32_extra"]), a["hidden"], a["ffn"], a["blocks"], a["batch_size"])
+                            tuple(a["float32_extra"]), a["hidden"], a["ffn"], a["blocks"], a["batch_size"],
+                            tuple(map(tuple, a["side_streams"])), a["mask_bytes"])
     gpu = result["gpu_memory_bytes"]
     tried = []
     for cp in a["cp_options"]:

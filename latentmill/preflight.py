@@ -13,6 +13,8 @@
   recipe never mixes components of two families (a FLUX.1 VAE under a FLUX.2 transformer);
 * ``train``: a published snapshot to train on (``run`` publishes one first);
 * the process layout (``--nproc``, ``--nnodes``) against ``parallel.strategy``;
+* context parallelism (``parallel.cp_size``): the family has a plan, and cp divides the token counts of every
+  bucket the prep can make and of the validation size (else the trainer would refuse them at their first batch);
 * ``trainer.expert`` against a local pipeline's experts (a Wan 2.2 A14B folder needs ``high`` or ``low``).
 """
 
@@ -281,9 +283,14 @@ def check_recipe(recipe: Recipe, command: str) -> None:
         check_validation(recipe.trainer.validate_every, model.family)
     if model.family != "auto" and recipe.parallel.cp_size > 1:
         from latentmill.trainer.adapters import get_adapter
-        from latentmill.trainer.context import check_context_parallel
+        from latentmill.trainer.context import check_context_parallel, check_cp_buckets, check_cp_validation
 
-        check_context_parallel(recipe.parallel, get_adapter(model.family))
+        adapter, text = get_adapter(model.family), recipe.cache.max_sequence_length
+        check_context_parallel(recipe.parallel, adapter)
+        if command in ("prep", "run", "demo"):  # the buckets and text length this recipe's prep makes
+            check_cp_buckets(recipe.parallel, adapter, recipe.bucket, model.pretrained, text)
+            if recipe.trainer.validate_every:
+                check_cp_validation(recipe.parallel, adapter, recipe.trainer.validation_size, model.pretrained, text)
     if command in ("train", "run", "demo"):
         check_expert(recipe)
     if command == "train" and is_url(recipe.output_dir):

@@ -27,6 +27,7 @@ from latentmill.pipelines.objectstore import (
 )
 from latentmill.pipelines.prep import prep, release_prep_models, run_prep
 from latentmill.pipelines.report import TrainProgress
+from latentmill.pipelines.retention import training_lock
 from latentmill.pipelines.runs import RunPlan, finish_run, local_recipe, plan_run
 from latentmill.pipelines.snapshot import resolve_snapshot
 from prefect import flow, task
@@ -70,6 +71,11 @@ class Launch:
     nnodes: int = 1
     rdzv_endpoint: str | None = None  # host:port of the rendezvous (the first node), needed when nnodes > 1
     rdzv_id: str = "latentmill"
+
+    @property
+    def rendezvous(self) -> str | None:
+        """What names one training on several nodes (each runs the same command): its rendezvous."""
+        return f"{self.rdzv_endpoint}/{self.rdzv_id}" if self.nnodes > 1 else None
 
     def torchrun_args(self) -> list[str]:
         if self.nnodes == 1:
@@ -233,6 +239,8 @@ def run_train(recipe: Recipe, launch: Launch = Launch()) -> dict[str, Any]:
             lease = held.enter_context(training_lease(recipe.output_dir))
             pull(recipe.output_dir, Path(local.output_dir), tars=False)  # manifests and indexes; shards stream
             pull_runs(recipe.output_dir, Path(local.output_dir))  # the checkpoints a resume reads
+        else:  # the same for a local output; under torchrun this process holds it, not the ranks
+            held.enter_context(training_lock(recipe.output_dir, launch.rendezvous))
         snapshot = resolve_snapshot(local.output_dir, recipe.snapshot)  # clear error if prep has not run
         plan = plan_run(local, snapshot.name, launch.nproc * launch.nnodes)
         if plan.done is not None:

@@ -12,10 +12,10 @@ A prep on ``s3://bucket/x`` runs the local code unchanged in a work folder of th
 * :class:`UnitPublisher` publishes each unit the prep commits while it runs (parts, then record).
 * :func:`gc_store`, :func:`compact_store`, :func:`verify_store` and :func:`local_view`: ``gc``, ``compact``,
   ``verify`` and ``inspect`` there.
-* :func:`store_lease` is the writer lock on a store: one object written only if absent (``If-None-Match``),
-  renewed while its holder lives (``If-Match`` its ETag), taken over once its lease has run out. A training
-  holds a lease of the same kind, ``.train.lock`` (:func:`training_lease`): one training writes an output's
-  runs at a time.
+* :func:`store_lease` is the writer lock on a store: one object written only if absent (``If-None-Match``;
+  GCS: ``ifGenerationMatch=0``), renewed while its holder lives (``If-Match`` its ETag; GCS: its generation),
+  taken over once its lease has run out. A training holds a lease of the same kind, ``.train.lock``
+  (:func:`training_lease`): one training writes an output's runs at a time.
 * Pins: a user's pin is an object ``pins/<snapshot>.pin`` (:func:`pin_store`, :func:`unpin_store`); a training
   run's is a lease of its own, ``pins/<snapshot>@<host>-<pid>.pin`` (:func:`pinned_on_store`), which lapses
   when its holder dies. :func:`gc_store` keeps what the live pins name (:func:`store_pins`).
@@ -23,6 +23,7 @@ A prep on ``s3://bucket/x`` runs the local code unchanged in a work folder of th
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import json
 import os
@@ -37,7 +38,9 @@ from typing import Any, Collection, Iterator, Literal
 from latentmill.pipelines.retention import (
     LOCK_FILE,
     PINS,
+    TRAIN_LOCK,
     OutputBusyError,
+    busy_message,
     holder_kind,
     holder_line,
     pin_record,
@@ -51,12 +54,17 @@ from latentmill.core.store import join, store_fs, work_dir_for
 
 LOCAL_SUFFIXES = (".sqlite", ".sqlite-wal", ".sqlite-shm", ".sqlite-journal", ".tmp")  # catalog, digests
 LOCAL_NAMES = {"last-run.json"}  # the unchanged check's memory: stat signatures of this machine's files
-LEASE_SCHEMES = ("s3://", "s3a://")  # stores whose conditional writes (If-None-Match, If-Match) leases use
+# The stores whose conditional writes leases use, with the field of ``info()`` that names an object's version
+# there: S3's ETag (If-None-Match, If-Match), GCS's generation (ifGenerationMatch).
+LEASE_TOKENS = {"s3://": "ETag", "s3a://": "ETag", "gs://": "generation", "gcs://": "generation"}
+LEASE_SCHEMES = tuple(LEASE_TOKENS)
+NO_LEASE = ("needs conditional writes (S3's If-None-Match and If-Match, or GCS's ifGenerationMatch): s3:// and "
+            "gs:// have them; az:// is not supported yet (no Azure test server here to test its conditional "
+            "writes against)")
 LEASE_S = 60.0  # a writer lease: renewed every third of it; a holder silent for this long is taken to be dead
 PULLING = ".pull.tmp"  # suffix of a file being downloaded: renamed into place once whole
 PUBLISH_EVERY_S = 10.0  # how often a running prep publishes the units it committed
 CACHE = "prep/cache/"  # the cache stage's folder, the one compaction merges
-TRAIN_LOCK = ".train.lock"  # the lease of the one training that writes an output's runs on a store
 PAUSE_ENV = "LATENTMILL_PUBLISH_PAUSE_AFTER"  # tests: pause after this many publishing rounds, for a kill
 
 
@@ -94,11 +102,14 @@ def _md5(path: Path) -> str:
 
 def _same(local: Path, info: dict[str, Any], rel: str) -> bool:
     """Whether the local file holds the store object's bytes: by size for shards (content-addressed names),
-    else by the object's ETag, the MD5 of a single-part upload."""
+    else by the object's MD5: S3's ETag of a single-part upload, GCS's ``md5Hash`` (its ETag is no MD5)."""
     size = local.stat().st_size
     if size != int(info.get("size") or 0):
         return False
-    etag = str(info.get("ETag") or info.get("etag") or "").strip('"')
+    if info.get("md5Hash"):
+        etag = base64.b64decode(info["md5Hash"]).hex()
+    else:
+        etag = str(info.get("ETag") or info.get("etag") or "").strip('"')
     if phase(rel) == 0 or not etag or "-" in etag:
         return True
     return _md5(local) == etag
@@ -272,17 +283,18 @@ class LostLease(OutputBusyError):
 
 class StoreLease:
     """A lease on an output on a store: the object ``<url>/<key>``, JSON naming its holder and when its lease
-    ends (and ``fields``). Taken with ``If-None-Match: *`` (or, once a lease ran out, ``If-Match`` the ETag
-    read), renewed and released with ``If-Match`` this holder's ETag: of two writers, one wins each write.
-    ``key``: the writer lock ``.writer.lock`` by default; the training lease (:func:`training_lease`) or a
-    training run's pin otherwise."""
+    ends (and ``fields``). Taken only if absent (or, once a lease ran out, only if still the version read),
+    renewed and released only if still this holder's version: of two writers, one wins each write. The
+    version is S3's ETag (``If-None-Match: *``, ``If-Match``) or GCS's generation (``ifGenerationMatch``),
+    :meth:`put` the one write that differs. ``key``: the writer lock ``.writer.lock`` by default; the
+    training lease (:func:`training_lease`) or a training run's pin otherwise."""
 
     def __init__(self, url: str, holder: str, lease_s: float = LEASE_S, key: str = LOCK_FILE,
                  fields: dict[str, Any] | None = None):
         if not url.startswith(LEASE_SCHEMES):
-            raise ConfigError(f"output_dir: {url}: the writer lease needs S3's conditional writes "
-                              "(If-None-Match); other stores are not supported yet")
+            raise ConfigError(f"output_dir: {url}: the writer lease {NO_LEASE}")
         self.url, self.holder, self.lease_s, self.key, self.fields = url, holder, lease_s, key, fields or {}
+        self.token_field = LEASE_TOKENS[url.split("://", 1)[0] + "://"]
         self.fs, root = store_fs(url)
         self.path = join(root, key)
         self.etag: str | None = None
@@ -297,17 +309,32 @@ class StoreLease:
     def _body(self, expires: float) -> bytes:
         return json.dumps({**self.fields, "holder": holder_line(self.holder), "expires": expires}).encode()
 
-    def _write(self, expires: float, if_match: str | None) -> str:
-        """One conditional PUT; the new ETag. Raises OSError when the condition does not hold."""
-        extra = {"IfMatch": if_match} if if_match else {}
-        response = self.fs.pipe_file(self.path, self._body(expires), mode="overwrite" if if_match else "create",
-                                     **extra)
-        return str(response["ETag"])
+    def put(self, data: bytes, version: str | None) -> str:
+        """Write ``data`` to the lock object only if it is absent (``version`` None) or still that version; the
+        new version. Raises OSError (FileExistsError) when the condition does not hold."""
+        if self.token_field == "ETag":
+            extra = {"IfMatch": version} if version else {}
+            return str(self.fs.pipe_file(self.path, data, mode="overwrite" if version else "create", **extra)["ETag"])
+        # gcsfs has no argument for ifGenerationMatch=<generation>: a multipart upload through its public call
+        # passes it (a store answers 412, raised as FileExistsError, when the generation differs)
+        bucket, name = self.path.split("/", 1)
+        meta = json.dumps({"name": name})
+        body = (f"--==0==\nContent-Type: application/json; charset=UTF-8\n\n{meta}\n--==0==\n"
+                "Content-Type: application/octet-stream\n\n").encode() + data + b"\n--==0==--"
+        written = self.fs.call("POST", self.fs.base.removesuffix("storage/v1/") + "upload/storage/v1/b/{}/o", bucket,
+                               uploadType="multipart", ifGenerationMatch=version or "0", data=body, json_out=True,
+                               headers={"Content-Type": 'multipart/related; boundary="==0=="'})
+        self.fs.invalidate_cache(self.path)
+        return str(written["generation"])
+
+    def _write(self, expires: float, version: str | None) -> str:
+        return self.put(self._body(expires), version)
 
     def read(self) -> tuple[dict[str, Any], str] | None:
-        """The lock object's holder and lease end, and its ETag (read first: a newer body fails the If-Match)."""
+        """The lock object's holder and lease end, and its version (read first: a newer body fails the write
+        conditional on it)."""
         try:
-            etag = str(self.fs.info(self.path, refresh=True)["ETag"])
+            etag = str(self.fs.info(self.path, refresh=True)[self.token_field])
             data = json.loads(self.fs.cat_file(self.path))
         except FileNotFoundError:
             return None
@@ -361,17 +388,11 @@ class StoreLease:
         if self.lost is None and self.etag is not None:
             try:
                 if self.key == LOCK_FILE:  # an expired, holderless body: the next writer takes it over quietly
-                    self.fs.pipe_file(self.path, json.dumps({"holder": "", "expires": 0}).encode(), IfMatch=self.etag)
+                    self.put(json.dumps({"holder": "", "expires": 0}).encode(), self.etag)
                 else:  # a pin's object is its holder's alone
                     self.fs.rm_file(self.path)
             except OSError:
                 pass
-
-
-def busy_message(url: str, line: str, key: str = LOCK_FILE) -> str:
-    then = "set prep.on_busy=wait to queue behind it" if key == LOCK_FILE else "train into another output_dir"
-    return (f"{url} is busy: a {holder_kind(line)} is writing it ({line}; lease {join(url, key)}). Wait for it "
-            f"to finish, or {then}")
 
 
 @contextmanager
@@ -384,7 +405,7 @@ def store_lease(url: str, holder: str = "prep", on_busy: Literal["wait", "fail"]
     said = False
     while (line := lease.try_acquire()) is not None:
         if on_busy == "fail":
-            raise OutputBusyError(busy_message(url, line, key))
+            raise OutputBusyError(busy_message(url, line, f"lease {join(url, key)}", key))
         if not said:
             print(f"{holder}: waiting for a {holder_kind(line)} writing to {url} (held by {line})", flush=True)
             said = True
@@ -400,7 +421,7 @@ def check_not_busy(url: str) -> None:
     """Raise :class:`OutputBusyError` naming the holder if a writer holds the lease of ``url`` now."""
     found = StoreLease(url, "probe").read()
     if found is not None and float(found[0].get("expires") or 0) > time.time():
-        raise OutputBusyError(busy_message(url, str(found[0].get("holder") or "?")))
+        raise OutputBusyError(busy_message(url, str(found[0].get("holder") or "?"), f"lease {join(url, LOCK_FILE)}"))
 
 
 @contextmanager
@@ -411,8 +432,7 @@ def training_lease(url: str, lease_s: float = LEASE_S) -> Iterator[StoreLease | 
     is renewed in a thread, and a holder that dies stops blocking once its lease ran out. Yields None, said in
     one line, on a store without conditional writes."""
     if not url.startswith(LEASE_SCHEMES):
-        print(f"train: {url} has no conditional writes (S3's If-None-Match): a second training of this output "
-              "would not be refused", flush=True)
+        print(f"train: a second training of {url} would not be refused: its lease {NO_LEASE}", flush=True)
         yield None
         return
     with store_lease(url, "training", on_busy="fail", lease_s=lease_s, key=TRAIN_LOCK) as lease:

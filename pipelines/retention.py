@@ -23,6 +23,9 @@ on this host or, through the file system's lock manager, on another):
 * ``<output_dir>/.writer.lock``: held by prep, gc and compaction for their whole run. A second writer waits
   (saying who holds it) or fails with a message naming it. A lock whose holder died is taken over with a
   log line: the kernel has released it; the file still names the dead holder.
+* ``<output_dir>/.train.lock``: the same lock, held by a training (``pipelines.flows.run_train``, the process
+  that launches torchrun) for its whole run: one training writes an output's runs at a time, a second is
+  refused. A training on several nodes names its rendezvous in it, and the other nodes' same command joins it.
 * ``<output_dir>/pins/<snapshot>.pin``: a user's pin (``latentmill pin``), kept until ``unpin``.
   ``<output_dir>/pins/<snapshot>@<host>-<pid>.pin``: a training process's pin, locked by that process for
   the run and removed at its end; a gc finds the lock free when the process is gone and drops the pin.
@@ -54,13 +57,15 @@ from latentmill.stages.killpoint import KillPoint
 from latentmill.core import durable
 
 LOCK_FILE = ".writer.lock"
+TRAIN_LOCK = ".train.lock"  # the lock (or, on a store, the lease) of the one training that writes an output's runs
 PINS = "pins"
 TRASH = ".trash-"
 PAUSE_ENV = "LATENTMILL_GC_PAUSE_AFTER"  # tests: stop for a kill after this many removals
 
 
 class OutputBusyError(RuntimeError):
-    """Another prep, gc or compaction holds the output_dir's writer lock, and ``on_busy`` is ``fail``."""
+    """Another writer holds the output_dir's writer lock (``on_busy`` is ``fail``), or another training its
+    training lock."""
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -81,22 +86,45 @@ def holder_kind(line: str) -> str:
     return line.split(": ", 1)[1].split(" ", 1)[0] if ": " in line else "writer"
 
 
-def _busy_message(output_dir: str | Path, line: str, path: Path) -> str:
-    return (f"{output_dir} is busy: a {holder_kind(line)} is writing it ({line}; lock {path}). Wait for it to "
-            "finish, or set prep.on_busy=wait to queue behind it")
+def busy_message(output_dir: str | Path, line: str, lock: str, name: str = LOCK_FILE) -> str:
+    """The one line that refuses a second writer (``name``: the lock file's name; ``lock``: ``lock PATH`` or
+    ``lease URL``), naming the holder and what to do."""
+    then = "set prep.on_busy=wait to queue behind it" if name == LOCK_FILE else "train into another output_dir"
+    return (f"{output_dir} is busy: a {holder_kind(line)} is writing it ({line}; {lock}). Wait for it to finish, "
+            f"or {then}")
+
+
+def _try_lock(fh: Any, mode: int = fcntl.LOCK_EX) -> str | None:
+    """Lock ``fh`` without waiting: None when locked, else the holder's line. A holder writes its line just
+    after locking and empties the file just before unlocking, so an empty file held by another is tried
+    again for a moment."""
+    for _ in range(20):
+        try:
+            fcntl.flock(fh, mode | fcntl.LOCK_NB)
+            return None
+        except BlockingIOError:
+            fh.seek(0)
+            line = fh.read().strip()
+            if line:
+                return line
+        time.sleep(0.05)
+    return "?"
 
 
 @contextmanager
-def writer_lock(output_dir: str | Path, holder: str = "prep",
-                on_busy: Literal["wait", "fail"] = "wait") -> Iterator[None]:
+def writer_lock(output_dir: str | Path, holder: str = "prep", on_busy: Literal["wait", "fail"] = "wait",
+                name: str = LOCK_FILE, joins: bool = False) -> Iterator[None]:
     """Hold ``<output_dir>/.writer.lock`` for the body: one prep, gc or compaction writes an output_dir at a time.
 
     Another holder: ``on_busy="wait"`` prints who holds it and waits its turn (several nodes of ``latentmill
     run --nnodes`` prep in turn, the later ones find the work committed); ``"fail"`` raises
     :class:`OutputBusyError` naming it. The lock is an ``flock``: the kernel drops it when its holder dies,
     so a killed run never blocks the next, which says that it takes the lock over. Re-entrant per thread.
+    ``name``: another lock file of the same kind (:func:`training_lock`); ``joins``: a holder of the same
+    ``holder`` text is this run's own (a multi-node training's first node), so the body runs without the lock.
     """
-    path = Path(output_dir) / LOCK_FILE
+    path = Path(output_dir) / name
+    what = "writer lock" if name == LOCK_FILE else "training lock"
     key = os.path.abspath(path)
     held = getattr(_held, "paths", None)
     if held is None:
@@ -106,21 +134,23 @@ def writer_lock(output_dir: str | Path, holder: str = "prep",
         return
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "a+") as fh:
-        try:
-            fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            fh.seek(0)
-            line = fh.read().strip() or "?"
-            other = holder_kind(line)
+        line = _try_lock(fh)
+        if line is not None and joins and line.split(": ", 1)[-1].rsplit(" since ", 1)[0] == holder:
+            print(f"{holder}: joining the {what} of {output_dir} that this run's first node holds ({line})",
+                  flush=True)
+            yield
+            return
+        if line is not None:
             if on_busy == "fail":
-                raise OutputBusyError(_busy_message(output_dir, line, path)) from None
+                raise OutputBusyError(busy_message(output_dir, line, f"lock {path}", name))
+            other = holder_kind(line)
             print(f"{holder}: waiting for {'another ' if other == holder else 'a '}{other} writing to "
                   f"{output_dir} (held by {line})", flush=True)
             fcntl.flock(fh, fcntl.LOCK_EX)
         fh.seek(0)
         left = fh.read().strip()
         if left:  # a holder releases by emptying the file: this one was killed, the kernel freed its lock
-            print(f"{holder}: taking over the writer lock of {output_dir} left by {left} (that process is "
+            print(f"{holder}: taking over the {what} of {output_dir} left by {left} (that process is "
                   "gone)", flush=True)
         fh.seek(0)
         fh.truncate()
@@ -137,6 +167,25 @@ def writer_lock(output_dir: str | Path, holder: str = "prep",
             fcntl.flock(fh, fcntl.LOCK_UN)
 
 
+@contextmanager
+def training_lock(output_dir: str | Path, rendezvous: str | None = None) -> Iterator[None]:
+    """Hold ``<output_dir>/.train.lock`` for the body: one training writes an output's runs at a time (two
+    would prune, set aside and overwrite each other's checkpoints and ``train/LATEST``); a second raises
+    :class:`OutputBusyError` naming the first. The writer lock's kind: a holder that dies stops blocking.
+
+    ``rendezvous``: a training on several nodes, each running the same command on a shared file system; the
+    lock names it, the first node to start holds it and the others join (their command names the same
+    rendezvous), while any other training is refused. A missing ``output_dir`` is not created: it holds no
+    snapshot to train on, which the caller says next.
+    """
+    if not Path(output_dir).is_dir():
+        yield
+        return
+    holder = "training" if rendezvous is None else f"training of rendezvous {rendezvous}"
+    with writer_lock(output_dir, holder, on_busy="fail", name=TRAIN_LOCK, joins=rendezvous is not None):
+        yield
+
+
 def check_not_busy(output_dir: str | Path) -> None:
     """Raise :class:`OutputBusyError` naming the holder if a writer holds the output_dir's lock now.
 
@@ -146,12 +195,9 @@ def check_not_busy(output_dir: str | Path) -> None:
     if not path.is_file() or os.path.abspath(path) in (getattr(_held, "paths", None) or set()):
         return
     with open(path, "a+") as fh:
-        try:
-            fcntl.flock(fh, fcntl.LOCK_SH | fcntl.LOCK_NB)
-        except BlockingIOError:
-            fh.seek(0)
-            line = fh.read().strip() or "?"
-            raise OutputBusyError(_busy_message(output_dir, line, path)) from None
+        line = _try_lock(fh, fcntl.LOCK_SH)
+        if line is not None:
+            raise OutputBusyError(busy_message(output_dir, line, f"lock {path}"))
         fcntl.flock(fh, fcntl.LOCK_UN)
 
 

@@ -197,6 +197,14 @@ def bucket_sizes(cfg: BucketConfig, resolution: int | None = None) -> dict[float
     return sizes
 
 
+def admitted_buckets(cfg: BucketConfig, video: bool) -> list[tuple[int, int, int]]:
+    """Every bucket ``(W, H, F)`` this config can give a sample, sorted: images at the image tiers (``F`` = 1)
+    and, for a video family (``video``), clips of every admissible length at the video tiers."""
+    kinds = [("image", [1])] + ([("video", cfg.frame_count_list())] if video else [])
+    return sorted({(w, h, f) for kind, frames in kinds for tier in cfg.tiers(kind)
+                   for w, h in bucket_sizes(cfg, tier).values() for f in frames})
+
+
 def nearest_ratio(width: int, height: int, cfg: BucketConfig) -> float:
     """The configured aspect ratio nearest ``width / height`` in log space (ties: the smaller ratio)."""
     aspect = math.log(width / height)

@@ -58,4 +58,5 @@ def upload_demo_inputs(fs, bucket: str, count: int | None = None) -> str:
         caption = image.with_suffix(".txt")
         rows.append({"path": image.name, **({"caption": caption.read_text().strip()} if caption.is_file() else {})})
     fs.pipe_file(f"{bucket}/inputs/list.jsonl", "".join(json.dumps(r) + "\n" for r in rows).encode())
-    return f"s3://{bucket}/inputs/list.jsonl"
+    scheme = fs.protocol[0] if isinstance(fs.protocol, (tuple, list)) else fs.protocol  # s3, gs
+    return f"{scheme}://{bucket}/inputs/list.jsonl"

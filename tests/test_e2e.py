@@ -154,6 +154,7 @@ def test_bad_config_fails_before_any_work(tmp_path, capsys):
     assert not out.exists()
 
 
+@pytest.mark.heavy  # make test launches torchrun from the CLI in test_interrupt.py and test_trainer_fsdp.py
 def test_nproc_launches_torchrun_ddp(demo_run, tmp_path):
     out, _, args = demo_run
     base = [a for a in args if not a.startswith(("trainer.", "--summary-json")) and a != str(out / "summary.json")]

@@ -101,6 +101,7 @@ def ran(tmp_path_factory):
     return volume, results
 
 
+@pytest.mark.heavy  # runs the page's commands (doctor, plan, sample), each tested in make test on its own
 def test_cpu_commands_run(ran):
     volume, results = ran
     assert [" ".join(c.split()[:2]) for c, _, _ in results] == [
@@ -113,6 +114,7 @@ def test_cpu_commands_run(ran):
     assert python.split()[0].startswith("2.") and python.split()[-1] in ("True", "False")
 
 
+@pytest.mark.heavy  # the page's commands run above
 def test_files_land_on_the_volume(ran):
     volume, results = ran
     report = json.loads((volume / "doctor.json").read_text())

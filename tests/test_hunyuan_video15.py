@@ -167,6 +167,7 @@ def test_recipes_sample_as_hunyuan_video15():
 
 
 @pytest.mark.slow
+@pytest.mark.heavy  # a family's repeat of plan on the meta device (test_plan.py runs FLUX.1's and Wan's)
 def test_plan_counts_the_published_8_3b():
     from diffusers import HunyuanVideo15Transformer3DModel as cls
 

@@ -224,6 +224,7 @@ def _train_here(args: list[str]) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.heavy  # make test: Ctrl-C through the CLI under torchrun below, the in-process stop by SIGTERM
 def test_train_ctrl_c_stops_after_the_step_in_flight(prepared, tiny_flux, tmp_path):
     out = tmp_path / "out"
     shutil.copytree(prepared, out, symlinks=True)
@@ -241,6 +242,7 @@ def test_train_ctrl_c_stops_after_the_step_in_flight(prepared, tiny_flux, tmp_pa
 
 
 @pytest.mark.slow
+@pytest.mark.heavy  # make test: SIGTERM saves the step in the flow-run test below, resumes in test_resume_sigkill.py
 def test_train_sigterm_saves_the_step_and_the_requeued_job_resumes_exactly(prepared, tiny_flux, tmp_path):
     """The command is stopped; the uninterrupted run and the requeued one run in this process (the same flow)."""
     steps = 20

@@ -16,7 +16,9 @@ import pytest
 
 from tests.test_jax_loader import make_snapshot
 
-pytestmark = pytest.mark.slow  # two XLA compilations (train step, sampler): ~10-20 s on 2 CPU cores
+# two XLA compilations (train step, sampler): ~10-20 s on 2 CPU cores; heavy: make test covers the JAX loader in
+# test_jax_loader.py
+pytestmark = [pytest.mark.slow, pytest.mark.heavy]
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "jax_flow_matching.py"
 STEPS = 40

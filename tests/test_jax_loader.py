@@ -86,6 +86,18 @@ def test_rank_shares_equal_the_torch_loaders(snapshot):
     assert not set(shares[0]) & set(shares[1])  # the ranks' batches of an epoch are disjoint
 
 
+def test_shuffle_block_gives_the_torch_loaders_block_order(snapshot):
+    """``shuffle_block`` reaches the torch loader's plan: the block order, not the whole-bucket one."""
+    torch_loader = LatentLoader(snapshot, batch_size=2, seed=1, shuffle_block=1)
+    jax_loader = JaxLatentLoader(snapshot, batch_size=2, seed=1, shuffle_block=1)
+    n = len(jax_loader)
+    got = list(itertools.islice(jax_loader, 2 * n))
+    assert assert_same_batches(list(itertools.islice(torch_loader, 2 * n)), got) == 2 * n * 4
+    whole = [b["keys"] for b in itertools.islice(JaxLatentLoader(snapshot, batch_size=2, seed=1), 2 * n)]
+    assert [b["keys"] for b in got] != whole
+    assert jax_loader.state_dict()["shuffle_block"] == 1
+
+
 @pytest.mark.parametrize("consumed", [4, 9, 13])  # mid-epoch, epoch boundary, second epoch
 def test_resume_from_a_mid_epoch_position(snapshot, consumed):
     loader = JaxLatentLoader(snapshot, batch_size=2, seed=7)

@@ -106,7 +106,8 @@ SHIFTS = {"shift-1": ["trainer.shift_mode=fixed", "trainer.shift=1.0"], "flux2-e
 @pytest.mark.parametrize(("variant", "shift"), [
     # make test runs klein at FLUX.2's own shift; make test-all also shift 1.0 and the same for FLUX.2 [dev]
     # (guidance embedding, Mistral text side)
-    pytest.param("klein", "shift-1", marks=pytest.mark.heavy), ("klein", "flux2-empirical-mu"),
+    pytest.param("klein", "shift-1", marks=pytest.mark.heavy),
+    pytest.param("klein", "flux2-empirical-mu", marks=pytest.mark.heavy),  # make test learns FLUX.1 and Wan 2.1
     pytest.param("dev", "shift-1", marks=pytest.mark.heavy),
     pytest.param("dev", "flux2-empirical-mu", marks=pytest.mark.heavy)])
 def test_flux2_generates_the_detail_it_was_shown(request, variant, shift, tmp_path):

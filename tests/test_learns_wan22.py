@@ -38,7 +38,9 @@ from tests.learning import (
     run,
 )
 
-pytestmark = pytest.mark.slow  # 10-20 s each on 2 idle cores, 4-9 minutes on 2 busy ones
+# 10-20 s each on 2 idle cores, 4-9 minutes on 2 busy ones; heavy: make test's learning tests are FLUX.1's and
+# Wan 2.1's (test_learns.py)
+pytestmark = [pytest.mark.slow, pytest.mark.heavy]
 SIZE = 32  # the mark (16 px): 2 x 2 of the 4 x 4 latent pixels the Wan VAE (8x) makes per frame
 
 

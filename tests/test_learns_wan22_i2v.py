@@ -16,7 +16,8 @@ import torch
 
 from tests.learning import CORNERS, appearing_marks, assert_generates_own_detail, cached_latents, losses, run
 
-pytestmark = pytest.mark.slow  # 15-35 s each on 2 idle cores
+# 15-35 s each on 2 idle cores; heavy: make test's learning tests are FLUX.1's and Wan 2.1's (test_learns.py)
+pytestmark = [pytest.mark.slow, pytest.mark.heavy]
 STEPS = 1000
 
 

@@ -170,7 +170,8 @@ def threads_prep(tiny_flux, tmp_path_factory):
     return images, _processed(result), _shard_digests(root / "threads")
 
 
-@pytest.mark.parametrize("kind", ["processes", "ray", pytest.param("dask", marks=pytest.mark.heavy)])
+@pytest.mark.parametrize("kind", ["processes", pytest.param("ray", marks=pytest.mark.heavy),  # beside processes
+                                  pytest.param("dask", marks=pytest.mark.heavy)])
 def test_other_runners_write_identical_bytes(tiny_flux, threads_prep, tmp_path, kind):
     """Each runner writes the threads runner's bytes. Dask and Ray take the same path here (a Prefect
     integration's task runner over worker processes, made in ``task_runner``): make test runs Ray (the quicker

@@ -278,13 +278,53 @@ def test_flux2_full_plans_count_the_published_sizes(recipe, folder, published):
         model = cls.from_config(cls.load_config(str(shipped_models_dir() / folder), subfolder="transformer"))
     total = sum(p.numel() for p in model.parameters())
     assert total == FLUX2_PARAMS[folder] and abs(total - published) / published < 0.05
-    nnodes = 2 if "dev" in recipe else 1
-    result = plan_config(recipe, nproc=8, nnodes=nnodes)
+    nnodes = 2 if "dev" in recipe else 1  # FLUX.2 [dev]'s recipe states its 2 nodes (parallel.nnodes): no --nnodes
+    result = plan_config(recipe, gpu_memory_gib=80)
     assert not dist.is_initialized()
+    assert (result["nproc"], result["nnodes"], result["world_size"]) == (8, nnodes, 8 * nnodes)
     assert result["total_params"] == result["trainable_params"] == total
     assert result["config"]["family"] == ("flux2" if "dev" in recipe else "flux2-klein")
     assert result["per_rank"]["params_bytes"] == _rank0_elements(model, 8 * nnodes) * 4  # float32 shards
     assert result["fits"] and result["config"]["shipped_configs"]
+
+
+def test_a_recipe_states_its_nodes_for_plan_and_train():
+    """``parallel.nnodes``: plan's layout and train's default ``--nnodes``; ``--nnodes`` overrides it; without it,
+    plan counts an HSDP recipe's hsdp_replicate nodes, train one node."""
+    from latentmill.pipelines.flows import Launch, check_launch
+
+    from latentmill.plan import layout
+    from latentmill.recipe import load_recipe
+
+    flux2 = load_recipe("configs/flux2-dev-full.yaml")
+    lay = layout(flux2, None, None)
+    assert (lay.nproc, lay.nnodes, lay.note) == (8, 2, "8 GPUs per node (default), 2 nodes (parallel.nnodes)")
+    assert layout(flux2, None, 1).nnodes == 1 and flux2.parallel.launch_nodes(1) == 1
+    assert flux2.parallel.launch_nodes(None) == 2
+    with pytest.raises(ConfigError, match=r"^--nnodes > 1 needs --rdzv-endpoint"):  # 2 nodes, as the recipe says
+        check_launch(flux2, Launch(8, flux2.parallel.launch_nodes(None)))
+    qwen = load_recipe("configs/qwen-image-full.yaml")  # 2 HSDP replicas over 4 nodes
+    assert (qwen.parallel.hsdp_replicate, layout(qwen, None, None).nnodes) == (2, 4)
+    wan = load_recipe("configs/wan2.1-14b.yaml")  # no key: HSDP's replicas are plan's nodes; train's default is 1
+    assert (layout(wan, None, None).nnodes, wan.parallel.launch_nodes(None)) == (4, 1)
+    assert layout(load_recipe("configs/flux2-klein-4b-full.yaml"), None, None).nnodes == 1  # no key, no HSDP
+
+
+def test_a_bad_node_count_is_refused_naming_the_key(capsys):
+    from latentmill.cli import main
+    from latentmill.recipe import load_recipe
+
+    with pytest.raises(ConfigError, match=r"^parallel.nnodes: must be >= 1 \(or null: one node\), got 0$"):
+        load_recipe("configs/flux2-dev-full.yaml", ["parallel.nnodes=0"])
+    with pytest.raises(ConfigError, match=r"^parallel.nnodes: 3 nodes cannot hold parallel.hsdp_replicate: 2 replicas "
+                                          r"along node boundaries; set nnodes to a multiple or a divisor"):
+        load_recipe("configs/qwen-image-full.yaml", ["parallel.nnodes=3"])
+    load_recipe("configs/qwen-image-full.yaml", ["parallel.nnodes=1"])  # 2 replicas of 4 GPUs in one node
+    with pytest.raises(ConfigError, match=r"^parallel.nnodes: 2 nodes need parallel.strategy 'ddp' or 'fsdp2'"):
+        load_recipe("demo", ["parallel.nnodes=2"])
+    assert main(["plan", "configs/flux2-dev-full.yaml", "parallel.nnodes=-1"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and err.startswith("latentmill: error: parallel.nnodes: must be >= 1")
 
 
 def test_flux2_klein_lora_reaches_the_single_blocks():

@@ -43,7 +43,8 @@ def _healthy(server: psutil.Process) -> bool:
         return False
 
 
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL], ids=["SIGTERM", "SIGKILL"])
+@pytest.mark.parametrize("sig", [pytest.param(signal.SIGTERM, marks=pytest.mark.heavy, id="SIGTERM"),  # SIGKILL's
+                                 pytest.param(signal.SIGKILL, id="SIGKILL")])  # watch covers it in make test
 def test_killed_run_leaves_no_api_server(sig, tiny_flux, tmp_path):
     out = tmp_path / "run"
     env = {**os.environ, "PREFECT_HOME": prefect_home(tmp_path / "prefect-home")}

@@ -233,6 +233,46 @@ def test_preflight_refuses_a_family_without_a_plan_before_the_launch():
         check_recipe(recipe, "train")  # before it looks for a snapshot
 
 
+@pytest.mark.parametrize("family", ["flux", "wan"])
+def test_preflight_refuses_buckets_cp_does_not_divide_before_any_work(family):
+    """Every bucket the recipe's bucket keys make is checked as the trainer checks a batch, at its token counts by
+    the published model's shape rule (a hub id): images at the image tiers, clips at the video tiers."""
+    from latentmill.preflight import check_recipe
+    from latentmill.recipe import load_recipe
+
+    name = {"flux": "flux-dev-full", "wan": "wan2.1-1.3b"}[family]
+
+    def check(*overrides: str) -> None:
+        check_recipe(load_recipe(name, ["trainer.validate_every=0", *overrides]), "prep")
+
+    # one square bucket of 48 px (and for Wan its image, and 9-frame clips): Flux 3 x 3 packed tokens, Wan the
+    # image 3 x 3, the clip 3 latent frames x 3 x 3
+    small = ["bucket.aspect_ratios=[1.0]", "bucket.frame_counts=[9]"]
+    bad = {"flux": r"1 of the 1 buckets \[W, H, F\] the bucket keys make: \[48, 48, 1\]: 9 latent tokens; use",
+           "wan": r"2 of the 2 buckets \[W, H, F\] the bucket keys make: \[48, 48, 1\]: 9 latent tokens; "
+                  r"\[48, 48, 9\]: 27 latent tokens; use"}[family]
+    with pytest.raises(ConfigError, match=r"^parallel.cp_size: 2 does not divide the sequences of " + bad):
+        check("parallel.cp_size=2", "bucket.resolution=48", *small)
+    check("parallel.cp_size=1", "bucket.resolution=48", *small)  # one rank: any bucket
+    check("parallel.cp_size=4", "bucket.resolution=64", *small)  # 4 x 4 (x 3) tokens; Flux's 512 text tokens
+    # Flux splits its text too (77 tokens); Wan's cross-attention keeps the whole text
+    text = ("parallel.cp_size=2", "bucket.resolution=64", "cache.max_sequence_length=77", *small)
+    if family == "flux":
+        with pytest.raises(ConfigError, match=r"\[64, 64, 1\]: 77 text tokens; use"):
+            check(*text)
+    else:
+        check(*text)
+    # the shipped buckets: FLUX.1-dev's 1024² tier (9 ratios; 1456 x 720 is 91 x 45 = 4095 packed tokens) and Wan's
+    # 480p tier (5 ratios x 20 clip lengths, and the images' tiers), of which 44 have token counts 4 does not divide
+    cp, count, first = {"flux": (2, "2 of the 9", r"\[720, 1456, 1\]: 4095 latent tokens; \[1456, 720, 1\]: 4095 latent tokens"),
+                        "wan": (4, "44 of the 105", r"\[480, 848, 1\]: 1590 latent tokens; .* \(41 more\)")}[family]
+    with pytest.raises(ConfigError, match=rf"^parallel.cp_size: {cp} does not divide the sequences of {count} buckets "
+                                          rf".*make: {first}; use a cp_size that divides them"):
+        check(f"parallel.cp_size={cp}")
+    if family == "wan":
+        check("parallel.cp_size=2")
+
+
 def test_cp_batch_must_split_evenly():
     flux, wan = get_adapter("flux"), get_adapter("wan")
     batch = {"latents": torch.zeros(1, 16, 6, 10), "prompt_embeds": torch.zeros(1, 8, 32)}  # 3 x 5 = 15 tokens

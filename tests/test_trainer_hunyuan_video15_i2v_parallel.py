@@ -12,7 +12,9 @@ from latentmill.stages.families import family_streams
 
 from tests.trainer_helpers import run_and_resume, write_fake_cache
 
-pytestmark = pytest.mark.slow
+# heavy: a family's repeat of FSDP2 LoRA and full, which make test runs on FLUX.1 and Wan (test_trainer_fsdp.py,
+# test_trainer_wan22_parallel.py)
+pytestmark = [pytest.mark.slow, pytest.mark.heavy]
 
 
 def _launch(root: Path, pretrained: Path, mode: str, **cfg) -> dict:

@@ -10,7 +10,9 @@ from latentmill.trainer.qwen_image import QWEN_IMAGE_LORA_TARGETS
 
 from tests.trainer_helpers import launch_jobs, read_metrics, write_fake_cache
 
-pytestmark = pytest.mark.slow  # a torchrun launch starts two interpreters
+# heavy: a family's repeat of FSDP2 full and DDP LoRA, which make test runs on FLUX.1 (test_trainer_fsdp.py,
+# test_trainer_ddp.py); a torchrun launch starts two interpreters
+pytestmark = [pytest.mark.slow, pytest.mark.heavy]
 
 
 @pytest.fixture(scope="module")

@@ -19,7 +19,8 @@ import pytest
 from tests.trainer_helpers import write_fake_cache
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-pytestmark = pytest.mark.slow
+# heavy: make test splits a shard check over 2 ranks in test_trainer_shard_check.py (the check training runs)
+pytestmark = [pytest.mark.slow, pytest.mark.heavy]
 
 WORKER = """
 import json, os, sys

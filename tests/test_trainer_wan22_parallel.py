@@ -30,6 +30,8 @@ def _launch(root: Path, pretrained: Path, name: str, **cfg) -> dict:
     return rank0
 
 
+@pytest.mark.heavy  # make test: both experts route, resume and export in one process (test_wan22.py), and FSDP2
+# trains and resumes on 2 ranks for FLUX.1 (test_trainer_fsdp.py)
 def test_fsdp2_both_experts_full_resume_exactly_and_export_both(tiny_wan22, tmp_path):
     from diffusers import DiffusionPipeline, WanPipeline
 

@@ -62,7 +62,8 @@ def _prep_prompts(tmp_path, pretrained: str, family: str, prompts: list[str]) ->
 @pytest.mark.parametrize("family, fixture, size", [
     ("flux", "tiny_flux", [32, 48]),
     ("wan", "tiny_wan", [32, 32, 5]),  # classifier-free guidance against the cached empty prompt
-    ("qwen-image", "tiny_qwen_image", [32, 32]),  # a masked stream, padded to the longer prompt; true CFG on " "
+    pytest.param("qwen-image", "tiny_qwen_image", [32, 32], marks=pytest.mark.heavy),  # a masked stream, padded to
+    # the longer prompt; true CFG on " " (heavy: a third family beside FLUX.1 and Wan)
     pytest.param("z-image", "tiny_zimage", [32, 32], marks=pytest.mark.heavy),  # a list of each prompt's tokens
     pytest.param("flux2-klein", "tiny_flux2_klein", [32, 32], marks=pytest.mark.heavy),
     pytest.param("hunyuanvideo1.5", "tiny_hunyuan_video15", [32, 32, 5], marks=pytest.mark.heavy),  # two streams

@@ -112,6 +112,7 @@ def _encode_peak(tiny_wan: Path, wan_vae: Path, batch: int, tmp_path: Path, fram
 
 
 @pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="needs Linux /proc (VmHWM reset)")
+@pytest.mark.heavy  # a memory measurement; make test checks the sliced latents equal the whole batch's
 def test_encode_peak_memory_does_not_grow_with_the_batch(tiny_wan, wan_vae, tmp_path):
     one = _encode_peak(tiny_wan, wan_vae, 1, tmp_path)
     four = _encode_peak(tiny_wan, wan_vae, 4, tmp_path)

@@ -1,7 +1,8 @@
 """One writer per output_dir: the writer lock that prep, gc and compaction hold, with real processes.
 
 Two ``latentmill prep`` processes started together on one output_dir; a prep with ``prep.on_busy=fail``
-while a gc holds the lock; a prep killed with SIGKILL while it holds the lock, then the next writer. Output
+while a gc holds the lock; a prep killed with SIGKILL while it holds the lock, then the next writer. The
+training lock of the same kind: a second training refused, a multi-node training's nodes joining it. Output
 of every child goes to a file, never to an unread pipe.
 """
 
@@ -15,10 +16,19 @@ import time
 from pathlib import Path
 
 import pytest
-from latentmill.pipelines.retention import LOCK_FILE, OutputBusyError, published, writer_lock
+from latentmill.pipelines.flows import Launch, run_train
+from latentmill.pipelines.retention import (
+    LOCK_FILE,
+    TRAIN_LOCK,
+    OutputBusyError,
+    published,
+    training_lock,
+    writer_lock,
+)
 from latentmill.pipelines.snapshot import latest_name
 
 from latentmill.inspect import verify_path
+from latentmill.recipe import load_recipe
 from tests.conftest import DEMO_CONFIG, REPO_ROOT
 from tests.test_retention import IMAGES, _fill, _recipe, _wait_for
 
@@ -110,3 +120,106 @@ def test_a_prep_killed_while_it_holds_the_lock_never_blocks_the_next(tiny_flux, 
         name = publish(out, recipe.stage_dir("cache"))["name"]
     assert f"prep: taking over the writer lock of {out} left by PID {first.pid} on" in capsys.readouterr().out
     assert published(out) == [name] and verify_path(out) == 0
+
+
+_HOLD_TRAINING = """
+import sys, time
+from latentmill.pipelines.retention import training_lock
+with training_lock(sys.argv[1], sys.argv[2] or None):
+    print("training", flush=True)
+    time.sleep(3600)
+"""
+
+
+def _hold_training(out: Path, log: Path, rendezvous: str = "") -> subprocess.Popen:
+    proc = subprocess.Popen([sys.executable, "-c", _HOLD_TRAINING, str(out), rendezvous], stdout=open(log, "w"),
+                            stderr=subprocess.STDOUT, env={**os.environ, "PYTHONPATH": str(REPO_ROOT)})
+    _wait_for(log, "training", proc)
+    return proc
+
+
+def test_a_second_training_of_a_local_output_is_refused_until_the_first_dies(tmp_path, capsys):
+    """Two trainings would prune, set aside and overwrite each other's checkpoints and ``train/LATEST``: while
+    one holds the training lock (a process, SIGKILLed later), a second is refused in one line naming it, before
+    it chooses a run folder; so is a node of a multi-node training; once the holder died, the next goes on."""
+    out = tmp_path / "out"
+    out.mkdir()
+    recipe = load_recipe(DEMO_CONFIG, [f"output_dir={out}"])
+    proc = _hold_training(out, tmp_path / "holder.log")
+    try:
+        with pytest.raises(OutputBusyError) as refused:
+            run_train(recipe)
+        line = (out / TRAIN_LOCK).read_text().strip()
+        assert str(refused.value) == (f"{out} is busy: a training is writing it ({line}; lock {out / TRAIN_LOCK}). "
+                                      "Wait for it to finish, or train into another output_dir")
+        assert line.startswith(f"PID {proc.pid} on ") and ": training since " in line
+        assert not (out / "train").exists()  # refused before a run folder was chosen
+        multi = load_recipe(DEMO_CONFIG, [f"output_dir={out}", "parallel.strategy=ddp"])
+        with pytest.raises(OutputBusyError, match=f"a training is writing it \\(PID {proc.pid} on "):
+            run_train(multi, Launch(nproc=1, nnodes=2, rdzv_endpoint="node1:29500"))
+    finally:
+        proc.kill()
+        proc.wait(timeout=30)
+    capsys.readouterr()
+    with pytest.raises(FileNotFoundError, match="no snapshot published"):  # past the lock, to the missing prep
+        run_train(recipe)
+    assert f"training: taking over the training lock of {out} left by PID {proc.pid} on " in capsys.readouterr().out
+    assert (out / TRAIN_LOCK).read_text() == ""  # released when that training ended
+
+
+def test_the_nodes_of_one_multi_node_training_share_its_lock_and_other_trainings_are_refused(tmp_path, capsys):
+    """Every node runs the same command on a shared file system: the first to start holds the lock, naming the
+    rendezvous; a node with the same rendezvous joins it, a training with another rendezvous or on one node is
+    refused."""
+    out = tmp_path / "out"
+    out.mkdir()
+    recipe = load_recipe(DEMO_CONFIG, [f"output_dir={out}", "parallel.strategy=ddp"])
+    node = Launch(nproc=1, nnodes=2, rdzv_endpoint="node1:29500")
+    proc = _hold_training(out, tmp_path / "node1.log", node.rendezvous)
+    try:
+        line = (out / TRAIN_LOCK).read_text().strip()
+        assert line.startswith(f"PID {proc.pid} on ") and ": training of rendezvous node1:29500/latentmill since " in line
+        capsys.readouterr()
+        with pytest.raises(FileNotFoundError, match="no snapshot published"):  # joined: on to the missing prep
+            run_train(recipe, node)
+        assert capsys.readouterr().out == (f"training of rendezvous node1:29500/latentmill: joining the training lock "
+                                           f"of {out} that this run's first node holds ({line})\n")
+        for other in (Launch(nproc=1, nnodes=2, rdzv_endpoint="node7:29500"), Launch(nproc=2)):
+            with pytest.raises(OutputBusyError, match=f"a training is writing it \\(PID {proc.pid} on "):
+                run_train(recipe, other)
+        assert (out / TRAIN_LOCK).read_text().strip() == line  # a node that joined leaves the holder's line
+    finally:
+        proc.kill()
+        proc.wait(timeout=30)
+
+
+_LOCK_THEN_NAME = """
+import fcntl, os, socket, sys, time
+with open(sys.argv[1], "a+") as fh:
+    fcntl.flock(fh, fcntl.LOCK_EX)
+    print("locked", flush=True)
+    time.sleep(0.6)  # the moment between a holder's flock and its line (writer_lock), drawn out
+    fh.write(f"PID {os.getpid()} on {socket.gethostname()}: {sys.argv[2]} since 2026-12-03T00:00:00Z\\n")
+    fh.flush()
+    time.sleep(3600)
+"""
+
+
+def test_a_node_finding_the_lock_taken_but_not_yet_named_reads_the_name_and_joins(tmp_path, capsys):
+    """Nodes start together: the second may find the first's flock before its line; it reads again, and joins
+    (it would otherwise be refused by a holder it could not name)."""
+    out = tmp_path / "out"
+    out.mkdir()
+    log = tmp_path / "first.log"
+    holder = "training of rendezvous node1:29500/latentmill"
+    proc = subprocess.Popen([sys.executable, "-c", _LOCK_THEN_NAME, str(out / TRAIN_LOCK), holder],
+                            stdout=open(log, "w"), stderr=subprocess.STDOUT)
+    try:
+        _wait_for(log, "locked", proc)
+        with training_lock(out, "node1:29500/latentmill"):
+            pass
+        assert f"{holder}: joining the training lock of {out} that this run's first node holds (PID {proc.pid} " in \
+            capsys.readouterr().out
+    finally:
+        proc.kill()
+        proc.wait(timeout=30)

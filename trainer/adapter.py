@@ -315,12 +315,26 @@ class ModelAdapter(ABC):
     # bytes per token and unit of hidden width a block holds in float32 on top of latentmill.activations' bf16
     # count: (its input while checkpointed, its saved tensors); Wan's blocks run their norms and residuals in float32
     float32_activations: tuple[int, int] = (0, 0)
+    # bytes per (query token, key token) of the blocks' sequence each block saves for backward when its attention
+    # takes a dense mask (latentmill.activations); 0: none
+    attention_mask_bytes: int = 0
 
     def block_widths(self, config: dict[str, Any]) -> tuple[int, int]:
         """(hidden, feed-forward) widths of the repeated blocks from the transformer's config: heads x head
         dim, and ``ffn_dim`` or ``mlp_ratio`` (4 by default) x hidden (latentmill.activations)."""
         hidden = int(config["num_attention_heads"]) * int(config["attention_head_dim"])
         return hidden, int(config.get("ffn_dim") or round(float(config.get("mlp_ratio") or 4.0) * hidden))
+
+    def text_tokens(self, shapes: dict[str, tuple[int, ...]]) -> int:
+        """The text tokens per sample in the blocks' sequence (or their cross-attention's) from a sample's stream
+        ``shapes`` at the longest caption (latentmill.activations): ``prompt_embeds``' by default."""
+        return int(shapes.get("prompt_embeds", (0,))[0])
+
+    def side_streams(self, config: dict[str, Any], shapes: dict[str, tuple[int, ...]]) -> list[tuple[int, int, int]]:
+        """(tokens per sample, hidden width, feed-forward width) of each token stream the blocks carry beside the
+        latents', from the transformer's config and a sample's stream ``shapes`` (latentmill.activations); none by
+        default."""
+        return []
 
     @staticmethod
     def diffusers_class(name: str) -> type:

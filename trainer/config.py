@@ -223,9 +223,25 @@ class ParallelConfig:
     # ulysses: all-to-all of heads (cp_size must divide the heads); ring: keys and values passed round the
     # ranks (CUDA flash/cuDNN attention only)
     cp_kind: Literal["ulysses", "ring"] = "ulysses"
+    # nodes the recipe is laid out for (each running --nproc processes): ``latentmill plan``'s layout and the
+    # default of ``train``/``run --nnodes``; null: one node (plan: parallel.hsdp_replicate nodes for HSDP)
+    nnodes: Optional[int] = None
+
+    def launch_nodes(self, given: int | None) -> int:
+        """The nodes a training launch spans: ``given`` (``--nnodes``) when set, else ``nnodes``, else one."""
+        return (self.nnodes or 1) if given is None else given
 
     def validate(self) -> None:
         """Check the options that only make sense together."""
+        if self.nnodes is not None and self.nnodes < 1:
+            raise ConfigError(f"parallel.nnodes: must be >= 1 (or null: one node), got {self.nnodes}")
+        if (self.nnodes or 1) > 1 and self.strategy == "none":
+            raise ConfigError(f"parallel.nnodes: {self.nnodes} nodes need parallel.strategy 'ddp' or 'fsdp2'")
+        replicas = self.hsdp_replicate
+        if self.nnodes is not None and replicas > 1 and self.nnodes % replicas and replicas % self.nnodes:
+            raise ConfigError(f"parallel.nnodes: {self.nnodes} nodes cannot hold parallel.hsdp_replicate: {replicas} "
+                              "replicas along node boundaries; set nnodes to a multiple or a divisor of "
+                              "hsdp_replicate, or leave it unset (plan then counts hsdp_replicate nodes)")
         if self.cp_size < 1:
             raise ConfigError(f"parallel.cp_size: must be >= 1, got {self.cp_size}")
         if self.cp_size > 1 and self.strategy != "fsdp2":

@@ -87,30 +87,57 @@ def check_cp_batch(adapter: ModelAdapter, batch: dict[str, Any], cp_size: int) -
                          "them, or buckets whose token counts it divides")
 
 
-def check_cp_validation(parallel: ParallelConfig, adapter: ModelAdapter, validation_size: list[int],
-                        pretrained: str, text_tokens: int) -> None:
-    """A one-line ConfigError before any work when cp does not divide the validation samples' sequences: every cp
-    rank runs the sampling forward, whose sequence the plan splits as it splits a batch's.
-
-    The latent shape comes from the family's ``sample_shapes`` over the pipeline folder's VAE config (its rule's
-    defaults for a hub id), the frames of a video without any from ``VALIDATION_FRAMES``.
-    """
-    if parallel.cp_size == 1:
-        return
+def _sample_undivided(adapter: ModelAdapter, pretrained: str, bucket: list[int], text_tokens: int, cp_size: int
+                      ) -> list[str]:
+    """:func:`_undivided` for a sample of ``bucket``, its latent shape from the family's ``sample_shapes`` over the
+    pipeline folder's VAE config (its rule's defaults, the published model's, for a hub id)."""
     from latentmill.stages.families import family_class
 
     def config(name: str) -> dict[str, Any]:
-        path = Path(pretrained, name, "config.json")  # a hub id: the shapes rule's defaults, the published model's
+        path = Path(pretrained, name, "config.json")
         return json.loads(path.read_text()) if path.is_file() else {}
 
-    frames = VALIDATION_FRAMES if adapter.latent_ndim == 4 else 1
-    bucket = [*validation_size, frames][:3]
     shape = family_class(adapter.family).sample_shapes(config, bucket, text_tokens)["latents"]
-    bad = _undivided(adapter, torch.empty(1, *shape, device="meta"), text_tokens, parallel.cp_size)
+    return _undivided(adapter, torch.empty(1, *shape, device="meta"), text_tokens, cp_size)
+
+
+def check_cp_validation(parallel: ParallelConfig, adapter: ModelAdapter, validation_size: list[int],
+                        pretrained: str, text_tokens: int) -> None:
+    """A one-line ConfigError before any work when cp does not divide the validation samples' sequences: every cp
+    rank runs the sampling forward, whose sequence the plan splits as it splits a batch's. The frames of a video
+    size without any come from ``VALIDATION_FRAMES``."""
+    if parallel.cp_size == 1:
+        return
+    frames = VALIDATION_FRAMES if adapter.latent_ndim == 4 else 1
+    bad = _sample_undivided(adapter, pretrained, [*validation_size, frames][:3], text_tokens, parallel.cp_size)
     if bad:
         raise ConfigError(f"parallel.cp_size: {parallel.cp_size} does not divide the sequence of "
                           f"trainer.validation_size {list(validation_size)}: {', '.join(bad)}; use a validation "
                           "size whose token counts it divides")
+
+
+def check_cp_buckets(parallel: ParallelConfig, adapter: ModelAdapter, bucket_cfg: Any, pretrained: str,
+                     text_tokens: int, shown: int = 3) -> None:
+    """A one-line ConfigError before any work when cp does not divide the sequences of a bucket the recipe's bucket
+    config makes (``admitted_buckets``), which :func:`check_cp_batch` would refuse only at its first batch, after
+    the prep and the model load."""
+    if parallel.cp_size == 1:
+        return
+    from latentmill.stages.bucket import admitted_buckets
+
+    buckets = admitted_buckets(bucket_cfg, video=adapter.latent_ndim == 4)
+    bad = {}
+    for bucket in buckets:
+        undivided = _sample_undivided(adapter, pretrained, list(bucket), text_tokens, parallel.cp_size)
+        if undivided:
+            bad[bucket] = undivided
+    if bad:
+        named = "; ".join(f"{list(b)}: {', '.join(counts)}" for b, counts in list(bad.items())[:shown])
+        more = f"; ... ({len(bad) - shown} more)" if len(bad) > shown else ""
+        raise ConfigError(f"parallel.cp_size: {parallel.cp_size} does not divide the sequences of {len(bad)} of the "
+                          f"{len(buckets)} buckets [W, H, F] the bucket keys make: {named}{more}; use a cp_size that divides "
+                          "them, or bucket sizes (bucket.resolution, bucket.aspect_ratios, bucket.frame_counts) "
+                          "whose token counts it divides")
 
 
 def apply_context_parallel(model: nn.Module, parallel: ParallelConfig, ctx: Any) -> None:

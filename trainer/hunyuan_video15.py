@@ -86,9 +86,17 @@ class HunyuanVideo15Adapter(ModelAdapter):
     pipeline_class = "HunyuanVideo15Pipeline"
     streams = ("latents", "prompt_embeds", "prompt_embeds_2")
     latent_ndim = 4
+    # each block's attention builds a boolean [S, S] mask over its whole sequence and SDPA saves it for backward as a
+    # bf16 additive mask: 2 bytes per token pair and block (measured on the real class, tests/test_plan_activations.py)
+    attention_mask_bytes = 2
 
     def blocks(self, transformer: nn.Module) -> list[nn.Module]:
         return list(transformer.transformer_blocks)
+
+    def text_tokens(self, shapes: dict[str, tuple[int, ...]]) -> int:
+        # the glyph tokens and the image tokens join the Qwen tokens in every block's sequence
+        image = shapes.get("image_embeds", (T2V_IMAGE_TOKENS,))[0]
+        return int(shapes["prompt_embeds"][0] + shapes["prompt_embeds_2"][0] + image)
 
     def unused_modules(self, transformer: nn.Module) -> list[nn.Module]:
         """The last block's text-stream attention output and MLP: only the video stream is read after it."""

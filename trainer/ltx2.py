@@ -80,9 +80,18 @@ class LTX2Adapter(ModelAdapter):
     noised_streams = ("audio_latents",)
     latent_ndim = 4
     text_in_blocks = False  # the text feeds each block's cross-attention
+    # its RoPE rotates queries and keys in float32 (apply_interleaved_rotary_emb), in self-attention and in the
+    # audio-video cross-attention, and backward keeps those float32 copies: 64 bytes per token and unit of D a block
+    # saves beyond the bf16 count (MemTracker, bench/actplan.py: -52% without)
+    float32_activations = (0, 64)
 
     def blocks(self, transformer: nn.Module) -> list[nn.Module]:
         return list(transformer.transformer_blocks)
+
+    def side_streams(self, config: dict[str, Any], shapes: dict[str, tuple[int, ...]]) -> list[tuple[int, int, int]]:
+        # the audio tokens (one per audio latent frame: patch 1) run through every block at the audio widths
+        hidden = int(config.get("audio_num_attention_heads", 32)) * int(config.get("audio_attention_head_dim", 64))
+        return [(shapes["audio_latents"][1], hidden, 4 * hidden)]
 
     def check_batch(self, transformer: nn.Module, batch: dict) -> None:
         cfg, problems = transformer.config, []

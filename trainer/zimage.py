@@ -38,9 +38,10 @@ LORA_TARGETS = ("re:" + LORA_REGEX,)
 
 
 def caption_list(prompt_embeds_BLD: torch.Tensor, mask_BL: torch.Tensor) -> list[torch.Tensor]:
-    """The per-sample real-token embeddings ``[n_i, D]`` of zero-padded ``prompt_embeds`` and their mask."""
-    mask_BL = mask_BL.to(device=prompt_embeds_BLD.device, dtype=torch.bool)
-    return [embeds_LD[mask_L] for embeds_LD, mask_L in zip(prompt_embeds_BLD, mask_BL)]
+    """The per-sample real-token embeddings ``[n_i, D]`` of zero-padded ``prompt_embeds`` and their mask: views of
+    each row's first ``n_i`` tokens (the loader pads after the real tokens), no copy."""
+    lengths = mask_BL.sum(1).tolist()
+    return [embeds_LD[:n] for embeds_LD, n in zip(prompt_embeds_BLD, lengths)]
 
 
 def zimage_forward(transformer: nn.Module, noisy_BCHW: torch.Tensor, sigmas_B: torch.Tensor,
@@ -92,6 +93,9 @@ class ZImageAdapter(ModelAdapter):
     streams = ("latents", "prompt_embeds")  # and the loader's prompt_embeds_mask (a "mask" stream)
     latent_ndim = 3
     lora_targets = LORA_TARGETS
+    # its sandwich RMSNorms (four per block) take float32 inputs and its RoPE rotates queries and keys in float32:
+    # 32 bytes per token and unit of D a block saves beyond the bf16 count (MemTracker, bench/actplan.py)
+    float32_activations = (0, 32)
 
     def blocks(self, transformer: nn.Module) -> list[nn.Module]:
         # forward order: the noise refiner (image tokens), the context refiner (caption tokens), the main layers
@@ -106,7 +110,10 @@ class ZImageAdapter(ModelAdapter):
 
     def block_widths(self, config: dict) -> tuple[int, int]:
         hidden = int(config["dim"])
-        return hidden, int(hidden / 3 * 8)  # ZImageTransformerBlock's SwiGLU FeedForward
+        # its SwiGLU feed-forward (8/3 x hidden) keeps both projections' outputs, the gate's activation and their
+        # product: as many tensors per token as a GELU one twice as wide (MemTracker, bench/actplan.py: -22% with
+        # its own width)
+        return hidden, 2 * int(hidden / 3 * 8)
 
     def forward(self, model: nn.Module, noisy, sigmas_B, batch: dict, cfg) -> torch.Tensor:
         return zimage_forward(model, noisy, sigmas_B, batch["prompt_embeds"], batch["prompt_embeds_mask"])

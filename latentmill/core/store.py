@@ -18,6 +18,11 @@ from urllib.parse import urlsplit
 from latentmill.core.config import ConfigError
 
 CHECK_TIMEOUT_S = 5  # the start-up check's connect timeout: an unreachable endpoint fails in seconds
+# What the start-up check's messages name per store: the command that makes a bucket, where credentials come
+# from, the settings of the endpoint (any other fsspec store is named as S3's)
+S3_HINTS = ("aws s3 mb s3://", "AWS_ACCESS_KEY_ID, ...", ("AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL"))
+GCS_HINTS = ("gcloud storage buckets create gs://", "GOOGLE_APPLICATION_CREDENTIALS, ...", ("STORAGE_EMULATOR_HOST",))
+STORE_HINTS = {"gs": GCS_HINTS, "gcs": GCS_HINTS}
 
 
 class StoreError(RuntimeError):
@@ -45,8 +50,8 @@ def store_fs(url: str, **options: Any) -> tuple[Any, str]:
         fs, root = fsspec.core.url_to_fs(url, **options)
     except ImportError as err:  # s3fs, gcsfs, adlfs: an extra each
         scheme = url.split("://", 1)[0]
-        raise ConfigError(f"output_dir: {url} needs the {scheme} filesystem for fsspec ({err}); for S3 "
-                          "install `latentmill[s3]`") from None
+        raise ConfigError(f"output_dir: {url} needs the {scheme} filesystem for fsspec ({err}); install "
+                          "`latentmill[s3]` for S3, `latentmill[gcs]` for GCS") from None
     return fs, root.rstrip("/")
 
 
@@ -63,19 +68,20 @@ def check_store(url: str) -> None:
         options["config_kwargs"] = {"connect_timeout": CHECK_TIMEOUT_S, "retries": {"max_attempts": 1}}
     fs, root = store_fs(url, **options)
     bucket = root.split("/", 1)[0]
+    make, credentials, endpoints = STORE_HINTS.get(url.split("://", 1)[0], S3_HINTS)
     try:
         fs.info(bucket)
     except FileNotFoundError:
         raise StoreError(f"output_dir: {url}: the bucket {bucket!r} does not exist on the store; create it "
-                         "first (e.g. `aws s3 mb s3://" + bucket + "`)") from None
+                         f"first (e.g. `{make}{bucket}`)") from None
     except PermissionError as err:
         raise StoreError(f"output_dir: {url}: the store refused access to the bucket {bucket!r} ({err}); check "
-                         "the credentials in the environment (AWS_ACCESS_KEY_ID, ...)") from None
+                         f"the credentials in the environment ({credentials})") from None
     except Exception as err:  # botocore's EndpointConnectionError and friends are no OSError
-        endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL") or "the default"
+        endpoint = next((os.environ[name] for name in endpoints if os.environ.get(name)), "the default")
         raise StoreError(f"output_dir: {url}: cannot reach the store (endpoint {endpoint}): "
                          f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}; check "
-                         "AWS_ENDPOINT_URL and the network") from None
+                         f"{endpoints[-1]} and the network") from None
 
 
 def work_dir_for(url: str) -> Path:
