@@ -263,20 +263,10 @@ def plan(cfg: CacheConfig, model: ModelConfig, upstream: StageDir, stage_dir: St
     """
     plan_ = cache_plan(cfg, model)
     per_sample = sample_bytes_estimate(cfg, model, plan_.family)
-
-    tiled: dict[str, dict[str, Any]] = {}  # upstream shard name -> the VAE tiles its long clips are encoded in
+    buckets = {entry["name"]: _upstream_buckets(upstream, entry) for entry in upstream.read_manifest()["shards"]}
 
     def estimate(upstream: StageDir, entry: dict[str, Any]) -> int:
-        counts = shard_buckets(entry)
-        if not counts:  # a bucket shard written before per-shard bucket counts: its index has them
-            index = load_shard_index(upstream.root / entry["path"], entry.get("index"))
-            for b in index.columns["sample_bucket"].tolist():
-                name = "x".join(map(str, index.buckets[b])) if b >= 0 else "0x0x1"
-                counts[name] = counts.get(name, 0) + 1
-        buckets = [[int(d) for d in name.split("x")] for name in counts]
-        if tiling := next((t for b in buckets if (t := plan_.tiling(b))), None):
-            tiled[entry["name"]] = tiling
-        return sum(n * per_sample(b) for n, b in zip(counts.values(), buckets))
+        return sum(n * per_sample(bucket) for bucket, n in buckets[entry["name"]])
 
     units = units_by_bytes(upstream, plan_.fingerprint(), cfg.shard_bytes,
                            stage_dir if stage_dir is not None else sibling_stage(upstream, STAGE), estimate)
@@ -284,9 +274,21 @@ def plan(cfg: CacheConfig, model: ModelConfig, upstream: StageDir, stage_dir: St
     for unit in units:
         unit.payload["reuse_before_ns"] = cutoff
         # a unit holding clips encoded in the VAE's tiles has them in its id (as curate's units with videos)
-        if tiling := next((tiled[name] for name in unit.payload[GROUP_KEY] if name in tiled), None):
+        held = (bucket for name in unit.payload[GROUP_KEY] for bucket, _ in buckets[name])
+        if tiling := next((t for bucket in held if (t := plan_.tiling(bucket))), None):
             unit.unit_id = grouped_unit_id({**plan_.fingerprint(), **tiling}, unit.inputs)
     return units
+
+
+def _upstream_buckets(upstream: StageDir, entry: dict[str, Any]) -> list[tuple[list[int], int]]:
+    """(bucket [W, H, F], samples) of one bucket shard of ``upstream``'s manifest: its entry's counts, or its index's."""
+    counts = shard_buckets(entry)
+    if not counts:  # a bucket shard written before per-shard bucket counts: its index has them
+        index = load_shard_index(upstream.root / entry["path"], entry.get("index"))
+        for b in index.columns["sample_bucket"].tolist():
+            name = "x".join(map(str, index.buckets[b])) if b >= 0 else "0x0x1"
+            counts[name] = counts.get(name, 0) + 1
+    return [([int(d) for d in name.split("x")], n) for name, n in counts.items()]
 
 
 # ---------------------------------------------------------------------------------------------------------

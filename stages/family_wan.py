@@ -11,6 +11,28 @@ from latentmill.stages.encoders import Encoders, Stream
 from latentmill.models import ModelConfig
 
 
+def encode_causal(vae, clip_1CFHW: torch.Tensor, device: torch.device):
+    """``vae.encode(clip_1CFHW).latent_dist`` of an untiled ``AutoencoderKLWan``, moved and patchified chunk by chunk.
+
+    Diffusers' ``_encode`` moves and patchifies (Wan 2.2: 2 x 2 pixels per channel) the whole clip before its
+    causal chunks (frame 0, then 4 frames at a time), one more copy of the clip's pixels; patchify is per
+    frame, so the same loop over chunks moved and patchified on their own gives the same latents bit for bit
+    (tests/test_wan22_ti2v.py pins them against ``vae.encode``, so a Diffusers release that changes it fails).
+    """
+    from diffusers.models.autoencoders.autoencoder_kl_wan import WanCausalConv3d, patchify
+    from diffusers.models.autoencoders.vae import DiagonalGaussianDistribution
+
+    feat_cache = [None] * sum(isinstance(m, WanCausalConv3d) for m in vae.encoder.modules())
+    chunks = [(0, 1)] + [(1 + 4 * i, 5 + 4 * i) for i in range((clip_1CFHW.shape[2] - 1) // 4)]
+    outs = []
+    for start, stop in chunks:
+        chunk = clip_1CFHW[:, :, start:stop].to(device, torch.float32)
+        if vae.config.patch_size is not None:
+            chunk = patchify(chunk, patch_size=vae.config.patch_size)
+        outs.append(vae.encoder(chunk, feat_cache=feat_cache, feat_idx=[0]))
+    return DiagonalGaussianDistribution(vae.quant_conv(torch.cat(outs, 2)))
+
+
 class WanEncoders(Encoders):
     """AutoencoderKLWan + UMT5, as WanPipeline uses them (masked text encoder, zero padding)."""
 
@@ -61,17 +83,18 @@ class WanEncoders(Encoders):
     def encode_pixels(self, pixels_BCFHW: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(mean, std) of the normalised latent distribution of clips in [-1, 1], encoded one clip at a time.
 
-        Sliced by sample: only one clip is on the device (in float32) and in the encoder at once, so the
-        peak memory is one clip's (its pixels and 4 frames of activations at a time), whatever
-        ``cache.batch_size``. A batch of 4 81-frame 720p clips in float32 alone is 3.6 GB, and the
-        activations and (on GPU) convolution workspaces of a batched encode grow with it. Diffusers'
-        ``enable_slicing()`` also loops over samples, but only after the whole batch was moved to the device.
-        Each clip's latents are those of encoding it alone, bit for bit (no tiles, no seams).
+        Sliced by sample and by the VAE's causal chunks (:func:`encode_causal`): one clip at a time is in the
+        encoder, and only its current chunk of frames is on the device (in float32), so the peak memory is
+        that of 4 frames of activations, whatever ``cache.batch_size`` and the clip's length. A batch of 4
+        81-frame 720p clips in float32 alone is 3.6 GB, and the activations and (on GPU) convolution workspaces
+        of a batched encode grow with it. Diffusers' ``enable_slicing()`` also loops over samples, but only
+        after the whole batch was moved to the device. Each clip's latents are those of ``vae.encode`` on it
+        alone, bit for bit (no tiles, no seams).
         """
         means, stds = [], []
         for clip_1CFHW in pixels_BCFHW.split(1):
             with self.lock:  # per clip: another thread's batch may take turns
-                dist = self.vae.encode(clip_1CFHW.to(self.device, torch.float32)).latent_dist
+                dist = encode_causal(self.vae, clip_1CFHW, self.device)
             means.append(dist.mean.float().cpu())
             stds.append(dist.std.float().cpu())
             del dist  # this clip's device tensors go before the next clip is moved over

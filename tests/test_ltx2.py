@@ -444,6 +444,18 @@ def test_vae_tiling_keys_only_the_clips_it_changes(tiny_ltx2, ltx2_prep, monkeyp
     assert len(tiled) == len(ids) and not set(tiled) & set(ids)
 
 
+def latents(out):
+    """Each cached sample's ``latents``, from the shards the cache's manifest names (a re-encoded unit's old tar
+    stays until a gc)."""
+    from latentmill.stages.tarshard import read_shard
+    from safetensors.torch import load
+
+    cache = out / "prep" / "cache"
+    manifest = json.loads((cache / "manifest.json").read_text())
+    return {s["__key__"]: load(s["vae.safetensors"])["latents"]
+            for shard in manifest["shards"] for s in read_shard(str(cache / shard["path"]))}
+
+
 @pytest.mark.slow
 def test_prep_encodes_clips_longer_than_a_tile_in_tiles(tiny_ltx2, ltx2_prep, tmp_path, monkeypatch):
     """Through prep, with the VAE's tiles shrunk to 8 frames so that the demo's 17-frame clips are longer than one:
@@ -451,16 +463,7 @@ def test_prep_encodes_clips_longer_than_a_tile_in_tiles(tiny_ltx2, ltx2_prep, tm
     clips' latents are no longer the whole clips'."""
     import shutil
 
-    from latentmill.stages.tarshard import read_shard
-    from safetensors.torch import load
-
     from latentmill.cli import main
-
-    def latents(out):  # the shards the cache's manifest names (a re-encoded unit's old tar stays until a gc)
-        cache = out / "prep" / "cache"
-        manifest = json.loads((cache / "manifest.json").read_text())
-        return {s["__key__"]: load(s["vae.safetensors"])["latents"]
-                for shard in manifest["shards"] for s in read_shard(str(cache / shard["path"]))}
 
     out = tmp_path / "prep"
     shutil.copytree(ltx2_prep, out)
@@ -473,3 +476,28 @@ def test_prep_encodes_clips_longer_than_a_tile_in_tiles(tiny_ltx2, ltx2_prep, tm
     assert sorted(before) == sorted(after) and all(after[k].shape == before[k].shape for k in before)
     moved = [k for k in before if (after[k] - before[k]).abs().max() > 1e-3]
     assert len(moved) >= 6, moved  # the demo's shapes move: a tile after the first misses the frames before it
+
+
+@pytest.mark.heavy
+def test_prep_with_vae_tiling_never_encodes_long_clips_whole(tiny_ltx2, ltx2_prep, tmp_path, monkeypatch):
+    """cache.vae_tiling: never through prep, with the VAE's tiles shrunk to 8 frames so that the demo's 17-frame
+    clips are longer than one: the cache, made again from its bucket shards, encodes them whole (the latents of
+    the demo's prep, bit for bit) under the units' ids from before tiling existed."""
+    import shutil
+
+    from latentmill.cli import main
+
+    out = tmp_path / "prep"
+    shutil.copytree(ltx2_prep, out)
+    shutil.rmtree(out / "prep" / "cache")  # the earlier stages stay: only the cache is made again
+    monkeypatch.setattr(LTX2Encoders, "VAE_TEMPORAL_TILE", (8, 8))
+    assert LTX2Encoders.tiles_clip(17, "auto") and not LTX2Encoders.tiles_clip(17, "never")
+    assert main(["prep", str(REPO_ROOT / "configs" / "demo-ltx2.yaml"), f"output_dir={out}",
+                 f"model.pretrained={tiny_ltx2}", "runner.workers=1", "cache.vae_tiling=never",
+                 "--summary-json", str(out / "never.json")]) == 0
+    cache = json.loads((out / "never.json").read_text())["stages"]["cache"]
+    assert cache["components"]["vae"]["processed"] == cache["out"] == 8
+    units = [json.loads((p / "prep" / "cache" / "manifest.json").read_text())["units"] for p in (ltx2_prep, out)]
+    assert sorted(units[1]) == sorted(units[0])
+    before, after = latents(ltx2_prep), latents(out)
+    assert sorted(after) == sorted(before) and all(torch.equal(after[k], before[k]) for k in before)

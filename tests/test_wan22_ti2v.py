@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 from latentmill.stages.families import FAMILIES, WanTI2VEncoders
+from latentmill.stages.family_wan import encode_causal
 from latentmill.trainer.adapters import check_i2v, get_adapter
 from latentmill.trainer.objective import first_frame_mask, flow_matching_loss
 from latentmill.trainer.wan22_ti2v import WanTI2VAdapter, ti2v_timesteps
@@ -128,6 +129,26 @@ def test_cache_equals_the_pipelines_encode_path(tiny_wan_ti2v, i2v):
     assert frame_mask[0, 0, 0].sum() == 0 and frame_mask[0, 0, 1:].min() == 1
     assert float((mean[:, :, :1] - condition).abs().max()) < 1e-5  # measured 1e-6 (normalised)
     assert float((mean[:, :, 1:2] - condition).abs().max()) > 0.1  # a later frame is another latent
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["wan2.2-ti2v", "wan"])
+def test_chunked_encode_is_the_vaes_bit_for_bit(request, family):
+    """``encode_causal`` patchifies each causal chunk on its own (no whole-clip copy of the pixels); its latent
+    distribution is ``vae.encode``'s bit for bit on CPU float32, for both Wan VAEs (2.2: patch_size 2; 2.1: none).
+    Fails if a Diffusers release changes the VAE's chunk loop."""
+    from diffusers import AutoencoderKLWan
+
+    folder = request.getfixturevalue({"wan2.2-ti2v": "tiny_wan_ti2v", "wan": "tiny_wan"}[family])
+    vae = AutoencoderKLWan.from_pretrained(folder, subfolder="vae").eval()
+    assert vae.config.patch_size == (2 if family == "wan2.2-ti2v" else None)
+    for frames in (1, 5, 33):
+        pixels = clip(frames=frames, height=32, width=32, seed=frames)
+        with torch.no_grad():
+            ours = encode_causal(vae, pixels, torch.device("cpu")).parameters
+            theirs = vae.encode(pixels).latent_dist.parameters
+        assert ours.shape == theirs.shape == (1, 2 * vae.config.z_dim, 1 + (frames - 1) // 4) + ours.shape[3:]
+        assert torch.equal(ours, theirs), f"{frames} frames: {float((ours - theirs).abs().max())}"
 
 
 def _capture(transformer):
