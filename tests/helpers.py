@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Iterator
 
 from latentmill.pipelines.prep import run_stages_in_process as prep_in_process  # noqa: F401  (the stages, no Prefect)
 
@@ -60,3 +62,50 @@ def upload_demo_inputs(fs, bucket: str, count: int | None = None) -> str:
     fs.pipe_file(f"{bucket}/inputs/list.jsonl", "".join(json.dumps(r) + "\n" for r in rows).encode())
     scheme = fs.protocol[0] if isinstance(fs.protocol, (tuple, list)) else fs.protocol  # s3, gs
     return f"{scheme}://{bucket}/inputs/list.jsonl"
+
+
+def free_port() -> int:
+    """A free TCP port on 127.0.0.1 (for a server a test starts)."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@contextmanager
+def loopback_server(cmd: list[str], probe: str, name: str, timeout: float = 120.0, poll: float = 0.1,
+                    log: Path | None = None, env: dict[str, str] | None = None) -> Iterator[None]:
+    """Run ``cmd`` (a server on 127.0.0.1, in a session of its own) until ``probe`` (a URL) answers, for the
+    body; then stop its whole process group. A server that exits or stays silent for ``timeout`` seconds fails
+    naming ``name`` (and the tail of ``log``, its output, when given)."""
+    import os
+    import signal
+    import subprocess
+    import time
+    import urllib.request
+
+    out = open(log, "wb") if log else subprocess.DEVNULL
+    try:
+        server = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    finally:
+        if log:
+            out.close()
+    try:
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                urllib.request.urlopen(probe, timeout=5).close()
+                break
+            except OSError:
+                if server.poll() is not None or time.monotonic() > deadline:
+                    tail = log.read_text(errors="replace")[-2000:] if log else ""
+                    raise RuntimeError(f"{name} did not start on {probe} (exit {server.poll()})\n{tail}") from None
+                time.sleep(poll)
+        yield
+    finally:
+        try:
+            os.killpg(server.pid, signal.SIGTERM)  # the server and any workers it started
+        except ProcessLookupError:
+            pass
+        server.wait(60)

@@ -4,12 +4,8 @@ tracking server on loopback at once, then exports a LoRA with its card; each tes
 import json
 import logging
 import os
-import socket
 import struct
-import subprocess
 import sys
-import time
-import urllib.request
 from pathlib import Path
 
 import pytest
@@ -18,6 +14,7 @@ from latentmill.trainer.card import model_card, public, trigger_phrase
 from latentmill.trainer.trackers import TrackerError, flatten, scalars, start_trackers
 
 from latentmill.core.config import ConfigError
+from tests.helpers import free_port, loopback_server
 from tests.trainer_helpers import add_validation_prompts, read_metrics, torch_threads, write_fake_cache
 
 PREP = {"stages": {"ingest": {"in": 6, "out": 5, "quarantined": 1}, "cache": {"in": 4, "out": 4, "quarantined": 0}},
@@ -26,37 +23,18 @@ PREP = {"stages": {"ingest": {"in": 6, "out": 5, "quarantined": 1}, "cache": {"i
 PROVENANCE = {"snapshot": "0003-abcdef012345", "snapshot_content_id": "abcdef0123456789" * 4, "run": "r1"}
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def mlflow_server(tmp_path_factory):
     """A real ``mlflow server`` on 127.0.0.1 with a SQLite store in a temporary folder; stopped afterwards."""
     pytest.importorskip("mlflow")
-    root, port = tmp_path_factory.mktemp("mlflow"), _free_port()
+    root, port = tmp_path_factory.mktemp("mlflow"), free_port()
     env = {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
     cmd = [sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1", "--port", str(port), "--workers", "1",
            "--backend-store-uri", f"sqlite:///{root}/mlflow.db", "--artifacts-destination", str(root / "artifacts")]
-    with open(root / "server.log", "wb") as log_file:
-        proc = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, env=env, start_new_session=True)
     uri = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 180
-        while True:
-            try:
-                urllib.request.urlopen(f"{uri}/health", timeout=2).read()
-                break
-            except OSError:
-                if proc.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError("mlflow server did not start:\n" + (root / "server.log").read_text()[-2000:]) from None
-                time.sleep(0.5)
+    with loopback_server(cmd, f"{uri}/health", "mlflow server", timeout=180, poll=0.5, log=root / "server.log",
+                         env=env):
         yield uri
-    finally:
-        os.killpg(proc.pid, 15)  # the server and its uvicorn worker
-        proc.wait(timeout=60)
 
 
 @pytest.fixture(scope="module")
@@ -253,7 +231,7 @@ def test_a_tracker_that_cannot_start_is_one_warning_or_an_error_when_required(tm
     wandb = pytest.importorskip("wandb")
     pytest.importorskip("mlflow")
     wandb.teardown()  # an earlier test's offline W&B session would otherwise be reused
-    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"http://127.0.0.1:{_free_port()}")  # nobody listens there
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"http://127.0.0.1:{free_port()}")  # nobody listens there
     monkeypatch.setenv("WANDB_MODE", "online")
     monkeypatch.delenv("WANDB_API_KEY", raising=False)
     monkeypatch.setenv("HOME", str(tmp_path))  # no ~/.netrc login either
