@@ -56,28 +56,13 @@ TEXT_TOKENS = 512
 
 
 def run(args) -> list:
-    import torch
-    from latentmill.trainer.adapters import get_adapter
-
-    from latentmill.activations import activation_bytes, activation_shape, measured_activation_bytes
-    from latentmill.plan import shipped_models_dir
-    from latentmill.recipe import load_recipe
+    from latentmill.activations import activation_bytes, measured_activation_bytes, shipped_point
 
     figures = []
     # quick: the smaller size of FLUX.1 and Wan, and Qwen-Image (the whole FLUX.1-dev takes minutes)
     points = [POINTS[0], POINTS[2], POINTS[5]] if args.quick else POINTS
     for family, folder, depth, bucket in points:
-        adapter = get_adapter(family)
-        cls = adapter.diffusers_class(adapter.transformer_class)
-        config = {**cls.load_config(str(shipped_models_dir() / folder), subfolder="transformer"), **depth}
-        with torch.device("meta"):
-            blocks = len(adapter.blocks(cls.from_config(config)))
-        # the recipe's largest bucket is this one bucket: one aspect ratio at its pixel budget, its frame count
-        frames = [f"bucket.max_frames={bucket[2]}", f"bucket.frame_counts=[{bucket[2]}]"] if bucket[2] > 1 else []
-        recipe = load_recipe("demo", [f"bucket.resolution={round((bucket[0] * bucket[1]) ** 0.5)}",
-                                      f"bucket.aspect_ratios=[{bucket[0] / bucket[1]}]", "bucket.step=16",
-                                      f"cache.max_sequence_length={TEXT_TOKENS}", "trainer.batch_size=1", *frames])
-        shape = activation_shape(adapter, family, shipped_models_dir() / folder, config, recipe, blocks)
+        config, shape = shipped_point(family, folder, depth, bucket, TEXT_TOKENS)
         assert list(shape.bucket) == (bucket if bucket[2] > 1 else bucket[:2]), (shape.bucket, bucket)
         for checkpointing in (True, False):
             start = time.perf_counter()
@@ -88,7 +73,7 @@ def run(args) -> list:
             log(f"actplan {family} {bucket} checkpointing {checkpointing}: estimate {estimate / 2**30:.3f} GiB, "
                 f"measured {measured / 2**30:.3f} GiB, error {error:.3f} ({time.perf_counter() - start:.0f} s)")
             inputs = {"family": family, "config": f"configs/models/{folder} with {depth}", "bucket": bucket,
-                      "tokens": shape.tokens, "text_tokens": TEXT_TOKENS, "batch": 1, "blocks": blocks,
+                      "tokens": shape.tokens, "text_tokens": TEXT_TOKENS, "batch": 1, "blocks": shape.blocks,
                       "checkpointing": checkpointing}
             figures.append(figure(f"32. plan's activation estimate vs MemTracker, {family} {'x'.join(map(str, bucket))}, "
                                   f"checkpointing {'on' if checkpointing else 'off'} (|estimate/measured - 1|)",

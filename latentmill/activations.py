@@ -127,6 +127,28 @@ def activation_shape(adapter: Any, family: str, folder: Path, transformer_config
                            adapter.attention_mask_bytes)
 
 
+
+def shipped_point(family: str, folder: str, overrides: dict[str, Any], bucket: list[int],
+                  text_tokens: int) -> tuple[dict[str, Any], ActivationShape]:
+    """A measurement point: the shipped transformer config of ``configs/models/<folder>`` with ``overrides`` (a
+    reduced depth, say), and the activation shape of a recipe whose largest bucket is ``bucket`` ([H, W, F])
+    with ``text_tokens`` tokens, batch 1."""
+    from latentmill.recipe import load_recipe
+    from latentmill.resources import resource_root
+    from latentmill.trainer.adapters import get_adapter
+
+    adapter, shipped = get_adapter(family), resource_root() / "configs" / "models" / folder  # plan's folder
+    cls = adapter.diffusers_class(adapter.transformer_class)
+    config = {**cls.load_config(str(shipped), subfolder="transformer"), **overrides}
+    with torch.device("meta"):
+        blocks = len(adapter.blocks(cls.from_config(config)))
+    # the recipe's largest bucket is this one bucket: one aspect ratio at its pixel budget, its frame count
+    frames = [f"bucket.max_frames={bucket[2]}", f"bucket.frame_counts=[{bucket[2]}]"] if bucket[2] > 1 else []
+    recipe = load_recipe("demo", [f"bucket.resolution={round((bucket[0] * bucket[1]) ** 0.5)}",
+                                  f"bucket.aspect_ratios=[{bucket[0] / bucket[1]}]", "bucket.step=16",
+                                  f"cache.max_sequence_length={text_tokens}", "trainer.batch_size=1", *frames])
+    return config, activation_shape(adapter, family, shipped, config, recipe, blocks)
+
 @functools.cache
 def _fake_mode(cls: type) -> Any:
     """One fake mode per process: the adapters cache small tensors (Flux's position ids) across calls, and a

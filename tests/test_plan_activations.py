@@ -114,25 +114,11 @@ def test_a_dense_attention_mask_is_counted_per_token_pair_and_block():
 
 
 def _family_shape(family: str, folder: str, overrides: dict, bucket: list[int], text: int):
-    """The shipped transformer config of ``folder`` with ``overrides`` and the activation shape of a recipe whose
-    largest bucket is ``bucket`` with ``text`` tokens, batch 1 (as bench/actplan.py builds its points)."""
-    import torch
-    from latentmill.trainer.adapters import get_adapter
+    """The point bench/actplan.py measures: ``folder``'s config with ``overrides``, a recipe whose largest bucket is
+    ``bucket`` with ``text`` tokens."""
+    from latentmill.activations import shipped_point
 
-    from latentmill.activations import activation_shape
-    from latentmill.plan import shipped_models_dir
-    from latentmill.recipe import load_recipe
-
-    adapter = get_adapter(family)
-    cls = adapter.diffusers_class(adapter.transformer_class)
-    config = {**cls.load_config(str(shipped_models_dir() / folder), subfolder="transformer"), **overrides}
-    with torch.device("meta"):
-        blocks = len(adapter.blocks(cls.from_config(config)))
-    frames = [f"bucket.max_frames={bucket[2]}", f"bucket.frame_counts=[{bucket[2]}]"] if bucket[2] > 1 else []
-    recipe = load_recipe("demo", [f"bucket.resolution={round((bucket[0] * bucket[1]) ** 0.5)}",
-                                  f"bucket.aspect_ratios=[{bucket[0] / bucket[1]}]", "bucket.step=16",
-                                  f"cache.max_sequence_length={text}", "trainer.batch_size=1", *frames])
-    return config, activation_shape(adapter, family, shipped_models_dir() / folder, config, recipe, blocks)
+    return shipped_point(family, folder, overrides, bucket, text)
 
 
 # Z-Image without its refiners (which see only the image or the caption tokens) and LTX-2 at reduced depth, at their
