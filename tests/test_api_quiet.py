@@ -16,7 +16,8 @@ import pytest
 
 from tests.conftest import REPO_ROOT
 
-pytestmark = pytest.mark.slow
+# heavy: the snippet in a fresh process and Prefect home; make test runs it in-process (test_e2e.py)
+pytestmark = [pytest.mark.slow, pytest.mark.heavy]
 
 # After the snippet: what the test checks, read in the same process. The API's temporary server is the
 # command line's (latentmill.prefect_env), still up until the process exits.

@@ -25,6 +25,7 @@ pytestmark = pytest.mark.slow
 COUNT, SIDE = 24, 640  # 640x640 RGB noise: ~1.2 MB a PNG
 
 
+@pytest.mark.heavy  # a memory measurement; make test: the records read one at a time, below
 def test_a_cache_unit_holds_one_batch_of_images_not_the_unit(tmp_path, tiny_flux):
     from latentmill.pipelines.prep import plan_stage, run_stages_in_process, stage_dir_for, stage_processor
 

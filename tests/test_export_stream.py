@@ -367,6 +367,7 @@ print(json.dumps({"increment": status("VmHWM") - base, "figure": figure, "files"
 """
 
 
+@pytest.mark.heavy  # a memory measurement; make test: the FSDP2 export above
 def test_a_slow_disk_holds_at_most_plans_export_figure(big_flux, tmp_path):
     """On a disk slower than the gathers, an unbounded writer queue held the whole bf16 copy on rank 0 (1,296 MiB
     for a 1.28 GiB slice where plan said 472 MiB): a file is now handed over once the one before it is written.

@@ -27,7 +27,8 @@ import pytest
 import torch
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-pytestmark = pytest.mark.slow
+# heavy: a memory measurement; make test checks every rank fills only its shards, bit for bit (test_model_load.py)
+pytestmark = [pytest.mark.slow, pytest.mark.heavy]
 MiB = 2**20
 OVERHEAD = 64 * MiB
 

@@ -150,6 +150,7 @@ def test_prep_then_train_deployment_completes(served, tiny_flux, tmp_path):
         assert [log["level"] for log in logs if log["message"].startswith(w)] == [20], (w, logs)
 
 
+@pytest.mark.heavy  # a second served run; make test: the served deployment above, the CLI's failures in test_cli_errors.py
 def test_failed_run_says_why(served, tmp_path):
     """A deployment run that fails on a bad override shows the one-line reason under `--watch`, and its state
     message carries it (what the UI shows); before, the watch ended "finished in state 'Failed'." alone."""

@@ -75,6 +75,7 @@ def _prep_process(out: Path, tiny_flux: Path, source: Path, log: Path, *override
                             start_new_session=True)
 
 
+@pytest.mark.heavy  # make test: a second prep refused naming the writer, and a killed holder, below
 def test_two_preps_started_together_end_with_one_verified_snapshot(tiny_flux, tmp_path):
     out, source = tmp_path / "out", tmp_path / "images"
     _fill(source, IMAGES[:8])
