@@ -18,9 +18,9 @@ The rest of the contract lives in the training loop (``latentmill.trainer.train`
 
 from __future__ import annotations
 
-import json
+import functools
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from latentmill.trainer.adapter import VALIDATION_FRAMES, ModelAdapter
@@ -87,15 +87,19 @@ def check_cp_batch(adapter: ModelAdapter, batch: dict[str, Any], cp_size: int) -
                          "them, or buckets whose token counts it divides")
 
 
-def _sample_undivided(adapter: ModelAdapter, pretrained: str, bucket: list[int], text_tokens: int, cp_size: int
-                      ) -> list[str]:
-    """:func:`_undivided` for a sample of ``bucket``, its latent shape from the family's ``sample_shapes`` over the
-    pipeline folder's VAE config (its rule's defaults, the published model's, for a hub id)."""
-    from latentmill.stages.families import family_class
+def _component_configs(pretrained: str) -> Callable[[str], dict[str, Any]]:
+    """The pipeline folder's component configs by name, each read once ({} where there is none: a hub id, whose
+    rule's defaults are the published model's)."""
+    from latentmill.activations import component_config
 
-    def config(name: str) -> dict[str, Any]:
-        path = Path(pretrained, name, "config.json")
-        return json.loads(path.read_text()) if path.is_file() else {}
+    return functools.cache(lambda name: component_config(Path(pretrained), name))
+
+
+def _sample_undivided(adapter: ModelAdapter, config: Callable[[str], dict[str, Any]], bucket: list[int],
+                      text_tokens: int, cp_size: int) -> list[str]:
+    """:func:`_undivided` for a sample of ``bucket``, its latent shape from the family's ``sample_shapes`` over
+    ``config`` (:func:`_component_configs`)."""
+    from latentmill.stages.families import family_class
 
     shape = family_class(adapter.family).sample_shapes(config, bucket, text_tokens)["latents"]
     return _undivided(adapter, torch.empty(1, *shape, device="meta"), text_tokens, cp_size)
@@ -109,7 +113,8 @@ def check_cp_validation(parallel: ParallelConfig, adapter: ModelAdapter, validat
     if parallel.cp_size == 1:
         return
     frames = VALIDATION_FRAMES if adapter.latent_ndim == 4 else 1
-    bad = _sample_undivided(adapter, pretrained, [*validation_size, frames][:3], text_tokens, parallel.cp_size)
+    bad = _sample_undivided(adapter, _component_configs(pretrained), [*validation_size, frames][:3], text_tokens,
+                            parallel.cp_size)
     if bad:
         raise ConfigError(f"parallel.cp_size: {parallel.cp_size} does not divide the sequence of "
                           f"trainer.validation_size {list(validation_size)}: {', '.join(bad)}; use a validation "
@@ -126,9 +131,9 @@ def check_cp_buckets(parallel: ParallelConfig, adapter: ModelAdapter, bucket_cfg
     from latentmill.stages.bucket import admitted_buckets
 
     buckets = admitted_buckets(bucket_cfg, video=adapter.latent_ndim == 4)
-    bad = {}
+    bad, config = {}, _component_configs(pretrained)
     for bucket in buckets:
-        undivided = _sample_undivided(adapter, pretrained, list(bucket), text_tokens, parallel.cp_size)
+        undivided = _sample_undivided(adapter, config, list(bucket), text_tokens, parallel.cp_size)
         if undivided:
             bad[bucket] = undivided
     if bad:
