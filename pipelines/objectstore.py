@@ -140,11 +140,13 @@ def local_files(work: Path) -> list[str]:
 def pull(url: str, work: Path | None = None, tars: bool | Collection[str] = True) -> dict[str, Any]:
     """Download what the work folder of ``url`` lacks or holds differently (``tars=False``: everything but the
     shards' tars, for reading manifests, records and indexes; a collection of ``/`` paths: only those tars);
-    ``{"work_dir", "downloaded", "bytes", "tar_sizes"}``, the last the bytes of every tar on the store by path."""
+    ``{"work_dir", "downloaded", "bytes", "tar_sizes"}``, the last the bytes of every tar on the store by path.
+    A downloaded file takes its object's time on the store as its mtime: gc keeps the units committed after the
+    newest snapshot by that order, which parallel downloads do not keep."""
     fs, root = store_fs(url)
     work = work or work_dir_for(url)
     work.mkdir(parents=True, exist_ok=True)
-    remote, local, size, tar_sizes = [], [], 0, {}
+    remote, local, stamps, size, tar_sizes = [], [], [], 0, {}
     for rel, info in sorted(_listing(fs, root).items()):
         if not shared(rel):
             continue
@@ -158,12 +160,21 @@ def pull(url: str, work: Path | None = None, tars: bool | Collection[str] = True
         path.parent.mkdir(parents=True, exist_ok=True)
         remote.append(join(root, rel))
         local.append(str(path) + PULLING)
+        stamps.append(_modified(info))
         size += int(info.get("size") or 0)
     if remote:
         fs.get(remote, local)
-        for tmp in local:  # whole files only: a killed download leaves a .tmp that nothing reads
+        for tmp, stamp in zip(local, stamps):  # whole files only: a killed download leaves a .tmp nothing reads
+            if stamp is not None:
+                os.utime(tmp, ns=(stamp, stamp))
             os.replace(tmp, tmp[: -len(PULLING)])
     return {"work_dir": str(work), "downloaded": len(remote), "bytes": size, "tar_sizes": tar_sizes}
+
+
+def _modified(info: dict[str, Any]) -> int | None:
+    """An object's time on the store in ns (S3's ``LastModified``, GCS's ``mtime``), None where not given."""
+    when = info.get("LastModified") or info.get("mtime")
+    return int(when.timestamp() * 1e9) if hasattr(when, "timestamp") else None
 
 
 def push(work: Path, url: str, lease: "StoreLease | None" = None) -> dict[str, Any]:

@@ -356,7 +356,7 @@ def s3_bucket(s3_server, tmp_path, monkeypatch, request):
     user gives them), the local work folders under tmp_path."""
     import re
 
-    import fsspec
+    from tests.helpers import store
 
     monkeypatch.setenv("AWS_ACCESS_KEY_ID", "latentmill-test-key")
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", S3_SECRET)
@@ -364,7 +364,7 @@ def s3_bucket(s3_server, tmp_path, monkeypatch, request):
     monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
     monkeypatch.setenv("LATENTMILL_WORK_DIR", str(tmp_path / "work"))
     name = re.sub(r"[^a-z0-9-]", "-", request.node.name.lower())[:40].strip("-") + f"-{os.getpid()}"
-    fsspec.filesystem("s3").mkdir(name)
+    store("s3").mkdir(name)
     return name
 
 
@@ -400,9 +400,11 @@ def gcs_bucket(gcs_server, tmp_path, monkeypatch, request):
 
     import fsspec
 
+    from tests.helpers import store
+
     monkeypatch.setenv("STORAGE_EMULATOR_HOST", gcs_server)
     monkeypatch.setitem(fsspec.config.conf, "gs", {"token": "anon", "project": "latentmill-test"})
     monkeypatch.setenv("LATENTMILL_WORK_DIR", str(tmp_path / "work"))
     name = re.sub(r"[^a-z0-9-]", "-", request.node.name.lower())[:40].strip("-") + f"-{os.getpid()}"
-    fsspec.filesystem("gs").mkdir(name)
+    store("gs").mkdir(name)
     return name

@@ -109,3 +109,11 @@ def loopback_server(cmd: list[str], probe: str, name: str, timeout: float = 120.
         except ProcessLookupError:
             pass
         server.wait(60)
+
+
+def store(scheme: str = "s3"):
+    """The test server's filesystem as a test reads it: every listing asks the server (as ``store_fs`` does),
+    since the code under test writes and deletes through instances and processes of its own."""
+    import fsspec
+
+    return fsspec.filesystem(scheme, use_listings_cache=False)

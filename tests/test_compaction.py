@@ -20,7 +20,6 @@ import sys
 import time
 from pathlib import Path
 
-import fsspec
 import pytest
 import torch
 from latentmill.pipelines import objectstore
@@ -38,6 +37,7 @@ from latentmill.core.config import ConfigError
 from latentmill.core.hashing import sha256_file
 from latentmill.inspect import verify_path
 from tests.conftest import DEMO_CONFIG, DEMO_IMAGES, REPO_ROOT
+from tests.helpers import store
 
 pytestmark = pytest.mark.slow
 
@@ -347,7 +347,7 @@ def test_compact_on_a_store_publishes_the_bytes_of_a_local_compaction_parts_firs
     _tripwire(monkeypatch)
     local = compact(out)  # the same output compacted locally: the oracle
     name = local["snapshot"]["name"]
-    fs = fsspec.filesystem("s3")
+    fs = store("s3")
     fs.ls(s3_bucket)
     sent: list[str] = []
     record = lambda request, **_: sent.append(request.url.split(f"/{s3_bucket}/out/", 1)[-1].split("?")[0])  # noqa: E731
@@ -414,7 +414,7 @@ def test_compact_on_a_store_downloads_only_the_tars_it_merges(output, s3_bucket,
                for s in json.loads(cache.unit_path(unit).read_text())["shards"]]
     downloaded = [f"prep/cache/{s.path}" for g in groups for r in g for s in r.shards]
     assert tars() == set(written) | set(downloaded)
-    fs = fsspec.filesystem("s3")
+    fs = store("s3")
     name = local["snapshot"]["name"]
     stored = json.loads(fs.cat_file(f"{s3_bucket}/out/snapshots/{name}/manifest.json"))
     oracle = json.loads((out / "snapshots" / name / "manifest.json").read_text())

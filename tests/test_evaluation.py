@@ -13,6 +13,7 @@ from latentmill.pipelines.snapshot import held_out, holdout_rank, publish
 from latentmill.trainer.loader import LatentLoader
 
 from latentmill.inspect import inspect_path
+from tests.helpers import store
 from tests.trainer_helpers import write_fake_cache
 
 
@@ -150,14 +151,13 @@ def test_eval_loss_is_the_objective_by_hand_and_changes_nothing(tiny_flux, held_
 @pytest.mark.slow
 def test_a_local_and_a_streaming_run_report_equal_eval_losses_and_never_train_on_held_out_keys(
         tiny_flux, held_out_cache, s3_bucket, tmp_path):
-    import fsspec
     from latentmill.trainer import TrainerConfig, train
     from latentmill.trainer.stream import StreamSource
 
     from tests.trainer_helpers import read_metrics, torch_threads
 
     out = held_out_cache.parent.parent
-    fsspec.filesystem("s3").put(str(out) + "/", f"{s3_bucket}/out", recursive=True)
+    store("s3").put(str(out) + "/", f"{s3_bucket}/out", recursive=True)
     streams = {"a": None, "b": StreamSource(f"s3://{s3_bucket}/out/snapshots/{held_out_cache.name}",
                                             str(tmp_path / "stream-cache"))}
     held = {k for b in LatentLoader(held_out_cache, 4, held_out="only").in_order() for k in b["keys"]}
@@ -184,13 +184,12 @@ def test_a_local_and_a_streaming_run_report_equal_eval_losses_and_never_train_on
 
 
 def test_while_streaming_the_held_out_samples_come_once_into_a_cache_of_their_own(s3_bucket, tmp_path):
-    import fsspec
     from latentmill.trainer.evaluation import held_out_cache
     from latentmill.trainer.loader import read_manifest
     from latentmill.trainer.shard_check import CorruptShardError
     from latentmill.trainer.stream import StreamSource
 
-    fs = fsspec.filesystem("s3")
+    fs = store("s3")
     out = tmp_path / "out"
     write_fake_cache(out / "prep" / "cache", {(16, 16, 1): 12, (32, 16, 1): 8}, seq_len=8, shards_per_bucket=3,
                      seed=3)  # 20 samples in 6 shards

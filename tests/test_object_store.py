@@ -20,6 +20,7 @@ from latentmill.pipelines.retention import OutputBusyError
 from latentmill.cli import main
 from latentmill.core.store import work_dir_for
 from latentmill.recipe import load_recipe
+from tests.helpers import store
 
 REPO = Path(__file__).resolve().parents[1]
 DEMO_CONFIG = REPO / "configs" / "demo.yaml"
@@ -87,7 +88,7 @@ def test_a_lease_is_renewed_while_held_and_taken_over_once_its_holder_stops(s3_b
         # another writer overwrites it (a clock far ahead saw it expired): the next renewal fails, and this
         # writer publishes no snapshot
         other = "PID 1 on elsewhere: prep since 2026-12-02T00:00:00Z"
-        fsspec.filesystem("s3").pipe_file(held.path, json.dumps({"holder": other, "expires": time.time() + 60}).encode())
+        store("s3").pipe_file(held.path, json.dumps({"holder": other, "expires": time.time() + 60}).encode())
         while held.lost is None and time.monotonic() < deadline:
             time.sleep(0.1)
         assert held.lost.endswith(f"now held by {other}")
@@ -96,7 +97,7 @@ def test_a_lease_is_renewed_while_held_and_taken_over_once_its_holder_stops(s3_b
     assert held.read()[0]["holder"] == other  # not released by the writer that lost it
     assert objectstore.StoreLease(url, "gc").try_acquire() == other  # live until its lease runs out
     before = held.read()[1]
-    fsspec.filesystem("s3").pipe_file(held.path, json.dumps({"holder": other, "expires": time.time() - 1}).encode())
+    store("s3").pipe_file(held.path, json.dumps({"holder": other, "expires": time.time() - 1}).encode())
     taker = objectstore.StoreLease(url, "prep", lease_s=30)  # ... which it now has: its holder died
     assert taker.try_acquire() is None
     assert f"taking over the writer lease of {url} left by {other} (its lease ran out)" in capsys.readouterr().out
@@ -144,9 +145,24 @@ def test_push_then_pull_copies_the_shared_files_and_skips_what_is_there(s3_bucke
     assert got == {rel: (b'{"m": 2}' if rel.endswith("cache/manifest.json") else data)
                    for rel, data in files.items() if objectstore.shared(rel)}
     assert objectstore.pull(url, fresh)["downloaded"] == 0
-    fs = fsspec.filesystem("s3")
+    fs = store("s3")
+    for rel in got:  # a downloaded file carries its object's time on the store: gc orders units by it
+        stamp = fs.info(f"{s3_bucket}/out/{rel}")["LastModified"].timestamp()
+        assert abs((fresh / rel).stat().st_mtime - stamp) < 1e-3, rel
     assert json.loads(fs.cat_file(f"{s3_bucket}/out/prep/cache/manifest.json")) == {"m": 2}
     assert not fs.exists(f"{s3_bucket}/out/prep/catalog.sqlite")
+
+
+def test_what_another_writer_deleted_is_gone_for_the_next_listing(s3_bucket):
+    """A pin deleted by another process: the listing this process made before does not bring it back (no
+    cached listing: ``store_fs``)."""
+    url = f"s3://{s3_bucket}/out"
+    pin = f"{s3_bucket}/out/pins/0001-x.pin"
+    store("s3").pipe_file(pin, json.dumps({"snapshot": "0001-x"}).encode())
+    assert list(objectstore.store_pins(url)) == ["0001-x"]
+    fsspec.filesystem("s3", skip_instance_cache=True).rm_file(pin)  # another process's client
+    assert objectstore.store_pins(url) == {}
+    assert objectstore.unpin_store(url, "0001-x") is False  # not pinned any more: nothing to remove
 
 
 def test_a_training_run_is_published_checkpoint_parts_first_and_pruned_checkpoints_deleted(s3_bucket, tmp_path):
@@ -162,7 +178,7 @@ def test_a_training_run_is_published_checkpoint_parts_first_and_pruned_checkpoin
     (run / "metrics.jsonl").write_text('{"step": 1}\n')
     (work / "train" / "LATEST").write_text("r1\n")
     (work / "train" / "metrics.jsonl").symlink_to(run / "metrics.jsonl")
-    fs = fsspec.filesystem("s3")
+    fs = store("s3")
     fs.ls(s3_bucket)
     sent: list[str] = []
     record = lambda request, **_: sent.append(request.url.split(f"/{s3_bucket}/out/", 1)[-1].split("?")[0])  # noqa: E731
@@ -209,7 +225,7 @@ def test_a_running_prep_publishes_each_committed_unit_parts_first(s3_bucket, tmp
     record = {"stage": "cache", "unit_id": "01", "extra": {"detail": "shards/cache-01-detail.json"},
               "shards": [{"path": "shards/cache-01-0.tar", "index": {"name": "cache-01-0.idx"}}]}
     (stage / "units" / "01.json").write_text(json.dumps(record))
-    fs = fsspec.filesystem("s3")
+    fs = store("s3")
     with objectstore.UnitPublisher(work, url, every_s=3600) as publisher:
         assert publisher.publish() == 1 and publisher.publish() == 0  # published once
     assert sorted(fs.find(f"{s3_bucket}/out")) == [f"{s3_bucket}/out/prep/cache/{rel}" for rel in (
@@ -242,7 +258,7 @@ def test_a_second_training_of_a_store_output_is_refused_until_the_first_dies_and
     proc = subprocess.Popen([sys.executable, "-c", _HOLD_TRAINING, url, str(lease_s)], stdout=open(log, "w"),
                             stderr=subprocess.STDOUT, env={**os.environ, "PYTHONPATH": str(REPO)})
     recipe = load_recipe(DEMO_CONFIG, [f"output_dir={url}"])
-    fs = fsspec.filesystem("s3")
+    fs = store("s3")
     lock = f"{s3_bucket}/out/{objectstore.TRAIN_LOCK}"
     try:
         deadline = time.monotonic() + 120
@@ -273,7 +289,7 @@ def test_a_training_that_lost_its_lease_publishes_nothing_more(s3_bucket, tmp_pa
     work = tmp_path / "work"
     (work / "train" / "runs" / "r").mkdir(parents=True)
     (work / "train" / "runs" / "r" / "run.json").write_text("{}")
-    fs = fsspec.filesystem("s3")
+    fs = store("s3")
     with pytest.raises(objectstore.LostLease, match=f"the lease {objectstore.TRAIN_LOCK} of {url} was lost"):
         with objectstore.training_lease(url, lease_s=0.6) as lease:
             with objectstore.RunPublisher(work, url, every_s=3600, lease=lease) as publisher:

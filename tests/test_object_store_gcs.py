@@ -8,12 +8,12 @@ import os
 import time
 from pathlib import Path
 
-import fsspec
 import pytest
 from latentmill.pipelines import objectstore
 from latentmill.pipelines.retention import OutputBusyError
 
 from latentmill.core.config import ConfigError
+from tests.helpers import store
 
 
 def test_two_writers_on_a_gcs_output_one_holds_the_lease_the_other_is_refused_naming_it(gcs_bucket, capsys):
@@ -27,7 +27,7 @@ def test_two_writers_on_a_gcs_output_one_holds_the_lease_the_other_is_refused_na
         with pytest.raises(OutputBusyError, match="a prep is writing it"):
             objectstore.check_not_busy(url)
         assert held.read()[1] == generation  # the refused writer wrote nothing
-    assert json.loads(fsspec.filesystem("gs").cat_file(f"{gcs_bucket}/out/.writer.lock")) == {"holder": "", "expires": 0}
+    assert json.loads(store("gs").cat_file(f"{gcs_bucket}/out/.writer.lock")) == {"holder": "", "expires": 0}
     objectstore.check_not_busy(url)  # released
     with objectstore.store_lease(url, "gc", on_busy="fail") as lease:
         assert ": gc since " in lease.read()[0]["holder"]
@@ -65,7 +65,7 @@ def test_a_gcs_lease_whose_holder_stopped_renewing_is_taken_over_and_the_old_hol
 
 def test_a_training_run_pin_on_gcs_is_a_lease_deleted_at_its_end(gcs_bucket):
     url = f"gs://{gcs_bucket}/out"
-    fs = fsspec.filesystem("gs")
+    fs = store("gs")
     fs.pipe_file(f"{gcs_bucket}/out/snapshots/0001-abc/manifest.json", b"{}")
     fs.pipe_file(f"{gcs_bucket}/out/snapshots/LATEST", b"0001-abc\n")
     with objectstore.pinned_on_store(url, "latest", lease_s=30) as name:
@@ -101,7 +101,7 @@ def test_a_second_push_to_gcs_uploads_only_what_changed(gcs_bucket, tmp_path):
     assert objectstore.push(tmp_path, url)["uploaded"] == 0
     (tmp_path / "prep/cache/manifest.json").write_bytes(b'{"m": 2}')  # same size, new bytes
     assert objectstore.push(tmp_path, url) == {"uploaded": 1, "bytes": 8}
-    assert fsspec.filesystem("gs").cat_file(f"{gcs_bucket}/out/prep/cache/manifest.json") == b'{"m": 2}'
+    assert store("gs").cat_file(f"{gcs_bucket}/out/prep/cache/manifest.json") == b'{"m": 2}'
 
 
 @pytest.mark.heavy
@@ -112,7 +112,7 @@ def test_the_demo_prep_on_gcs_publishes_is_reused_from_a_fresh_machine_then_pin_
     from latentmill.cli import main
     from tests.helpers import upload_demo_inputs
 
-    fs = fsspec.filesystem("gs")
+    fs = store("gs")
     url = f"gs://{gcs_bucket}/out"
     source = upload_demo_inputs(fs, gcs_bucket)
     config = str(Path(__file__).resolve().parents[1] / "configs" / "demo.yaml")

@@ -9,13 +9,12 @@ import json
 import os
 from pathlib import Path
 
-import fsspec
 import pytest
 from latentmill.pipelines import objectstore
 
 from latentmill.cli import main
 from tests.conftest import S3_SECRET
-from tests.helpers import upload_demo_inputs
+from tests.helpers import store, upload_demo_inputs
 
 REPO = Path(__file__).resolve().parents[1]
 DEMO_CONFIG = REPO / "configs" / "demo.yaml"
@@ -36,7 +35,7 @@ def _files_below(folder: Path):
 @pytest.mark.slow
 def test_prep_publishes_to_the_store_and_a_fresh_machine_reuses_every_unit(s3_bucket, tiny_flux, tmp_path,
                                                                            monkeypatch, capsys):
-    fs = fsspec.filesystem("s3")
+    fs = store("s3")
     url = f"s3://{s3_bucket}/out"
     source = upload_demo_inputs(fs, s3_bucket)
 
@@ -114,7 +113,7 @@ def test_prep_publishes_to_the_store_and_a_fresh_machine_reuses_every_unit(s3_bu
 
 @pytest.mark.slow
 def test_a_second_prep_on_a_held_output_is_refused_in_one_line(s3_bucket, tiny_flux, capsys):
-    fs = fsspec.filesystem("s3")
+    fs = store("s3")
     url = f"s3://{s3_bucket}/out"
     with objectstore.store_lease(url, "prep"):
         assert main(["prep", str(DEMO_CONFIG), f"output_dir={url}", f"model.pretrained={tiny_flux}",
@@ -140,7 +139,7 @@ def test_a_killed_prep_leaves_whole_units_another_machine_reuses_then_a_refresh_
     import sys
     import time
 
-    fs = fsspec.filesystem("s3")
+    fs = store("s3")
     source = upload_demo_inputs(fs, s3_bucket)
     clean = _prep(f"s3://{s3_bucket}/clean", source, tiny_flux, tmp_path / "clean.json")
 
@@ -215,7 +214,7 @@ def test_two_preps_started_together_on_one_store_output_take_turns(s3_bucket, ti
     import subprocess
     import sys
 
-    fs = fsspec.filesystem("s3")
+    fs = store("s3")
     source = upload_demo_inputs(fs, s3_bucket, 8)
     url = f"s3://{s3_bucket}/out"
     logs = [tmp_path / "a.log", tmp_path / "b.log"]

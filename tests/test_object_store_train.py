@@ -8,11 +8,10 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import fsspec
 import pytest
 
 from latentmill.cli import main
-from tests.helpers import upload_demo_inputs
+from tests.helpers import store, upload_demo_inputs
 
 DEMO_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "demo.yaml"
 
@@ -36,7 +35,7 @@ def _losses(lines: str) -> list[tuple[int, float]]:
 @pytest.mark.heavy
 def test_prep_then_train_on_the_store_trains_the_local_losses_and_resumes_from_the_store(
         s3_bucket, tiny_flux, tmp_path, monkeypatch):
-    fs = fsspec.filesystem("s3")
+    fs = store("s3")
     source = upload_demo_inputs(fs, s3_bucket)
     url = f"s3://{s3_bucket}/out"
 

@@ -25,7 +25,6 @@ import threading
 import time
 from pathlib import Path
 
-import fsspec
 import pytest
 from latentmill.pipelines import objectstore
 from latentmill.pipelines.retention import (
@@ -40,6 +39,7 @@ from latentmill.stages.tarshard import read_shard
 from latentmill.core.hashing import sha256_file
 from latentmill.inspect import verify_path
 from tests.conftest import DEMO_CONFIG, DEMO_IMAGES, REPO_ROOT
+from tests.helpers import store
 
 pytestmark = pytest.mark.slow
 
@@ -355,14 +355,14 @@ def _on_store(out: Path, bucket: str) -> str:
 
 
 def _store_snapshots(bucket: str) -> list[str]:
-    fs = fsspec.filesystem("s3")
+    fs = store("s3")
     return sorted(p.split("/")[-2] for p in fs.find(f"{bucket}/out/snapshots", refresh=True)
                   if p.endswith("/manifest.json"))
 
 
 def _store_files(bucket: str) -> dict[str, set[str]]:
     """``_files`` of the store's objects: every gc-managed object per stage, by its name below the stage."""
-    fs = fsspec.filesystem("s3")
+    fs = store("s3")
     objects = [p.removeprefix(f"{bucket}/out/prep/").split("/") for p in fs.find(f"{bucket}/out/prep", refresh=True)]
     return {stage: {"/".join(parts[1:]) for parts in objects if parts[0] == stage and (
         (len(parts) == 3 and parts[1] in ("units", "shards")) or (len(parts) == 2 and parts[1].startswith(
@@ -394,7 +394,7 @@ def test_pin_and_unpin_on_a_store_keep_a_snapshot_through_gc_there(output, s3_bu
     err = capsys.readouterr().err.strip()
     assert err.splitlines()[-1] == (f"latentmill: error: snapshot '0099-absent' not found under {url}/snapshots; "
                                     f"`latentmill inspect {url}` lists the published ones")
-    assert fsspec.filesystem("s3").find(f"{s3_bucket}/out/pins", refresh=True) == []
+    assert store("s3").find(f"{s3_bucket}/out/pins", refresh=True) == []
 
 
 _HOLD_STORE_PIN = """
@@ -418,7 +418,7 @@ def test_a_training_lease_pin_on_a_store_protects_while_its_holder_lives_and_lap
     proc = subprocess.Popen([sys.executable, "-c", _HOLD_STORE_PIN, url, names[0], str(lease_s)],
                             stdout=open(log, "w"), stderr=subprocess.STDOUT,
                             env={**os.environ, "PYTHONPATH": str(REPO_ROOT)})
-    fs = fsspec.filesystem("s3")
+    fs = store("s3")
     try:
         _wait_for(log, f"pinned {names[0]}", proc)
         assert cli(["pin", url]) == 0
@@ -470,7 +470,7 @@ def test_a_training_run_streaming_from_a_store_pins_its_snapshot_there(output, s
     assert summary["steps"] == 3
     assert reports[0]["pinned"] == [names[0]] and reports[0]["snapshots_removed"] == [names[1]]
     assert objectstore.store_pins(url) == {}  # the pin ends with the run
-    assert fsspec.filesystem("s3").find(f"{s3_bucket}/out/pins", refresh=True) == []
+    assert store("s3").find(f"{s3_bucket}/out/pins", refresh=True) == []
     assert objectstore.gc_store(url, 1)["snapshots_removed"] == [names[0]]
     assert _store_snapshots(s3_bucket) == [names[2]]
 
@@ -491,6 +491,6 @@ def test_refresh_flow_on_a_store_runs_gc_there(output, s3_bucket, tiny_flux):
     assert result["snapshot"]["name"] == names[-1] and not result["snapshot"]["new"]
     assert result["gc"]["snapshots_removed"] == names[:-1] and result["gc"]["store"]["deleted"] > 0
     assert _store_snapshots(s3_bucket) == names[-1:]
-    assert fsspec.filesystem("s3").cat_file(f"{s3_bucket}/out/snapshots/{LATEST}").decode().strip() == names[-1]
+    assert store("s3").cat_file(f"{s3_bucket}/out/snapshots/{LATEST}").decode().strip() == names[-1]
     assert _store_files(s3_bucket) == expected
     assert cli(["verify", url]) == 0

@@ -8,7 +8,6 @@ import hashlib
 import itertools
 from pathlib import Path
 
-import fsspec
 import pytest
 import torch
 from latentmill.trainer.loader import LatentLoader
@@ -16,6 +15,7 @@ from latentmill.trainer.shard_check import CorruptShardError
 from latentmill.trainer.stream import PARTIAL, ShardStream, parse_bytes
 
 from latentmill.core.config import ConfigError
+from tests.helpers import store
 from tests.trainer_helpers import write_fake_cache
 
 BUCKETS = {(16, 16, 1): 12, (32, 16, 1): 8}  # 20 samples in 6 shards (3 per bucket)
@@ -24,7 +24,7 @@ BUCKETS = {(16, 16, 1): 12, (32, 16, 1): 8}  # 20 samples in 6 shards (3 per buc
 def _snapshot_on_store(root: Path, bucket: str) -> tuple[str, dict]:
     """A cache written locally, then uploaded as it is: its URL on the store and its manifest."""
     manifest = write_fake_cache(root, BUCKETS, shards_per_bucket=3, seed=3)
-    fsspec.filesystem("s3").put(str(root) + "/", f"{bucket}/snap", recursive=True)
+    store("s3").put(str(root) + "/", f"{bucket}/snap", recursive=True)
     return f"s3://{bucket}/snap", manifest
 
 
@@ -96,7 +96,7 @@ def test_streamed_batches_equal_local_ones_with_and_without_evictions(s3_bucket,
 def test_a_damaged_object_is_fetched_again_once_then_named(s3_bucket, tmp_path):
     local = tmp_path / "cache"
     url, manifest = _snapshot_on_store(local, s3_bucket)
-    fs = fsspec.filesystem("s3")
+    fs = store("s3")
     damaged = f"{s3_bucket}/snap/{manifest['shards'][0]['path']}"
     data = bytearray(fs.cat_file(damaged))
     data[700] ^= 0xFF
@@ -143,7 +143,7 @@ def test_a_block_shuffle_fetches_each_shard_about_once_under_a_quarter_limit(s3_
 
     local = tmp_path / "cache"
     manifest = write_fake_cache(local, {(16, 16, 1): 32}, shards_per_bucket=8, seed=5)
-    fsspec.filesystem("s3").put(str(local) + "/", f"{s3_bucket}/blocks", recursive=True)
+    store("s3").put(str(local) + "/", f"{s3_bucket}/blocks", recursive=True)
     url, sizes = f"s3://{s3_bucket}/blocks", _tar_bytes(local, manifest)
     limit, steps = sum(sizes) // 4, 8  # one epoch of global batches of 4
 

@@ -46,6 +46,9 @@ def store_fs(url: str, **options: Any) -> tuple[Any, str]:
     import fsspec
 
     _check_url(url)
+    # Every listing asks the store: another process writes there, and a cached listing would still name the
+    # objects it deleted (``exists`` true, an emptied folder listed) and miss the ones it wrote.
+    options.setdefault("use_listings_cache", False)
     try:
         fs, root = fsspec.core.url_to_fs(url, **options)
     except ImportError as err:  # s3fs, gcsfs, adlfs: an extra each
