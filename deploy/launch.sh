@@ -64,13 +64,12 @@ else
     endpoint=${RDZV_ENDPOINT:-${MASTER_ADDR:-localhost}:${MASTER_PORT:-29500}}
     args+=(--rdzv-backend=c10d --rdzv-endpoint="$endpoint" --rdzv-id="$RDZV_ID")
 fi
-# The run's folder (train/runs/<key>, the same on every node); exit 3: this recipe already trained on this
-# snapshot, nothing to redo.
-set +e
-RUN_DIR=$("$PYTHON" -m latentmill.pipelines.runs "$WORK/recipe.json" $((NNODES * NPROC_PER_NODE)))
-status=$?
-set -e
-if [[ $status -eq 3 ]]; then exit 0; elif [[ $status -ne 0 ]]; then exit $status; fi
-echo "[latentmill] $(hostname): torchrun ${args[*]} -m latentmill.pipelines.launch $WORK/recipe.json in $RUN_DIR" >&2
-exec "$PYTHON" -m torch.distributed.run "${args[@]}" -m latentmill.pipelines.launch "$WORK/recipe.json" "$WORK/summary.json" \
-    "$RUN_DIR"
+# Under the output's training lock (the nodes of one rendezvous share it; any other training is refused),
+# plan the run's folder (train/runs/<key>, the same on every node) and start torchrun with it appended; nothing
+# runs (exit 0) when this recipe already trained on this snapshot.
+rendezvous=""
+if [[ $NNODES -gt 1 ]]; then
+    rendezvous=$([[ -n "$NODE_RANK" ]] && echo "$MASTER_ADDR:${MASTER_PORT:-29500}" || echo "$endpoint")/$RDZV_ID
+fi
+exec "$PYTHON" -m latentmill.pipelines.runs "$WORK/recipe.json" $((NNODES * NPROC_PER_NODE)) "$rendezvous" -- \
+    "$PYTHON" -m torch.distributed.run "${args[@]}" -m latentmill.pipelines.launch "$WORK/recipe.json" "$WORK/summary.json"

@@ -109,3 +109,23 @@ def stop_on_signals() -> Iterator[None]:
             clear()
             if callable(previous) and previous is not _handler and previous is not signal.default_int_handler:
                 previous(signum, None)
+
+
+def stop_ranks(torchrun_pid: int) -> None:
+    """SIGTERM to torchrun's ranks, not to torchrun: each stops after the same step and saves it
+    (``trainer.train``), then exits, and torchrun ends as after a finished run.
+
+    torchrun, signalled itself, stops its ranks too but ends on a traceback of its own; and a second signal
+    while it waits for them (one from outside and this one) made it kill them before they had saved.
+    """
+    import psutil
+
+    try:
+        ranks = psutil.Process(torchrun_pid).children()
+    except psutil.NoSuchProcess:
+        return
+    for rank in ranks:
+        try:
+            rank.send_signal(signal.SIGTERM)
+        except psutil.NoSuchProcess:
+            pass

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import signal
 import subprocess
 import sys
 import time
@@ -134,7 +133,7 @@ def torchrun_task(recipe_data: dict, launch: Launch, run_dir: str, poll_s: float
     follower = MetricsFollower(folder / "metrics.jsonl")
     last: dict[str, Any] | None = None
     # In a process group of its own (and ending with this process): a terminal's Ctrl-C reaches this process
-    # only, which passes the stop on once, to the ranks (_stop_ranks).
+    # only, which passes the stop on once, to the ranks (interrupt.stop_ranks).
     own_group = group_dying_with_parent()
     # SIGINT and SIGTERM to this process only note the stop (latentmill.interrupt): it waits for the ranks
     with interrupt.stop_on_signals(), \
@@ -148,7 +147,7 @@ def torchrun_task(recipe_data: dict, launch: Launch, run_dir: str, poll_s: float
                 except subprocess.TimeoutExpired:
                     pass
                 if interrupt.requested() is not None and not forwarded:
-                    _stop_ranks(proc.pid)
+                    interrupt.stop_ranks(proc.pid)
                     forwarded = True
                 if time.monotonic() - looked >= poll_s:
                     looked = time.monotonic()
@@ -174,26 +173,6 @@ def torchrun_task(recipe_data: dict, launch: Launch, run_dir: str, poll_s: float
                else {"steps": None, "note": "the summary is written on the node that holds global rank 0"})
     progress.finish(summary)  # rank 0 finished the run (pipelines.launch): run.json, the export link
     return summary
-
-
-def _stop_ranks(torchrun_pid: int) -> None:
-    """SIGTERM to torchrun's ranks, not to torchrun: each stops after the same step and saves it
-    (``trainer.train``), then exits, and torchrun ends as after a finished run.
-
-    torchrun, signalled itself, stops its ranks too but ends on a traceback of its own; and a second signal
-    while it waits for them (one from outside and this one) made it kill them before they had saved.
-    """
-    import psutil
-
-    try:
-        ranks = psutil.Process(torchrun_pid).children()
-    except psutil.NoSuchProcess:
-        return
-    for rank in ranks:
-        try:
-            rank.send_signal(signal.SIGTERM)
-        except psutil.NoSuchProcess:
-            pass
 
 
 def check_launch(recipe: Recipe, launch: Launch) -> None:

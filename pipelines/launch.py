@@ -87,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
     args = argv if argv is not None else sys.argv[1:]
     if len(args) < 3:
         sys.exit("usage: python -m latentmill.pipelines.launch RECIPE_JSON SUMMARY_JSON RUN_DIR (RUN_DIR: "
-                 "`python -m latentmill.pipelines.runs RECIPE_JSON WORLD_SIZE` plans it)")
+                 "`python -m latentmill.pipelines.runs RECIPE_JSON WORLD_SIZE RENDEZVOUS -- COMMAND` plans it)")
     recipe_json, summary_json, run_dir = args[:3]
     recipe = recipe_from_dict(json.loads(Path(recipe_json).read_text()))
     rank = int(os.environ.get("RANK", "0"))

@@ -195,20 +195,54 @@ def finish_run(recipe: Recipe, plan: RunPlan, summary: dict[str, Any]) -> dict[s
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m latentmill.pipelines.runs RECIPE_JSON WORLD_SIZE``: plan a run for a launcher (``deploy/launch.sh``);
-    prints its folder, or nothing (exit 3) when the same recipe already trained on the same snapshot."""
+    """``python -m latentmill.pipelines.runs RECIPE_JSON WORLD_SIZE RENDEZVOUS -- COMMAND...``: one node of a
+    launcher (``deploy/launch.sh``). Under the output's training lock (``RENDEZVOUS`` names a training on several
+    nodes, whose nodes join the lock of the first; empty on one node), plan the run, then run ``COMMAND`` (torchrun)
+    with the run's folder appended, and exit with its status. Nothing runs (exit 0) when the same recipe already
+    trained on the same snapshot. A stop (SIGINT, SIGTERM) goes to the ranks once, as ``latentmill train`` does."""
+    import socket
+    import subprocess
+
+    from latentmill.pipelines.retention import OutputBusyError, training_lock
     from latentmill.pipelines.snapshot import resolve_snapshot
 
+    from latentmill import interrupt
+    from latentmill.core.store import is_url
+    from latentmill.prefect_env import group_dying_with_parent
     from latentmill.recipe import recipe_from_dict
 
-    recipe_json, world_size = (argv if argv is not None else sys.argv[1:])[:2]
+    args = argv if argv is not None else sys.argv[1:]
+    (recipe_json, world_size, rendezvous), command = args[:3], args[args.index("--") + 1:]
     recipe = recipe_from_dict(json.loads(Path(recipe_json).read_text()))
-    plan = plan_run(recipe, resolve_snapshot(recipe.output_dir, recipe.snapshot).name, int(world_size))
-    if plan.done is not None:
-        print(f"already trained on this snapshot with this recipe, in {plan.folder}", file=sys.stderr)
-        return 3
-    print(plan.folder)
-    return 0
+    if is_url(recipe.output_dir):
+        print(f"output_dir: {recipe.output_dir}: a launch on several nodes needs a local output_dir that every node "
+              "mounts; on an object store, train on one node with `latentmill train`", file=sys.stderr)
+        return 2
+    try:
+        with training_lock(recipe.output_dir, rendezvous or None):
+            plan = plan_run(recipe, resolve_snapshot(recipe.output_dir, recipe.snapshot).name, int(world_size))
+            if plan.done is not None:
+                print(f"already trained on this snapshot with this recipe, in {plan.folder}", file=sys.stderr)
+                return 0
+            print(f"[latentmill] {socket.gethostname()}: {' '.join(command)} in {plan.folder}", file=sys.stderr,
+                  flush=True)
+            own_group = group_dying_with_parent()  # a terminal's Ctrl-C reaches this process, which stops the ranks
+            with interrupt.stop_on_signals(), subprocess.Popen(
+                    [*command, str(plan.folder)], preexec_fn=own_group, start_new_session=own_group is None) as proc:
+                stopped_by = None
+                while True:
+                    try:
+                        code = proc.wait(timeout=0.2)
+                        break
+                    except subprocess.TimeoutExpired:
+                        if interrupt.requested() is not None and stopped_by is None:
+                            stopped_by = interrupt.requested()
+                            interrupt.stop_ranks(proc.pid)
+            # ranks stopped by a signal save their step and end as after a finished run: say it was a stop
+            return 128 + stopped_by if stopped_by is not None and code == 0 else code
+    except OutputBusyError as err:
+        print(err, file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

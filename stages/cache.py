@@ -514,6 +514,11 @@ def _prefetched(fn, items: list, enabled: bool):
             yield result
 
 
+def _batch(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """``tensors`` stacked into a batch; a view of the one tensor when there is one (a long clip is not copied)."""
+    return tensors[0].unsqueeze(0) if len(tensors) == 1 else torch.stack(tensors)
+
+
 def _tensor_bytes(tensors: dict[str, torch.Tensor], dtype: torch.dtype) -> bytes:
     return safetensors_save({k: v.to(dtype).contiguous() for k, v in tensors.items()})
 
@@ -682,12 +687,17 @@ def process(cfg: CacheConfig, model: ModelConfig, unit: WorkUnit, out: UnitOutpu
                 audio_clips["silent" if not value[1] else "with_track"] += 1
         vae_bytes: dict[str, bytes] = {}
         if need_vae:
-            targets = [decoded[i][0] if reference_streams else decoded[i] for i in need_vae]
+            # one batch of pixels, and the decoded frames let go: the encoders never hold two copies of a batch
+            frames = _batch([decoded[i][0] if reference_streams else decoded[i] for i in need_vae])
+            references = _batch([decoded[i][1] for i in need_vae]) if reference_streams else None
+            for i in need_vae:
+                del decoded[i]
             with deterministic_encoding(described["deterministic"]):
-                mean, std = encoders.encode_pixels(torch.stack(targets))
-                if reference_streams:  # the source images at the target's bucket, the distribution's mean
-                    reference_mean = encoders.encode_pixels(torch.stack([decoded[i][1] for i in need_vae]))[0]
-                conditions = encoders.encode_conditions(torch.stack(targets))
+                mean, std = encoders.encode_pixels(frames)
+                if references is not None:  # the source images at the target's bucket, the distribution's mean
+                    reference_mean = encoders.encode_pixels(references)[0]
+                conditions = encoders.encode_conditions(frames)
+                del frames, references
                 if sounds:  # the clips' sound under their frames (from_audio streams)
                     conditions.update(encoders.encode_audio(
                         torch.stack([sounds[i][0] for i in need_vae]),

@@ -404,7 +404,18 @@ def gcs_bucket(gcs_server, tmp_path, monkeypatch, request):
 
     monkeypatch.setenv("STORAGE_EMULATOR_HOST", gcs_server)
     monkeypatch.setitem(fsspec.config.conf, "gs", {"token": "anon", "project": "latentmill-test"})
+    monkeypatch.setenv("FSSPEC_GS_TOKEN", "anon")  # the same configuration for the processes a test starts
+    monkeypatch.setenv("FSSPEC_GS_PROJECT", "latentmill-test")
     monkeypatch.setenv("LATENTMILL_WORK_DIR", str(tmp_path / "work"))
     name = re.sub(r"[^a-z0-9-]", "-", request.node.name.lower())[:40].strip("-") + f"-{os.getpid()}"
     store("gs").mkdir(name)
     return name
+
+
+@pytest.fixture(params=["s3", pytest.param("gs", marks=pytest.mark.heavy)])
+def store_bucket(request) -> tuple[str, str]:
+    """A new bucket on the S3 test server, or (make test-all: the store code is one for both, but for the lease's
+    conditional write, which make test covers on both) on the GCS one: its scheme and name."""
+    scheme = request.param
+    return scheme, request.getfixturevalue("s3_bucket" if scheme == "s3" else "gcs_bucket")
+

@@ -379,14 +379,15 @@ def test_compact_on_a_store_publishes_the_bytes_of_a_local_compaction_parts_firs
     assert main(["verify", url]) == 0
 
 
-def test_compact_on_a_store_downloads_only_the_tars_it_merges(output, s3_bucket, monkeypatch):
+def test_compact_on_a_store_downloads_only_the_tars_it_merges(output, store_bucket, monkeypatch):
     """The plan is made from the store's records, indexes and listing: a dry run downloads no tar, a compaction
     only the merged units' (not the unit too large to merge, nor another stage's), and publishes what a local
     compaction with the same threshold publishes."""
     from latentmill.core.store import work_dir_for
 
     out, _ = output
-    url = f"s3://{s3_bucket}/out"
+    scheme, bucket = store_bucket
+    url = f"{scheme}://{bucket}/out"
     objectstore.push(out, url)
     cache = StageDir(out / "prep" / "cache", "cache")
     manifest = json.loads(cache.manifest_path.read_text())
@@ -414,8 +415,8 @@ def test_compact_on_a_store_downloads_only_the_tars_it_merges(output, s3_bucket,
                for s in json.loads(cache.unit_path(unit).read_text())["shards"]]
     downloaded = [f"prep/cache/{s.path}" for g in groups for r in g for s in r.shards]
     assert tars() == set(written) | set(downloaded)
-    fs = store("s3")
+    fs = store(scheme)
     name = local["snapshot"]["name"]
-    stored = json.loads(fs.cat_file(f"{s3_bucket}/out/snapshots/{name}/manifest.json"))
+    stored = json.loads(fs.cat_file(f"{bucket}/out/snapshots/{name}/manifest.json"))
     oracle = json.loads((out / "snapshots" / name / "manifest.json").read_text())
     assert stored["shards"] == oracle["shards"] and stored["snapshot"]["bytes"] == oracle["snapshot"]["bytes"]

@@ -34,10 +34,11 @@ def _losses(lines: str) -> list[tuple[int, float]]:
 
 @pytest.mark.heavy
 def test_prep_then_train_on_the_store_trains_the_local_losses_and_resumes_from_the_store(
-        s3_bucket, tiny_flux, tmp_path, monkeypatch):
-    fs = store("s3")
-    source = upload_demo_inputs(fs, s3_bucket)
-    url = f"s3://{s3_bucket}/out"
+        store_bucket, tiny_flux, tmp_path, monkeypatch):
+    scheme, bucket = store_bucket
+    fs = store(scheme)
+    source = upload_demo_inputs(fs, bucket)
+    url = f"{scheme}://{bucket}/out"
 
     # the reference: 12 steps on a local output_dir, from the same inputs
     local = _run("run", str(tmp_path / "local"), tiny_flux, source, tmp_path / "local.json", "trainer.max_steps=12")
@@ -49,18 +50,18 @@ def test_prep_then_train_on_the_store_trains_the_local_losses_and_resumes_from_t
     assert stored["snapshot"]["name"] == local["snapshot"]["name"]
     run = Path(stored["train"]["run_dir"]).name
     stream = stored["train"]["stream"]
-    snapshot_bytes = json.loads(fs.cat_file(f"{s3_bucket}/out/snapshots/{stored['snapshot']['name']}/manifest.json"))[
+    snapshot_bytes = json.loads(fs.cat_file(f"{bucket}/out/snapshots/{stored['snapshot']['name']}/manifest.json"))[
         "snapshot"]["bytes"]
     assert stream["bytes_downloaded"] == snapshot_bytes and stream["evictions"] == 0  # each shard once
     # published: the metrics, each checkpoint whole, the run record and the export
-    prefix = f"{s3_bucket}/out/train/runs/{run}"
+    prefix = f"{bucket}/out/train/runs/{run}"
     assert _losses(fs.cat_file(f"{prefix}/metrics.jsonl").decode()) == reference[:4]
     assert sorted(p.rsplit("/", 1)[1] for p in fs.ls(f"{prefix}/checkpoints")) == ["step-000002", "step-000004"]
     assert fs.exists(f"{prefix}/checkpoints/step-000004/trainer_state.json")
     assert fs.exists(f"{prefix}/checkpoints/step-000004/model.safetensors")
     assert json.loads(fs.cat_file(f"{prefix}/run.json"))["finished"] is True
     assert fs.exists(f"{prefix}/export/model_index.json")
-    assert fs.cat_file(f"{s3_bucket}/out/train/LATEST").decode().strip() == run
+    assert fs.cat_file(f"{bucket}/out/train/LATEST").decode().strip() == run
 
     # a fresh machine (empty work folder) resumes the store's latest checkpoint to step 10, with a cache limit of
     # one byte (each batch keeps only its own shards): the losses of steps 5 to 10 are the local run's, bit for bit

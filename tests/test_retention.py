@@ -347,54 +347,55 @@ def test_refresh_flow_runs_gc_after_publishing(output, tiny_flux):
 # ---------------------------------------------------------------------------------------------------------
 
 
-def _on_store(out: Path, bucket: str) -> str:
+def _on_store(out: Path, bucket: str, scheme: str = "s3") -> str:
     """The output_dir uploaded to the store in publishing order (as a prep there leaves it); its URL."""
-    url = f"s3://{bucket}/out"
+    url = f"{scheme}://{bucket}/out"
     objectstore.push(out, url)
     return url
 
 
-def _store_snapshots(bucket: str) -> list[str]:
-    fs = store("s3")
+def _store_snapshots(bucket: str, scheme: str = "s3") -> list[str]:
+    fs = store(scheme)
     return sorted(p.split("/")[-2] for p in fs.find(f"{bucket}/out/snapshots", refresh=True)
                   if p.endswith("/manifest.json"))
 
 
-def _store_files(bucket: str) -> dict[str, set[str]]:
+def _store_files(bucket: str, scheme: str = "s3") -> dict[str, set[str]]:
     """``_files`` of the store's objects: every gc-managed object per stage, by its name below the stage."""
-    fs = store("s3")
+    fs = store(scheme)
     objects = [p.removeprefix(f"{bucket}/out/prep/").split("/") for p in fs.find(f"{bucket}/out/prep", refresh=True)]
     return {stage: {"/".join(parts[1:]) for parts in objects if parts[0] == stage and (
         (len(parts) == 3 and parts[1] in ("units", "shards")) or (len(parts) == 2 and parts[1].startswith(
             "empty_prompt-")))} for stage in STAGES}
 
 
-def test_pin_and_unpin_on_a_store_keep_a_snapshot_through_gc_there(output, s3_bucket, capsys):
+def test_pin_and_unpin_on_a_store_keep_a_snapshot_through_gc_there(output, store_bucket, capsys):
     from latentmill.cli import main as cli
 
     out, _, manifests = output
+    scheme, bucket = store_bucket
     names = published(out)
     expected = _expected(out, manifests, [names[2]])
-    url = _on_store(out, s3_bucket)
+    url = _on_store(out, bucket, scheme)
     assert cli(["pin", url, names[0]]) == 0
     assert cli(["pin", url]) == 0
     assert f"{names[0]}: pinned by user" in capsys.readouterr().out
     assert cli(["gc", url, "--keep", "1"]) == 0
-    assert _store_snapshots(s3_bucket) == [names[0], names[2]]
+    assert _store_snapshots(bucket, scheme) == [names[0], names[2]]
     assert cli(["verify", url]) == 0
     assert cli(["unpin", url, names[0]]) == 0
     capsys.readouterr()
     assert cli(["gc", url, "--keep", "1"]) == 0
     assert "deleted " in capsys.readouterr().out
-    assert _store_snapshots(s3_bucket) == [names[2]]
-    assert _store_files(s3_bucket) == expected  # what a local gc --keep 1 keeps
+    assert _store_snapshots(bucket, scheme) == [names[2]]
+    assert _store_files(bucket, scheme) == expected  # what a local gc --keep 1 keeps
     assert cli(["verify", url]) == 0
     assert cli(["unpin", url, names[0]]) == 2  # not pinned: one error line
     assert cli(["pin", url, "0099-absent"]) == 2
     err = capsys.readouterr().err.strip()
     assert err.splitlines()[-1] == (f"latentmill: error: snapshot '0099-absent' not found under {url}/snapshots; "
                                     f"`latentmill inspect {url}` lists the published ones")
-    assert store("s3").find(f"{s3_bucket}/out/pins", refresh=True) == []
+    assert store(scheme).find(f"{bucket}/out/pins", refresh=True) == []
 
 
 _HOLD_STORE_PIN = """

@@ -194,6 +194,80 @@ def test_the_nodes_of_one_multi_node_training_share_its_lock_and_other_trainings
         proc.wait(timeout=30)
 
 
+def test_a_cluster_launch_takes_the_training_lock_of_its_output(tmp_path, capsys):
+    """``deploy/launch.sh``'s node step (``python -m latentmill.pipelines.runs``) holds the lock as ``latentmill
+    train`` does: refused in one line while another training writes the output, before it plans or starts
+    torchrun; a node of the holder's own rendezvous joins it."""
+    import json
+
+    from latentmill.pipelines.runs import main as launch_node
+
+    out = tmp_path / "out"
+    out.mkdir()
+    recipe_json = tmp_path / "recipe.json"
+    recipe_json.write_text(json.dumps(load_recipe(DEMO_CONFIG, [f"output_dir={out}", "parallel.strategy=ddp"]).to_dict()))
+    ran = tmp_path / "ran"
+    command = ["--", sys.executable, "-c", f"open({str(ran)!r}, 'w')"]
+    proc = _hold_training(out, tmp_path / "holder.log", "node1:29500/latentmill")
+    try:
+        line = (out / TRAIN_LOCK).read_text().strip()
+        assert launch_node([str(recipe_json), "2", "", *command]) == 2
+        assert capsys.readouterr().err == (f"{out} is busy: a training is writing it ({line}; lock {out / TRAIN_LOCK})."
+                                           " Wait for it to finish, or train into another output_dir\n")
+        with pytest.raises(FileNotFoundError, match="no snapshot published"):  # joined: on to the missing prep
+            launch_node([str(recipe_json), "4", "node1:29500/latentmill", *command])
+        assert "joining the training lock" in capsys.readouterr().out
+        assert not ran.exists() and not (out / "train").exists()
+    finally:
+        proc.kill()
+        proc.wait(timeout=30)
+
+
+# torchrun's part in a launch, for the test below: one "rank" that, stopped by SIGTERM, saves (writes the run
+# folder it was given into the log) and ends as after a finished run
+_ONE_RANK_TORCHRUN = """
+import subprocess, sys
+rank = '''
+import signal, sys, time
+def save(signum, frame):
+    print("saved in", sys.argv[1], flush=True)
+    sys.exit(0)
+signal.signal(signal.SIGTERM, save)
+print("rank up", flush=True)
+time.sleep(120)
+'''
+sys.exit(subprocess.run([sys.executable, "-c", rank, *sys.argv[1:]]).returncode)
+"""
+
+
+def test_a_cluster_launch_stopped_by_ctrl_c_stops_its_ranks_and_releases_the_lock(tmp_path):
+    """``deploy/launch.sh``'s node step holds the training lock while torchrun runs; a Ctrl-C (SIGINT to it
+    alone: torchrun is in a process group of its own) goes to the ranks as a SIGTERM, they save and end, and the
+    launch exits 130 with the lock released."""
+    import json
+
+    out = tmp_path / "out"
+    (out / "snapshots" / "0001-x").mkdir(parents=True)
+    (out / "snapshots" / "0001-x" / "manifest.json").write_text("{}")
+    (out / "snapshots" / "LATEST").write_text("0001-x\n")
+    recipe_json = tmp_path / "recipe.json"
+    recipe_json.write_text(json.dumps(load_recipe(DEMO_CONFIG, [f"output_dir={out}", "parallel.strategy=ddp"]).to_dict()))
+    log = tmp_path / "launch.log"
+    proc = subprocess.Popen([sys.executable, "-m", "latentmill.pipelines.runs", str(recipe_json), "2", "", "--",
+                             sys.executable, "-c", _ONE_RANK_TORCHRUN], stdout=open(log, "w"), stderr=subprocess.STDOUT,
+                            env={**os.environ, "PYTHONPATH": str(REPO_ROOT)})
+    try:
+        _wait_for(log, "rank up", proc)
+        assert ": training since " in (out / TRAIN_LOCK).read_text()
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=60) == 130
+    finally:
+        proc.kill()
+    (run,) = (out / "train" / "runs").iterdir()
+    assert [line for line in log.read_text().splitlines() if line.startswith("saved in")] == [f"saved in {run}"]
+    assert (out / TRAIN_LOCK).read_text() == ""  # released: the next training takes it without a word
+
+
 _LOCK_THEN_NAME = """
 import fcntl, os, socket, sys, time
 with open(sys.argv[1], "a+") as fh:
