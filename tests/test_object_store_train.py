@@ -80,8 +80,10 @@ def test_prep_then_train_on_the_store_trains_the_local_losses_and_resumes_from_t
     two = _run("train", url, tiny_flux, source, tmp_path / "two.json", "trainer.max_steps=12", "trainer.resume=latest",
                "parallel.strategy=ddp", "--nproc", "2")
     assert two["train"]["world_size"] == 2 and two["train"]["resumed_from"].endswith("step-000010")
-    assert two["train"]["stream"]["downloads"] >= 1
+    assert two["train"]["stream"]["downloads"] + two["train"]["stream"]["shared"] >= 1  # rank 0's: it or rank 1 fetched
     assert sorted((tmp_path / "fresh-2").glob("*/stream-cache/rank-*")) != []
+    pooled = list((tmp_path / "fresh-2").glob("*/stream-cache/shared/*.tar"))  # the node's one copy of each tar
+    assert pooled and all(p.stat().st_nlink >= 2 for p in pooled)  # and a link in the folder of a rank
     metrics = _losses(fs.cat_file(f"{prefix}/metrics.jsonl").decode())
     assert [step for step, _ in metrics] == list(range(1, 13)) and metrics[:10] == reference[:10]
     assert [loss for _, loss in metrics[10:]] == pytest.approx([loss for _, loss in reference[10:]], rel=1e-5)

@@ -21,6 +21,7 @@ more, then ``CorruptShardError`` names the shard. Counters (``requests``, ``byte
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -28,6 +29,7 @@ import posixpath
 import re
 import shutil
 import threading
+import time
 from collections import OrderedDict, deque
 from dataclasses import dataclass
 from pathlib import Path
@@ -73,7 +75,7 @@ class ShardStream:
     they are wanted; at most ``cache_limit`` bytes of tars kept (None: no limit)."""
 
     def __init__(self, url: str, cache_dir: str | Path, cache_limit: int | None = None,
-                 local_copy: str | Path | None = None) -> None:
+                 local_copy: str | Path | None = None, pool: str | Path | None = None) -> None:
         from latentmill.core.store import store_fs
 
         self.url = url.rstrip("/")
@@ -81,7 +83,10 @@ class ShardStream:
         self.cache_dir = Path(cache_dir)
         self.cache_dir.mkdir(parents=True, exist_ok=True)
         self.limit = cache_limit
-        self.requests = self.bytes_downloaded = self.downloads = self.evictions = 0
+        self.pool = Path(pool) if pool is not None else None  # the node's tars, shared by its ranks' streams
+        if self.pool is not None:
+            self.pool.mkdir(parents=True, exist_ok=True)
+        self.requests = self.bytes_downloaded = self.downloads = self.evictions = self.shared = 0
         self.local_copy = Path(local_copy) if local_copy is not None else None
         if self.local_copy is not None and (self.local_copy / "manifest.json").is_file():  # a snapshot's name
             self.manifest = json.loads((self.local_copy / "manifest.json").read_text())  # is its content
@@ -95,6 +100,13 @@ class ShardStream:
         self._entries = entries
         for leftover in self.cache_dir.glob("*" + PARTIAL):  # a download killed midway: never read
             leftover.unlink()
+        for orphan in self.pool.glob("*.tar") if self.pool is not None else ():  # no rank holds it: a crash
+            with contextlib.suppress(FileNotFoundError):  # between a rank's two unlinks left it
+                if orphan.stat().st_nlink == 1:
+                    orphan.unlink()
+        for staged in self.pool.glob("*" + PARTIAL) if self.pool is not None else ():  # <tar>.<pid>.partial
+            if not _pid_alive(int(staged.name.removesuffix(PARTIAL).rsplit(".", 1)[-1])):
+                staged.unlink(missing_ok=True)
         self._present: OrderedDict[int, int] = OrderedDict()  # shard -> bytes, least recently used first
         for shard, path in enumerate(self.local):
             if path.is_file():  # renamed into place only after its sha256 matched
@@ -154,7 +166,7 @@ class ShardStream:
             for shard, size in enumerate(sizes):
                 if shard in self._present and self._present[shard] != size:
                     del self._present[shard]
-                    self.local[shard].unlink(missing_ok=True)
+                    self._drop(shard, self.local[shard])
                 self.sizes[shard] = size
 
     # ---------------------------------------------------------------- the loader's side
@@ -226,9 +238,10 @@ class ShardStream:
                 thread.join()
 
     def counters(self) -> dict[str, int]:
-        """What the stream did so far: requests to the store, bytes and tars downloaded, tars evicted."""
+        """What the stream did so far: requests to the store, bytes and tars downloaded, tars evicted, tars
+        taken from another rank's download (``shared``)."""
         return {"requests": self.requests, "bytes_downloaded": self.bytes_downloaded, "downloads": self.downloads,
-                "evictions": self.evictions}
+                "evictions": self.evictions, "shared": self.shared}
 
     # ---------------------------------------------------------------- the download threads
     def _next(self) -> int | None:
@@ -268,7 +281,7 @@ class ShardStream:
             self._finished.discard(victim)
             if self.on_evict is not None:
                 self.on_evict(victim)
-            self.local[victim].unlink(missing_ok=True)
+            self._drop(victim, self.local[victim])
             self.evictions += 1
             if victim in self._wanted:  # a coming batch reads it: fetched again when there is room
                 self._queue.append(victim)
@@ -300,7 +313,7 @@ class ShardStream:
                 elif shard in self._pins or self.limit is None or self._make_room(self.sizes[shard], force=False):
                     self._place(shard)
                 else:  # the batches moved on while it downloaded and it no longer fits: fetched again later
-                    self._partial(shard).unlink(missing_ok=True)
+                    self._drop(shard, self._partial(shard))
                     if shard in self._wanted:
                         self._queue.append(shard)
                 self._cond.notify_all()
@@ -325,10 +338,57 @@ class ShardStream:
         evictable = sum(size for s, size in self._present.items() if s not in self._pins and s not in self._wanted)
         return free + evictable >= self.sizes[pending[0]]
 
+    def _drop(self, shard: int, path: Path) -> None:
+        """Delete this rank's copy of ``shard`` at ``path``, and the node's when no other rank holds it (a
+        hard link: the last rank to let a tar go frees its bytes)."""
+        path.unlink(missing_ok=True)
+        if self.pool is not None:
+            pooled = self.pool / self.local[shard].name
+            with contextlib.suppress(FileNotFoundError):
+                if pooled.stat().st_nlink == 1:
+                    pooled.unlink()
+
     def _download(self, shard: int) -> str | None:
-        """Fetch shard ``shard`` to its ``.partial`` name and check its sha256 against the manifest (the caller
-        renames it into place: ``_place``); a mismatch is fetched once more. None when done, else the error
-        naming the shard."""
+        """Bring shard ``shard`` to its ``.partial`` name (the caller renames it into place: ``_place``): a hard
+        link to the node's copy when another rank of the node has it (``pool``; one rank downloads a tar that
+        several want at once, the others wait for it), else fetched from the store. None when done, else the
+        error naming the shard."""
+        if self.pool is None:
+            return self._fetch(shard)
+        pooled, tmp = self.pool / self.local[shard].name, self._partial(shard)
+        claim = pooled.with_name(pooled.name + ".claim")
+        while True:
+            try:
+                os.link(pooled, tmp)  # renamed into the pool only after its sha256 matched
+                with self._cond:
+                    self.shared += 1
+                self.sizes[shard] = tmp.stat().st_size
+                return None
+            except FileNotFoundError:
+                pass
+            try:
+                fd = os.open(claim, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+            except FileExistsError:  # another rank downloads it: wait for its copy, or take over from a dead rank
+                if not _alive(claim):
+                    claim.unlink(missing_ok=True)
+                time.sleep(0.05)
+                continue
+            os.write(fd, str(os.getpid()).encode())
+            os.close(fd)
+            break
+        try:
+            problem = self._fetch(shard)
+            if problem is None:
+                staging = pooled.with_name(f"{pooled.name}.{os.getpid()}{PARTIAL}")
+                os.link(tmp, staging)
+                os.replace(staging, pooled)
+            return problem
+        finally:
+            claim.unlink(missing_ok=True)
+
+    def _fetch(self, shard: int) -> str | None:
+        """Fetch shard ``shard`` from the store to its ``.partial`` name and check its sha256 against the
+        manifest; a mismatch is fetched once more. None when done, else the error naming the shard."""
         remote, tmp = self.remote[shard], self._partial(shard)
         expected = self._entries[shard].get("sha256")
         actual = ""
@@ -353,6 +413,25 @@ class ShardStream:
         return (f"cache shard {self.fs.unstrip_protocol(remote)} differs from the snapshot's manifest after two "
                 f"downloads (expected sha256 {expected}, actual {actual}); run `latentmill verify "
                 f"{self.url}` and re-run the prep to rebuild it")
+
+
+def _alive(claim: Path) -> bool:
+    """Whether the process that wrote ``claim`` (its PID, on this node) still runs; True while it is written."""
+    try:
+        pid = int(claim.read_text() or 0)
+    except (FileNotFoundError, ValueError):
+        return True  # gone meanwhile (the pool has the tar), or its PID not written yet
+    return pid <= 0 or _pid_alive(pid)
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        pass
+    return True
 
 
 def cache_fit_warning(stream: ShardStream, shuffle_block: int | None) -> str | None:
@@ -382,7 +461,8 @@ def cache_fit_warning(stream: ShardStream, shuffle_block: int | None) -> str | N
 @dataclass(frozen=True)
 class StreamSource:
     """Where a run streams its snapshot from: the snapshot folder's URL on the store, the local cache folder
-    (each rank streams into its own ``rank-<r>`` subfolder) and its limit in bytes per rank."""
+    (each rank streams into its own ``rank-<r>`` subfolder, hard links to the node's copies in ``shared``: a
+    node downloads a tar once for its ranks) and its limit in bytes per rank."""
 
     url: str
     cache_dir: str
@@ -390,4 +470,5 @@ class StreamSource:
     local_copy: str | None = None  # the snapshot's folder in the work folder: its manifest and indexes
 
     def open(self, rank: int) -> ShardStream:
-        return ShardStream(self.url, Path(self.cache_dir) / f"rank-{rank}", self.cache_limit, self.local_copy)
+        return ShardStream(self.url, Path(self.cache_dir) / f"rank-{rank}", self.cache_limit, self.local_copy,
+                           pool=Path(self.cache_dir) / "shared")
