@@ -224,3 +224,28 @@ def test_the_ranks_of_a_node_download_each_tar_once_and_the_last_to_let_it_go_fr
     # measured: the node 1.25-1.29 x one rank alone (two ranks without the node folder: 2 x); each rank evicts
     # on its own, so a tar one let go and the other still wants is fetched again at times
     assert node < 1.6 * alone.counters()["bytes_downloaded"]
+
+
+def test_without_hard_links_each_rank_downloads_its_own_tars(s3_bucket, tmp_path, monkeypatch, caplog):
+    """A cache folder on a file system that refuses hard links (some network and FUSE mounts): the node's
+    sharing is dropped with one warning, and the rank streams as before."""
+    import logging
+    import os
+
+    from latentmill.trainer.stream import StreamSource
+
+    local = tmp_path / "cache"
+    url, manifest = _snapshot_on_store(local, s3_bucket)
+
+    def refuse(src, dst):  # what such a mount answers
+        raise PermissionError(1, "Operation not permitted")
+
+    monkeypatch.setattr(os, "link", refuse)
+    stream = StreamSource(url, str(tmp_path / "node")).open(0)
+    with caplog.at_level(logging.WARNING, logger="latentmill.trainer.stream"):
+        _same(_batches(LatentLoader(local, 4, seed=7, stream=stream), 5), _batches(LatentLoader(local, 4, seed=7), 5))
+    assert stream.counters()["downloads"] == len(manifest["shards"]) and stream.counters()["shared"] == 0
+    assert [r.message for r in caplog.records if "no hard links" in r.message] == [
+        f"{tmp_path / 'node' / 'shared'}: no hard links here ([Errno 1] Operation not permitted): each rank of the "
+        "node downloads its own tars"]
+    assert list((tmp_path / "node" / "shared").iterdir()) == []

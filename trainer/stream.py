@@ -366,6 +366,9 @@ class ShardStream:
                 return None
             except FileNotFoundError:
                 pass
+            except OSError as err:  # a file system without hard links: every rank downloads its own
+                self._no_pool(err)
+                return self._fetch(shard)
             try:
                 fd = os.open(claim, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
             except FileExistsError:  # another rank downloads it: wait for its copy, or take over from a dead rank
@@ -380,11 +383,21 @@ class ShardStream:
             problem = self._fetch(shard)
             if problem is None:
                 staging = pooled.with_name(f"{pooled.name}.{os.getpid()}{PARTIAL}")
-                os.link(tmp, staging)
-                os.replace(staging, pooled)
+                try:
+                    os.link(tmp, staging)
+                    os.replace(staging, pooled)
+                except OSError as err:
+                    self._no_pool(err)
             return problem
         finally:
             claim.unlink(missing_ok=True)
+
+    def _no_pool(self, err: OSError) -> None:
+        with self._cond:  # said once, by the first download thread that finds it
+            if self.pool is not None:
+                log.warning("%s: no hard links here (%s): each rank of the node downloads its own tars", self.pool,
+                            err)
+                self.pool = None
 
     def _fetch(self, shard: int) -> str | None:
         """Fetch shard ``shard`` from the store to its ``.partial`` name and check its sha256 against the
