@@ -37,9 +37,16 @@ $(VENV)/.installed-dev: $(VENV)/.installed
 	$(PY) -m pip install --quiet -e ".[dev]"
 	touch $@
 
+# The tests' Azure Blob server: Azurite, an npm package (node >= 10; 3.36 and later need node 21 or 22), in
+# the venv's folder (tests/conftest.py azure_server runs $(VENV)/azurite/node_modules/.bin/azurite-blob).
+AZURITE_VERSION := 3.35.0
+$(VENV)/azurite/.installed-$(AZURITE_VERSION): | $(VENV)/.installed
+	npm install --prefix $(VENV)/azurite --no-audit --no-fund --loglevel=error azurite@$(AZURITE_VERSION)
+	touch $@
+
 venv: $(VENV)/.installed
 
-dev: $(VENV)/.installed-dev
+dev: $(VENV)/.installed-dev $(VENV)/azurite/.installed-$(AZURITE_VERSION)
 
 demo: venv
 	$(VENV)/bin/latentmill demo --summary-json $(DEMO_DIR)/summary.json

@@ -13,9 +13,9 @@ A prep on ``s3://bucket/x`` runs the local code unchanged in a work folder of th
 * :func:`gc_store`, :func:`compact_store`, :func:`verify_store` and :func:`local_view`: ``gc``, ``compact``,
   ``verify`` and ``inspect`` there.
 * :func:`store_lease` is the writer lock on a store: one object written only if absent (``If-None-Match``;
-  GCS: ``ifGenerationMatch=0``), renewed while its holder lives (``If-Match`` its ETag; GCS: its generation),
-  taken over once its lease has run out. A training holds a lease of the same kind, ``.train.lock``
-  (:func:`training_lease`): one training writes an output's runs at a time.
+  GCS: ``ifGenerationMatch=0``), renewed while its holder lives (``If-Match`` its ETag, on S3 and Azure Blob;
+  GCS: its generation), taken over once its lease has run out. A training holds a lease of the same kind,
+  ``.train.lock`` (:func:`training_lease`): one training writes an output's runs at a time.
 * Pins: a user's pin is an object ``pins/<snapshot>.pin`` (:func:`pin_store`, :func:`unpin_store`); a training
   run's is a lease of its own, ``pins/<snapshot>@<host>-<pid>.pin`` (:func:`pinned_on_store`), which lapses
   when its holder dies. :func:`gc_store` keeps what the live pins name (:func:`store_pins`).
@@ -55,12 +55,13 @@ from latentmill.core.store import join, store_fs, work_dir_for
 LOCAL_SUFFIXES = (".sqlite", ".sqlite-wal", ".sqlite-shm", ".sqlite-journal", ".tmp")  # catalog, digests
 LOCAL_NAMES = {"last-run.json"}  # the unchanged check's memory: stat signatures of this machine's files
 # The stores whose conditional writes leases use, with the field of ``info()`` that names an object's version
-# there: S3's ETag (If-None-Match, If-Match), GCS's generation (ifGenerationMatch).
-LEASE_TOKENS = {"s3://": "ETag", "s3a://": "ETag", "gs://": "generation", "gcs://": "generation"}
+# there: S3's ETag (If-None-Match, If-Match), GCS's generation (ifGenerationMatch), Azure Blob's etag
+# (If-None-Match, If-Match; adlfs gives az://, abfs:// and abfss:// one filesystem).
+LEASE_TOKENS = {"s3://": "ETag", "s3a://": "ETag", "gs://": "generation", "gcs://": "generation",
+                "az://": "etag", "abfs://": "etag", "abfss://": "etag"}
 LEASE_SCHEMES = tuple(LEASE_TOKENS)
-NO_LEASE = ("needs conditional writes (S3's If-None-Match and If-Match, or GCS's ifGenerationMatch): s3:// and "
-            "gs:// have them; az:// is not supported yet (no Azure test server here to test its conditional "
-            "writes against)")
+NO_LEASE = ("needs conditional writes (If-None-Match and If-Match, or GCS's ifGenerationMatch): s3://, gs:// and "
+            "az:// have them")
 LEASE_S = 60.0  # a writer lease: renewed every third of it; a holder silent for this long is taken to be dead
 PULLING = ".pull.tmp"  # suffix of a file being downloaded: renamed into place once whole
 PUBLISH_EVERY_S = 10.0  # how often a running prep publishes the units it committed
@@ -100,19 +101,28 @@ def _md5(path: Path) -> str:
     return digest.hexdigest()
 
 
+def _stored_md5(info: dict[str, Any]) -> str:
+    """The MD5 (hex) a store gives of an object, "" where it gives none: S3's ETag of a single-part upload,
+    GCS's ``md5Hash``, Azure's Content-MD5 (set by a single-shot upload). GCS's and Azure's ETags are no MD5."""
+    if info.get("md5Hash"):
+        return base64.b64decode(info["md5Hash"]).hex()
+    if info.get("content_settings") is not None:
+        md5 = info["content_settings"].get("content_md5")
+        return bytes(md5).hex() if md5 else ""
+    etag = str(info.get("ETag") or "").strip('"')
+    return "" if "-" in etag else etag  # a multipart upload's ETag is no MD5
+
+
 def _same(local: Path, info: dict[str, Any], rel: str) -> bool:
     """Whether the local file holds the store object's bytes: by size for shards (content-addressed names),
-    else by the object's MD5: S3's ETag of a single-part upload, GCS's ``md5Hash`` (its ETag is no MD5)."""
+    else by the object's MD5 where the store gives one (:func:`_stored_md5`)."""
     size = local.stat().st_size
     if size != int(info.get("size") or 0):
         return False
-    if info.get("md5Hash"):
-        etag = base64.b64decode(info["md5Hash"]).hex()
-    else:
-        etag = str(info.get("ETag") or info.get("etag") or "").strip('"')
-    if phase(rel) == 0 or not etag or "-" in etag:
+    md5 = _stored_md5(info)
+    if phase(rel) == 0 or not md5:
         return True
-    return _md5(local) == etag
+    return _md5(local) == md5
 
 
 def _listing(fs: Any, root: str) -> dict[str, dict[str, Any]]:
@@ -296,8 +306,8 @@ class StoreLease:
     """A lease on an output on a store: the object ``<url>/<key>``, JSON naming its holder and when its lease
     ends (and ``fields``). Taken only if absent (or, once a lease ran out, only if still the version read),
     renewed and released only if still this holder's version: of two writers, one wins each write. The
-    version is S3's ETag (``If-None-Match: *``, ``If-Match``) or GCS's generation (``ifGenerationMatch``),
-    :meth:`put` the one write that differs. ``key``: the writer lock ``.writer.lock`` by default; the
+    version is S3's or Azure's ETag (``If-None-Match: *``, ``If-Match``) or GCS's generation
+    (``ifGenerationMatch``), :meth:`put` the one write that differs (:data:`PUT_IF`). ``key``: the writer lock ``.writer.lock`` by default; the
     training lease (:func:`training_lease`) or a training run's pin otherwise."""
 
     def __init__(self, url: str, holder: str, lease_s: float = LEASE_S, key: str = LOCK_FILE,
@@ -323,20 +333,7 @@ class StoreLease:
     def put(self, data: bytes, version: str | None) -> str:
         """Write ``data`` to the lock object only if it is absent (``version`` None) or still that version; the
         new version. Raises OSError (FileExistsError) when the condition does not hold."""
-        if self.token_field == "ETag":
-            extra = {"IfMatch": version} if version else {}
-            return str(self.fs.pipe_file(self.path, data, mode="overwrite" if version else "create", **extra)["ETag"])
-        # gcsfs has no argument for ifGenerationMatch=<generation>: a multipart upload through its public call
-        # passes it (a store answers 412, raised as FileExistsError, when the generation differs)
-        bucket, name = self.path.split("/", 1)
-        meta = json.dumps({"name": name})
-        body = (f"--==0==\nContent-Type: application/json; charset=UTF-8\n\n{meta}\n--==0==\n"
-                "Content-Type: application/octet-stream\n\n").encode() + data + b"\n--==0==--"
-        written = self.fs.call("POST", self.fs.base.removesuffix("storage/v1/") + "upload/storage/v1/b/{}/o", bucket,
-                               uploadType="multipart", ifGenerationMatch=version or "0", data=body, json_out=True,
-                               headers={"Content-Type": 'multipart/related; boundary="==0=="'})
-        self.fs.invalidate_cache(self.path)
-        return str(written["generation"])
+        return PUT_IF[self.token_field](self.fs, self.path, data, version)
 
     def _write(self, expires: float, version: str | None) -> str:
         return self.put(self._body(expires), version)
@@ -404,6 +401,46 @@ class StoreLease:
                     self.fs.rm_file(self.path)
             except OSError:
                 pass
+
+
+def _put_s3(fs: Any, path: str, data: bytes, version: str | None) -> str:
+    """S3: ``If-None-Match: *`` (s3fs's create mode), else ``If-Match`` the ETag; a 412 is FileExistsError."""
+    extra = {"IfMatch": version} if version else {}
+    return str(fs.pipe_file(path, data, mode="overwrite" if version else "create", **extra)["ETag"])
+
+
+def _put_gcs(fs: Any, path: str, data: bytes, version: str | None) -> str:
+    """GCS: ``ifGenerationMatch`` the generation (0: absent). gcsfs has no argument for it: a multipart upload
+    through its public call passes it (a store answers 412, raised as FileExistsError, when it differs)."""
+    bucket, name = path.split("/", 1)
+    meta = json.dumps({"name": name})
+    body = (f"--==0==\nContent-Type: application/json; charset=UTF-8\n\n{meta}\n--==0==\n"
+            "Content-Type: application/octet-stream\n\n").encode() + data + b"\n--==0==--"
+    written = fs.call("POST", fs.base.removesuffix("storage/v1/") + "upload/storage/v1/b/{}/o", bucket,
+                      uploadType="multipart", ifGenerationMatch=version or "0", data=body, json_out=True,
+                      headers={"Content-Type": 'multipart/related; boundary="==0=="'})
+    fs.invalidate_cache(path)
+    return str(written["generation"])
+
+
+def _put_azure(fs: Any, path: str, data: bytes, version: str | None) -> str:
+    """Azure Blob: ``If-None-Match: *`` (adlfs's create mode), else ``If-Match`` the etag (azure-storage-blob's
+    ``etag`` with ``MatchConditions.IfNotModified``). adlfs maps only the first refusal to FileExistsError:
+    the others surface as azure-core's errors, mapped here."""
+    from azure.core import MatchConditions
+    from azure.core.exceptions import ResourceExistsError, ResourceModifiedError, ResourceNotFoundError
+
+    condition = {"etag": version, "match_condition": MatchConditions.IfNotModified} if version else {"mode": "create"}
+    try:
+        return str(fs.pipe_file(path, data, **condition)["etag"])
+    except (ResourceExistsError, ResourceModifiedError) as err:
+        raise FileExistsError(f"{path}: {type(err).__name__}") from None
+    except ResourceNotFoundError:  # the object went meanwhile: no version to replace
+        raise FileNotFoundError(path) from None
+
+
+# The conditional write of a lease object per store, by the field that names a version there (LEASE_TOKENS)
+PUT_IF = {"ETag": _put_s3, "generation": _put_gcs, "etag": _put_azure}
 
 
 @contextmanager

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import sys
 import tempfile
 from pathlib import Path
 
@@ -328,6 +329,57 @@ def tiny_qwen_image_edit(tmp_path_factory) -> Path:
     from latentmill.tiny_qwen_image import build_tiny_qwen_image_edit
 
     return build_tiny_qwen_image_edit(tmp_path_factory.mktemp("models") / "tiny-qwen-image-edit", seed=0)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# A real Azure Blob server: Azurite (npm; `make dev` installs it under .venv/azurite) on loopback
+# ---------------------------------------------------------------------------------------------------------
+
+AZURE_ACCOUNT = "devstoreaccount1"  # Azurite's development account and its well-known key (Microsoft's docs)
+AZURE_KEY = "Eby8vdM02xNOcqFlqUwJPLlmEtlCDXJ1OUzFT50uSRZ6IFsuFq2UVErCz4I6tq/K1SZFPTOtr/KBHBeksoGMGw=="
+AZURITE = Path(sys.executable).parent.parent / "azurite" / "node_modules" / ".bin" / "azurite-blob"
+
+
+@pytest.fixture(scope="session")
+def azure_server(tmp_path_factory):
+    """The blob endpoint (``http://127.0.0.1:PORT/devstoreaccount1``) of Azurite started on 127.0.0.1 at a free
+    port (in memory, no telemetry), stopped after the session."""
+    from datetime import datetime, timedelta, timezone
+
+    from azure.storage.blob import AccountSasPermissions, ResourceTypes, generate_account_sas
+
+    from tests.helpers import free_port, loopback_server
+
+    if not AZURITE.is_file():
+        pytest.fail(f"Azurite, the tests' Azure Blob server, is not installed ({AZURITE}): run `make dev`",
+                    pytrace=False)
+    url = f"http://127.0.0.1:{(port := free_port())}/{AZURE_ACCOUNT}"
+    # Azurite answers an unsigned request 403: the probe lists the containers with a signed URL
+    sas = generate_account_sas(AZURE_ACCOUNT, AZURE_KEY, ResourceTypes(service=True), AccountSasPermissions(list=True),
+                               expiry=datetime.now(timezone.utc) + timedelta(hours=1))
+    # --skipApiVersionCheck: azure-storage-blob may speak a newer API version than this Azurite knows
+    with loopback_server([str(AZURITE), "--blobHost", "127.0.0.1", "--blobPort", str(port), "--inMemoryPersistence",
+                          "--disableTelemetry", "--skipApiVersionCheck", "--loose", "--silent"],
+                         f"{url}?comp=list&{sas}", "azurite-blob", timeout=60,
+                         log=tmp_path_factory.mktemp("azurite") / "azurite.log"):
+        yield url
+
+
+@pytest.fixture()
+def azure_bucket(azure_server, tmp_path, monkeypatch, request):
+    """A new container on the Azure test server, its name; the account in the environment as a user gives it
+    (``AZURE_STORAGE_CONNECTION_STRING``, read by adlfs), the local work folders under tmp_path."""
+    import re
+
+    import fsspec
+
+    monkeypatch.setenv("AZURE_STORAGE_CONNECTION_STRING", f"DefaultEndpointsProtocol=http;AccountName={AZURE_ACCOUNT};"
+                       f"AccountKey={AZURE_KEY};BlobEndpoint={azure_server};")
+    monkeypatch.setenv("LATENTMILL_WORK_DIR", str(tmp_path / "work"))
+    # container names: 3-63 lowercase letters, digits and single hyphens
+    name = re.sub(r"-+", "-", re.sub(r"[^a-z0-9-]", "-", request.node.name.lower())[:40]).strip("-") + f"-{os.getpid()}"
+    fsspec.filesystem("az", use_listings_cache=False).mkdir(name)
+    return name
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -106,11 +106,19 @@ def test_a_lease_is_renewed_while_held_and_taken_over_once_its_holder_stops(s3_b
         taker._write(time.time() + 30, before)
 
 
-def test_a_lease_refuses_a_store_without_conditional_writes():
+def test_a_lease_refuses_a_store_without_conditional_writes(capsys):
     from latentmill.core.config import ConfigError
 
-    with pytest.raises(ConfigError, match="the writer lease needs conditional writes .* az:.. is not supported yet"):
+    with pytest.raises(ConfigError) as refused:
         objectstore.StoreLease("memory://bucket/out", "prep")
+    assert str(refused.value) == (
+        "output_dir: memory://bucket/out: the writer lease needs conditional writes (If-None-Match and If-Match, "
+        "or GCS's ifGenerationMatch): s3://, gs:// and az:// have them")
+    with objectstore.training_lease("memory://bucket/out") as lease:
+        assert lease is None
+    out = capsys.readouterr().out.strip()
+    assert len(out.splitlines()) == 1 and out.startswith("train: a second training of memory://bucket/out would not "
+                                                         "be refused: its lease needs conditional writes")
 
 
 def test_publishing_order_puts_parts_before_records_before_manifests_before_the_pointer():

@@ -1,5 +1,5 @@
 """Leases on a GCS output, against a real GCS server (fake-gcs-server, tests/conftest.py ``gcs_server``): the
-same lease as on S3 with the generation for the ETag (docs/object-stores.md); az:// still refused."""
+same lease as on S3 with the generation for the ETag (docs/object-stores.md)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,6 @@ import pytest
 from latentmill.pipelines import objectstore
 from latentmill.pipelines.retention import OutputBusyError
 
-from latentmill.core.config import ConfigError
 from tests.helpers import store
 
 
@@ -73,20 +72,6 @@ def test_a_training_run_pin_on_gcs_is_a_lease_deleted_at_its_end(gcs_bucket):
         pins = objectstore.store_pins(url)
         assert list(pins) == ["0001-abc"] and pins["0001-abc"][0]["file"].startswith("0001-abc@")
     assert objectstore.store_pins(url) == {} and fs.find(f"{gcs_bucket}/out/pins", refresh=True) == []
-
-
-def test_an_azure_output_is_refused_in_one_line_saying_why(capsys):
-    with pytest.raises(ConfigError) as refused:
-        objectstore.StoreLease("az://container/out", "prep")
-    assert str(refused.value) == (
-        "output_dir: az://container/out: the writer lease needs conditional writes (S3's If-None-Match and "
-        "If-Match, or GCS's ifGenerationMatch): s3:// and gs:// have them; az:// is not supported yet (no Azure "
-        "test server here to test its conditional writes against)")
-    with objectstore.training_lease("az://container/out") as lease:
-        assert lease is None
-    out = capsys.readouterr().out.strip()
-    assert len(out.splitlines()) == 1 and out.startswith("train: a second training of az://container/out would not "
-                                                         "be refused: its lease needs conditional writes")
 
 
 def test_a_second_push_to_gcs_uploads_only_what_changed(gcs_bucket, tmp_path):

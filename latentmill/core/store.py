@@ -22,7 +22,10 @@ CHECK_TIMEOUT_S = 5  # the start-up check's connect timeout: an unreachable endp
 # from, the settings of the endpoint (any other fsspec store is named as S3's)
 S3_HINTS = ("aws s3 mb s3://", "AWS_ACCESS_KEY_ID, ...", ("AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL"))
 GCS_HINTS = ("gcloud storage buckets create gs://", "GOOGLE_APPLICATION_CREDENTIALS, ...", ("STORAGE_EMULATOR_HOST",))
-STORE_HINTS = {"gs": GCS_HINTS, "gcs": GCS_HINTS}
+# Azure: the account names the endpoint (never AZURE_STORAGE_CONNECTION_STRING in a message: it holds the key)
+AZURE_HINTS = ("az storage container create --name ", "AZURE_STORAGE_CONNECTION_STRING, ...",
+               ("AZURE_STORAGE_ACCOUNT_NAME",))
+STORE_HINTS = {"gs": GCS_HINTS, "gcs": GCS_HINTS, "az": AZURE_HINTS, "abfs": AZURE_HINTS, "abfss": AZURE_HINTS}
 
 
 class StoreError(RuntimeError):
@@ -54,7 +57,7 @@ def store_fs(url: str, **options: Any) -> tuple[Any, str]:
     except ImportError as err:  # s3fs, gcsfs, adlfs: an extra each
         scheme = url.split("://", 1)[0]
         raise ConfigError(f"output_dir: {url} needs the {scheme} filesystem for fsspec ({err}); install "
-                          "`latentmill[s3]` for S3, `latentmill[gcs]` for GCS") from None
+                          "`latentmill[s3]` for S3, `latentmill[gcs]` for GCS, `latentmill[az]` for Azure") from None
     return fs, root.rstrip("/")
 
 
