@@ -23,7 +23,7 @@ folder's names in order, the ids already listed) waits in the planner's scratch 
 (:mod:`latentmill.stages.scratch`), not in memory.
 
 Lists, manifests, shards and the paths inside them are read through fsspec: local paths, ``file://``,
-``http(s)://`` (with aiohttp installed), ``s3://`` / ``gs://`` when s3fs / gcsfs are installed.
+``http(s)://`` (with aiohttp installed), ``s3://`` / ``gs://`` / ``az://`` when s3fs / gcsfs / adlfs are installed.
 
 An entry's id is what it is called in the source (the path relative to the folder or list, the URL, or
 ``<shard>/<key>.<ext>``). A first ingest run groups entries into work units by a hash of that id

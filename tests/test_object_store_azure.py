@@ -150,6 +150,37 @@ def test_a_missing_azure_container_fails_in_one_line_naming_the_az_command(azure
     assert not (tmp_path / "work").exists()
 
 
+def test_refused_credentials_and_an_unreachable_azure_endpoint_fail_in_one_line_naming_no_key(
+        azure_bucket, azure_server, tmp_path, monkeypatch, capsys):
+    """Before any work, in about a second (azure-storage-blob alone retries a closed port for ~80 s)."""
+    from latentmill.cli import main
+    from tests.helpers import free_port
+
+    monkeypatch.chdir(tmp_path)
+    config = str(Path(__file__).resolve().parents[1] / "configs" / "demo.yaml")
+    url = f"az://{azure_bucket}/out"
+    wrong = AZURE_KEY[:-8] + "AAAAAAA="
+    monkeypatch.setenv("AZURE_STORAGE_CONNECTION_STRING", os.environ["AZURE_STORAGE_CONNECTION_STRING"].replace(
+        AZURE_KEY, wrong))
+    assert main(["prep", config, f"output_dir={url}", "model.pretrained=/nonexistent"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"latentmill: error: output_dir: {url}: the store refused access to the bucket "
+                          f"'{azure_bucket}' (Server failed to authenticate the request."), err
+    assert err.endswith("check the credentials in the environment (AZURE_STORAGE_CONNECTION_STRING, ...)")
+    port = free_port()  # nothing listens there
+    monkeypatch.setenv("AZURE_STORAGE_CONNECTION_STRING", os.environ["AZURE_STORAGE_CONNECTION_STRING"].replace(
+        azure_server, f"http://127.0.0.1:{port}/devstoreaccount1"))
+    started = time.monotonic()
+    assert main(["prep", config, f"output_dir={url}", "model.pretrained=/nonexistent"]) == 2
+    assert time.monotonic() - started < 10
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"latentmill: error: output_dir: {url}: cannot reach the store (endpoint "
+                          f"127.0.0.1:{port}/devstoreaccount1): ServiceRequestError: "), err
+    assert err.endswith("check AZURE_STORAGE_CONNECTION_STRING or AZURE_STORAGE_ACCOUNT_NAME and the network")
+    assert len(err.splitlines()) == 1 and AZURE_KEY[:20] not in err and wrong[:20] not in err
+    assert not (tmp_path / "work").exists()
+
+
 @pytest.mark.heavy  # two demo preps; make test runs the same path on S3 (tests/test_object_store_prep.py)
 def test_the_demo_prep_on_azure_publishes_is_reused_from_a_fresh_machine_and_writes_no_credential(
         azure_bucket, tiny_flux, tmp_path, monkeypatch, capsys):

@@ -22,9 +22,9 @@ CHECK_TIMEOUT_S = 5  # the start-up check's connect timeout: an unreachable endp
 # from, the settings of the endpoint (any other fsspec store is named as S3's)
 S3_HINTS = ("aws s3 mb s3://", "AWS_ACCESS_KEY_ID, ...", ("AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL"))
 GCS_HINTS = ("gcloud storage buckets create gs://", "GOOGLE_APPLICATION_CREDENTIALS, ...", ("STORAGE_EMULATOR_HOST",))
-# Azure: the account names the endpoint (never AZURE_STORAGE_CONNECTION_STRING in a message: it holds the key)
+# Azure: the endpoint named is the client's host (never the connection string's text: it holds the key)
 AZURE_HINTS = ("az storage container create --name ", "AZURE_STORAGE_CONNECTION_STRING, ...",
-               ("AZURE_STORAGE_ACCOUNT_NAME",))
+               ("AZURE_STORAGE_CONNECTION_STRING", "AZURE_STORAGE_ACCOUNT_NAME"))
 STORE_HINTS = {"gs": GCS_HINTS, "gcs": GCS_HINTS, "az": AZURE_HINTS, "abfs": AZURE_HINTS, "abfss": AZURE_HINTS}
 
 
@@ -74,9 +74,14 @@ def check_store(url: str) -> None:
         options["config_kwargs"] = {"connect_timeout": CHECK_TIMEOUT_S, "retries": {"max_attempts": 1}}
     fs, root = store_fs(url, **options)
     bucket = root.split("/", 1)[0]
-    make, credentials, endpoints = STORE_HINTS.get(url.split("://", 1)[0], S3_HINTS)
+    scheme = url.split("://", 1)[0]
+    make, credentials, endpoints = STORE_HINTS.get(scheme, S3_HINTS)
+    azure = STORE_HINTS.get(scheme) is AZURE_HINTS
     try:
-        fs.info(bucket)
+        if azure:
+            _probe_azure(fs, bucket)
+        else:
+            fs.info(bucket)
     except FileNotFoundError:
         raise StoreError(f"output_dir: {url}: the bucket {bucket!r} does not exist on the store; create it "
                          f"first (e.g. `{make}{bucket}`)") from None
@@ -84,10 +89,33 @@ def check_store(url: str) -> None:
         raise StoreError(f"output_dir: {url}: the store refused access to the bucket {bucket!r} ({err}); check "
                          f"the credentials in the environment ({credentials})") from None
     except Exception as err:  # botocore's EndpointConnectionError and friends are no OSError
-        endpoint = next((os.environ[name] for name in endpoints if os.environ.get(name)), "the default")
+        if azure:  # the client's host, from the connection string or the account name: no key, no SAS token
+            endpoint = fs.service_client.primary_hostname
+        else:
+            endpoint = next((os.environ[name] for name in endpoints if os.environ.get(name)), "the default")
         raise StoreError(f"output_dir: {url}: cannot reach the store (endpoint {endpoint}): "
                          f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}; check "
-                         f"{endpoints[-1]} and the network") from None
+                         f"{' or '.join(endpoints) if azure else endpoints[-1]} and the network") from None
+
+
+def _probe_azure(fs: Any, container: str) -> None:
+    """``fs.info(container)`` on adlfs in one request: azure-storage-blob retries an endpoint that does not answer
+    for about 80 s (3 retries, backoff from 15 s), and adlfs passes no retry setting through to its client."""
+    from azure.core.exceptions import HttpResponseError, ResourceNotFoundError
+    from fsspec.asyn import sync
+
+    async def properties() -> None:
+        async with fs.service_client.get_container_client(container) as client:
+            await client.get_container_properties(retry_total=0, connection_timeout=CHECK_TIMEOUT_S)
+
+    try:
+        sync(fs.loop, properties)
+    except ResourceNotFoundError:
+        raise FileNotFoundError(container) from None
+    except HttpResponseError as err:  # a refused key is a bare 403 here (a HEAD has no error code to map)
+        if err.status_code not in (401, 403):
+            raise
+        raise PermissionError(str(err).splitlines()[0]) from None
 
 
 def work_dir_for(url: str) -> Path:
