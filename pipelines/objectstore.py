@@ -182,8 +182,9 @@ def pull(url: str, work: Path | None = None, tars: bool | Collection[str] = True
 
 
 def _modified(info: dict[str, Any]) -> int | None:
-    """An object's time on the store in ns (S3's ``LastModified``, GCS's ``mtime``), None where not given."""
-    when = info.get("LastModified") or info.get("mtime")
+    """An object's time on the store in ns (S3's ``LastModified``, GCS's ``mtime``, Azure's ``last_modified``),
+    None where not given."""
+    when = info.get("LastModified") or info.get("mtime") or info.get("last_modified")
     return int(when.timestamp() * 1e9) if hasattr(when, "timestamp") else None
 
 

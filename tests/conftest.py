@@ -371,14 +371,14 @@ def azure_bucket(azure_server, tmp_path, monkeypatch, request):
     (``AZURE_STORAGE_CONNECTION_STRING``, read by adlfs), the local work folders under tmp_path."""
     import re
 
-    import fsspec
+    from tests.helpers import store
 
     monkeypatch.setenv("AZURE_STORAGE_CONNECTION_STRING", f"DefaultEndpointsProtocol=http;AccountName={AZURE_ACCOUNT};"
                        f"AccountKey={AZURE_KEY};BlobEndpoint={azure_server};")
     monkeypatch.setenv("LATENTMILL_WORK_DIR", str(tmp_path / "work"))
     # container names: 3-63 lowercase letters, digits and single hyphens
     name = re.sub(r"-+", "-", re.sub(r"[^a-z0-9-]", "-", request.node.name.lower())[:40]).strip("-") + f"-{os.getpid()}"
-    fsspec.filesystem("az", use_listings_cache=False).mkdir(name)
+    store("az").mkdir(name)
     return name
 
 
@@ -464,10 +464,10 @@ def gcs_bucket(gcs_server, tmp_path, monkeypatch, request):
     return name
 
 
-@pytest.fixture(params=["s3", pytest.param("gs", marks=pytest.mark.heavy)])
+@pytest.fixture(params=["s3", pytest.param("gs", marks=pytest.mark.heavy), pytest.param("az", marks=pytest.mark.heavy)])
 def store_bucket(request) -> tuple[str, str]:
-    """A new bucket on the S3 test server, or (make test-all: the store code is one for both, but for the lease's
-    conditional write, which make test covers on both) on the GCS one: its scheme and name."""
+    """A new bucket on the S3 test server, or (make test-all: the store code is one for all, but for the lease's
+    conditional write, which make test covers on each) on the GCS or the Azure one: its scheme and name."""
     scheme = request.param
-    return scheme, request.getfixturevalue("s3_bucket" if scheme == "s3" else "gcs_bucket")
+    return scheme, request.getfixturevalue({"s3": "s3_bucket", "gs": "gcs_bucket", "az": "azure_bucket"}[scheme])
 

@@ -16,18 +16,14 @@ from latentmill.pipelines.retention import OutputBusyError
 
 from latentmill.core.store import store_fs
 from tests.conftest import AZURE_KEY
-
-
-def _fs():
-    """The test server's filesystem as a test reads it: every listing asks the server."""
-    return fsspec.filesystem("az", use_listings_cache=False)
+from tests.helpers import store
 
 
 def _written_anywhere(container: str, *folders: Path) -> list[str]:
     """The objects of ``container`` and the files below ``folders`` that hold the account key or the connection
     string."""
     secrets = [AZURE_KEY.encode(), os.environ["AZURE_STORAGE_CONNECTION_STRING"].encode()]
-    objects = [o for o in _fs().find(container) if any(s in _fs().cat_file(o) for s in secrets)]
+    objects = [o for o in store("az").find(container) if any(s in store("az").cat_file(o) for s in secrets)]
     files = [str(p) for folder in folders for p in Path(folder).rglob("*")
              if p.is_file() and any(s in p.read_bytes() for s in secrets)]
     return objects + files
@@ -46,7 +42,7 @@ def test_two_writers_on_an_azure_output_one_holds_the_lease_the_other_is_refused
         # abfs:// is the same filesystem in adlfs: the same object, the same holder
         assert objectstore.StoreLease(f"abfs://{azure_bucket}/out", "gc").try_acquire() == data["holder"]
         assert held.read()[1] == etag  # the refused writers wrote nothing
-    assert json.loads(_fs().cat_file(f"{azure_bucket}/out/.writer.lock")) == {"holder": "", "expires": 0}
+    assert json.loads(store("az").cat_file(f"{azure_bucket}/out/.writer.lock")) == {"holder": "", "expires": 0}
     objectstore.check_not_busy(url)  # released
     with objectstore.store_lease(url, "gc", on_busy="fail") as lease:
         assert ": gc since " in lease.read()[0]["holder"]
@@ -86,7 +82,7 @@ def test_an_azure_lease_whose_holder_stopped_renewing_is_taken_over_and_the_old_
     assert second.read() == (data, etag)  # not released by the writer that lost it
     second.release()
     assert second.read()[0] == {"holder": "", "expires": 0}
-    _fs().rm_file(second.path)
+    store("az").rm_file(second.path)
     with pytest.raises(FileExistsError):  # If-Match on an object that went: the store answers 412 too
         second.put(b"{}", etag)
 
@@ -110,13 +106,17 @@ def test_push_then_pull_on_azure_sends_only_what_changed_and_writes_no_credentia
     assert got == {rel: (b'{"m": 2}' if rel.endswith("manifest.json") else data)
                    for rel, data in files.items() if rel != "prep/catalog.sqlite"}
     assert objectstore.pull(url, fresh)["downloaded"] == 0
-    assert not _fs().exists(f"{azure_bucket}/out/prep/catalog.sqlite")
+    for rel in got:  # a downloaded file carries its object's time on the store: gc orders units by it
+        stamp = store("az").info(f"{azure_bucket}/out/{rel}")["last_modified"].timestamp()
+        assert abs((fresh / rel).stat().st_mtime - stamp) < 1e-3, rel
+    assert not store("az").exists(f"{azure_bucket}/out/prep/catalog.sqlite")
     with objectstore.store_lease(url, "gc"):
         assert _written_anywhere(azure_bucket, tmp_path) == []
 
 
 def test_store_fs_takes_no_listing_cache_on_azure_and_sees_what_another_client_deleted(azure_bucket):
-    fs, root = store_fs(f"az://{azure_bucket}/out", use_listings_cache=False)
+    """``store_fs`` gives adlfs ``use_listings_cache=False``, as every store: a listing asks the server."""
+    fs, root = store_fs(f"az://{azure_bucket}/out")
     assert root == f"{azure_bucket}/out"
     for name in ("0001-x", "0002-y"):
         fs.pipe_file(f"{root}/pins/{name}.pin", b"{}")
@@ -127,7 +127,7 @@ def test_store_fs_takes_no_listing_cache_on_azure_and_sees_what_another_client_d
 
 def test_a_training_run_pin_on_azure_is_a_lease_deleted_at_its_end(azure_bucket):
     url = f"az://{azure_bucket}/out"
-    fs = _fs()
+    fs = store("az")
     fs.pipe_file(f"{azure_bucket}/out/snapshots/0001-abc/manifest.json", b"{}")
     fs.pipe_file(f"{azure_bucket}/out/snapshots/LATEST", b"0001-abc\n")
     with objectstore.pinned_on_store(url, "latest", lease_s=30) as name:
@@ -187,7 +187,7 @@ def test_the_demo_prep_on_azure_publishes_is_reused_from_a_fresh_machine_and_wri
     from latentmill.cli import main
     from tests.helpers import upload_demo_inputs
 
-    fs = _fs()
+    fs = store("az")
     url = f"az://{azure_bucket}/out"
     source = upload_demo_inputs(fs, azure_bucket)
     config = str(Path(__file__).resolve().parents[1] / "configs" / "demo.yaml")
