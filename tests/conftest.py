@@ -357,9 +357,10 @@ def azure_server(tmp_path_factory):
     # Azurite answers an unsigned request 403: the probe lists the containers with a signed URL
     sas = generate_account_sas(AZURE_ACCOUNT, AZURE_KEY, ResourceTypes(service=True), AccountSasPermissions(list=True),
                                expiry=datetime.now(timezone.utc) + timedelta(hours=1))
-    # --skipApiVersionCheck: azure-storage-blob may speak a newer API version than this Azurite knows
+    # --skipApiVersionCheck: azure-storage-blob 12.31.1 speaks API version 2026-10-06, which Azurite 3.35.0 refuses
+    # without it; no --loose (which ignores headers it does not support): the lease's conditions must be honoured
     with loopback_server([str(AZURITE), "--blobHost", "127.0.0.1", "--blobPort", str(port), "--inMemoryPersistence",
-                          "--disableTelemetry", "--skipApiVersionCheck", "--loose", "--silent"],
+                          "--disableTelemetry", "--skipApiVersionCheck", "--silent"],
                          f"{url}?comp=list&{sas}", "azurite-blob", timeout=60,
                          log=tmp_path_factory.mktemp("azurite") / "azurite.log"):
         yield url
