@@ -308,8 +308,8 @@ class StoreLease:
     ends (and ``fields``). Taken only if absent (or, once a lease ran out, only if still the version read),
     renewed and released only if still this holder's version: of two writers, one wins each write. The
     version is S3's or Azure's ETag (``If-None-Match: *``, ``If-Match``) or GCS's generation
-    (``ifGenerationMatch``), :meth:`put` the one write that differs (:data:`PUT_IF`). ``key``: the writer lock ``.writer.lock`` by default; the
-    training lease (:func:`training_lease`) or a training run's pin otherwise."""
+    (``ifGenerationMatch``), :meth:`put` the one write that differs (:data:`PUT_IF`). ``key``: the writer lock
+    ``.writer.lock`` by default; the training lease (:func:`training_lease`) or a training run's pin otherwise."""
 
     def __init__(self, url: str, holder: str, lease_s: float = LEASE_S, key: str = LOCK_FILE,
                  fields: dict[str, Any] | None = None):
