@@ -316,6 +316,7 @@ class StoreLease:
         if not url.startswith(LEASE_SCHEMES):
             raise ConfigError(f"output_dir: {url}: the writer lease {NO_LEASE}")
         self.url, self.holder, self.lease_s, self.key, self.fields = url, holder, lease_s, key, fields or {}
+        self.line = holder_line(holder)
         self.token_field = LEASE_TOKENS[url.split("://", 1)[0] + "://"]
         self.fs, root = store_fs(url)
         self.path = join(root, key)
@@ -329,7 +330,7 @@ class StoreLease:
         return "writer lease" if self.key == LOCK_FILE else f"lease {self.key}"
 
     def _body(self, expires: float) -> bytes:
-        return json.dumps({**self.fields, "holder": holder_line(self.holder), "expires": expires}).encode()
+        return json.dumps({**self.fields, "holder": self.line, "expires": expires}).encode()
 
     def put(self, data: bytes, version: str | None) -> str:
         """Write ``data`` to the lock object only if it is absent (``version`` None) or still that version; the
@@ -351,6 +352,7 @@ class StoreLease:
 
     def try_acquire(self) -> str | None:
         """Take the lease if it is free or ran out; None when taken, else the live holder's line."""
+        self.line = holder_line(self.holder)  # its "since": when taken, kept by the renewals
         try:
             self.etag = self._write(time.time() + self.lease_s, None)
             return None

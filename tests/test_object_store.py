@@ -80,11 +80,13 @@ def test_one_writer_holds_the_lease_and_a_second_is_refused_naming_it(s3_bucket,
 def test_a_lease_is_renewed_while_held_and_taken_over_once_its_holder_stops(s3_bucket, capsys):
     url = f"s3://{s3_bucket}/out"
     with objectstore.store_lease(url, "prep", lease_s=1.5) as held:
-        first_etag, first = held.etag, held.read()[0]["expires"]
+        first_etag, (first, taken) = held.etag, (held.read()[0][k] for k in ("expires", "holder"))
         deadline = time.monotonic() + 60
+        time.sleep(1.1)  # the next second: a renewal's holder line would say so
         while held.etag == first_etag and time.monotonic() < deadline:  # renewed every lease_s / 3
             time.sleep(0.1)
         assert held.read()[0]["expires"] > first and held.lost is None
+        assert held.read()[0]["holder"] == taken  # "since" is when it was taken, not the last renewal
         # another writer overwrites it (a clock far ahead saw it expired): the next renewal fails, and this
         # writer publishes no snapshot
         other = "PID 1 on elsewhere: prep since 2026-12-02T00:00:00Z"
