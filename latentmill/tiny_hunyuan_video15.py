@@ -21,7 +21,9 @@ The result loads like the real thing::
 The image-to-video set (``data/tiny-hunyuanvideo1.5-i2v.yaml``) is built by the same code: its recipe adds a
 SigLIP ``image_encoder`` (``SiglipVisionModel``) and its ``feature_extractor`` (``SiglipImageProcessor``), and it is
 saved as a ``HunyuanVideo15ImageToVideoPipeline``. Its ``vae_residual_scale`` scales the VAE's residual branches
-(``scale_vae_residuals``), so that what appears after a clip's first frame reaches the latents.
+(``scale_vae_residuals``), so that what appears after a clip's first frame reaches the latents, and its text
+encoder's ``initializer_range`` (0.3, not 0.02) makes a caption's tokens differ enough to reach the transformer's
+blocks.
 
 Command line: ``python -m latentmill.tiny_hunyuan_video15 OUT_DIR [--seed N] [--recipe PATH] [--if-missing]``.
 """

@@ -161,6 +161,48 @@ def test_the_vae_keeps_a_mark_that_appears_after_the_first_frame(pipe):
     assert max(frame_1_spread(corner_latents(unscaled, True, measure_scaling_factor(unscaled)))) < 0.01
 
 
+def context_spread(transformer, text_encoder, tokenizer) -> list[float]:
+    """The mean square difference, between every two corner captions of the learning test, of the mean of their
+    context tokens as the transformer's blocks take them in (the Qwen tokens the cache stores, through the
+    ``context_embedder`` with ``cond_type_embed`` added, then the blocks' LayerNorm): a share of their mean square,
+    about 1."""
+    from diffusers import HunyuanVideo15Pipeline
+    from latentmill.stages.family_hunyuanvideo1_5 import CROP_START
+
+    from tests.learning import CORNERS
+
+    captions = [f"a dark mark appears in the {c} corner" for c in CORNERS]
+    with torch.no_grad():
+        embeds, mask = HunyuanVideo15Pipeline._get_mllm_prompt_embeds(
+            text_encoder, tokenizer, captions, torch.device("cpu"), tokenizer_max_length=32, crop_start=CROP_START)
+        mask = mask.bool()
+        tokens = (transformer.context_embedder(embeds, torch.full((4,), 500.0), mask)
+                  + transformer.cond_type_embed(torch.zeros(mask.shape, dtype=torch.long)))
+        tokens = torch.nn.functional.layer_norm(tokens, tokens.shape[-1:]) * mask[..., None]
+        means = tokens.sum(1) / mask.sum(1, keepdim=True)
+    return [float(((means[a] - means[b]) ** 2).mean()) for a in range(4) for b in range(a + 1, 4)]
+
+
+@pytest.mark.slow
+def test_the_captions_corner_reaches_the_transformers_context_tokens(pipe):
+    """The tiny set's text encoder (the recipe's initializer_range: 0.3) gives the four corner captions of the
+    learning test context tokens that differ by a few thousandths of their mean square; at its default init (0.02)
+    the hidden states (0.02 wide) drown in what the transformer adds to them (the projection's bias,
+    cond_type_embed): a millionth, and the caption's left or right was not learnt."""
+    from transformers import Qwen2_5_VLTextModel
+
+    spread = context_spread(pipe.transformer, pipe.text_encoder, pipe.tokenizer)
+    # measured: 3.6e-3 (bottom left / bottom right) to 2.5e-2
+    assert min(spread) > 1e-3, spread
+    config = pipe.text_encoder.config
+    assert config.initializer_range == 0.3
+    config = config.__class__(**{**config.to_dict(), "initializer_range": 0.02})
+    torch.manual_seed(0)
+    default = Qwen2_5_VLTextModel(config).eval()  # the recipe's text encoder at the default init
+    # measured: 1.0e-6 to 3.6e-6
+    assert max(context_spread(pipe.transformer, default, pipe.tokenizer)) < 1e-5
+
+
 def _capture(transformer):
     """Record the kwargs and output of every transformer call."""
     calls = []
