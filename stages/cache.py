@@ -42,6 +42,7 @@ from latentmill.stages.families import (
 from latentmill.stages.shardindex import ShardIndexError, load_shard_index
 from latentmill.stages.shardio import (
     GROUP_KEY,
+    ID_KEY,
     StageDir,
     StageRecords,
     UnitOutput,
@@ -277,6 +278,7 @@ def plan(cfg: CacheConfig, model: ModelConfig, upstream: StageDir, stage_dir: St
         held = (bucket for name in unit.payload[GROUP_KEY] for bucket, _ in buckets[name])
         if tiling := next((t for bucket in held if (t := plan_.tiling(bucket))), None):
             unit.unit_id = grouped_unit_id({**plan_.fingerprint(), **tiling}, unit.inputs)
+            unit.payload[ID_KEY] = tiling  # in its record: a compaction merging it keeps the tiles in the id
     return units
 
 

@@ -38,6 +38,7 @@ from latentmill.stages.killpoint import KillPoint
 from latentmill.stages.shardindex import load_shard_index
 from latentmill.stages.shardio import (
     GROUP_KEY,
+    ID_KEY,
     StageDir,
     UnitOutput,
     UnitRecord,
@@ -156,8 +157,11 @@ def merge_units(stage: StageDir, group: list[UnitRecord], fingerprint: dict[str,
     the group's shards; return its record and the member bytes copied (0 when it was already committed)."""
     inputs = [sha for r in group for sha in r.inputs]
     upstream = [name for r in group for name in r.extra[GROUP_KEY]]
-    unit = WorkUnit(grouped_unit_id(fingerprint, inputs), inputs, {GROUP_KEY: upstream},
-                    sum(r.samples_in for r in group))
+    # a member whose id adds to the fingerprint (the VAE tiles of long clips) adds it to the merged unit's, as the
+    # planner does for a unit holding any such clip
+    added = next((r.extra[ID_KEY] for r in group if r.extra.get(ID_KEY)), None)
+    unit = WorkUnit(grouped_unit_id({**fingerprint, **(added or {})}, inputs), inputs,
+                    {GROUP_KEY: upstream, **({ID_KEY: added} if added else {})}, sum(r.samples_in for r in group))
     done = stage.load_record(unit.unit_id)
     if done is not None:  # a compaction killed after this unit committed
         return done, 0

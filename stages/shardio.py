@@ -260,6 +260,8 @@ class UnitOutput:
         self.detail: dict[str, Any] = {}
         if "upstream" in unit.payload:
             self.extra[GROUP_KEY] = list(unit.payload["upstream"])
+        if ID_KEY in unit.payload:
+            self.extra[ID_KEY] = dict(unit.payload[ID_KEY])
 
     def add(self, sample: dict[str, Any], part: str = "0", bucket: list[int] | None = None) -> None:
         """Append ``sample`` to the shard ``part`` of this unit (e.g. one part per kind of sample)."""
@@ -554,6 +556,9 @@ DEFAULT_SHARD_BYTES = 1 << 30  # cache.shard_bytes
 # room for an estimate up to 10% low (and for whole samples) before an (n+1)th small one is cut.
 ROLL_SLACK = 110
 GROUP_KEY = "upstream"  # a unit record's extra: the names of the upstream shards the unit read, in order
+# a unit record's extra: what its id adds to the stage fingerprint (the cache's VAE tiles of a unit holding long
+# clips), so that a compaction gives the merged unit the id the next plan asks for
+ID_KEY = "id_fingerprint"
 
 
 def group_by_bytes(items: list[tuple[str, int]], previous: list[list[str]], target: int) -> list[list[str]]:

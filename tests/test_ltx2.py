@@ -478,6 +478,45 @@ def test_prep_encodes_clips_longer_than_a_tile_in_tiles(tiny_ltx2, ltx2_prep, tm
     assert len(moved) >= 6, moved  # the demo's shapes move: a tile after the first misses the frames before it
 
 
+@pytest.mark.slow
+def test_a_compacted_unit_of_tiled_clips_is_the_unit_the_next_plan_asks_for(tiny_ltx2, ltx2_prep, tmp_path,
+                                                                             monkeypatch):
+    """Two cache units of clips encoded in tiles (tiles shrunk to 8 frames, a cache shard size that gives each
+    bucket shard its own unit), compacted into one: its id has the tiles in it, as the planner's does, so the next
+    prep reuses it whole (before, the next plan asked for another unit and copied the samples once more)."""
+    import shutil
+
+    from latentmill.pipelines.compaction import compact
+    from latentmill.stages.cache import plan
+    from latentmill.stages.shardio import ID_KEY, StageDir
+
+    from latentmill.cli import main
+    from latentmill.recipe import load_recipe as load_full_recipe
+
+    out = tmp_path / "prep"
+    shutil.copytree(ltx2_prep, out, ignore=shutil.ignore_patterns("cache"))
+    monkeypatch.setattr(LTX2Encoders, "VAE_TEMPORAL_TILE", (8, 8))
+    overrides = [f"output_dir={out}", f"model.pretrained={tiny_ltx2}", "runner.workers=1", "cache.shard_bytes=65536"]
+    assert main(["prep", str(REPO_ROOT / "configs" / "demo-ltx2.yaml"), *overrides]) == 0
+    cache = StageDir(out / "prep" / "cache", "cache")
+    units = cache.read_manifest()["units"]
+    assert len(units) == 2 and all(cache.load_record(u).extra[ID_KEY] == {"vae_tiling": [8, 8]} for u in units)
+    # the next prep at the demo's shard size keeps the two units (a prep never regroups old inputs) and lets
+    # them be merged: together they fit its shard size
+    assert main(["prep", str(REPO_ROOT / "configs" / "demo-ltx2.yaml"), *overrides[:-1]]) == 0
+    assert cache.read_manifest()["units"] == units
+    report = compact(out, small_below=1.0)
+    (merged,) = report["units_written"]
+    assert cache.load_record(merged).extra[ID_KEY] == {"vae_tiling": [8, 8]}
+    cfg = load_full_recipe(REPO_ROOT / "configs" / "demo-ltx2.yaml").cache
+    model = ModelConfig(pretrained=str(tiny_ltx2), family="ltx2")
+    assert [u.unit_id for u in plan(cfg, model, StageDir(out / "prep" / "bucket", "bucket"))] == [merged]
+    assert main(["prep", str(REPO_ROOT / "configs" / "demo-ltx2.yaml"), *overrides[:-1], "--summary-json",
+                 str(out / "again.json")]) == 0
+    again = json.loads((out / "again.json").read_text())["stages"]["cache"]
+    assert (again["units"], again["processed"], again["reused"]) == (1, 0, 8)  # the compacted unit, whole
+
+
 @pytest.mark.heavy
 def test_prep_with_vae_tiling_never_encodes_long_clips_whole(tiny_ltx2, ltx2_prep, tmp_path, monkeypatch):
     """cache.vae_tiling: never through prep, with the VAE's tiles shrunk to 8 frames so that the demo's 17-frame
