@@ -117,3 +117,32 @@ def store(scheme: str = "s3"):
     import fsspec
 
     return fsspec.filesystem(scheme, use_listings_cache=False)
+
+
+def demo_prep_twice_on_store(scheme: str, bucket: str, tiny_flux: Path, tmp_path: Path, monkeypatch) -> tuple[str, dict]:
+    """The demo's prep with its inputs and output in ``bucket`` of a test store, then again from a fresh work folder
+    (another machine), checking what a prep on any store shows: 24 samples cached and published, ``LATEST`` naming
+    the snapshot, the writer lease released, and the second prep processing and uploading nothing (objects
+    compared by the MD5 the store gives). The output's URL and the first prep's summary."""
+    from latentmill.cli import main
+
+    fs = store(scheme)
+    url = f"{scheme}://{bucket}/out"
+    source = upload_demo_inputs(fs, bucket)
+    config = str(Path(__file__).resolve().parents[1] / "configs" / "demo.yaml")
+
+    def prep(summary: Path) -> dict:
+        assert main(["prep", config, f"output_dir={url}", f"model.pretrained={tiny_flux}", f"ingest.source={source}",
+                     "--summary-json", str(summary)]) == 0
+        return json.loads(summary.read_text())
+
+    first = prep(tmp_path / "first.json")
+    name = first["snapshot"]["name"]
+    assert first["stages"]["cache"]["out"] == 24 and first["store"]["uploaded"] > 0
+    assert fs.cat_file(f"{bucket}/out/snapshots/LATEST").decode().strip() == name
+    assert json.loads(fs.cat_file(f"{bucket}/out/.writer.lock")) == {"holder": "", "expires": 0}  # released
+    monkeypatch.setenv("LATENTMILL_WORK_DIR", str(tmp_path / "work-fresh"))
+    again = prep(tmp_path / "again.json")
+    assert all(s["processed"] == 0 for s in again["stages"].values())
+    assert again["snapshot"]["name"] == name and again["store"]["uploaded"] == 0
+    return url, first

@@ -108,6 +108,47 @@ def test_a_lease_is_renewed_while_held_and_taken_over_once_its_holder_stops(s3_b
         taker._write(time.time() + 30, before)
 
 
+@pytest.fixture(params=["gs", "az"])
+def other_store(request) -> tuple[str, str]:
+    """A new bucket on the GCS or the Azure test server (the lease's other conditional writes): scheme, name."""
+    return request.param, request.getfixturevalue({"gs": "gcs_bucket", "az": "azure_bucket"}[request.param])
+
+
+def test_a_lease_on_gcs_or_azure_whose_holder_stopped_renewing_is_taken_over_and_the_old_holder_lost_it(
+        other_store, capsys):
+    """The S3 test above on the stores whose conditional write differs (GCS's generation, Azure's etag)."""
+    scheme, bucket = other_store
+    url = f"{scheme}://{bucket}/out"
+    first = objectstore.StoreLease(url, "prep", lease_s=1.0)
+    assert first.try_acquire() is None  # and never renewed: its process stopped
+    holder = first.read()[0]["holder"]
+    second = objectstore.StoreLease(url, "gc", lease_s=30)
+    assert second.try_acquire() == holder  # live until its lease runs out
+    time.sleep(max(0.0, first.read()[0]["expires"] - time.time()) + 0.1)
+    assert second.try_acquire() is None
+    assert f"gc: taking over the writer lease of {url} left by {holder} (its lease ran out)" in capsys.readouterr().out
+    data, version = second.read()
+    assert ": gc since " in data["holder"] and version == second.etag != first.etag
+    with pytest.raises(FileExistsError):  # a renewal with the stale version is refused by the store
+        first.put(b"{}", first.etag)
+    with pytest.raises(FileExistsError):  # and so is a create over the held lease
+        first.put(b"{}", None)
+    first.start()  # its renewer finds the lease lost at the first renewal, and names the new holder
+    deadline = time.monotonic() + 30
+    while first.lost is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert first.lost == f"the writer lease of {url} was lost (FileExistsError); now held by {data['holder']}"
+    with pytest.raises(objectstore.LostLease, match="nothing more was published by this writer"):
+        first.check()
+    first.release()
+    assert second.read() == (data, version)  # not released by the writer that lost it
+    second.release()
+    assert second.read()[0] == {"holder": "", "expires": 0}
+    store(scheme).rm_file(second.path)
+    with pytest.raises(FileExistsError):  # a write conditional on the version of an object that went: refused too
+        second.put(b"{}", version)
+
+
 def test_a_lease_refuses_a_store_without_conditional_writes(capsys):
     from latentmill.core.config import ConfigError
 

@@ -54,39 +54,6 @@ def test_two_writers_on_an_azure_output_one_holds_the_lease_the_other_is_refused
                 pass
 
 
-def test_an_azure_lease_whose_holder_stopped_renewing_is_taken_over_and_the_old_holder_has_lost_it(
-        azure_bucket, capsys):
-    url = f"az://{azure_bucket}/out"
-    first = objectstore.StoreLease(url, "prep", lease_s=1.0)
-    assert first.try_acquire() is None  # and never renewed: its process stopped
-    holder = first.read()[0]["holder"]
-    second = objectstore.StoreLease(url, "gc", lease_s=30)
-    assert second.try_acquire() == holder  # live until its lease runs out
-    time.sleep(max(0.0, first.read()[0]["expires"] - time.time()) + 0.1)
-    assert second.try_acquire() is None
-    assert f"gc: taking over the writer lease of {url} left by {holder} (its lease ran out)" in capsys.readouterr().out
-    data, etag = second.read()
-    assert ": gc since " in data["holder"] and etag == second.etag != first.etag
-    with pytest.raises(FileExistsError, match="ResourceModifiedError"):  # a stale etag: If-Match refused
-        first.put(b"{}", first.etag)
-    with pytest.raises(FileExistsError):  # and a create over the held lease: If-None-Match refused
-        first.put(b"{}", None)
-    first.start()  # its renewer finds the lease lost at the first renewal, and names the new holder
-    deadline = time.monotonic() + 30
-    while first.lost is None and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert first.lost == f"the writer lease of {url} was lost (FileExistsError); now held by {data['holder']}"
-    with pytest.raises(objectstore.LostLease, match="nothing more was published by this writer"):
-        first.check()
-    first.release()
-    assert second.read() == (data, etag)  # not released by the writer that lost it
-    second.release()
-    assert second.read()[0] == {"holder": "", "expires": 0}
-    store("az").rm_file(second.path)
-    with pytest.raises(FileExistsError):  # If-Match on an object that went: the store answers 412 too
-        second.put(b"{}", etag)
-
-
 def test_push_then_pull_on_azure_sends_only_what_changed_and_writes_no_credential(azure_bucket, tmp_path):
     """Azure's ETag is no MD5: objects are compared by their Content-MD5, so an unchanged file is not sent again."""
     url = f"az://{azure_bucket}/out"
@@ -185,30 +152,13 @@ def test_refused_credentials_and_an_unreachable_azure_endpoint_fail_in_one_line_
 def test_the_demo_prep_on_azure_publishes_is_reused_from_a_fresh_machine_and_writes_no_credential(
         azure_bucket, tiny_flux, tmp_path, monkeypatch, capsys):
     from latentmill.cli import main
-    from tests.helpers import upload_demo_inputs
+    from tests.helpers import demo_prep_twice_on_store
 
-    fs = store("az")
-    url = f"az://{azure_bucket}/out"
-    source = upload_demo_inputs(fs, azure_bucket)
-    config = str(Path(__file__).resolve().parents[1] / "configs" / "demo.yaml")
-
-    def prep(summary: Path) -> dict:
-        assert main(["prep", config, f"output_dir={url}", f"model.pretrained={tiny_flux}", f"ingest.source={source}",
-                     "--summary-json", str(summary)]) == 0
-        return json.loads(summary.read_text())
-
-    first = prep(tmp_path / "first.json")
-    name = first["snapshot"]["name"]
-    assert first["stages"]["cache"]["out"] == 24 and first["store"]["uploaded"] > 0
-    assert fs.cat_file(f"{azure_bucket}/out/snapshots/LATEST").decode().strip() == name
-    assert json.loads(fs.cat_file(f"{azure_bucket}/out/.writer.lock")) == {"holder": "", "expires": 0}  # released
+    url, first = demo_prep_twice_on_store("az", azure_bucket, tiny_flux, tmp_path, monkeypatch)  # by Content-MD5
     shards = sum(s["shards"] for s in first["stages"].values())
     capsys.readouterr()
     assert main(["verify", url]) == 0
     assert capsys.readouterr().out.strip().endswith(f"verified {shards} shards on {url}: {shards} ok, 0 bad")
-    monkeypatch.setenv("LATENTMILL_WORK_DIR", str(tmp_path / "work-fresh"))  # another machine
-    again = prep(tmp_path / "again.json")
-    assert all(s["processed"] == 0 for s in again["stages"].values())
-    assert again["snapshot"]["name"] == name and again["store"]["uploaded"] == 0  # compared by Content-MD5
+    fs = store("az")
     assert len(fs.find(azure_bucket)) > 50
     assert _written_anywhere(azure_bucket, tmp_path, Path(os.environ["PREFECT_HOME"])) == []  # Prefect's database too

@@ -33,35 +33,6 @@ def test_two_writers_on_a_gcs_output_one_holds_the_lease_the_other_is_refused_na
     assert "taking over" not in capsys.readouterr().out  # a released lease is free, not left behind
 
 
-def test_a_gcs_lease_whose_holder_stopped_renewing_is_taken_over_and_the_old_holder_has_lost_it(gcs_bucket, capsys):
-    url = f"gs://{gcs_bucket}/out"
-    first = objectstore.StoreLease(url, "prep", lease_s=1.0)
-    assert first.try_acquire() is None  # and never renewed: its process stopped
-    holder = first.read()[0]["holder"]
-    second = objectstore.StoreLease(url, "gc", lease_s=30)
-    assert second.try_acquire() == holder  # live until its lease runs out
-    time.sleep(max(0.0, first.read()[0]["expires"] - time.time()) + 0.1)
-    assert second.try_acquire() is None
-    assert f"gc: taking over the writer lease of {url} left by {holder} (its lease ran out)" in capsys.readouterr().out
-    data, generation = second.read()
-    assert ": gc since " in data["holder"] and generation == second.etag != first.etag
-    with pytest.raises(FileExistsError):  # a renewal with the stale generation is refused by the store
-        first.put(b"{}", first.etag)
-    with pytest.raises(FileExistsError):  # and so is a create over the held lease
-        first.put(b"{}", None)
-    first.start()  # its renewer finds the lease lost at the first renewal, and names the new holder
-    deadline = time.monotonic() + 30
-    while first.lost is None and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert first.lost == (f"the writer lease of {url} was lost (FileExistsError); now held by {data['holder']}")
-    with pytest.raises(objectstore.LostLease, match="nothing more was published by this writer"):
-        first.check()
-    first.release()
-    assert second.read() == (data, generation)  # not released by the writer that lost it
-    second.release()
-    assert second.read()[0] == {"holder": "", "expires": 0}
-
-
 def test_a_training_run_pin_on_gcs_is_a_lease_deleted_at_its_end(gcs_bucket):
     url = f"gs://{gcs_bucket}/out"
     fs = store("gs")
@@ -95,27 +66,10 @@ def test_the_demo_prep_on_gcs_publishes_is_reused_from_a_fresh_machine_then_pin_
     """The S3 prep test's path on GCS (tests/test_object_store_prep.py): the prep takes the lease there, a fresh
     machine reuses every unit and uploads nothing (objects compared by md5Hash), pin and gc work there."""
     from latentmill.cli import main
-    from tests.helpers import upload_demo_inputs
+    from tests.helpers import demo_prep_twice_on_store
 
-    fs = store("gs")
-    url = f"gs://{gcs_bucket}/out"
-    source = upload_demo_inputs(fs, gcs_bucket)
-    config = str(Path(__file__).resolve().parents[1] / "configs" / "demo.yaml")
-
-    def prep(summary: Path) -> dict:
-        assert main(["prep", config, f"output_dir={url}", f"model.pretrained={tiny_flux}", f"ingest.source={source}",
-                     "--summary-json", str(summary)]) == 0
-        return json.loads(summary.read_text())
-
-    first = prep(tmp_path / "first.json")
+    url, first = demo_prep_twice_on_store("gs", gcs_bucket, tiny_flux, tmp_path, monkeypatch)
     name = first["snapshot"]["name"]
-    assert first["stages"]["cache"]["out"] == 24 and first["store"]["uploaded"] > 0
-    assert fs.cat_file(f"{gcs_bucket}/out/snapshots/LATEST").decode().strip() == name
-    assert json.loads(fs.cat_file(f"{gcs_bucket}/out/.writer.lock")) == {"holder": "", "expires": 0}  # released
-    monkeypatch.setenv("LATENTMILL_WORK_DIR", str(tmp_path / "work-fresh"))
-    again = prep(tmp_path / "again.json")
-    assert all(s["processed"] == 0 for s in again["stages"].values())
-    assert again["snapshot"]["name"] == name and again["store"]["uploaded"] == 0
     capsys.readouterr()
     assert main(["pin", url, "latest"]) == 0
     assert main(["gc", url, "--keep", "1"]) == 0
