@@ -249,3 +249,28 @@ def test_without_hard_links_each_rank_downloads_its_own_tars(s3_bucket, tmp_path
         f"{tmp_path / 'node' / 'shared'}: no hard links here ([Errno 1] Operation not permitted): each rank of the "
         "node downloads its own tars"]
     assert list((tmp_path / "node" / "shared").iterdir()) == []
+
+
+def test_a_claim_left_by_a_dead_rank_is_taken_over(s3_bucket, tmp_path):
+    """A rank killed while it downloaded a tar for the node leaves its claim: the next rank that wants the tar
+    takes it over (a claim naming a dead process, or one whose PID was never written), instead of waiting."""
+    import os
+    import subprocess
+    import sys
+
+    from latentmill.trainer.stream import CLAIM_WRITE_S, StreamSource
+
+    local = tmp_path / "cache"
+    url, manifest = _snapshot_on_store(local, s3_bucket)
+    names = [Path(e["path"]).name for e in manifest["shards"]]
+    pool = tmp_path / "node" / "shared"
+    pool.mkdir(parents=True)
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    (pool / f"{names[0]}.claim").write_text(dead.stdout.strip())
+    (pool / f"{names[1]}.claim").write_text("")  # killed between creating the claim and writing its PID
+    old = os.stat(pool / f"{names[1]}.claim").st_mtime - CLAIM_WRITE_S - 1
+    os.utime(pool / f"{names[1]}.claim", (old, old))
+    stream = StreamSource(url, str(tmp_path / "node")).open(0)
+    _same(_batches(LatentLoader(local, 4, seed=7, stream=stream), 5), _batches(LatentLoader(local, 4, seed=7), 5))
+    assert stream.counters()["downloads"] == len(names)
+    assert sorted(p.name for p in pool.iterdir()) == sorted(names)  # the tars, no claim left

@@ -105,7 +105,8 @@ class ShardStream:
                 if orphan.stat().st_nlink == 1:
                     orphan.unlink()
         for staged in self.pool.glob("*" + PARTIAL) if self.pool is not None else ():  # <tar>.<pid>.partial
-            if not _pid_alive(int(staged.name.removesuffix(PARTIAL).rsplit(".", 1)[-1])):
+            pid = staged.name.removesuffix(PARTIAL).rsplit(".", 1)[-1]
+            if not (pid.isdigit() and _pid_alive(int(pid))):
                 staged.unlink(missing_ok=True)
         self._present: OrderedDict[int, int] = OrderedDict()  # shard -> bytes, least recently used first
         for shard, path in enumerate(self.local):
@@ -357,6 +358,7 @@ class ShardStream:
             return self._fetch(shard)
         pooled, tmp = self.pool / self.local[shard].name, self._partial(shard)
         claim = pooled.with_name(pooled.name + ".claim")
+        tmp.unlink(missing_ok=True)  # a link is made only to a free name
         while True:
             try:
                 os.link(pooled, tmp)  # renamed into the pool only after its sha256 matched
@@ -428,13 +430,18 @@ class ShardStream:
                 f"{self.url}` and re-run the prep to rebuild it")
 
 
+CLAIM_WRITE_S = 10.0  # a claim still without its PID after this long: its process died between create and write
+
+
 def _alive(claim: Path) -> bool:
-    """Whether the process that wrote ``claim`` (its PID, on this node) still runs; True while it is written."""
+    """Whether the process that wrote ``claim`` (its PID, on this node) still runs."""
     try:
-        pid = int(claim.read_text() or 0)
-    except (FileNotFoundError, ValueError):
-        return True  # gone meanwhile (the pool has the tar), or its PID not written yet
-    return pid <= 0 or _pid_alive(pid)
+        text = claim.read_text()
+        if not text.isdigit():  # being written, or never will be
+            return time.time() - claim.stat().st_mtime < CLAIM_WRITE_S
+    except FileNotFoundError:
+        return True  # gone meanwhile: the pool has the tar, or the next try claims it
+    return _pid_alive(int(text))
 
 
 def _pid_alive(pid: int) -> bool:
