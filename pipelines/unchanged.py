@@ -63,13 +63,23 @@ def _stat_rows(path: Path) -> list[list[Any]]:
     return rows
 
 
+# Keys whose paths are no input of the prep: what it writes, and the source its ingest plan covers
+_NOT_INPUTS = ("output_dir", "ingest.source", "loader.cache_dir")
+# Keys that name a model or a file even as a bare relative name ("tiny-flux"); any other value counts as a path only
+# when it looks like one (a "/", or a leading "~" or "."): trainer.tracker_project "latentmill" is a name, though a
+# folder of that name sits in the repository (its __pycache__ changed the key while other processes imported)
+_FILE_KEYS = ("pretrained", "tiny_recipe", "model")
+
+
 def _files_named(recipe_data: dict[str, Any]) -> list[list[Any]] | None:
-    """The stat rows of every local file or folder the recipe names (models, tiny recipes, caption files),
-    except the output folder and the ingest source (the ingest plan covers it); None when it names something
-    that looks like a hub id and is no local path (its files live where this cannot look)."""
+    """The stat rows of every local file or folder the recipe names as an input (models, tiny recipes, caption
+    files); None when it names something that looks like a hub id and is no local path (its files live where
+    this cannot look)."""
     rows = []
     for key, value in _leaves(recipe_data):
-        if not isinstance(value, str) or not value or key in ("output_dir", "ingest.source"):
+        if not isinstance(value, str) or not value or key in _NOT_INPUTS:
+            continue
+        if not key.rsplit(".", 1)[-1].endswith(_FILE_KEYS) and "/" not in value and not value.startswith(("~", ".")):
             continue
         path = Path(value).expanduser()
         if path.exists():

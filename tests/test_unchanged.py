@@ -140,3 +140,17 @@ def test_a_hub_id_or_a_missing_last_run_always_runs_the_prep(tmp_path):
     assert unchanged.run_key(base, ["a"]) != unchanged.run_key(base, ["b"])
     assert unchanged.unchanged_summary(local) is None  # no prep yet
     assert unchanged.check(local) == (None, unchanged.source_signature(local))  # the signature the prep records
+
+
+def test_only_the_inputs_a_recipe_names_are_in_the_key(tmp_path, monkeypatch):
+    """A bare name is a path only where the key names a model or file: trainer.tracker_project "latentmill" is not
+    the folder of that name in the working directory (its __pycache__, written by other processes, changed the
+    key between two unchanged preps); the stream cache is written, not read."""
+    monkeypatch.chdir(tmp_path)
+    for name in ("latentmill", "tiny-flux", "cache"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "a.bin").write_bytes(b"x")
+    rows = unchanged._files_named({"trainer": {"tracker_project": "latentmill"}, "model": {"pretrained": "tiny-flux"},
+                                   "loader": {"cache_dir": str(tmp_path / "cache")},
+                                   "caption": {"prompt": "latentmill"}})
+    assert [key for key, _ in rows] == ["model.pretrained"]
