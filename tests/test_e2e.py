@@ -240,6 +240,9 @@ def test_the_python_api_runs_a_recipe_as_the_readme_shows(tiny_flux, tmp_path, m
     assert (tmp_path / "export" / "model_index.json").is_file()
 
 
+# make test runs launch.sh's node step (the training lock, the plan, a Ctrl-C to the ranks) in test_writer_lock.py
+# and torchrun launches from the CLI in test_interrupt.py and test_trainer_fsdp.py
+@pytest.mark.heavy
 def test_the_cluster_launch_script_plans_finishes_and_does_not_redo_a_run(demo_run, tmp_path):
     import os
     import socket
