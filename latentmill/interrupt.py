@@ -129,3 +129,38 @@ def stop_ranks(torchrun_pid: int) -> None:
             rank.send_signal(signal.SIGTERM)
         except psutil.NoSuchProcess:
             pass
+
+
+def run_ranks(cmd: list[str], tick: Any = None, tick_s: float = 5.0) -> tuple[int, int | None]:
+    """Run torchrun's command ``cmd`` and wait for it, calling ``tick()`` every ``tick_s`` seconds meanwhile. It
+    runs in a process group of its own that ends with this process, so a terminal's Ctrl-C reaches this process
+    only; a SIGINT or SIGTERM here goes to the ranks once (:func:`stop_ranks`). Cancelled otherwise (an exception
+    here), torchrun is terminated. Its exit status, and the signal that stopped the ranks (None if none did)."""
+    import subprocess
+    import time
+
+    from latentmill.prefect_env import group_dying_with_parent
+
+    own_group = group_dying_with_parent()
+    with stop_on_signals(), subprocess.Popen(cmd, preexec_fn=own_group, start_new_session=own_group is None) as proc:
+        try:
+            stopped_by, ticked = None, time.monotonic()
+            while True:
+                try:
+                    return proc.wait(timeout=0.2), stopped_by
+                except subprocess.TimeoutExpired:
+                    pass
+                if requested() is not None and stopped_by is None:
+                    stopped_by = requested()
+                    stop_ranks(proc.pid)
+                if tick is not None and time.monotonic() - ticked >= tick_s:
+                    ticked = time.monotonic()
+                    tick()
+        except BaseException:  # cancelled or interrupted: torchrun stops its ranks on SIGTERM
+            proc.terminate()
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+            raise
+

@@ -8,9 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import subprocess
 import sys
-import time
 from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
@@ -35,7 +33,6 @@ from prefect.cache_policies import NONE
 from latentmill import interrupt
 from latentmill.core.config import ConfigError
 from latentmill.core.store import check_store, is_url
-from latentmill.prefect_env import group_dying_with_parent
 from latentmill.recipe import Recipe, load_recipe, recipe_from_dict
 
 
@@ -132,35 +129,14 @@ def torchrun_task(recipe_data: dict, launch: Launch, run_dir: str, poll_s: float
     progress = TrainProgress(recipe.trainer.max_steps, interval_s=poll_s)
     follower = MetricsFollower(folder / "metrics.jsonl")
     last: dict[str, Any] | None = None
-    # In a process group of its own (and ending with this process): a terminal's Ctrl-C reaches this process
-    # only, which passes the stop on once, to the ranks (interrupt.stop_ranks).
-    own_group = group_dying_with_parent()
-    # SIGINT and SIGTERM to this process only note the stop (latentmill.interrupt): it waits for the ranks
-    with interrupt.stop_on_signals(), \
-            subprocess.Popen(cmd, preexec_fn=own_group, start_new_session=own_group is None) as proc:
-        try:
-            forwarded, looked = False, time.monotonic()
-            while True:
-                try:
-                    returncode = proc.wait(timeout=0.2)
-                    break
-                except subprocess.TimeoutExpired:
-                    pass
-                if interrupt.requested() is not None and not forwarded:
-                    interrupt.stop_ranks(proc.pid)
-                    forwarded = True
-                if time.monotonic() - looked >= poll_s:
-                    looked = time.monotonic()
-                    if (record := follower.last_record()) is not None:
-                        progress(record)
-                        last = record
-        except BaseException:  # cancelled or interrupted: torchrun stops its ranks on SIGTERM
-            proc.terminate()
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-            raise
+
+    def follow() -> None:  # rank 0's progress, while the ranks train
+        nonlocal last
+        if (record := follower.last_record()) is not None:
+            progress(record)
+            last = record
+
+    returncode, _ = interrupt.run_ranks(cmd, follow, poll_s)
     if interrupt.requested() is not None and not summary_json.is_file():  # stopped before the last step
         from latentmill.trainer.train import stopped_detail
 

@@ -201,14 +201,12 @@ def main(argv: list[str] | None = None) -> int:
     with the run's folder appended, and exit with its status. Nothing runs (exit 0) when the same recipe already
     trained on the same snapshot. A stop (SIGINT, SIGTERM) goes to the ranks once, as ``latentmill train`` does."""
     import socket
-    import subprocess
 
     from latentmill.pipelines.retention import OutputBusyError, training_lock
     from latentmill.pipelines.snapshot import resolve_snapshot
 
     from latentmill import interrupt
     from latentmill.core.store import is_url
-    from latentmill.prefect_env import group_dying_with_parent
     from latentmill.recipe import recipe_from_dict
 
     args = argv if argv is not None else sys.argv[1:]
@@ -226,18 +224,7 @@ def main(argv: list[str] | None = None) -> int:
                 return 0
             print(f"[latentmill] {socket.gethostname()}: {' '.join(command)} in {plan.folder}", file=sys.stderr,
                   flush=True)
-            own_group = group_dying_with_parent()  # a terminal's Ctrl-C reaches this process, which stops the ranks
-            with interrupt.stop_on_signals(), subprocess.Popen(
-                    [*command, str(plan.folder)], preexec_fn=own_group, start_new_session=own_group is None) as proc:
-                stopped_by = None
-                while True:
-                    try:
-                        code = proc.wait(timeout=0.2)
-                        break
-                    except subprocess.TimeoutExpired:
-                        if interrupt.requested() is not None and stopped_by is None:
-                            stopped_by = interrupt.requested()
-                            interrupt.stop_ranks(proc.pid)
+            code, stopped_by = interrupt.run_ranks([*command, str(plan.folder)])
             # ranks stopped by a signal save their step and end as after a finished run: say it was a stop
             return 128 + stopped_by if stopped_by is not None and code == 0 else code
     except OutputBusyError as err:
