@@ -98,8 +98,9 @@ def epoch(cache: Path, batches: int, stream=None, shuffle_block=None) -> float:
 
 
 def run(args) -> list:
-    import fsspec
     from latentmill.trainer.stream import ShardStream, cache_fit_warning
+
+    from latentmill.core.store import store_fs
 
     samples = 240 if args.quick else 2400
     reps = reps_of(args, full=5, quick=2)
@@ -109,7 +110,7 @@ def run(args) -> list:
     tar_bytes = sum((local / e["path"]).stat().st_size for e in manifest["shards"])
     batches = -(-samples // BATCH)
     with moto_server():
-        fs = fsspec.filesystem("s3")
+        fs = store_fs("s3://bench")[0]  # the client the stream uses (store_fs's options): its requests are counted
         fs.mkdir("bench")
         fs.put(str(local) + "/", "bench/snap", recursive=True)
         url = "s3://bench/snap"
