@@ -68,6 +68,7 @@ end_process_group()  # a barrier, then every group (the meshes' too) released
 """
 
 
+@pytest.mark.heavy  # a plain MLP; make test runs the same check on a Flux-class model (next test)
 def test_a_non_final_micro_batch_leaves_sharded_gradients(tmp_path):
     (tmp_path / "worker.py").write_text(WORKER)
     env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "OMP_NUM_THREADS": "1"}

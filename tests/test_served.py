@@ -46,8 +46,11 @@ def _api(port: int, path: str, body: dict | None = None):
 
 
 def _user_env() -> dict[str, str]:
-    """The environment of a user's shell: none of the Prefect settings conftest sets for this process."""
-    return {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}
+    """The environment of a user's shell: none of the Prefect settings conftest sets for this process. The
+    worker asks for scheduled runs every second (Prefect's default: every 10 s), as a user may set it too: a
+    run waits for its pickup, not the test for a poll."""
+    return {**{k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")},
+            "PREFECT_WORKER_QUERY_SECONDS": "1"}
 
 
 @pytest.fixture(scope="module")

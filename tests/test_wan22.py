@@ -115,7 +115,7 @@ def test_low_expert_full_trains_transformer_2_and_exports_both(tiny_wan22, cache
         _train(cache, tiny_wan22, tmp_path, mode="full", expert="high", resume="latest", max_steps=4)
 
 
-@pytest.mark.slow
+@pytest.mark.heavy  # one expert per run; make test runs both experts' LoRA export into both slots of one run
 def test_lora_exports_load_into_their_experts(tiny_wan22, cache, tmp_path):
     from diffusers import WanPipeline
 
