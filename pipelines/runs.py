@@ -221,7 +221,8 @@ def main(argv: list[str] | None = None) -> int:
     recipe = recipe_from_dict(json.loads(Path(recipe_json).read_text()))
     if is_url(recipe.output_dir):
         print(f"output_dir: {recipe.output_dir}: a launch on several nodes needs a local output_dir that every node "
-              "mounts; on an object store, train on one node with `latentmill train`", file=sys.stderr)
+              "mounts; on an object store, run `latentmill train ... --nnodes N --rdzv-endpoint HOST:PORT` on each "
+              "node", file=sys.stderr)
         return 2
     try:
         with training_lock(recipe.output_dir, rendezvous or None):
