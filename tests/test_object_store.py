@@ -17,7 +17,7 @@ from pathlib import Path
 import fsspec
 import pytest
 from latentmill.pipelines import objectstore
-from latentmill.pipelines.flows import run_train
+from latentmill.pipelines.flows import Launch, run_train
 from latentmill.pipelines.retention import OutputBusyError
 
 from latentmill.cli import main
@@ -453,3 +453,22 @@ def test_the_nodes_of_one_rendezvous_join_its_training_lease_and_take_the_holder
         with pytest.raises(OutputBusyError, match="recorded no run in 0 s"):  # a holder that records nothing
             with objectstore.training_lease(url, rendezvous="127.0.0.1:29400/job-2") as joined:
                 joined.recorded("run", poll_s=0.01, wait_s=0)
+
+
+def test_a_joining_node_takes_the_run_folder_the_lease_holder_chose(s3_bucket):
+    """A node of a training on several nodes trains into the run folder the lease holder recorded, not one of its
+    own plan (nodes that start at different times could choose differently): here a folder its own plan would
+    never name, recorded as a finished run, so the joining node stops there, as its holder did."""
+    url = f"s3://{s3_bucket}/out"
+    fs = store("s3")
+    fs.pipe_file(f"{s3_bucket}/out/snapshots/LATEST", b"0001-s\n")
+    fs.pipe_file(f"{s3_bucket}/out/snapshots/0001-s/manifest.json", b"{}")
+    launch = Launch(nproc=1, nnodes=2, rdzv_endpoint="127.0.0.1:29400")
+    recipe = load_recipe(DEMO_CONFIG, [f"output_dir={url}", "parallel.strategy=ddp"])
+    with objectstore.training_lease(url, rendezvous=launch.rendezvous) as lease:  # the first node
+        lease.record(run="0123-chosen", done=True)
+        result = run_train(recipe, launch)
+    folder = work_dir_for(url) / "train" / "runs" / "0123-chosen"
+    assert result == {"already_trained": True, "run_dir": str(folder)}
+    assert (folder.parent.parent / "LATEST").read_text() == "0123-chosen\n" and (folder / "run.json").is_file()
+    assert [p.name for p in folder.parent.iterdir()] == ["0123-chosen"]
