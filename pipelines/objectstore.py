@@ -880,6 +880,7 @@ class RunPublisher:
         self.fs, self.root = store_fs(url)
         self.sent: dict[str, tuple[int, int]] = {}  # rel -> (size, mtime_ns) of the copy on the store
         self.held: list[str] = []  # trainer_state.json files whose checkpoints are not whole on the store yet
+        self.pruned: dict[str, float] = {}  # checkpoint folders deleted on the store, and when (time.monotonic)
         self.uploaded = 0
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -934,7 +935,7 @@ class RunPublisher:
                     count += len(names)
             self.held = held
             gone = [rel for rel in self.sent if rel not in now]
-            if gone and main:
+            if (gone or self.pruned) and main:
                 self._delete(gone)
             for rel in gone:  # another node's: its parts of a pruned checkpoint go with global rank 0's deletion
                 del self.sent[rel]
@@ -943,14 +944,20 @@ class RunPublisher:
 
     def _delete(self, gone: list[str]) -> None:
         """Delete from the store what went here: a pruned checkpoint as a whole folder, its trainer_state.json
-        first (no longer whole for a resume), then every object below it, whichever node wrote it."""
+        first (no longer whole for a resume), then every object below it, whichever node wrote it. A pruned
+        folder is looked at again for ``hold_s`` seconds: another node's publishing round that listed its
+        parts before that node pruned them may upload them after this deletion."""
         from latentmill.trainer.checkpoint import STATE_FILE
 
-        folders = sorted({folder for rel in gone if (folder := checkpoint_folder(rel)) is not None
-                          and not (self.work / folder).is_dir()})
-        files = sorted((rel for rel in gone if not any(rel.startswith(f + "/") for f in folders)),
-                       key=lambda rel: -run_phase(rel))
-        for folder in folders:
+        folders = {folder for rel in gone if (folder := checkpoint_folder(rel)) is not None
+                   and not (self.work / folder).is_dir()}
+        files = sorted((rel for rel in gone if checkpoint_folder(rel) not in folders), key=lambda rel: -run_phase(rel))
+        now = time.monotonic()
+        self.pruned.update({folder: now for folder in folders})
+        for folder, when in sorted(self.pruned.items()):
+            if now - when > self.hold_s:
+                del self.pruned[folder]
+                continue
             objects = sorted(_listing(self.fs, join(self.root, folder)))
             for batch in ([rel for rel in objects if rel == STATE_FILE], [rel for rel in objects if rel != STATE_FILE]):
                 if batch:

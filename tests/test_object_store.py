@@ -398,8 +398,8 @@ def test_a_checkpoint_of_several_nodes_is_published_whole_and_run_files_only_by_
     (node1 / ckpt / "rng-rank1.safetensors").write_bytes(b"rng1")
     on_store = lambda: sorted(p.split("/out/", 1)[1] for p in fs.find(f"{s3_bucket}/out"))  # noqa: E731
 
-    first = objectstore.RunPublisher(node0, url, every_s=3600, run_dir=node0 / prefix, hold_s=0.2)
-    second = objectstore.RunPublisher(node1, url, every_s=3600, run_dir=node1 / prefix, hold_s=0.2)
+    first = objectstore.RunPublisher(node0, url, every_s=3600, run_dir=node0 / prefix, hold_s=30)
+    second = objectstore.RunPublisher(node1, url, every_s=3600, run_dir=node1 / prefix, hold_s=30)
     with first, second:
         (node0 / prefix / objectstore.RANK0_MARKER).touch()  # global rank 0 trains on node 0 (pipelines.launch)
         assert first.main and not second.main
@@ -418,8 +418,14 @@ def test_a_checkpoint_of_several_nodes_is_published_whole_and_run_files_only_by_
         shutil.rmtree(node0 / ckpt)
         first.publish()
         assert on_store() == ["train/LATEST", f"{prefix}/run.json"]
+        # a round of node 1 that listed its parts before it pruned them uploads them late: node 0's next rounds
+        # delete them again (for hold_s seconds after the pruning)
+        fs.pipe_file(f"{s3_bucket}/out/{ckpt}/rng-rank1.safetensors", b"rng1")
+        first.publish()
+        assert on_store() == ["train/LATEST", f"{prefix}/run.json"]
         (node0 / prefix / "checkpoints" / "step-000004").mkdir()
         (node0 / prefix / "checkpoints" / "step-000004" / "trainer_state.json").write_text('{"world_size": 2}')
+        first.hold_s = 0.2  # its last round waits that long for the parts of node 1 that never come
     assert first.held == [f"{prefix}/checkpoints/step-000004/trainer_state.json"]  # rng-rank1 never came
     assert not fs.exists(f"{s3_bucket}/out/{prefix}/checkpoints/step-000004/trainer_state.json")
     assert objectstore.RANK0_MARKER not in " ".join(on_store())
