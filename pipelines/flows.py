@@ -25,7 +25,7 @@ from latentmill.pipelines.objectstore import (
 from latentmill.pipelines.prep import prep, release_prep_models, run_prep
 from latentmill.pipelines.report import TrainProgress
 from latentmill.pipelines.retention import training_lock
-from latentmill.pipelines.runs import RunPlan, finish_run, local_recipe, plan_run
+from latentmill.pipelines.runs import RunPlan, finish_run, join_run, local_recipe, plan_run
 from latentmill.pipelines.snapshot import resolve_snapshot
 from prefect import flow, task
 from prefect.cache_policies import NONE
@@ -187,28 +187,39 @@ def run_train(recipe: Recipe, launch: Launch = Launch()) -> dict[str, Any]:
         lease = None
         if on_store:
             check_store(recipe.output_dir)
-            if launch.nnodes > 1:
-                raise ConfigError(f"output_dir: {recipe.output_dir}: training on an object store runs on one node "
-                                  "for now (--nnodes 1); use a local output_dir for several nodes")
-            # before the runs are pulled and a run folder chosen: a second training changes nothing there
-            lease = held.enter_context(training_lease(recipe.output_dir))
+            # before the runs are pulled and a run folder chosen: a second training changes nothing there; the
+            # nodes of one training on several nodes join the first node's lease
+            lease = held.enter_context(training_lease(recipe.output_dir, rendezvous=launch.rendezvous))
             pull(recipe.output_dir, Path(local.output_dir), tars=False)  # manifests and indexes; shards stream
             pull_runs(recipe.output_dir, Path(local.output_dir))  # the checkpoints a resume reads
         else:  # the same for a local output; under torchrun this process holds it, not the ranks
             held.enter_context(training_lock(recipe.output_dir, launch.rendezvous))
         snapshot = resolve_snapshot(local.output_dir, recipe.snapshot)  # clear error if prep has not run
-        plan = plan_run(local, snapshot.name, launch.nproc * launch.nnodes)
+        world = launch.nproc * launch.nnodes
+        joined = lease is not None and lease.joined
+        if joined:  # every node trains into the folder the lease holder chose (nodes start at different times)
+            chosen = lease.recorded("run")
+            plan = join_run(local, snapshot.name, world, chosen["run"])
+            if chosen.get("done"):
+                plan.done = {"already_trained": True, "run_dir": str(plan.folder)}
+        else:
+            plan = plan_run(local, snapshot.name, world)
+            if lease is not None and launch.nnodes > 1:
+                lease.record(run=plan.folder.name, done=plan.done is not None)
         if plan.done is not None:
             print(f"train: already trained on snapshot {snapshot.name} with this recipe, in {plan.folder} "
                   "(nothing to redo; change the recipe or the data to train again)")
             return plan.done
-        check_resume_batch(recipe, plan.folder, launch.nproc * launch.nnodes)
+        check_resume_batch(recipe, plan.folder, world)
         if on_store:
-            # the run's checkpoints, metrics and export are published while it trains, and at its end; the
-            # snapshot it streams is pinned by this process, which lives as long as the run (a gc there keeps it)
-            held.enter_context(RunPublisher(Path(local.output_dir), recipe.output_dir, lease=lease))
+            # the run's checkpoints, metrics and export are published while it trains, and at its end (on several
+            # nodes: each node its ranks' checkpoint parts, the node of global rank 0 the rest); the snapshot it
+            # streams is pinned by this process, which lives as long as the run (a gc there keeps it)
+            held.enter_context(RunPublisher(Path(local.output_dir), recipe.output_dir,
+                                            lease=None if joined else lease,
+                                            run_dir=plan.folder if launch.nnodes > 1 else None))
             held.enter_context(pinned_on_store(recipe.output_dir, snapshot.name))
-        if launch.nproc * launch.nnodes == 1:
+        if world == 1:
             return train_task(recipe.to_dict(), str(plan.folder), plan.key)
         return torchrun_task(recipe.to_dict(), launch, str(plan.folder))
 

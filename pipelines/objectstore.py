@@ -322,6 +322,8 @@ class StoreLease:
         self.path = join(root, key)
         self.etag: str | None = None
         self.lost: str | None = None
+        self.joined = False  # a node of a training on several nodes that another node's lease covers
+        self._writing = threading.Lock()  # the renewals and record() write the same version in turn
         self._stop = threading.Event()
         self._renewer: threading.Thread | None = None
 
@@ -373,10 +375,38 @@ class StoreLease:
                   "lease ran out)", flush=True)
         return None
 
+    def record(self, **fields: Any) -> None:
+        """Add ``fields`` to the held lease's object now (the run folder a training on several nodes trains
+        in, for the nodes that join it: :meth:`recorded`)."""
+        with self._writing:
+            self.fields.update(fields)
+            self.etag = self._write(time.time() + self.lease_s, self.etag)
+
+    def recorded(self, field: str, poll_s: float = 1.0, wait_s: float = 600.0) -> dict[str, Any]:
+        """The lease object's body once its holder has recorded ``field`` (:meth:`record`), read by a node that
+        joined it; raises :class:`OutputBusyError` when the lease ends or changes holder first, or after
+        ``wait_s`` seconds."""
+        deadline = time.monotonic() + wait_s
+        first = None
+        while True:
+            found = self.read()
+            data = found[0] if found is not None else {}
+            first = first or data.get("holder")
+            if not data.get("holder") or data.get("holder") != first or float(data.get("expires") or 0) <= time.time():
+                raise OutputBusyError(f"{self.url}: the training this node joined ({first or 'gone'}) ended before "
+                                      f"it recorded its {field}; start the nodes again")
+            if field in data:
+                return data
+            if time.monotonic() > deadline:
+                raise OutputBusyError(f"{self.url}: the training this node joined ({first}) recorded no {field} in "
+                                      f"{wait_s:.0f} s")
+            time.sleep(poll_s)
+
     def _renew(self) -> None:
         while not self._stop.wait(self.lease_s / 3):
             try:
-                self.etag = self._write(time.time() + self.lease_s, self.etag)
+                with self._writing:
+                    self.etag = self._write(time.time() + self.lease_s, self.etag)
             except OSError as err:
                 found = self.read()
                 self.lost = (f"the {self.name} of {self.url} was lost ({type(err).__name__}); now held by "
@@ -476,18 +506,40 @@ def check_not_busy(url: str) -> None:
 
 
 @contextmanager
-def training_lease(url: str, lease_s: float = LEASE_S) -> Iterator[StoreLease | None]:
+def training_lease(url: str, lease_s: float = LEASE_S, rendezvous: str | None = None) -> Iterator[StoreLease | None]:
     """Hold the training lease of ``url`` (:data:`TRAIN_LOCK`) for the body: one training at a time writes the
     runs of an output on a store (two would prune, set aside and overwrite each other's checkpoints and
     ``train/LATEST``); a second raises :class:`OutputBusyError` naming the first. The writer lease's rules: it
     is renewed in a thread, and a holder that dies stops blocking once its lease ran out. Yields None, said in
-    one line, on a store without conditional writes."""
+    one line, on a store without conditional writes.
+
+    ``rendezvous``: a training on several nodes, each running the same command (``EP/ID``, as the local
+    training lock). The lease names it; the first node to start holds it, the others join it (the lease they
+    get is not held: ``joined``, and :meth:`StoreLease.recorded` gives what the holder recorded, its run
+    folder), while any other training is still refused."""
     if not url.startswith(LEASE_SCHEMES):
+        if rendezvous is not None:
+            raise ConfigError(f"output_dir: {url}: training on several nodes there needs the training lease, which "
+                              f"{NO_LEASE}")
         print(f"train: a second training of {url} would not be refused: its lease {NO_LEASE}", flush=True)
         yield None
         return
-    with store_lease(url, "training", on_busy="fail", lease_s=lease_s, key=TRAIN_LOCK) as lease:
+    holder = "training" if rendezvous is None else f"training of rendezvous {rendezvous}"
+    lease = StoreLease(url, holder, lease_s, key=TRAIN_LOCK)
+    line = lease.try_acquire()
+    if line is not None:
+        if rendezvous is None or line.split(": ", 1)[-1].rsplit(" since ", 1)[0] != holder:
+            raise OutputBusyError(busy_message(url, line, f"lease {join(url, TRAIN_LOCK)}", TRAIN_LOCK))
+        print(f"{holder}: joining the training lease of {url} that this run's first node holds ({line})",
+              flush=True)
+        lease.joined = True
         yield lease
+        return
+    lease.start()
+    try:
+        yield lease
+    finally:
+        lease.release()
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -769,29 +821,81 @@ def pull_runs(url: str, work: Path) -> dict[str, Any]:
     return {"downloaded": len(remote), "bytes": size}
 
 
+RANK0_MARKER = ".global-rank-0"  # global rank 0 marks its node's run folder (pipelines.launch); never published
+HOLD_S = 60.0  # how long a run's last publishing waits for the other nodes' parts of its checkpoints
+
+
+def checkpoint_folder(rel: str) -> str | None:
+    """``train/runs/R/checkpoints/step-N`` for a file below that folder, else None."""
+    from latentmill.trainer.checkpoint import STEP_DIR
+
+    parts = rel.split("/")
+    for i, part in enumerate(parts[:-2]):
+        if part == "checkpoints" and STEP_DIR.match(parts[i + 1]):
+            return "/".join(parts[: i + 2])
+    return None
+
+
+def checkpoint_needs(folder: Path) -> set[str]:
+    """The files (``/`` paths in the checkpoint ``folder``) that make it whole: every rank's RNG file (the
+    ``world_size`` ranks its ``trainer_state.json`` names) and every file a DCP ``.metadata`` in it names
+    (``FileSystemReader.read_metadata().storage_data``), with the metadata."""
+    from latentmill.trainer.checkpoint import DCP_DIR, STATE_FILE, read_trainer_state, rng_file
+
+    world = int(read_trainer_state(folder).get("world_size") or 0)  # 0: a state that names no ranks
+    needs = {rng_file(rank) for rank in range(world)}
+    for metadata in sorted(folder.rglob(".metadata")):
+        if metadata.parent.name != DCP_DIR:
+            continue
+        from torch.distributed.checkpoint import FileSystemReader
+
+        dcp = metadata.parent.relative_to(folder).as_posix()
+        needs.add(f"{dcp}/.metadata")
+        needs.update(f"{dcp}/{info.relative_path}"
+                     for info in FileSystemReader(str(metadata.parent)).read_metadata().storage_data.values())
+    needs.discard(STATE_FILE)
+    return needs
+
+
 class RunPublisher:
     """Publishes the training runs of a work folder to the store while they train: every ``every_s`` seconds
     in a thread, and once more when stopped (a run killed midway leaves its checkpoints there). A checkpoint's
-    parts go before its ``trainer_state.json``, so one found on the store is whole; checkpoints pruned here
-    (``keep_latest_k``) are deleted there, ``trainer_state.json`` first (so are run files the store holds and
-    this folder lacks when it starts: ``pull_runs`` brings every one in first). Links (``metrics.jsonl``, the export
-    links) are not published: ``run.json`` and ``LATEST`` name the folders. ``lease``: the training lease; a run
-    that lost it publishes nothing more (:class:`LostLease` at its end)."""
+    ``trainer_state.json`` goes only once every file that makes it whole is on the store (:func:`checkpoint_needs`:
+    every rank's RNG file, every shard its DCP metadata names, whichever node wrote them), so one found on the
+    store is whole; the last round waits up to ``hold_s`` for them. Checkpoints pruned here (``keep_latest_k``)
+    are deleted there, ``trainer_state.json`` first, then the whole folder (every node's parts); so are run files
+    the store holds and this folder lacks when it starts: ``pull_runs`` brings every one in first. Links
+    (``metrics.jsonl``, the export links) are not published: ``run.json`` and ``LATEST`` name the folders.
+    ``lease``: the training lease; a run that lost it publishes nothing more (:class:`LostLease` at its end).
 
-    def __init__(self, work: Path, url: str, every_s: float = PUBLISH_EVERY_S, lease: StoreLease | None = None):
-        self.work, self.url, self.every_s, self.lease = work, url, every_s, lease
+    ``run_dir``: the run folder of a training on several nodes, each in its own work folder. This node publishes
+    the checkpoint parts its ranks wrote; the run's other files, the ``trainer_state.json`` files and every
+    deletion only once global rank 0 has marked ``run_dir`` as its node's (:data:`RANK0_MARKER`). None: one node,
+    which holds every rank."""
+
+    def __init__(self, work: Path, url: str, every_s: float = PUBLISH_EVERY_S, lease: StoreLease | None = None,
+                 run_dir: Path | None = None, hold_s: float = HOLD_S):
+        self.work, self.url, self.every_s, self.lease, self.run_dir = work, url, every_s, lease, run_dir
+        self.hold_s = hold_s
         self.fs, self.root = store_fs(url)
         self.sent: dict[str, tuple[int, int]] = {}  # rel -> (size, mtime_ns) of the copy on the store
+        self.held: list[str] = []  # trainer_state.json files whose checkpoints are not whole on the store yet
+        self.pruned: dict[str, float] = {}  # checkpoint folders deleted on the store, and when (time.monotonic)
         self.uploaded = 0
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="latentmill-publish-runs", daemon=True)
 
+    @property
+    def main(self) -> bool:
+        """Whether this node holds global rank 0 (it alone publishes the run's files and deletes)."""
+        return self.run_dir is None or (self.run_dir / RANK0_MARKER).is_file()
+
     def _files(self) -> dict[str, tuple[int, int]]:
         found = {}
         for rel in _local_files(self.work):
             path = self.work / rel
-            if run_file(rel) and ".tmp/" not in rel and not path.is_symlink():
+            if run_file(rel) and ".tmp/" not in rel and not path.is_symlink() and path.name != RANK0_MARKER:
                 try:
                     stat = path.stat()
                 except FileNotFoundError:  # pruned meanwhile
@@ -799,28 +903,67 @@ class RunPublisher:
                 found[rel] = (stat.st_size, stat.st_mtime_ns)
         return found
 
+    def _whole(self, state: str) -> bool:
+        """Whether the store holds every file that makes the checkpoint of ``state`` (its trainer_state.json)
+        whole."""
+        folder = state.rsplit("/", 1)[0]
+        try:
+            needs = checkpoint_needs(self.work / folder)
+        except FileNotFoundError:  # pruned meanwhile
+            return False
+        return needs <= set(_listing(self.fs, join(self.root, folder)))
+
     def publish(self) -> int:
         """Upload what changed since the last round, phase after phase; delete what was pruned; how many
         files were uploaded."""
         with self._lock:
             if self.lease is not None:
                 self.lease.check()
+            main = self.main
             now = self._files()
-            changed = sorted((rel for rel, sig in now.items() if self.sent.get(rel) != sig), key=run_phase)
-            count = 0
+            changed = sorted((rel for rel, sig in now.items() if self.sent.get(rel) != sig
+                              and (main or run_phase(rel) == 0)), key=run_phase)
+            count, held = 0, []
             for step in sorted({run_phase(rel) for rel in changed}):
                 names = [rel for rel in changed if run_phase(rel) == step and (self.work / rel).is_file()]
+                if step == 1:  # after this round's parts: a checkpoint whose parts are not all there waits
+                    held = [rel for rel in names if not self._whole(rel)]
+                    names = [rel for rel in names if rel not in held]
                 if names:
                     self.fs.put([str(self.work / rel) for rel in names], [join(self.root, rel) for rel in names])
                     self.sent.update({rel: now[rel] for rel in names})
                     count += len(names)
-            gone = sorted((rel for rel in self.sent if rel not in now), key=lambda rel: -run_phase(rel))
-            if gone:
-                self.fs.rm([join(self.root, rel) for rel in gone])
-                for rel in gone:
-                    del self.sent[rel]
+            self.held = held
+            gone = [rel for rel in self.sent if rel not in now]
+            if (gone or self.pruned) and main:
+                self._delete(gone)
+            for rel in gone:  # another node's: its parts of a pruned checkpoint go with global rank 0's deletion
+                del self.sent[rel]
             self.uploaded += count
             return count
+
+    def _delete(self, gone: list[str]) -> None:
+        """Delete from the store what went here: a pruned checkpoint as a whole folder, its trainer_state.json
+        first (no longer whole for a resume), then every object below it, whichever node wrote it. A pruned
+        folder is looked at again for ``hold_s`` seconds: another node's publishing round that listed its
+        parts before that node pruned them may upload them after this deletion."""
+        from latentmill.trainer.checkpoint import STATE_FILE
+
+        folders = {folder for rel in gone if (folder := checkpoint_folder(rel)) is not None
+                   and not (self.work / folder).is_dir()}
+        files = sorted((rel for rel in gone if checkpoint_folder(rel) not in folders), key=lambda rel: -run_phase(rel))
+        now = time.monotonic()
+        self.pruned.update({folder: now for folder in folders})
+        for folder, when in sorted(self.pruned.items()):
+            if now - when > self.hold_s:
+                del self.pruned[folder]
+                continue
+            objects = sorted(_listing(self.fs, join(self.root, folder)))
+            for batch in ([rel for rel in objects if rel == STATE_FILE], [rel for rel in objects if rel != STATE_FILE]):
+                if batch:
+                    self.fs.rm([join(self.root, folder, rel) for rel in batch])
+        if files:
+            self.fs.rm([join(self.root, rel) for rel in files])
 
     def _run(self) -> None:
         while not self._stop.wait(self.every_s):
@@ -830,6 +973,8 @@ class RunPublisher:
                 continue
 
     def __enter__(self) -> "RunPublisher":
+        if self.run_dir is not None:  # a mark left by an earlier run on this machine: rank 0 marks it again
+            (self.run_dir / RANK0_MARKER).unlink(missing_ok=True)
         # what the store holds already: a copy of the same size is taken as this file's, one this folder lacks
         # (``pull_runs`` brought every one in) was pruned here and goes at the first round
         local = self._files()
@@ -842,3 +987,11 @@ class RunPublisher:
         self._stop.set()
         self._thread.join()
         self.publish()
+        deadline = time.monotonic() + self.hold_s
+        while self.held and time.monotonic() < deadline:  # the other nodes' last parts may be on their way
+            time.sleep(min(self.every_s, 1.0))
+            self.publish()
+        if self.held:
+            print(f"train: {len(self.held)} checkpoint(s) not published whole to {self.url} (parts of other nodes "
+                  f"missing after {self.hold_s:.0f} s): {', '.join(rel.rsplit('/', 1)[0] for rel in self.held)}; "
+                  "a resume there takes an older one", flush=True)

@@ -169,6 +169,13 @@ def plan_run(recipe: Recipe, snapshot: str, world_size: int = 1) -> RunPlan:
     return _start(recipe, runs_dir(recipe) / key[:16], key, snapshot)
 
 
+def join_run(recipe: Recipe, snapshot: str, world_size: int, name: str) -> RunPlan:
+    """The run folder ``name`` that another node of the same training on several nodes chose
+    (``objectstore.training_lease``), made the run started last here too: every node trains into one folder."""
+    recipe.train_dir.mkdir(parents=True, exist_ok=True)
+    return _start(recipe, runs_dir(recipe) / name, run_key(recipe, snapshot, world_size), snapshot)
+
+
 def export_link(recipe: Recipe, mode: str) -> Path:
     """The stable path of the newest export of ``mode``: ``<output_dir>/export`` or ``export-lora`` (one expert of
     a two-expert pipeline: ``export-high``, ``export-lora-low``...)."""
@@ -214,7 +221,8 @@ def main(argv: list[str] | None = None) -> int:
     recipe = recipe_from_dict(json.loads(Path(recipe_json).read_text()))
     if is_url(recipe.output_dir):
         print(f"output_dir: {recipe.output_dir}: a launch on several nodes needs a local output_dir that every node "
-              "mounts; on an object store, train on one node with `latentmill train`", file=sys.stderr)
+              "mounts; on an object store, run `latentmill train ... --nnodes N --rdzv-endpoint HOST:PORT` on each "
+              "node", file=sys.stderr)
         return 2
     try:
         with training_lock(recipe.output_dir, rendezvous or None):

@@ -5,16 +5,19 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
+import threading
 import time
+import warnings
 from pathlib import Path
 
 import fsspec
 import pytest
 from latentmill.pipelines import objectstore
-from latentmill.pipelines.flows import run_train
+from latentmill.pipelines.flows import Launch, run_train
 from latentmill.pipelines.retention import OutputBusyError
 
 from latentmill.cli import main
@@ -353,3 +356,125 @@ def test_a_training_that_lost_its_lease_publishes_nothing_more(s3_bucket, tmp_pa
                     time.sleep(0.05)
     assert json.loads(fs.cat_file(f"{s3_bucket}/out/train/runs/r/run.json")) == {}  # the change stayed local
     assert json.loads(fs.cat_file(lease.path))["holder"] == other  # not released by the run that lost it
+
+
+def _two_rank_dcp(folder: Path) -> None:
+    """A DCP folder whose ``.metadata`` names a shard of rank 0 (written here) and one of rank 1 (not here:
+    another node's), as a 2-rank FSDP2 save on two nodes leaves in the folder of rank 0's node."""
+    import dataclasses
+    import pickle
+
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemReader
+
+    with warnings.catch_warnings():  # one process: intended
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.save({"model": {"a": torch.ones(2), "b": torch.zeros(2)}}, checkpoint_id=folder)
+    metadata = FileSystemReader(str(folder)).read_metadata()
+    index = next(index for index in metadata.storage_data if index.fqn == "model.b")
+    metadata.storage_data[index] = dataclasses.replace(metadata.storage_data[index], relative_path="__1_0.distcp")
+    (folder / ".metadata").write_bytes(pickle.dumps(metadata))  # DCP's own format (FileSystemWriter.finish)
+
+
+def test_a_checkpoint_of_several_nodes_is_published_whole_and_run_files_only_by_rank_0s_node(s3_bucket, tmp_path):
+    """Two nodes' work folders of one run: the checkpoint's trainer_state.json waits until every rank's RNG file
+    and every shard its DCP metadata names are on the store, whichever node publishes them; the node without
+    global rank 0's mark publishes its ranks' parts only (no run file, no trainer_state.json, no deletion); a
+    pruned checkpoint is deleted by rank 0's node as a whole folder, the other node's parts with it."""
+    url = f"s3://{s3_bucket}/out"
+    fs = store("s3")
+    prefix, ckpt = "train/runs/r1", "train/runs/r1/checkpoints/step-000002"
+    node0, node1 = tmp_path / "node0", tmp_path / "node1"
+    for node in (node0, node1):  # both flow processes planned the run: run.json and LATEST in both
+        (node / prefix / "checkpoints").mkdir(parents=True)
+        (node / prefix / "run.json").write_text(json.dumps({"node": node.name}))
+        (node / "train" / "LATEST").write_text("r1\n")
+    _two_rank_dcp(node0 / ckpt / "dcp")
+    (node0 / ckpt / "rng-rank0.safetensors").write_bytes(b"rng0")
+    (node0 / ckpt / "trainer_state.json").write_text(json.dumps({"step": 2, "world_size": 2}))
+    (node1 / ckpt / "dcp").mkdir(parents=True)
+    (node1 / ckpt / "dcp" / "__1_0.distcp").write_bytes(b"rank 1's shard")
+    (node1 / ckpt / "rng-rank1.safetensors").write_bytes(b"rng1")
+    on_store = lambda: sorted(p.split("/out/", 1)[1] for p in fs.find(f"{s3_bucket}/out"))  # noqa: E731
+
+    first = objectstore.RunPublisher(node0, url, every_s=3600, run_dir=node0 / prefix, hold_s=30)
+    second = objectstore.RunPublisher(node1, url, every_s=3600, run_dir=node1 / prefix, hold_s=30)
+    with first, second:
+        (node0 / prefix / objectstore.RANK0_MARKER).touch()  # global rank 0 trains on node 0 (pipelines.launch)
+        assert first.main and not second.main
+        first.publish()
+        assert first.held == [f"{ckpt}/trainer_state.json"]  # rank 1's shard and RNG state are not there yet
+        assert on_store() == ["train/LATEST", f"{ckpt}/dcp/.metadata", f"{ckpt}/dcp/__0_0.distcp",
+                              f"{ckpt}/rng-rank0.safetensors", f"{prefix}/run.json"]
+        assert second.publish() == 2  # its ranks' parts, not its run.json or LATEST
+        assert json.loads(fs.cat_file(f"{s3_bucket}/out/{prefix}/run.json")) == {"node": "node0"}
+        first.publish()
+        assert first.held == [] and fs.exists(f"{s3_bucket}/out/{ckpt}/trainer_state.json")
+        # node 0 prunes the checkpoint (keep_latest_k), node 1 too: the whole folder goes, by node 0 only
+        shutil.rmtree(node1 / ckpt)
+        second.publish()
+        assert fs.exists(f"{s3_bucket}/out/{ckpt}/dcp/__1_0.distcp")
+        shutil.rmtree(node0 / ckpt)
+        first.publish()
+        assert on_store() == ["train/LATEST", f"{prefix}/run.json"]
+        # a round of node 1 that listed its parts before it pruned them uploads them late: node 0's next rounds
+        # delete them again (for hold_s seconds after the pruning)
+        fs.pipe_file(f"{s3_bucket}/out/{ckpt}/rng-rank1.safetensors", b"rng1")
+        first.publish()
+        assert on_store() == ["train/LATEST", f"{prefix}/run.json"]
+        (node0 / prefix / "checkpoints" / "step-000004").mkdir()
+        (node0 / prefix / "checkpoints" / "step-000004" / "trainer_state.json").write_text('{"world_size": 2}')
+        first.hold_s = 0.2  # its last round waits that long for the parts of node 1 that never come
+    assert first.held == [f"{prefix}/checkpoints/step-000004/trainer_state.json"]  # rng-rank1 never came
+    assert not fs.exists(f"{s3_bucket}/out/{prefix}/checkpoints/step-000004/trainer_state.json")
+    assert objectstore.RANK0_MARKER not in " ".join(on_store())
+
+
+def test_the_nodes_of_one_rendezvous_join_its_training_lease_and_take_the_holders_run_folder(s3_bucket):
+    """The first node holds the lease, naming the rendezvous; a node of the same rendezvous joins it and waits for
+    the run folder the holder records; a training of another rendezvous, or of none, is refused in one line."""
+    url = f"s3://{s3_bucket}/out"
+    rendezvous = "127.0.0.1:29400/job-1"
+    with objectstore.training_lease(url, lease_s=30, rendezvous=rendezvous) as lease:
+        assert not lease.joined
+        for other in ("127.0.0.1:29400/job-2", None):
+            with pytest.raises(OutputBusyError, match=rf"^{url} is busy: a training is writing it \(PID "
+                               rf"{os.getpid()} on .*: training of rendezvous {rendezvous} since "):
+                with objectstore.training_lease(url, rendezvous=other):
+                    pass
+        with objectstore.training_lease(url, rendezvous=rendezvous) as joined:
+            assert joined.joined
+            later = threading.Timer(0.3, lambda: lease.record(run="abc123", done=False))
+            later.start()
+            started = time.monotonic()
+            chosen = joined.recorded("run", poll_s=0.05, wait_s=30)
+            assert chosen["run"] == "abc123" and chosen["done"] is False and time.monotonic() - started >= 0.25
+            later.join()
+        assert lease.read()[0]["run"] == "abc123"  # a joiner leaves the lease to its holder
+        time.sleep(0.2)
+    assert not store("s3").exists(lease.path)  # released by its holder
+    with objectstore.training_lease(url, rendezvous="127.0.0.1:29400/job-2") as alone:  # free again
+        assert not alone.joined
+        with pytest.raises(OutputBusyError, match="recorded no run in 0 s"):  # a holder that records nothing
+            with objectstore.training_lease(url, rendezvous="127.0.0.1:29400/job-2") as joined:
+                joined.recorded("run", poll_s=0.01, wait_s=0)
+
+
+def test_a_joining_node_takes_the_run_folder_the_lease_holder_chose(s3_bucket):
+    """A node of a training on several nodes trains into the run folder the lease holder recorded, not one of its
+    own plan (nodes that start at different times could choose differently): here a folder its own plan would
+    never name, recorded as a finished run, so the joining node stops there, as its holder did."""
+    url = f"s3://{s3_bucket}/out"
+    fs = store("s3")
+    fs.pipe_file(f"{s3_bucket}/out/snapshots/LATEST", b"0001-s\n")
+    fs.pipe_file(f"{s3_bucket}/out/snapshots/0001-s/manifest.json", b"{}")
+    launch = Launch(nproc=1, nnodes=2, rdzv_endpoint="127.0.0.1:29400")
+    recipe = load_recipe(DEMO_CONFIG, [f"output_dir={url}", "parallel.strategy=ddp"])
+    with objectstore.training_lease(url, rendezvous=launch.rendezvous) as lease:  # the first node
+        lease.record(run="0123-chosen", done=True)
+        result = run_train(recipe, launch)
+    folder = work_dir_for(url) / "train" / "runs" / "0123-chosen"
+    assert result == {"already_trained": True, "run_dir": str(folder)}
+    assert (folder.parent.parent / "LATEST").read_text() == "0123-chosen\n" and (folder / "run.json").is_file()
+    assert [p.name for p in folder.parent.iterdir()] == ["0123-chosen"]

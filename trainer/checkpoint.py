@@ -18,7 +18,10 @@ a ``model.safetensors`` checkpoint only by the unsharded strategies (none, ddp).
 
 A folder is written as ``step-000010.tmp`` and renamed once complete (by rank 0, after every rank wrote
 its part), so ``latest_checkpoint`` (the highest ``step-NNNNNN`` without suffix) never picks a partial
-one. ``keep_latest_k`` prunes older steps.
+one. ``keep_latest_k`` prunes older steps. On nodes that each write a folder of their own (an output on an
+object store: each node trains in its work folder, ``folder_rank`` the local rank), each node's local rank 0
+makes, renames and prunes its node's folder, which holds its ranks' parts; global rank 0 alone still writes
+the files that exist once (``trainer_state.json``, the weights or LR schedule).
 """
 
 from __future__ import annotations
@@ -56,15 +59,17 @@ def step_dir_name(step: int) -> str:
     return f"step-{step:06d}"
 
 
-def list_checkpoints(ckpt_dir: str | Path) -> list[tuple[int, Path]]:
-    """Complete checkpoints in ``ckpt_dir`` as (step, path), lowest step first; ``.tmp`` folders are ignored."""
+def list_checkpoints(ckpt_dir: str | Path, whole: bool = True) -> list[tuple[int, Path]]:
+    """Complete checkpoints in ``ckpt_dir`` as (step, path), lowest step first; ``.tmp`` folders are ignored.
+    ``whole=False``: every renamed ``step-N`` folder, with ``trainer_state.json`` or not (the parts another
+    node than global rank 0's wrote)."""
     ckpt_dir = Path(ckpt_dir)
     if not ckpt_dir.is_dir():
         return []
     found = []
     for child in ckpt_dir.iterdir():
         match = STEP_DIR.match(child.name)
-        if match and child.is_dir() and (child / STATE_FILE).is_file():
+        if match and child.is_dir() and (not whole or (child / STATE_FILE).is_file()):
             found.append((int(match.group(1)), child))
     return sorted(found)
 
@@ -93,6 +98,7 @@ def save_checkpoint(
     barrier: Callable[[], None] = lambda: None,
     sharded: bool = False,
     others: dict[str, tuple[nn.Module, torch.optim.Optimizer, Any]] | None = None,
+    folder_rank: int | None = None,
 ) -> Path:
     """Write ``step-NNNNNN`` atomically (tmp folder, then rename), prune to ``keep_latest_k``; return its path.
 
@@ -100,12 +106,15 @@ def save_checkpoint(
 
     Under DDP/FSDP2 every rank calls this with its ``rank`` and a ``barrier``: rank 0 writes the shared files,
     each rank its RNG state (and with ``sharded`` its DCP shards), and rank 0 renames the folder once all
-    are written.
+    are written. ``folder_rank``: this rank's place among the ranks that share ``ckpt_dir``'s file system
+    (None: ``rank``, one file system for every rank); the rank whose ``folder_rank`` is 0 makes, clears, renames
+    and prunes the folder. Each node's local rank when each node writes a folder of its own.
     """
     ckpt_dir = Path(ckpt_dir)
     final = ckpt_dir / step_dir_name(step)
     tmp = ckpt_dir / (final.name + ".tmp")
-    if rank == 0:
+    folder_rank = rank if folder_rank is None else folder_rank
+    if folder_rank == 0:
         ckpt_dir.mkdir(parents=True, exist_ok=True)
         if tmp.exists():
             shutil.rmtree(tmp)  # leftover of a run killed while saving
@@ -120,7 +129,7 @@ def save_checkpoint(
     for folder, (part_model, part_optimizer, part_scheduler) in {"": (model, optimizer, scheduler),
                                                                  **(others or {})}.items():
         if folder:  # made before any rank writes its shards there
-            if rank == 0:
+            if folder_rank == 0:
                 (tmp / folder).mkdir()
             barrier()
         written += [str(Path(folder) / name) for name in
@@ -134,12 +143,13 @@ def save_checkpoint(
             os.fsync(fh.fileno())
     barrier()
 
-    if rank == 0:
+    if folder_rank == 0:
         apply_umask(tmp)  # safetensors writes 0600: give checkpoints the modes of every other file
         if final.exists():  # re-saving a step (e.g. after resuming from an older one)
             shutil.rmtree(final)
         durable.replace(tmp, final)
-        prune_checkpoints(ckpt_dir, keep_latest_k)
+        # another node's folder holds no trainer_state.json: its step folders are its parts of the same steps
+        prune_checkpoints(ckpt_dir, keep_latest_k, whole=rank == 0)
     barrier()
     return final
 
@@ -170,11 +180,12 @@ def _dcp_state_dicts(model: nn.Module, optimizer: torch.optim.Optimizer) -> tupl
     return get_state_dict(model, optimizer, options=StateDictOptions(ignore_frozen_params=True))
 
 
-def prune_checkpoints(ckpt_dir: str | Path, keep_latest_k: int) -> list[Path]:
-    """Delete all but the ``keep_latest_k`` newest complete checkpoints (0 keeps all); return what went."""
+def prune_checkpoints(ckpt_dir: str | Path, keep_latest_k: int, whole: bool = True) -> list[Path]:
+    """Delete all but the ``keep_latest_k`` newest complete checkpoints (0 keeps all); return what went.
+    ``whole=False``: of every ``step-N`` folder (:func:`list_checkpoints`)."""
     if keep_latest_k <= 0:
         return []
-    doomed = [path for _, path in list_checkpoints(ckpt_dir)[:-keep_latest_k]]
+    doomed = [path for _, path in list_checkpoints(ckpt_dir, whole)[:-keep_latest_k]]
     for path in doomed:
         shutil.rmtree(path)
     return doomed

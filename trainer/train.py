@@ -763,7 +763,9 @@ class _Run:
                         scheduler=first.scheduler, trainer_state=trainer_state,
                         others=other_parts(self.parts),
                         keep_latest_k=self.cfg.keep_latest_k, rank=self.ctx.rank, barrier=self.ctx.barrier,
-                        sharded=self.ctx.sharded)
+                        sharded=self.ctx.sharded,
+                        # streamed from a store: each node trains in its own work folder, its local rank 0 keeps it
+                        folder_rank=self.ctx.local_rank if self.stream_source is not None else None)
 
     def info(self) -> dict[str, Any]:
         """What trackers and the model card say about the run's data: the provenance (snapshot name and id),
