@@ -46,6 +46,7 @@ from latentmill.pipelines.retention import (
     pin_record,
 )
 from latentmill.pipelines.snapshot import LATEST
+from latentmill.stages import remotetars
 from latentmill.stages.catalog import DETAIL_KEY
 from latentmill.stages.killpoint import KillPoint
 
@@ -63,7 +64,7 @@ LEASE_SCHEMES = tuple(LEASE_TOKENS)
 NO_LEASE = ("needs conditional writes (If-None-Match and If-Match, or GCS's ifGenerationMatch): s3://, gs:// and "
             "az:// have them")
 LEASE_S = 60.0  # a writer lease: renewed every third of it; a holder silent for this long is taken to be dead
-PULLING = ".pull.tmp"  # suffix of a file being downloaded: renamed into place once whole
+PULLING = remotetars.PULLING  # suffix of a file being downloaded: renamed into place once whole
 PUBLISH_EVERY_S = 10.0  # how often a running prep publishes the units it committed
 CACHE = "prep/cache/"  # the cache stage's folder, the one compaction merges
 PAUSE_ENV = "LATENTMILL_PUBLISH_PAUSE_AFTER"  # tests: pause after this many publishing rounds, for a kill
@@ -152,16 +153,20 @@ def pull(url: str, work: Path | None = None, tars: bool | Collection[str] = True
     shards' tars, for reading manifests, records and indexes; a collection of ``/`` paths: only those tars);
     ``{"work_dir", "downloaded", "bytes", "tar_sizes"}``, the last the bytes of every tar on the store by path.
     A downloaded file takes its object's time on the store as its mtime: gc keeps the units committed after the
-    newest snapshot by that order, which parallel downloads do not keep."""
+    newest snapshot by that order, which parallel downloads do not keep. A pull that leaves tars on the store
+    lists them in the work folder (``latentmill.stages.remotetars``): a stage that reads one downloads it then,
+    and a unit whose tars are all there or on the store is reused."""
     fs, root = store_fs(url)
     work = work or work_dir_for(url)
     work.mkdir(parents=True, exist_ok=True)
-    remote, local, stamps, size, tar_sizes = [], [], [], 0, {}
+    remote, local, stamps, size, tar_sizes, on_store = [], [], [], 0, {}, {}
     for rel, info in sorted(_listing(fs, root).items()):
         if not shared(rel):
             continue
         if rel.endswith(".tar"):
             tar_sizes[rel] = int(info.get("size") or 0)
+            if rel.startswith("prep/"):
+                on_store[rel[len("prep/"):]] = {"size": tar_sizes[rel], "md5": _stored_md5(info)}
             if tars is not True and (tars is False or rel not in tars):
                 continue
         path = work / rel
@@ -178,6 +183,8 @@ def pull(url: str, work: Path | None = None, tars: bool | Collection[str] = True
             if stamp is not None:
                 os.utime(tmp, ns=(stamp, stamp))
             os.replace(tmp, tmp[: -len(PULLING)])
+    if tars is not True:
+        remotetars.write_list(work / "prep", url.rstrip("/"), on_store)
     return {"work_dir": str(work), "downloaded": len(remote), "bytes": size, "tar_sizes": tar_sizes}
 
 
@@ -192,15 +199,22 @@ def push(work: Path, url: str, lease: "StoreLease | None" = None) -> dict[str, A
     """Publish the work folder's shared files that the store lacks or holds differently, phase after phase
     (:func:`phase`), so a reader never finds a record before its parts or a pointer before its manifest;
     ``{"uploaded", "bytes"}``. ``lease``: checked before the pointer is written (a writer that lost its lease
-    publishes no snapshot)."""
+    publishes no snapshot). A tar the work folder left on the store (``remotetars``) is neither sent nor
+    deleted; a snapshot whose shards would be on neither is not published (``RuntimeError`` naming one, before
+    anything is uploaded)."""
     fs, root = store_fs(url)
     listing = _listing(fs, root)
+    files = local_files(work)
     todo: dict[int, list[str]] = {}
-    for rel in local_files(work):
+    for rel in files:
         info = listing.get(rel)
         if info is not None and _same(work / rel, info, rel):
             continue
         todo.setdefault(phase(rel), []).append(rel)
+    missing = _missing_parts(work, todo.get(3, []), set(files) | set(listing))
+    if missing:
+        raise RuntimeError(f"{join(url, missing[0])}: a shard of the snapshot to publish is neither in the work "
+                           f"folder {work} nor on the store; nothing was published")
     uploaded = size = 0
     for step in sorted(todo):
         if step == 4 and lease is not None:
@@ -210,6 +224,23 @@ def push(work: Path, url: str, lease: "StoreLease | None" = None) -> dict[str, A
         uploaded += len(names)
         size += sum((work / rel).stat().st_size for rel in names)
     return {"uploaded": uploaded, "bytes": size}
+
+
+def _missing_parts(work: Path, manifests: list[str], present: set[str]) -> list[str]:
+    """The shards (tars and indexes, ``/`` paths in the work folder) that the snapshot manifests ``manifests``
+    name and ``present`` lacks."""
+    missing = []
+    for rel in manifests:
+        if not rel.endswith("/manifest.json"):
+            continue
+        folder = posixpath.dirname(rel)
+        for shard in json.loads((work / rel).read_text()).get("shards") or []:
+            tar = posixpath.normpath(posixpath.join(folder, shard["path"]))
+            index = shard.get("index")
+            for part in (tar, *([posixpath.join(posixpath.dirname(tar), index["name"])] if index else [])):
+                if part not in present:
+                    missing.append(part)
+    return missing
 
 
 def unit_parts(stage_root: Path, record: dict[str, Any], shard_names: list[str]) -> list[Path]:

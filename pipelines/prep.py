@@ -30,7 +30,7 @@ from latentmill.pipelines.report import (
 from latentmill.pipelines.retention import OutputBusyError, writer_lock  # noqa: F401 (re-exported)
 from latentmill.pipelines.snapshot import STAGES
 from latentmill.pipelines.snapshot import publish as publish_snapshot
-from latentmill.stages import bucket, cache, caption, curate, curate_clips, ingest, neardup
+from latentmill.stages import bucket, cache, caption, curate, curate_clips, ingest, neardup, remotetars
 from latentmill.stages.compact import compact_stage
 from latentmill.stages.shardio import StageDir, StageRecords, UnitOutput, UnitRecord, WorkUnit, stage_report
 from latentmill.stages.workers import number_worker
@@ -517,18 +517,24 @@ def run_prep(recipe: Recipe, source: str | None = None) -> dict[str, Any]:
 
 def run_prep_on_store(recipe: Recipe) -> dict[str, Any]:
     """``run_prep`` of an ``output_dir`` on an object store (``latentmill.pipelines.objectstore``): under the
-    store's writer lease, pull what the store holds into the local work folder, run the prep there while
-    publishing each unit it commits (parts, then record), then the rest (manifests, the snapshot, ``LATEST``
-    last). The summary's ``store`` says what moved; its snapshot path is the store's."""
+    store's writer lease, pull what the store holds into the local work folder but the shards' tars, run the
+    prep there while publishing each unit it commits (parts, then record), then the rest (manifests, the
+    snapshot, ``LATEST`` last). A unit whose tars are on the store is reused without them; a tar the prep reads
+    is downloaded when it is opened, and members read alone are fetched alone (``latentmill.stages.remotetars``).
+    The summary's ``store`` says what moved (``downloaded``: files; ``tars_downloaded``, ``ranges_read``: what
+    the prep read from the store); its snapshot path is the store's."""
     url = recipe.output_dir.rstrip("/")
     with objectstore.store_lease(url, "prep", on_busy=recipe.prep.on_busy) as lease:
-        pulled = objectstore.pull(url)
+        pulled = objectstore.pull(url, tars=False)
         work = Path(pulled["work_dir"])
         with objectstore.UnitPublisher(work, url):  # each committed unit, while the prep runs
             result = run_prep(recipe_from_dict({**recipe.to_dict(), "output_dir": str(work)}))
         pushed = objectstore.push(work, url, lease)
+    read = remotetars.fetched(work / "prep")
     result["snapshot"]["path"] = objectstore.published_path(url, work, result["snapshot"]["path"])
-    result["store"] = {"url": url, "work_dir": str(work), "downloaded": pulled["downloaded"],
+    result["store"] = {"url": url, "work_dir": str(work), "downloaded": pulled["downloaded"] + read["tars"],
+                       "bytes_downloaded": pulled["bytes"] + read["tar_bytes"], "tars_downloaded": read["tars"],
+                       "ranges_read": read["ranges"], "range_bytes": read["range_bytes"],
                        "uploaded": pushed["uploaded"], "bytes_uploaded": pushed["bytes"]}
     return result
 

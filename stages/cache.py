@@ -39,6 +39,7 @@ from latentmill.stages.families import (
     get_encoders,
     prepare_cublas_determinism,
 )
+from latentmill.stages.remotetars import local_tar, read_ranges
 from latentmill.stages.shardindex import ShardIndexError, load_shard_index
 from latentmill.stages.shardio import (
     GROUP_KEY,
@@ -382,22 +383,23 @@ def _fetch(wanted: dict[str, tuple[tuple[Path, ...], str, str]]) -> dict[str, by
         for shard in shards:
             try:
                 index = load_shard_index(shard)
-                fd = os.open(shard, os.O_RDONLY)
             except (OSError, ShardIndexError):
                 continue
-            try:
-                for i in range(index.num_samples):
-                    sample_key = index.key(i)
-                    if sample_key not in wanted_keys:
-                        continue
-                    for ext, (offset, size) in index.members(i).items():
-                        comp_key = members.get((sample_key, ext))
-                        if comp_key is not None:
-                            data = os.pread(fd, size, offset)
-                            if len(data) == size:
-                                found[comp_key] = data
-            finally:
-                os.close(fd)
+            places = []  # (component key, (offset, size)) of each wanted member of this shard
+            for i in range(index.num_samples):
+                sample_key = index.key(i)
+                if sample_key in wanted_keys:
+                    places += [(comp_key, place) for ext, place in index.members(i).items()
+                               if (comp_key := members.get((sample_key, ext))) is not None]
+            if not places:
+                continue
+            try:  # only these members: a store's tar is not downloaded for them (remotetars.read_ranges)
+                datas = read_ranges(shard, [place for _, place in places])
+            except OSError:
+                continue
+            for (comp_key, (_, size)), data in zip(places, datas):
+                if len(data) == size:
+                    found[comp_key] = data
     return found
 
 
@@ -563,7 +565,7 @@ class UnitSamples:
             except ShardIndexError:
                 rows += [(sample_json(s), s["__key__"], s) for s in read_shard(path)]
                 continue
-            with open(path, "rb") as fh:
+            with open(local_tar(path), "rb") as fh:  # a unit to run reads its input tars whole
                 fd = fh.fileno()
                 for i in range(shard_index.num_samples):
                     members = shard_index.members(i)

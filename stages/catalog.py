@@ -30,6 +30,8 @@ import sqlite3
 from pathlib import Path
 from typing import Any, Iterable, Iterator
 
+from latentmill.stages.remotetars import held
+
 FILE = "catalog.sqlite"
 DETAIL_KEY = "detail"  # a record's ``extra`` field naming its detail file, relative to the stage folder
 SCHEMA_VERSION = 1
@@ -239,7 +241,7 @@ class Lookup:
 
     def _exists(self, path: Path) -> bool:
         if path not in self._on_disk:
-            self._on_disk[path] = path.is_file()
+            self._on_disk[path] = held(path)  # or on the store, read from there when used
         return self._on_disk[path]
 
 

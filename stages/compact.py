@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Any, Iterator, Mapping
 
 from latentmill.stages.killpoint import KillPoint
+from latentmill.stages.remotetars import local_tar
 from latentmill.stages.shardindex import load_shard_index
 from latentmill.stages.shardio import (
     GROUP_KEY,
@@ -185,7 +186,7 @@ def merge_units(stage: StageDir, group: list[UnitRecord], fingerprint: dict[str,
         for bucket, key, tar, members in samples:
             fd = fds.get(tar)
             if fd is None:
-                fd = fds[tar] = os.open(tar, os.O_RDONLY)
+                fd = fds[tar] = os.open(local_tar(tar), os.O_RDONLY)
             sample: dict[str, Any] = {"__key__": key}
             for ext, (offset, size) in members.items():
                 data = os.pread(fd, size, offset)
@@ -232,7 +233,7 @@ def damaged_shards(stage: StageDir, group: list[UnitRecord]) -> list[dict[str, s
         for shard in record.shards:
             tar = stage.root / shard.path
             try:
-                ok = sha256_file(tar) == shard.sha256
+                ok = sha256_file(local_tar(tar)) == shard.sha256  # a store's tar: downloaded here, merged next
                 reason = "its bytes do not match the sha256 its unit record holds"
             except OSError as err:
                 ok, reason = False, f"cannot be read: {type(err).__name__}: {err}"

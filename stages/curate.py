@@ -50,6 +50,7 @@ from latentmill.stages import curate_models, neardup, pixels
 from latentmill.stages.catalog import Lookup
 from latentmill.stages.curate_clips import ClipSpec
 from latentmill.stages.curate_scores import THRESHOLDS, ScoreKeyer, opaque_mask, score_frames
+from latentmill.stages.remotetars import read_ranges
 from latentmill.stages.shardindex import ShardIndexError, load_shard_index
 from latentmill.stages.shardio import (
     StageDir,
@@ -382,13 +383,8 @@ def sample_hashes(tar: Path, index_entry: dict[str, Any] | None = None) -> list[
         index = load_shard_index(tar, index_entry)
     except ShardIndexError:
         return [facts(s["__key__"], sample_json(s)) for s in read_shard(tar)]
-    found = []
-    with open(tar, "rb") as fh:
-        for i in range(index.num_samples):
-            offset, size = index.members(i)["json"]
-            fh.seek(offset)
-            found.append(facts(index.key(i), json.loads(fh.read(size))))
-    return found
+    metas = read_ranges(tar, [index.members(i)["json"] for i in range(index.num_samples)])  # a store's: ranged
+    return [facts(index.key(i), json.loads(meta)) for i, meta in enumerate(metas)]
 
 
 def plan(cfg: CurateConfig, upstream: StageDir, stage_dir: StageDir | None = None,

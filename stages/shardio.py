@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator, Mapping
 
 from latentmill.stages.catalog import DETAIL_KEY, Catalog, Lookup, catalog_path, unit_detail
+from latentmill.stages.remotetars import held, tar_size
 from latentmill.stages.shardindex import bucket_of, build_shard_index, index_tar, write_index_file
 from latentmill.stages.tarshard import (
     MAX_HEADER,
@@ -367,7 +368,8 @@ class StageDir:
             yield found
 
     def load_record(self, unit_id: str) -> UnitRecord | None:
-        """The unit's record if the unit is complete (record present and every shard on disk)."""
+        """The unit's record if the unit is complete (record present and every shard on disk or, in the work
+        folder of an output on a store, on the store: ``remotetars.held``)."""
         path = self.unit_path(unit_id)
         if not path.is_file():
             return None
@@ -375,7 +377,7 @@ class StageDir:
             record = UnitRecord.from_json(json.loads(path.read_text()))
         except (ValueError, TypeError, KeyError):
             return None
-        if any(not (self.root / s.path).is_file() for s in record.shards):
+        if any(not held(self.root / s.path) for s in record.shards):  # a store's work folder: or on the store
             return None
         if DETAIL_KEY in record.extra and not (self.root / record.extra[DETAIL_KEY]).is_file():
             return None
@@ -616,7 +618,7 @@ def previous_unit_groups(stage_dir: StageDir | None) -> list[list[str]]:
 def shard_tar_bytes(upstream: StageDir, entry: dict[str, Any], per_sample: int = 0) -> int:
     """An upstream shard's size on disk, plus ``per_sample`` bytes a sample: what a stage that copies its
     samples and adds a little to each (a caption, a bucket and crop in its json) writes."""
-    return (upstream.root / entry["path"]).stat().st_size + per_sample * int(entry["samples"])
+    return tar_size(upstream.root / entry["path"]) + per_sample * int(entry["samples"])
 
 
 def copy_estimate(per_sample: int) -> Callable[[StageDir, dict[str, Any]], int]:
@@ -688,7 +690,7 @@ def shard_bytes(stage_root: Path, path: str, sizes: Mapping[str, int] | None = N
     folder of an output on a store holds only the tars it reads), else its file's."""
     if sizes is not None and path in sizes:
         return sizes[path]
-    return (stage_root / path).stat().st_size
+    return tar_size(stage_root / path)
 
 
 def shard_buckets(entry: dict[str, Any]) -> dict[str, int]:

@@ -8,7 +8,8 @@ anything else through ``tarfile`` with the same result) and :func:`group_samples
 rule): ``read_shard`` (the stages), ``index_shard`` (the shard index writer of
 ``latentmill.stages.shardindex``, which the trainer, ``verify`` and compaction read) and the shard writer of
 ``latentmill.stages.shardio``, which groups what it wrote by the same rule to index it. It imports nothing
-from the repository, so the trainer's readers and every stage can use it.
+from the repository but ``remotetars`` (a tar a work folder left on its store is fetched where the walker
+opens it), so the trainer's readers and every stage can use it.
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ import tarfile
 import zlib
 from pathlib import Path
 from typing import Any, Iterable, Iterator
+
+from latentmill.stages.remotetars import local_tar
 
 # ---------------------------------------------------------------------------------------------------------
 # Writing: a member's header, a sample's size in a tar
@@ -115,7 +118,9 @@ def tar_members(path: str | Path) -> list[TarMember]:
 
     A plain ustar tar (every tar this repository writes) is parsed from its header blocks directly
     (``os.pread``, a few times faster than ``tarfile``); anything else (pax or GNU headers, non-ASCII
-    names, base-256 sizes, damage, no end-of-archive block) goes through ``tarfile``, with the same result."""
+    names, base-256 sizes, damage, no end-of-archive block) goes through ``tarfile``, with the same result. A
+    tar that a work folder left on its object store is downloaded first (``remotetars.local_tar``)."""
+    path = local_tar(path)
     fd = os.open(path, os.O_RDONLY)
     try:
         members = _ustar_members(fd)

@@ -28,6 +28,12 @@ def _prep(url: str, source: str, tiny_flux: Path, summary: Path) -> dict:
     return json.loads(summary.read_text())
 
 
+def _tar_objects(fs, root: str) -> dict[str, int]:
+    """The tars on the store below ``root`` (bucket/prefix): path relative to it -> bytes."""
+    return {info["name"][len(root) + 1:]: int(info["size"]) for info in fs.find(root, detail=True).values()
+            if info["name"].endswith(".tar")}
+
+
 def _files_below(folder: Path):
     return [p for p in Path(folder).rglob("*") if p.is_file()]
 
@@ -85,6 +91,11 @@ def test_prep_publishes_to_the_store_and_a_fresh_machine_reuses_every_unit(s3_bu
         assert again["stages"][stage]["reused"] == stages[stage]["in"], stage
     assert again["snapshot"]["name"] == name and not again["snapshot"]["new"]
     assert again["store"]["downloaded"] > 0 and again["store"]["uploaded"] == 0
+    # ... and downloads no tar: its units are reused with their tars on the store; curation's duplicate index,
+    # new on this machine, reads the json members of the caption shards alone
+    assert again["store"]["tars_downloaded"] == 0
+    assert not list(Path(again["store"]["work_dir"]).rglob("*.tar"))
+    assert again["store"]["ranges_read"] == stages["caption"]["out"]
 
     # No credential in anything written: every object on the store, both work folders, the commands' output,
     # the Prefect database (flow-run parameters, logs, artifacts)
@@ -230,4 +241,64 @@ def test_two_preps_started_together_on_one_store_output_take_turns(s3_bucket, ti
     assert len(fs.ls(f"{s3_bucket}/out/snapshots")) == 2  # one snapshot and LATEST
     name = fs.cat_file(f"{s3_bucket}/out/snapshots/LATEST").decode().strip()
     assert all(f"snapshot: {name}" in t for t in texts)
+    assert main(["verify", url]) == 0
+
+
+def _add_images(fs, bucket: str, source: str, count: int) -> None:
+    """``count`` new PNG images on the store, listed in the inputs' manifest."""
+    import io
+
+    import numpy as np
+    from PIL import Image
+
+    rows = fs.cat_file(source.removeprefix("s3://")).decode()
+    for n in range(count):
+        pixels = np.random.default_rng(n).integers(40, 200, (96, 128, 3), dtype=np.uint8)
+        buffer = io.BytesIO()
+        Image.fromarray(pixels).save(buffer, format="PNG")
+        fs.pipe_file(f"{bucket}/inputs/new_{n}.png", buffer.getvalue())
+        rows += json.dumps({"path": f"new_{n}.png", "caption": f"a new picture {n}"}) + "\n"
+    fs.pipe_file(source.removeprefix("s3://"), rows.encode())
+
+
+def _local_shards(output: Path) -> dict[str, list[tuple[str, str]]]:
+    return {stage: [(x["name"], x["sha256"]) for x in json.loads((output / "prep" / stage / "manifest.json").read_text())
+                    ["shards"]] for stage in STAGES}
+
+
+# make test covers the same path in parts: tests/test_remote_tars.py (a tar fetched when a reader opens it,
+# members read alone, push and reuse without tars, a worker process fetching) and
+# test_prep_publishes_to_the_store_and_a_fresh_machine_reuses_every_unit (a fresh machine's unchanged prep
+# downloads no tar)
+@pytest.mark.heavy
+def test_a_refresh_on_a_fresh_machine_downloads_no_tar_of_a_reused_unit(s3_bucket, tiny_flux, tmp_path, monkeypatch):
+    fs = store("s3")
+    source = upload_demo_inputs(fs, s3_bucket)
+    url, local = f"s3://{s3_bucket}/out", tmp_path / "local"
+    _prep(url, source, tiny_flux, tmp_path / "first.json")
+    _prep(str(local), source, tiny_flux, tmp_path / "local-first.json")
+    _add_images(fs, s3_bucket, source, 4)
+    before = {rel: n for rel, n in _tar_objects(fs, f"{s3_bucket}/out").items()}
+
+    local_refresh = _prep(str(local), source, tiny_flux, tmp_path / "local-refresh.json")
+    # a fresh machine, its runner's worker processes opening tars too
+    monkeypatch.setenv("LATENTMILL_WORK_DIR", str(tmp_path / "work-fresh"))
+    assert main(["prep", str(DEMO_CONFIG), f"output_dir={url}", f"model.pretrained={tiny_flux}",
+                 f"ingest.source={source}", "runner.kind=processes", "--summary-json",
+                 str(tmp_path / "refresh.json")]) == 0
+    refresh = json.loads((tmp_path / "refresh.json").read_text())
+    ingest = refresh["stages"]["ingest"]
+    assert (ingest["in"], ingest["processed"], ingest["reused"]) == (32, 4, 28)
+    work = Path(refresh["store"]["work_dir"])
+    downloaded = sorted(rel for rel in before if (work / rel).is_file())
+    print(f"refresh from a fresh work folder: store summary {refresh['store']}; tars downloaded {len(downloaded)} "
+          f"({sum(before[rel] for rel in downloaded)} bytes) of {len(before)} ({sum(before.values())} bytes)")
+    assert downloaded == [] and refresh["store"]["tars_downloaded"] == 0
+    # curation's duplicate index read the old caption shards' json members alone
+    assert refresh["store"]["ranges_read"] == refresh["stages"]["caption"]["out"] - refresh["stages"]["caption"]["processed"]
+    # the same bytes, units and snapshot as a local refresh of the same inputs
+    assert _shards(fs, f"{s3_bucket}/out") == _local_shards(local)
+    assert refresh["snapshot"]["name"] == local_refresh["snapshot"]["name"] and refresh["snapshot"]["new"]
+    for stage in STAGES:
+        assert refresh["stages"][stage]["processed"] == local_refresh["stages"][stage]["processed"], stage
     assert main(["verify", url]) == 0

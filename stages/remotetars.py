@@ -1,0 +1,175 @@
+"""Tars a work folder leaves on its object store until a stage reads them (docs/object-stores.md).
+
+A prep of an ``output_dir`` on a store runs in a local work folder that holds what the store holds but the
+shards' tars (``latentmill.pipelines.objectstore.pull`` with ``tars=False``). That pull writes the tars the
+store holds, with their sizes and the MD5s the store gives, to ``prep/.store-tars.json`` (local: a dot name is
+never published). Then, in any process that opens a tar of that folder (a process-pool worker as well):
+
+* a unit counts as committed when its record is there and each of its tars is in the folder or on that list
+  (:func:`held`): a reused unit costs no download;
+* a tar's size is its file's or the list's (:func:`tar_size`): planning estimates read no tar;
+* a reader that opens a tar the folder lacks gets it first (:func:`local_tar`): downloaded whole under a name
+  of its own ending in ``.pull.tmp``, checked against the list (size, MD5 where given) and renamed into place,
+  so a download killed midway is never read;
+* a reader that wants a few members of such a tar reads only those (:func:`read_ranges`: one ranged request
+  each), e.g. the json members curation's duplicate index enters.
+
+Every download is logged in ``prep/.store-fetched.jsonl`` (:func:`fetched`) for the prep's summary. A folder
+without the list (a local ``output_dir``) is untouched: every function here then looks at files only.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import threading
+from pathlib import Path
+from typing import Any
+
+from latentmill.core import durable
+
+LIST_FILE = ".store-tars.json"  # in the prep folder: {"url": output URL, "tars": {"<stage>/shards/x.tar": entry}}
+FETCH_LOG = ".store-fetched.jsonl"  # in the prep folder: one line per download
+PULLING = ".pull.tmp"  # suffix of a file being downloaded (objectstore.PULLING): renamed into place once checked
+
+_lists: dict[str, tuple[tuple[int, int], dict[str, Any]]] = {}  # list path -> (its (mtime_ns, size), content)
+_lock = threading.Lock()
+
+
+def write_list(prep_dir: Path, url: str, tars: dict[str, dict[str, Any]]) -> None:
+    """Record the tars the store of ``url`` holds (by path in the prep folder: ``{"size", "md5"}``)."""
+    prep_dir.mkdir(parents=True, exist_ok=True)
+    durable.write_json(prep_dir / LIST_FILE, {"url": url, "tars": tars}, indent=None)
+    (prep_dir / FETCH_LOG).unlink(missing_ok=True)
+
+
+def _place(tar: Path) -> tuple[Path, str]:
+    """The prep folder of a stage's tar (``<prep>/<stage>/shards/<name>.tar``) and the tar's path in it."""
+    return tar.parent.parent.parent, f"{tar.parent.parent.name}/{tar.parent.name}/{tar.name}"
+
+
+def _read_list(path: Path) -> dict[str, Any] | None:
+    try:
+        stat = os.stat(path)
+    except FileNotFoundError:
+        return None
+    sig = (stat.st_mtime_ns, stat.st_size)
+    with _lock:
+        cached = _lists.get(str(path))
+        if cached is not None and cached[0] == sig:
+            return cached[1]
+    data = json.loads(path.read_text())
+    with _lock:
+        _lists[str(path)] = (sig, data)
+    return data
+
+
+def on_store(tar: str | Path) -> tuple[str, str, dict[str, Any]] | None:
+    """``(output URL, path in the prep folder, {"size", "md5"})`` of a tar that the store holds, from the
+    folder's list; None where the folder has no list or the list does not name it."""
+    prep, rel = _place(Path(tar))
+    listing = _read_list(prep / LIST_FILE)
+    if listing is None or rel not in listing["tars"]:
+        return None
+    return listing["url"], rel, listing["tars"][rel]
+
+
+def held(tar: str | Path) -> bool:
+    """Whether the tar is in the folder or, for a work folder of a store, on the store."""
+    return os.path.isfile(tar) or on_store(tar) is not None
+
+
+def tar_size(tar: str | Path) -> int:
+    """The tar's bytes: its file's, else the store's object's (``FileNotFoundError`` when neither has it)."""
+    try:
+        return os.stat(tar).st_size
+    except FileNotFoundError:
+        found = on_store(tar)
+        if found is None:
+            raise
+        return int(found[2]["size"])
+
+
+def _object(url: str, rel: str) -> tuple[Any, str]:
+    from latentmill.core.store import join, store_fs
+
+    fs, root = store_fs(url)
+    return fs, join(root, "prep", rel)
+
+
+def _log(prep: Path, entry: dict[str, Any]) -> None:
+    with open(prep / FETCH_LOG, "a") as fh:  # one short line per write, appended: whole lines from any process
+        fh.write(json.dumps(entry) + "\n")
+
+
+def local_tar(tar: str | Path) -> Path:
+    """The tar as a local file: a tar the folder lacks and its store holds is downloaded whole first (under a
+    temporary name, checked against the store's size and MD5, then renamed into place). A tar neither has is
+    returned as it is: opening it raises ``FileNotFoundError`` as before."""
+    tar = Path(tar)
+    if tar.is_file():
+        return tar
+    found = on_store(tar)
+    if found is None:
+        return tar
+    url, rel, entry = found
+    fs, path = _object(url, rel)
+    tmp = tar.with_name(f"{tar.name}.{os.getpid()}-{threading.get_ident()}{PULLING}")  # one per reader
+    try:
+        fs.get_file(path, str(tmp))
+        size = tmp.stat().st_size
+        if size != int(entry["size"]):
+            raise OSError(f"{fs.unstrip_protocol(path)}: downloaded {size} bytes, the store listed {entry['size']}")
+        if entry.get("md5") and _md5(tmp) != entry["md5"]:
+            raise OSError(f"{fs.unstrip_protocol(path)}: the downloaded bytes' MD5 differs from the store's")
+        os.replace(tmp, tar)
+    finally:
+        tmp.unlink(missing_ok=True)
+    _log(tar.parent.parent.parent, {"tar": rel, "bytes": size})
+    return tar
+
+
+def read_ranges(tar: str | Path, ranges: list[tuple[int, int]]) -> list[bytes]:
+    """The bytes at ``(offset, size)`` of each range of the tar: read from its file, or, from a store that
+    holds a tar the folder lacks, one ranged request each (the tar is not downloaded)."""
+    tar = Path(tar)
+    found = None if tar.is_file() else on_store(tar)
+    if found is None:
+        fd = os.open(tar, os.O_RDONLY)
+        try:
+            return [os.pread(fd, size, offset) for offset, size in ranges]
+        finally:
+            os.close(fd)
+    url, rel, _ = found
+    fs, path = _object(url, rel)
+    data = fs.cat_ranges([path] * len(ranges), [o for o, _ in ranges], [o + s for o, s in ranges],
+                         on_error="raise") if ranges else []
+    _log(tar.parent.parent.parent, {"ranges": rel, "count": len(ranges), "bytes": sum(len(d) for d in data)})
+    return list(data)
+
+
+def fetched(prep_dir: Path) -> dict[str, int]:
+    """What readers downloaded since the list was written: ``{"tars", "tar_bytes", "ranges", "range_bytes"}``."""
+    counts = {"tars": 0, "tar_bytes": 0, "ranges": 0, "range_bytes": 0}
+    try:
+        lines = (prep_dir / FETCH_LOG).read_text().splitlines()
+    except FileNotFoundError:
+        return counts
+    for line in lines:
+        entry = json.loads(line)
+        if "tar" in entry:
+            counts["tars"] += 1
+            counts["tar_bytes"] += int(entry["bytes"])
+        else:
+            counts["ranges"] += int(entry["count"])
+            counts["range_bytes"] += int(entry["bytes"])
+    return counts
+
+
+def _md5(path: Path) -> str:
+    digest = hashlib.md5(usedforsecurity=False)
+    with open(path, "rb") as fh:
+        for block in iter(lambda: fh.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
