@@ -664,23 +664,25 @@ def pinned_on_store(url: str, snapshot: str, lease_s: float = LEASE_S) -> Iterat
 
 
 def gc_store(url: str, keep: int, dry_run: bool = False, on_busy: Literal["wait", "fail"] = "wait") -> dict[str, Any]:
-    """``latentmill gc`` of an output on a store: under the writer lease, pull it, run the local gc in the work
-    folder with the store's live pins (:func:`store_pins`, read once the lease is held: a pin made later
-    waits for this gc, see :func:`_after_pinning`), then delete from the store what that gc removed, in the
-    reverse of publishing order (snapshot manifests, then unit records, then their parts): a reader never
-    finds a kept snapshot or record without its parts. ``dry_run``: report only (nothing deleted, no lease).
-    The report's ``store.deleted`` counts objects."""
+    """``latentmill gc`` of an output on a store: under the writer lease, pull it but its tars (the work folder
+    lists them, ``stages.remotetars``), run the local gc in the work folder with the store's live pins
+    (:func:`store_pins`, read once the lease is held: a pin made later waits for this gc, see
+    :func:`_after_pinning`), then delete from the store what that gc removed (a tar: what it took off the
+    list), in the reverse of publishing order (snapshot manifests, then unit records, then their parts): a
+    reader never finds a kept snapshot or record without its parts. ``dry_run``: report only (nothing
+    deleted, no lease). The report's ``store.deleted`` counts objects."""
     from latentmill.pipelines.retention import gc
 
     if dry_run:
-        work = Path(pull(url)["work_dir"])
+        work = Path(pull(url, tars=False)["work_dir"])
         return {**gc(work, keep, dry_run=True, pins=store_pins(url)), "store": {"url": url, "deleted": 0}}
     with store_lease(url, "gc", on_busy=on_busy):
         pins = store_pins(url, drop_stale=True)
-        work = Path(pull(url)["work_dir"])
+        work = Path(pull(url, tars=False)["work_dir"])
         report = gc(work, keep, on_busy=on_busy, pins=pins)
         fs, root = store_fs(url)
-        gone = [rel for rel in _listing(fs, root) if shared(rel) and not (work / rel).is_file()]
+        gone = [rel for rel in _listing(fs, root) if shared(rel) and not (work / rel).is_file()
+                and not (rel.endswith(".tar") and remotetars.held(work / rel))]
         for step in (3, 1, 0, 2):  # LATEST (4) names a kept snapshot: gc never drops it
             names = [join(root, rel) for rel in gone if phase(rel) == step]
             if names:

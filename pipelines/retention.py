@@ -52,6 +52,7 @@ from pathlib import Path
 from typing import Any, Iterator, Literal
 
 from latentmill.pipelines.snapshot import LATEST, STAGES, latest_name, resolve_snapshot, snapshots_dir
+from latentmill.stages import remotetars
 from latentmill.stages.killpoint import KillPoint
 
 from latentmill.core import durable
@@ -346,13 +347,13 @@ def _strings(obj: Any) -> Iterator[str]:
 
 def _named_files(obj: Any, base: Path) -> set[Path]:
     """Every string in ``obj`` that names an existing file relative to ``base`` (paths of any key: shards,
-    indexes, embeddings), normalised."""
+    indexes, embeddings; a tar a store's work folder left on the store), normalised."""
     found = set()
     for text in _strings(obj):
         if "/" not in text and "." not in text:
             continue
         path = Path(os.path.normpath(base / text))
-        if path.is_file():
+        if path.is_file() or (path.suffix == ".tar" and remotetars.held(path)):
             found.add(path)
     return found
 
@@ -410,6 +411,8 @@ def _stage_files(root: Path, stage: str) -> list[Path]:
         files += [p for p in (root / "units").iterdir() if p.is_file() and p.name.endswith((".json", ".tmp"))]
     if (root / "shards").is_dir():
         files += [p for p in (root / "shards").iterdir() if p.is_file() and p.name.startswith(f"{stage}-")]
+        # a store's work folder: the tars left on the store (stages.remotetars) are this output's files too
+        files += [p for p in remotetars.listed(root / "shards") if p.name.startswith(f"{stage}-")]
     if root.is_dir():
         files += [p for p in root.iterdir() if p.is_file() and p.name.startswith(("empty_prompt-", "prompts-"))]
     return sorted(files)
@@ -485,7 +488,7 @@ def plan_gc(output_dir: str | Path, keep: int, pins: dict[str, list[dict[str, An
 
 def _size(path: Path) -> int:
     try:
-        return path.stat().st_size
+        return remotetars.tar_size(path) if path.suffix == ".tar" else path.stat().st_size
     except FileNotFoundError:
         return 0
 
@@ -558,6 +561,7 @@ def gc(output_dir: str | Path, keep: int, dry_run: bool = False,
             for path in plan.remove[stage]:
                 path.unlink(missing_ok=True)
                 removals.step()
+            remotetars.forget(plan.remove[stage])  # a store's work folder: those tars go on the store too
     return {**report, "dry_run": False}
 
 

@@ -14,6 +14,9 @@ never published). Then, in any process that opens a tar of that folder (a proces
 * a reader that wants a few members of such a tar reads only those (:func:`read_ranges`: one ranged request
   each), e.g. the json members curation's duplicate index enters.
 
+A gc there plans over the listed tars too (:func:`listed`) and takes those it drops off the list (:func:`forget`):
+what the list no longer names and the folder lacks is what the store deletes.
+
 Every download is logged in ``prep/.store-fetched.jsonl`` (:func:`fetched`) for the prep's summary. A folder
 without the list (a local ``output_dir``) is untouched: every function here then looks at files only.
 """
@@ -25,7 +28,7 @@ import json
 import os
 import threading
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterable
 
 from latentmill.core import durable
 
@@ -89,6 +92,28 @@ def tar_size(tar: str | Path) -> int:
         if found is None:
             raise
         return int(found[2]["size"])
+
+
+def listed(shard_dir: Path) -> list[Path]:
+    """The tars of a stage's ``shards`` folder that the store holds and the folder lacks (none without a list)."""
+    prep = shard_dir.parent.parent
+    listing = _read_list(prep / LIST_FILE)
+    prefix = f"{shard_dir.parent.name}/{shard_dir.name}/"
+    names = [rel[len(prefix):] for rel in (listing or {"tars": {}})["tars"] if rel.startswith(prefix)]
+    return [shard_dir / name for name in sorted(names) if "/" not in name and not (shard_dir / name).is_file()]
+
+
+def forget(tars: Iterable[Path]) -> None:
+    """Take these tars off their folder's list (a gc dropped them: the store's copies are deleted next)."""
+    by_prep: dict[Path, set[str]] = {}
+    for tar in tars:
+        prep, rel = _place(Path(tar))
+        by_prep.setdefault(prep, set()).add(rel)
+    for prep, rels in by_prep.items():
+        listing = _read_list(prep / LIST_FILE)
+        if listing is not None and rels & listing["tars"].keys():
+            durable.write_json(prep / LIST_FILE, {"url": listing["url"], "tars": {
+                rel: entry for rel, entry in listing["tars"].items() if rel not in rels}}, indent=None)
 
 
 def _object(url: str, rel: str) -> tuple[Any, str]:

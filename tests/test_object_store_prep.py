@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 from latentmill.pipelines import objectstore
+from latentmill.stages import remotetars
 
 from latentmill.cli import main
 from tests.conftest import S3_SECRET
@@ -209,7 +210,7 @@ def test_a_killed_prep_leaves_whole_units_another_machine_reuses_then_a_refresh_
     assert fs.cat_file(f"{s3_bucket}/out/snapshots/LATEST").decode().strip() == refreshed["snapshot"]["name"]
 
     # gc --keep 1 on the store: the older snapshot goes, the newest stays whole; the store holds exactly what
-    # the work folder's gc kept
+    # the work folder's gc kept: its files and the tars it left on the store
     newest = refreshed["snapshot"]["name"]
     assert main(["gc", url, "--keep", "1"]) == 0
     fs.invalidate_cache()
@@ -217,7 +218,8 @@ def test_a_killed_prep_leaves_whole_units_another_machine_reuses_then_a_refresh_
     assert main(["verify", url]) == 0
     work = Path(refreshed["store"]["work_dir"])
     on_store = {p.removeprefix(f"{s3_bucket}/out/") for p in fs.find(f"{s3_bucket}/out")}
-    assert {rel for rel in on_store if objectstore.shared(rel)} == set(objectstore.local_files(work))
+    left = {f"prep/{rel}" for rel in json.loads((work / "prep" / remotetars.LIST_FILE).read_text())["tars"]}
+    assert {rel for rel in on_store if objectstore.shared(rel)} == set(objectstore.local_files(work)) | left
 
 
 @pytest.mark.heavy

@@ -37,6 +37,7 @@ from latentmill.pipelines.snapshot import LATEST, latest_name
 from latentmill.stages.tarshard import read_shard
 
 from latentmill.core.hashing import sha256_file
+from latentmill.core.store import work_dir_for
 from latentmill.inspect import verify_path
 from tests.conftest import DEMO_CONFIG, DEMO_IMAGES, REPO_ROOT
 from tests.helpers import store
@@ -389,6 +390,7 @@ def test_pin_and_unpin_on_a_store_keep_a_snapshot_through_gc_there(output, store
     assert "deleted " in capsys.readouterr().out
     assert _store_snapshots(bucket, scheme) == [names[2]]
     assert _store_files(bucket, scheme) == expected  # what a local gc --keep 1 keeps
+    assert not list(work_dir_for(url).rglob("*.tar"))  # and gc downloaded no tar (stages.remotetars)
     assert cli(["verify", url]) == 0
     assert cli(["unpin", url, names[0]]) == 2  # not pinned: one error line
     assert cli(["pin", url, "0099-absent"]) == 2
