@@ -30,14 +30,18 @@ import threading
 from pathlib import Path
 from typing import Any, Iterable
 
+from latentmill.stages.killpoint import KillPoint
+
 from latentmill.core import durable
 
 LIST_FILE = ".store-tars.json"  # in the prep folder: {"url": output URL, "tars": {"<stage>/shards/x.tar": entry}}
 FETCH_LOG = ".store-fetched.jsonl"  # in the prep folder: one line per download
 PULLING = ".pull.tmp"  # suffix of a file being downloaded (objectstore.PULLING): renamed into place once checked
+PAUSE_ENV = "LATENTMILL_FETCH_PAUSE_AFTER"  # tests: pause after this many downloads, before the rename, for a kill
 
 _lists: dict[str, tuple[tuple[int, int], dict[str, Any]]] = {}  # list path -> (its (mtime_ns, size), content)
 _lock = threading.Lock()
+_pause = KillPoint(PAUSE_ENV, "fetch", "downloads")
 
 
 def write_list(prep_dir: Path, url: str, tars: dict[str, dict[str, Any]]) -> None:
@@ -143,6 +147,7 @@ def local_tar(tar: str | Path) -> Path:
     tmp = tar.with_name(f"{tar.name}.{os.getpid()}-{threading.get_ident()}{PULLING}")  # one per reader
     try:
         fs.get_file(path, str(tmp))
+        _pause.step()
         size = tmp.stat().st_size
         if size != int(entry["size"]):
             raise OSError(f"{fs.unstrip_protocol(path)}: downloaded {size} bytes, the store listed {entry['size']}")

@@ -143,3 +143,35 @@ def test_push_leaves_tars_on_the_store_alone_and_never_publishes_a_snapshot_whos
             objectstore.push(work, url)
     assert fs.cat_file(f"{root}/snapshots/LATEST") == b"0001-aaaa\n"
     assert not fs.exists(f"{root}/snapshots/0002-bbbb/manifest.json")
+
+
+_READ = "import sys\nfrom latentmill.stages.tarshard import read_shard\nprint(len(list(read_shard(sys.argv[1]))))\n"
+
+
+def test_a_reader_killed_while_it_fetches_a_tar_leaves_nothing_a_reader_uses(s3_bucket, tmp_path):
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    url, src, written = _units_on_store(s3_bucket, tmp_path)
+    work = tmp_path / "work"
+    objectstore.pull(url, work, tars=False)
+    tar = _tar(StageDir(work / "prep" / "caption", "caption"), "unit-a")
+    log = tmp_path / "reader.log"
+    repo = Path(__file__).resolve().parents[1]
+    reader = subprocess.Popen([sys.executable, "-c", _READ, str(tar)], stdout=open(log, "w"), stderr=subprocess.STDOUT,
+                              env={**os.environ, "PYTHONPATH": str(repo), remotetars.PAUSE_ENV: "1"})
+    deadline = time.monotonic() + 60
+    while "fetch: paused after 1 downloads" not in log.read_text():  # downloaded, not yet checked nor renamed
+        assert reader.poll() is None and time.monotonic() < deadline, log.read_text()
+        time.sleep(0.05)
+    reader.send_signal(signal.SIGKILL)
+    reader.wait(timeout=30)
+    (partial,) = tar.parent.glob(f"{tar.name}.{reader.pid}-*{remotetars.PULLING}")
+    assert not tar.exists() and remotetars.held(tar)
+    assert remotetars.fetched(work / "prep")["tars"] == 0
+    assert list(read_shard(tar)) == written["unit-a"]  # fetched again, whole
+    assert tar.read_bytes() == _tar(src, "unit-a").read_bytes() and partial.exists()
+    assert remotetars.fetched(work / "prep")["tars"] == 1
