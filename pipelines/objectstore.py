@@ -148,18 +148,21 @@ def local_files(work: Path) -> list[str]:
     return [rel for rel in _local_files(work) if shared(rel)]
 
 
-def pull(url: str, work: Path | None = None, tars: bool | Collection[str] = True) -> dict[str, Any]:
+def pull(url: str, work: Path | None = None, tars: bool | Collection[str] = True,
+         list_tars: bool = False) -> dict[str, Any]:
     """Download what the work folder of ``url`` lacks or holds differently (``tars=False``: everything but the
     shards' tars, for reading manifests, records and indexes; a collection of ``/`` paths: only those tars);
     ``{"work_dir", "downloaded", "bytes", "tar_sizes"}``, the last the bytes of every tar on the store by path.
     A downloaded file takes its object's time on the store as its mtime: gc keeps the units committed after the
-    newest snapshot by that order, which parallel downloads do not keep. A pull that leaves tars on the store
-    lists them in the work folder (``latentmill.stages.remotetars``): a stage that reads one downloads it then,
-    and a unit whose tars are all there or on the store is reused."""
+    newest snapshot by that order, which parallel downloads do not keep. ``list_tars``: list the store's tars in
+    the work folder (``latentmill.stages.remotetars``: a stage that reads one the folder lacks downloads it
+    then, a unit whose tars are there or on the store is reused, gc plans over them); a listing older than
+    the folder's list does not replace it."""
     fs, root = store_fs(url)
     work = work or work_dir_for(url)
     work.mkdir(parents=True, exist_ok=True)
     remote, local, stamps, size, tar_sizes, on_store = [], [], [], 0, {}, {}
+    listed_at = time.time()
     for rel, info in sorted(_listing(fs, root).items()):
         if not shared(rel):
             continue
@@ -183,8 +186,8 @@ def pull(url: str, work: Path | None = None, tars: bool | Collection[str] = True
             if stamp is not None:
                 os.utime(tmp, ns=(stamp, stamp))
             os.replace(tmp, tmp[: -len(PULLING)])
-    if tars is not True:
-        remotetars.write_list(work / "prep", url.rstrip("/"), on_store)
+    if list_tars:
+        remotetars.write_list(work / "prep", url.rstrip("/"), on_store, listed_at)
     return {"work_dir": str(work), "downloaded": len(remote), "bytes": size, "tar_sizes": tar_sizes}
 
 
@@ -674,11 +677,11 @@ def gc_store(url: str, keep: int, dry_run: bool = False, on_busy: Literal["wait"
     from latentmill.pipelines.retention import gc
 
     if dry_run:
-        work = Path(pull(url, tars=False)["work_dir"])
+        work = Path(pull(url, tars=False, list_tars=True)["work_dir"])
         return {**gc(work, keep, dry_run=True, pins=store_pins(url)), "store": {"url": url, "deleted": 0}}
     with store_lease(url, "gc", on_busy=on_busy):
         pins = store_pins(url, drop_stale=True)
-        work = Path(pull(url, tars=False)["work_dir"])
+        work = Path(pull(url, tars=False, list_tars=True)["work_dir"])
         report = gc(work, keep, on_busy=on_busy, pins=pins)
         fs, root = store_fs(url)
         gone = [rel for rel in _listing(fs, root) if shared(rel) and not (work / rel).is_file()

@@ -525,7 +525,7 @@ def run_prep_on_store(recipe: Recipe) -> dict[str, Any]:
     the prep read from the store); its snapshot path is the store's."""
     url = recipe.output_dir.rstrip("/")
     with objectstore.store_lease(url, "prep", on_busy=recipe.prep.on_busy) as lease:
-        pulled = objectstore.pull(url, tars=False)
+        pulled = objectstore.pull(url, tars=False, list_tars=True)
         work = Path(pulled["work_dir"])
         with objectstore.UnitPublisher(work, url):  # each committed unit, while the prep runs
             result = run_prep(recipe_from_dict({**recipe.to_dict(), "output_dir": str(work)}))

@@ -40,15 +40,23 @@ PULLING = ".pull.tmp"  # suffix of a file being downloaded (objectstore.PULLING)
 PAUSE_ENV = "LATENTMILL_FETCH_PAUSE_AFTER"  # tests: pause after this many downloads, before the rename, for a kill
 
 _lists: dict[str, tuple[tuple[int, int], dict[str, Any]]] = {}  # list path -> (its (mtime_ns, size), content)
-_lock = threading.Lock()
+_lock = threading.Lock()  # one writer of a list at a time in this process
 _pause = KillPoint(PAUSE_ENV, "fetch", "downloads")
 
 
-def write_list(prep_dir: Path, url: str, tars: dict[str, dict[str, Any]]) -> None:
-    """Record the tars the store of ``url`` holds (by path in the prep folder: ``{"size", "md5"}``)."""
+def write_list(prep_dir: Path, url: str, tars: dict[str, dict[str, Any]], listed_at: float) -> bool:
+    """Record the tars the store of ``url`` held when it was listed at ``listed_at`` (``time.time()``), by path in
+    the prep folder (``{"size", "md5"}``), unless the folder's list comes from a later listing (another pull of
+    this machine that started later and finished first): an older listing never replaces a newer one. Whether
+    it was written."""
     prep_dir.mkdir(parents=True, exist_ok=True)
-    durable.write_json(prep_dir / LIST_FILE, {"url": url, "tars": tars}, indent=None)
+    with _lock:
+        current = _read_list(prep_dir / LIST_FILE)
+        if current is not None and current.get("listed_at", 0) > listed_at:
+            return False
+        durable.write_json(prep_dir / LIST_FILE, {"url": url, "listed_at": listed_at, "tars": tars}, indent=None)
     (prep_dir / FETCH_LOG).unlink(missing_ok=True)
+    return True
 
 
 def _place(tar: Path) -> tuple[Path, str]:
@@ -62,13 +70,11 @@ def _read_list(path: Path) -> dict[str, Any] | None:
     except FileNotFoundError:
         return None
     sig = (stat.st_mtime_ns, stat.st_size)
-    with _lock:
-        cached = _lists.get(str(path))
-        if cached is not None and cached[0] == sig:
-            return cached[1]
+    cached = _lists.get(str(path))
+    if cached is not None and cached[0] == sig:
+        return cached[1]
     data = json.loads(path.read_text())
-    with _lock:
-        _lists[str(path)] = (sig, data)
+    _lists[str(path)] = (sig, data)
     return data
 
 
@@ -116,7 +122,7 @@ def forget(tars: Iterable[Path]) -> None:
     for prep, rels in by_prep.items():
         listing = _read_list(prep / LIST_FILE)
         if listing is not None and rels & listing["tars"].keys():
-            durable.write_json(prep / LIST_FILE, {"url": listing["url"], "tars": {
+            durable.write_json(prep / LIST_FILE, {**listing, "tars": {
                 rel: entry for rel, entry in listing["tars"].items() if rel not in rels}}, indent=None)
 
 

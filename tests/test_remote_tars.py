@@ -52,7 +52,7 @@ def _tar(stage: StageDir, unit: str) -> Path:
 def test_units_are_reused_without_their_tars_and_a_tar_is_fetched_when_a_reader_opens_it(s3_bucket, tmp_path):
     url, src, written = _units_on_store(s3_bucket, tmp_path)
     work = tmp_path / "work"
-    pulled = objectstore.pull(url, work, tars=False)
+    pulled = objectstore.pull(url, work, tars=False, list_tars=True)
     assert pulled["downloaded"] == 4  # the records and indexes
     stage = StageDir(work / "prep" / "caption", "caption")
     tar_a, tar_b = _tar(stage, "unit-a"), _tar(stage, "unit-b")
@@ -97,7 +97,7 @@ def test_units_are_reused_without_their_tars_and_a_tar_is_fetched_when_a_reader_
 def test_a_download_that_differs_from_the_store_listing_is_never_used(s3_bucket, tmp_path):
     url, _, _ = _units_on_store(s3_bucket, tmp_path)
     work = tmp_path / "work"
-    objectstore.pull(url, work, tars=False)
+    objectstore.pull(url, work, tars=False, list_tars=True)
     stage = StageDir(work / "prep" / "caption", "caption")
     tar = _tar(stage, "unit-a")
     listing = json.loads((work / "prep" / remotetars.LIST_FILE).read_text())
@@ -120,7 +120,7 @@ def test_push_leaves_tars_on_the_store_alone_and_never_publishes_a_snapshot_whos
     url, src, _ = _units_on_store(s3_bucket, tmp_path)
     fs, root = store("s3"), f"{s3_bucket}/out"
     work = tmp_path / "work"
-    objectstore.pull(url, work, tars=False)
+    objectstore.pull(url, work, tars=False, list_tars=True)
     before = {path: info["size"] for path, info in fs.find(root, detail=True).items()}
     assert objectstore.push(work, url) == {"uploaded": 0, "bytes": 0}  # absent here: neither changed nor gone
     assert {path: info["size"] for path, info in fs.find(root, detail=True).items()} == before
@@ -157,7 +157,7 @@ def test_a_reader_killed_while_it_fetches_a_tar_leaves_nothing_a_reader_uses(s3_
 
     url, src, written = _units_on_store(s3_bucket, tmp_path)
     work = tmp_path / "work"
-    objectstore.pull(url, work, tars=False)
+    objectstore.pull(url, work, tars=False, list_tars=True)
     tar = _tar(StageDir(work / "prep" / "caption", "caption"), "unit-a")
     log = tmp_path / "reader.log"
     repo = Path(__file__).resolve().parents[1]
@@ -175,3 +175,18 @@ def test_a_reader_killed_while_it_fetches_a_tar_leaves_nothing_a_reader_uses(s3_
     assert list(read_shard(tar)) == written["unit-a"]  # fetched again, whole
     assert tar.read_bytes() == _tar(src, "unit-a").read_bytes() and partial.exists()
     assert remotetars.fetched(work / "prep")["tars"] == 1
+
+
+def test_an_older_listing_never_replaces_a_newer_one(tmp_path):
+    """Two pulls of one work folder (a training's beside a gc's): the one that listed the store last wins, whichever
+    finishes last, so a tar uploaded between the two listings is never missing from the list."""
+    prep = tmp_path / "prep"
+    entry = {"size": 10, "md5": ""}
+    assert remotetars.write_list(prep, "s3://b/out", {"cache/shards/cache-a-0.tar": entry}, listed_at=2.0)
+    assert not remotetars.write_list(prep, "s3://b/out", {}, listed_at=1.0)
+    assert remotetars.held(prep / "cache" / "shards" / "cache-a-0.tar")
+    assert remotetars.listed(prep / "cache" / "shards") == [prep / "cache" / "shards" / "cache-a-0.tar"]
+    remotetars.forget([prep / "cache" / "shards" / "cache-a-0.tar"])  # a gc dropped it
+    assert not remotetars.held(prep / "cache" / "shards" / "cache-a-0.tar")
+    assert remotetars.write_list(prep, "s3://b/out", {"cache/shards/cache-b-0.tar": entry}, listed_at=3.0)
+    assert remotetars.tar_size(prep / "cache" / "shards" / "cache-b-0.tar") == 10
