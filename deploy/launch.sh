@@ -64,7 +64,8 @@ else
     endpoint=${RDZV_ENDPOINT:-${MASTER_ADDR:-localhost}:${MASTER_PORT:-29500}}
     args+=(--rdzv-backend=c10d --rdzv-endpoint="$endpoint" --rdzv-id="$RDZV_ID")
 fi
-# Under the output's training lock (the nodes of one rendezvous share it; any other training is refused),
+# Under the output's training lock (on an object store its training lease; the nodes of one rendezvous share it;
+# any other training is refused),
 # plan the run's folder (train/runs/<key>, the same on every node) and start torchrun with it appended; nothing
 # runs (exit 0) when this recipe already trained on this snapshot.
 rendezvous=""

@@ -9,30 +9,20 @@ from __future__ import annotations
 import dataclasses
 import json
 import sys
-from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
 from latentmill.pipelines.launch import train_recipe
-from latentmill.pipelines.objectstore import (
-    RunPublisher,
-    gc_store,
-    pinned_on_store,
-    pull,
-    pull_runs,
-    training_lease,
-)
+from latentmill.pipelines.objectstore import gc_store
 from latentmill.pipelines.prep import prep, release_prep_models, run_prep
 from latentmill.pipelines.report import TrainProgress
-from latentmill.pipelines.retention import training_lock
-from latentmill.pipelines.runs import RunPlan, finish_run, join_run, local_recipe, plan_run
-from latentmill.pipelines.snapshot import resolve_snapshot
+from latentmill.pipelines.runs import RunPlan, finish_run, local_recipe, training_run
 from prefect import flow, task
 from prefect.cache_policies import NONE
 
 from latentmill import interrupt
 from latentmill.core.config import ConfigError
-from latentmill.core.store import check_store, is_url
+from latentmill.core.store import is_url
 from latentmill.recipe import Recipe, load_recipe, recipe_from_dict
 
 
@@ -179,61 +169,15 @@ def check_gpus_per_node(nproc: int, gpus: int) -> None:
 
 def run_train(recipe: Recipe, launch: Launch = Launch()) -> dict[str, Any]:
     """Train on the recipe's snapshot, in this process or under torchrun, in the run folder
-    ``latentmill.pipelines.runs.plan_run`` chooses; a finished run of the same recipe and snapshot is not redone."""
+    ``latentmill.pipelines.runs.training_run`` plans; a finished run of the same recipe and snapshot is not redone."""
     check_launch(recipe, launch)
-    local = local_recipe(recipe)  # on a store: the work folder, where the run trains before it is published
-    on_store = local is not recipe
-    with ExitStack() as held:
-        lease = None
-        if on_store:
-            check_store(recipe.output_dir)
-            # before the runs are pulled and a run folder chosen: a second training changes nothing there; the
-            # nodes of one training on several nodes join the first node's lease
-            lease = held.enter_context(training_lease(recipe.output_dir, rendezvous=launch.rendezvous))
-            pull(recipe.output_dir, Path(local.output_dir), tars=False)  # manifests and indexes; shards stream
-            pull_runs(recipe.output_dir, Path(local.output_dir))  # the checkpoints a resume reads
-        else:  # the same for a local output; under torchrun this process holds it, not the ranks
-            held.enter_context(training_lock(recipe.output_dir, launch.rendezvous))
-        snapshot = resolve_snapshot(local.output_dir, recipe.snapshot)  # clear error if prep has not run
-        world = launch.nproc * launch.nnodes
-        joined = lease is not None and lease.joined
-        if joined:  # every node trains into the folder the lease holder chose (nodes start at different times)
-            chosen = lease.recorded("run")
-            plan = join_run(local, snapshot.name, world, chosen["run"])
-            if chosen.get("done"):
-                plan.done = {"already_trained": True, "run_dir": str(plan.folder)}
-        else:
-            plan = plan_run(local, snapshot.name, world)
-            if lease is not None and launch.nnodes > 1:
-                lease.record(run=plan.folder.name, done=plan.done is not None)
+    world = launch.nproc * launch.nnodes
+    with training_run(recipe, world, launch.rendezvous) as plan:
         if plan.done is not None:
-            print(f"train: already trained on snapshot {snapshot.name} with this recipe, in {plan.folder} "
-                  "(nothing to redo; change the recipe or the data to train again)")
             return plan.done
-        check_resume_batch(recipe, plan.folder, world)
-        if on_store:
-            # the run's checkpoints, metrics and export are published while it trains, and at its end (on several
-            # nodes: each node its ranks' checkpoint parts, the node of global rank 0 the rest); the snapshot it
-            # streams is pinned by this process, which lives as long as the run (a gc there keeps it)
-            held.enter_context(RunPublisher(Path(local.output_dir), recipe.output_dir,
-                                            lease=None if joined else lease,
-                                            run_dir=plan.folder if launch.nnodes > 1 else None))
-            held.enter_context(pinned_on_store(recipe.output_dir, snapshot.name))
         if world == 1:
             return train_task(recipe.to_dict(), str(plan.folder), plan.key)
         return torchrun_task(recipe.to_dict(), launch, str(plan.folder))
-
-
-def check_resume_batch(recipe: Recipe, run_folder: str | Path, world: int) -> None:
-    """Fail before torchrun starts when the checkpoint the run resumes trains a global batch that ``world``
-    processes cannot split evenly (the trainer checks it again on every rank)."""
-    from latentmill.trainer.checkpoint import read_trainer_state, resolve_resume
-    from latentmill.trainer.loader import resume_batch_size
-
-    path = resolve_resume(recipe.trainer.resume, Path(run_folder) / "checkpoints", announce=False)
-    if path is not None:
-        saved = read_trainer_state(path).get("loader", {})
-        resume_batch_size(saved, recipe.trainer.batch_size, world // recipe.parallel.cp_size, str(path))
 
 
 def run_prep_then_train(recipe: Recipe, launch: Launch = Launch()) -> dict[str, Any]:

@@ -51,6 +51,7 @@ from latentmill.stages.catalog import DETAIL_KEY
 from latentmill.stages.killpoint import KillPoint
 
 from latentmill.core.config import ConfigError
+from latentmill.core.hashing import md5_file
 from latentmill.core.store import join, store_fs, work_dir_for
 
 LOCAL_SUFFIXES = (".sqlite", ".sqlite-wal", ".sqlite-shm", ".sqlite-journal", ".tmp")  # catalog, digests
@@ -94,14 +95,6 @@ def phase(rel: str) -> int:
     return 2
 
 
-def _md5(path: Path) -> str:
-    digest = hashlib.md5(usedforsecurity=False)
-    with open(path, "rb") as fh:
-        for block in iter(lambda: fh.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
 def _stored_md5(info: dict[str, Any]) -> str:
     """The MD5 (hex) a store gives of an object, "" where it gives none: S3's ETag of a single-part upload,
     GCS's ``md5Hash``, Azure's Content-MD5 (set by a single-shot upload). GCS's and Azure's ETags are no MD5."""
@@ -123,7 +116,7 @@ def _same(local: Path, info: dict[str, Any], rel: str) -> bool:
     md5 = _stored_md5(info)
     if phase(rel) == 0 or not md5:
         return True
-    return _md5(local) == md5
+    return md5_file(local) == md5
 
 
 def _listing(fs: Any, root: str) -> dict[str, dict[str, Any]]:
@@ -792,7 +785,6 @@ def verify_store(url: str) -> int:
                 bad += 1
     print(f"verified {checked} shards on {url}: {checked - bad} ok, {bad} bad")
     return 1 if bad else 0
-
 
 
 # ---------------------------------------------------------------------------------------------------------

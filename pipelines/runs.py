@@ -33,9 +33,10 @@ import json
 import os
 import sys
 import time
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 from latentmill.core import durable
 from latentmill.core.config import to_dict
@@ -176,6 +177,78 @@ def join_run(recipe: Recipe, snapshot: str, world_size: int, name: str) -> RunPl
     return _start(recipe, runs_dir(recipe) / name, run_key(recipe, snapshot, world_size), snapshot)
 
 
+@contextmanager
+def training_run(recipe: Recipe, world: int, rendezvous: str | None = None) -> Iterator[RunPlan]:
+    """Plan a training of ``recipe`` on ``world`` processes and hold what it needs while the body trains: the
+    output's training lock, so a second training is refused in one line (``rendezvous``: a training on several
+    nodes, each running the same command; they join the first node's lock). ``plan.done`` set: the same recipe
+    already trained on the same snapshot, nothing to do.
+
+    An ``output_dir`` on an object store trains in the local work folder (:func:`local_recipe`), under the
+    store's training lease: the snapshot's manifests and indexes and the runs are pulled first (its shards
+    stream), a node joining a training on several nodes takes the run folder the lease holder recorded (nodes
+    start at different times), and while the body trains the run is published there (each node its ranks'
+    parts of the checkpoints, global rank 0's node the rest: ``objectstore.RunPublisher``) and its snapshot
+    pinned (a gc there keeps it). ``latentmill train`` and ``deploy/launch.sh``'s node step both pass here."""
+    from latentmill.pipelines.objectstore import (
+        RunPublisher,
+        pinned_on_store,
+        pull,
+        pull_runs,
+        training_lease,
+    )
+    from latentmill.pipelines.retention import training_lock
+    from latentmill.pipelines.snapshot import resolve_snapshot
+
+    from latentmill.core.store import check_store
+
+    local = local_recipe(recipe)
+    on_store = local is not recipe
+    with ExitStack() as held:
+        lease = None
+        if on_store:
+            check_store(recipe.output_dir)
+            # before the runs are pulled and a run folder chosen: a second training changes nothing there
+            lease = held.enter_context(training_lease(recipe.output_dir, rendezvous=rendezvous))
+            pull(recipe.output_dir, Path(local.output_dir), tars=False)  # manifests and indexes; shards stream
+            pull_runs(recipe.output_dir, Path(local.output_dir))  # the checkpoints a resume reads
+        else:  # under torchrun this process holds it, not the ranks
+            held.enter_context(training_lock(recipe.output_dir, rendezvous))
+        snapshot = resolve_snapshot(local.output_dir, recipe.snapshot).name  # clear error if prep has not run
+        if lease is not None and lease.joined:
+            chosen = lease.recorded("run")
+            plan = join_run(local, snapshot, world, chosen["run"])
+            if chosen.get("done"):
+                plan.done = {"already_trained": True, "run_dir": str(plan.folder)}
+        else:
+            plan = plan_run(local, snapshot, world)
+            if lease is not None and rendezvous is not None:
+                lease.record(run=plan.folder.name, done=plan.done is not None)
+        if plan.done is not None:
+            print(f"train: already trained on snapshot {snapshot} with this recipe, in {plan.folder} "
+                  "(nothing to redo; change the recipe or the data to train again)", flush=True)
+        else:
+            check_resume_batch(recipe, plan.folder, world)
+            if on_store:
+                held.enter_context(RunPublisher(Path(local.output_dir), recipe.output_dir,
+                                                lease=None if lease is None or lease.joined else lease,
+                                                run_dir=plan.folder if rendezvous is not None else None))
+                held.enter_context(pinned_on_store(recipe.output_dir, snapshot))
+        yield plan
+
+
+def check_resume_batch(recipe: Recipe, run_folder: str | Path, world: int) -> None:
+    """Fail before torchrun starts when the checkpoint the run resumes trains a global batch that ``world``
+    processes cannot split evenly (the trainer checks it again on every rank)."""
+    from latentmill.trainer.checkpoint import read_trainer_state, resolve_resume
+    from latentmill.trainer.loader import resume_batch_size
+
+    path = resolve_resume(recipe.trainer.resume, Path(run_folder) / "checkpoints", announce=False)
+    if path is not None:
+        saved = read_trainer_state(path).get("loader", {})
+        resume_batch_size(saved, recipe.trainer.batch_size, world // recipe.parallel.cp_size, str(path))
+
+
 def export_link(recipe: Recipe, mode: str) -> Path:
     """The stable path of the newest export of ``mode``: ``<output_dir>/export`` or ``export-lora`` (one expert of
     a two-expert pipeline: ``export-high``, ``export-lora-low``...)."""
@@ -203,32 +276,24 @@ def finish_run(recipe: Recipe, plan: RunPlan, summary: dict[str, Any]) -> dict[s
 
 def main(argv: list[str] | None = None) -> int:
     """``python -m latentmill.pipelines.runs RECIPE_JSON WORLD_SIZE RENDEZVOUS -- COMMAND...``: one node of a
-    launcher (``deploy/launch.sh``). Under the output's training lock (``RENDEZVOUS`` names a training on several
-    nodes, whose nodes join the lock of the first; empty on one node), plan the run, then run ``COMMAND`` (torchrun)
-    with the run's folder appended, and exit with its status. Nothing runs (exit 0) when the same recipe already
-    trained on the same snapshot. A stop (SIGINT, SIGTERM) goes to the ranks once, as ``latentmill train`` does."""
+    launcher (``deploy/launch.sh``). Under the output's training lock or, on an object store, its training lease
+    (``RENDEZVOUS`` names a training on several nodes, whose nodes join the first's; empty on one node), plan the
+    run (:func:`training_run`), then run ``COMMAND`` (torchrun) with the run's folder appended, and exit with its
+    status. Nothing runs (exit 0) when the same recipe already trained on the same snapshot. A stop (SIGINT,
+    SIGTERM) goes to the ranks once, as ``latentmill train`` does."""
     import socket
 
-    from latentmill.pipelines.retention import OutputBusyError, training_lock
-    from latentmill.pipelines.snapshot import resolve_snapshot
+    from latentmill.pipelines.retention import OutputBusyError
 
     from latentmill import interrupt
-    from latentmill.core.store import is_url
     from latentmill.recipe import recipe_from_dict
 
     args = argv if argv is not None else sys.argv[1:]
     (recipe_json, world_size, rendezvous), command = args[:3], args[args.index("--") + 1:]
     recipe = recipe_from_dict(json.loads(Path(recipe_json).read_text()))
-    if is_url(recipe.output_dir):
-        print(f"output_dir: {recipe.output_dir}: a launch on several nodes needs a local output_dir that every node "
-              "mounts; on an object store, run `latentmill train ... --nnodes N --rdzv-endpoint HOST:PORT` on each "
-              "node", file=sys.stderr)
-        return 2
     try:
-        with training_lock(recipe.output_dir, rendezvous or None):
-            plan = plan_run(recipe, resolve_snapshot(recipe.output_dir, recipe.snapshot).name, int(world_size))
+        with training_run(recipe, int(world_size), rendezvous or None) as plan:
             if plan.done is not None:
-                print(f"already trained on this snapshot with this recipe, in {plan.folder}", file=sys.stderr)
                 return 0
             print(f"[latentmill] {socket.gethostname()}: {' '.join(command)} in {plan.folder}", file=sys.stderr,
                   flush=True)

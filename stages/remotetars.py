@@ -23,7 +23,6 @@ without the list (a local ``output_dir``) is untouched: every function here then
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import threading
@@ -33,6 +32,7 @@ from typing import Any, Iterable
 from latentmill.stages.killpoint import KillPoint
 
 from latentmill.core import durable
+from latentmill.core.hashing import md5_file
 
 LIST_FILE = ".store-tars.json"  # in the prep folder: {"url": output URL, "tars": {"<stage>/shards/x.tar": entry}}
 FETCH_LOG = ".store-fetched.jsonl"  # in the prep folder: one line per download
@@ -157,7 +157,7 @@ def local_tar(tar: str | Path) -> Path:
         size = tmp.stat().st_size
         if size != int(entry["size"]):
             raise OSError(f"{fs.unstrip_protocol(path)}: downloaded {size} bytes, the store listed {entry['size']}")
-        if entry.get("md5") and _md5(tmp) != entry["md5"]:
+        if entry.get("md5") and md5_file(tmp) != entry["md5"]:
             raise OSError(f"{fs.unstrip_protocol(path)}: the downloaded bytes' MD5 differs from the store's")
         os.replace(tmp, tar)
     finally:
@@ -203,9 +203,3 @@ def fetched(prep_dir: Path) -> dict[str, int]:
     return counts
 
 
-def _md5(path: Path) -> str:
-    digest = hashlib.md5(usedforsecurity=False)
-    with open(path, "rb") as fh:
-        for block in iter(lambda: fh.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()

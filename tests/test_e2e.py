@@ -267,5 +267,5 @@ def test_the_cluster_launch_script_plans_finishes_and_does_not_redo_a_run(demo_r
     assert json.loads((run / "run.json").read_text())["finished"] is True
     assert summary["export_dir"] == str(out / "export") and (out / "export").resolve() == (run / "export").resolve()
     again = subprocess.run(command, cwd=repo, env=env, capture_output=True, text=True, timeout=600)
-    assert again.returncode == 0 and "already trained on this snapshot with this recipe" in again.stderr
+    assert again.returncode == 0 and "train: already trained on snapshot " in again.stdout
     assert "torchrun" not in again.stderr

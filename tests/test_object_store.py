@@ -478,3 +478,34 @@ def test_a_joining_node_takes_the_run_folder_the_lease_holder_chose(s3_bucket):
     assert result == {"already_trained": True, "run_dir": str(folder)}
     assert (folder.parent.parent / "LATEST").read_text() == "0123-chosen\n" and (folder / "run.json").is_file()
     assert [p.name for p in folder.parent.iterdir()] == ["0123-chosen"]
+
+
+def test_a_cluster_launch_trains_on_a_store_under_its_training_lease(s3_bucket, tmp_path, capsys):
+    """``deploy/launch.sh``'s node step (``python -m latentmill.pipelines.runs``) on an object store passes where
+    ``latentmill train`` does (``runs.training_run``): refused in one line while another training holds the
+    store's lease; else it plans the run in the work folder under the lease, runs torchrun's command with that
+    folder and publishes the run."""
+    from latentmill.pipelines.runs import main as launch_node
+
+    url = f"s3://{s3_bucket}/out"
+    fs = store("s3")
+    fs.pipe_file(f"{s3_bucket}/out/snapshots/LATEST", b"0001-s\n")
+    fs.pipe_file(f"{s3_bucket}/out/snapshots/0001-s/manifest.json", b"{}")
+    recipe_json = tmp_path / "recipe.json"
+    recipe_json.write_text(json.dumps(load_recipe(DEMO_CONFIG, [f"output_dir={url}", "parallel.strategy=ddp"]).to_dict()))
+    ran = tmp_path / "ran"
+    # torchrun's part: global rank 0 marks its node's run folder (pipelines.launch), so this node publishes the run
+    command = ["--", sys.executable, "-c", f"import sys; open({str(ran)!r}, 'w').write(sys.argv[1]); "
+               f"open(sys.argv[1] + '/{objectstore.RANK0_MARKER}', 'w')"]
+    with objectstore.training_lease(url, lease_s=30) as other:
+        assert launch_node([str(recipe_json), "2", "", *command]) == 2
+        assert capsys.readouterr().err.startswith(f"{url} is busy: a training is writing it (")
+        assert not ran.exists()
+    assert not fs.exists(other.path)
+    rendezvous = "127.0.0.1:29400/job-1"
+    assert launch_node([str(recipe_json), "4", rendezvous, *command]) == 0
+    run = Path(ran.read_text())
+    assert run.parent == work_dir_for(url) / "train" / "runs"
+    published = json.loads(fs.cat_file(f"{s3_bucket}/out/train/runs/{run.name}/run.json"))
+    assert published["snapshot"] == "0001-s" and fs.cat_file(f"{s3_bucket}/out/train/LATEST") == f"{run.name}\n".encode()
+    assert not fs.exists(other.path)  # the lease went with the launch

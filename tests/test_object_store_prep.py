@@ -189,19 +189,7 @@ def test_a_killed_prep_leaves_whole_units_another_machine_reuses_then_a_refresh_
     assert again["snapshot"]["name"] == clean["snapshot"]["name"]
 
     # A refresh through the store: two new inputs cost their own work, every old unit is reused
-    import io
-
-    import numpy as np
-    from PIL import Image
-
-    rows = fs.cat_file(source.removeprefix("s3://")).decode()
-    for n in range(2):
-        pixels = np.random.default_rng(n).integers(40, 200, (96, 128, 3), dtype=np.uint8)
-        buffer = io.BytesIO()
-        Image.fromarray(pixels).save(buffer, format="PNG")
-        fs.pipe_file(f"{s3_bucket}/inputs/new_{n}.png", buffer.getvalue())
-        rows += json.dumps({"path": f"new_{n}.png", "caption": f"a new picture {n}"}) + "\n"
-    fs.pipe_file(source.removeprefix("s3://"), rows.encode())
+    _add_images(fs, s3_bucket, source, 2)
     refreshed = _prep(url, source, tiny_flux, tmp_path / "refreshed.json")
     ingest, cache = refreshed["stages"]["ingest"], refreshed["stages"]["cache"]
     assert (ingest["in"], ingest["processed"], ingest["reused"]) == (30, 2, 28)

@@ -138,7 +138,7 @@ def test_a_global_batch_the_ranks_cannot_split_is_refused_before_any_work(runs):
 
 @pytest.mark.slow
 def test_the_command_line_refuses_it_before_torchrun_starts(runs):
-    from latentmill.pipelines.flows import check_resume_batch
+    from latentmill.pipelines.runs import check_resume_batch
 
     from latentmill.recipe import load_recipe
     from tests.conftest import DEMO_CONFIG

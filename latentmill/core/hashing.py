@@ -21,7 +21,15 @@ def sha256_bytes(data: bytes) -> str:
 
 def sha256_file(path: str | Path, chunk: int = 1 << 20) -> str:
     """Hex sha256 of a file, read in chunks."""
-    h = hashlib.sha256()
+    return _file_digest(hashlib.sha256(), path, chunk)
+
+
+def md5_file(path: str | Path, chunk: int = 1 << 20) -> str:
+    """Hex MD5 of a file, read in chunks: what object stores give as an object's checksum (not for security)."""
+    return _file_digest(hashlib.md5(usedforsecurity=False), path, chunk)
+
+
+def _file_digest(h: Any, path: str | Path, chunk: int) -> str:
     with open(path, "rb") as fh:
         while block := fh.read(chunk):
             h.update(block)
