@@ -327,6 +327,7 @@ def test_a_bad_node_count_is_refused_naming_the_key(capsys):
     assert len(err.splitlines()) == 1 and err.startswith("latentmill: error: parallel.nnodes: must be >= 1")
 
 
+@pytest.mark.heavy  # make test: the targets on the tiny FLUX.2 (test_flux2.py), plan's LoRA count on FLUX.1 dev (above)
 def test_flux2_klein_lora_reaches_the_single_blocks():
     from latentmill.trainer.flux2 import LORA_TARGETS
 

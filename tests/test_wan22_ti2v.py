@@ -234,7 +234,7 @@ def test_recipes_sample_as_ti2v():
     assert demo.bucket.step == 32 and demo.trainer.i2v_probability == 0.5
 
 
-@pytest.mark.slow
+@pytest.mark.heavy  # a family's plan on meta; make test plans FLUX.1 and Wan 2.1 at their published sizes (test_plan.py)
 def test_plan_counts_the_published_5b():
     from diffusers import WanTransformer3DModel as cls
 
