@@ -91,8 +91,8 @@ def main(argv: list[str] | None = None) -> int:
     recipe_json, summary_json, run_dir = args[:3]
     recipe = recipe_from_dict(json.loads(Path(recipe_json).read_text()))
     rank = int(os.environ.get("RANK", "0"))
-    if rank == 0 and is_url(recipe.output_dir):  # its node publishes the run's files (objectstore.RunPublisher)
-        from latentmill.pipelines.objectstore import RANK0_MARKER
+    if rank == 0 and is_url(recipe.output_dir):  # its node publishes the run's files (storeruns.RunPublisher)
+        from latentmill.pipelines.storeruns import RANK0_MARKER
 
         (Path(run_dir) / RANK0_MARKER).touch()
     try:

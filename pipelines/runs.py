@@ -62,7 +62,7 @@ class RunPlan:
 
 def local_recipe(recipe: Recipe) -> Recipe:
     """The recipe whose runs live here: an ``output_dir`` on an object store trains in its local work folder
-    (``latentmill.core.store.work_dir_for``), which ``latentmill.pipelines.objectstore.RunPublisher`` publishes."""
+    (``latentmill.core.store.work_dir_for``), which ``latentmill.pipelines.storeruns.RunPublisher`` publishes."""
     from latentmill.core.store import is_url, work_dir_for
 
     if not is_url(recipe.output_dir):
@@ -188,17 +188,12 @@ def training_run(recipe: Recipe, world: int, rendezvous: str | None = None) -> I
     store's training lease: the snapshot's manifests and indexes and the runs are pulled first (its shards
     stream), a node joining a training on several nodes takes the run folder the lease holder recorded (nodes
     start at different times), and while the body trains the run is published there (each node its ranks'
-    parts of the checkpoints, global rank 0's node the rest: ``objectstore.RunPublisher``) and its snapshot
+    parts of the checkpoints, global rank 0's node the rest: ``storeruns.RunPublisher``) and its snapshot
     pinned (a gc there keeps it). ``latentmill train`` and ``deploy/launch.sh``'s node step both pass here."""
-    from latentmill.pipelines.objectstore import (
-        RunPublisher,
-        pinned_on_store,
-        pull,
-        pull_runs,
-        training_lease,
-    )
+    from latentmill.pipelines.objectstore import pinned_on_store, pull, training_lease
     from latentmill.pipelines.retention import training_lock
     from latentmill.pipelines.snapshot import resolve_snapshot
+    from latentmill.pipelines.storeruns import RunPublisher, pull_runs
 
     from latentmill.core.store import check_store
 

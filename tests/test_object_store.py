@@ -16,7 +16,7 @@ from pathlib import Path
 
 import fsspec
 import pytest
-from latentmill.pipelines import objectstore
+from latentmill.pipelines import objectstore, storeruns
 from latentmill.pipelines.flows import Launch, run_train
 from latentmill.pipelines.retention import OutputBusyError
 
@@ -237,7 +237,7 @@ def test_a_training_run_is_published_checkpoint_parts_first_and_pruned_checkpoin
     sent: list[str] = []
     record = lambda request, **_: sent.append(request.url.split(f"/{s3_bucket}/out/", 1)[-1].split("?")[0])  # noqa: E731
     fs.s3.meta.events.register("before-send.s3.PutObject", record)
-    with objectstore.RunPublisher(work, url, every_s=3600) as publisher:
+    with storeruns.RunPublisher(work, url, every_s=3600) as publisher:
         assert publisher.publish() == 4 and publisher.publish() == 0
     prefix = "train/runs/r1/"
     assert sent == [prefix + "checkpoints/step-000002/model.safetensors",
@@ -249,7 +249,7 @@ def test_a_training_run_is_published_checkpoint_parts_first_and_pruned_checkpoin
         path.unlink()
     step2.rmdir()
     (run / "metrics.jsonl").write_text('{"step": 1}\n{"step": 2}\n')
-    with objectstore.RunPublisher(work, url, every_s=3600):  # knows what the store holds
+    with storeruns.RunPublisher(work, url, every_s=3600):  # knows what the store holds
         pass
     assert sorted(fs.find(f"{s3_bucket}/out")) == [f"{s3_bucket}/out/{rel}" for rel in (
         "train/LATEST", prefix + "checkpoints/step-000004/model.safetensors",
@@ -259,7 +259,7 @@ def test_a_training_run_is_published_checkpoint_parts_first_and_pruned_checkpoin
     fresh = tmp_path / "fresh"
     (fresh / "train").mkdir(parents=True)
     (fresh / "train" / "LATEST").write_text("mine\n")
-    assert objectstore.pull_runs(url, fresh)["downloaded"] == 3
+    assert storeruns.pull_runs(url, fresh)["downloaded"] == 3
     assert (fresh / prefix / "checkpoints" / "step-000004" / "model.safetensors").read_bytes() == b"being written"
     assert (fresh / "train" / "LATEST").read_text() == "mine\n"
 
@@ -346,7 +346,7 @@ def test_a_training_that_lost_its_lease_publishes_nothing_more(s3_bucket, tmp_pa
     fs = store("s3")
     with pytest.raises(objectstore.LostLease, match=f"the lease {objectstore.TRAIN_LOCK} of {url} was lost"):
         with objectstore.training_lease(url, lease_s=0.6) as lease:
-            with objectstore.RunPublisher(work, url, every_s=3600, lease=lease) as publisher:
+            with storeruns.RunPublisher(work, url, every_s=3600, lease=lease) as publisher:
                 assert publisher.publish() == 1
                 other = "PID 1 on elsewhere: training since 2026-12-02T00:00:00Z"  # took it over: a clock ahead
                 fs.pipe_file(lease.path, json.dumps({"holder": other, "expires": time.time() + 60}).encode())
@@ -398,10 +398,10 @@ def test_a_checkpoint_of_several_nodes_is_published_whole_and_run_files_only_by_
     (node1 / ckpt / "rng-rank1.safetensors").write_bytes(b"rng1")
     on_store = lambda: sorted(p.split("/out/", 1)[1] for p in fs.find(f"{s3_bucket}/out"))  # noqa: E731
 
-    first = objectstore.RunPublisher(node0, url, every_s=3600, run_dir=node0 / prefix, hold_s=30)
-    second = objectstore.RunPublisher(node1, url, every_s=3600, run_dir=node1 / prefix, hold_s=30)
+    first = storeruns.RunPublisher(node0, url, every_s=3600, run_dir=node0 / prefix, hold_s=30)
+    second = storeruns.RunPublisher(node1, url, every_s=3600, run_dir=node1 / prefix, hold_s=30)
     with first, second:
-        (node0 / prefix / objectstore.RANK0_MARKER).touch()  # global rank 0 trains on node 0 (pipelines.launch)
+        (node0 / prefix / storeruns.RANK0_MARKER).touch()  # global rank 0 trains on node 0 (pipelines.launch)
         assert first.main and not second.main
         first.publish()
         assert first.held == [f"{ckpt}/trainer_state.json"]  # rank 1's shard and RNG state are not there yet
@@ -428,7 +428,7 @@ def test_a_checkpoint_of_several_nodes_is_published_whole_and_run_files_only_by_
         first.hold_s = 0.2  # its last round waits that long for the parts of node 1 that never come
     assert first.held == [f"{prefix}/checkpoints/step-000004/trainer_state.json"]  # rng-rank1 never came
     assert not fs.exists(f"{s3_bucket}/out/{prefix}/checkpoints/step-000004/trainer_state.json")
-    assert objectstore.RANK0_MARKER not in " ".join(on_store())
+    assert storeruns.RANK0_MARKER not in " ".join(on_store())
 
 
 def test_the_nodes_of_one_rendezvous_join_its_training_lease_and_take_the_holders_run_folder(s3_bucket):
@@ -496,7 +496,7 @@ def test_a_cluster_launch_trains_on_a_store_under_its_training_lease(s3_bucket, 
     ran = tmp_path / "ran"
     # torchrun's part: global rank 0 marks its node's run folder (pipelines.launch), so this node publishes the run
     command = ["--", sys.executable, "-c", f"import sys; open({str(ran)!r}, 'w').write(sys.argv[1]); "
-               f"open(sys.argv[1] + '/{objectstore.RANK0_MARKER}', 'w')"]
+               f"open(sys.argv[1] + '/{storeruns.RANK0_MARKER}', 'w')"]
     with objectstore.training_lease(url, lease_s=30) as other:
         assert launch_node([str(recipe_json), "2", "", *command]) == 2
         assert capsys.readouterr().err.startswith(f"{url} is busy: a training is writing it (")

@@ -15,7 +15,8 @@ import time
 from pathlib import Path
 
 import pytest
-from latentmill.pipelines.objectstore import RANK0_MARKER, TRAIN_LOCK
+from latentmill.pipelines.objectstore import TRAIN_LOCK
+from latentmill.pipelines.storeruns import RANK0_MARKER
 
 from latentmill.cli import main
 from tests.helpers import free_port, store, upload_demo_inputs
