@@ -142,11 +142,25 @@ class EarlyAPI:
                                    f"{timeout:.0f} s (PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS)")
             time.sleep(0.1)
 
-    def settings(self):
-        """A context in which this process's Prefect clients use this server."""
+    @contextlib.contextmanager
+    def settings(self) -> Iterator[None]:
+        """A context in which this process's Prefect clients use this server, in every thread.
+
+        The settings are also the process-wide default while the context lasts: a thread started without a copy
+        of the caller's context (the message forwarder of Prefect's ``ProcessPoolTaskRunner``, ``runner.kind:
+        processes``) otherwise reads the settings of Prefect's import, without this URL, and starts a second
+        temporary server for the events it forwards from the worker processes.
+        """
+        import prefect.context
         from prefect.settings import PREFECT_API_URL, temporary_settings
 
-        return temporary_settings({PREFECT_API_URL: self.api_url})
+        with temporary_settings({PREFECT_API_URL: self.api_url}):
+            prior, prefect.context.GLOBAL_SETTINGS_CONTEXT = (prefect.context.GLOBAL_SETTINGS_CONTEXT,
+                                                              prefect.context.SettingsContext.get())
+            try:
+                yield
+            finally:
+                prefect.context.GLOBAL_SETTINGS_CONTEXT = prior
 
     def stop(self) -> None:
         if self.process.poll() is None:

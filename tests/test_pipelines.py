@@ -137,8 +137,26 @@ def _worker_number(_: int) -> tuple[int, str | None]:
     return os.getpid(), os.environ.get("LATENTMILL_WORKER_INDEX")
 
 
+def _api_servers_started_here() -> set[int]:
+    """The PIDs of the Prefect API servers this process started (its children running Prefect's server app)."""
+    import os
+    from pathlib import Path
+
+    found = set()
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            ppid = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+            if ppid == os.getpid() and b"prefect.server.api.server" in (stat.parent / "cmdline").read_bytes():
+                found.add(int(stat.parent.name))
+        except (OSError, IndexError, ValueError):
+            continue
+    return found
+
+
 def test_process_workers_are_numbered_once_each():
-    """The processes runner numbers its worker processes 0, 1, ... (one GPU each, stages.workers)."""
+    """The processes runner numbers its worker processes 0, 1, ... (one GPU each, stages.workers); it starts no
+    second temporary API server (Prefect's message forwarder thread did, where it read the settings of Prefect's
+    import, without the URL of the server this process uses)."""
     from latentmill.pipelines.prep import task_runner
 
     from latentmill.recipe import RunnerConfig
@@ -147,12 +165,14 @@ def test_process_workers_are_numbered_once_each():
     def numbered() -> list[tuple[int, str | None]]:
         return [future.result() for future in _worker_number.map(range(6))]
 
+    servers = _api_servers_started_here()
     by_pid = {}
     for pid, number in numbered():
         by_pid.setdefault(pid, set()).add(number)
     assert all(len(numbers) == 1 for numbers in by_pid.values())  # a worker keeps its number
     assert sorted(n for numbers in by_pid.values() for n in numbers) == [str(i) for i in range(len(by_pid))]
     assert len(by_pid) == 2
+    assert _api_servers_started_here() == servers
 
 
 @pytest.fixture(scope="module")
