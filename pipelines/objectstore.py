@@ -23,6 +23,7 @@ A prep on ``s3://bucket/x`` runs the local code unchanged in a work folder of th
 
 from __future__ import annotations
 
+import abc
 import base64
 import hashlib
 import json
@@ -43,6 +44,7 @@ from latentmill.pipelines.retention import (
     busy_message,
     holder_kind,
     holder_line,
+    holder_of,
     pin_record,
 )
 from latentmill.pipelines.snapshot import LATEST
@@ -258,7 +260,7 @@ def unit_parts(stage_root: Path, record: dict[str, Any], shard_names: list[str])
     return sorted(parts)
 
 
-class Publisher:
+class Publisher(abc.ABC):
     """Calls :meth:`publish` every ``every_s`` seconds in a thread while entered, and once more on exit; a round
     that fails (a store that failed a request, a file removed meanwhile) is retried by the next one."""
 
@@ -267,8 +269,9 @@ class Publisher:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
 
+    @abc.abstractmethod
     def publish(self) -> int:
-        raise NotImplementedError
+        """One round: upload what changed since the last one; how many it sent."""
 
     def _run(self) -> None:
         while not self._stop.wait(self.every_s):
@@ -567,7 +570,7 @@ def training_lease(url: str, lease_s: float = LEASE_S, rendezvous: str | None = 
     lease = StoreLease(url, holder, lease_s, key=TRAIN_LOCK)
     line = lease.try_acquire()
     if line is not None:
-        if rendezvous is None or line.split(": ", 1)[-1].rsplit(" since ", 1)[0] != holder:
+        if rendezvous is None or holder_of(line) != holder:
             raise OutputBusyError(busy_message(url, line, f"lease {join(url, TRAIN_LOCK)}", TRAIN_LOCK))
         print(f"{holder}: joining the training lease of {url} that this run's first node holds ({line})",
               flush=True)

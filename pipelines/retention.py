@@ -82,9 +82,14 @@ def holder_line(holder: str) -> str:
             f"{time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())}")
 
 
+def holder_of(line: str) -> str:
+    """``training of rendezvous EP/ID`` from ``PID 12 on host: training of rendezvous EP/ID since ...``."""
+    return line.split(": ", 1)[-1].rsplit(" since ", 1)[0]
+
+
 def holder_kind(line: str) -> str:
     """``prep`` from ``PID 12 on host: prep since ...`` (``writer`` when the line is not ours)."""
-    return line.split(": ", 1)[1].split(" ", 1)[0] if ": " in line else "writer"
+    return holder_of(line).split(" ", 1)[0] if ": " in line else "writer"
 
 
 def busy_message(output_dir: str | Path, line: str, lock: str, name: str = LOCK_FILE) -> str:
